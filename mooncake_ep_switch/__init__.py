@@ -1,0 +1,11 @@
+"""mooncake_ep_switch: fault-tolerant MoE expert-parallel communication runtime.
+
+Drop-in for Mooncake EP's / DeepEP low-latency `Buffer`, with shared-memory, Transfer Engine and
+PyTorch-collective transports, elastic membership, runtime TP<->EP switching and online EPLB.
+"""
+__version__ = "0.1.0"
+
+from mooncake_ep_switch.buffer.buffer import Buffer
+from mooncake_ep_switch.buffer.handle import DispatchHandle, EventOverlap
+
+__all__ = ["Buffer", "DispatchHandle", "EventOverlap", "__version__"]

@@ -1,0 +1,80 @@
+"""Every environment variable the runtime reads, read in this one place.
+
+Settings are an immutable NamedTuple; `settings()` reads the environment once per call so that
+tests and spawned ranks can set variables before they construct a Buffer.
+"""
+import os
+import socket
+from typing import NamedTuple, Optional
+
+
+class Settings(NamedTuple):
+    """Process-wide runtime settings.
+
+    Fields:
+        host_id: identity used to decide which peers share this host (shared memory reaches
+            them). Default: hostname + the machine id + the boot id, so two containers with the
+            same hostname are not mistaken for one host. Override: `MEP_HOST_ID`.
+        bind_host: address the Transfer Engine listens on. Default 127.0.0.1 (loopback only).
+            Override: `MEP_BIND_HOST`.
+        te_protocol: Transfer Engine protocol, "tcp" or "rdma". Default: "rdma" when an RDMA
+            device is present under /sys/class/infiniband, else "tcp". Override:
+            `MEP_TE_PROTOCOL`.
+        connect_timeout_s: deadline for connection set-up and metadata exchange.
+            Override: `MEP_CONNECT_TIMEOUT_S` (default 60).
+        fault_point: test-only fault injection point name (`MEP_FAULT_POINT`), or None.
+    """
+
+    host_id: str
+    bind_host: str
+    te_protocol: str
+    connect_timeout_s: float
+    fault_point: Optional[str]
+
+
+def _read_first_line(path: str) -> str:
+    try:
+        with open(path, "r", encoding="ascii", errors="replace") as handle:
+            return handle.readline().strip()
+    except OSError:
+        return ""
+
+
+def default_host_id() -> str:
+    """Identity of this host: hostname, machine id and boot id joined by '/'."""
+    machine = _read_first_line("/etc/machine-id") or _read_first_line("/var/lib/dbus/machine-id")
+    boot = _read_first_line("/proc/sys/kernel/random/boot_id")
+    return "/".join([socket.gethostname(), machine, boot])
+
+
+def _default_te_protocol() -> str:
+    try:
+        return "rdma" if os.listdir("/sys/class/infiniband") else "tcp"
+    except OSError:
+        return "tcp"
+
+
+def settings() -> Settings:
+    """Read the runtime settings from the environment.
+
+    Returns:
+        settings: a `Settings` tuple.
+    """
+    env = os.environ
+    protocol = env.get("MEP_TE_PROTOCOL", "") or _default_te_protocol()
+    if protocol not in ("tcp", "rdma"):
+        raise ValueError(f"MEP_TE_PROTOCOL: expected 'tcp' or 'rdma', got {protocol!r}")
+    timeout_text = env.get("MEP_CONNECT_TIMEOUT_S", "60")
+    try:
+        connect_timeout_s = float(timeout_text)
+    except ValueError:
+        raise ValueError(f"MEP_CONNECT_TIMEOUT_S: expected a number of seconds, got {timeout_text!r}") from None
+    if connect_timeout_s <= 0:
+        raise ValueError(f"MEP_CONNECT_TIMEOUT_S: expected > 0, got {connect_timeout_s}")
+    return Settings(
+        host_id=env.get("MEP_HOST_ID", "") or default_host_id(),
+        bind_host=env.get("MEP_BIND_HOST", "") or "127.0.0.1",
+        te_protocol=protocol,
+        connect_timeout_s=connect_timeout_s,
+        fault_point=env.get("MEP_FAULT_POINT") or None,
+    )

@@ -1,0 +1,1 @@
+"""Expert-parallel load balancing: placement, load recorder, dispatch maps, online rebalance."""

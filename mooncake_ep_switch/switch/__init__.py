@@ -1,0 +1,1 @@
+"""Runtime TP<->EP layout switching: unified weight memory, reshard, KV redistribution, policy."""

@@ -1,0 +1,47 @@
+"""Build and install mooncake_ep_switch.
+
+The native extension (csrc/) is plain C++17 + pybind11 with no torch linkage: it receives raw
+pointers and sizes from the Python layer and moves bytes. The PyTorch-collective transport lives
+in the top-level fallback/ folder and is installed as the subpackage mooncake_ep_switch.fallback.
+"""
+import glob
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+native = Pybind11Extension(
+    "mooncake_ep_switch._native",
+    sorted(glob.glob("csrc/*.cpp")),
+    include_dirs=["csrc"],
+    cxx_std=17,
+    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-strict-aliasing"],
+    libraries=["rt"],
+)
+
+setup(
+    name="mooncake_ep_switch",
+    version="0.1.0",
+    description="Fault-tolerant MoE expert-parallel dispatch/combine with runtime TP<->EP switching and EPLB",
+    python_requires=">=3.10",
+    packages=[
+        "mooncake_ep_switch",
+        "mooncake_ep_switch.buffer",
+        "mooncake_ep_switch.switch",
+        "mooncake_ep_switch.eplb",
+        "mooncake_ep_switch.fallback",
+    ],
+    package_dir={"mooncake_ep_switch.fallback": "fallback"},
+    ext_modules=[native],
+    cmdclass={"build_ext": build_ext},
+    # torch is pinned by the install script *before* this package is installed (an open range
+    # with no torch present would pull a multi-GB CUDA build); this range only checks it.
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis"],
+        "mooncake": ["mooncake-transfer-engine-non-cuda"],
+        "mooncake-cuda": ["mooncake-transfer-engine"],
+        "nccl": ["nvidia-nccl-cu12"],
+        "plot": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["mooncake-ep=mooncake_ep_switch.cli:main"]},
+)
