@@ -1,0 +1,505 @@
+// The one-sided dispatch/combine data plane of docs/protocol.md over memory mapped in this
+// process (shared-memory segments of local peers, or staging copies a transport ships later).
+//
+// Ordering contract: a sender writes every data row of one destination first and only then that
+// destination's signals with release stores; a receiver loads a signal with acquire and reads
+// only the rows counted by a signal whose tag equals the current call number. Stale signals of
+// earlier calls carry other tags and never match, so no cleaning pass is needed.
+#include <algorithm>
+#include <string>
+
+#include "mep_api.h"
+#include "mep_common.h"
+
+namespace mep {
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks shared by the four calls
+// ---------------------------------------------------------------------------------------------
+
+void check_peer_bases(const std::vector<uintptr_t>& bases, int64_t num_ranks) {
+    if (int64_t(bases.size()) != num_ranks) {
+        throw_value_error("peer_half_bases has " + std::to_string(bases.size()) + " entries, expected num_ranks = " +
+                          std::to_string(num_ranks));
+    }
+}
+
+// Every top-k entry must be -1 (skip) or a valid global expert.
+void check_topk(const int64_t* topk, int64_t n, int64_t num_experts) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (topk[i] < -1 || topk[i] >= num_experts) {
+            throw_value_error("topk entry " + std::to_string(i) + " = " + std::to_string(topk[i]) + " is outside [-1, " +
+                              std::to_string(num_experts) + ")");
+        }
+    }
+}
+
+// The caller's active_ranks tensor (int32 [R]): a local copy to decide with, written through
+// when a peer is found dead, and the list of ranks this call marked inactive.
+class ActiveMask {
+public:
+    ActiveMask(uintptr_t ptr, int64_t num_ranks) : mask_(reinterpret_cast<int32_t*>(ptr)), alive_(size_t(num_ranks)) {
+        for (int64_t r = 0; r < num_ranks; ++r) alive_[size_t(r)] = mask_[r] != 0;
+    }
+    bool alive(int64_t r) const { return alive_[size_t(r)] != 0; }
+    void fail(int64_t r) {
+        if (!alive(r)) return;
+        alive_[size_t(r)] = 0;
+        mask_[r] = 0;
+        newly_.push_back(int(r));
+    }
+    std::vector<int> newly_inactive() const {
+        std::vector<int> out = newly_;
+        std::sort(out.begin(), out.end());
+        return out;
+    }
+
+private:
+    int32_t* mask_;
+    std::vector<uint8_t> alive_;
+    std::vector<int> newly_;
+};
+
+// Destinations in protocol order rank+1, rank+2, ... (wrapping, so that ranks do not all write
+// to rank 0 first), keeping only active, reachable ones and, if dest >= 0, only dest.
+std::vector<int64_t> destination_order(int64_t num_ranks, int64_t rank, int64_t dest, const ActiveMask& active,
+                                       const std::vector<uintptr_t>& bases) {
+    std::vector<int64_t> order;
+    for (int64_t i = 1; i <= num_ranks; ++i) {
+        const int64_t d = (rank + i) % num_ranks;
+        if (dest >= 0 && d != dest) continue;
+        if (!active.alive(d) || bases[size_t(d)] == 0) continue;
+        order.push_back(d);
+    }
+    return order;
+}
+
+// Polls signal words [P][L] (peer p's signals are words p*L .. p*L+L-1) until every alive peer's
+// L signals carry `tag`, recording the counts. A peer that sends a count > T, or whose signals
+// are not all there by the deadline, is marked inactive and counts as having sent nothing.
+// This serves both dispatch_signals[s][l] and combine_signals[d*L + l].
+void wait_for_signals(const uint8_t* words, int64_t num_peers, int64_t L, uint32_t tag, int64_t max_tokens,
+                      Waiter& waiter, ActiveMask& active, std::vector<uint32_t>& counts) {
+    counts.assign(size_t(num_peers * L), 0);
+    std::vector<int64_t> next(size_t(num_peers), 0);  // signals of p confirmed so far (in order)
+    for (;;) {
+        bool complete = true;
+        for (int64_t p = 0; p < num_peers; ++p) {
+            int64_t& l = next[size_t(p)];
+            while (active.alive(p) && l < L) {
+                const uint64_t v = load_acquire(words + (p * L + l) * 8);
+                if (signal_tag(v) != tag) break;  // not yet written for this call (or stale)
+                const uint32_t c = signal_count(v);
+                if (int64_t(c) > max_tokens) {
+                    active.fail(p);  // protocol error: a corrupted or hostile peer
+                    break;
+                }
+                counts[size_t(p * L + l)] = c;
+                ++l;
+            }
+            if (active.alive(p) && l < L) complete = false;
+        }
+        if (complete) return;
+        if (waiter.expired()) {
+            for (int64_t p = 0; p < num_peers; ++p) {
+                if (active.alive(p) && next[size_t(p)] < L) active.fail(p);
+            }
+            return;
+        }
+        waiter.backoff();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch send
+// ---------------------------------------------------------------------------------------------
+
+// Per-expert token lists: tokens[offset[e] .. offset[e+1]) ascending, for experts owned by a
+// targeted destination; used[t] marks tokens that go anywhere. Reused across calls per thread.
+struct Routing {
+    std::vector<int64_t> offset;
+    std::vector<int32_t> tokens;
+    std::vector<uint8_t> used;
+};
+
+// True if topk row entry k repeats an earlier entry (a token is sent to an expert once).
+inline bool repeats_earlier(const int64_t* row, int64_t k) {
+    for (int64_t j = 0; j < k; ++j) {
+        if (row[j] == row[k]) return true;
+    }
+    return false;
+}
+
+void build_routing(const int64_t* topk, int64_t num_tokens, int64_t top_k, const Layout& lay,
+                   const std::vector<uint8_t>& targeted, Routing& rt) {
+    const int64_t E = lay.num_experts, L = lay.num_local_experts;
+    rt.offset.assign(size_t(E + 1), 0);
+    rt.used.assign(size_t(num_tokens), 0);
+    auto selects = [&](int64_t t, int64_t k) {
+        const int64_t* row = topk + t * top_k;
+        return row[k] >= 0 && targeted[size_t(row[k] / L)] && !repeats_earlier(row, k);
+    };
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        for (int64_t k = 0; k < top_k; ++k) {
+            if (selects(t, k)) ++rt.offset[size_t(topk[t * top_k + k] + 1)];
+        }
+    }
+    // Check capacity before anything is written (Python validates num_tokens <= T, so this only
+    // fires on a caller bug).
+    for (int64_t e = 0; e < E; ++e) {
+        if (rt.offset[size_t(e + 1)] > lay.max_tokens) {
+            throw_value_error("dispatch_send: expert " + std::to_string(e) + " would receive " +
+                              std::to_string(rt.offset[size_t(e + 1)]) +
+                              " tokens from this rank, more than num_max_dispatch_tokens_per_rank = " +
+                              std::to_string(lay.max_tokens));
+        }
+    }
+    for (int64_t e = 0; e < E; ++e) rt.offset[size_t(e + 1)] += rt.offset[size_t(e)];
+    rt.tokens.resize(size_t(rt.offset[size_t(E)]));
+    std::vector<int64_t> cursor(rt.offset.begin(), rt.offset.end() - 1);
+    for (int64_t t = 0; t < num_tokens; ++t) {  // ascending t keeps every list sorted
+        for (int64_t k = 0; k < top_k; ++k) {
+            if (!selects(t, k)) continue;
+            rt.tokens[size_t(cursor[size_t(topk[t * top_k + k])]++)] = int32_t(t);
+            rt.used[size_t(t)] = 1;
+        }
+    }
+}
+
+// Source rows for one dispatch: bf16 rows of x, or FP8 rows quantized once per token.
+struct SendRows {
+    const uint16_t* x = nullptr;   // bf16 [N, H]
+    const uint8_t* q = nullptr;    // fp8 [N, H]   (use_fp8)
+    const float* scales = nullptr; // f32 [N, G]   (use_fp8)
+};
+
+// Writes the rows, source indices and (FP8) scales of every local expert of destination d into
+// d's half, then (if asked) d's signals. Signals strictly after data: a reader that sees the tag
+// with acquire also sees every row it counts.
+void send_to_destination(uint8_t* half, const Layout& lay, int64_t rank, int64_t d, const Routing& rt,
+                         const SendRows& src, bool use_fp8, uint32_t tag, bool write_signals) {
+    const int64_t R = lay.num_ranks, T = lay.max_tokens, H = lay.hidden, L = lay.num_local_experts;
+    const int64_t G = lay.num_scale_groups;
+    uint8_t* data = half + lay.dispatch_data;
+    auto* scales = reinterpret_cast<float*>(half + lay.dispatch_scales);
+    auto* srcidx = reinterpret_cast<int32_t*>(half + lay.dispatch_src);
+    for (int64_t l = 0; l < L; ++l) {
+        const int64_t e = d * L + l;
+        const int64_t slot0 = (l * R + rank) * T;  // dispatch_*[l][rank][0]
+        const int64_t begin = rt.offset[size_t(e)], count = rt.offset[size_t(e + 1)] - begin;
+        for (int64_t i = 0; i < count; ++i) {
+            const int64_t t = rt.tokens[size_t(begin + i)];
+            const int64_t slot = slot0 + i;
+            if (use_fp8) {
+                std::memcpy(data + slot * lay.row_bytes, src.q + t * H, size_t(H));
+                std::memcpy(scales + slot * G, src.scales + t * G, size_t(G) * sizeof(float));
+            } else {
+                std::memcpy(data + slot * lay.row_bytes, src.x + t * H, size_t(lay.row_bytes));
+            }
+            srcidx[slot] = int32_t(t);
+        }
+    }
+    if (!write_signals) return;
+    for (int64_t l = 0; l < L; ++l) {
+        const int64_t e = d * L + l;
+        const auto count = uint32_t(rt.offset[size_t(e + 1)] - rt.offset[size_t(e)]);
+        store_release(half + lay.dispatch_signals + (rank * L + l) * 8, make_signal(tag, count));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch receive
+// ---------------------------------------------------------------------------------------------
+
+// Every token index a live source wrote must lie in [0, T); otherwise the source is failed.
+void validate_dispatch_sources(const uint8_t* half, const Layout& lay, const std::vector<uint32_t>& counts,
+                               ActiveMask& active) {
+    const int64_t R = lay.num_ranks, T = lay.max_tokens, L = lay.num_local_experts;
+    const auto* srcidx = reinterpret_cast<const int32_t*>(half + lay.dispatch_src);
+    for (int64_t s = 0; s < R; ++s) {
+        for (int64_t l = 0; l < L && active.alive(s); ++l) {
+            const int32_t* idx = srcidx + (l * R + s) * T;
+            const int64_t c = counts[size_t(s * L + l)];
+            for (int64_t i = 0; i < c; ++i) {
+                if (idx[i] < 0 || idx[i] >= T) {
+                    active.fail(s);
+                    break;
+                }
+            }
+        }
+    }
+}
+
+struct RecvOutputs {
+    uint8_t* x;             // [L, R*T, H] bf16 or fp8
+    float* scales;          // physical [L][G][R*T] (fp8 only)
+    int32_t* src_info;      // [L, R*T]
+    int64_t* layout_range;  // [L, R]
+    int32_t* recv_count;    // [L]
+};
+
+// Packs the counted rows of every live source (ascending) behind each other per local expert.
+void pack_dispatch(const uint8_t* half, const Layout& lay, const std::vector<uint32_t>& counts,
+                   const ActiveMask& active, bool use_fp8, const RecvOutputs& out) {
+    const int64_t R = lay.num_ranks, T = lay.max_tokens, H = lay.hidden, L = lay.num_local_experts;
+    const int64_t G = lay.num_scale_groups, RT = R * T;
+    const uint8_t* data = half + lay.dispatch_data;
+    const auto* scales = reinterpret_cast<const float*>(half + lay.dispatch_scales);
+    const auto* srcidx = reinterpret_cast<const int32_t*>(half + lay.dispatch_src);
+    for (int64_t l = 0; l < L; ++l) {
+        int64_t begin = 0;
+        for (int64_t s = 0; s < R; ++s) {
+            int64_t& range = out.layout_range[l * R + s];
+            if (!active.alive(s)) {
+                range = 0;
+                continue;
+            }
+            const int64_t c = counts[size_t(s * L + l)];
+            const int64_t slot0 = (l * R + s) * T;
+            const int64_t row0 = l * RT + begin;  // first packed row of this block
+            if (use_fp8) {
+                // FP8 rows sit in the first H bytes of 2H-byte slots: one copy per row.
+                for (int64_t i = 0; i < c; ++i) {
+                    std::memcpy(out.x + (row0 + i) * H, data + (slot0 + i) * lay.row_bytes, size_t(H));
+                }
+                // Transpose scales to token-contiguous [L][G][R*T].
+                for (int64_t g = 0; g < G; ++g) {
+                    float* dst = out.scales + (l * G + g) * RT + begin;
+                    for (int64_t i = 0; i < c; ++i) dst[i] = scales[(slot0 + i) * G + g];
+                }
+            } else {
+                // bf16 slots are dense rows: the whole (l, s) block is one copy.
+                std::memcpy(out.x + row0 * lay.row_bytes, data + slot0 * lay.row_bytes, size_t(c * lay.row_bytes));
+            }
+            std::memcpy(out.src_info + row0, srcidx + slot0, size_t(c) * sizeof(int32_t));
+            range = (begin << 32) | c;
+            begin += c;
+        }
+        out.recv_count[l] = int32_t(begin);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine send
+// ---------------------------------------------------------------------------------------------
+
+// (begin, count) of layout_range[l][s] with bounds checks (values come from dispatch_recv but
+// the caller may hand in anything).
+void decode_range(const int64_t* layout_range, const int32_t* src_info, const Layout& lay, int64_t l, int64_t s,
+                  int64_t& begin, int64_t& count) {
+    const int64_t R = lay.num_ranks, T = lay.max_tokens, RT = R * T;
+    const auto v = uint64_t(layout_range[l * R + s]);
+    begin = int64_t(v >> 32);
+    count = int64_t(v & 0xffffffffu);
+    if (count > T || begin + count > RT) {
+        throw_value_error("layout_range[" + std::to_string(l) + "][" + std::to_string(s) + "] = (begin " +
+                          std::to_string(begin) + ", count " + std::to_string(count) + ") exceeds R*T = " +
+                          std::to_string(RT));
+    }
+    for (int64_t i = 0; i < count; ++i) {
+        const int32_t t = src_info[l * RT + begin + i];
+        if (t < 0 || t >= T) {
+            throw_value_error("src_info[" + std::to_string(l) + "][" + std::to_string(begin + i) + "] = " +
+                              std::to_string(t) + " is outside [0, " + std::to_string(T) + ")");
+        }
+    }
+}
+
+// Returns each expert output row to its token's slot in rank s's combine_data, then signals.
+void combine_to_destination(uint8_t* half, const Layout& lay, int64_t rank, int64_t s, const uint16_t* x,
+                            const int32_t* src_info, const int64_t* layout_range, uint32_t tag, bool write_signals) {
+    const int64_t R = lay.num_ranks, T = lay.max_tokens, H = lay.hidden, L = lay.num_local_experts, RT = R * T;
+    std::vector<uint32_t> counts(static_cast<size_t>(L));
+    for (int64_t l = 0; l < L; ++l) {
+        int64_t begin, count;
+        decode_range(layout_range, src_info, lay, l, s, begin, count);
+        counts[size_t(l)] = uint32_t(count);
+        const int64_t e = rank * L + l;
+        uint8_t* rows = half + lay.combine_data + e * T * lay.row_bytes;  // combine_data[e][0]
+        for (int64_t i = 0; i < count; ++i) {
+            const int64_t t = src_info[l * RT + begin + i];
+            std::memcpy(rows + t * lay.row_bytes, x + (l * RT + begin + i) * H, size_t(lay.row_bytes));
+        }
+    }
+    if (!write_signals) return;
+    // All rows for s are written; now publish them (release).
+    for (int64_t l = 0; l < L; ++l) {
+        store_release(half + lay.combine_signals + (rank * L + l) * 8, make_signal(tag, counts[size_t(l)]));
+    }
+}
+
+// Shape arguments common to all four calls.
+void check_call(const Layout& lay, int64_t rank, uintptr_t active_ptr) {
+    check_range(rank, 0, lay.num_ranks, "rank");
+    check_nonnull(active_ptr, "active_ptr");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Exposed calls
+// ---------------------------------------------------------------------------------------------
+
+void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
+                   int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t max_tokens, uintptr_t active_ptr,
+                   const std::vector<uintptr_t>& peer_half_bases, int64_t tag, bool use_fp8, int64_t dest,
+                   bool write_signals) {
+    const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
+    check_call(lay, rank, active_ptr);
+    const uint32_t tag32 = check_tag(tag);
+    check_range(dest, -1, num_ranks, "dest");
+    // Token indices travel as int32 and index combine_data[e][0:T]: at most T tokens per call.
+    if (num_tokens < 0 || num_tokens > max_tokens) {
+        throw_value_error("num_tokens = " + std::to_string(num_tokens) +
+                          " must be in [0, num_max_dispatch_tokens_per_rank = " + std::to_string(max_tokens) + "]");
+    }
+    check_range(top_k, 0, int64_t(1) << 31, "top_k");
+    check_peer_bases(peer_half_bases, num_ranks);
+    if (num_tokens > 0) {
+        check_nonnull(x_ptr, "x_ptr");
+        if (top_k > 0) check_nonnull(topk_ptr, "topk_ptr");
+    }
+    const auto* topk = reinterpret_cast<const int64_t*>(topk_ptr);
+    if (num_tokens > 0 && top_k > 0) check_topk(topk, num_tokens * top_k, num_experts);
+
+    const ActiveMask active(active_ptr, num_ranks);
+    const std::vector<int64_t> dests = destination_order(num_ranks, rank, dest, active, peer_half_bases);
+    std::vector<uint8_t> targeted(size_t(num_ranks), 0);
+    for (int64_t d : dests) targeted[size_t(d)] = 1;
+
+    thread_local Routing rt;
+    build_routing(topk, num_tokens, top_k, lay, targeted, rt);
+
+    SendRows rows;
+    rows.x = reinterpret_cast<const uint16_t*>(x_ptr);
+    if (use_fp8) {
+        // Quantize every routed token once; each destination then copies the same bytes.
+        thread_local std::vector<uint8_t> q;
+        thread_local std::vector<float> scales;
+        const int64_t H = hidden, G = lay.num_scale_groups;
+        q.resize(size_t(num_tokens * H));
+        scales.resize(size_t(num_tokens * G));
+        for (int64_t t = 0; t < num_tokens; ++t) {
+            if (rt.used[size_t(t)]) quantize_row_fp8(rows.x + t * H, H, q.data() + t * H, scales.data() + t * G);
+        }
+        rows.q = q.data();
+        rows.scales = scales.data();
+    }
+    for (int64_t d : dests) {
+        send_to_destination(reinterpret_cast<uint8_t*>(peer_half_bases[size_t(d)]), lay, rank, d, rt, rows, use_fp8,
+                            tag32, write_signals);
+    }
+}
+
+std::vector<int> dispatch_recv(uintptr_t local_half_base, int64_t num_ranks, int64_t rank, int64_t max_tokens,
+                               int64_t hidden, int64_t num_experts, int64_t tag, uintptr_t active_ptr,
+                               int64_t timeout_us, bool use_fp8, uintptr_t recv_x_ptr, uintptr_t recv_scales_ptr,
+                               uintptr_t src_info_ptr, uintptr_t layout_range_ptr, uintptr_t recv_count_ptr) {
+    Waiter waiter(timeout_us);  // the deadline covers the whole call
+    const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
+    check_call(lay, rank, active_ptr);
+    const uint32_t tag32 = check_tag(tag);
+    check_nonnull(local_half_base, "local_half_base");
+    check_nonnull(recv_x_ptr, "recv_x_ptr");
+    if (use_fp8) check_nonnull(recv_scales_ptr, "recv_scales_ptr");
+    check_nonnull(src_info_ptr, "src_info_ptr");
+    check_nonnull(layout_range_ptr, "layout_range_ptr");
+    check_nonnull(recv_count_ptr, "recv_count_ptr");
+
+    const auto* half = reinterpret_cast<const uint8_t*>(local_half_base);
+    ActiveMask active(active_ptr, num_ranks);
+    std::vector<uint32_t> counts;
+    wait_for_signals(half + lay.dispatch_signals, num_ranks, lay.num_local_experts, tag32, max_tokens, waiter, active,
+                     counts);
+    validate_dispatch_sources(half, lay, counts, active);
+
+    RecvOutputs out{reinterpret_cast<uint8_t*>(recv_x_ptr), reinterpret_cast<float*>(recv_scales_ptr),
+                    reinterpret_cast<int32_t*>(src_info_ptr), reinterpret_cast<int64_t*>(layout_range_ptr),
+                    reinterpret_cast<int32_t*>(recv_count_ptr)};
+    pack_dispatch(half, lay, counts, active, use_fp8, out);
+    return active.newly_inactive();
+}
+
+void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t num_ranks, int64_t rank,
+                  int64_t max_tokens, uintptr_t src_info_ptr, uintptr_t layout_range_ptr, uintptr_t active_ptr,
+                  const std::vector<uintptr_t>& peer_half_bases, int64_t tag, int64_t dest, bool write_signals) {
+    const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
+    check_call(lay, rank, active_ptr);
+    const uint32_t tag32 = check_tag(tag);
+    check_range(dest, -1, num_ranks, "dest");
+    check_peer_bases(peer_half_bases, num_ranks);
+    check_nonnull(x_ptr, "x_ptr");
+    check_nonnull(src_info_ptr, "src_info_ptr");
+    check_nonnull(layout_range_ptr, "layout_range_ptr");
+
+    const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+    const auto* src_info = reinterpret_cast<const int32_t*>(src_info_ptr);
+    const auto* layout_range = reinterpret_cast<const int64_t*>(layout_range_ptr);
+    const ActiveMask active(active_ptr, num_ranks);
+    const std::vector<int64_t> dests = destination_order(num_ranks, rank, dest, active, peer_half_bases);
+
+    // Validate every range and token index before the first byte goes out.
+    for (int64_t s : dests) {
+        for (int64_t l = 0; l < lay.num_local_experts; ++l) {
+            int64_t begin, count;
+            decode_range(layout_range, src_info, lay, l, s, begin, count);
+        }
+    }
+    for (int64_t s : dests) {
+        combine_to_destination(reinterpret_cast<uint8_t*>(peer_half_bases[size_t(s)]), lay, rank, s, x, src_info,
+                               layout_range, tag32, write_signals);
+    }
+}
+
+std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int64_t rank, int64_t max_tokens,
+                              int64_t hidden, int64_t num_experts, int64_t tag, uintptr_t active_ptr,
+                              int64_t timeout_us, uintptr_t topk_ptr, uintptr_t weights_ptr, int64_t num_tokens,
+                              int64_t top_k, uintptr_t out_ptr) {
+    Waiter waiter(timeout_us);
+    const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
+    check_call(lay, rank, active_ptr);
+    const uint32_t tag32 = check_tag(tag);
+    check_nonnull(local_half_base, "local_half_base");
+    check_range(num_tokens, 0, max_tokens + 1, "num_tokens");
+    check_range(top_k, 0, int64_t(1) << 31, "top_k");
+    const auto* topk = reinterpret_cast<const int64_t*>(topk_ptr);
+    const auto* weights = reinterpret_cast<const float*>(weights_ptr);
+    if (num_tokens > 0) {
+        check_nonnull(out_ptr, "out_ptr");
+        if (top_k > 0) {
+            check_nonnull(topk_ptr, "topk_ptr");
+            check_nonnull(weights_ptr, "weights_ptr");
+            check_topk(topk, num_tokens * top_k, num_experts);
+        }
+    }
+
+    // Wait for the signal of every expert of every live owner, selected or not: this is what
+    // makes reusing the half two calls later safe without a barrier (protocol.md).
+    const auto* half = reinterpret_cast<const uint8_t*>(local_half_base);
+    const int64_t L = lay.num_local_experts, T = max_tokens, H = hidden;
+    ActiveMask active(active_ptr, num_ranks);
+    std::vector<uint32_t> counts;
+    wait_for_signals(half + lay.combine_signals, num_ranks, L, tag32, max_tokens, waiter, active, counts);
+
+    // Reduce in top-k order, skipping -1 and experts whose owner is inactive.
+    auto* out = reinterpret_cast<uint16_t*>(out_ptr);
+    const uint8_t* rows_base = half + lay.combine_data;
+    std::vector<const uint16_t*> rows(size_t(std::max<int64_t>(top_k, 1)));
+    std::vector<float> w(rows.size());
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        int64_t n = 0;
+        for (int64_t k = 0; k < top_k; ++k) {
+            const int64_t e = topk[t * top_k + k];
+            if (e < 0 || !active.alive(e / L)) continue;
+            rows[size_t(n)] = reinterpret_cast<const uint16_t*>(rows_base + (e * T + t) * lay.row_bytes);
+            w[size_t(n)] = weights[t * top_k + k];
+            ++n;
+        }
+        weighted_sum_row(out + t * H, H, rows.data(), w.data(), n);
+    }
+    return active.newly_inactive();
+}
+
+}  // namespace mep

@@ -1,0 +1,52 @@
+// The functions module.cpp exposes as mooncake_ep_switch._native. Pointers arrive as integers
+// (uintptr_t) from torch's data_ptr(); sizes and strides are in elements unless named *_bytes or
+// *_stride (bytes). See docs/protocol.md for the region layout and the ordering rules.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mep {
+
+// ---- shared memory (shm.cpp) ----
+std::pair<std::string, uintptr_t> shm_create(int64_t nbytes);
+uintptr_t shm_open_peer(const std::string& name, int64_t nbytes);
+void shm_unlink(const std::string& name);
+void shm_unmap(uintptr_t base, int64_t nbytes);
+bool shm_name_is_valid(const std::string& name);
+
+// ---- one-sided data plane (dataplane.cpp) ----
+void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
+                   int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t max_tokens, uintptr_t active_ptr,
+                   const std::vector<uintptr_t>& peer_half_bases, int64_t tag, bool use_fp8, int64_t dest,
+                   bool write_signals);
+
+std::vector<int> dispatch_recv(uintptr_t local_half_base, int64_t num_ranks, int64_t rank, int64_t max_tokens,
+                               int64_t hidden, int64_t num_experts, int64_t tag, uintptr_t active_ptr,
+                               int64_t timeout_us, bool use_fp8, uintptr_t recv_x_ptr, uintptr_t recv_scales_ptr,
+                               uintptr_t src_info_ptr, uintptr_t layout_range_ptr, uintptr_t recv_count_ptr);
+
+void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t num_ranks, int64_t rank,
+                  int64_t max_tokens, uintptr_t src_info_ptr, uintptr_t layout_range_ptr, uintptr_t active_ptr,
+                  const std::vector<uintptr_t>& peer_half_bases, int64_t tag, int64_t dest, bool write_signals);
+
+std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int64_t rank, int64_t max_tokens,
+                              int64_t hidden, int64_t num_experts, int64_t tag, uintptr_t active_ptr,
+                              int64_t timeout_us, uintptr_t topk_ptr, uintptr_t weights_ptr, int64_t num_tokens,
+                              int64_t top_k, uintptr_t out_ptr);
+
+// ---- packing kernels (kernels.cpp) ----
+void gather_rows(uintptr_t dst_ptr, int64_t dst_stride, uintptr_t src_ptr, int64_t src_stride, int64_t row_bytes,
+                 uintptr_t index_ptr, int64_t n);
+void scatter_rows(uintptr_t dst_ptr, int64_t dst_stride, uintptr_t src_ptr, int64_t src_stride, int64_t row_bytes,
+                  uintptr_t index_ptr, int64_t n);
+void quantize_fp8_rows(uintptr_t src_ptr, int64_t src_stride, uintptr_t index_ptr, int64_t n, int64_t hidden,
+                       uintptr_t dst_ptr, uintptr_t scales_ptr);
+void scatter_fp8_rows(uintptr_t data_ptr, uintptr_t scales_ptr, int64_t n, int64_t hidden, uintptr_t pos_ptr,
+                      uintptr_t recv_x_ptr, uintptr_t recv_scales_ptr, int64_t rows_per_expert);
+void combine_reduce(uintptr_t out_ptr, int64_t num_tokens, int64_t hidden, int64_t top_k, uintptr_t row_index_ptr,
+                    uintptr_t weights_ptr, uintptr_t rows_base_ptr, int64_t row_stride);
+
+}  // namespace mep

@@ -1,0 +1,186 @@
+// Shared helpers of the native core: number formats (bf16, FP8 e4m3fn), signal words, the
+// region layout and the deadline-bounded backoff used by every wait.
+//
+// Nothing here knows about Python or torch; the bindings live in module.cpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace mep {
+
+// ---------------------------------------------------------------------------------------------
+// Bit casts and number formats
+// ---------------------------------------------------------------------------------------------
+
+inline uint32_t float_bits(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+inline float bits_float(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+// bf16 -> float is exact: the bf16 bits are the top half of the float.
+inline float bf16_to_float(uint16_t b) { return bits_float(uint32_t(b) << 16); }
+
+// float -> bf16, round to nearest, ties to even (what torch does). NaN stays a (quiet) NaN of
+// the same sign; finite values that round past the largest bf16 become infinity.
+inline uint16_t float_to_bf16(float f) {
+    const uint32_t u = float_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);
+    const uint32_t lsb = (u >> 16) & 1u;
+    return uint16_t((u + 0x7fffu + lsb) >> 16);
+}
+
+// float -> FP8 e4m3fn (1 sign bit, 4 exponent bits with bias 7, 3 mantissa bits, no infinity,
+// largest finite 448 = 0x7e, NaN = 0x7f). Round to nearest even; magnitudes >= 448 (and
+// infinities) saturate to +-448, NaN maps to sign|0x7f. This matches torch's
+// `tensor.to(torch.float8_e4m3fn)` on CPU bit for bit.
+//
+// Written without branches (every case is computed, then selected) so that the compiler can
+// vectorize the quantization loop.
+inline uint8_t float_to_e4m3fn(float f) {
+    const uint32_t u = float_bits(f);
+    const uint32_t sign = (u >> 24) & 0x80u;
+    const int32_t mag = int32_t(u & 0x7fffffffu);
+
+    // Normal range (|f| >= 2^-6): keep the float's exponent and top 3 mantissa bits, round the
+    // 20 dropped bits to nearest even; a carry out of the mantissa correctly bumps the exponent.
+    // Then rebias the exponent from 127 to 7 (subtract 120 << 3).
+    const int32_t r = mag >> 20;
+    const int32_t rest = mag & 0xfffff;
+    const int32_t round_up = int32_t(rest > 0x80000) | (int32_t(rest == 0x80000) & r);
+    const int32_t normal = r + (round_up & 1) - (120 << 3);
+
+    // Subnormal range: the result is m * 2^-9 with m in [0, 8] (8 encodes 2^-6, the smallest
+    // normal, which is also the bit pattern 0x08). Scaling by 2^9 is exact; adding and
+    // subtracting 2^23 rounds to an integer with ties to even. The input is clamped to 2^-6
+    // first so that the float->int conversion is always in range.
+    const int32_t sub_in = mag < 0x3c800000 ? mag : 0x3c800000;
+    const float scaled = bits_float(uint32_t(sub_in)) * 512.0f;
+    const int32_t subnormal = int32_t((scaled + 8388608.0f) - 8388608.0f);
+
+    int32_t code = mag >= 0x3c800000 ? normal : subnormal;
+    code = mag >= 0x43e00000 ? 0x7e : code;  // >= 448.0f, incl. infinity: saturate
+    code = mag > 0x7f800000 ? 0x7f : code;   // NaN
+    return uint8_t(uint32_t(code) | sign);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Signals: one aligned 64-bit word (tag << 32) | count
+// ---------------------------------------------------------------------------------------------
+
+inline uint64_t make_signal(uint32_t tag, uint32_t count) { return (uint64_t(tag) << 32) | count; }
+inline uint32_t signal_tag(uint64_t v) { return uint32_t(v >> 32); }
+inline uint32_t signal_count(uint64_t v) { return uint32_t(v & 0xffffffffu); }
+
+// Release store: every write this thread made before (the data rows) is visible to a reader
+// that observes this value with an acquire load. Works across processes on a shared mapping.
+inline void store_release(void* addr, uint64_t v) {
+    __atomic_store_n(static_cast<uint64_t*>(addr), v, __ATOMIC_RELEASE);
+}
+
+inline uint64_t load_acquire(const void* addr) {
+    return __atomic_load_n(static_cast<const uint64_t*>(addr), __ATOMIC_ACQUIRE);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Region layout (docs/protocol.md, "Region")
+// ---------------------------------------------------------------------------------------------
+
+constexpr int64_t kControlBytes = 4096;
+constexpr int64_t kHalfAlign = 4096;
+constexpr int64_t kArrayAlign = 64;
+constexpr int64_t kScaleGroup = 128;
+
+struct Layout {
+    // call shape
+    int64_t num_ranks = 0;       // R
+    int64_t max_tokens = 0;      // T
+    int64_t hidden = 0;          // H
+    int64_t num_experts = 0;     // E
+    // derived sizes
+    int64_t control_bytes = 0;
+    int64_t half_bytes = 0;
+    int64_t total_bytes = 0;
+    int64_t row_bytes = 0;       // 2H: one bf16 row
+    int64_t num_local_experts = 0;  // L
+    int64_t num_scale_groups = 0;   // G
+    // byte offsets inside a half
+    int64_t dispatch_data = 0;      // [L][R][T] rows of 2H bytes
+    int64_t dispatch_scales = 0;    // [L][R][T][G] float32
+    int64_t dispatch_src = 0;       // [L][R][T] int32
+    int64_t combine_data = 0;       // [E][T] rows of 2H bytes
+    int64_t dispatch_signals = 0;   // [R][L] uint64
+    int64_t combine_signals = 0;    // [E] uint64
+    int64_t combine_send = 0;       // [L][R*T][H] bf16
+};
+
+// Computes the layout; throws std::invalid_argument (ValueError) naming the bad argument, or if
+// any size overflows int64.
+Layout compute_layout(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts);
+
+// ---------------------------------------------------------------------------------------------
+// Deadline-bounded waiting
+// ---------------------------------------------------------------------------------------------
+
+int64_t monotonic_ns();
+
+// One deadline for a whole call (start + timeout_us; timeout_us == -1 means none) and a backoff
+// that stays polite on an oversubscribed CPU: a short spin with a pause instruction, then
+// sched_yield for a few tens of microseconds, then nanosleep with exponential backoff.
+class Waiter {
+public:
+    explicit Waiter(int64_t timeout_us);
+
+    // True once the deadline has passed (never when there is no deadline).
+    bool expired() const;
+
+    // Waits a little before the next poll; never sleeps past the deadline.
+    void backoff();
+
+private:
+    static constexpr int kSpinPolls = 128;
+    static constexpr int64_t kYieldNs = 30 * 1000;
+    static constexpr int64_t kFirstSleepNs = 2 * 1000;
+    static constexpr int64_t kMaxSleepNs = 64 * 1000;
+
+    int64_t deadline_ns_;  // -1: no deadline
+    int polls_ = 0;
+    int64_t yield_start_ns_ = -1;
+    int64_t sleep_ns_ = kFirstSleepNs;
+};
+
+// Throws std::invalid_argument unless timeout_us == -1 or timeout_us >= 0.
+void check_timeout(int64_t timeout_us);
+
+// ---------------------------------------------------------------------------------------------
+// Small argument checks (all throw std::invalid_argument -> ValueError)
+// ---------------------------------------------------------------------------------------------
+
+[[noreturn]] void throw_value_error(const std::string& msg);
+void check_nonnull(uintptr_t ptr, const char* name);
+void check_range(int64_t v, int64_t lo, int64_t hi_exclusive, const char* name);
+uint32_t check_tag(int64_t tag);
+
+// ---------------------------------------------------------------------------------------------
+// Packing primitives shared by the one-sided data plane and the collective fallback
+// ---------------------------------------------------------------------------------------------
+
+// Quantizes one bf16 row of `hidden` channels to e4m3fn, one float32 scale per 128 channels.
+void quantize_row_fp8(const uint16_t* x, int64_t hidden, uint8_t* q, float* scales);
+
+// out[j] = bf16( sum_{k < n}, in order, of w[k] * float(rows[k][j]) ), accumulated in float32
+// from 0.0f with a separate multiply and add (no FMA: the build uses -ffp-contract=off).
+void weighted_sum_row(uint16_t* out, int64_t hidden, const uint16_t* const* rows, const float* w, int64_t n);
+
+}  // namespace mep

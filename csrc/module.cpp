@@ -1,0 +1,108 @@
+// Python bindings: mooncake_ep_switch._native.
+//
+// Pointers are Python ints (torch's data_ptr()). Every data-plane and packing call releases the
+// GIL after its arguments are converted (py::call_guard), so ranks simulated by threads, the
+// engine and the transports' progress threads keep running while a call copies or waits.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "mep_api.h"
+#include "mep_common.h"
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+
+namespace {
+
+py::dict region_layout_dict(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts) {
+    const mep::Layout lay = mep::compute_layout(num_ranks, max_tokens, hidden, num_experts);
+    py::dict d;
+    d["control_bytes"] = lay.control_bytes;
+    d["half_bytes"] = lay.half_bytes;
+    d["total_bytes"] = lay.total_bytes;
+    d["row_bytes"] = lay.row_bytes;
+    d["num_local_experts"] = lay.num_local_experts;
+    d["num_scale_groups"] = lay.num_scale_groups;
+    d["dispatch_data"] = lay.dispatch_data;
+    d["dispatch_scales"] = lay.dispatch_scales;
+    d["dispatch_src"] = lay.dispatch_src;
+    d["combine_data"] = lay.combine_data;
+    d["dispatch_signals"] = lay.dispatch_signals;
+    d["combine_signals"] = lay.combine_signals;
+    d["combine_send"] = lay.combine_send;
+    return d;
+}
+
+void* checked_signal_addr(uintptr_t addr) {
+    if (addr == 0 || addr % 8 != 0) {
+        throw std::invalid_argument("signal address " + std::to_string(addr) + " must be nonzero and 8-byte aligned");
+    }
+    return reinterpret_cast<void*>(addr);
+}
+
+void signal_store(uintptr_t addr, uint64_t value) { mep::store_release(checked_signal_addr(addr), value); }
+
+uint64_t signal_load(uintptr_t addr) { return mep::load_acquire(checked_signal_addr(addr)); }
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "Native core of mooncake_ep_switch: region layout, POSIX shared memory, the one-sided "
+              "dispatch/combine data plane of docs/protocol.md, and packing kernels.";
+    using release = py::call_guard<py::gil_scoped_release>;
+
+    m.attr("CONTROL_BYTES") = mep::kControlBytes;
+
+    m.def("region_layout", &region_layout_dict, "num_ranks"_a, "num_max_dispatch_tokens_per_rank"_a, "hidden"_a,
+          "num_experts"_a,
+          "Byte layout of an EP region for a call shape (offsets relative to a half), as a dict of ints.");
+
+    // ---- shared memory ----
+    m.def("shm_create", &mep::shm_create, "nbytes"_a,
+          "Create a zeroed 0600 POSIX shared-memory segment with a random /mep_<32 hex> name; "
+          "returns (name, base address).");
+    m.def("shm_open_peer", &mep::shm_open_peer, "name"_a, "nbytes"_a,
+          "Map a peer's segment (name validated, size must equal nbytes); returns the base address.");
+    m.def("shm_unlink", &mep::shm_unlink, "name"_a, "Unlink a segment name; a missing name is not an error.");
+    m.def("shm_unmap", &mep::shm_unmap, "base"_a, "nbytes"_a, "Unmap a mapping made by shm_create/shm_open_peer.");
+
+    // ---- signals ----
+    m.def("signal_store", &signal_store, "addr"_a, "value"_a, "Release-store a uint64 at an 8-aligned address.");
+    m.def("signal_load", &signal_load, "addr"_a, "Acquire-load a uint64 from an 8-aligned address.");
+
+    // ---- data plane ----
+    m.def("dispatch_send", &mep::dispatch_send, release(), "x_ptr"_a, "num_tokens"_a, "hidden"_a, "topk_ptr"_a,
+          "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "active_ptr"_a,
+          "peer_half_bases"_a, "tag"_a, "use_fp8"_a, "dest"_a = -1, "write_signals"_a = true,
+          "Write this rank's tokens into every active destination's half, then its dispatch signals.");
+    m.def("dispatch_recv", &mep::dispatch_recv, release(), "local_half_base"_a, "num_ranks"_a, "rank"_a,
+          "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a, "tag"_a, "active_ptr"_a,
+          "timeout_us"_a, "use_fp8"_a, "recv_x_ptr"_a, "recv_scales_ptr"_a, "src_info_ptr"_a, "layout_range_ptr"_a,
+          "recv_count_ptr"_a,
+          "Wait for every active source's dispatch signals (one deadline), pack the received rows; "
+          "returns the ranks newly marked inactive.");
+    m.def("combine_send", &mep::combine_send, release(), "x_ptr"_a, "hidden"_a, "num_experts"_a, "num_ranks"_a,
+          "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "src_info_ptr"_a, "layout_range_ptr"_a, "active_ptr"_a,
+          "peer_half_bases"_a, "tag"_a, "dest"_a = -1, "write_signals"_a = true,
+          "Return expert outputs to the token owners' combine_data, then their combine signals.");
+    m.def("combine_recv", &mep::combine_recv, release(), "local_half_base"_a, "num_ranks"_a, "rank"_a,
+          "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a, "tag"_a, "active_ptr"_a,
+          "timeout_us"_a, "topk_ptr"_a, "weights_ptr"_a, "num_tokens"_a, "top_k"_a, "out_ptr"_a,
+          "Wait for the combine signal of every expert of every active owner, then reduce; returns the "
+          "ranks newly marked inactive.");
+
+    // ---- packing kernels ----
+    m.def("gather_rows", &mep::gather_rows, release(), "dst_ptr"_a, "dst_stride"_a, "src_ptr"_a, "src_stride"_a,
+          "row_bytes"_a, "index_ptr"_a, "n"_a, "dst row i = src row index[i] (strides in bytes, int64 index).");
+    m.def("scatter_rows", &mep::scatter_rows, release(), "dst_ptr"_a, "dst_stride"_a, "src_ptr"_a, "src_stride"_a,
+          "row_bytes"_a, "index_ptr"_a, "n"_a, "dst row index[i] = src row i (strides in bytes, int64 index).");
+    m.def("quantize_fp8_rows", &mep::quantize_fp8_rows, release(), "src_ptr"_a, "src_stride"_a, "index_ptr"_a,
+          "n"_a, "hidden"_a, "dst_ptr"_a, "scales_ptr"_a,
+          "Quantize bf16 rows (index[i], or i if index_ptr is 0) to e4m3fn [n, H] + float32 scales [n, H/128].");
+    m.def("scatter_fp8_rows", &mep::scatter_fp8_rows, release(), "data_ptr"_a, "scales_ptr"_a, "n"_a, "hidden"_a,
+          "pos_ptr"_a, "recv_x_ptr"_a, "recv_scales_ptr"_a, "rows_per_expert"_a,
+          "Place compact FP8 rows at flat positions of the packed layout with token-contiguous scales.");
+    m.def("combine_reduce", &mep::combine_reduce, release(), "out_ptr"_a, "num_tokens"_a, "hidden"_a, "top_k"_a,
+          "row_index_ptr"_a, "weights_ptr"_a, "rows_base_ptr"_a, "row_stride"_a,
+          "out[t] = bf16(sum_k in order of w[t,k] * row(row_index[t,k])), -1 skipped, fp32, no FMA.");
+}

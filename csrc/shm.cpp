@@ -1,0 +1,138 @@
+// POSIX shared-memory segments for the same-host transport: created 0600 with unguessable names,
+// mapped read-write and shared. Errors raise OSError (with errno and strerror) or ValueError.
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+#include <pybind11/pybind11.h>
+
+#include "mep_api.h"
+#include "mep_common.h"
+
+namespace py = pybind11;
+
+namespace mep {
+
+namespace {
+
+constexpr const char* kPrefix = "/mep_";
+constexpr size_t kHexChars = 32;
+
+// Raises OSError(errno, "<what>: <strerror>", name); errno picks the subclass
+// (FileNotFoundError, PermissionError, ...). Called with the GIL held.
+[[noreturn]] void raise_os_error(int err, const std::string& what, const std::string& name) {
+    const std::string msg = what + ": " + std::strerror(err);
+    PyErr_SetObject(PyExc_OSError, py::make_tuple(err, msg, name).ptr());
+    throw py::error_already_set();
+}
+
+std::string random_name() {
+    unsigned char bytes[kHexChars / 2];
+    size_t got = 0;
+    while (got < sizeof(bytes)) {
+        const ssize_t r = getrandom(bytes + got, sizeof(bytes) - got, 0);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            raise_os_error(errno, "getrandom", "");
+        }
+        got += size_t(r);
+    }
+    static const char hex[] = "0123456789abcdef";
+    std::string name(kPrefix);
+    for (unsigned char b : bytes) {
+        name.push_back(hex[b >> 4]);
+        name.push_back(hex[b & 15]);
+    }
+    return name;
+}
+
+void check_size(int64_t nbytes) {
+    if (nbytes <= 0) throw_value_error("nbytes = " + std::to_string(nbytes) + " must be > 0");
+}
+
+void* map_shared(int fd, int64_t nbytes) {
+    void* p = mmap(nullptr, size_t(nbytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    return p == MAP_FAILED ? nullptr : p;
+}
+
+}  // namespace
+
+bool shm_name_is_valid(const std::string& name) {
+    const size_t prefix_len = std::strlen(kPrefix);
+    if (name.size() != prefix_len + kHexChars || name.compare(0, prefix_len, kPrefix) != 0) return false;
+    for (size_t i = prefix_len; i < name.size(); ++i) {
+        const char c = name[i];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+    }
+    return true;
+}
+
+std::pair<std::string, uintptr_t> shm_create(int64_t nbytes) {
+    check_size(nbytes);
+    for (int attempt = 0;; ++attempt) {
+        const std::string name = random_name();
+        const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd < 0) {
+            if (errno == EEXIST && attempt < 8) continue;  // 128-bit name collision: practically never
+            raise_os_error(errno, "shm_open", name);
+        }
+        // On any failure from here on, undo the creation so nothing is left in /dev/shm.
+        auto fail = [&](const char* what) {
+            const int err = errno;
+            ::close(fd);
+            ::shm_unlink(name.c_str());
+            raise_os_error(err, what, name);
+        };
+        if (::fchmod(fd, 0600) != 0) fail("fchmod");  // independent of the umask
+        if (::ftruncate(fd, off_t(nbytes)) != 0) fail("ftruncate");
+        void* base = map_shared(fd, nbytes);
+        if (!base) fail("mmap");
+        ::close(fd);  // the mapping keeps the segment alive
+        return {name, reinterpret_cast<uintptr_t>(base)};
+    }
+}
+
+uintptr_t shm_open_peer(const std::string& name, int64_t nbytes) {
+    // The name comes from a peer: never let it address anything but our own segments.
+    if (!shm_name_is_valid(name)) {
+        throw_value_error("invalid shared-memory name '" + name + "': expected /mep_ followed by 32 lowercase hex digits");
+    }
+    check_size(nbytes);
+    const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) raise_os_error(errno, "shm_open", name);
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+        const int err = errno;
+        ::close(fd);
+        raise_os_error(err, "fstat", name);
+    }
+    if (int64_t(st.st_size) != nbytes) {
+        ::close(fd);
+        throw_value_error("shared-memory segment " + name + " has " + std::to_string(int64_t(st.st_size)) +
+                          " bytes, expected nbytes = " + std::to_string(nbytes));
+    }
+    void* base = map_shared(fd, nbytes);
+    const int err = errno;
+    ::close(fd);
+    if (!base) raise_os_error(err, "mmap", name);
+    return reinterpret_cast<uintptr_t>(base);
+}
+
+void shm_unlink(const std::string& name) {
+    if (!shm_name_is_valid(name)) throw_value_error("invalid shared-memory name '" + name + "'");
+    if (::shm_unlink(name.c_str()) != 0 && errno != ENOENT) raise_os_error(errno, "shm_unlink", name);
+}
+
+void shm_unmap(uintptr_t base, int64_t nbytes) {
+    check_nonnull(base, "base");
+    check_size(nbytes);
+    if (::munmap(reinterpret_cast<void*>(base), size_t(nbytes)) != 0) raise_os_error(errno, "munmap", "");
+}
+
+}  // namespace mep
