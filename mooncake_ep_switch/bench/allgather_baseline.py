@@ -1,0 +1,51 @@
+"""Baseline for the benchmarks: dispatch/combine with all-gather + all-reduce (Mooncake's fallback design).
+
+Same semantics as `Buffer.dispatch`/`combine` (bf16, packed layout, fp32 weighted combine), but every
+rank all-gathers every token (padded to `T`) and the combine all-reduces a `[R, T, hidden]` float32
+buffer. Used only as the in-run baseline the collective transport is measured against.
+"""
+import torch
+import torch.distributed as dist
+
+
+def allgather_dispatch(group, rank, num_ranks, x, topk_idx, tokens_per_rank, num_experts):
+    """Returns (recv_x [L, R*T, H] bf16, recv_count [L], state for combine)."""
+    hidden, top_k = x.size(1), topk_idx.size(1)
+    local = num_experts // num_ranks
+    padded_x = torch.zeros((tokens_per_rank, hidden), dtype=torch.bfloat16)
+    padded_x[:x.size(0)] = x
+    padded_topk = torch.full((tokens_per_rank, top_k), -1, dtype=torch.int64)
+    padded_topk[:x.size(0)] = topk_idx
+    all_x = torch.empty((num_ranks * tokens_per_rank, hidden), dtype=torch.bfloat16)
+    all_topk = torch.empty((num_ranks * tokens_per_rank, top_k), dtype=torch.int64)
+    dist.all_gather_into_tensor(all_x, padded_x, group=group)
+    dist.all_gather_into_tensor(all_topk, padded_topk, group=group)
+    recv_x = torch.empty((local, num_ranks * tokens_per_rank, hidden), dtype=torch.bfloat16)
+    recv_count = torch.zeros(local, dtype=torch.int32)
+    rows_by_expert = []
+    for l_idx in range(local):
+        expert = rank * local + l_idx
+        rows = (all_topk == expert).any(1).nonzero().view(-1)
+        recv_x[l_idx, :rows.numel()] = all_x.index_select(0, rows)
+        recv_count[l_idx] = rows.numel()
+        rows_by_expert.append(rows)
+    return recv_x, recv_count, (all_topk, rows_by_expert)
+
+
+def allgather_combine(group, rank, num_ranks, y, topk_weights, num_tokens, tokens_per_rank, num_experts, state):
+    """Returns combined [num_tokens, H] bf16."""
+    all_topk, rows_by_expert = state
+    hidden, top_k = y.size(2), topk_weights.size(1)
+    local = num_experts // num_ranks
+    padded_w = torch.zeros((tokens_per_rank, top_k), dtype=torch.float32)
+    padded_w[:num_tokens] = topk_weights
+    all_w = torch.empty((num_ranks * tokens_per_rank, top_k), dtype=torch.float32)
+    dist.all_gather_into_tensor(all_w, padded_w, group=group)
+    partial = torch.zeros((num_ranks * tokens_per_rank, hidden), dtype=torch.float32)
+    for l_idx in range(local):
+        expert = rank * local + l_idx
+        rows = rows_by_expert[l_idx]
+        weight = (all_w[rows] * (all_topk[rows] == expert)).sum(1, keepdim=True)
+        partial.index_add_(0, rows, weight * y[l_idx, :rows.numel()].float())
+    dist.all_reduce(partial, group=group)
+    return partial[rank * tokens_per_rank: rank * tokens_per_rank + num_tokens].to(torch.bfloat16)

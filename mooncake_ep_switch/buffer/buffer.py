@@ -1,0 +1,317 @@
+"""`Buffer`: Mooncake EP / DeepEP low-latency compatible dispatch and combine.
+
+The Buffer validates arguments, allocates outputs, numbers calls and keeps handles; a transport
+moves the bytes: `"shm"` (one host, native one-sided writes), `"mooncake"` (Transfer Engine) or
+`"collective"` (torch.distributed all_to_all_single). The signatures, return values and packed
+layouts are Mooncake EP's, so engines written for it work unchanged.
+"""
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from mooncake_ep_switch.buffer import validation
+from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
+from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap
+from mooncake_ep_switch.buffer.layout import region_layout
+from mooncake_ep_switch.config import settings
+
+TRANSPORTS = ("auto", "shm", "mooncake", "collective")
+
+
+def _once(function: Callable[[], None]) -> Callable[[], None]:
+    """Wrap a receive phase so that a hook and an event may both complete it, once."""
+    lock = threading.Lock()
+    state = {"done": False, "error": None}
+
+    def run() -> None:
+        with lock:
+            if not state["done"]:
+                state["done"] = True
+                try:
+                    function()
+                except BaseException as error:
+                    state["error"] = error
+            if state["error"] is not None:
+                raise state["error"]
+
+    return run
+
+
+class Buffer:
+    """Expert-parallel communication buffer for MoE dispatch and combine.
+
+    Arguments:
+        group: the torch.distributed process group of the EP ranks.
+        num_ep_buffer_bytes: bytes of the EP region per rank (see `get_ep_buffer_size_hint`).
+            0 is accepted by the `"collective"` transport only (it allocates per call).
+        disable_p2p: never use shared memory between ranks of one host (Mooncake's meaning:
+            peers are reached through the inter-host path).
+        transport: `"auto"` (shared memory when every rank is on this host, else the Transfer
+            Engine when installed, else collectives), `"shm"`, `"mooncake"` or `"collective"`.
+    """
+
+    def __init__(self, group, num_ep_buffer_bytes: int = 0, disable_p2p: bool = False, *, transport: str = "auto"):
+        if group is None:
+            if not dist.is_initialized():
+                raise ValueError("group: expected a process group (torch.distributed is not initialized), got None")
+            group = dist.group.WORLD
+        num_ep_buffer_bytes = validation.check_int("num_ep_buffer_bytes", num_ep_buffer_bytes, 0)
+        if not isinstance(disable_p2p, bool):
+            raise TypeError(f"disable_p2p: expected a bool, got {type(disable_p2p).__name__}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.num_ep_buffer_bytes = num_ep_buffer_bytes
+        self.disable_p2p = disable_p2p
+        self.settings = settings()
+        self.epoch = 0
+        self._call = 0
+        self._last_plan: Optional[DispatchPlan] = None
+        self._worker: Optional[ThreadPoolExecutor] = None
+        self._destroyed = False
+        self._impl = self._make_transport(transport)
+        self.transport = self._impl.name
+        self.connect()
+
+    # ------------------------------------------------------------------ construction
+    def _make_transport(self, requested: str):
+        from mooncake_ep_switch.fallback.collective import CollectiveTransport
+
+        if requested == "auto":
+            requested = "collective"
+        if requested == "collective":
+            return CollectiveTransport(self.group, self.rank, self.num_ranks)
+        raise NotImplementedError(f"transport: {requested!r} is not available in this build")
+
+    def connect(self) -> None:
+        """Exchange peer metadata and map peers (Mooncake's `connect`); idempotent.
+
+        Returns:
+            None.
+        """
+        self._check_alive()
+        self._impl.connect()
+
+    def update_ep_member(self) -> None:
+        """Refresh peer metadata after the membership changed (Mooncake's meaning).
+
+        Returns:
+            None.
+        """
+        self._check_alive()
+        self._impl.connect()
+
+    @staticmethod
+    def get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                num_experts: int) -> int:
+        """Bytes of EP region a rank needs for calls of this shape.
+
+        Arguments:
+            num_max_dispatch_tokens_per_rank: `T`, the most tokens any rank dispatches in one call.
+            hidden: hidden size, a positive multiple of 128.
+            num_ranks: EP group size `R`.
+            num_experts: global number of experts, a multiple of `num_ranks`.
+
+        Returns:
+            num_bytes: the size to pass as `num_ep_buffer_bytes`.
+        """
+        tokens = validation.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        hidden = validation.check_int("hidden", hidden, 1)
+        ranks = validation.check_int("num_ranks", num_ranks, 1)
+        experts = validation.check_int("num_experts", num_experts, 1)
+        return region_layout(ranks, tokens, hidden, experts).total_bytes
+
+    # ------------------------------------------------------------------ lifecycle
+    def destroy(self) -> None:
+        """Release the region, peer mappings, endpoints and threads; the Buffer is unusable after.
+
+        Returns:
+            None.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        self._impl.destroy()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.destroy()
+        return False
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:
+            pass
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("Buffer: this buffer was destroyed")
+
+    def _check_capacity(self, tokens: int, hidden: int, experts: int) -> None:
+        needed = region_layout(self.num_ranks, tokens, hidden, experts).total_bytes
+        if (self.num_ep_buffer_bytes or self.transport != "collective") and needed > self.num_ep_buffer_bytes:
+            raise ValueError(
+                f"num_ep_buffer_bytes: this call (num_max_dispatch_tokens_per_rank={tokens}, hidden={hidden}, "
+                f"num_ranks={self.num_ranks}, num_experts={experts}) needs {needed} bytes "
+                f"(Buffer.get_ep_buffer_size_hint), the buffer has {self.num_ep_buffer_bytes}")
+
+    def _background(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mep-recv")
+        return self._worker
+
+    def _completion(self, receive: Callable[[], None], async_finish: bool, return_recv_hook: bool,
+                    keep_alive) -> Tuple[EventOverlap, Optional[Callable[[], None]]]:
+        """Turn a receive phase into (event, hook) according to the call's mode."""
+        receive = _once(receive)
+        if return_recv_hook:
+            return EventOverlap(receive, keep_alive), receive
+        if async_finish:
+            future = self._background().submit(receive)
+            return EventOverlap(lambda: future.result(), keep_alive), None
+        receive()
+        return EventOverlap(None, keep_alive), None
+
+    # ------------------------------------------------------------------ dispatch / combine
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, active_ranks: torch.Tensor,
+                 num_max_dispatch_tokens_per_rank: int, num_experts: int, timeout_us: int,
+                 use_fp8: Optional[bool] = None, async_finish: bool = False, return_recv_hook: bool = False):
+        """Send every token to the ranks owning its selected experts, packed per local expert.
+
+        Arguments:
+            x: `[num_tokens, hidden]` torch.bfloat16, `num_tokens <= num_max_dispatch_tokens_per_rank`,
+                `hidden` a multiple of 128.
+            topk_idx: `[num_tokens, num_topk]` torch.int64 global expert ids, -1 = no expert.
+            active_ranks: `[num_ranks]` torch.int32 (1 active, 0 inactive); sources that miss the
+                deadline are set to 0 in place. Inactive ranks are neither sent to nor waited for.
+            num_max_dispatch_tokens_per_rank: `T`, the receive capacity per source rank.
+            num_experts: global number of experts `E`, a multiple of `num_ranks`.
+            timeout_us: per-call deadline for each source in microseconds, -1 = wait forever.
+            use_fp8: send FP8 e4m3fn rows with per-128-channel float32 scales (None = True).
+            async_finish: return at once; `event.current_stream_wait()` completes the call.
+            return_recv_hook: return after the send phase; results are valid after `hook()`.
+
+        Returns:
+            recv_x: `[E_local, num_ranks * T, hidden]` torch.bfloat16, or with FP8 a tuple
+                (`[E_local, num_ranks * T, hidden]` torch.float8_e4m3fn,
+                `[E_local, num_ranks * T, hidden // 128]` torch.float32 scales, token axis contiguous).
+                Rows of each local expert: by source rank ascending, then source token index.
+            recv_count: `[E_local]` torch.int32, valid rows per local expert.
+            handle: `DispatchHandle`, Mooncake's 5-tuple (src_info, layout_range, T, hidden, num_experts).
+            event: `EventOverlap`.
+            hook: the receive-phase callable when `return_recv_hook`, else None.
+        """
+        self._check_alive()
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
+        tokens, experts, timeout_us, use_fp8 = validation.check_dispatch(
+            x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
+            self.num_ranks)
+        hidden = x.size(1)
+        self._check_capacity(tokens, hidden, experts)
+
+        local = experts // self.num_ranks
+        rows = self.num_ranks * tokens
+        device = x.device
+        if use_fp8:
+            recv_x = torch.empty((local, rows, hidden), dtype=torch.float8_e4m3fn, device=device)
+            recv_scales = torch.empty((local, hidden // 128, rows), dtype=torch.float32, device=device)
+        else:
+            recv_x = torch.empty((local, rows, hidden), dtype=torch.bfloat16, device=device)
+            recv_scales = None
+        outputs = DispatchOutputs(
+            recv_x=recv_x, recv_scales=recv_scales,
+            src_info=torch.zeros((local, rows), dtype=torch.int32, device=device),
+            layout_range=torch.zeros((local, self.num_ranks), dtype=torch.int64, device=device),
+            recv_count=torch.zeros((local,), dtype=torch.int32, device=device))
+
+        self._call += 1
+        call = DispatchCall(x, topk_idx, active_ranks, tokens, experts, timeout_us, use_fp8, self._call, self.epoch)
+        private, receive = self._impl.dispatch(call, outputs)
+        plan = DispatchPlan(call=self._call, num_tokens=x.size(0), top_k=topk_idx.size(1), use_fp8=use_fp8,
+                            epoch=self.epoch, private=private)
+        self._last_plan = plan
+        handle = DispatchHandle(outputs.src_info, outputs.layout_range, tokens, hidden, experts, plan=plan)
+        event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, outputs))
+        packed = (recv_x, recv_scales.transpose(1, 2)) if use_fp8 else recv_x
+        return packed, outputs.recv_count, handle, event, hook
+
+    def get_next_combine_buffer(self, handle) -> torch.Tensor:
+        """The buffer to write expert outputs into for a zero-copy `combine` of this handle.
+
+        Arguments:
+            handle: the handle returned by `dispatch`.
+
+        Returns:
+            buffer: `[E_local, num_ranks * T, hidden]` torch.bfloat16; write expert outputs here and
+                call `combine(buffer, ..., handle, zero_copy=True)`.
+        """
+        self._check_alive()
+        _, _, tokens, hidden, experts = validation.check_handle(handle, self.num_ranks)
+        plan = getattr(handle, "plan", None) or self._last_plan
+        if plan is None:
+            raise ValueError("handle: no dispatch has run on this Buffer")
+        shape = (experts // self.num_ranks, self.num_ranks * tokens, hidden)
+        self._check_capacity(tokens, hidden, experts)
+        return self._impl.combine_buffer(plan.call, shape, handle[0].device)
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                active_ranks: torch.Tensor, timeout_us: int, handle, zero_copy: bool = False,
+                async_finish: bool = False, return_recv_hook: bool = False, out: Optional[torch.Tensor] = None):
+        """Return expert outputs to their token owners and reduce them with the routing weights.
+
+        `combined[t] = bf16(sum_k topk_weights[t, k] * y(topk_idx[t, k], t))`, in float32 and in top-k
+        order; entries with `topk_idx == -1` or an inactive owner are skipped (no renormalisation).
+
+        Arguments:
+            x: `[E_local, num_ranks * T, hidden]` torch.bfloat16 expert outputs in the dispatch's
+                packed layout (with `zero_copy`, the tensor from `get_next_combine_buffer`).
+            topk_idx: `[num_tokens, num_topk]` torch.int64, as given to the matching dispatch.
+            topk_weights: `[num_tokens, num_topk]` torch.float32.
+            active_ranks: `[num_ranks]` torch.int32; owners that miss the deadline are set to 0.
+            timeout_us: deadline in microseconds, -1 = wait forever.
+            handle: the handle returned by the matching `dispatch`.
+            zero_copy: `x` was written in place into `get_next_combine_buffer(handle)`.
+            async_finish: return at once; `event.current_stream_wait()` completes the call.
+            return_recv_hook: return after the send phase; `out` is valid after `hook()`.
+            out: optional `[num_tokens, hidden]` torch.bfloat16 output tensor.
+
+        Returns:
+            combined_x: `[num_tokens, hidden]` torch.bfloat16.
+            event: `EventOverlap`.
+            hook: the receive-phase callable when `return_recv_hook`, else None.
+        """
+        self._check_alive()
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
+        if not isinstance(zero_copy, bool):
+            raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
+        fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
+                                                      out, self.num_ranks)
+        src_info, layout_range, tokens, hidden, experts = fields
+        plan = getattr(handle, "plan", None) or self._last_plan
+        if plan is None:
+            raise ValueError("handle: no dispatch has run on this Buffer")
+        if zero_copy:
+            expected = self._impl.combine_buffer(plan.call, tuple(x.shape), x.device)
+            if x.data_ptr() != expected.data_ptr():
+                raise ValueError("x: with zero_copy=True expected the tensor returned by "
+                                 "get_next_combine_buffer(handle), got a different tensor")
+        if out is None:
+            out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=x.device)
+        call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens,
+                           hidden, experts, plan.call, plan.private, out)
+        receive = self._impl.combine(call)
+        event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights))
+        return out, event, hook

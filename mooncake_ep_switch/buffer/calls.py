@@ -1,0 +1,78 @@
+"""Typed records that the Buffer hands to a transport for one dispatch or combine call."""
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+
+class DispatchCall(NamedTuple):
+    """A validated dispatch request.
+
+    Fields:
+        x: `[N, hidden]` torch.bfloat16 tokens.
+        topk_idx: `[N, K]` torch.int64 global expert ids, -1 = none.
+        active_ranks: `[R]` torch.int32, the caller's mask (timeouts are written into it).
+        num_max_dispatch_tokens_per_rank: `T`.
+        num_experts: `E`.
+        timeout_us: per-source deadline in microseconds, -1 = none.
+        use_fp8: send FP8 rows with per-128-channel scales.
+        call: call number (signal tag), advances by one per dispatch on every rank.
+        epoch: membership epoch.
+    """
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    active_ranks: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    timeout_us: int
+    use_fp8: bool
+    call: int
+    epoch: int
+
+
+class DispatchOutputs(NamedTuple):
+    """Output tensors of a dispatch, allocated by the Buffer and filled by the transport.
+
+    Fields:
+        recv_x: `[L, R*T, hidden]` torch.bfloat16, or torch.float8_e4m3fn with FP8.
+        recv_scales: `[L, hidden/128, R*T]` torch.float32 (physical, token axis contiguous), or None.
+        src_info: `[L, R*T]` torch.int32.
+        layout_range: `[L, R]` torch.int64.
+        recv_count: `[L]` torch.int32.
+    """
+
+    recv_x: torch.Tensor
+    recv_scales: Optional[torch.Tensor]
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    recv_count: torch.Tensor
+
+
+class CombineCall(NamedTuple):
+    """A validated combine request.
+
+    Fields:
+        x: `[L, R*T, hidden]` torch.bfloat16 expert outputs in the dispatch's packed layout.
+        topk_idx: `[N, K]` torch.int64, as given to the matching dispatch.
+        topk_weights: `[N, K]` torch.float32.
+        active_ranks: `[R]` torch.int32 caller's mask.
+        timeout_us: deadline in microseconds, -1 = none.
+        src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts: the handle.
+        call: call number of the matching dispatch.
+        plan_private: the transport's private record of the dispatch, or None.
+        out: `[N, hidden]` torch.bfloat16 output.
+    """
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    active_ranks: torch.Tensor
+    timeout_us: int
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    call: int
+    plan_private: Any
+    out: torch.Tensor

@@ -1,0 +1,105 @@
+"""Typed handles and completion events returned by dispatch() and combine()."""
+import threading
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+
+class _DispatchHandleFields(NamedTuple):
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+
+
+class DispatchPlan(NamedTuple):
+    """Transport-private record of one dispatch call, kept on its handle.
+
+    Fields:
+        call: the call number (signal tag); the region half is `call % 2`.
+        num_tokens: `N`, rows of the dispatched `x`.
+        top_k: `K`, columns of the dispatched `topk_idx`.
+        use_fp8: whether the dispatch carried FP8 rows.
+        epoch: membership epoch the call ran in.
+        private: transport-specific state (the collective fallback's exchange plan), or None.
+    """
+
+    call: int
+    num_tokens: int
+    top_k: int
+    use_fp8: bool
+    epoch: int
+    private: Any
+
+
+class DispatchHandle(_DispatchHandleFields):
+    """Result handle of `Buffer.dispatch()`; unpacks as Mooncake's 5-tuple.
+
+    Fields (tuple order):
+        src_info: `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank]` torch.int32,
+            the source token index of every received row.
+        layout_range: `[num_local_experts, num_ranks]` torch.int64, `(begin << 32) | count` of
+            the rows each source rank contributed to each local expert.
+        num_max_dispatch_tokens_per_rank: `T` of the call.
+        hidden: hidden size of the call.
+        num_experts: global number of experts of the call.
+
+    The attribute `plan` (a `DispatchPlan`, not part of the tuple) carries the transport's record
+    of the call. A plain 5-tuple built by the caller is accepted by `combine()` too; it then refers
+    to the most recent dispatch.
+    """
+
+    def __new__(cls, src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts, plan=None):
+        self = super().__new__(cls, src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        object.__setattr__(self, "plan", plan)
+        return self
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"DispatchHandle is immutable (tried to set {name!r})")
+
+
+class EventOverlap:
+    """Completion of an operation, DeepEP's `EventOverlap` on a CPU runtime.
+
+    `current_stream_wait()` completes the operation it stands for (runs or joins its receive
+    phase) and is safe to call on every event, including those of synchronous calls, and more
+    than once. It may also be used as a context manager: the body runs, then the wait happens.
+
+    Arguments:
+        finish: callable completing the operation, or None if it is already complete.
+        extra_tensors: tensors whose lifetime must cover the operation (kept referenced).
+    """
+
+    def __init__(self, finish: Optional[Callable[[], None]] = None, extra_tensors=None):
+        self._finish = finish
+        self._lock = threading.Lock()
+        self._error: Optional[BaseException] = None
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        """Block until the operation is complete, raising any error it ended with.
+
+        Returns:
+            None.
+        """
+        with self._lock:
+            finish, self._finish = self._finish, None
+            if finish is not None:
+                try:
+                    finish()
+                except BaseException as error:  # remembered so every waiter sees it
+                    self._error = error
+            if self._error is not None:
+                raise self._error
+
+    def is_complete(self) -> bool:
+        """Whether the operation has been completed by a wait."""
+        return self._finish is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.current_stream_wait()
+        return False

@@ -1,0 +1,140 @@
+"""Argument checks for dispatch() and combine(): clear errors, nothing written on failure.
+
+Every check raises `ValueError` (or `TypeError` for a wrong Python type) whose message names the
+argument, what was expected and what came. Checks run before any byte moves, so a rejected call
+leaves the Buffer exactly as it was.
+"""
+from typing import Optional
+
+import torch
+
+
+def _fail(name: str, expected: str, got) -> None:
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def check_int(name: str, value, minimum: Optional[int] = None) -> int:
+    """Check that `value` is a Python/NumPy integer (not bool) at least `minimum`."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    value = int(value.__index__())
+    if minimum is not None and value < minimum:
+        _fail(name, f">= {minimum}", value)
+    return value
+
+
+def check_tensor(name: str, tensor, dtype: torch.dtype, dim: int, shape=None) -> torch.Tensor:
+    """Check type, dtype, number of dims, contiguity and (where given, -1 = any) the shape."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        _fail(name, f"dtype {dtype}", tensor.dtype)
+    if tensor.dim() != dim:
+        _fail(name, f"{dim} dims", f"{tensor.dim()} dims (shape {list(tensor.shape)})")
+    if shape is not None:
+        for axis, (want, have) in enumerate(zip(shape, tensor.shape)):
+            if want != -1 and want != have:
+                _fail(name, f"shape {list(shape)} (-1 = any)", list(tensor.shape))
+    if not tensor.is_contiguous():
+        _fail(name, "a contiguous tensor", f"strides {tensor.stride()}")
+    return tensor
+
+
+def check_active_ranks(active_ranks, num_ranks: int) -> torch.Tensor:
+    """`active_ranks` must be int32 `[num_ranks]` of zeros and ones (never silently replaced)."""
+    check_tensor("active_ranks", active_ranks, torch.int32, 1, (num_ranks,))
+    if active_ranks.device.type != "cpu":
+        _fail("active_ranks", "a CPU tensor (the runtime writes timed-out ranks into it)", active_ranks.device)
+    bad = (active_ranks != 0) & (active_ranks != 1)
+    if bool(bad.any()):
+        _fail("active_ranks", "only 0 (inactive) and 1 (active)", active_ranks.tolist())
+    return active_ranks
+
+
+def check_timeout(timeout_us) -> int:
+    timeout_us = check_int("timeout_us", timeout_us)
+    if timeout_us < -1:
+        _fail("timeout_us", "-1 (no deadline) or a non-negative number of microseconds", timeout_us)
+    return timeout_us
+
+
+def check_topk_idx(topk_idx, num_tokens: int, num_experts: int) -> torch.Tensor:
+    """`topk_idx` int64 `[num_tokens, K]`, values in [-1, num_experts), no expert twice in a row."""
+    check_tensor("topk_idx", topk_idx, torch.int64, 2, (num_tokens, -1))
+    if topk_idx.size(1) < 1:
+        _fail("topk_idx", "at least one column (top-k >= 1)", list(topk_idx.shape))
+    if topk_idx.size(1) > num_experts:
+        _fail("topk_idx", f"top-k <= num_experts ({num_experts})", topk_idx.size(1))
+    if topk_idx.numel():
+        low, high = int(topk_idx.min()), int(topk_idx.max())
+        if low < -1 or high >= num_experts:
+            _fail("topk_idx", f"values in [-1, {num_experts})", f"values in [{low}, {high}]")
+        if topk_idx.size(1) > 1:
+            ordered = topk_idx.sort(dim=1).values
+            repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+            if bool(repeated.any()):
+                row = int(repeated.any(dim=1).nonzero()[0, 0])
+                _fail("topk_idx", "distinct experts within a row (-1 may repeat)",
+                      f"row {row} = {topk_idx[row].tolist()}")
+    return topk_idx
+
+
+def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
+                   timeout_us, use_fp8, num_ranks: int):
+    """Validate dispatch() arguments; returns (T, E, timeout_us, use_fp8) normalised."""
+    tokens_per_rank = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+    num_experts = check_int("num_experts", num_experts, 1)
+    if num_experts % num_ranks != 0:
+        _fail("num_experts", f"a multiple of the number of ranks ({num_ranks})", num_experts)
+    check_tensor("x", x, torch.bfloat16, 2)
+    if x.size(0) > tokens_per_rank:
+        _fail("x", f"at most num_max_dispatch_tokens_per_rank={tokens_per_rank} rows", x.size(0))
+    if x.size(1) <= 0 or x.size(1) % 128 != 0:
+        _fail("x", "a hidden size that is a positive multiple of 128", x.size(1))
+    check_topk_idx(topk_idx, x.size(0), num_experts)
+    check_active_ranks(active_ranks, num_ranks)
+    timeout_us = check_timeout(timeout_us)
+    if use_fp8 is None:
+        use_fp8 = True  # Mooncake's default
+    if not isinstance(use_fp8, bool):
+        raise TypeError(f"use_fp8: expected None or a bool, got {type(use_fp8).__name__}")
+    return tokens_per_rank, num_experts, timeout_us, use_fp8
+
+
+def check_handle(handle, num_ranks: int):
+    """Validate a dispatch handle (ours or a plain Mooncake 5-tuple); returns its fields."""
+    if not isinstance(handle, tuple) or len(handle) != 5:
+        raise TypeError("handle: expected the 5-tuple returned by dispatch(), "
+                        f"got {type(handle).__name__}{'' if not isinstance(handle, tuple) else f' of length {len(handle)}'}")
+    src_info, layout_range, tokens_per_rank, hidden, num_experts = handle
+    tokens_per_rank = check_int("handle.num_max_dispatch_tokens_per_rank", tokens_per_rank, 1)
+    hidden = check_int("handle.hidden", hidden, 128)
+    num_experts = check_int("handle.num_experts", num_experts, num_ranks)
+    if num_experts % num_ranks:
+        _fail("handle.num_experts", f"a multiple of {num_ranks}", num_experts)
+    local = num_experts // num_ranks
+    check_tensor("handle.src_info", src_info, torch.int32, 2, (local, num_ranks * tokens_per_rank))
+    check_tensor("handle.layout_range", layout_range, torch.int64, 2, (local, num_ranks))
+    return src_info, layout_range, tokens_per_rank, hidden, num_experts
+
+
+def check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out, num_ranks: int):
+    """Validate combine() arguments; returns (handle fields, timeout_us)."""
+    fields = check_handle(handle, num_ranks)
+    _, _, tokens_per_rank, hidden, num_experts = fields
+    local = num_experts // num_ranks
+    check_tensor("x", x, torch.bfloat16, 3, (local, num_ranks * tokens_per_rank, hidden))
+    check_tensor("topk_idx", topk_idx, torch.int64, 2)
+    if topk_idx.size(0) > tokens_per_rank:
+        _fail("topk_idx", f"at most {tokens_per_rank} rows (the handle's num_max_dispatch_tokens_per_rank)",
+              topk_idx.size(0))
+    check_topk_idx(topk_idx, topk_idx.size(0), num_experts)
+    check_tensor("topk_weights", topk_weights, torch.float32, 2, tuple(topk_idx.shape))
+    check_active_ranks(active_ranks, num_ranks)
+    timeout_us = check_timeout(timeout_us)
+    if out is not None:
+        check_tensor("out", out, torch.bfloat16, 2, (topk_idx.size(0), hidden))
+    plan = getattr(handle, "plan", None)
+    if plan is not None and (plan.num_tokens != topk_idx.size(0) or plan.top_k != topk_idx.size(1)):
+        _fail("topk_idx", f"the dispatch's shape [{plan.num_tokens}, {plan.top_k}]", list(topk_idx.shape))
+    return fields, timeout_us

@@ -1,0 +1,256 @@
+"""Local multi-rank launcher: spawned CPU ranks with a gloo group, every wait bounded.
+
+The launching process hosts the TCPStore, so the store (and with it the membership record) outlives
+any rank, including rank 0. Ranks are persistent workers: `run()` sends a function (by reference,
+so it must be importable) to every rank and collects each rank's return value, error or exit code
+before a deadline. A rank that dies is reported, never waited for past the deadline; `close()` (or
+leaving the `with` block) ends every rank, and each rank also dies with its parent (PDEATHSIG).
+"""
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
+
+
+class RankContext(NamedTuple):
+    """What a rank function receives as its first argument.
+
+    Fields:
+        rank: this rank.
+        num_ranks: number of ranks.
+        group: the gloo process group of all ranks (torch.distributed WORLD).
+        store: a client of the launcher's TCPStore (outlives any rank).
+        store_addr: (host, port) of that store, for building further groups or clients.
+    """
+
+    rank: int
+    num_ranks: int
+    group: Any
+    store: Any
+    store_addr: tuple
+
+
+class RankOutcome(NamedTuple):
+    """One rank's outcome of a `run()`.
+
+    Fields:
+        rank: the rank.
+        ok: the function returned normally.
+        value: its return value (when ok).
+        error: formatted traceback (when the function raised), or a description of how it died.
+        exitcode: the process exit code if it exited, else None.
+    """
+
+    rank: int
+    ok: bool
+    value: Any
+    error: Optional[str]
+    exitcode: Optional[int]
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, str], threads: int, conn) -> None:
+    _die_with_parent()
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    store = dist.TCPStore(store_addr[0], store_addr[1], num_ranks, is_master=False,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=num_ranks,
+                            timeout=timedelta(seconds=120))
+    context = RankContext(rank, num_ranks, dist.group.WORLD, store, store_addr)
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        if message is None:
+            break
+        function, args, kwargs = message
+        try:
+            result = ("ok", function(context, *args, **kwargs))
+        except BaseException:  # reported to the launcher, never swallowed
+            result = ("error", traceback.format_exc())
+        try:
+            conn.send(result)
+        except (BrokenPipeError, OSError):
+            break
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    os._exit(0)  # skip interpreter teardown of gloo threads
+
+
+class LocalCluster:
+    """A set of local CPU ranks that run functions on request.
+
+    Arguments:
+        num_ranks: number of ranks to spawn.
+        env: environment variables set in every rank before torch is imported.
+        threads: torch intra-op threads per rank.
+        start_timeout_s: deadline for spawning and joining the process group.
+    """
+
+    def __init__(self, num_ranks: int, env: Optional[Dict[str, str]] = None, threads: int = 1,
+                 start_timeout_s: float = 120.0):
+        import torch.distributed as dist
+
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks: expected >= 1, got {num_ranks}")
+        self.num_ranks = num_ranks
+        self.env = dict(env or {})
+        port = free_port()
+        self.store = dist.TCPStore("127.0.0.1", port, num_ranks, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.store_addr = ("127.0.0.1", port)
+        self._ctx = mp.get_context("spawn")
+        self.processes: List[Any] = []
+        self.conns: List[Any] = []
+        self.broken = False
+        for rank in range(num_ranks):
+            self._spawn(rank, threads)
+        deadline = time.monotonic() + start_timeout_s
+        for rank, conn in enumerate(self.conns):
+            if not self._poll(conn, deadline):
+                self.close()
+                raise TimeoutError(f"LocalCluster: rank {rank} did not start within {start_timeout_s} s")
+            conn.recv()
+
+    def _spawn(self, rank: int, threads: int) -> None:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_worker_main, args=(rank, self.num_ranks, self.store_addr, self.env,
+                                                               threads, child), daemon=True)
+        process.start()
+        child.close()
+        self.processes.append(process)
+        self.conns.append(parent)
+
+    @staticmethod
+    def _poll(conn, deadline: float) -> bool:
+        try:
+            return conn.poll(max(0.0, deadline - time.monotonic()))
+        except (EOFError, OSError):
+            return True
+
+    def run(self, function: Callable, *args, timeout_s: float = 60.0, ranks: Optional[List[int]] = None,
+            failure_grace_s: float = 10.0, **kwargs) -> List[RankOutcome]:
+        """Run `function(context, *args, **kwargs)` on every rank (or `ranks`) and collect outcomes.
+
+        Arguments:
+            function: an importable module-level function.
+            timeout_s: deadline for every rank to answer; ranks still running then are killed and
+                the cluster is marked broken.
+            failure_grace_s: once a rank has failed, the others get at most this long to answer
+                (they may be blocked in a collective with the failed rank).
+            ranks: subset of ranks to run on (default all).
+
+        Returns:
+            outcomes: one `RankOutcome` per rank run, in rank order.
+        """
+        if self.broken:
+            raise RuntimeError("LocalCluster: a previous run left the ranks in an unknown state")
+        targets = list(range(self.num_ranks)) if ranks is None else list(ranks)
+        for rank in targets:
+            try:
+                self.conns[rank].send((function, args, kwargs))
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        outcomes: Dict[int, RankOutcome] = {}
+        pending = set(targets)
+        while pending and time.monotonic() < deadline:
+            for rank in sorted(pending):
+                conn, process = self.conns[rank], self.processes[rank]
+                try:
+                    ready = conn.poll(0.02)
+                except (EOFError, OSError):
+                    ready = True
+                if ready:
+                    try:
+                        status, value = conn.recv()
+                        outcomes[rank] = RankOutcome(rank, status == "ok", value if status == "ok" else None,
+                                                     None if status == "ok" else value, None)
+                    except (EOFError, OSError):
+                        process.join(5)
+                        outcomes[rank] = RankOutcome(rank, False, None, "rank exited", process.exitcode)
+                        self.broken = True
+                    pending.discard(rank)
+                elif not process.is_alive():
+                    outcomes[rank] = RankOutcome(rank, False, None, "rank exited", process.exitcode)
+                    pending.discard(rank)
+                    self.broken = True
+                if rank in outcomes and not outcomes[rank].ok:
+                    deadline = min(deadline, time.monotonic() + failure_grace_s)
+        for rank in pending:
+            outcomes[rank] = RankOutcome(rank, False, None, f"no answer within {timeout_s} s", None)
+            self.broken = True
+        if pending:
+            self.kill()
+        return [outcomes[rank] for rank in targets]
+
+    def kill(self) -> None:
+        """Kill every rank at once."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        for process in self.processes:
+            process.join(10)
+        self.broken = True
+
+    def close(self) -> None:
+        """Stop every rank (politely, then by force) and release the store."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + 10
+        for process in self.processes:
+            process.join(max(0.1, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        for conn in self.conns:
+            conn.close()
+        self.processes, self.conns = [], []
+        self.store = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+        return False
+
+
+def check_outcomes(outcomes: List[RankOutcome]) -> List[Any]:
+    """Return every rank's value, raising with every failed rank's error if any failed."""
+    failures = [o for o in outcomes if not o.ok]
+    if failures:
+        text = "\n".join(f"--- rank {o.rank} (exitcode {o.exitcode}):\n{o.error}" for o in failures)
+        raise RuntimeError(f"{len(failures)} rank(s) failed:\n{text}")
+    return [o.value for o in outcomes]

@@ -1,0 +1,46 @@
+"""The shared multi-rank harness: persistent local clusters per size, fresh ones for fault tests.
+
+`cluster(num_ranks)` returns a cached `LocalCluster` (spawned once per size and environment);
+`run(num_ranks, function, ...)` runs an importable function on every rank and raises with every
+failed rank's traceback. Fault tests use `fresh_cluster()` so that killed ranks do not poison the
+cached ones. Every run has a deadline.
+"""
+import os
+from typing import Dict, Optional
+
+from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+
+_CLUSTERS: Dict[tuple, LocalCluster] = {}
+
+# Per-run deadline: generous for 8 ranks on 2 cores, small enough that a hang fails fast.
+DEFAULT_TIMEOUT_S = float(os.environ.get("MEP_TEST_RUN_TIMEOUT_S", "120"))
+
+
+def cluster(num_ranks: int, env: Optional[Dict[str, str]] = None) -> LocalCluster:
+    """A cached cluster of `num_ranks` ranks with `env`; rebuilt if a previous run broke it."""
+    key = (num_ranks, tuple(sorted((env or {}).items())))
+    existing = _CLUSTERS.get(key)
+    if existing is not None and not existing.broken:
+        return existing
+    if existing is not None:
+        existing.close()
+    created = LocalCluster(num_ranks, env=env)
+    _CLUSTERS[key] = created
+    return created
+
+
+def run(num_ranks: int, function, *args, env=None, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs):
+    """Run `function(ctx, *args, **kwargs)` on every rank of a cached cluster; return the values."""
+    return check_outcomes(cluster(num_ranks, env).run(function, *args, timeout_s=timeout_s, **kwargs))
+
+
+def fresh_cluster(num_ranks: int, env: Optional[Dict[str, str]] = None) -> LocalCluster:
+    """A new cluster for a test that kills ranks; use it in a `with` block."""
+    return LocalCluster(num_ranks, env=env)
+
+
+def close_all() -> None:
+    """Stop every cached cluster."""
+    for created in _CLUSTERS.values():
+        created.close()
+    _CLUSTERS.clear()
