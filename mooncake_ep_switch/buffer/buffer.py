@@ -79,13 +79,33 @@ class Buffer:
         self.connect()
 
     # ------------------------------------------------------------------ construction
+    def _host_ids(self):
+        host_ids = [None] * self.num_ranks
+        dist.all_gather_object(host_ids, self.settings.host_id, group=self.group)
+        return host_ids
+
     def _make_transport(self, requested: str):
+        """Resolve `transport` and build it (see docs/transports.md for the rules)."""
+        from mooncake_ep_switch.buffer.shm import ShmTransport
         from mooncake_ep_switch.fallback.collective import CollectiveTransport
 
         if requested == "auto":
-            requested = "collective"
+            same_host = len(set(self._host_ids())) == 1
+            if self.num_ep_buffer_bytes == 0:
+                requested = "collective"  # no region to write into: only collectives can run
+            elif same_host and not self.disable_p2p:
+                requested = "shm"
+            else:
+                requested = "collective"
         if requested == "collective":
             return CollectiveTransport(self.group, self.rank, self.num_ranks)
+        if requested == "shm":
+            if self.disable_p2p:
+                raise ValueError("transport: 'shm' uses peer-to-peer shared memory, which disable_p2p=True forbids")
+            host_ids = self._host_ids()
+            if len(set(host_ids)) != 1:
+                raise ValueError(f"transport: 'shm' needs every rank on this host, got host ids {sorted(set(host_ids))}")
+            return ShmTransport(self.group, self.rank, self.num_ranks, self.num_ep_buffer_bytes)
         raise NotImplementedError(f"transport: {requested!r} is not available in this build")
 
     def connect(self) -> None:
