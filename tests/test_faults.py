@@ -1,0 +1,170 @@
+"""Fault tests: ranks die (os._exit, SIGKILL) or run late; survivors finish within the deadline.
+
+Three rounds run per test; the fault hits round 3, which reuses the region half of round 1 (whose
+values differ), so a stale row would show up as a mismatch against the reference.
+"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mooncake_ep_switch import Buffer
+from tests import harness
+from tests.reference import expected_combine, expected_routing, structured_inputs, token_count
+
+NUM_RANKS = 4
+DEAD = 2
+ONE_SIDED = ["shm"]
+TIMEOUT_US = 1_500_000
+SLACK_S = 2.0
+
+
+class Shape:
+    hidden, tokens, experts, top_k = 256, 32, 16, 4
+
+
+def _die(how: str) -> None:
+    if how == "exit":
+        os._exit(3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _round_inputs(ctx, round_index):
+    n = token_count(ctx.rank, ctx.num_ranks, Shape.tokens)
+    return structured_inputs(ctx.rank, n, Shape.hidden, Shape.experts, Shape.top_k, seed=40 + round_index,
+                             random_values=True)
+
+
+def _check_round(ctx, all_inputs, dispatch_active, combine_active, recv, recv_count, handle, combined):
+    """Compare one round's outputs with the references for the given views of who took part."""
+    local = Shape.experts // ctx.num_ranks
+    routing = expected_routing([inp.topk_idx for inp in all_inputs], dispatch_active, ctx.rank, local)
+    assert recv_count.tolist() == [len(pairs) for pairs in routing], "recv_count"
+    src_info = handle[0]
+    for l_idx, pairs in enumerate(routing):
+        for row, (source, token) in enumerate(pairs):
+            assert int(src_info[l_idx, row]) == token
+            assert torch.equal(recv[l_idx, row], all_inputs[source].x[token]), f"row {row} of expert {l_idx}"
+    mine = all_inputs[ctx.rank]
+    owner_active = {r: bool(combine_active[r]) for r in range(ctx.num_ranks)}
+    expected = expected_combine(mine.x, mine.topk_idx, mine.weights, owner_active, local)
+    assert torch.equal(combined, expected), "combined output differs from the reference without the dead rank"
+
+
+def _mock_expert(ctx, recv):
+    from tests.reference import expert_scale
+
+    local = recv.size(0)
+    y = torch.empty_like(recv)
+    for l_idx in range(local):
+        y[l_idx] = (recv[l_idx].float() * expert_scale(ctx.rank * local + l_idx)).to(torch.bfloat16)
+    return y
+
+
+def rank_killed(ctx, transport, kill_point, how):
+    """Rounds 1-2 whole; in round 3 rank DEAD dies at `kill_point`; survivors check everything."""
+    size = Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, ctx.num_ranks, Shape.experts)
+    buffer = Buffer(ctx.group, size, transport=transport)
+    rounds = []
+    for round_index in range(3):
+        gathered = [None] * ctx.num_ranks
+        dist.all_gather_object(gathered, _round_inputs(ctx, round_index), group=ctx.group)
+        rounds.append(gathered)
+    # From here on no collective is used: a dead rank would make it hang.
+    everyone = [1] * ctx.num_ranks
+    without_dead = [0 if r == DEAD else 1 for r in range(ctx.num_ranks)]
+    timings = {}
+    for round_index, all_inputs in enumerate(rounds):
+        mine = all_inputs[ctx.rank]
+        active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+        fault = round_index == 2
+        if fault and ctx.rank == DEAD and kill_point == "before_dispatch":
+            _die(how)
+        start = time.monotonic()
+        recv, recv_count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
+                                                         TIMEOUT_US, use_fp8=False)
+        dispatch_seconds = time.monotonic() - start
+        if fault and ctx.rank == DEAD and kill_point == "between":
+            _die(how)
+        after_dispatch = active.tolist()
+        y = _mock_expert(ctx, recv)
+        start = time.monotonic()
+        combined, _, _ = buffer.combine(y, mine.topk_idx, mine.weights, active, TIMEOUT_US, handle)
+        combine_seconds = time.monotonic() - start
+        if not fault:
+            assert active.tolist() == everyone
+            _check_round(ctx, all_inputs, everyone, everyone, recv, recv_count, handle, combined)
+            continue
+        assert active.tolist() == without_dead, f"mask {active.tolist()}"
+        if kill_point == "before_dispatch":
+            assert after_dispatch == without_dead, "the dead rank must be found in dispatch"
+            _check_round(ctx, all_inputs, without_dead, without_dead, recv, recv_count, handle, combined)
+        else:
+            assert after_dispatch == everyone, "the dead rank sent its dispatch before dying"
+            _check_round(ctx, all_inputs, everyone, without_dead, recv, recv_count, handle, combined)
+        timings = {"dispatch": dispatch_seconds, "combine": combine_seconds}
+    buffer.destroy()
+    return timings
+
+
+@pytest.mark.parametrize("transport", ONE_SIDED)
+@pytest.mark.parametrize("kill_point", ["before_dispatch", "between"])
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_rank_dies(transport, kill_point, how):
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        outcomes = cluster.run(rank_killed, transport, kill_point, how, timeout_s=60, failure_grace_s=30)
+        processes = list(cluster.processes)
+    dead = outcomes[DEAD]
+    assert not dead.ok and dead.exitcode == (3 if how == "exit" else -signal.SIGKILL), dead
+    for outcome in outcomes:
+        if outcome.rank == DEAD:
+            continue
+        assert outcome.ok, outcome.error
+        budget = TIMEOUT_US / 1e6 + SLACK_S
+        assert outcome.value["dispatch"] + outcome.value["combine"] < budget, outcome.value
+    assert not any(process.is_alive() for process in processes), "leftover rank processes"
+
+
+def rank_late(ctx, transport):
+    """Rank DEAD is late in round 2 (its signals arrive after the deadline); round 3 excludes it."""
+    size = Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, ctx.num_ranks, Shape.experts)
+    buffer = Buffer(ctx.group, size, transport=transport)
+    rounds = []
+    for round_index in range(3):
+        gathered = [None] * ctx.num_ranks
+        dist.all_gather_object(gathered, _round_inputs(ctx, round_index), group=ctx.group)
+        rounds.append(gathered)
+    active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+    without_late = [0 if r == DEAD else 1 for r in range(ctx.num_ranks)]
+    for round_index, all_inputs in enumerate(rounds):
+        mine = all_inputs[ctx.rank]
+        if round_index == 1 and ctx.rank == DEAD:
+            time.sleep(TIMEOUT_US / 1e6 + 0.5)
+        view_before = active.tolist()
+        recv, recv_count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
+                                                         TIMEOUT_US, use_fp8=False)
+        view_dispatch = active.tolist()
+        combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active, TIMEOUT_US,
+                                        handle)
+        if ctx.rank == DEAD:
+            continue  # the late rank's own view is defined (it times its peers out) but not checked
+        if round_index == 0:
+            _check_round(ctx, all_inputs, view_before, active.tolist(), recv, recv_count, handle, combined)
+        else:
+            # Round 2: the late rank is marked during dispatch. Round 3: it is neither waited for
+            # nor read, although its late signals and data for round 2 have landed meanwhile.
+            assert view_dispatch == without_late and active.tolist() == without_late
+            _check_round(ctx, all_inputs, without_late, without_late, recv, recv_count, handle, combined)
+    buffer.destroy()
+    return active.tolist()
+
+
+@pytest.mark.parametrize("transport", ONE_SIDED)
+def test_late_signal_from_inactive_rank_is_ignored(transport):
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        outcomes = cluster.run(rank_late, transport, timeout_s=60, failure_grace_s=30)
+    for outcome in outcomes:
+        assert outcome.ok, outcome.error
