@@ -49,4 +49,8 @@ void scatter_fp8_rows(uintptr_t data_ptr, uintptr_t scales_ptr, int64_t n, int64
 void combine_reduce(uintptr_t out_ptr, int64_t num_tokens, int64_t hidden, int64_t top_k, uintptr_t row_index_ptr,
                     uintptr_t weights_ptr, uintptr_t rows_base_ptr, int64_t row_stride);
 
+// ---- argument value checks (validate.cpp); empty string = valid ----
+std::string check_topk_values(uintptr_t topk_ptr, int64_t num_tokens, int64_t top_k, int64_t num_experts);
+std::string check_mask_values(uintptr_t mask_ptr, int64_t n);
+
 }  // namespace mep

@@ -71,6 +71,12 @@ PYBIND11_MODULE(_native, m) {
     m.def("signal_load", &signal_load, "addr"_a, "Acquire-load a uint64 from an 8-aligned address.");
 
     // ---- data plane ----
+    // ---- argument value checks (read only; "" when valid, else what was expected and found) ----
+    m.def("check_topk_values", &mep::check_topk_values, "topk_ptr"_a, "num_tokens"_a, "top_k"_a, "num_experts"_a,
+          "Check int64 [num_tokens, top_k] expert ids: in [-1, num_experts), no expert twice in a row.");
+    m.def("check_mask_values", &mep::check_mask_values, "mask_ptr"_a, "n"_a,
+          "Check an int32 [n] rank mask holds only 0 and 1.");
+
     m.def("dispatch_send", &mep::dispatch_send, release(), "x_ptr"_a, "num_tokens"_a, "hidden"_a, "topk_ptr"_a,
           "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "active_ptr"_a,
           "peer_half_bases"_a, "tag"_a, "use_fp8"_a, "dest"_a = -1, "write_signals"_a = true,
