@@ -1,0 +1,5 @@
+import sys
+
+from mooncake_ep_switch.cli import main
+
+sys.exit(main())
