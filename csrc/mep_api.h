@@ -16,6 +16,10 @@ uintptr_t shm_open_peer(const std::string& name, int64_t nbytes);
 void shm_unlink(const std::string& name);
 void shm_unmap(uintptr_t base, int64_t nbytes);
 bool shm_name_is_valid(const std::string& name);
+// Anonymous regions (memfd, mode 0600): never named, so nothing can be left in /dev/shm.
+std::pair<int, uintptr_t> region_create(int64_t nbytes);
+uintptr_t region_map_peer(int64_t pid, int64_t fd, int64_t nbytes);
+void region_close_fd(int64_t fd);
 
 // ---- one-sided data plane (dataplane.cpp) ----
 void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,

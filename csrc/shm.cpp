@@ -124,6 +124,59 @@ uintptr_t shm_open_peer(const std::string& name, int64_t nbytes) {
     return reinterpret_cast<uintptr_t>(base);
 }
 
+// ---- anonymous regions (memfd): no name ever exists, peers map them through /proc/<pid>/fd/<fd> ----
+
+std::pair<int, uintptr_t> region_create(int64_t nbytes) {
+    check_size(nbytes);
+    const int fd = ::memfd_create("mep_region", MFD_CLOEXEC);
+    if (fd < 0) raise_os_error(errno, "memfd_create", "");
+    // 0600: only this user may open it through /proc (which also requires ptrace read access).
+    if (::fchmod(fd, 0600) != 0 || ::ftruncate(fd, off_t(nbytes)) != 0) {
+        const int err = errno;
+        ::close(fd);
+        raise_os_error(err, "fchmod/ftruncate", "memfd");
+    }
+    void* base = map_shared(fd, nbytes);
+    if (!base) {
+        const int err = errno;
+        ::close(fd);
+        raise_os_error(err, "mmap", "memfd");
+    }
+    return {fd, reinterpret_cast<uintptr_t>(base)};
+}
+
+uintptr_t region_map_peer(int64_t pid, int64_t fd, int64_t nbytes) {
+    // pid and fd come from a peer: they only ever form a /proc/<pid>/fd/<fd> path.
+    if (pid <= 0 || pid > (int64_t(1) << 22) || fd < 0 || fd > (int64_t(1) << 20)) {
+        throw_value_error("peer region (pid " + std::to_string(pid) + ", fd " + std::to_string(fd) +
+                          "): expected 0 < pid <= 4194304 and 0 <= fd <= 1048576");
+    }
+    check_size(nbytes);
+    const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+    const int local = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (local < 0) raise_os_error(errno, "open", path);
+    struct stat st;
+    if (::fstat(local, &st) != 0) {
+        const int err = errno;
+        ::close(local);
+        raise_os_error(err, "fstat", path);
+    }
+    if (!S_ISREG(st.st_mode) || int64_t(st.st_size) != nbytes) {
+        ::close(local);
+        throw_value_error("peer region " + path + " has " + std::to_string(int64_t(st.st_size)) +
+                          " bytes, expected nbytes = " + std::to_string(nbytes));
+    }
+    void* base = map_shared(local, nbytes);
+    const int err = errno;
+    ::close(local);
+    if (!base) raise_os_error(err, "mmap", path);
+    return reinterpret_cast<uintptr_t>(base);
+}
+
+void region_close_fd(int64_t fd) {
+    if (fd >= 0) ::close(int(fd));
+}
+
 void shm_unlink(const std::string& name) {
     if (!shm_name_is_valid(name)) throw_value_error("invalid shared-memory name '" + name + "'");
     if (::shm_unlink(name.c_str()) != 0 && errno != ENOENT) raise_os_error(errno, "shm_unlink", name);

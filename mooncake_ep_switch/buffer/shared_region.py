@@ -1,0 +1,121 @@
+"""A memory region every rank of one host can write: anonymous shared memory mapped by all peers.
+
+One mechanism for every one-sided user on a host (the EP region of the shm transport, the unified
+weight memory, KV-cache moves). Each rank creates its region with memfd_create (mode 0600): it has
+no name, so nothing can ever be left behind in /dev/shm, whatever kills the process. Peers map it
+through /proc/<pid>/fd/<fd>, which the kernel allows only to processes of the same user with ptrace
+read access; the (pid, fd) endpoint is exchanged through the group (`connect`) or the store
+(re-admission of a replacement rank). The memory lives as long as some process maps it. Addresses
+never change while the region lives.
+"""
+import ctypes
+import os
+from typing import List, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from mooncake_ep_switch import _native
+
+
+def region_tensor(base: int, nbytes: int) -> torch.Tensor:
+    """A torch.uint8 view `[nbytes]` of mapped memory at `base` (valid while it stays mapped)."""
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(base), dtype=torch.uint8)
+
+
+class RegionEndpoint(NamedTuple):
+    """How a peer on the same host maps a region.
+
+    Fields:
+        pid: process id of the owner.
+        fd: the owner's file descriptor of the region.
+        nbytes: region size.
+    """
+
+    pid: int
+    fd: int
+    nbytes: int
+
+
+class SharedRegion:
+    """This rank's region plus mappings of every peer's region of the same size.
+
+    Arguments:
+        group: process group used for the endpoint exchange in `connect` (may be None when
+            endpoints are exchanged otherwise, e.g. through the store).
+        rank: this rank.
+        num_ranks: number of ranks.
+        nbytes: size of every rank's region, > 0.
+    """
+
+    def __init__(self, group, rank: int, num_ranks: int, nbytes: int):
+        if nbytes <= 0:
+            raise ValueError(f"nbytes: expected > 0, got {nbytes}")
+        self.group = group
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.nbytes = nbytes
+        self.fd, self.base = _native.region_create(nbytes)
+        self.endpoint = RegionEndpoint(os.getpid(), self.fd, nbytes)
+        self.local = region_tensor(self.base, nbytes)
+        self.peer_bases: List[int] = [0] * num_ranks
+        self.peer_bases[rank] = self.base
+        self.peer_endpoints: List[Optional[RegionEndpoint]] = [None] * num_ranks
+        self.peer_endpoints[rank] = self.endpoint
+        self._peer_tensors: List[Optional[torch.Tensor]] = [None] * num_ranks
+        self._peer_tensors[rank] = self.local
+
+    def connect(self, ranks: Optional[List[int]] = None) -> None:
+        """Exchange endpoints over `group` and map every peer (or only `ranks`).
+
+        Collective over `group`. Peers already mapped at the same endpoint stay mapped at the same
+        address.
+        """
+        endpoints: List[Optional[RegionEndpoint]] = [None] * self.num_ranks
+        dist.all_gather_object(endpoints, tuple(self.endpoint), group=self.group)
+        wanted = range(self.num_ranks) if ranks is None else ranks
+        for peer in wanted:
+            if endpoints[peer] is not None:
+                self.map_peer(peer, RegionEndpoint(*endpoints[peer]))
+
+    def map_peer(self, rank: int, endpoint: RegionEndpoint) -> None:
+        """Map `rank`'s region at `endpoint`; a different endpoint (a new incarnation) replaces the old."""
+        if rank == self.rank:
+            return
+        if endpoint.nbytes != self.nbytes:
+            raise ValueError(f"endpoint: expected a region of {self.nbytes} bytes for rank {rank}, "
+                             f"got {endpoint.nbytes}")
+        if self.peer_bases[rank] and self.peer_endpoints[rank] == endpoint:
+            return
+        self.unmap_peer(rank)
+        self.peer_bases[rank] = _native.region_map_peer(endpoint.pid, endpoint.fd, self.nbytes)
+        self.peer_endpoints[rank] = endpoint
+
+    def peer(self, rank: int) -> torch.Tensor:
+        """torch.uint8 `[nbytes]` view of `rank`'s region as mapped here (writes land in the peer)."""
+        if not self.peer_bases[rank]:
+            raise RuntimeError(f"rank: peer {rank} is not mapped")
+        if self._peer_tensors[rank] is None:
+            self._peer_tensors[rank] = region_tensor(self.peer_bases[rank], self.nbytes)
+        return self._peer_tensors[rank]
+
+    def unmap_peer(self, rank: int) -> None:
+        """Drop the mapping of one peer (a dead rank's memory is released once nobody maps it)."""
+        if rank != self.rank and self.peer_bases[rank]:
+            self._peer_tensors[rank] = None
+            _native.shm_unmap(self.peer_bases[rank], self.nbytes)
+            self.peer_bases[rank] = 0
+            self.peer_endpoints[rank] = None
+
+    def destroy(self) -> None:
+        """Unmap everything and close the descriptor. Views of the region become invalid."""
+        for peer in range(self.num_ranks):
+            self.unmap_peer(peer)
+        self._peer_tensors = [None] * self.num_ranks
+        self.local = None
+        if self.base:
+            _native.shm_unmap(self.base, self.nbytes)
+            self.base = 0
+        if self.fd >= 0:
+            _native.region_close_fd(self.fd)
+            self.fd = -1
