@@ -1,0 +1,201 @@
+"""Membership that survives dead ranks: epochs, views, states and endpoints in the store.
+
+A gloo or nccl group cannot lose a member, so membership lives in the torch.distributed store
+(a TCPStore hosted by the launcher/agent), which outlives any rank. Keys (under a prefix):
+
+    epoch                       current epoch number (0 before any change)
+    view/<e>                    JSON list of the member ranks of epoch e (sealed once, by CAS)
+    ready/<e>/<rank>            JSON {"incarnation", "call"}: rank asks to be in epoch e
+    state/<rank>                "active" | "inactive" | "joining"
+    incarnation/<rank>          counter, bumped by every process that takes the rank id
+    endpoint/<rank>/<inc>       JSON endpoint of that incarnation (region pid/fd, TE session)
+    evidence/<e>/<reporter>     JSON list of ranks the reporter saw fail in epoch e
+
+The rule that turns evidence into a new epoch: every rank that wants to continue posts `ready`
+for epoch e+1 and waits, up to its deadline, for every rank it expects (the members it has not
+seen fail, and every joining rank); then it seals `view/<e+1>` with compare-and-set to the set of
+ranks that posted. The store's CAS picks one sealed view and every rank adopts it, so no rank
+decides alone and all agree; a rank that posted too late is told it was left out.
+"""
+import json
+import time
+from typing import Dict, Iterable, List, NamedTuple, Optional
+
+ACTIVE, INACTIVE, JOINING = "active", "inactive", "joining"
+
+
+class MembershipError(RuntimeError):
+    """Raised when this rank is not part of the agreed view, or a deadline passed."""
+
+
+class View(NamedTuple):
+    """Members of one epoch.
+
+    Fields:
+        epoch: the epoch number.
+        ranks: member ranks, ascending.
+    """
+
+    epoch: int
+    ranks: tuple
+
+
+class Membership:
+    """Read and change the EP membership kept in a store.
+
+    Arguments:
+        store: a torch.distributed Store shared by every rank (and replacements).
+        rank: this process's EP rank.
+        num_ranks: EP group size (fixed; a dead rank's id is taken by its replacement).
+        prefix: key prefix (one EP group per prefix).
+    """
+
+    def __init__(self, store, rank: int, num_ranks: int, prefix: str = "mep"):
+        import torch.distributed as dist
+
+        self.store = dist.PrefixStore(prefix, store)
+        self.raw_store = store
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.incarnation = int(self.store.add(f"incarnation/{rank}", 1))
+
+    # ------------------------------------------------------------------ reads
+    def _get(self, key: str, default: Optional[str] = None) -> Optional[str]:
+        if not self.store.check([key]):
+            return default
+        return self.store.get(key).decode()
+
+    def epoch(self) -> int:
+        """Current epoch number."""
+        return int(self.store.add("epoch", 0))
+
+    def view(self, epoch: Optional[int] = None) -> View:
+        """Members of `epoch` (default the current one); epoch 0 is every rank."""
+        epoch = self.epoch() if epoch is None else epoch
+        text = self._get(f"view/{epoch}")
+        ranks = tuple(range(self.num_ranks)) if text is None else tuple(json.loads(text))
+        return View(epoch, ranks)
+
+    def state(self, rank: int) -> str:
+        """State of `rank`: active, inactive or joining."""
+        return self._get(f"state/{rank}", ACTIVE)
+
+    def joining(self) -> List[int]:
+        """Ranks waiting to be admitted."""
+        keys = [f"state/{r}" for r in range(self.num_ranks)]
+        return [r for r, key in enumerate(keys) if self.store.check([key]) and self.store.get(key).decode() == JOINING]
+
+    def endpoint(self, rank: int) -> dict:
+        """The published endpoint of `rank`'s current incarnation."""
+        incarnation = int(self.store.add(f"incarnation/{rank}", 0))
+        text = self._get(f"endpoint/{rank}/{incarnation}")
+        if text is None:
+            raise MembershipError(f"rank {rank} (incarnation {incarnation}) has published no endpoint")
+        return dict(json.loads(text), incarnation=incarnation)
+
+    def evidence(self, epoch: Optional[int] = None) -> Dict[int, List[int]]:
+        """Failures reported in `epoch`: reporter -> ranks it saw fail."""
+        epoch = self.epoch() if epoch is None else epoch
+        found = {}
+        for reporter in range(self.num_ranks):
+            text = self._get(f"evidence/{epoch}/{reporter}")
+            if text is not None:
+                found[reporter] = json.loads(text)
+        return found
+
+    # ------------------------------------------------------------------ writes
+    def publish_endpoint(self, endpoint: dict) -> None:
+        """Publish this incarnation's endpoint (region pid/fd, TE session, host identity)."""
+        self.store.set(f"endpoint/{self.rank}/{self.incarnation}", json.dumps(endpoint))
+
+    def set_state(self, state: str, rank: Optional[int] = None) -> None:
+        """Set `rank`'s (default this rank's) state."""
+        if state not in (ACTIVE, INACTIVE, JOINING):
+            raise ValueError(f"state: expected one of active, inactive, joining, got {state!r}")
+        self.store.set(f"state/{self.rank if rank is None else rank}", state)
+
+    def report_failures(self, ranks: Iterable[int]) -> None:
+        """Publish the ranks this rank saw fail in the current epoch (data-plane evidence)."""
+        ranks = sorted(set(int(r) for r in ranks))
+        if ranks:
+            self.store.set(f"evidence/{self.epoch()}/{self.rank}", json.dumps(ranks))
+
+    def deactivate(self, ranks: Iterable[int]) -> None:
+        """Mark ranks inactive (an operator's or a survivor's decision after evidence)."""
+        for rank in ranks:
+            self.set_state(INACTIVE, rank)
+
+    # ------------------------------------------------------------------ agreement
+    def agree_next_view(self, current: int, expected: Iterable[int], deadline: float, call: int = 0) -> View:
+        """Post readiness for epoch `current + 1`, wait for `expected`, and adopt the sealed view.
+
+        Arguments:
+            current: the epoch this rank is in (a joiner: the store's current epoch).
+            expected: ranks this rank waits for (besides itself) before sealing.
+            deadline: `time.monotonic()` value after which it seals with whoever is ready.
+            call: this rank's call counter (the next epoch's counters start above every one).
+
+        Returns:
+            view: the agreed `View` of the next epoch (this rank is a member).
+        """
+        target = current + 1
+        self.store.set(f"ready/{target}/{self.rank}", json.dumps({"incarnation": self.incarnation, "call": call}))
+        waiting = sorted(set(int(r) for r in expected) | {self.rank})
+        pause = 0.001
+        while True:
+            sealed = self._get(f"view/{target}")
+            if sealed is not None:
+                break
+            present = [r for r in waiting if self.store.check([f"ready/{target}/{r}"])]
+            if len(present) == len(waiting) or time.monotonic() >= deadline:
+                candidates = [r for r in range(self.num_ranks) if self.store.check([f"ready/{target}/{r}"])]
+                self.store.compare_set(f"view/{target}", "", json.dumps(candidates))
+                sealed = self._get(f"view/{target}")
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        ranks = tuple(json.loads(sealed))
+        if self.rank not in ranks:
+            raise MembershipError(f"rank {self.rank} was left out of epoch {target} (members {list(ranks)}): "
+                                  "it was not ready before the view was sealed; call update_ep_member() again")
+        self.store.compare_set("epoch", str(current), str(target))  # the first member advances it
+        self.set_state(ACTIVE)
+        return View(target, ranks)
+
+    def max_call(self, epoch: int, ranks: Iterable[int]) -> int:
+        """Largest call counter the members of `epoch` posted with their readiness."""
+        best = 0
+        for rank in ranks:
+            text = self._get(f"ready/{epoch}/{rank}")
+            if text is not None:
+                best = max(best, int(json.loads(text)["call"]))
+        return best
+
+    def wait_for(self, predicate, deadline: float, what: str):
+        """Poll `predicate()` (returns a value or None) with backoff until `deadline`."""
+        pause = 0.001
+        while True:
+            value = predicate()
+            if value is not None:
+                return value
+            if time.monotonic() >= deadline:
+                raise MembershipError(f"deadline passed while waiting for {what}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+def view_group(store, view: View, rank: int, timeout_s: float, prefix: str = "mep"):
+    """A gloo process group over the members of `view` (group rank = position in `view.ranks`).
+
+    Built from the store with the epoch in its key prefix, so it never meets a previous epoch's
+    group. Collective over the members.
+
+    Returns:
+        group: a `torch.distributed.ProcessGroupGloo`.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(f"{prefix}/group/{view.epoch}", store)
+    return dist.ProcessGroupGloo(prefixed, view.ranks.index(rank), len(view.ranks), timedelta(seconds=timeout_s))
