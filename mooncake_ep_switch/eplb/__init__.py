@@ -1,1 +1,27 @@
 """Expert-parallel load balancing: placement, load recorder, dispatch maps, online rebalance."""
+from mooncake_ep_switch.eplb.budget import RedundancyAdvice, suggest_redundancy
+from mooncake_ep_switch.eplb.greedy import greedy_rebalance_experts
+from mooncake_ep_switch.eplb.layout import Placement, placement_from_phy2log
+from mooncake_ep_switch.eplb.maps import build_dispatch_map, logical_to_physical, spread_to_physical
+from mooncake_ep_switch.eplb.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
+from mooncake_ep_switch.eplb.placement import rebalance_experts
+from mooncake_ep_switch.eplb.recorder import ExpertLoadRecorder, LoadBalance, counts_from_topk
+
+__all__ = [
+    "ExpertLoadRecorder",
+    "LoadBalance",
+    "Placement",
+    "RedundancyAdvice",
+    "balancedness",
+    "build_dispatch_map",
+    "counts_from_topk",
+    "gpu_loads",
+    "greedy_rebalance_experts",
+    "layer_balancedness",
+    "logical_to_physical",
+    "moved_copies",
+    "placement_from_phy2log",
+    "rebalance_experts",
+    "spread_to_physical",
+    "suggest_redundancy",
+]
