@@ -1,0 +1,612 @@
+"""One-sided writes into peers' registered memory over the Mooncake Transfer Engine (TE).
+
+`TeEndpoint` is the put primitive of the `mooncake` transport (docs/protocol.md): it owns one
+`mooncake.engine.TransferEngine` in P2PHANDSHAKE mode (no etcd; peers are addressed by the
+"host:port" session id of their engine), registers local memory so that peers can write into it,
+and performs synchronous writes that always return within a deadline.
+
+What the Transfer Engine does underneath (mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP)
+and why this class looks the way it does:
+
+* `initialize(host, "P2PHANDSHAKE", protocol, device)`: `host` is what the engine advertises;
+  the port in "host:port" is ignored in P2P mode and a free port is drawn at random from
+  MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (default 15000-17000); `get_rpc_port()` returns it. The engine
+  opens two listening sockets: the handshake/RPC port on 0.0.0.0 and the TCP data port on [::]
+  (dual stack). This TE version has no setting that binds them to one address (the wildcard is
+  hard-coded; MC_TCP_BIND_ADDRESS only changes the advertised address in non-P2P mode), so only
+  the *advertised* address follows `bind_host`; `listen_addresses` reports what is really bound.
+  The data server only accepts writes that fall inside memory the target registered.
+* The source of a write need not be registered over TCP (RDMA needs it, as a memory region);
+  this class requires it by default so code written against TCP keeps working on RDMA.
+* The first write to a peer performs a handshake while holding an engine-wide lock. To a dead
+  peer it fails at once (connection refused); to a peer that accepts connections but does not
+  answer (e.g. SIGSTOPped) it blocks for about 60 s (a fixed socket read timeout) and blocks
+  every other write of the engine meanwhile. So the first contact runs in a helper thread, the
+  caller waits with its deadline, and at the deadline the handshake socket is shut down, which
+  ends TE's read at once (`connect()` does this handshake ahead of time).
+* `transfer_sync_write` busy-polls a core until the transfer ends or MC_TRANSFER_TIMEOUT (30 s)
+  passes; `get_batch_transfer_status` does the same. Writes therefore use
+  `transfer_submit_write` + `transfer_check_status` (non-blocking) polled with back-off against
+  the caller's deadline. A write abandoned at the deadline stays in flight inside TE (it may
+  still land) until TE fails it: after MC_TCP_PROGRESS_TIMEOUT_SEC / MC_TCP_STATUS_TIMEOUT_SEC
+  (30 s each by default, see `tcp_stall_timeout_s`); it is reaped later.
+* A SIGKILLed peer: writes fail in ~1 ms (first) and ~1 s (later ones, TE waits 1 s between
+  reconnect rounds); a peer killed in the middle of a 60 MB write fails it in ~30 ms.
+* Order: the ranges of one batch are not written in order (a signal put in the same batch as
+  its data was seen before the data in 10-36 of 40 rounds, TE's own batch calls included); a
+  write that completed before the next one was submitted is always visible first (0 of 40).
+  So the protocol's "data, then signal" is two calls: `write_batch(data...)`, then the signal.
+* `get_first_buffer_address` also handshakes but keeps the GIL (a hung peer freezes every
+  Python thread for ~60 s), which is why the handshake goes through a zero-length write.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import threading
+import time
+import weakref
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+__all__ = ["TeEndpoint", "load_transfer_engine"]
+
+_WILDCARDS = {"", "0.0.0.0", "::", "[::]", "*"}
+_MAX_BATCH_ID = 1 << 63
+_LIVE: "weakref.WeakSet[TeEndpoint]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    # A thread still inside a TE call when the interpreter finalizes aborts the process
+    # (std::terminate from pybind11), so end handshakes and release engines first.
+    for endpoint in list(_LIVE):
+        try:
+            endpoint.close(reap_timeout_s=0.5)
+        except Exception:
+            pass
+
+
+def load_transfer_engine():
+    """The `TransferEngine` class, or ImportError that says what is missing."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:  # libibverbs1 / libnuma1 missing, or package not installed
+        raise ImportError(
+            "the Mooncake Transfer Engine cannot be imported (`from mooncake.engine import "
+            "TransferEngine` failed: %s). Install `mooncake-transfer-engine-non-cuda` (or "
+            "`mooncake-transfer-engine`) and its system libraries (libibverbs1, libnuma1)." % exc
+        ) from exc
+    return TransferEngine
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = int(value.__index__())  # numpy / torch integer scalars
+        except Exception:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _parse_session(peer_session: str) -> Tuple[str, int]:
+    if not isinstance(peer_session, str):
+        raise TypeError(f"peer_session must be a 'host:port' string, got {type(peer_session).__name__}")
+    host, sep, port = peer_session.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"peer_session must look like 'host:port', got {peer_session!r}")
+    return host.strip("[]"), int(port)
+
+
+def _socket_inodes() -> Set[int]:
+    inodes = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return inodes
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _listening(inodes: Set[int]) -> List[str]:
+    """'addr:port' of the LISTEN sockets among `inodes` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            with open(table) as handle:
+                rows = handle.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) < 10 or fields[3] != "0A" or int(fields[9]) not in inodes:
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            if v6:
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                addr = "[%s]" % socket.inet_ntop(socket.AF_INET6, raw)
+            else:
+                addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
+            found.append(f"{addr}:{int(hex_port, 16)}")
+    return sorted(found)
+
+
+def _abort_connections(peer_session: str) -> int:
+    """Shut down this process's TCP sockets to `peer_session` (established or connecting).
+
+    Used on a handshake that outlived its deadline: TE blocks in a read (up to ~60 s) while
+    holding an engine-wide lock; shutting the socket down makes that read fail at once. Only
+    sockets of this process whose remote end is exactly the peer's handshake address are
+    touched, each verified by inode through a dup, so an fd reused meanwhile is never hit.
+    Returns how many sockets were shut down.
+    """
+    host, port = _parse_session(peer_session)
+    try:
+        remote_ips = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError:
+        return 0
+    remote_ips |= {"::ffff:" + ip for ip in remote_ips if "." in ip}
+    targets = set()
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            with open(table) as handle:
+                rows = handle.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) < 10 or fields[3] not in ("01", "02"):  # ESTABLISHED, SYN_SENT
+                continue
+            hex_addr, hex_port = fields[2].split(":")
+            if int(hex_port, 16) != port:
+                continue
+            raw = bytes.fromhex(hex_addr)
+            if v6:
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                addr = socket.inet_ntop(socket.AF_INET6, raw)
+            else:
+                addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
+            if addr in remote_ips:
+                targets.add(int(fields[9]))
+    aborted = 0
+    if not targets:
+        return 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if not target.startswith("socket:[") or int(target[8:-1]) not in targets:
+            continue
+        try:
+            dup = os.dup(int(name))
+        except OSError:
+            continue
+        try:
+            if os.fstat(dup).st_ino in targets:
+                sock = socket.socket(fileno=dup)
+                dup = -1
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    aborted += 1
+                except OSError:
+                    pass
+                finally:
+                    sock.close()  # closes only the dup; TE still owns and closes its fd
+        finally:
+            if dup >= 0:
+                os.close(dup)
+    return aborted
+
+
+class TeEndpoint:
+    """One Transfer Engine: register local memory, write synchronously into peers' memory.
+
+    Args:
+        bind_host: address advertised to peers (the host part of `session_id`). Must be a
+            concrete address peers can reach; a wildcard is rejected. See the module docstring
+            for what TE really binds.
+        protocol: TE transport, "tcp" here ("rdma" where NICs exist).
+        device_name: comma-separated NIC filter for RDMA, "" for all.
+        timeout_s: default deadline of `write`/`write_batch` (seconds, > 0).
+        require_registered_source: check that every source range lies in memory registered
+            with this endpoint (needed for RDMA, not for TCP).
+        tcp_stall_timeout_s: if given, sets MC_TCP_PROGRESS_TIMEOUT_SEC and
+            MC_TCP_STATUS_TIMEOUT_SEC (unless already set) before the engine starts, so that TE
+            itself gives up on a stalled peer (and releases abandoned writes) after that long.
+        log_level: if given ("INFO", "WARNING", "ERROR"), sets MC_LOG_LEVEL (unless already set)
+            before the engine starts; TE logs to stderr through glog.
+        spin_s: how long a write polls for completion without sleeping before it starts
+            sleeping between polls (10% of the time waited, 50 us to 2 ms).
+    """
+
+    def __init__(
+        self,
+        bind_host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        *,
+        timeout_s: float = 5.0,
+        require_registered_source: bool = True,
+        tcp_stall_timeout_s: Optional[int] = None,
+        log_level: Optional[str] = None,
+        spin_s: float = 0.0003,
+    ) -> None:
+        if not isinstance(bind_host, str) or bind_host.strip() in _WILDCARDS:
+            raise ValueError(
+                f"bind_host must be a concrete address peers can reach, got {bind_host!r}")
+        if ":" in bind_host and not bind_host.startswith("["):
+            if bind_host.count(":") == 1:
+                raise ValueError(
+                    f"bind_host takes no port ({bind_host!r}): in P2PHANDSHAKE mode TE picks the "
+                    "port itself (see session_id)")
+        if not (timeout_s > 0):
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.bind_host = bind_host.strip()
+        self.protocol = protocol
+        self.timeout_s = float(timeout_s)
+        self.require_registered_source = bool(require_registered_source)
+        self.spin_s = float(spin_s)
+        if tcp_stall_timeout_s is not None:
+            stall = str(_check_int("tcp_stall_timeout_s", tcp_stall_timeout_s, 1))
+            os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", stall)
+            os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", stall)
+        if log_level is not None:
+            os.environ.setdefault("MC_LOG_LEVEL", str(log_level))
+
+        self._engine = None
+        self._closed = True  # until the engine is up
+        engine_class = load_transfer_engine()
+        self._lock = threading.RLock()
+        self._regions: Dict[int, int] = {}  # base -> nbytes
+        self._opened: Set[str] = set()  # peers whose handshake completed
+        self._opening: Dict[str, threading.Event] = {}  # peers with a handshake in a helper thread
+        self._orphans: List[int] = []  # batch ids abandoned at a deadline, still owned by TE
+
+        sockets_before = _socket_inodes()
+        engine = engine_class()
+        ret = engine.initialize(self.bind_host, "P2PHANDSHAKE", protocol, device_name)
+        if ret != 0:
+            raise RuntimeError(
+                f"TransferEngine.initialize({self.bind_host!r}, 'P2PHANDSHAKE', {protocol!r}, "
+                f"{device_name!r}) failed with {ret}; see the engine's log on stderr")
+        self._engine = engine
+        self._closed = False
+        self._engine_inodes = _socket_inodes() - sockets_before
+        self.rpc_port = int(engine.get_rpc_port())
+        host = self.bind_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        self.session_id = f"{host}:{self.rpc_port}"
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def listen_addresses(self) -> List[str]:
+        """What the engine's listening sockets are bound to ('addr:port'), from /proc."""
+        return _listening(self._engine_inodes)
+
+    @property
+    def registered(self) -> Dict[int, int]:
+        """A copy of the registered regions, base -> nbytes."""
+        with self._lock:
+            return dict(self._regions)
+
+    @property
+    def num_abandoned(self) -> int:
+        """Writes abandoned at a deadline that TE has not finished yet."""
+        with self._lock:
+            if self._engine is not None:
+                self._reap()
+            return len(self._orphans)
+
+    # ------------------------------------------------------------------ memory
+
+    def register(self, base: int, nbytes: int) -> None:
+        """Register [base, base + nbytes) so that peers can write into it."""
+        base = _check_int("base", base, 1)
+        nbytes = _check_int("nbytes", nbytes, 1)
+        with self._lock:
+            self._check_open()
+            for other, size in self._regions.items():
+                if base < other + size and other < base + nbytes:
+                    raise ValueError(
+                        f"[{base:#x}, {base + nbytes:#x}) overlaps the registered region "
+                        f"[{other:#x}, {other + size:#x})")
+            ret = self._engine.register_memory(base, nbytes)
+            if ret != 0:
+                raise RuntimeError(f"TransferEngine.register_memory({base:#x}, {nbytes}) failed with {ret}")
+            self._regions[base] = nbytes
+
+    def unregister(self, base: int) -> None:
+        """Unregister the region registered at `base`; later writes into it are rejected."""
+        base = _check_int("base", base, 1)
+        with self._lock:
+            self._check_open()
+            if base not in self._regions:
+                raise KeyError(f"no region registered at {base:#x}")
+            ret = self._engine.unregister_memory(base)
+            del self._regions[base]
+            if ret != 0:
+                raise RuntimeError(f"TransferEngine.unregister_memory({base:#x}) failed with {ret}")
+
+    # ------------------------------------------------------------------ writes
+
+    def connect(self, peer_session: str, timeout_s: Optional[float] = None) -> None:
+        """Handshake with a peer now (a zero-length write), so later writes never handshake.
+
+        Best done for every peer while all are known healthy (set-up, membership change): TE
+        handshakes under an engine-wide lock, so a first contact with a hung peer holds up every
+        other write of this endpoint until it is aborted at the deadline of the call that
+        started it, whereas a connected peer that dies or hangs later only fails the writes
+        addressed to it. Errors as `write`.
+        """
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not (timeout > 0):
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        deadline = time.monotonic() + timeout
+        _parse_session(peer_session)
+        with self._lock:
+            self._check_open()
+            self._reap()
+        pending = [self._submit(peer_session, 1, 1, 0, deadline)]
+        try:
+            self._wait(peer_session, pending, deadline)
+        except BaseException:
+            with self._lock:
+                self._orphans.extend(pending)
+            raise
+
+    def is_connected(self, peer_session: str) -> bool:
+        """Whether the handshake with this peer has been done (it may have died since)."""
+        with self._lock:
+            return peer_session in self._opened
+
+    def write(self, peer_session: str, local_addr: int, remote_addr: int, nbytes: int,
+              timeout_s: Optional[float] = None) -> None:
+        """Copy [local_addr, +nbytes) into the peer's [remote_addr, +nbytes); returns when done.
+
+        Raises ConnectionRefusedError if the peer's engine is gone, ConnectionError if the peer
+        is reachable but the write failed (typically: the remote range is not inside memory the
+        peer registered), TimeoutError if it did not finish within `timeout_s` (the write may
+        still land later: treat the peer as failed).
+        """
+        self.write_batch(peer_session, [local_addr], [remote_addr], [nbytes], timeout_s)
+
+    def write_batch(self, peer_session: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
+                    lengths: Sequence[int], timeout_s: Optional[float] = None) -> None:
+        """Several writes to one peer, all finished on return (no order among them is implied:
+        to order a signal after data, call again after this returns). Errors as `write`."""
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not (timeout > 0):
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        deadline = time.monotonic() + timeout
+        _parse_session(peer_session)
+        local_addrs, remote_addrs, lengths = list(local_addrs), list(remote_addrs), list(lengths)
+        if not (len(local_addrs) == len(remote_addrs) == len(lengths)):
+            raise ValueError(
+                f"local_addrs, remote_addrs and lengths differ in length "
+                f"({len(local_addrs)}, {len(remote_addrs)}, {len(lengths)})")
+        if not lengths:
+            raise ValueError("write_batch needs at least one range")
+        entries = []
+        for i, (src, dst, size) in enumerate(zip(local_addrs, remote_addrs, lengths)):
+            src = _check_int(f"local_addrs[{i}]", src, 1)
+            dst = _check_int(f"remote_addrs[{i}]", dst, 1)
+            size = _check_int(f"lengths[{i}]", size, 1)
+            entries.append((src, dst, size))
+        with self._lock:
+            self._check_open()
+            if self.require_registered_source:
+                for src, _, size in entries:
+                    self._check_local(src, size)
+            self._reap()
+
+        pending: List[int] = []
+        try:
+            for src, dst, size in entries:
+                pending.append(self._submit(peer_session, src, dst, size, deadline))
+            self._wait(peer_session, pending, deadline)
+        except BaseException:
+            with self._lock:
+                self._orphans.extend(pending)
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self, reap_timeout_s: float = 2.0) -> None:
+        """Unregister everything and release the engine (its sockets and threads).
+
+        Waits up to `reap_timeout_s` for abandoned writes and pending handshakes to end first.
+        Idempotent. Takes about 1 s: the engine's destructor waits that long for its I/O threads.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        deadline = time.monotonic() + max(0.0, reap_timeout_s)
+        with self._lock:
+            opening = list(self._opening.items())
+        for peer, event in opening:
+            if not event.wait(max(0.0, deadline - time.monotonic())):
+                _abort_connections(peer)
+                event.wait(0.5)
+        with self._lock:
+            self._reap()
+        while self._orphans and time.monotonic() < deadline:
+            time.sleep(0.01)
+            with self._lock:
+                self._reap()
+        with self._lock:
+            errors = []
+            for base in list(self._regions):
+                ret = self._engine.unregister_memory(base)
+                if ret != 0:
+                    errors.append((base, ret))
+            self._regions.clear()
+            engine, self._engine = self._engine, None
+        # A helper thread still inside TE holds its own reference, so the engine is destroyed
+        # when the last user lets go, never under a running call.
+        del engine
+        if errors:
+            raise RuntimeError(f"unregister_memory failed during close: {errors}")
+
+    def __enter__(self) -> "TeEndpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if not getattr(self, "_closed", True):
+                self.close(reap_timeout_s=0.0)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._regions)} regions"
+        return f"TeEndpoint({self.session_id}, {self.protocol}, {state})"
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TeEndpoint is closed")
+
+    def _check_local(self, addr: int, nbytes: int) -> None:
+        for base, size in self._regions.items():
+            if base <= addr and addr + nbytes <= base + size:
+                return
+        raise ValueError(
+            f"source range [{addr:#x}, {addr + nbytes:#x}) is not inside memory registered with "
+            "this endpoint (register() it first; RDMA needs registered sources)")
+
+    def _reap(self) -> None:
+        """Forget abandoned batches that TE has finished (check_status frees them)."""
+        if self._orphans:
+            self._orphans = [bid for bid in self._orphans if self._engine.transfer_check_status(bid) == 0]
+
+    def _submit(self, peer: str, src: int, dst: int, size: int, deadline: float) -> int:
+        """Submit one write, return its batch id. Never blocks past `deadline`.
+
+        TE handshakes on the first write to a peer while holding an engine-wide lock, so: with
+        no handshake in progress and the peer known, submit directly (it does not block);
+        otherwise wait for the handshake in progress, or start one in a helper thread.
+        """
+        while True:
+            with self._lock:
+                self._check_open()
+                if not self._opening:
+                    if peer in self._opened:
+                        batch_id = self._engine.transfer_submit_write(peer, src, dst, size)
+                        return self._checked_id(peer, batch_id, dst, size)
+                    done, result = self._start_handshake(peer, src, dst, size)
+                    break
+                busy_peer, busy = next(iter(self._opening.items()))
+            if not busy.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(
+                    f"TE could not start a write to {peer} before the deadline: the engine is "
+                    f"blocked by a handshake with {busy_peer} (hung peer?)")
+        done.wait(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            finished = done.is_set()
+            if not finished:  # decided under the lock, so the helper sees it when it finishes
+                result["abandoned"] = True
+        if not finished:
+            # Unblock TE (and its engine-wide lock) now instead of after its ~60 s read timeout.
+            aborted = _abort_connections(peer)
+            done.wait(0.5)
+            raise TimeoutError(
+                f"TE handshake with {peer} did not finish before the deadline (peer hung?); "
+                f"{'aborted it' if aborted else 'it continues in the background'}")
+        if "error" in result:
+            raise ConnectionError(f"TE submit to {peer} failed: {result['error']}")
+        return self._checked_id(peer, result["id"], dst, size)
+
+    def _start_handshake(self, peer: str, src: int, dst: int, size: int):
+        """Run the first submit to `peer` (which handshakes) in a helper thread. Holds the lock."""
+        engine = self._engine  # the helper keeps the engine alive until it returns
+        done = threading.Event()
+        result: Dict[str, object] = {}
+        self._opening[peer] = done
+
+        def run():
+            try:
+                result["id"] = engine.transfer_submit_write(peer, src, dst, size)
+            except BaseException as exc:  # pragma: no cover - the binding returns codes
+                result["error"] = exc
+            with self._lock:
+                batch_id = result.get("id")
+                if isinstance(batch_id, int) and 0 < batch_id < _MAX_BATCH_ID:
+                    self._opened.add(peer)
+                    if result.get("abandoned"):
+                        self._orphans.append(batch_id)
+                del self._opening[peer]
+                done.set()
+
+        threading.Thread(target=run, name=f"te-handshake-{peer}", daemon=True).start()
+        return done, result
+
+    def _checked_id(self, peer: str, batch_id, dst: int, size: int) -> int:
+        if isinstance(batch_id, int) and 0 < batch_id < _MAX_BATCH_ID:
+            if peer not in self._opened:
+                self._opened.add(peer)
+            return batch_id
+        self._raise_failure(peer, f"TE could not submit a write of {size} bytes to {dst:#x} on {peer}")
+
+    def _wait(self, peer: str, pending: List[int], deadline: float) -> None:
+        """Poll `pending` until all completed; removes finished ids from the list in place."""
+        started = time.monotonic()
+        spin_until = started + self.spin_s
+        check = self._engine.transfer_check_status
+        while pending:
+            for index in range(len(pending) - 1, -1, -1):
+                status = check(pending[index])
+                if status == 1:  # completed (TE freed the batch)
+                    pending.pop(index)
+                elif status == -1:  # failed (TE freed the batch)
+                    pending.pop(index)
+                    self._raise_failure(peer, f"a TE write to {peer} failed")
+                elif status != 0:  # -2: TE-level timeout; TE keeps the batch, nothing to reap
+                    pending.pop(index)
+                    self._raise_failure(peer, f"a TE write to {peer} timed out inside TE ({status})")
+            if not pending:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(
+                    f"{len(pending)} TE write(s) to {peer} did not complete before the deadline "
+                    "(peer hung or overloaded); they may still land later")
+            # Spin briefly (a small loopback write completes in ~50 us), then sleep so that an
+            # oversubscribed CPU is left to the engine's I/O threads; sleeping ~10% of the time
+            # waited so far bounds the overshoot to ~10% (at least 50 us, at most 2 ms).
+            if now < spin_until:
+                continue
+            pause = min(0.002, max(0.00005, 0.1 * (now - started)))
+            time.sleep(min(pause, max(0.0, deadline - now)))
+
+    def _raise_failure(self, peer: str, what: str):
+        """Tell a dead peer from a rejected write: probe the peer's handshake port briefly."""
+        host, port = _parse_session(peer)
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                pass
+        except ConnectionRefusedError:
+            raise ConnectionRefusedError(
+                f"{what}: the peer's engine is gone (connection to {peer} refused)") from None
+        except OSError as exc:
+            raise ConnectionError(f"{what}: the peer is unreachable ({exc})") from None
+        raise ConnectionError(
+            f"{what}: the peer is up, so the write was most likely rejected: is every remote range "
+            "inside memory the peer registered (and not unregistered since)?")

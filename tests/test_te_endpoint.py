@@ -1,0 +1,487 @@
+"""TeEndpoint: one-sided writes over the Mooncake Transfer Engine (TCP, P2PHANDSHAKE).
+
+Multi-process tests spawn "agent" processes (multiprocessing, spawn) that each own a TeEndpoint
+and a registered buffer and execute commands sent over a Pipe; session ids and addresses travel
+through those pipes. Every agent has a watchdog that ends it after AGENT_DEADLINE_S, every reply
+is awaited with a timeout, and every agent is killed in a finally block (the fixture).
+
+If the Transfer Engine cannot be imported (package or libibverbs1 missing) these tests FAIL.
+"""
+import ctypes
+import gc
+import mmap
+import multiprocessing
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from mooncake_ep_switch.buffer.te_endpoint import TeEndpoint, load_transfer_engine
+
+_CTX = multiprocessing.get_context("spawn")
+AGENT_DEADLINE_S = 40.0  # hard cap on an agent's life (the watchdog calls os._exit)
+STARTUP_TIMEOUT_S = 25.0  # importing torch in 4 fresh processes on 2 cores takes a while
+REPLY_TIMEOUT_S = 15.0
+SLACK_S = 2.0  # a failed write must be reported within timeout_s + SLACK_S
+
+
+def _engine_or_fail():
+    """The TransferEngine class; a missing engine FAILS the calling test (never a skip)."""
+    try:
+        return load_transfer_engine()
+    except ImportError as exc:
+        pytest.fail(f"Mooncake Transfer Engine unavailable, the TE transport is untested: {exc}",
+                    pytrace=False)
+
+
+def _address(buffer) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def _pattern(tag: int, nbytes: int) -> bytes:
+    """Structured bytes: a position-dependent ramp seeded by `tag` (misplaced bytes show)."""
+    return bytes((tag * 37 + i * 7 + (i >> 8)) & 0xFF for i in range(nbytes))
+
+
+# ---------------------------------------------------------------- the agent (child process)
+
+
+def _agent_main(conn, options):
+    watchdog = threading.Timer(options.get("deadline_s", AGENT_DEADLINE_S), os._exit, args=(3,))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        endpoint = TeEndpoint(timeout_s=options.get("timeout_s", 5.0), log_level="ERROR")
+        nbytes = options.get("nbytes", 1 << 20)
+        if options.get("buffer") == "torch":
+            import torch
+
+            tensor = torch.zeros(nbytes, dtype=torch.uint8)
+            base = tensor.data_ptr()
+            view = (ctypes.c_char * nbytes).from_address(base)
+            holder = tensor
+        else:
+            holder = mmap.mmap(-1, nbytes)
+            base = _address(holder)
+            view = (ctypes.c_char * nbytes).from_buffer(holder)
+        endpoint.register(base, nbytes)
+    except BaseException as exc:
+        conn.send(("err", type(exc).__name__, str(exc), 0.0))
+        return
+    conn.send(("ok", {"session": endpoint.session_id, "addr": base, "nbytes": nbytes, "pid": os.getpid()}))
+    watcher = {}
+
+    def watch(sig_off, data_off, data_len, last_round):
+        # Invariant of "data, wait for completion, then signal": whenever signal s is visible,
+        # every data byte is >= s (round r fills the data with byte r; rounds only increase).
+        seen = violations = 0
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            signal_value = struct.unpack_from("<Q", view, sig_off)[0]
+            if signal_value:
+                seen += 1
+                if min(view[data_off:data_off + data_len]) < signal_value:
+                    violations += 1
+                if signal_value >= last_round:
+                    break
+        watcher["result"] = (seen, violations, signal_value)
+
+    handlers = {
+        "fill": lambda off, data: view.__setitem__(slice(off, off + len(data)), data),
+        "read": lambda off, n: bytes(view[off:off + n]),
+        "connect": lambda peer, timeout: endpoint.connect(peer, timeout_s=timeout),
+        "write": lambda peer, src_off, dst, n, timeout: endpoint.write(peer, base + src_off, dst, n, timeout_s=timeout),
+        "write_batch": lambda peer, src_offs, dsts, lens, timeout: endpoint.write_batch(
+            peer, [base + o for o in src_offs], dsts, lens, timeout_s=timeout),
+        "num_abandoned": lambda: endpoint.num_abandoned,
+        "close": lambda: endpoint.close(),
+    }
+
+    def rounds(peer, remote_base, data_off, data_len, sig_off, count):
+        for r in range(1, count + 1):
+            view[data_off:data_off + data_len] = bytes([r]) * data_len
+            struct.pack_into("<Q", view, sig_off, r)
+            endpoint.write(peer, base + data_off, remote_base + data_off, data_len)
+            endpoint.write(peer, base + sig_off, remote_base + sig_off, 8)
+
+    def start_watch(*args):
+        thread = threading.Thread(target=watch, args=args, daemon=True)
+        watcher["thread"] = thread
+        thread.start()
+
+    def watch_result():
+        watcher["thread"].join(20)
+        return watcher.get("result")
+
+    handlers.update(rounds=rounds, watch=start_watch, watch_result=watch_result)
+    end = time.monotonic() + options.get("deadline_s", AGENT_DEADLINE_S)
+    while conn.poll(max(0.0, end - time.monotonic())):
+        try:
+            command, *args = conn.recv()
+        except EOFError:
+            break
+        if command == "quit":
+            break
+        began = time.monotonic()
+        try:
+            value = handlers[command](*args)
+            conn.send(("ok", value, time.monotonic() - began))
+        except BaseException as exc:
+            conn.send(("err", type(exc).__name__, str(exc), time.monotonic() - began))
+    endpoint.close()
+
+
+class AgentError(Exception):
+    def __init__(self, kind, message, elapsed):
+        super().__init__(f"{kind}: {message} (after {elapsed:.3f} s)")
+        self.kind, self.message, self.elapsed = kind, message, elapsed
+
+
+class Agent:
+    def __init__(self, **options):
+        self.conn, child = _CTX.Pipe()
+        self.proc = _CTX.Process(target=_agent_main, args=(child, options), daemon=True)
+        self.proc.start()
+        child.close()
+        self.info = None
+
+    def ready(self, timeout=STARTUP_TIMEOUT_S):
+        status, *rest = self._receive(timeout)
+        if status != "ok":
+            raise AgentError(*rest)
+        self.info = rest[0]
+        return self
+
+    @property
+    def session(self):
+        return self.info["session"]
+
+    @property
+    def addr(self):
+        return self.info["addr"]
+
+    def call(self, *message, timeout=REPLY_TIMEOUT_S):
+        """Run a command; return (value, elapsed) or raise AgentError with the agent's exception."""
+        self.conn.send(message)
+        status, *rest = self._receive(timeout)
+        if status != "ok":
+            raise AgentError(*rest)
+        return rest[0], rest[1]
+
+    def _receive(self, timeout):
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"agent pid={self.proc.pid} did not answer within {timeout} s")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.join(1)
+            raise AssertionError(f"agent pid={self.proc.pid} died (exit code {self.proc.exitcode})")
+
+    def kill(self):
+        if self.proc.is_alive():
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+            except OSError:
+                pass
+            self.proc.kill()
+        self.proc.join(5)
+
+
+@pytest.fixture
+def agents():
+    created = []
+
+    def spawn(count=None, *, each=None, **options):
+        """`count` agents with `options`, or one agent per options dict in `each`."""
+        _engine_or_fail()
+        group = [Agent(**o) for o in (each if each is not None else [options] * count)]
+        created.extend(group)
+        return [agent.ready() for agent in group]
+
+    try:
+        yield spawn
+    finally:
+        for agent in created:
+            agent.kill()
+
+
+def _expect_failure(agent, *message, timeout_s, kinds=("ConnectionError", "ConnectionRefusedError", "TimeoutError")):
+    began = time.monotonic()
+    with pytest.raises(AgentError) as caught:
+        agent.call(*message, timeout=timeout_s + 10)
+    wall = time.monotonic() - began
+    assert caught.value.kind in kinds, str(caught.value)
+    assert caught.value.elapsed <= timeout_s + SLACK_S, str(caught.value)
+    assert wall <= timeout_s + SLACK_S + 1.0
+    return caught.value
+
+
+# ---------------------------------------------------------------- in-process tests
+
+
+def test_transfer_engine_importable():
+    engine_class = _engine_or_fail()
+    for method in ("initialize", "register_memory", "unregister_memory", "transfer_submit_write",
+                   "transfer_check_status", "get_rpc_port"):
+        assert hasattr(engine_class, method), method
+
+
+def _thread_count():
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_session_id_listeners_self_write_and_close():
+    _engine_or_fail()
+    gc.collect()
+    threads_before = _thread_count()
+    buffer = mmap.mmap(-1, 1 << 16)
+    target = mmap.mmap(-1, 1 << 16)
+    with TeEndpoint(log_level="ERROR") as endpoint:
+        host, port = endpoint.session_id.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) == endpoint.rpc_port > 0
+        listening = endpoint.listen_addresses
+        assert any(a.endswith(f":{endpoint.rpc_port}") for a in listening), listening
+        # TE binds its listeners to the wildcard whatever it advertises (no setting changes it).
+        for address in listening:
+            assert address.rsplit(":", 1)[0] in ("127.0.0.1", "0.0.0.0", "[::]"), listening
+        endpoint.register(_address(buffer), len(buffer))
+        endpoint.register(_address(target), len(target))
+        buffer[0:300] = _pattern(5, 300)
+        endpoint.write(endpoint.session_id, _address(buffer), _address(target) + 1000, 300)
+        assert target[1000:1300] == _pattern(5, 300)
+    assert endpoint.listen_addresses == []
+    assert endpoint.registered == {}
+    endpoint.close()  # idempotent
+    gc.collect()
+    # TE keeps at most one lazily started process-wide thread; the engine's own are gone.
+    assert _thread_count() <= threads_before + 1
+
+
+def test_bad_arguments_are_clear_errors():
+    _engine_or_fail()
+    for bad_host in ("0.0.0.0", "", "127.0.0.1:5000"):
+        with pytest.raises(ValueError):
+            TeEndpoint(bind_host=bad_host)
+    buffer = mmap.mmap(-1, 1 << 16)
+    outside = mmap.mmap(-1, 1 << 16)
+    base = _address(buffer)
+    with TeEndpoint(timeout_s=3, log_level="ERROR") as endpoint:
+        me = endpoint.session_id
+        with pytest.raises(ValueError):
+            endpoint.register(base, 0)
+        with pytest.raises(ValueError):
+            endpoint.register(0, 4096)
+        with pytest.raises(TypeError):
+            endpoint.register(float(base), 4096)
+        endpoint.register(base, len(buffer))
+        with pytest.raises(ValueError, match="overlaps"):
+            endpoint.register(base + 4096, 4096)
+        with pytest.raises(KeyError):
+            endpoint.unregister(base + 64)
+        for nbytes in (0, -1):
+            with pytest.raises(ValueError, match="lengths"):
+                endpoint.write(me, base, base, nbytes)
+        with pytest.raises(ValueError, match="host:port"):
+            endpoint.write("no-port", base, base, 8)
+        with pytest.raises(ValueError, match="differ"):
+            endpoint.write_batch(me, [base, base], [base], [8, 8])
+        with pytest.raises(ValueError, match="at least one"):
+            endpoint.write_batch(me, [], [], [])
+        with pytest.raises(ValueError, match="timeout_s"):
+            endpoint.write(me, base, base, 8, timeout_s=0)
+        # The source must be registered (TCP would not need it, RDMA does).
+        with pytest.raises(ValueError, match="not inside memory registered"):
+            endpoint.write(me, _address(outside), base, 8)
+        with pytest.raises(ValueError, match="not inside memory registered"):
+            endpoint.write(me, base + len(buffer) - 4, base, 8)
+        # TE's server rejects a destination outside the target's registered memory.
+        began = time.monotonic()
+        with pytest.raises(ConnectionError, match="registered") as caught:
+            endpoint.write(me, base, _address(outside), 8)
+        assert not isinstance(caught.value, ConnectionRefusedError)
+        with pytest.raises(ConnectionError, match="registered"):
+            endpoint.write(me, base, base + len(buffer) - 4, 8)  # overruns the region
+        assert time.monotonic() - began < 3
+        # A session nobody listens on: refused at once.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            dead = "127.0.0.1:%d" % probe.getsockname()[1]
+        began = time.monotonic()
+        with pytest.raises(ConnectionRefusedError):
+            endpoint.write(dead, base, base, 8)
+        assert time.monotonic() - began < 3
+        endpoint.unregister(base)
+        with pytest.raises(ValueError, match="not inside memory registered"):
+            endpoint.write(me, base, base, 8)
+    with pytest.raises(RuntimeError, match="closed"):
+        endpoint.write(me, base, base, 8)
+    with pytest.raises(RuntimeError, match="closed"):
+        endpoint.register(base, 4096)
+
+
+# ---------------------------------------------------------------- multi-process tests
+
+
+def test_two_processes_write_structured_bytes_into_each_other(agents):
+    # One buffer is an anonymous mmap, the other a torch uint8 tensor (its data_ptr).
+    pair = agents(each=[{"nbytes": 1 << 20}, {"nbytes": 1 << 20, "buffer": "torch"}])
+    chunk = 4096 + 17
+    staging = 700000  # sources live above every destination range
+    pieces = [(720000, 1), (730000, 65536 + 3), (900000, 1000)]  # (source offset, size)
+    for rank, agent in enumerate(pair):
+        peer = pair[1 - rank]
+        agent.call("fill", staging, _pattern(rank, chunk))
+        agent.call("write", peer.session, staging, peer.addr + rank * chunk, chunk, 5.0)
+        # A batch of several ranges, scattered on both sides.
+        for i, (offset, size) in enumerate(pieces):
+            agent.call("fill", offset, _pattern(10 * rank + i, size))
+        destinations, position = [], 300000 + rank * 100000
+        for i, (_, size) in enumerate(pieces):
+            destinations.append(peer.addr + position + 7 * i)
+            position += size
+        agent.call("write_batch", peer.session, [o for o, _ in pieces], destinations,
+                   [s for _, s in pieces], 5.0)
+    for rank, agent in enumerate(pair):
+        source = 1 - rank
+        assert agent.call("read", source * chunk, chunk)[0] == _pattern(source, chunk)
+        assert agent.call("read", rank * chunk, chunk)[0] == bytes(chunk)  # nobody wrote there
+        position = 300000 + source * 100000
+        for i, (_, size) in enumerate(pieces):
+            got = agent.call("read", position + 7 * i, size)[0]
+            assert got == _pattern(10 * source + i, size), (rank, i)
+            position += size
+
+
+def test_four_processes_all_to_all_batches(agents):
+    group = agents(4, nbytes=1 << 21)
+    slot = 1 << 18  # source s writes into [s * slot, (s + 1) * slot) of every peer
+    staging = 1 << 20  # sources live above every destination range
+    sizes = [1, 3000, 50000]
+    for agent in group:  # handshake with everyone while everyone is healthy
+        for peer in group:
+            if peer is not agent:
+                agent.call("connect", peer.session, 5.0)
+    for src, agent in enumerate(group):
+        offsets = []
+        position = staging
+        for i, size in enumerate(sizes):
+            agent.call("fill", position, _pattern(src * 10 + i, size))
+            offsets.append(position)
+            position += size + 13
+        for dst, peer in enumerate(group):
+            if dst == src:
+                continue
+            remote = [peer.addr + src * slot + 100 * dst + o - staging for o in offsets]
+            agent.call("write_batch", peer.session, offsets, remote, sizes, 5.0)
+    for dst, agent in enumerate(group):
+        for src in range(4):
+            if src == dst:
+                continue
+            position = 0
+            for i, size in enumerate(sizes):
+                got = agent.call("read", src * slot + 100 * dst + position, size)[0]
+                assert got == _pattern(src * 10 + i, size), (src, dst, i)
+                position += size + 13
+
+
+def test_signal_after_a_completed_write_is_never_seen_early(agents):
+    writer, reader = agents(2, nbytes=1 << 21)
+    data_off, data_len, sig_off, count = 0, 1 << 20, (1 << 20) + 4096, 30
+    writer.call("connect", reader.session, 5.0)
+    reader.call("watch", sig_off, data_off, data_len, count)
+    writer.call("rounds", reader.session, reader.addr, data_off, data_len, sig_off, count, timeout=25)
+    seen, violations, last = reader.call("watch_result", timeout=25)[0]
+    assert last == count
+    assert seen > 0
+    assert violations == 0
+
+
+def test_write_to_sigkilled_peer_fails_within_deadline(agents):
+    writer, victim, healthy, never_contacted = agents(4, nbytes=1 << 20)
+    timeout_s = 2.0
+    writer.call("fill", 0, _pattern(1, 4096))
+    for peer in (victim, healthy):
+        writer.call("connect", peer.session, 5.0)
+        writer.call("write", peer.session, 0, peer.addr, 4096, timeout_s)
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    os.kill(never_contacted.proc.pid, signal.SIGKILL)
+    victim.proc.join(5)
+    never_contacted.proc.join(5)
+    assert not victim.proc.is_alive() and not never_contacted.proc.is_alive()
+    for _ in range(3):  # the first fails at once, later ones after TE's 1 s reconnect pause
+        _expect_failure(writer, "write", victim.session, 0, victim.addr, 4096, timeout_s, timeout_s=timeout_s)
+    _expect_failure(writer, "write_batch", victim.session, [0, 100], [victim.addr, victim.addr + 5000],
+                    [64, 64], timeout_s, timeout_s=timeout_s)
+    error = _expect_failure(writer, "write", never_contacted.session, 0, never_contacted.addr, 64, timeout_s,
+                            timeout_s=timeout_s)
+    assert error.kind == "ConnectionRefusedError", str(error)
+    # A dead peer does not disturb writes to a live one.
+    writer.call("fill", 0, _pattern(2, 4096))
+    _, elapsed = writer.call("write", healthy.session, 0, healthy.addr, 4096, timeout_s)
+    assert elapsed < 1.0
+    assert healthy.call("read", 0, 4096)[0] == _pattern(2, 4096)
+
+
+def test_write_to_stopped_peer_times_out(agents):
+    writer, victim, healthy = agents(3, nbytes=1 << 21)
+    timeout_s = 1.5
+    for peer in (victim, healthy):
+        writer.call("connect", peer.session, 5.0)
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        error = _expect_failure(writer, "write", victim.session, 0, victim.addr, 1 << 20, timeout_s,
+                                timeout_s=timeout_s, kinds=("TimeoutError",))
+        assert error.elapsed >= timeout_s - 0.05
+        assert writer.call("num_abandoned")[0] >= 1  # TE still owns it; reaped once TE gives up
+        writer.call("fill", 0, _pattern(3, 512))
+        _, elapsed = writer.call("write", healthy.session, 0, healthy.addr + 64, 512, timeout_s)
+        assert elapsed < 1.0
+        assert healthy.call("read", 64, 512)[0] == _pattern(3, 512)
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+
+
+def test_handshake_with_hung_peer_is_aborted_at_the_deadline(agents):
+    """A peer that accepts connections but never answers (hung, or SIGSTOPped before first
+    contact). TE would block the whole engine ~60 s in the handshake; the endpoint aborts it."""
+    writer, healthy = agents(2, nbytes=1 << 20)
+    writer.call("connect", healthy.session, 5.0)
+    listener = socket.socket()
+    accepted = []
+    stop = threading.Event()
+    thread = None
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.settimeout(0.2)
+
+        def accept_forever():
+            while not stop.is_set():
+                try:
+                    accepted.append(listener.accept()[0])  # never answers
+                except OSError:
+                    continue
+
+        thread = threading.Thread(target=accept_forever, daemon=True)
+        thread.start()
+        hung = "127.0.0.1:%d" % listener.getsockname()[1]
+        timeout_s = 1.0
+        error = _expect_failure(writer, "connect", hung, timeout_s, timeout_s=timeout_s, kinds=("TimeoutError",))
+        assert "aborted" in error.message
+        _expect_failure(writer, "write", hung, 0, 4096, 64, timeout_s, timeout_s=timeout_s, kinds=("TimeoutError",))
+        # The engine is not left blocked by the hung handshake.
+        writer.call("fill", 0, _pattern(4, 256))
+        _, elapsed = writer.call("write", healthy.session, 0, healthy.addr, 256, timeout_s)
+        assert elapsed < 0.5
+        assert healthy.call("read", 0, 256)[0] == _pattern(4, 256)
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(2)
+        listener.close()
+        for connection in accepted:
+            connection.close()
