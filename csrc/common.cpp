@@ -1,8 +1,15 @@
 // Region layout, deadlines/backoff and argument checks.
 #include "mep_common.h"
 
+#include <linux/futex.h>
 #include <sched.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
+
+#include <climits>
 
 #include <algorithm>
 
@@ -156,33 +163,63 @@ Waiter::Waiter(int64_t timeout_us) {
     }
 }
 
+Waiter::~Waiter() {
+    if (saved_timer_slack_ >= 0) prctl(PR_SET_TIMERSLACK, saved_timer_slack_, 0, 0, 0);
+}
+
 bool Waiter::expired() const { return deadline_ns_ >= 0 && monotonic_ns() >= deadline_ns_; }
 
-void Waiter::backoff() {
-    // Phase 1: spin briefly; data often arrives within a microsecond when the peer is running.
+void Waiter::backoff(const void* futex_word, uint32_t futex_expected) {
+    // Phase 1: spin briefly; data often arrives within microseconds when the peer is running.
     if (polls_ < kSpinPolls) {
         ++polls_;
         cpu_relax();
         return;
     }
-    // Phase 2: give the core to a peer that may be the one we wait for.
+    // Phase 2: give the core to a peer that may be the one we wait for. With a core to spare this
+    // keeps polling (waking a sleeping thread costs tens of microseconds, more in a VM).
     const int64_t now = monotonic_ns();
     if (yield_start_ns_ < 0) yield_start_ns_ = now;
     if (now - yield_start_ns_ < kYieldNs) {
         sched_yield();
         return;
     }
-    // Phase 3: sleep, doubling up to the cap, never past the deadline. (The kernel's default
-    // timer slack of ~50 us makes the shortest sleeps longer than requested; that is fine.)
+    // Phase 3: sleep, doubling up to the cap, never past the deadline, with a small timer slack
+    // (the default 50 us would stretch every short sleep).
     int64_t ns = sleep_ns_;
     if (deadline_ns_ >= 0) {
         const int64_t left = deadline_ns_ - now;
         if (left <= 0) return;
         ns = std::min(ns, left);
     }
+    if (saved_timer_slack_ < 0) {
+        const int old = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+        if (old >= 0 && prctl(PR_SET_TIMERSLACK, kSleepTimerSlackNs, 0, 0, 0) == 0) saved_timer_slack_ = old;
+    }
     timespec ts{time_t(ns / 1000000000LL), long(ns % 1000000000LL)};
-    nanosleep(&ts, nullptr);  // EINTR just means an earlier poll
+    if (futex_word != nullptr) {
+        // Shared (not private) futex: the word lives in memory mapped by several processes. Returns
+        // at once if the word changed already, on a wake, on the timeout or on a signal.
+        syscall(SYS_futex, futex_word, FUTEX_WAIT, futex_expected, &ts, nullptr, 0);
+    } else {
+        nanosleep(&ts, nullptr);  // EINTR just means an earlier poll
+    }
     sleep_ns_ = std::min(sleep_ns_ * 2, kMaxSleepNs);
+}
+
+void advise_huge_pages(void* base, int64_t nbytes) {
+    constexpr int64_t kMinBytes = int64_t(32) << 20;
+    constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+    if (base == nullptr || nbytes < kMinBytes) return;
+    const uintptr_t start = (uintptr_t(base) + kHuge - 1) & ~(kHuge - 1);
+    const uintptr_t end = (uintptr_t(base) + uintptr_t(nbytes)) & ~(kHuge - 1);
+#ifdef MADV_HUGEPAGE
+    if (end > start) madvise(reinterpret_cast<void*>(start), size_t(end - start), MADV_HUGEPAGE);
+#endif
+}
+
+void wake_signal_waiters(void* signal_word) {
+    syscall(SYS_futex, signal_futex_word(signal_word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 }  // namespace mep

@@ -108,7 +108,19 @@ void wait_for_signals(const uint8_t* words, int64_t num_peers, int64_t L, uint32
             }
             return;
         }
-        waiter.backoff();
+        // Sleep (if it comes to that) on the last signal of the first incomplete peer: a sender
+        // writes a peer's L signals in order and then wakes that word's waiters.
+        const void* futex_word = nullptr;
+        uint32_t futex_expected = 0;
+        for (int64_t p = 0; p < num_peers; ++p) {
+            if (active.alive(p) && next[size_t(p)] < L) {
+                const uint8_t* last = words + (p * L + L - 1) * 8;
+                futex_word = signal_futex_word(last);
+                futex_expected = signal_tag(load_acquire(last));
+                break;
+            }
+        }
+        waiter.backoff(futex_word, futex_expected);
     }
 }
 
@@ -207,6 +219,7 @@ void send_to_destination(uint8_t* half, const Layout& lay, int64_t rank, int64_t
         const auto count = uint32_t(rt.offset[size_t(e + 1)] - rt.offset[size_t(e)]);
         store_release(half + lay.dispatch_signals + (rank * L + l) * 8, make_signal(tag, count));
     }
+    wake_signal_waiters(half + lay.dispatch_signals + (rank * L + L - 1) * 8);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -328,6 +341,7 @@ void combine_to_destination(uint8_t* half, const Layout& lay, int64_t rank, int6
     for (int64_t l = 0; l < L; ++l) {
         store_release(half + lay.combine_signals + (rank * L + l) * 8, make_signal(tag, counts[size_t(l)]));
     }
+    wake_signal_waiters(half + lay.combine_signals + (rank * L + L - 1) * 8);
 }
 
 // Shape arguments common to all four calls.
@@ -418,6 +432,7 @@ std::vector<int> dispatch_recv(uintptr_t local_half_base, int64_t num_ranks, int
     RecvOutputs out{reinterpret_cast<uint8_t*>(recv_x_ptr), reinterpret_cast<float*>(recv_scales_ptr),
                     reinterpret_cast<int32_t*>(src_info_ptr), reinterpret_cast<int64_t*>(layout_range_ptr),
                     reinterpret_cast<int32_t*>(recv_count_ptr)};
+    advise_huge_pages(out.x, lay.num_local_experts * num_ranks * max_tokens * (use_fp8 ? hidden : lay.row_bytes));
     pack_dispatch(half, lay, counts, active, use_fp8, out);
     return active.newly_inactive();
 }

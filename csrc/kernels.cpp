@@ -6,6 +6,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "mep_api.h"
 #include "mep_common.h"
@@ -95,7 +98,69 @@ void quantize_row_fp8(const uint16_t* x, int64_t hidden, uint8_t* q, float* scal
     }
 }
 
+#if defined(__x86_64__)
+namespace {
+
+// The AVX2 form of weighted_sum_row below: the same operations in the same order per channel
+// (acc starts at +0.0f; acc = acc + w[k] * x as a separate multiply and add, never an FMA; then
+// round to bf16 to nearest even, NaN kept quiet), 32 channels at a time in registers.
+__attribute__((target("avx2"))) inline __m256 bf16x8_to_f32(const uint16_t* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+__attribute__((target("avx2"))) inline __m256i f32x8_to_bf16_bits(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+    const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                              _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(rounded, quiet_nan, is_nan);  // 32-bit lanes holding 0..0xffff
+}
+
+__attribute__((target("avx2"))) inline void store_bf16x16(uint16_t* out, __m256 a, __m256 b) {
+    // packus works per 128-bit lane: [a0..a3 b0..b3 | a4..a7 b4..b7]; reorder the 64-bit quarters.
+    const __m256i packed = _mm256_packus_epi32(f32x8_to_bf16_bits(a), f32x8_to_bf16_bits(b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xd8));
+}
+
+__attribute__((target("avx2"))) void weighted_sum_row_avx2(uint16_t* out, int64_t hidden,
+                                                            const uint16_t* const* rows, const float* w, int64_t n) {
+    int64_t j = 0;
+    for (; j + 32 <= hidden; j += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k = 0; k < n; ++k) {
+            const uint16_t* r = rows[k] + j;
+            const __m256 wk = _mm256_set1_ps(w[k]);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(wk, bf16x8_to_f32(r)));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(wk, bf16x8_to_f32(r + 8)));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(wk, bf16x8_to_f32(r + 16)));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(wk, bf16x8_to_f32(r + 24)));
+        }
+        store_bf16x16(out + j, a0, a1);
+        store_bf16x16(out + j + 16, a2, a3);
+    }
+    for (; j < hidden; ++j) {  // hidden is a multiple of 128 in practice; kept general
+        float acc = 0.0f;
+        for (int64_t k = 0; k < n; ++k) acc = acc + w[k] * bf16_to_float(rows[k][j]);
+        out[j] = float_to_bf16(acc);
+    }
+}
+
+// __builtin_cpu_init() first: this initializer may run before libgcc's own constructor.
+const bool kHasAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") != 0);
+
+}  // namespace
+#endif
+
 void weighted_sum_row(uint16_t* out, int64_t hidden, const uint16_t* const* rows, const float* w, int64_t n) {
+#if defined(__x86_64__)
+    if (kHasAvx2) {
+        weighted_sum_row_avx2(out, hidden, rows, w, n);
+        return;
+    }
+#endif
     // Channels are independent, so work in L1-sized chunks; within a channel the order over k is
     // exactly the given order: acc = acc + w[k] * x (two roundings, never an FMA).
     constexpr int64_t kChunk = 512;
@@ -251,3 +316,301 @@ void combine_reduce(uintptr_t out_ptr, int64_t num_tokens, int64_t hidden, int64
 }
 
 }  // namespace mep
+
+// ---------------------------------------------------------------------------------------------
+// Collective fallback packing (fallback/collective.py): records for all_to_all_single
+// ---------------------------------------------------------------------------------------------
+//
+// A record carries one (token, destination rank) pair: [payload | int32 token | L flag bytes |
+// zero pad] of `rec_size` bytes, payload = the bf16 row (2H bytes) or the FP8 row (H bytes) and its
+// float32 scales (4 * H/128 bytes). Flag l is 1 when local expert l of the destination selected
+// the token. In exact mode the records of all destinations follow each other (destination-major,
+// tokens ascending); in fixed mode destination d owns slots [d*(T+1), (d+1)*(T+1)) of `rec_size`
+// bytes, slot 0 holding the header int64 {records, accepted}, records from slot 1 on.
+//
+// These entry points are plain C (called through ctypes by mooncake_ep_switch/buffer/kernels.py):
+// they return a count >= 0, or -1 with the reason in mep_last_error(); nothing throws across.
+
+namespace mep {
+namespace {
+
+thread_local std::string g_last_error;
+
+struct CollRecords {
+    int64_t hidden, local, rec_size, meta, payload;
+    bool use_fp8;
+};
+
+CollRecords coll_records(int64_t hidden, int64_t local, int64_t rec_size, int64_t meta, bool use_fp8) {
+    check_hidden(hidden);
+    if (local <= 0) throw_value_error("num_local_experts must be > 0");
+    const int64_t payload = use_fp8 ? hidden + 4 * (hidden / kScaleGroup) : 2 * hidden;
+    if (meta != payload || rec_size < payload + 4 + local || rec_size % 16 != 0) {
+        throw_value_error("record layout (rec_size " + std::to_string(rec_size) + ", meta " + std::to_string(meta) +
+                          ") does not fit a payload of " + std::to_string(payload) + " bytes and " +
+                          std::to_string(local) + " flags");
+    }
+    return {hidden, local, rec_size, meta, payload, use_fp8};
+}
+
+template <class F>
+int64_t guarded(F&& body) {
+    try {
+        return body();
+    } catch (const std::exception& error) {
+        g_last_error = error.what();
+    } catch (...) {
+        g_last_error = "unknown native error";
+    }
+    return -1;
+}
+
+int64_t coll_dispatch_pack(const uint16_t* x, int64_t N, int64_t H, const int64_t* topk, int64_t K, int64_t E,
+                           int64_t R, int64_t T, const int32_t* active, bool use_fp8, bool fixed, int64_t rec_size,
+                           int64_t meta, uint8_t* send, int64_t send_bytes, int64_t* tokens_to, int64_t* pairs_to,
+                           int64_t* row_index) {
+    if (R <= 0 || E <= 0 || E % R != 0) throw_value_error("num_experts must be a positive multiple of num_ranks");
+    if (N < 0 || N > T) throw_value_error("num_tokens = " + std::to_string(N) + " must be in [0, T]");
+    if (K < 0) throw_value_error("top_k must be >= 0");
+    const int64_t L = E / R;
+    const CollRecords rec = coll_records(H, L, rec_size, meta, use_fp8);
+    if (N > 0) {
+        check_nonnull(uintptr_t(x), "x");
+        if (K > 0) check_nonnull(uintptr_t(topk), "topk");
+    }
+    // sel[t][e]: token t goes to expert e (valid entry, active owner); reach[t][d]: to rank d.
+    thread_local std::vector<uint8_t> sel, reach;
+    thread_local std::vector<int64_t> expert_rows;
+    sel.assign(size_t(N * E), 0);
+    reach.assign(size_t(N * R), 0);
+    expert_rows.assign(size_t(E + 1), 0);
+    for (int64_t t = 0; t < N; ++t) {
+        for (int64_t k = 0; k < K; ++k) {
+            const int64_t e = topk[t * K + k];
+            if (e < -1 || e >= E) throw_value_error("topk entry " + std::to_string(e) + " is outside [-1, E)");
+            if (e < 0 || !active[e / L]) continue;
+            uint8_t& s = sel[size_t(t * E + e)];
+            if (s) throw_value_error("token " + std::to_string(t) + " selects expert " + std::to_string(e) + " twice");
+            s = 1;
+            reach[size_t(t * R + e / L)] = 1;
+            ++expert_rows[size_t(e + 1)];
+        }
+    }
+    // Combine receive rows: the sent (expert, token) pairs, expert-major, tokens ascending.
+    for (int64_t e = 0; e < E; ++e) expert_rows[size_t(e + 1)] += expert_rows[size_t(e)];
+    for (int64_t d = 0; d < R; ++d) pairs_to[d] = expert_rows[size_t((d + 1) * L)] - expert_rows[size_t(d * L)];
+    for (int64_t t = 0; t < N; ++t) {
+        for (int64_t k = 0; k < K; ++k) {
+            const int64_t e = topk[t * K + k];
+            row_index[t * K + k] = (e >= 0 && sel[size_t(t * E + e)]) ? expert_rows[size_t(e)]++ : -1;
+        }
+    }
+    int64_t total = 0;
+    for (int64_t d = 0; d < R; ++d) {
+        int64_t n = 0;
+        for (int64_t t = 0; t < N; ++t) n += reach[size_t(t * R + d)];
+        tokens_to[d] = n;
+        total += n;
+    }
+    const int64_t needed = fixed ? R * (T + 1) * rec_size : total * rec_size;
+    if (needed > send_bytes) {
+        throw_value_error("send buffer of " + std::to_string(send_bytes) + " bytes, " + std::to_string(needed) +
+                          " needed");
+    }
+    // FP8: quantize every routed token once.
+    thread_local std::vector<uint8_t> q;
+    thread_local std::vector<float> scales;
+    const int64_t G = H / kScaleGroup;
+    if (use_fp8) {
+        q.resize(size_t(N * H));
+        scales.resize(size_t(N * G));
+        for (int64_t t = 0; t < N; ++t) {
+            bool used = false;
+            for (int64_t d = 0; d < R; ++d) used |= reach[size_t(t * R + d)] != 0;
+            if (used) quantize_row_fp8(x + t * H, H, q.data() + t * H, scales.data() + t * G);
+        }
+    }
+    uint8_t* out = send;
+    for (int64_t d = 0; d < R; ++d) {
+        if (fixed) {
+            uint8_t* header = send + d * (T + 1) * rec_size;
+            const int64_t words[2] = {tokens_to[d], int64_t(active[d] != 0)};
+            std::memset(header, 0, size_t(rec_size));
+            std::memcpy(header, words, sizeof(words));
+            out = header + rec_size;
+        }
+        for (int64_t t = 0; t < N; ++t) {
+            if (!reach[size_t(t * R + d)]) continue;
+            if (use_fp8) {
+                std::memcpy(out, q.data() + t * H, size_t(H));
+                std::memcpy(out + H, scales.data() + t * G, size_t(G) * sizeof(float));
+            } else {
+                std::memcpy(out, x + t * H, size_t(2 * H));
+            }
+            const int32_t token = int32_t(t);
+            std::memcpy(out + rec.meta, &token, sizeof(token));
+            std::memcpy(out + rec.meta + 4, sel.data() + t * E + d * L, size_t(L));
+            std::memset(out + rec.meta + 4 + L, 0, size_t(rec_size - rec.meta - 4 - L));
+            out += rec_size;
+        }
+    }
+    return total;
+}
+
+int64_t coll_dispatch_unpack(const uint8_t* recv, int64_t recv_bytes, int64_t R, int64_t T, int64_t H, int64_t L,
+                             int64_t rec_size, int64_t meta, bool fixed, int64_t* recv_tokens, int64_t* accepted_by,
+                             const int32_t* accept, bool use_fp8, uint8_t* recv_x, float* recv_scales,
+                             int32_t* src_info, int64_t* layout_range, int32_t* recv_count, int64_t* rows_to_rank) {
+    if (R <= 0 || T <= 0) throw_value_error("num_ranks and T must be > 0");
+    const CollRecords rec = coll_records(H, L, rec_size, meta, use_fp8);
+    check_nonnull(uintptr_t(recv_x), "recv_x");
+    if (use_fp8) check_nonnull(uintptr_t(recv_scales), "recv_scales");
+    // First record of every source, and its record count (fixed mode: from the header).
+    thread_local std::vector<const uint8_t*> first;
+    first.assign(size_t(R), nullptr);
+    int64_t offset = 0;
+    for (int64_t s = 0; s < R; ++s) {
+        if (fixed) {
+            const uint8_t* header = recv + s * (T + 1) * rec_size;
+            int64_t words[2];
+            std::memcpy(words, header, sizeof(words));
+            recv_tokens[s] = words[0];
+            accepted_by[s] = words[1] != 0;
+            first[size_t(s)] = header + rec_size;
+        } else {
+            first[size_t(s)] = recv + offset * rec_size;
+        }
+        if (recv_tokens[s] < 0 || recv_tokens[s] > T) {
+            throw_value_error("rank " + std::to_string(s) + " announced " + std::to_string(recv_tokens[s]) +
+                              " tokens, outside [0, " + std::to_string(T) + "]");
+        }
+        offset += recv_tokens[s];
+    }
+    const int64_t needed = fixed ? R * (T + 1) * rec_size : offset * rec_size;
+    if (needed > recv_bytes) throw_value_error("receive buffer smaller than the announced records");
+    // Token indices of accepted sources must lie in [0, T) before anything is written.
+    for (int64_t s = 0; s < R; ++s) {
+        if (!accept[s]) continue;
+        for (int64_t i = 0; i < recv_tokens[s]; ++i) {
+            int32_t token;
+            std::memcpy(&token, first[size_t(s)] + i * rec_size + rec.meta, sizeof(token));
+            if (token < 0 || token >= T) {
+                throw_value_error("rank " + std::to_string(s) + " sent token index " + std::to_string(token) +
+                                  " outside [0, " + std::to_string(T) + ")");
+            }
+        }
+    }
+    // Pack per local expert: sources ascending, their records (tokens ascending) in order.
+    const int64_t RT = R * T, G = H / kScaleGroup;
+    const int64_t row_bytes = use_fp8 ? H : 2 * H;
+    advise_huge_pages(recv_x, L * RT * row_bytes);
+    for (int64_t s = 0; s < R; ++s) rows_to_rank[s] = 0;
+    int64_t total = 0;
+    for (int64_t l = 0; l < L; ++l) {
+        int64_t begin = 0;
+        for (int64_t s = 0; s < R; ++s) {
+            int64_t count = 0;
+            if (accept[s]) {
+                const uint8_t* r = first[size_t(s)];
+                for (int64_t i = 0; i < recv_tokens[s]; ++i, r += rec_size) {
+                    if (!r[rec.meta + 4 + l]) continue;
+                    const int64_t row = l * RT + begin + count;
+                    std::memcpy(recv_x + row * row_bytes, r, size_t(row_bytes));
+                    if (use_fp8) {  // scales go token-contiguous: physical [L][G][R*T]
+                        for (int64_t g = 0; g < G; ++g) {
+                            std::memcpy(recv_scales + (l * G + g) * RT + begin + count, r + H + g * 4, sizeof(float));
+                        }
+                    }
+                    std::memcpy(src_info + row, r + rec.meta, sizeof(int32_t));
+                    ++count;
+                }
+            }
+            layout_range[l * R + s] = (begin << 32) | count;
+            rows_to_rank[s] += count;
+            begin += count;
+        }
+        recv_count[l] = int32_t(begin);
+        total += begin;
+    }
+    return total;
+}
+
+int64_t coll_combine_pack(const uint8_t* x, int64_t H, int64_t L, int64_t R, int64_t T, const int64_t* layout_range,
+                          uint8_t* send, int64_t send_rows) {
+    if (R <= 0 || T <= 0 || L <= 0 || H <= 0) throw_value_error("shape arguments must be > 0");
+    const int64_t RT = R * T, row = 2 * H;
+    int64_t total = 0;
+    for (int64_t i = 0; i < L * R; ++i) {
+        const auto v = uint64_t(layout_range[i]);
+        const int64_t begin = int64_t(v >> 32), count = int64_t(v & 0xffffffffu);
+        if (count > T || begin + count > RT) {
+            throw_value_error("layout_range entry " + std::to_string(i) + " (begin " + std::to_string(begin) +
+                              ", count " + std::to_string(count) + ") exceeds R*T = " + std::to_string(RT));
+        }
+        total += count;
+    }
+    if (total != send_rows) {
+        throw_value_error("layout_range counts " + std::to_string(total) + " rows, the send buffer holds " +
+                          std::to_string(send_rows));
+    }
+    // By source rank, then local expert: every (l, s) block is one contiguous run of rows.
+    uint8_t* out = send;
+    for (int64_t s = 0; s < R; ++s) {
+        for (int64_t l = 0; l < L; ++l) {
+            const auto v = uint64_t(layout_range[l * R + s]);
+            const int64_t begin = int64_t(v >> 32), count = int64_t(v & 0xffffffffu);
+            if (count == 0) continue;
+            std::memcpy(out, x + (l * RT + begin) * row, size_t(count * row));
+            out += count * row;
+        }
+    }
+    return total;
+}
+
+}  // namespace
+}  // namespace mep
+
+#define MEP_C_API extern "C" __attribute__((visibility("default")))
+
+MEP_C_API const char* mep_last_error() { return mep::g_last_error.c_str(); }
+
+MEP_C_API int64_t mep_coll_dispatch_pack(uintptr_t x, int64_t num_tokens, int64_t hidden, uintptr_t topk,
+                                         int64_t top_k, int64_t num_experts, int64_t num_ranks, int64_t max_tokens,
+                                         uintptr_t active, int32_t use_fp8, int32_t fixed, int64_t rec_size,
+                                         int64_t meta, uintptr_t send, int64_t send_bytes, uintptr_t tokens_to,
+                                         uintptr_t pairs_to, uintptr_t row_index) {
+    return mep::guarded([&] {
+        return mep::coll_dispatch_pack(
+            reinterpret_cast<const uint16_t*>(x), num_tokens, hidden, reinterpret_cast<const int64_t*>(topk), top_k,
+            num_experts, num_ranks, max_tokens, reinterpret_cast<const int32_t*>(active), use_fp8 != 0, fixed != 0,
+            rec_size, meta, reinterpret_cast<uint8_t*>(send), send_bytes, reinterpret_cast<int64_t*>(tokens_to),
+            reinterpret_cast<int64_t*>(pairs_to), reinterpret_cast<int64_t*>(row_index));
+    });
+}
+
+MEP_C_API int64_t mep_coll_dispatch_unpack(uintptr_t recv, int64_t recv_bytes, int64_t num_ranks, int64_t max_tokens,
+                                           int64_t hidden, int64_t num_local, int64_t rec_size, int64_t meta,
+                                           int32_t fixed, uintptr_t recv_tokens, uintptr_t accepted_by,
+                                           uintptr_t accept, int32_t use_fp8, uintptr_t recv_x,
+                                           uintptr_t recv_scales, uintptr_t src_info, uintptr_t layout_range,
+                                           uintptr_t recv_count, uintptr_t rows_to_rank) {
+    return mep::guarded([&] {
+        return mep::coll_dispatch_unpack(
+            reinterpret_cast<const uint8_t*>(recv), recv_bytes, num_ranks, max_tokens, hidden, num_local, rec_size,
+            meta, fixed != 0, reinterpret_cast<int64_t*>(recv_tokens), reinterpret_cast<int64_t*>(accepted_by),
+            reinterpret_cast<const int32_t*>(accept), use_fp8 != 0, reinterpret_cast<uint8_t*>(recv_x),
+            reinterpret_cast<float*>(recv_scales), reinterpret_cast<int32_t*>(src_info),
+            reinterpret_cast<int64_t*>(layout_range), reinterpret_cast<int32_t*>(recv_count),
+            reinterpret_cast<int64_t*>(rows_to_rank));
+    });
+}
+
+MEP_C_API int64_t mep_coll_combine_pack(uintptr_t x, int64_t hidden, int64_t num_local, int64_t num_ranks,
+                                        int64_t max_tokens, uintptr_t layout_range, uintptr_t send,
+                                        int64_t send_rows) {
+    return mep::guarded([&] {
+        return mep::coll_combine_pack(reinterpret_cast<const uint8_t*>(x), hidden, num_local, num_ranks, max_tokens,
+                                      reinterpret_cast<const int64_t*>(layout_range),
+                                      reinterpret_cast<uint8_t*>(send), send_rows);
+    });
+}

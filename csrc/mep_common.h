@@ -137,28 +137,56 @@ int64_t monotonic_ns();
 
 // One deadline for a whole call (start + timeout_us; timeout_us == -1 means none) and a backoff
 // that stays polite on an oversubscribed CPU: a short spin with a pause instruction, then
-// sched_yield for a few tens of microseconds, then nanosleep with exponential backoff.
+// sched_yield for a while (on an idle core this is still a spin; on a busy one the peers we wait
+// for get the core), then sleeps with exponential backoff. A sleep waits on a futex when the caller
+// names the signal word it needs next, so a shared-memory writer that calls wake_signal_waiters()
+// ends the sleep at once; writers that do not (a remote transport) are seen at the next poll. While
+// it sleeps, the thread's timer slack is lowered so that short sleeps are not stretched by the
+// default 50 us; the destructor restores it.
 class Waiter {
 public:
     explicit Waiter(int64_t timeout_us);
+    ~Waiter();
+    Waiter(const Waiter&) = delete;
+    Waiter& operator=(const Waiter&) = delete;
 
     // True once the deadline has passed (never when there is no deadline).
     bool expired() const;
 
-    // Waits a little before the next poll; never sleeps past the deadline.
-    void backoff();
+    // Waits a little before the next poll; never sleeps past the deadline. With `futex_word` (the
+    // 4-byte aligned high half of a signal word), a sleep ends early once that word no longer
+    // holds `futex_expected`.
+    void backoff(const void* futex_word = nullptr, uint32_t futex_expected = 0);
 
 private:
-    static constexpr int kSpinPolls = 128;
-    static constexpr int64_t kYieldNs = 30 * 1000;
-    static constexpr int64_t kFirstSleepNs = 2 * 1000;
-    static constexpr int64_t kMaxSleepNs = 64 * 1000;
+    static constexpr int kSpinPolls = 256;
+    static constexpr int64_t kYieldNs = 1000 * 1000;
+    static constexpr int64_t kFirstSleepNs = 4 * 1000;
+    static constexpr int64_t kMaxSleepNs = 128 * 1000;
+    static constexpr long kSleepTimerSlackNs = 1000;
 
     int64_t deadline_ns_;  // -1: no deadline
     int polls_ = 0;
     int64_t yield_start_ns_ = -1;
     int64_t sleep_ns_ = kFirstSleepNs;
+    long saved_timer_slack_ = -1;  // >= 0 once lowered
 };
+
+// The high (tag) half of a 64-bit signal word: what a Waiter sleeps on.
+inline const void* signal_futex_word(const void* signal_word) {
+    static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "signal words are little-endian");
+    return static_cast<const uint8_t*>(signal_word) + 4;
+}
+
+// Wakes every Waiter sleeping on this signal word (call after its release store). Cheap when
+// nobody sleeps; harmless on memory no one waits on.
+void wake_signal_waiters(void* signal_word);
+
+// Receive outputs are fresh tensors of the caller; a large one (>= 32 MiB: with glibc always a
+// mapping of its own) costs a page fault per 4 KiB the first time a row lands in it, which for
+// hidden=7168 costs more than the copies. This asks for transparent huge pages on the whole 2 MiB
+// pages inside [base, base + nbytes) (a hint, errors ignored), cutting the faults 512-fold.
+void advise_huge_pages(void* base, int64_t nbytes);
 
 // Throws std::invalid_argument unless timeout_us == -1 or timeout_us >= 0.
 void check_timeout(int64_t timeout_us);

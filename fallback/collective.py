@@ -1,15 +1,32 @@
-"""The PyTorch-collective transport: exact-count all_to_all_single, no all-gather of tokens.
+"""The PyTorch-collective transport: all_to_all_single of exact records, no all-gather of tokens.
 
-Dispatch is one small count exchange plus one byte exchange in which every (token, destination
-rank) pair travels once, whatever number of that rank's experts the token selected; combine is one
-exchange of the expert outputs back to their token owners, whose sizes both sides already know from
-the dispatch. Works on any process group with all_to_all_single (gloo on CPU, nccl on GPU) and
-honours `active_ranks`: nothing is sent to, or expected from, an inactive rank.
+Wire format. Every (token, destination rank) pair travels once, as one fixed-size *record*:
 
-The packing kernels (FP8 quantisation, scatter into the packed layout, the weighted combine
-reduction) are the native ones shared with the one-sided transports.
+    [payload | int32 token index | L bytes: 1 if local expert l of the destination selected it | pad]
+
+(payload = the bf16 row, or with FP8 the e4m3fn row followed by its float32 scales), padded to a
+multiple of 16 bytes. A destination's records are sorted by token, so the receiver packs in one
+pass per local expert over the records in arrival order (source rank, then token).
+
+Exchanges per round:
+
+* dispatch, exact mode: a count exchange (`[R, 2]` int64: records to that rank, and whether this
+  rank accepts that rank as a source, i.e. sees it active) and then the records, exact sizes;
+* dispatch, fixed mode (small calls, where one more collective costs more than the padding): a
+  single exchange of fixed blocks of `T + 1` record slots per destination, slot 0 holding the same
+  two counts as a header;
+* combine: one exchange of the expert outputs back to their token owners. Its sizes are known on
+  both sides from the dispatch (the owner returns what it received; the token owner expects what it
+  sent to owners that accepted it), so it needs no count exchange; a peer whose view of the mask
+  differed returns nothing and that is known in advance.
+
+Works on any process group with all_to_all_single (gloo on CPU, nccl on GPU) and honours
+`active_ranks`: nothing is sent to, or accepted from, an inactive rank. Routing, record packing and
+unpacking, FP8 quantisation and the weighted combine reduction are native (csrc/kernels.cpp,
+shared with the one-sided transports); the Python here only sizes buffers and runs the exchanges.
 """
-from typing import Callable, NamedTuple, Optional, Tuple
+import threading
+from typing import Callable, List, NamedTuple, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,19 +34,29 @@ import torch.distributed as dist
 from mooncake_ep_switch.buffer import kernels
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 
+# Fixed mode (one dispatch exchange instead of two) when a rank's padded send is at most this many
+# bytes: below it the extra padding costs less than one more collective round trip.
+FIXED_MODE_MAX_BYTES = 2 << 20
+
 
 class CollectivePlan(NamedTuple):
-    """What a dispatch sent, kept on the handle so that combine needs no count exchange.
+    """What a dispatch sent and received, kept on the handle so that combine needs no count exchange.
 
     Fields:
-        rows_from_rank: `[R]` list of int, expert-output rows this rank will receive from each
-            owner rank in combine (the (token, expert) pairs it sent there).
+        rows_from_rank: `[R]` list of int, expert-output rows this rank gets back from each owner rank in
+            combine (the (token, expert) pairs it sent there), if that owner accepted it.
+        accepted_by: `[R]` list of bool, whether each owner accepted this rank as a source.
         row_index: `[N, K]` torch.int64, row of the combine receive buffer holding
-            `y(topk_idx[t, k], t)`, -1 where nothing was sent.
+            `y(topk_idx[t, k], t)` when every owner returns its rows, -1 where nothing was sent.
+        layout_range: `[L, R]` torch.int64 copy of the layout this rank produced as an owner.
+        rows_to_rank: `[R]` list of int, rows this rank returns to each source rank.
     """
 
-    rows_from_rank: list
+    rows_from_rank: List[int]
+    accepted_by: List[bool]
     row_index: torch.Tensor
+    layout_range: torch.Tensor
+    rows_to_rank: List[int]
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
@@ -52,6 +79,7 @@ class CollectiveTransport:
         self.rank = rank
         self.num_ranks = num_ranks
         self._combine_buffers = {}
+        self._staging = _StagingPool()
 
     def connect(self) -> None:
         """Nothing to exchange: collectives need no peer metadata."""
@@ -59,6 +87,7 @@ class CollectiveTransport:
     def destroy(self) -> None:
         """Drop cached buffers."""
         self._combine_buffers.clear()
+        self._staging.clear()
 
     # ------------------------------------------------------------------ helpers
     def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits, input_splits, async_op=False):
@@ -75,197 +104,185 @@ class CollectiveTransport:
         return buffer
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple[CollectivePlan, Callable[[], None]]:
+    def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple["_LazyPlan", Callable[[], None]]:
         """Run the send phase; return (the plan for combine, the receive phase that fills `outputs`)."""
         x, topk = call.x, call.topk_idx
+        if x.device.type != "cpu":
+            raise ValueError(f"x: the collective transport packs on the CPU, expected a CPU tensor, got {x.device}")
         R, E, T = self.num_ranks, call.num_experts, call.num_max_dispatch_tokens_per_rank
         L = E // R
         N, K = topk.shape
         hidden = x.size(1)
-        groups = hidden // 128
         device = x.device
-        active = call.active_ranks.to(device=device, dtype=torch.bool)
-
-        # (token, expert) pairs this rank sends, sorted by expert then token: the receiver's order.
-        valid = topk >= 0
-        owner = torch.where(valid, topk // L, torch.zeros_like(topk))
-        sent = valid & active[owner]
-        flat_sent = sent.view(-1).nonzero().view(-1)
-        pair_expert = topk.view(-1)[flat_sent]
-        pair_token = flat_sent // K
-        order = torch.argsort(pair_expert * max(N, 1) + pair_token)
-        pair_expert, pair_token, flat_sent = pair_expert[order], pair_token[order], flat_sent[order]
-        pair_rank = pair_expert // L
-        num_pairs = pair_expert.numel()
-
-        # Unique (token, rank) rows: each token crosses to a rank once.
-        token_to_rank = torch.zeros((R, N), dtype=torch.bool, device=device)
-        token_to_rank[pair_rank, pair_token] = True
-        unique_rank, unique_token = token_to_rank.nonzero(as_tuple=True)
-        row_in_block = torch.cumsum(token_to_rank.to(torch.int64), 1) - 1  # [R, N]
-        pair_row = row_in_block[pair_rank, pair_token]
-
-        tokens_to = torch.bincount(unique_rank, minlength=R)
-        pairs_to = torch.bincount(pair_rank, minlength=R)
-        counts_send = torch.stack([tokens_to, pairs_to], 1).to(torch.int64).contiguous()
-        counts_recv = torch.empty_like(counts_send)
-        self._all_to_all(counts_recv, counts_send, None, None)
-
-        # Payload row: bf16 (2*hidden bytes) or FP8 (hidden bytes + 4 bytes per 128 channels).
-        row_bytes = hidden + 4 * groups if call.use_fp8 else 2 * hidden
-        unique_token = unique_token.contiguous()
-        if call.use_fp8:
-            data = torch.empty((unique_token.numel(), hidden), dtype=torch.uint8, device=device)
-            scales = torch.empty((unique_token.numel(), groups), dtype=torch.float32, device=device)
-            if unique_token.numel():
-                kernels.quantize_fp8_rows(x, unique_token, data, scales)
-            payload = torch.cat([data, scales.view(torch.uint8)], 1)
+        record = kernels.record_layout(hidden, L, call.use_fp8)
+        size = record[2]
+        accept = call.active_ranks.clone()  # the sources this rank accepts: its view at dispatch time
+        info = torch.empty((5, R), dtype=torch.int64)
+        tokens_to, pairs_to, recv_tokens, accepted_by_t, rows_to_rank = info.unbind(0)
+        row_index = torch.empty((N, K), dtype=torch.int64, device=device)
+        fixed = R * (T + 1) * size <= FIXED_MODE_MAX_BYTES
+        lease = self._staging.lease(("dispatch", call.call % 2), device)
+        send = lease.get(0, R * (T + 1) * size if fixed else N * min(R, K) * size)
+        records = kernels.coll_dispatch_pack(x, topk, E, R, T, accept, call.use_fp8, fixed, record, send, tokens_to,
+                                             pairs_to, row_index)
+        if fixed:
+            recv = lease.get(1, send.numel())
+            work = self._all_to_all(recv, send, None, None, async_op=True)
+            accepted_by = None
         else:
-            payload = x.index_select(0, unique_token).view(torch.uint8)
+            counts_send = torch.stack([tokens_to, accept.to(torch.int64)], 1)
+            counts_recv = torch.empty_like(counts_send)
+            self._all_to_all(counts_recv, counts_send, None, None)
+            recv_tokens.copy_(counts_recv[:, 0])
+            recv_list, accepted = counts_recv.t().tolist()
+            accepted_by = [bool(a) for a in accepted]
+            for src, count in enumerate(recv_list):
+                if count < 0 or count > T:
+                    raise RuntimeError(f"collective dispatch: rank {src} announced {count} tokens, outside [0, {T}]")
+            recv = lease.get(1, sum(recv_list) * size)
+            send = send[:records * size]
+            work = self._all_to_all(recv, send, [c * size for c in recv_list],
+                                    [c * size for c in tokens_to.tolist()], async_op=True)
 
-        # Per destination block: payload rows, token ids (int32), pair expert (int32), pair row (int32).
-        meta_tokens = unique_token.to(torch.int32)
-        meta_pairs = torch.stack([(pair_expert % L).to(torch.int32), pair_row.to(torch.int32)], 1)
-        tok_begin = _exclusive_cumsum(tokens_to).tolist()
-        pair_begin = _exclusive_cumsum(pairs_to).tolist()
-        tokens_to_list, pairs_to_list = tokens_to.tolist(), pairs_to.tolist()
-        pieces, input_splits = [], []
-        for dest in range(R):
-            nt, np_ = tokens_to_list[dest], pairs_to_list[dest]
-            tb, pb = tok_begin[dest], pair_begin[dest]
-            block = [payload[tb:tb + nt].reshape(-1), meta_tokens[tb:tb + nt].view(torch.uint8),
-                     meta_pairs[pb:pb + np_].reshape(-1).view(torch.uint8)]
-            pieces.extend(block)
-            input_splits.append(nt * (row_bytes + 4) + np_ * 8)
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
-
-        # Accept exactly what every peer announced (a peer whose view of the mask differs must not
-        # break the exchange), then drop what inactive sources sent.
-        counts_recv_list = counts_recv.tolist()
-        output_splits = [nt * (row_bytes + 4) + np_ * 8 for nt, np_ in counts_recv_list]
-        recv = torch.empty(sum(output_splits), dtype=torch.uint8, device=device)
-        work = self._all_to_all(recv, send, output_splits, input_splits, async_op=True)
-
-        # What combine will receive back: the pairs sent, in the same (owner, expert, token) order.
-        row_index = torch.full((N * K,), -1, dtype=torch.int64, device=device)
-        row_index[flat_sent] = torch.arange(num_pairs, dtype=torch.int64, device=device)
-        plan = CollectivePlan(rows_from_rank=pairs_to_list, row_index=row_index.view(N, K))
+        state = {}
 
         def receive() -> None:
-            work.wait()
-            accepted = [bool(active[src]) for src in range(R)]
-            self._unpack_dispatch(recv, counts_recv_list, accepted, row_bytes, call, outputs, L, T, hidden)
+            try:
+                work.wait()
+                kernels.coll_dispatch_unpack(recv, R, T, hidden, L, record, fixed, recv_tokens, accepted_by_t,
+                                             accept, call.use_fp8, outputs, rows_to_rank)
+            finally:
+                lease.release()
+            state["accepted_by"] = [bool(a) for a in accepted_by_t.tolist()] if fixed else accepted_by
+            state["owner"] = (outputs.layout_range.clone(), rows_to_rank.tolist())
 
-        return plan, receive
-
-    def _unpack_dispatch(self, recv, counts, accepted, row_bytes, call, outputs, L, T, hidden):
-        R = self.num_ranks
-        device = recv.device
-        payload_parts, token_parts, pair_parts, pair_src = [], [], [], []
-        offset, token_base = 0, 0
-        for src, (nt, np_) in enumerate(counts):
-            payload_parts.append(recv[offset:offset + nt * row_bytes].view(nt, row_bytes))
-            offset += nt * row_bytes
-            token_parts.append(recv[offset:offset + nt * 4].view(torch.int32))
-            offset += nt * 4
-            pairs = recv[offset:offset + np_ * 8].view(torch.int32).view(np_, 2).to(torch.int64)
-            offset += np_ * 8
-            if not accepted[src]:
-                pairs = pairs[:0]
-                np_ = 0
-            if np_:
-                if int(pairs[:, 0].min()) < 0 or int(pairs[:, 0].max()) >= L or \
-                        int(pairs[:, 1].min()) < 0 or int(pairs[:, 1].max()) >= nt:
-                    raise RuntimeError(f"collective dispatch: rank {src} sent out-of-range pair metadata")
-                pairs[:, 1] += token_base
-            pair_parts.append(pairs)
-            pair_src.append(torch.full((np_,), src, dtype=torch.int64, device=device))
-            token_base += nt
-        payload = torch.cat(payload_parts) if payload_parts else recv.new_empty((0, row_bytes))
-        tokens = torch.cat(token_parts).to(torch.int64) if token_parts else recv.new_empty(0, dtype=torch.int64)
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= T):
-            raise RuntimeError("collective dispatch: a peer sent a token index outside [0, T)")
-        pairs = torch.cat(pair_parts)
-        sources = torch.cat(pair_src)
-        local_expert, global_row = pairs[:, 0], pairs[:, 1]
-
-        # Order (local expert, source rank, token): blocks arrive by source and are sorted by
-        # (expert, token) inside, so a stable sort on the expert is enough.
-        order = torch.sort(local_expert, stable=True).indices
-        local_expert, global_row, sources = local_expert[order], global_row[order], sources[order]
-        per_expert_source = torch.bincount(local_expert * R + sources, minlength=L * R).view(L, R)
-        recv_count = per_expert_source.sum(1)
-        expert_begin = _exclusive_cumsum(recv_count)
-        position = torch.arange(local_expert.numel(), device=device) - expert_begin[local_expert]
-        flat_position = local_expert * (R * T) + position
-
-        outputs.recv_count.copy_(recv_count.to(torch.int32))
-        begin = torch.cumsum(per_expert_source, 1) - per_expert_source
-        outputs.layout_range.copy_((begin << 32) | per_expert_source)
-        outputs.src_info.view(-1)[flat_position] = tokens[global_row].to(torch.int32)
-        if call.use_fp8:
-            rows = payload.index_select(0, global_row)
-            data = rows[:, :hidden].contiguous()
-            scales = rows[:, hidden:].contiguous().view(torch.float32)
-            kernels.scatter_fp8_rows(data, scales, flat_position.contiguous(), outputs.recv_x, outputs.recv_scales)
-        else:
-            rows = payload.view(torch.bfloat16).view(-1, hidden)
-            outputs.recv_x.view(-1, hidden).index_copy_(0, flat_position, rows.index_select(0, global_row))
+        return _LazyPlan(pairs_to.tolist(), row_index, state), receive
 
     # ------------------------------------------------------------------ combine
     def combine(self, call: CombineCall) -> Callable[[], None]:
         """Run the send phase of combine; return the receive phase, which fills `call.out`."""
         R = self.num_ranks
         L = call.num_experts // R
-        T = call.num_max_dispatch_tokens_per_rank
         hidden = call.hidden
         device = call.x.device
-        active_now = call.active_ranks.to(device=device, dtype=torch.bool)
-        plan: Optional[CollectivePlan] = call.plan_private
+        plan = call.plan_private
         if plan is None:
             raise ValueError("handle: the collective transport needs the handle returned by dispatch() "
                              "(a rebuilt tuple carries no record of what was sent)")
+        plan = plan.resolve()
+        if not torch.equal(call.layout_range, plan.layout_range):
+            raise RuntimeError("collective combine: the handle's layout_range is not the one its dispatch produced "
+                               "(mismatched handle or dispatch)")
 
-        # Send back exactly what each source sent us (layout_range), in (expert, token) order.
-        counts = (call.layout_range & 0xFFFFFFFF)  # [L, R]
-        begins = call.layout_range >> 32
-        input_splits = counts.sum(0).tolist()
-        # Row ids in x.view(-1, hidden): for source s, experts l ascending, rows begin..begin+count.
-        order_src = torch.arange(R, device=device).repeat_interleave(L)
-        order_exp = torch.arange(L, device=device).repeat(R)
-        block_counts = counts[order_exp, order_src]
-        block_starts = order_exp * (R * T) + begins[order_exp, order_src]
-        total = int(block_counts.sum())
-        if total:
-            offsets = torch.arange(total, device=device) - torch.repeat_interleave(
-                _exclusive_cumsum(block_counts), block_counts)
-            rows = torch.repeat_interleave(block_starts, block_counts) + offsets
-            send = call.x.view(-1, hidden).index_select(0, rows)
-        else:
-            send = call.x.new_empty((0, hidden))
-        # Confirm sizes with a small count exchange: a rank that dropped our dispatch (its view of
-        # the mask differed) returns nothing, and its pairs are then skipped, never misread.
-        sizes_send = torch.tensor(input_splits, dtype=torch.int64, device=device)
-        sizes_recv = torch.empty_like(sizes_send)
-        self._all_to_all(sizes_recv, sizes_send, None, None)
-        output_splits = sizes_recv.tolist()
-        skipped_owners = []
-        for owner_rank, (got, sent) in enumerate(zip(output_splits, plan.rows_from_rank)):
-            if got != sent:
-                if got != 0:
-                    raise RuntimeError(f"collective combine: rank {owner_rank} returned {got} rows for "
-                                       f"{sent} sent (mismatched handle or dispatch)")
-                skipped_owners.append(owner_rank)
-        recv = torch.empty((sum(output_splits), hidden), dtype=torch.bfloat16, device=device)
-        work = self._all_to_all(recv, send, output_splits, input_splits, async_op=True)
+        # Send back exactly what each source sent us, by source, local expert, token.
+        lease = self._staging.lease(("combine", call.call % 2), device)
+        row = 2 * hidden
+        send = lease.get(0, sum(plan.rows_to_rank) * row).view(torch.bfloat16).view(-1, hidden)
+        kernels.coll_combine_pack(call.x, call.layout_range, call.num_max_dispatch_tokens_per_rank, send)
+        # Receive what we sent to every owner that accepted us (one that did not returns nothing).
+        output_splits = [n if ok else 0 for n, ok in zip(plan.rows_from_rank, plan.accepted_by)]
+        recv = lease.get(1, sum(output_splits) * row).view(torch.bfloat16).view(-1, hidden)
+        try:
+            work = self._all_to_all(recv, send, output_splits, plan.rows_to_rank, async_op=True)
+        except BaseException:
+            lease.release()
+            raise
+        active_now = [bool(v) for v in call.active_ranks.tolist()]
 
         def receive() -> None:
-            work.wait()
-            keep = active_now.clone()
-            keep[skipped_owners] = False
-            valid = call.topk_idx >= 0
-            owner = torch.where(valid, call.topk_idx // L, torch.zeros_like(call.topk_idx))
-            row_index = torch.where(keep[owner], plan.row_index, torch.full_like(plan.row_index, -1)).contiguous()
-            kernels.combine_reduce(call.out, row_index, call.topk_weights, recv)
+            try:
+                work.wait()
+                self._reduce(call, plan, recv, output_splits, active_now, L)
+            finally:
+                lease.release()
 
         return receive
+
+    @staticmethod
+    def _reduce(call: CombineCall, plan: CollectivePlan, recv: torch.Tensor, output_splits, active_now, L) -> None:
+        """Weighted top-k reduction of the returned rows into `call.out`."""
+        device = recv.device
+        keep = [a and b for a, b in zip(active_now, plan.accepted_by)]
+        row_index = plan.row_index
+        if not all(keep) or output_splits != plan.rows_from_rank:
+            # Owners that returned nothing or went inactive: skip their pairs, shift the rest.
+            shift = (_exclusive_cumsum(torch.tensor(output_splits)) -
+                     _exclusive_cumsum(torch.tensor(plan.rows_from_rank))).to(device)
+            keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
+            owner = torch.div(call.topk_idx, L, rounding_mode="floor").clamp_(min=0)
+            row_index = torch.where(keep_t[owner] & (row_index >= 0), row_index + shift[owner], -1).contiguous()
+        kernels.combine_reduce(call.out, row_index, call.topk_weights, recv)
+
+
+class _Lease:
+    """Byte buffers of one call, reused from the pool when free, fresh otherwise.
+
+    A lease that is never released (its call failed before the exchange) just drops its buffers.
+    """
+
+    __slots__ = ("pool", "key", "buffers", "pooled", "device")
+
+    def __init__(self, pool: "_StagingPool", key, buffers, pooled: bool, device):
+        self.pool, self.key, self.buffers, self.pooled, self.device = pool, key, buffers, pooled, device
+
+    def get(self, index: int, nbytes: int) -> torch.Tensor:
+        """A torch.uint8 view of `nbytes` bytes of buffer `index`."""
+        buffer = self.buffers.get(index)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+            self.buffers[index] = buffer
+        return buffer[:nbytes]
+
+    def release(self) -> None:
+        """The call is done with its buffers (idempotent)."""
+        if self.pooled:
+            self.pooled = False
+            self.pool.give_back(self.key, self.buffers)
+
+
+class _StagingPool:
+    """Send/receive staging buffers kept across calls, one set per (phase, call parity).
+
+    Allocating them per call costs a page fault per 4 KiB touched (glibc returns large blocks to
+    the kernel). A set is lent to one call at a time; a call that finds its set still lent (a
+    previous call's receive phase has not run yet) gets fresh buffers instead.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free = {}
+
+    def lease(self, key, device) -> _Lease:
+        """The free set for `key` (or a new, empty one), lent until `_Lease.release()`."""
+        key = (key, str(device))
+        with self._lock:
+            buffers = self._free.pop(key, None)
+        return _Lease(self, key, {} if buffers is None else buffers, True, device)
+
+    def give_back(self, key, buffers) -> None:
+        with self._lock:
+            self._free[key] = buffers
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+class _LazyPlan:
+    """The dispatch's `CollectivePlan`, completed by its receive phase (which must have run)."""
+
+    __slots__ = ("rows_from_rank", "row_index", "state")
+
+    def __init__(self, rows_from_rank, row_index, state):
+        self.rows_from_rank = rows_from_rank
+        self.row_index = row_index
+        self.state = state
+
+    def resolve(self) -> CollectivePlan:
+        owner = self.state.get("owner")
+        if owner is None:
+            raise RuntimeError("combine: the dispatch's receive phase has not completed (call its hook or wait "
+                               "for its event first)")
+        layout_range, rows_to_rank = owner
+        return CollectivePlan(self.rows_from_rank, self.state["accepted_by"], self.row_index, layout_range,
+                              rows_to_rank)

@@ -1,25 +1,31 @@
 """Baseline for the benchmarks: dispatch/combine with all-gather + all-reduce (Mooncake's fallback design).
 
 Same semantics as `Buffer.dispatch`/`combine` (bf16, packed layout, fp32 weighted combine), but every
-rank all-gathers every token (padded to `T`) and the combine all-reduces a `[R, T, hidden]` float32
-buffer. Used only as the in-run baseline the collective transport is measured against.
+rank all-gathers every token with its top-k ids (padded to `T`, one all-gather) and the combine
+all-gathers the routing weights and all-reduces a `[R, T, hidden]` float32 buffer. Used only as the
+in-run baseline the collective transport is measured against.
 """
 import torch
 import torch.distributed as dist
 
 
 def allgather_dispatch(group, rank, num_ranks, x, topk_idx, tokens_per_rank, num_experts):
-    """Returns (recv_x [L, R*T, H] bf16, recv_count [L], state for combine)."""
+    """Returns (recv_x [L, R*T, H] bf16, recv_count [L], state for combine).
+
+    One all-gather carries both the tokens and their top-k ids (packed side by side as bytes).
+    """
     hidden, top_k = x.size(1), topk_idx.size(1)
     local = num_experts // num_ranks
-    padded_x = torch.zeros((tokens_per_rank, hidden), dtype=torch.bfloat16)
-    padded_x[:x.size(0)] = x
-    padded_topk = torch.full((tokens_per_rank, top_k), -1, dtype=torch.int64)
+    row_bytes = 2 * hidden + 8 * top_k
+    padded = torch.empty((tokens_per_rank, row_bytes), dtype=torch.uint8)
+    padded[:, :2 * hidden].view(torch.bfloat16)[:x.size(0)] = x
+    padded_topk = padded[:, 2 * hidden:].view(torch.int64)
     padded_topk[:x.size(0)] = topk_idx
-    all_x = torch.empty((num_ranks * tokens_per_rank, hidden), dtype=torch.bfloat16)
-    all_topk = torch.empty((num_ranks * tokens_per_rank, top_k), dtype=torch.int64)
-    dist.all_gather_into_tensor(all_x, padded_x, group=group)
-    dist.all_gather_into_tensor(all_topk, padded_topk, group=group)
+    padded_topk[x.size(0):] = -1
+    gathered = torch.empty((num_ranks * tokens_per_rank, row_bytes), dtype=torch.uint8)
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    all_x = gathered[:, :2 * hidden].view(torch.bfloat16)
+    all_topk = gathered[:, 2 * hidden:].view(torch.int64)
     recv_x = torch.empty((local, num_ranks * tokens_per_rank, hidden), dtype=torch.bfloat16)
     recv_count = torch.zeros(local, dtype=torch.int32)
     rows_by_expert = []

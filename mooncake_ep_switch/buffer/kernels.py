@@ -78,3 +78,104 @@ def combine_reduce(out: torch.Tensor, row_index: torch.Tensor, weights: torch.Te
         return
     _native.combine_reduce(_ptr(out), out.size(0), hidden, row_index.size(1), _ptr(row_index), _ptr(weights),
                            _ptr(rows), hidden * 2)
+
+
+def gather_rows_strided(dst_ptr: int, dst_stride: int, src_ptr: int, src_stride: int, row_bytes: int,
+                        index: torch.Tensor) -> None:
+    """Copy `row_bytes` per row: `dst + i*dst_stride <- src + index[i]*src_stride` (byte addresses).
+
+    Arguments:
+        dst_ptr, src_ptr: base addresses (e.g. `data_ptr()`, possibly offset into a record).
+        dst_stride, src_stride: bytes between consecutive rows.
+        row_bytes: bytes copied per row.
+        index: `[n]` contiguous torch.int64 row indices into the source.
+    """
+    if index.numel() == 0:
+        return
+    _native.gather_rows(dst_ptr, dst_stride, src_ptr, src_stride, row_bytes, index.data_ptr(), index.numel())
+
+
+# ------------------------------------------------------------------ collective fallback records
+# Plain-C entry points of the native library (csrc/kernels.cpp, "Collective fallback packing"),
+# reached through ctypes; they return a count >= 0, or -1 with the reason in mep_last_error().
+
+def _c_library():
+    import ctypes
+
+    library = ctypes.CDLL(_native.__file__)
+    i64, ptr = ctypes.c_int64, ctypes.c_size_t
+    library.mep_last_error.restype = ctypes.c_char_p
+    library.mep_last_error.argtypes = []
+    library.mep_coll_dispatch_pack.restype = i64
+    library.mep_coll_dispatch_pack.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ctypes.c_int32,
+                                               ctypes.c_int32, i64, i64, ptr, i64, ptr, ptr, ptr]
+    library.mep_coll_dispatch_unpack.restype = i64
+    library.mep_coll_dispatch_unpack.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int32, ptr, ptr,
+                                                 ptr, ctypes.c_int32, ptr, ptr, ptr, ptr, ptr, ptr]
+    library.mep_coll_combine_pack.restype = i64
+    library.mep_coll_combine_pack.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64]
+    return library
+
+
+_C = _c_library()
+
+
+def _checked(result: int, what: str) -> int:
+    if result < 0:
+        raise RuntimeError(f"{what}: {_C.mep_last_error().decode(errors='replace')}")
+    return result
+
+
+def record_layout(hidden: int, num_local_experts: int, use_fp8: bool):
+    """(payload bytes, byte offset of the int32 token index, record bytes) of a collective record."""
+    payload = hidden + 4 * (hidden // 128) if use_fp8 else 2 * hidden
+    return payload, payload, (payload + 4 + num_local_experts + 15) // 16 * 16
+
+
+def coll_dispatch_pack(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                       max_tokens: int, active: torch.Tensor, use_fp8: bool, fixed: bool, record: tuple,
+                       send: torch.Tensor, tokens_to: torch.Tensor, pairs_to: torch.Tensor,
+                       row_index: torch.Tensor) -> int:
+    """Write this rank's dispatch records into `send`; returns the number of records.
+
+    Arguments:
+        x: `[N, hidden]` torch.bfloat16. topk_idx: `[N, K]` torch.int64. active: `[R]` torch.int32.
+        record: `record_layout(...)`. fixed: fixed slots of `T + 1` records per destination.
+        send: torch.uint8 buffer (fixed: `R * (T + 1)` records; exact: enough for every record).
+        tokens_to, pairs_to: `[R]` torch.int64 outputs (records, (token, expert) pairs per rank).
+        row_index: `[N, K]` torch.int64 output, combine receive row of every pair (-1 = not sent).
+    """
+    _, meta, size = record
+    return _checked(_C.mep_coll_dispatch_pack(
+        x.data_ptr(), x.size(0), x.size(1), topk_idx.data_ptr(), topk_idx.size(1), num_experts, num_ranks,
+        max_tokens, active.data_ptr(), int(use_fp8), int(fixed), size, meta, send.data_ptr(), send.numel(),
+        tokens_to.data_ptr(), pairs_to.data_ptr(), row_index.data_ptr()), "collective dispatch")
+
+
+def coll_dispatch_unpack(recv: torch.Tensor, num_ranks: int, max_tokens: int, hidden: int, num_local: int,
+                         record: tuple, fixed: bool, recv_tokens: torch.Tensor, accepted_by: torch.Tensor,
+                         accept: torch.Tensor, use_fp8: bool, outputs, rows_to_rank: torch.Tensor) -> int:
+    """Validate received records and pack them into the dispatch outputs; returns the rows packed.
+
+    Arguments:
+        recv: torch.uint8 records as received. recv_tokens: `[R]` torch.int64 records per source (input
+            in exact mode, output in fixed mode, read from the headers). accepted_by: `[R]` torch.int64
+            output (fixed mode): whether each source accepts this rank. accept: `[R]` torch.int32, the
+            sources this rank accepts. outputs: the `DispatchOutputs`. rows_to_rank: `[R]` torch.int64
+            output, rows each source will get back in combine.
+    """
+    _, meta, size = record
+    scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
+    return _checked(_C.mep_coll_dispatch_unpack(
+        recv.data_ptr(), recv.numel(), num_ranks, max_tokens, hidden, num_local, size, meta, int(fixed),
+        recv_tokens.data_ptr(), accepted_by.data_ptr(), accept.data_ptr(), int(use_fp8), outputs.recv_x.data_ptr(),
+        scales, outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr(),
+        rows_to_rank.data_ptr()), "collective dispatch")
+
+
+def coll_combine_pack(x: torch.Tensor, layout_range: torch.Tensor, max_tokens: int, send: torch.Tensor) -> int:
+    """Copy the expert outputs each source gets back into `send` `[P, hidden]`: by source, local expert, token."""
+    num_local, num_ranks = layout_range.shape
+    return _checked(_C.mep_coll_combine_pack(x.data_ptr(), x.size(2), num_local, num_ranks, max_tokens,
+                                             layout_range.data_ptr(), send.data_ptr(), send.size(0)),
+                    "collective combine")
