@@ -248,6 +248,26 @@ class Buffer:
         """
         return self._require_membership("pending_joiners").joining()
 
+    def switch_layout(self, target: str, **kwargs):
+        """Switch the MoE layers between tensor- and expert-parallel layouts (after Moebius).
+
+        Quiesce between steps, reshard the weights layer by layer into peers' free slots, move the
+        KV cache, commit; all-or-nothing (see `mooncake_ep_switch.switch.switcher.switch_layout`).
+
+        Arguments:
+            target: `"tp"` or `"ep"`.
+            weights: the `UnifiedWeights` of this rank (keyword).
+            kv_cache: optional `PagedKVCache` (keyword).
+            timeout_us: deadline for each wait during the switch (keyword).
+
+        Returns:
+            report: a `SwitchReport` (outcome, bytes and milliseconds for weights and KV, total).
+        """
+        from mooncake_ep_switch.switch.switcher import switch_layout
+
+        self._check_alive()
+        return switch_layout(self, target, **kwargs)
+
     @staticmethod
     def get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                 num_experts: int) -> int:
