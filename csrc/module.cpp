@@ -116,4 +116,16 @@ PYBIND11_MODULE(_native, m) {
     m.def("combine_reduce", &mep::combine_reduce, release(), "out_ptr"_a, "num_tokens"_a, "hidden"_a, "top_k"_a,
           "row_index_ptr"_a, "weights_ptr"_a, "rows_base_ptr"_a, "row_stride"_a,
           "out[t] = bf16(sum_k in order of w[t,k] * row(row_index[t,k])), -1 skipped, fp32, no FMA.");
+    // ---- switch helpers (switch_ops.cpp) ----
+    m.def("copy_blocks", &mep::copy_blocks, release(), "desc_ptr"_a, "n"_a, "dst_lo"_a, "dst_hi"_a, "src_lo"_a,
+          "src_hi"_a,
+          "Copy int64 [n][6] blocks (dst, src, rows, row_bytes, dst_stride, src_stride), each checked to lie in "
+          "[dst_lo, dst_hi) and [src_lo, src_hi) before anything is written.");
+    m.def("wait_words", &mep::wait_words, release(), "addrs"_a, "expected"_a, "mode"_a, "timeout_us"_a,
+          "Wait until every uint64 word matches (mode 0: same tag in the high 32 bits; mode 1: >= expected) "
+          "with one deadline (-1 = none); returns the indices still unmatched.");
+    m.def("prefault", &mep::prefault, release(), "base"_a, "nbytes"_a,
+          "Populate the page tables of a mapped range for writing.");
+    m.def("signal_publish", &mep::signal_publish, "addr"_a, "value"_a,
+          "Release-store a uint64 signal word and wake every wait_words() sleeping on it.");
 }

@@ -24,7 +24,8 @@ class RankContext(NamedTuple):
         rank: this rank.
         num_ranks: number of ranks.
         group: the gloo process group of all ranks (torch.distributed WORLD).
-        store: a client of the launcher's TCPStore (outlives any rank).
+        store: the default group's store (a prefix of the launcher's TCPStore, which outlives any
+            rank); a replacement joins through it.
         store_addr: (host, port) of that store, for building further groups or clients.
     """
 
@@ -68,7 +69,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, str], threads: int, conn) -> None:
+def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, str], threads: int, conn,
+                 replacement: bool = False) -> None:
     _die_with_parent()
     os.environ.update(env)
     import torch
@@ -77,9 +79,13 @@ def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, st
     torch.set_num_threads(threads)
     store = dist.TCPStore(store_addr[0], store_addr[1], num_ranks, is_master=False,
                           timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=num_ranks,
-                            timeout=timedelta(seconds=120))
-    context = RankContext(rank, num_ranks, dist.group.WORLD, store, store_addr)
+    world_store = dist.PrefixStore("world", store)  # the default group's store, and membership's
+    if replacement:  # a dead rank's successor: the world group cannot take it back; it joins via the store
+        context = RankContext(rank, num_ranks, None, world_store, store_addr)
+    else:
+        dist.init_process_group("gloo", store=world_store, rank=rank, world_size=num_ranks,
+                                timeout=timedelta(seconds=120))
+        context = RankContext(rank, num_ranks, dist.group.WORLD, world_store, store_addr)
     conn.send(("ready", None))
     while True:
         try:
@@ -97,10 +103,11 @@ def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, st
             conn.send(result)
         except (BrokenPipeError, OSError):
             break
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    if not replacement:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
     os._exit(0)  # skip interpreter teardown of gloo threads
 
 
@@ -139,14 +146,34 @@ class LocalCluster:
                 raise TimeoutError(f"LocalCluster: rank {rank} did not start within {start_timeout_s} s")
             conn.recv()
 
-    def _spawn(self, rank: int, threads: int) -> None:
+    def _spawn(self, rank: int, threads: int, replacement: bool = False) -> None:
         parent, child = self._ctx.Pipe()
         process = self._ctx.Process(target=_worker_main, args=(rank, self.num_ranks, self.store_addr, self.env,
-                                                               threads, child), daemon=True)
+                                                               threads, child, replacement), daemon=True)
         process.start()
         child.close()
-        self.processes.append(process)
-        self.conns.append(parent)
+        if replacement:
+            self.processes[rank], self.conns[rank] = process, parent
+        else:
+            self.processes.append(process)
+            self.conns.append(parent)
+
+    def respawn(self, rank: int, threads: int = 1, timeout_s: float = 60.0) -> None:
+        """Start a replacement process for a dead `rank` (same rank id, no world group).
+
+        Its functions get a context whose `group` is None and whose `store` reaches the launcher's
+        store, which is how a replacement joins (`mooncake_ep_switch.elastic.join`).
+        """
+        old = self.processes[rank]
+        if old.is_alive():
+            raise RuntimeError(f"rank: {rank} is still alive; only a dead rank can be replaced")
+        old.join(1)
+        self.conns[rank].close()
+        self._spawn(rank, threads, replacement=True)
+        if not self._poll(self.conns[rank], time.monotonic() + timeout_s):
+            raise TimeoutError(f"LocalCluster: replacement for rank {rank} did not start within {timeout_s} s")
+        self.conns[rank].recv()
+        self.broken = False
 
     @staticmethod
     def _poll(conn, deadline: float) -> bool:

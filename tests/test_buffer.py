@@ -14,8 +14,10 @@ from tests import harness
 from tests.reference import (calc_diff, dequantize, expected_combine, expected_routing, expert_scale,
                              fp8_reference, structured_inputs, token_count)
 
-TRANSPORTS = ["collective", "shm"]
+TRANSPORTS = ["collective", "shm", "mooncake"]
 SIZES = [1, 2, 4]
+# The Transfer Engine route (disable_p2p=True) runs at R=2 and R=4; shm and collective also at 1 and 8.
+GRID = [(t, r) for t in TRANSPORTS for r in SIZES if not (t == "mooncake" and r == 1)]
 TIMEOUT_US = 30_000_000  # generous: a healthy run never reaches it
 
 
@@ -34,7 +36,8 @@ def _all_gather_topk(ctx, topk_idx):
 
 def _make_buffer(ctx, transport, case):
     size = Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts)
-    return Buffer(ctx.group, size, transport=transport)
+    # "mooncake" with disable_p2p: every peer over the Transfer Engine, as between hosts.
+    return Buffer(ctx.group, size, disable_p2p=transport == "mooncake", transport=transport)
 
 
 def _complete(event, hook, mode):
@@ -158,15 +161,14 @@ def rank_round_trip(ctx, transport, use_fp8, mode, seed=0, inactive=(), random_v
         buffer.destroy()
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("num_ranks", SIZES)
+@pytest.mark.parametrize("transport,num_ranks", GRID)
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("mode", ["sync", "hook", "async"])
 def test_round_trip(transport, num_ranks, use_fp8, mode):
     harness.run(num_ranks, rank_round_trip, transport, use_fp8, mode, seed=num_ranks)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", ["collective", "shm"])
 def test_round_trip_eight_ranks(transport):
     harness.run(8, rank_round_trip, transport, False, "sync", seed=8, case=Case(tokens=24, experts=16))
 
@@ -259,3 +261,28 @@ def rank_many_rounds(ctx, transport, rounds):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_many_rounds(transport):
     harness.run(2, rank_many_rounds, transport, 6)
+
+
+def rank_mixed_routes(ctx, hosts):
+    """Ranks split over `hosts` pretend hosts (MEP_HOST_ID): shm inside a host, TE across."""
+    import os
+
+    os.environ["MEP_HOST_ID"] = f"pretend-host-{ctx.rank * hosts // ctx.num_ranks}"
+    try:
+        case = Case()
+        size = Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts)
+        with Buffer(ctx.group, size) as buffer:  # auto: ranks span hosts -> "mooncake"
+            routes = list(buffer._impl.routes)
+            assert buffer.transport == "mooncake", buffer.transport
+        results = [rank_round_trip(ctx, "auto", use_fp8, mode, seed=60 + i)
+                   for i, (use_fp8, mode) in enumerate([(False, "sync"), (True, "hook")])]
+        return routes, results
+    finally:
+        os.environ.pop("MEP_HOST_ID", None)
+
+
+def test_mixed_routes_shm_inside_a_host_te_across():
+    values = harness.run(4, rank_mixed_routes, 2)
+    routes = [v[0] for v in values]
+    assert routes[0] == ["self", "shm", "te", "te"]
+    assert routes[3] == ["te", "te", "shm", "self"]

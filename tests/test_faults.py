@@ -17,13 +17,18 @@ from tests.reference import expected_combine, expected_routing, structured_input
 
 NUM_RANKS = 4
 DEAD = 2
-ONE_SIDED = ["shm"]
+ONE_SIDED = ["shm", "mooncake"]
 TIMEOUT_US = 1_500_000
 SLACK_S = 2.0
 
 
 class Shape:
     hidden, tokens, experts, top_k = 256, 32, 16, 4
+
+
+def _buffer(ctx, transport):
+    size = Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, ctx.num_ranks, Shape.experts)
+    return Buffer(ctx.group, size, disable_p2p=transport == "mooncake", transport=transport)
 
 
 def _die(how: str) -> None:
@@ -66,8 +71,7 @@ def _mock_expert(ctx, recv):
 
 def rank_killed(ctx, transport, kill_point, how):
     """Rounds 1-2 whole; in round 3 rank DEAD dies at `kill_point`; survivors check everything."""
-    size = Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, ctx.num_ranks, Shape.experts)
-    buffer = Buffer(ctx.group, size, transport=transport)
+    buffer = _buffer(ctx, transport)
     rounds = []
     for round_index in range(3):
         gathered = [None] * ctx.num_ranks
@@ -130,8 +134,7 @@ def test_rank_dies(transport, kill_point, how):
 
 def rank_late(ctx, transport):
     """Rank DEAD is late in round 2 (its signals arrive after the deadline); round 3 excludes it."""
-    size = Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, ctx.num_ranks, Shape.experts)
-    buffer = Buffer(ctx.group, size, transport=transport)
+    buffer = _buffer(ctx, transport)
     rounds = []
     for round_index in range(3):
         gathered = [None] * ctx.num_ranks

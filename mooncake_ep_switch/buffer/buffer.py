@@ -6,6 +6,7 @@ moves the bytes: `"shm"` (one host, native one-sided writes), `"mooncake"` (Tran
 layouts are Mooncake EP's, so engines written for it work unchanged.
 """
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Tuple
 
@@ -16,9 +17,30 @@ from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap
 from mooncake_ep_switch.buffer.layout import region_layout
+from mooncake_ep_switch.buffer.membership import JOINING, Membership, MembershipError, View, generation_prefix
 from mooncake_ep_switch.config import settings
+from mooncake_ep_switch.faults import FaultPoint
 
 TRANSPORTS = ("auto", "shm", "mooncake", "collective")
+
+
+def _default_store():
+    """The default group's store (the launcher's TCPStore), or None if there is none."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def _transfer_engine_available() -> bool:
+    """Whether the Mooncake Transfer Engine imports here (it needs Debian's libibverbs1)."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
 
 
 def _once(function: Callable[[], None]) -> Callable[[], None]:
@@ -51,42 +73,84 @@ class Buffer:
             peers are reached through the inter-host path).
         transport: `"auto"` (shared memory when every rank is on this host, else the Transfer
             Engine when installed, else collectives), `"shm"`, `"mooncake"` or `"collective"`.
+        store: the group's torch.distributed store, which must outlive every rank (default: the
+            default group's store). Membership (epochs, endpoints, joiners) lives there.
+
+    A replacement rank passes the ticket of `mooncake_ep_switch.elastic.join()` as `group`; it
+    then waits as "joining" until it calls `update_ep_member()` together with the survivors.
     """
 
-    def __init__(self, group, num_ep_buffer_bytes: int = 0, disable_p2p: bool = False, *, transport: str = "auto"):
-        if group is None:
-            if not dist.is_initialized():
-                raise ValueError("group: expected a process group (torch.distributed is not initialized), got None")
-            group = dist.group.WORLD
+    def __init__(self, group, num_ep_buffer_bytes: int = 0, disable_p2p: bool = False, *, transport: str = "auto",
+                 store=None):
+        from mooncake_ep_switch.elastic import JoinTicket
+
         num_ep_buffer_bytes = validation.check_int("num_ep_buffer_bytes", num_ep_buffer_bytes, 0)
         if not isinstance(disable_p2p, bool):
             raise TypeError(f"disable_p2p: expected a bool, got {type(disable_p2p).__name__}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
+        self.joining = isinstance(group, JoinTicket)
+        if self.joining:
+            self.group, self.rank, self.num_ranks = None, group.rank, group.num_ranks
+            store, prefix = group.store, group.prefix
+        else:
+            if group is None:
+                if not dist.is_initialized():
+                    raise ValueError("group: expected a process group (torch.distributed is not initialized), "
+                                     "got None")
+                group = dist.group.WORLD
+            self.group = group
+            self.rank = dist.get_rank(group)
+            self.num_ranks = dist.get_world_size(group)
+            prefix = "mep"
+            store = _default_store() if store is None else store
         self.num_ep_buffer_bytes = num_ep_buffer_bytes
         self.disable_p2p = disable_p2p
         self.settings = settings()
-        self.epoch = 0
+        self._fault = FaultPoint.parse(self.settings.fault_point)
+        self.membership = None
+        if store is not None:
+            prefix = generation_prefix(store, self.rank, self.num_ranks, prefix, self.joining)
+            self.membership = Membership(store, self.rank, self.num_ranks, prefix)
+        self.epoch = self.membership.epoch() if self.joining else 0
+        self.members = tuple(range(self.num_ranks))
         self._call = 0
         self._last_plan: Optional[DispatchPlan] = None
         self._worker: Optional[ThreadPoolExecutor] = None
         self._destroyed = False
         self._impl = self._make_transport(transport)
         self.transport = self._impl.name
-        self.connect()
+        if self.membership is not None:
+            self.membership.publish_endpoint(dict(self._impl.endpoint(), host_id=self.settings.host_id))
+        if self.joining:
+            self.membership.set_state(JOINING)  # admitted by update_ep_member()
+        else:
+            self.connect()
 
     # ------------------------------------------------------------------ construction
     def _host_ids(self):
+        if self.joining:  # no group yet: the members' published endpoints say where they run
+            found = [self.settings.host_id]
+            for peer in self.membership.view().ranks:
+                if peer != self.rank:
+                    try:
+                        found.append(self.membership.endpoint(peer)["host_id"])
+                    except MembershipError:
+                        pass  # not (yet) published, e.g. another replacement: checked at connect
+            return found
         host_ids = [None] * self.num_ranks
         dist.all_gather_object(host_ids, self.settings.host_id, group=self.group)
         return host_ids
 
+    def _require_membership(self, what: str):
+        if self.membership is None:
+            raise RuntimeError(f"{what}: needs the group's store (pass store= to Buffer, or initialise "
+                               "torch.distributed with a store)")
+        return self.membership
+
     def _make_transport(self, requested: str):
-        """Resolve `transport` and build it (see docs/transports.md for the rules)."""
-        from mooncake_ep_switch.buffer.shm import ShmTransport
+        """Resolve `transport` and build it (rules in docs/transports.md)."""
+        from mooncake_ep_switch.buffer.one_sided import OneSidedTransport
         from mooncake_ep_switch.fallback.collective import CollectiveTransport
 
         if requested == "auto":
@@ -95,6 +159,8 @@ class Buffer:
                 requested = "collective"  # no region to write into: only collectives can run
             elif same_host and not self.disable_p2p:
                 requested = "shm"
+            elif _transfer_engine_available():
+                requested = "mooncake"
             else:
                 requested = "collective"
         if requested == "collective":
@@ -105,8 +171,8 @@ class Buffer:
             host_ids = self._host_ids()
             if len(set(host_ids)) != 1:
                 raise ValueError(f"transport: 'shm' needs every rank on this host, got host ids {sorted(set(host_ids))}")
-            return ShmTransport(self.group, self.rank, self.num_ranks, self.num_ep_buffer_bytes)
-        raise NotImplementedError(f"transport: {requested!r} is not available in this build")
+        return OneSidedTransport(requested, self.rank, self.num_ranks, self.num_ep_buffer_bytes, self.settings,
+                                 allow_shm=not self.disable_p2p)
 
     def connect(self) -> None:
         """Exchange peer metadata and map peers (Mooncake's `connect`); idempotent.
@@ -115,16 +181,92 @@ class Buffer:
             None.
         """
         self._check_alive()
-        self._impl.connect()
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        self._impl.connect_members(View(self.epoch, self.members), self.membership, deadline)
 
-    def update_ep_member(self) -> None:
-        """Refresh peer metadata after the membership changed (Mooncake's meaning).
+    def update_ep_member(self, timeout_s: Optional[float] = None) -> View:
+        """Agree on the next membership epoch and refresh peers (Mooncake's meaning, elastic).
+
+        Collective over the ranks that continue and any replacement rank waiting to join: every
+        one of them calls it. Ranks this Buffer saw fail (data-plane timeouts) are reported as
+        evidence and not waited for; joiners are admitted. Peers' memory or endpoints are mapped
+        anew, call tags restart above every tag used before, the collective fallback gets a group
+        for the new view, and every buffer stays at its address.
+
+        Arguments:
+            timeout_s: deadline for the agreement and the re-connection (default: the connect
+                timeout setting).
 
         Returns:
-            None.
+            view: the new `View` (epoch, member ranks). Reset your `active_ranks` to
+                `buffer.active_mask()`.
         """
         self._check_alive()
-        self._impl.connect()
+        membership = self._require_membership("update_ep_member")
+        deadline = time.monotonic() + (self.settings.connect_timeout_s if timeout_s is None else timeout_s)
+        failed = set(self._impl.failed_sources)
+        while True:
+            membership.report_failures(failed)
+            if self.joining:
+                self.epoch = membership.epoch()
+                expected = set(membership.view(self.epoch).ranks) | {self.rank}
+            else:
+                expected = (set(self.members) - failed) | set(membership.joining())
+            view = membership.agree_next_view(self.epoch, expected, deadline, call=self._call)
+            if self._fault is not None:
+                self._fault.hit("update_after_ready", self.rank)
+            # Every member starts its call counter at one agreed value above every tag used so far.
+            self._call = membership.max_call(view.epoch, view.ranks) + 2
+            self.epoch, self.members, self.joining = view.epoch, view.ranks, False
+            self._impl.failed_sources.clear()
+            try:
+                # Half the remaining budget per attempt: a member that died after the view was
+                # sealed is found missing in time to agree again without it.
+                attempt = time.monotonic() + max(1.0, (deadline - time.monotonic()) / 2)
+                self._impl.connect_members(view, membership, min(attempt, deadline))
+                return view
+            except MembershipError as error:
+                if not error.missing or time.monotonic() >= deadline:
+                    raise
+                failed = set(error.missing)  # a member died after the view was sealed: agree again
+
+    def active_mask(self) -> torch.Tensor:
+        """A fresh `active_ranks` tensor for the current view.
+
+        Returns:
+            active_ranks: `[num_ranks]` torch.int32, 1 for members of the current epoch.
+        """
+        mask = torch.zeros(self.num_ranks, dtype=torch.int32)
+        mask[list(self.members)] = 1
+        return mask
+
+    def pending_joiners(self) -> list:
+        """Ranks waiting to be admitted (then every member calls `update_ep_member()`).
+
+        Returns:
+            ranks: list of int.
+        """
+        return self._require_membership("pending_joiners").joining()
+
+    def switch_layout(self, target: str, **kwargs):
+        """Switch the MoE layers between tensor- and expert-parallel layouts (after Moebius).
+
+        Quiesce between steps, reshard the weights layer by layer into peers' free slots, move the
+        KV cache, commit; all-or-nothing (see `mooncake_ep_switch.switch.switcher.switch_layout`).
+
+        Arguments:
+            target: `"tp"` or `"ep"`.
+            weights: the `UnifiedWeights` of this rank (keyword).
+            kv_cache: optional `PagedKVCache` (keyword).
+            timeout_us: deadline for each wait during the switch (keyword).
+
+        Returns:
+            report: a `SwitchReport` (outcome, bytes and milliseconds for weights and KV, total).
+        """
+        from mooncake_ep_switch.switch.switcher import switch_layout
+
+        self._check_alive()
+        return switch_layout(self, target, **kwargs)
 
     @staticmethod
     def get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

@@ -25,7 +25,15 @@ ACTIVE, INACTIVE, JOINING = "active", "inactive", "joining"
 
 
 class MembershipError(RuntimeError):
-    """Raised when this rank is not part of the agreed view, or a deadline passed."""
+    """Raised when this rank is not part of the agreed view, or a deadline passed.
+
+    Attributes:
+        missing: ranks that did not arrive where they were waited for (may be empty).
+    """
+
+    def __init__(self, message: str, missing=()):
+        super().__init__(message)
+        self.missing = tuple(missing)
 
 
 class View(NamedTuple):
@@ -53,8 +61,8 @@ class Membership:
     def __init__(self, store, rank: int, num_ranks: int, prefix: str = "mep"):
         import torch.distributed as dist
 
-        self.store = dist.PrefixStore(prefix, store)
-        self.raw_store = store
+        self.raw_store = root_store(store)
+        self.store = dist.PrefixStore(prefix, self.raw_store)
         self.rank = rank
         self.num_ranks = num_ranks
         self.incarnation = int(self.store.add(f"incarnation/{rank}", 1))
@@ -171,6 +179,17 @@ class Membership:
                 best = max(best, int(json.loads(text)["call"]))
         return best
 
+    def barrier(self, name: str, ranks: Iterable[int], deadline: float) -> None:
+        """Wait until every rank of `ranks` reached the barrier `name` (store keys, no collective)."""
+        self.store.set(f"barrier/{name}/{self.rank}", "1")
+        keys = [f"barrier/{name}/{r}" for r in ranks]
+        try:
+            self.wait_for(lambda: True if self.store.check(keys) else None, deadline,
+                          f"barrier {name!r} of {list(ranks)}")
+        except MembershipError as error:
+            missing = [r for r in ranks if not self.store.check([f"barrier/{name}/{r}"])]
+            raise MembershipError(f"{error}; missing ranks {missing}", missing) from None
+
     def wait_for(self, predicate, deadline: float, what: str):
         """Poll `predicate()` (returns a value or None) with backoff until `deadline`."""
         pause = 0.001
@@ -182,6 +201,35 @@ class Membership:
                 raise MembershipError(f"deadline passed while waiting for {what}")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+
+def root_store(store):
+    """The store under any PrefixStore wrappers: every handle to one server gives the same keys.
+
+    The default group's store arrives wrapped by torch.distributed's own prefixes, a replacement
+    rank's store client does not; membership keys must not depend on which handle a rank holds.
+    """
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joining: bool = False) -> str:
+    """Key prefix of the Buffer being built: one membership record per Buffer generation.
+
+    Every rank constructs its Buffers in the same order, so the n-th Buffer of every rank gets
+    generation n and never reads an endpoint a previous Buffer left in the store. A joining rank
+    adopts the newest generation any rank has reached.
+    """
+    store = root_store(store)
+    counter = f"{base}/generation/{rank}"
+    if joining:
+        newest = max(int(store.add(f"{base}/generation/{r}", 0)) for r in range(num_ranks))
+        store.set(counter, str(newest))
+        return f"{base}/g{newest}"
+    return f"{base}/g{int(store.add(counter, 1))}"
 
 
 def view_group(store, view: View, rank: int, timeout_s: float, prefix: str = "mep"):

@@ -77,6 +77,9 @@ class SharedRegion:
         for peer in wanted:
             if endpoints[peer] is not None:
                 self.map_peer(peer, RegionEndpoint(*endpoints[peer]))
+        # Nobody returns (and could destroy its region, closing the fd a slower peer is about to
+        # open, or reuse that fd number for a new region) before every rank has mapped.
+        dist.barrier(group=self.group)
 
     def map_peer(self, rank: int, endpoint: RegionEndpoint) -> None:
         """Map `rank`'s region at `endpoint`; a different endpoint (a new incarnation) replaces the old."""

@@ -1,6 +1,6 @@
 """A reference MoE block (router + SwiGLU experts) with an EP forward over a Buffer.
 
-Used by the demo and tests. Expert weights follow the layout of docs/switching.md: gate/up
+Used by the demo and tests. Expert weights follow the layout of docs/switching.md (the UMM layout): gate/up
 `[E, 2I, H]` (gate rows first, then up rows) and down `[E, H, I]`. The single-process
 `reference_forward` computes the same thing without communication, as the correctness check.
 """
@@ -114,5 +114,132 @@ def ep_forward(buffer, x: torch.Tensor, weights: MoEWeights, top_k: int, tokens_
         if count:
             expert = buffer.rank * local + l_idx
             y[l_idx, :count] = expert_forward(recv[l_idx, :count], weights.gate_up[expert], weights.down[expert])
+    out, _, _ = buffer.combine(y, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded layouts (TP and EP views of the unified weight memory, see switch/umm.py) and the TP forward
+# ---------------------------------------------------------------------------------------------
+
+def shard_ep(gate_up: torch.Tensor, down: torch.Tensor, rank: int, num_ranks: int):
+    """EP shard of a layer: rank `rank` holds experts `[rE/P, (r+1)E/P)` whole.
+
+    Arguments:
+        gate_up: `[E, 2I, H]` torch.bfloat16, gate rows then up rows.
+        down: `[E, H, I]` torch.bfloat16.
+        rank: the rank whose shard to take.
+        num_ranks: `P`, dividing `E`.
+
+    Returns:
+        gate_up: `[E/P, 2I, H]` torch.bfloat16 (contiguous copy).
+        down: `[E/P, H, I]` torch.bfloat16 (contiguous copy).
+    """
+    local = gate_up.size(0) // num_ranks
+    rows = slice(rank * local, (rank + 1) * local)
+    return gate_up[rows].contiguous(), down[rows].contiguous()
+
+
+def shard_tp(gate_up: torch.Tensor, down: torch.Tensor, rank: int, num_ranks: int):
+    """TP shard of a layer: intermediate slice `rank` of every expert, gate and up sliced separately.
+
+    Arguments:
+        gate_up: `[E, 2I, H]` torch.bfloat16, gate rows then up rows.
+        down: `[E, H, I]` torch.bfloat16.
+        rank: the rank whose shard to take.
+        num_ranks: `P`, dividing `I`.
+
+    Returns:
+        gate_up: `[E, 2I/P, H]` torch.bfloat16: gate rows `[rI/P, (r+1)I/P)` then the same up rows.
+        down: `[E, H, I/P]` torch.bfloat16: columns `[rI/P, (r+1)I/P)`.
+    """
+    inter = down.size(2)
+    part = inter // num_ranks
+    lo, hi = rank * part, (rank + 1) * part
+    tp_gate_up = torch.cat([gate_up[:, lo:hi], gate_up[:, inter + lo:inter + hi]], dim=1).contiguous()
+    return tp_gate_up, down[:, :, lo:hi].contiguous()
+
+
+def tp_partial(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               top_k: int) -> torch.Tensor:
+    """This rank's float32 partial of the MoE output in the TP layout (before the all-reduce).
+
+    `partial[t] = sum_k w[t, k] * (SiLU(x gate_r^T) * (x up_r^T)) down_r^T` over this rank's slice `r`
+    of every expert, all in float32 (no bf16 rounding until after the all-reduce).
+
+    Arguments:
+        x: `[N, H]` torch.bfloat16, the same tokens on every TP rank.
+        router: `[E, H]` torch.float32.
+        gate_up: `[E, 2I/P, H]` torch.bfloat16 (TP view).
+        down: `[E, H, I/P]` torch.bfloat16 (TP view).
+        top_k: experts per token.
+
+    Returns:
+        partial: `[N, H]` torch.float32.
+    """
+    topk_idx, topk_weights = route(x, router, top_k)
+    part = gate_up.size(1) // 2
+    out = torch.zeros((x.size(0), x.size(1)), dtype=torch.float32)
+    xf = x.float()
+    for k in range(top_k):
+        for expert in topk_idx[:, k].unique().tolist():
+            rows = (topk_idx[:, k] == expert).nonzero().view(-1)
+            hidden_states = xf[rows] @ gate_up[expert].float().t()
+            activated = torch.nn.functional.silu(hidden_states[:, :part]) * hidden_states[:, part:]
+            out[rows] += topk_weights[rows, k:k + 1] * (activated @ down[expert].float().t())
+    return out
+
+
+def tp_forward(all_reduce, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               top_k: int, active_ranks: torch.Tensor, timeout_us: int = 30_000_000) -> torch.Tensor:
+    """Tensor-parallel forward: this rank's expert slices on every token, then a deterministic all-reduce.
+
+    Arguments:
+        all_reduce: a `tp_collective.TPAllReduce` over the group.
+        x: `[N, H]` torch.bfloat16, the same tokens on every rank.
+        router: `[E, H]` torch.float32.
+        gate_up: `[E, 2I/P, H]` torch.bfloat16, this rank's TP view (e.g. `UnifiedWeights.view(i, "tp")[0]`).
+        down: `[E, H, I/P]` torch.bfloat16, this rank's TP view.
+        top_k: experts per token.
+        active_ranks: `[R]` torch.int32 caller-owned mask; peers that miss the deadline are set to 0.
+        timeout_us: all-reduce deadline in microseconds, -1 = none.
+
+    Returns:
+        out: `[N, H]` torch.bfloat16, the float32 sum of every rank's partial in rank order, then bf16.
+    """
+    partial = tp_partial(x, router, gate_up, down, top_k)
+    return all_reduce.all_reduce(partial, active_ranks, timeout_us)
+
+
+def ep_forward_local(buffer, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                     top_k: int, tokens_per_rank: int, active_ranks: torch.Tensor,
+                     timeout_us: int = 30_000_000) -> torch.Tensor:
+    """Expert-parallel forward with this rank's local expert weights (e.g. the UMM's EP view).
+
+    Same as `ep_forward`, but the experts come from `[E/P, ...]` local tensors instead of a full layer.
+
+    Arguments:
+        buffer: a `Buffer` over the EP group.
+        x: `[N, H]` torch.bfloat16 local tokens.
+        router: `[E, H]` torch.float32.
+        gate_up: `[E/P, 2I, H]` torch.bfloat16, local experts.
+        down: `[E/P, H, I]` torch.bfloat16, local experts.
+        top_k: experts per token.
+        tokens_per_rank: `num_max_dispatch_tokens_per_rank`.
+        active_ranks: `[R]` torch.int32 caller-owned mask.
+
+    Returns:
+        out: `[N, H]` torch.bfloat16.
+    """
+    num_experts = router.size(0)
+    local = gate_up.size(0)
+    topk_idx, topk_weights = route(x, router, top_k)
+    recv, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, tokens_per_rank, num_experts,
+                                                     timeout_us, use_fp8=False)
+    y = buffer.get_next_combine_buffer(handle)
+    for l_idx in range(local):
+        count = int(recv_count[l_idx])
+        if count:
+            y[l_idx, :count] = expert_forward(recv[l_idx, :count], gate_up[l_idx], down[l_idx])
     out, _, _ = buffer.combine(y, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy=True)
     return out

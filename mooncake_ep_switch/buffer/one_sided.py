@@ -1,0 +1,281 @@
+"""The one-sided transports, `"shm"` and `"mooncake"`: one protocol, a route per peer.
+
+Every rank owns one region (an anonymous shared region, `SharedRegion`) laid out as in
+docs/protocol.md. A sender writes rows into the receiver's region and then a tagged signal; a
+receiver polls only its own region, with the call's deadline, so the receive side is the same
+whatever carried the bytes. Each peer gets a route:
+
+* `self`: this rank's own region (written directly by the native kernels);
+* `shm`: a peer on this host, mapped through /proc/<pid>/fd (native kernels write into it);
+* `te`: a peer elsewhere (or any peer when `disable_p2p=True`), reached with Mooncake Transfer
+  Engine writes: the native kernels pack the rows for that peer into a local staging copy of the
+  region at the same offsets, a batch write carries the data ranges, and only after it completed a
+  second write carries the signals (TE does not order writes inside a batch).
+
+A failed or timed-out write marks the destination inactive in the caller's `active_ranks` (and
+as evidence for membership) instead of raising or hanging.
+"""
+import time
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
+from mooncake_ep_switch.buffer.layout import RegionLayout, region_layout
+from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, SharedRegion
+from mooncake_ep_switch.faults import FaultPoint
+
+_TAG_SPACE = (1 << 32) - 1
+SELF, SHM, TE = "self", "shm", "te"
+DEFAULT_TE_TIMEOUT_S = 30.0  # TE writes when the call has no deadline (timeout_us == -1)
+
+
+def signal_tag(call: int) -> int:
+    """The 32-bit, never-zero signal tag of call number `call` (wraps after 2**32 - 1 calls)."""
+    return (call - 1) % _TAG_SPACE + 1
+
+
+class TePeer(NamedTuple):
+    """A peer reached over the Transfer Engine.
+
+    Fields:
+        session: the peer engine's session id ("host:port").
+        base: address of the peer's registered region in the peer's address space.
+    """
+
+    session: str
+    base: int
+
+
+class OneSidedTransport:
+    """Dispatch/combine by one-sided writes into peers' regions (shm and/or Transfer Engine).
+
+    Arguments:
+        name: `"shm"` (every peer must be on this host) or `"mooncake"` (Transfer Engine for
+            peers on other hosts, or for every peer when `allow_shm` is False).
+        rank: this rank.
+        num_ranks: group size.
+        num_ep_buffer_bytes: size of every rank's region.
+        settings: the runtime `Settings` (host identity, TE bind address and protocol, faults).
+        allow_shm: whether same-host peers may be reached through shared memory.
+    """
+
+    def __init__(self, name: str, rank: int, num_ranks: int, num_ep_buffer_bytes: int, settings,
+                 allow_shm: bool = True):
+        if num_ep_buffer_bytes <= 0:
+            raise ValueError(f"num_ep_buffer_bytes: the {name} transport needs a region, expected > 0 "
+                             f"(see Buffer.get_ep_buffer_size_hint), got {num_ep_buffer_bytes}")
+        self.name = name
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.nbytes = num_ep_buffer_bytes
+        self.settings = settings
+        self.allow_shm = allow_shm
+        self.fault = FaultPoint.parse(settings.fault_point)
+        self.region = SharedRegion(None, rank, num_ranks, num_ep_buffer_bytes)
+        self.base = self.region.base
+        self.routes: List[Optional[str]] = [None] * num_ranks
+        self.routes[rank] = SELF
+        self.te_peers: Dict[int, TePeer] = {}
+        self.failed_sources: List[int] = []
+        self.te = None
+        self.staging: Optional[torch.Tensor] = None
+        if name == "mooncake":
+            from mooncake_ep_switch.buffer.te_endpoint import TeEndpoint
+
+            self.te = TeEndpoint(settings.bind_host, settings.te_protocol, log_level="ERROR")
+            self.te.register(self.base, self.nbytes)
+            self.staging = torch.zeros(self.nbytes, dtype=torch.uint8)
+            self.te.register(self.staging.data_ptr(), self.nbytes)
+        elif name != "shm":
+            raise ValueError(f"name: expected 'shm' or 'mooncake', got {name!r}")
+
+    # ------------------------------------------------------------------ membership
+    def endpoint(self) -> dict:
+        """What peers need to reach this rank (published in the store)."""
+        found = {"region": list(self.region.endpoint)}
+        if self.te is not None:
+            found.update(te_session=self.te.session_id, te_base=self.base)
+        return found
+
+    def connect_members(self, view, membership, deadline: float) -> None:
+        """Route and map every member of `view`; drop everything else. No group collective.
+
+        Waits (until `deadline`) for each member's endpoint in the store; same-host members are
+        mapped through shared memory when allowed, others reached over the Transfer Engine.
+        """
+        from mooncake_ep_switch.buffer.membership import MembershipError
+
+        if membership is None:
+            raise RuntimeError("connect: the one-sided transports exchange endpoints through the store; "
+                               "pass store= to Buffer")
+        for peer in range(self.num_ranks):
+            if peer == self.rank:
+                continue
+            if peer not in view.ranks:
+                self._drop(peer)
+                continue
+
+            def published(peer=peer):
+                try:
+                    return membership.endpoint(peer)
+                except MembershipError:
+                    return None
+
+            found = membership.wait_for(published, deadline, f"rank {peer}'s endpoint")
+            if self.allow_shm and found.get("host_id") == self.settings.host_id:
+                self.region.map_peer(peer, RegionEndpoint(*found["region"]))
+                self.te_peers.pop(peer, None)
+                self.routes[peer] = SHM
+            else:
+                if self.te is None:
+                    raise ValueError(f"transport: 'shm' cannot reach rank {peer} on host {found.get('host_id')!r} "
+                                     f"(this host: {self.settings.host_id!r}); use 'mooncake' or 'auto'")
+                session, base = found.get("te_session"), found.get("te_base")
+                if not isinstance(session, str) or not isinstance(base, int) or base <= 0:
+                    raise ValueError(f"rank {peer} published no usable Transfer Engine endpoint: {found}")
+                self.region.unmap_peer(peer)
+                self.te_peers[peer] = TePeer(session, base)
+                self.routes[peer] = TE
+                self.te.connect(session, timeout_s=max(0.1, deadline - time.monotonic()))
+        # Nobody returns (and could destroy its region, closing the fd a slower peer is about to
+        # open) before every member has mapped every region.
+        membership.barrier(f"connect/{view.epoch}", view.ranks, deadline)
+
+    def _drop(self, peer: int) -> None:
+        self.region.unmap_peer(peer)
+        self.te_peers.pop(peer, None)
+        self.routes[peer] = None
+
+    def destroy(self) -> None:
+        """Close the Transfer Engine (if any) and release the region and every mapping."""
+        if self.te is not None:
+            self.te.close()
+            self.te = None
+        self.region.destroy()
+        self.base = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _layout(self, tokens: int, hidden: int, experts: int) -> RegionLayout:
+        layout = region_layout(self.num_ranks, tokens, hidden, experts)
+        if layout.total_bytes > self.nbytes:  # the Buffer checked already; never write past a region
+            raise ValueError(f"num_ep_buffer_bytes: call needs {layout.total_bytes}, region has {self.nbytes}")
+        return layout
+
+    def _direct_halves(self, offset: int) -> List[int]:
+        """Half bases of the peers the native kernels write directly (self and shm routes)."""
+        return [base + offset if base and self.routes[peer] in (SELF, SHM) else 0
+                for peer, base in enumerate(self.region.peer_bases)]
+
+    def _staging_halves(self, offset: int, dest: int) -> List[int]:
+        halves = [0] * self.num_ranks
+        halves[dest] = self.staging.data_ptr() + offset
+        return halves
+
+    def _te_timeout(self, timeout_us: int) -> float:
+        return DEFAULT_TE_TIMEOUT_S if timeout_us < 0 else max(0.05, timeout_us / 1e6)
+
+    def _te_put(self, dest: int, ranges: List[Tuple[int, int]], signal_range: Tuple[int, int],
+                active: torch.Tensor, timeout_s: float) -> None:
+        """Write `ranges` (offset, length) of the staging copy into `dest`, then its signals."""
+        peer = self.te_peers[dest]
+        staging = self.staging.data_ptr()
+        ranges = [(offset, length) for offset, length in ranges if length > 0]
+        try:
+            if ranges:
+                self.te.write_batch(peer.session, [staging + o for o, _ in ranges], [peer.base + o for o, _ in ranges],
+                                    [n for _, n in ranges], timeout_s=timeout_s)
+            offset, length = signal_range
+            self.te.write(peer.session, staging + offset, peer.base + offset, length, timeout_s=timeout_s)
+        except (ConnectionError, TimeoutError):
+            active[dest] = 0  # a dead or unreachable peer: neither sent to nor waited for again
+            self.failed_sources.append(dest)
+
+    def combine_buffer(self, call: int, shape, device) -> torch.Tensor:
+        """Region-resident zero-copy combine buffer `[L, R*T, hidden]` bf16 for the half of `call`."""
+        local, rows, hidden = shape
+        layout = self._layout(rows // self.num_ranks, hidden, local * self.num_ranks)
+        start = layout.half_offset(call) + layout.combine_send
+        nbytes = local * rows * hidden * 2
+        return self.region.local[start:start + nbytes].view(torch.bfloat16).view(local, rows, hidden)
+
+    def _te_targets(self, active: torch.Tensor) -> List[int]:
+        order = [(self.rank + step) % self.num_ranks for step in range(1, self.num_ranks)]
+        return [peer for peer in order if self.routes[peer] == TE and int(active[peer])]
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple[None, Callable[[], None]]:
+        """Write this rank's tokens into every active peer's region; return the receive phase."""
+        tokens, experts, hidden = call.num_max_dispatch_tokens_per_rank, call.num_experts, call.x.size(1)
+        layout = self._layout(tokens, hidden, experts)
+        offset = layout.half_offset(call.call)
+        tag = signal_tag(call.call)
+        args = (call.x.data_ptr(), call.x.size(0), hidden, call.topk_idx.data_ptr(), call.topk_idx.size(1), experts,
+                self.num_ranks, self.rank, tokens, call.active_ranks.data_ptr())
+        mid_dispatch = self.fault is not None and self.fault.point == "dispatch_after_data"
+        if mid_dispatch:  # test-only: data lands in peers, signals never do
+            _native.dispatch_send(*args, self._direct_halves(offset), tag, call.use_fp8, -1, False)
+            self.fault.hit("dispatch_after_data", self.rank, call.call)
+        _native.dispatch_send(*args, self._direct_halves(offset), tag, call.use_fp8)
+        if self.te is not None:
+            self._dispatch_te(call, layout, offset, tag, args)
+
+        def receive() -> None:
+            scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
+            newly = _native.dispatch_recv(self.base + offset, self.num_ranks, self.rank, tokens, hidden, experts,
+                                          tag, call.active_ranks.data_ptr(), call.timeout_us, call.use_fp8,
+                                          outputs.recv_x.data_ptr(), scales, outputs.src_info.data_ptr(),
+                                          outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr())
+            self.failed_sources.extend(newly)
+
+        return None, receive
+
+    def _dispatch_te(self, call: DispatchCall, layout: RegionLayout, offset: int, tag: int, args) -> None:
+        L, T, G = layout.num_local_experts, call.num_max_dispatch_tokens_per_rank, layout.num_scale_groups
+        signal_words = self.staging[offset + layout.dispatch_signals:].view(torch.int64)  # [R][L] words
+        timeout_s = self._te_timeout(call.timeout_us)
+        for dest in self._te_targets(call.active_ranks):
+            _native.dispatch_send(*args, self._staging_halves(offset, dest), tag, call.use_fp8, dest, True)
+            words = signal_words[self.rank * L:(self.rank + 1) * L]
+            counts = (words & 0xFFFFFFFF).tolist()
+            ranges = []
+            for local, count in enumerate(counts):
+                slot = local * self.num_ranks * T + self.rank * T  # first row of [local][rank][*]
+                ranges.append((offset + layout.dispatch_data + slot * layout.row_bytes, count * layout.row_bytes))
+                ranges.append((offset + layout.dispatch_src + slot * 4, count * 4))
+                if call.use_fp8:
+                    ranges.append((offset + layout.dispatch_scales + slot * G * 4, count * G * 4))
+            signal_range = (offset + layout.dispatch_signals + self.rank * L * 8, L * 8)
+            self._te_put(dest, ranges, signal_range, call.active_ranks, timeout_s)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, call: CombineCall) -> Callable[[], None]:
+        """Write expert outputs into their token owners' regions; return the receive phase."""
+        tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
+        layout = self._layout(tokens, hidden, experts)
+        offset = layout.half_offset(call.call)
+        tag = signal_tag(call.call)
+        args = (call.x.data_ptr(), hidden, experts, self.num_ranks, self.rank, tokens, call.src_info.data_ptr(),
+                call.layout_range.data_ptr(), call.active_ranks.data_ptr())
+        _native.combine_send(*args, self._direct_halves(offset), tag)
+        if self.te is not None:
+            L = layout.num_local_experts
+            first = self.rank * L  # this rank's experts' rows: combine_data[first:first+L][0:T]
+            block = (offset + layout.combine_data + first * tokens * hidden * 2, L * tokens * hidden * 2)
+            signal_range = (offset + layout.combine_signals + first * 8, L * 8)
+            timeout_s = self._te_timeout(call.timeout_us)
+            for dest in self._te_targets(call.active_ranks):
+                _native.combine_send(*args, self._staging_halves(offset, dest), tag, dest, True)
+                # Rows of tokens that did not select an expert carry stale bytes, but a token owner
+                # reads combine_data[e][t] only for the experts token t selected: one write suffices.
+                self._te_put(dest, [block], signal_range, call.active_ranks, timeout_s)
+
+        def receive() -> None:
+            newly = _native.combine_recv(self.base + offset, self.num_ranks, self.rank, tokens, hidden, experts, tag,
+                                         call.active_ranks.data_ptr(), call.timeout_us, call.topk_idx.data_ptr(),
+                                         call.topk_weights.data_ptr(), call.topk_idx.size(0), call.topk_idx.size(1),
+                                         call.out.data_ptr())
+            self.failed_sources.extend(newly)
+
+        return receive

@@ -1,0 +1,43 @@
+"""Test-only fault injection: a rank dies at a named point (set by `MEP_FAULT_POINT`).
+
+The value is `point:rank:call:how` with `how` one of `exit` (os._exit) or `kill` (SIGKILL) and
+`call` a call number or `*` for any. Points: `dispatch_after_data` (data written into peers,
+signals not yet), `update_after_ready` (readiness for the next epoch posted, peers not mapped).
+Unset in production: `FaultPoint.parse(None)` is None and nothing is checked.
+"""
+import os
+import signal
+from typing import NamedTuple, Optional
+
+
+class FaultPoint(NamedTuple):
+    """Where and how a rank dies.
+
+    Fields:
+        point: the point name.
+        rank: the rank that dies there.
+        call: call number (-1 = any).
+        how: "exit" or "kill".
+    """
+
+    point: str
+    rank: int
+    call: int
+    how: str
+
+    @staticmethod
+    def parse(text: Optional[str]) -> Optional["FaultPoint"]:
+        """Parse `point:rank:call:how`, or return None for an unset setting."""
+        if not text:
+            return None
+        parts = text.split(":")
+        if len(parts) != 4 or parts[3] not in ("exit", "kill"):
+            raise ValueError(f"MEP_FAULT_POINT: expected point:rank:call:exit|kill, got {text!r}")
+        return FaultPoint(parts[0], int(parts[1]), -1 if parts[2] == "*" else int(parts[2]), parts[3])
+
+    def hit(self, point: str, rank: int, call: int = -1) -> None:
+        """Die here if this is the configured point, rank and call."""
+        if self.point == point and self.rank == rank and self.call in (-1, call):
+            if self.how == "exit":
+                os._exit(17)
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,573 @@
+"""`switch_layout()`: move every MoE layer and the KV cache between the EP and TP layouts, all or nothing.
+
+Called by every rank between two engine steps (nothing in flight: that is the quiesce). Phases:
+
+1. Entry. Each rank checks its arguments, writes a digest of its shapes (control region) and its KV
+   page tables (KV region), then publishes `ENTERED`. After every peer's `ENTERED` it reads the
+   peers' digests and tables, computes the KV plan (the same on every rank) and its capacity
+   check, and publishes a decision, GO or ABORT. Only when every rank said GO does anything move; a
+   refusal (capacity, a missing peer, mismatched calls) returns a report and leaves everything as
+   it was.
+2. Weights, layer by layer (`reshard.step_order`): step t writes this rank's chunk of one layer
+   straight into every destination's free slot, then publishes progress `W0 + t + 1`. Step t's
+   destination slot is the slot step t-1 read from, so a rank writes step t into a peer only after
+   that peer's progress reached `W0 + t`.
+3. KV: every move whose source is this rank is written into the destination's free units, then
+   progress `KV_SENT`; then wait for every peer's `KV_SENT`.
+4. Commit: publish `DONE`, wait for every peer's `DONE` (so that no peer still reads a source that is
+   about to be freed), adopt the new layout and page tables, free the sources.
+
+Signals. Progress, decision and dead-declaration words are 64-bit `(seq << 32) | value` words in
+each rank's own control region (a `SharedRegion`), read by peers through their mapping; `seq`
+numbers the switches, so words of an earlier switch never satisfy a wait. Every wait has the
+deadline `timeout_us` and yields (native `wait_words`); no gloo collective runs once a switch
+started, so a dead peer cannot hang it.
+
+Failure (one-sided transport). A peer whose progress misses a deadline is declared dead (written
+into this rank's declaration words, which other survivors adopt at once). Survivors skip writes to
+it and *complete the switch on its behalf*: a dead rank's region stays mapped and readable, and no
+rank ever writes into a slot or unit the dead rank still had to send from (writes into a peer's
+slot wait for that peer's progress; KV moves only write free units), so every survivor pulls the
+dead rank's missing chunks straight from its memory. Every survivor therefore ends in the target
+layout with bit-exact weights, whatever step the peer died at; the report names the dead ranks and
+what they took with them (EP: the requests assigned to them; TP: their head group and weight slice,
+which a replacement must receive before the layout can serve). A failure before every rank said GO
+refuses the switch instead (nothing was touched).
+
+Assumption: fail-stop within the deadline. A rank that is merely late and finds itself declared
+dead raises `SwitchFenced` (its layout becomes "invalid"); a pull that raced with a late peer's
+progress is detected and raises `SwitchError` rather than returning wrong weights.
+
+Collective fallback: entry metadata is exchanged with `all_gather_object`, weights with two
+`all_to_all_single` per layer and KV with one. A peer that dies there cannot be survived (gloo
+fails after the group's timeout): the survivors raise `SwitchError` and mark their weights and KV
+"invalid"; reload from a checkpoint. Refusals (capacity, mismatched calls) are still all-or-nothing.
+"""
+import time
+from typing import Callable, List, NamedTuple, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+from mooncake_ep_switch import _native
+from mooncake_ep_switch.switch import reshard
+from mooncake_ep_switch.switch.kv_cache import KVPlan, PagedKVCache
+from mooncake_ep_switch.switch.umm import EP, INVALID, LAYOUTS, TP, UnifiedWeights
+
+# Progress steps (low 32 bits of the progress word).
+ENTERED = 1
+W0 = 16
+# Decision codes.
+GO = 1
+ABORT_CODES = {2: "a rank rejected its arguments", 3: "the KV cache does not fit the target layout",
+               4: "the ranks called switch_layout with different arguments or layouts",
+               5: "a rank did not enter the switch before the deadline", 6: "ranks found dead earlier need recovery"}
+
+_PROGRESS, _DECISION, _DIGEST, _DIGEST_WORDS, _DECL = 0, 8, 64, 48, 512
+_POLL_US = 20_000  # wait slice between checks of peers' dead declarations and our own fence
+
+COMPLETED = "completed"
+REFUSED = "refused"
+UNCHANGED = "unchanged"
+
+
+class SwitchReport(NamedTuple):
+    """What `switch_layout` did on this rank.
+
+    Fields:
+        source: layout before the call.
+        target: requested layout.
+        layout: layout this rank (and every surviving rank) is in now.
+        outcome: `"completed"`, `"refused"` (nothing moved) or `"unchanged"` (already in target).
+        reason: why it was refused, or what failed and how it was completed; "" otherwise.
+        dead_ranks: ranks found dead during this switch (their part was completed from their memory).
+        lost_requests: request ids whose KV now lives only on dead ranks.
+        weight_bytes: weight bytes this rank wrote into other ranks (plus bytes it pulled for dead ones).
+        weight_local_bytes: weight bytes this rank moved inside its own region (its diagonal chunk).
+        weight_ms: wall time of the weight phase (including waits for peers).
+        kv_bytes: KV bytes this rank wrote into other ranks (plus pulls for dead ones).
+        kv_local_bytes: KV bytes moved inside this rank's pool.
+        kv_ms: wall time of the KV phase.
+        prepare_ms: wall time of the entry (metadata exchange, plan, capacity check, decision).
+        commit_ms: wall time of the commit (final signal round, page tables, freeing sources).
+        total_ms: wall time of the whole call.
+        transport: `"shm"` (one-sided) or the collective fallback's name.
+        seq: switch sequence number.
+    """
+
+    source: str
+    target: str
+    layout: str
+    outcome: str
+    reason: str
+    dead_ranks: Tuple[int, ...]
+    lost_requests: Tuple[int, ...]
+    weight_bytes: int
+    weight_local_bytes: int
+    weight_ms: float
+    kv_bytes: int
+    kv_local_bytes: int
+    kv_ms: float
+    prepare_ms: float
+    commit_ms: float
+    total_ms: float
+    transport: str
+    seq: int
+
+
+class SwitchError(RuntimeError):
+    """A switch failed in a way this rank cannot repair; its layout is "invalid"."""
+
+
+class SwitchFenced(SwitchError):
+    """Peers declared this rank dead during the switch (it was late); it must leave the group."""
+
+
+StepHook = Callable[[str, int], None]
+
+
+# ------------------------------------------------------------------------------------------------
+# Control words
+# ------------------------------------------------------------------------------------------------
+
+class _Control:
+    """This switch's view of every rank's control words, its dead set and its fence."""
+
+    def __init__(self, umm: UnifiedWeights, seq: int, timeout_us: int):
+        self.umm = umm
+        self.rank = umm.rank
+        self.num_ranks = umm.num_ranks
+        self.seq = seq
+        self.timeout_us = timeout_us
+        self.bases = umm.control.peer_bases
+        self.dead: Set[int] = set()
+
+    def addr(self, rank: int, offset: int) -> int:
+        return self.bases[rank] + offset
+
+    def word(self, step: int) -> int:
+        return (self.seq << 32) | step
+
+    def publish(self, offset: int, value: int) -> None:
+        _native.signal_publish(self.addr(self.rank, offset), self.word(value))
+
+    def progress(self, rank: int) -> int:
+        """Progress step of `rank` in this switch (0 if it has not entered it)."""
+        value = _native.signal_load(self.addr(rank, _PROGRESS))
+        return value & 0xFFFFFFFF if value >> 32 == self.seq else 0
+
+    def write_digest(self, values: List[int]) -> None:
+        if len(values) > _DIGEST_WORDS - 1:
+            raise ValueError("digest too long")
+        view = self.umm.control.local[_DIGEST:_DIGEST + 8 * _DIGEST_WORDS].view(torch.int64)
+        view.zero_()
+        view[0] = len(values)
+        view[1:1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+
+    def read_digest(self, rank: int) -> List[int]:
+        region = self.umm.control.local if rank == self.rank else self.umm.control.peer(rank)
+        view = region[_DIGEST:_DIGEST + 8 * _DIGEST_WORDS].view(torch.int64)
+        count = int(view[0])
+        return view[1:1 + max(0, min(count, _DIGEST_WORDS - 1))].tolist()
+
+    def declare(self, rank: int) -> None:
+        if rank not in self.dead and rank != self.rank:
+            self.dead.add(rank)
+            _native.signal_publish(self.addr(self.rank, _DECL + 8 * rank), self.word(1))
+
+    def declared_by_peer(self, rank: int) -> bool:
+        word = self.word(1)
+        return any(_native.signal_load(self.addr(peer, _DECL + 8 * rank)) == word
+                   for peer in range(self.num_ranks) if peer != rank and peer not in self.dead)
+
+    def check_fence(self) -> None:
+        if self.declared_by_peer(self.rank):
+            raise SwitchFenced(f"rank {self.rank} was declared dead by a peer during switch {self.seq} "
+                               "(it missed a deadline); it must leave the group and rejoin")
+
+    def live_peers(self) -> List[int]:
+        return [p for p in range(self.num_ranks) if p != self.rank and p not in self.dead]
+
+    def wait(self, offset: int, value: int, mode: int, peers: Optional[List[int]] = None,
+             declare: bool = True) -> List[int]:
+        """Wait until every peer's word at `offset` reaches this switch's `value` (mode 1: progress >=,
+        mode 0: same switch). Returns the peers that missed the deadline (declared dead if `declare`)."""
+        peers = self.live_peers() if peers is None else [p for p in peers if p not in self.dead]
+        deadline = None if self.timeout_us < 0 else time.monotonic() + self.timeout_us / 1e6
+        pending = list(peers)
+        while pending:
+            left_us = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1e6))
+            slice_us = _POLL_US if left_us < 0 else min(_POLL_US, left_us)
+            addrs = [self.addr(p, offset) for p in pending]
+            missing = _native.wait_words(addrs, [self.word(value)] * len(addrs), mode, slice_us)
+            pending = [pending[i] for i in missing]
+            if declare:
+                for peer in list(pending):
+                    if self.declared_by_peer(peer):  # another survivor already found it dead
+                        self.declare(peer)
+                        pending.remove(peer)
+            self.check_fence()
+            if pending and deadline is not None and time.monotonic() >= deadline:
+                if declare:
+                    for peer in pending:
+                        self.declare(peer)
+                return pending
+        return []
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers
+# ------------------------------------------------------------------------------------------------
+
+def _digest(umm: UnifiedWeights, kv: Optional[PagedKVCache], source: str, target: str) -> List[int]:
+    codes = {EP: 1, TP: 2}
+    values = [codes[source], codes[target], umm.num_layers, *umm.shape, umm.num_ranks]
+    if kv is None:
+        values.append(0)
+    else:
+        values += [1, *kv.config[:5]]
+    return values
+
+
+def _check_args(buffer, target, umm, kv, timeout_us) -> None:
+    if not isinstance(umm, UnifiedWeights):
+        raise TypeError(f"weights: expected a UnifiedWeights, got {type(umm).__name__}")
+    if target not in LAYOUTS:
+        raise ValueError(f"target: expected one of {LAYOUTS}, got {target!r}")
+    if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or timeout_us < -1:
+        raise ValueError(f"timeout_us: expected -1 (no deadline) or an int >= 0, got {timeout_us!r}")
+    if (umm.rank, umm.num_ranks) != (buffer.rank, buffer.num_ranks):
+        raise ValueError(f"weights: built for rank {umm.rank} of {umm.num_ranks}, the buffer is rank "
+                         f"{buffer.rank} of {buffer.num_ranks}")
+    if umm.layout not in LAYOUTS:
+        raise SwitchError(f"weights: layout is {umm.layout!r} after a failed switch; reload the weights")
+    if kv is not None:
+        if not isinstance(kv, PagedKVCache):
+            raise TypeError(f"kv_cache: expected a PagedKVCache or None, got {type(kv).__name__}")
+        if kv.layout != umm.layout:
+            raise ValueError(f"kv_cache: expected layout {umm.layout!r} (the weights'), got {kv.layout!r}")
+        if (kv.rank, kv.num_ranks, kv.transport) != (umm.rank, umm.num_ranks, umm.transport):
+            raise ValueError("kv_cache: built on another group or transport than the weights")
+
+
+def _report(source, target, layout, outcome, reason, start, seq, transport, dead=(), lost=(),
+            weights=(0, 0, 0.0), kv=(0, 0, 0.0), prepare_ms=0.0, commit_ms=0.0) -> SwitchReport:
+    total = (time.perf_counter() - start) * 1e3
+    if outcome != COMPLETED:
+        prepare_ms = total
+    return SwitchReport(source, target, layout, outcome, reason, tuple(sorted(dead)), tuple(sorted(lost)),
+                        int(weights[0]), int(weights[1]), float(weights[2]), int(kv[0]), int(kv[1]), float(kv[2]),
+                        float(prepare_ms), float(commit_ms), total, transport, seq)
+
+
+def _noop(phase: str, index: int) -> None:
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Public entry point
+# ------------------------------------------------------------------------------------------------
+
+def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Optional[PagedKVCache] = None,
+                  timeout_us: int = 30_000_000, on_step: Optional[StepHook] = None) -> SwitchReport:
+    """Switch the MoE weights (and the KV cache) of every rank to `target`, all or nothing.
+
+    Every rank of the group calls it with the same arguments between two engine steps. After it
+    returns, the views `weights.view(layer, target)` hold the target layout (same addresses as
+    always) and `kv_cache` holds the requests in the target layout.
+
+    Arguments:
+        buffer: the `mooncake_ep_switch.Buffer` of the group (its rank, size and transport are used).
+        target: `"ep"` or `"tp"`.
+        weights: the `UnifiedWeights` of this rank.
+        kv_cache: the `PagedKVCache` of this rank, or None (weights only).
+        timeout_us: deadline of every wait for a peer in microseconds (-1 = none); a peer that
+            misses it is treated as dead (one-sided transport). Collective fallback: the group's
+            own timeout applies instead.
+        on_step: test/tracing hook called as `on_step(phase, index)` at "enter" (before anything is
+            published), "weights" (before step `index`), "weights_partial" (after the first remote
+            chunk of step `index`), "kv" (before the KV moves) and "commit" (before `DONE`).
+
+    Returns:
+        report: a `SwitchReport` (bytes and times of the weight and KV phases, outcome, dead ranks).
+    """
+    start = time.perf_counter()
+    umm, kv = weights, kv_cache
+    hook = on_step or _noop
+    if not isinstance(umm, UnifiedWeights):
+        raise TypeError(f"weights: expected a UnifiedWeights, got {type(umm).__name__}")
+    source = umm.layout
+    transport = buffer.transport
+    if target == source and target in LAYOUTS and (kv is None or kv.layout == source):
+        return _report(source, target, source, UNCHANGED, "", start, umm.seq, transport)
+    umm.seq += 1
+    seq = umm.seq
+    if not umm.one_sided:
+        return _switch_collective(buffer, target, umm, kv, timeout_us, start, seq)
+
+    control = _Control(umm, seq, timeout_us)
+    # ---- phase 1: entry, plan, decision
+    hook("enter", 0)
+    try:
+        _check_args(buffer, target, umm, kv, timeout_us)
+        if umm.dead_ranks:
+            raise _Refuse(6, f"ranks {umm.dead_ranks} died in an earlier switch; recover membership first")
+        control.write_digest(_digest(umm, kv, source, target))
+        if kv is not None:
+            kv.publish_meta()
+    except _Refuse as refusal:
+        control.write_digest([])
+        control.publish(_PROGRESS, ENTERED)
+        control.publish(_DECISION, refusal.code)
+        return _report(source, target, source, REFUSED, refusal.reason, start, seq, transport)
+    except BaseException:
+        control.write_digest([])
+        control.publish(_PROGRESS, ENTERED)
+        control.publish(_DECISION, 2)
+        raise
+    control.publish(_PROGRESS, ENTERED)
+
+    decision, reason, plan = GO, "", None
+    missing = control.wait(_PROGRESS, ENTERED, 1, declare=False)
+    if missing:
+        decision, reason = 5, f"ranks {missing} did not enter the switch within timeout_us={timeout_us}"
+    else:
+        mine = _digest(umm, kv, source, target)
+        others = {p: control.read_digest(p) for p in range(umm.num_ranks)}
+        differing = [p for p, d in others.items() if d != mine]
+        if differing:
+            decision, reason = 4, f"ranks {differing} called with other arguments (digest {others[differing[0]]} vs {mine})"
+        elif kv is not None:
+            try:
+                metas = [kv.read_meta(p) for p in range(umm.num_ranks)]
+                plan = kv.plan(metas, target)
+            except ValueError as error:
+                decision, reason = 4, str(error)
+            else:
+                if plan.refused:
+                    decision, reason = 3, plan.refused
+    control.publish(_DECISION, decision)
+    undecided = control.wait(_DECISION, 0, 0, declare=False,
+                             peers=[p for p in range(umm.num_ranks) if p not in missing and p != umm.rank])
+    if decision == GO:
+        aborts = [p for p in range(umm.num_ranks) if p != umm.rank and p not in undecided
+                  and _native.signal_load(control.addr(p, _DECISION)) & 0xFFFFFFFF != GO]
+        if undecided:
+            decision, reason = 5, f"ranks {undecided} did not decide within timeout_us={timeout_us}"
+        elif aborts:
+            code = _native.signal_load(control.addr(aborts[0], _DECISION)) & 0xFFFFFFFF
+            decision, reason = code, f"rank {aborts[0]} refused: {ABORT_CODES.get(code, 'unknown reason')}"
+    if decision != GO:
+        return _report(source, target, source, REFUSED, reason, start, seq, transport)
+
+    # ---- phases 2-4 (nothing may fail silently from here: a failure leaves the layout invalid)
+    prepare_ms = (time.perf_counter() - start) * 1e3
+    try:
+        weight_stats = _weights_one_sided(umm, control, source, target, hook)
+        kv_stats = _kv_one_sided(kv, plan, control, hook) if kv is not None else (0, 0, 0.0)
+        commit_start = time.perf_counter()
+        hook("commit", 0)
+        control.publish(_PROGRESS, W0 + umm.num_layers + 2)  # DONE
+        control.wait(_PROGRESS, W0 + umm.num_layers + 2, 1)
+        control.check_fence()
+    except BaseException as error:
+        umm.layout = INVALID
+        if kv is not None:
+            kv.layout = INVALID
+        if isinstance(error, SwitchError) or not isinstance(error, Exception):
+            raise
+        raise SwitchError(f"switch {seq} failed on rank {umm.rank} after it started moving data ({error!r}); this "
+                          "rank's weights and KV are invalid (the peers treat it as dead and complete)") from error
+    umm.layout = target
+    dead = sorted(control.dead)
+    lost: List[int] = []
+    if kv is not None:
+        kv.commit(plan)
+        if target == EP:
+            lost = [rid for rid, owner in plan.owner.items() if owner in control.dead]
+    reason = ""
+    if dead:
+        umm.dead_ranks = dead
+        what = (f"requests {lost} were assigned to them and are lost" if target == EP
+                else "their weight slice and KV head group are lost until a replacement receives them")
+        reason = f"ranks {dead} died during the switch; the survivors completed it from their memory; {what}"
+    return _report(source, target, target, COMPLETED, reason, start, seq, transport, dead, lost,
+                   weight_stats, kv_stats, prepare_ms, (time.perf_counter() - commit_start) * 1e3)
+
+
+class _Refuse(Exception):
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+# ------------------------------------------------------------------------------------------------
+# One-sided phases
+# ------------------------------------------------------------------------------------------------
+
+def _weights_one_sided(umm: UnifiedWeights, control: _Control, source: str, target: str,
+                       hook: StepHook) -> Tuple[int, int, float]:
+    started = time.perf_counter()
+    way = reshard.direction(source, target)
+    order = reshard.step_order(way, umm.num_layers)
+    me, ranks = umm.rank, umm.num_ranks
+    bases = umm.region.peer_bases
+    ranges = [(b, b + umm.region_bytes) if b else (0, 0) for b in bases]
+    remote = local = 0
+    for t, (_, src_slot, dst_slot) in enumerate(order):
+        hook("weights", t)
+        control.check_fence()
+
+        def push(dest: int) -> int:
+            blocks = reshard.slot_chunk_blocks(umm, way, me, dest, umm.peer_slot_base(me, src_slot),
+                                               umm.peer_slot_base(dest, dst_slot))
+            return reshard.copy(blocks, ranges[dest], ranges[me])
+
+        # Our own chunk first: our destination slot is the one we read in step t-1 (no wait).
+        local += push(me)
+        # Then each peer as soon as its destination slot is free (it sent step t-1), in rotation.
+        ready_word = control.word(W0 + t)
+        pending = [(me + step) % ranks for step in range(1, ranks)]
+        pushed = False
+        while True:
+            pending = [p for p in pending if p not in control.dead]
+            ready = [p for p in pending if t == 0 or _native.signal_load(control.addr(p, _PROGRESS)) >= ready_word]
+            for dest in ready:
+                remote += push(dest)
+                if not pushed:
+                    pushed = True
+                    hook("weights_partial", t)
+            pending = [p for p in pending if p not in ready]
+            if not pending:
+                break
+            control.wait(_PROGRESS, W0 + t, 1, peers=pending[:1])  # declares it dead past the deadline
+        control.publish(_PROGRESS, W0 + t + 1)
+    control.wait(_PROGRESS, W0 + umm.num_layers, 1)
+    control.check_fence()
+    # Complete on behalf of dead ranks: their remaining source slots are intact (nobody writes a
+    # rank's slot before its progress says it was read), pull our chunk of every step they missed.
+    for peer in sorted(control.dead):
+        before = control.progress(peer)
+        sent = max(0, before - W0)
+        for t in range(sent, umm.num_layers):
+            _, src_slot, dst_slot = order[t]
+            blocks = reshard.slot_chunk_blocks(umm, way, peer, me, umm.peer_slot_base(peer, src_slot),
+                                               umm.peer_slot_base(me, dst_slot))
+            remote += reshard.copy(blocks, ranges[me], ranges[peer])
+        if control.progress(peer) != before:
+            raise SwitchError(f"rank {peer} was declared dead but kept making progress during the pull of its "
+                              f"weights (switch {control.seq}); this rank's weights are inconsistent")
+    return remote, local, (time.perf_counter() - started) * 1e3
+
+
+def _kv_one_sided(kv: PagedKVCache, plan: KVPlan, control: _Control, hook: StepHook) -> Tuple[int, int, float]:
+    started = time.perf_counter()
+    hook("kv", 0)
+    control.check_fence()
+    me, ranks = kv.rank, kv.num_ranks
+    moves = plan.moves
+    remote = local = 0
+    for step in range(ranks):
+        dest = (me + step) % ranks
+        if dest in control.dead:
+            continue
+        mine = moves[(moves[:, 0] == me) & (moves[:, 2] == dest)]
+        blocks = kv.move_blocks(mine, kv.pool_base(me), kv.pool_base(dest))
+        moved = reshard.copy(blocks, kv.region_range(dest), kv.region_range(me))
+        if dest == me:
+            local += moved
+        else:
+            remote += moved
+    kv_sent = W0 + control.umm.num_layers + 1
+    control.publish(_PROGRESS, kv_sent)
+    control.wait(_PROGRESS, kv_sent, 1)
+    control.check_fence()
+    # Moves from dead ranks: their source units are never written during a switch; pull them.
+    for peer in sorted(control.dead):
+        theirs = moves[(moves[:, 0] == peer) & (moves[:, 2] == me)]
+        blocks = kv.move_blocks(theirs, kv.pool_base(peer), kv.pool_base(me))
+        remote += reshard.copy(blocks, kv.region_range(me), kv.region_range(peer))
+    return remote, local, (time.perf_counter() - started) * 1e3
+
+
+# ------------------------------------------------------------------------------------------------
+# Collective fallback
+# ------------------------------------------------------------------------------------------------
+
+def _switch_collective(buffer, target: str, umm: UnifiedWeights, kv: Optional[PagedKVCache], timeout_us: int,
+                       start: float, seq: int) -> SwitchReport:
+    source = umm.layout
+    transport = buffer.transport
+    try:  # a local argument error still takes part in the exchange, so that the peers refuse too
+        _check_args(buffer, target, umm, kv, timeout_us)
+        local_error = None
+        mine = (_digest(umm, kv, source, target), kv.encode_meta() if kv is not None else None)
+    except Exception as error:
+        local_error, mine = error, ([], None)
+    gathered: List = [None] * umm.num_ranks
+    dist.all_gather_object(gathered, mine, group=umm.group)
+    if local_error is not None:
+        raise local_error
+    digests = [g[0] for g in gathered]
+    if any(d != digests[0] for d in digests):
+        return _report(source, target, source, REFUSED, f"ranks called with other arguments: {digests}", start,
+                       seq, transport)
+    plan = None
+    if kv is not None:
+        plan = kv.plan([kv.decode_meta(g[1]) for g in gathered], target)
+        if plan.refused:
+            return _report(source, target, source, REFUSED, plan.refused, start, seq, transport)
+    prepare_ms = (time.perf_counter() - start) * 1e3
+    try:
+        started = time.perf_counter()
+        way = reshard.direction(source, target)
+        staging = torch.empty(umm.slot_bytes, dtype=torch.uint8)
+        sent = 0
+        for layer, _, _ in reshard.step_order(way, umm.num_layers):
+            sent += reshard.collective_layer(umm, way, layer, staging)
+        weight_stats = (sent, umm.layer_bytes * umm.num_layers // umm.num_ranks, (time.perf_counter() - started) * 1e3)
+        kv_stats = _kv_collective(kv, plan) if kv is not None else (0, 0, 0.0)
+    except Exception as error:
+        umm.layout = INVALID
+        if kv is not None:
+            kv.layout = INVALID
+        raise SwitchError(f"switch {seq} failed on the collective transport ({error}); a peer failure cannot be "
+                          "survived there: weights and KV of this rank are invalid, reload them") from error
+    commit_start = time.perf_counter()
+    umm.layout = target
+    if kv is not None:
+        kv.commit(plan)
+    return _report(source, target, target, COMPLETED, "", start, seq, transport, weights=weight_stats, kv=kv_stats,
+                   prepare_ms=prepare_ms, commit_ms=(time.perf_counter() - commit_start) * 1e3)
+
+
+def _kv_collective(kv: PagedKVCache, plan: KVPlan) -> Tuple[int, int, float]:
+    started = time.perf_counter()
+    me, ranks = kv.rank, kv.num_ranks
+    moves = plan.moves
+    pool = kv.pool_base(me)
+    region = kv.region_range(me)
+    send_parts, send_sizes, recv_sizes, recv_moves = [], [], [], []
+    for dest in range(ranks):
+        out = moves[(moves[:, 0] == me) & (moves[:, 2] == dest)]
+        inc = moves[(moves[:, 0] == dest) & (moves[:, 2] == me)]
+        send_parts.append(out)
+        recv_moves.append(inc)
+        send_sizes.append(kv.packed_blocks(out, pool, 0, True)[1])
+        recv_sizes.append(kv.packed_blocks(inc, pool, 0, False)[1])
+    send = torch.empty(sum(send_sizes), dtype=torch.uint8)
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+    at = 0
+    for dest in range(ranks):
+        blocks, size = kv.packed_blocks(send_parts[dest], pool, send.data_ptr() + at, True)
+        reshard.copy(blocks, (send.data_ptr(), send.data_ptr() + send.numel()), region)
+        at += size
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=kv.group)
+    at = 0
+    for src in range(ranks):
+        blocks, size = kv.packed_blocks(recv_moves[src], pool, recv.data_ptr() + at, False)
+        reshard.copy(blocks, region, (recv.data_ptr(), recv.data_ptr() + recv.numel()))
+        at += size
+    remote = sum(s for d, s in enumerate(send_sizes) if d != me)
+    return remote, send_sizes[me], (time.perf_counter() - started) * 1e3

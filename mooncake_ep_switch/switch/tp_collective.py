@@ -1,0 +1,135 @@
+"""The TP-mode collective: a deterministic, fault-aware all-reduce next to dispatch/combine.
+
+One-sided (`"shm"`): every rank writes its float32 partial `[N, H]` into slot `[me]` of every active
+peer's region and then raises that peer's signal `[me]` (tag = call number, count = N), exactly the
+protocol of dispatch/combine (docs/protocol.md: data first, then a release-ordered, tagged signal).
+Each rank waits for every active source's signal with the call's deadline; a source that misses it
+is set to 0 in the caller's `active_ranks` and contributes nothing. The sum runs in float32 in rank
+order (rank 0 first, starting from 0.0), then rounds to bf16, so every rank returns the same bits.
+
+Region per rank: two halves (call n uses half n % 2, as dispatch does: a rank reaches call n+2
+only after every peer's call n+1 signal, which the peer raises after it finished reading call n),
+each `[R][max_tokens][H]` float32, plus signal words `[2][R]`.
+
+Collective fallback: `all_gather` of the partials, then the same rank-order sum (a dead peer
+cannot be survived there: the collective fails after the group's timeout).
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer.shared_region import SharedRegion
+
+_TAG_SPACE = (1 << 32) - 1
+_SIGNALS_BYTES = 4096
+
+
+class TPAllReduce:
+    """Sum of every rank's `[N, H]` partial, float32 in rank order, returned as bf16 on every rank.
+
+    Collective at construction (every rank of `buffer.group` builds one with the same arguments).
+
+    Arguments:
+        buffer: a `mooncake_ep_switch.Buffer` (group, rank, size and transport are used).
+        max_tokens: the most rows `N` any call reduces.
+        hidden: `H`, the row length.
+    """
+
+    def __init__(self, buffer, max_tokens: int, hidden: int):
+        for name, value in (("max_tokens", max_tokens), ("hidden", hidden)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        self.group = buffer.group
+        self.rank = buffer.rank
+        self.num_ranks = buffer.num_ranks
+        self.transport = buffer.transport
+        self.max_tokens = max_tokens
+        self.hidden = hidden
+        self.call = 0
+        self.slot_bytes = max_tokens * hidden * 4
+        self.half_bytes = self.num_ranks * self.slot_bytes
+        self.region: Optional[SharedRegion] = None
+        if self.transport == "shm":
+            nbytes = _SIGNALS_BYTES + ((16 * self.num_ranks + 4095) // 4096) * 4096 + 2 * self.half_bytes
+            self.data_offset = nbytes - 2 * self.half_bytes
+            self.region = SharedRegion(self.group, self.rank, self.num_ranks, nbytes)
+            self.region.connect()
+
+    def _signal_addr(self, rank: int, half: int, source: int) -> int:
+        return self.region.peer_bases[rank] + 8 * (half * self.num_ranks + source)
+
+    def _slot(self, rank: int, half: int, source: int, nbytes: int) -> torch.Tensor:
+        start = self.data_offset + half * self.half_bytes + source * self.slot_bytes
+        region = self.region.local if rank == self.rank else self.region.peer(rank)
+        return region[start:start + nbytes]
+
+    def all_reduce(self, x: torch.Tensor, active_ranks: torch.Tensor, timeout_us: int = 30_000_000) -> torch.Tensor:
+        """Reduce `x` over the group.
+
+        Arguments:
+            x: `[N, H]` torch.float32 (or torch.bfloat16, widened), `N <= max_tokens`; every rank
+                passes the same N.
+            active_ranks: `[R]` torch.int32 (1 active, 0 inactive), caller-owned; sources that miss
+                the deadline are set to 0 in place. Inactive ranks are neither sent to nor waited for.
+            timeout_us: deadline for the whole receive in microseconds, -1 = none.
+
+        Returns:
+            out: `[N, H]` torch.bfloat16, `bf16(sum over active ranks in rank order of float32 x_r)`.
+        """
+        if x.dim() != 2 or x.size(1) != self.hidden or x.size(0) > self.max_tokens or x.dtype not in (
+                torch.float32, torch.bfloat16):
+            raise ValueError(f"x: expected [N <= {self.max_tokens}, {self.hidden}] torch.float32 or torch.bfloat16, "
+                             f"got {list(x.shape)} {x.dtype}")
+        if (not isinstance(active_ranks, torch.Tensor) or active_ranks.dtype != torch.int32
+                or tuple(active_ranks.shape) != (self.num_ranks,)):
+            raise ValueError(f"active_ranks: expected a [{self.num_ranks}] torch.int32 tensor, got "
+                             f"{getattr(active_ranks, 'shape', None)} {getattr(active_ranks, 'dtype', type(active_ranks))}")
+        if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or timeout_us < -1:
+            raise ValueError(f"timeout_us: expected -1 or an int >= 0, got {timeout_us!r}")
+        x32 = x.float().contiguous()
+        rows = x32.size(0)
+        self.call += 1
+        if self.region is None:
+            parts = [torch.empty_like(x32) for _ in range(self.num_ranks)]
+            dist.all_gather(parts, x32, group=self.group)
+            out = torch.zeros_like(x32)
+            for part in parts:
+                out += part
+            return out.to(torch.bfloat16)
+
+        tag = (self.call - 1) % _TAG_SPACE + 1
+        half = self.call % 2
+        nbytes = rows * self.hidden * 4
+        payload = x32.view(-1).view(torch.uint8)
+        active = active_ranks.tolist()
+        for step in range(1, self.num_ranks):
+            dest = (self.rank + step) % self.num_ranks
+            if not active[dest]:
+                continue
+            if nbytes:
+                self._slot(dest, half, self.rank, nbytes).copy_(payload)
+            _native.signal_publish(self._signal_addr(dest, half, self.rank), (tag << 32) | rows)
+        sources = [s for s in range(self.num_ranks) if s != self.rank and active[s]]
+        addrs = [self._signal_addr(self.rank, half, s) for s in sources]
+        missing = _native.wait_words(addrs, [tag << 32] * len(addrs), 0, timeout_us) if addrs else []
+        late = {sources[i] for i in missing}
+        for s in sources:
+            if s not in late and _native.signal_load(self._signal_addr(self.rank, half, s)) & 0xFFFFFFFF != rows:
+                late.add(s)  # protocol error: a peer reduced a different N; treat it as failed
+        for s in late:
+            active_ranks[s] = 0
+        out = torch.zeros_like(x32)
+        for s in range(self.num_ranks):
+            if s == self.rank:
+                out += x32
+            elif active[s] and s not in late and rows:
+                out += self._slot(self.rank, half, s, nbytes).view(torch.float32).view(rows, self.hidden)
+        return out.to(torch.bfloat16)
+
+    def destroy(self) -> None:
+        """Unmap the region."""
+        if self.region is not None:
+            self.region.destroy()
+            self.region = None

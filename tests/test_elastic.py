@@ -1,0 +1,200 @@
+"""Elastic recovery: ranks die at chosen points, survivors keep serving, replacements are admitted.
+
+Every case: a full round, a round in which rank(s) die (os._exit or SIGKILL) at a kill point and
+survivors return within the deadline with exact partial results, then replacement processes with
+the same rank ids join, every rank calls update_ep_member(), and three full rounds are exactly
+correct on every rank. Buffer addresses (the region, the zero-copy combine buffers) never change.
+Inputs are derived from (rank, round) so that no collective is needed after a failure.
+"""
+import os
+import time
+
+import pytest
+import torch
+
+from mooncake_ep_switch import Buffer
+from mooncake_ep_switch.elastic import join
+from tests import harness
+from tests.test_faults import Shape, _check_round, _mock_expert
+from tests.reference import structured_inputs, token_count
+
+NUM_RANKS = 4
+TIMEOUT_US = 1_500_000
+SLACK_S = 2.0
+RECOVERY_TIMEOUT_S = 30.0
+_STATE = {}
+
+
+def _inputs(rank, round_index):
+    n = token_count(rank, NUM_RANKS, Shape.tokens)
+    return structured_inputs(rank, n, Shape.hidden, Shape.experts, Shape.top_k, seed=500 + round_index,
+                             random_values=True)
+
+
+def _size():
+    return Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, NUM_RANKS, Shape.experts)
+
+
+def _addresses(buffer):
+    shape = (Shape.experts // NUM_RANKS, NUM_RANKS * Shape.tokens, Shape.hidden)
+    halves = [buffer._impl.combine_buffer(call, shape, "cpu").data_ptr() for call in (0, 1)]
+    return [buffer._impl.base] + halves
+
+
+def _round(ctx, buffer, round_index, active, expect_dead=(), dispatch_dead=None):
+    """One dispatch + combine; checks against the references for who took part."""
+    all_inputs = [_inputs(r, round_index) for r in range(ctx.num_ranks)]
+    mine = all_inputs[ctx.rank]
+    start = time.monotonic()
+    recv, count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
+                                                TIMEOUT_US, use_fp8=False)
+    after_dispatch = active.tolist()
+    combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active, TIMEOUT_US,
+                                    handle)
+    seconds = time.monotonic() - start
+    final = active.tolist()
+    want = [0 if r in expect_dead else 1 for r in range(ctx.num_ranks)]
+    assert final == want, f"mask {final}, expected {want}"
+    in_dispatch = after_dispatch if dispatch_dead is None else \
+        [0 if r in dispatch_dead else 1 for r in range(ctx.num_ranks)]
+    _check_round(ctx, all_inputs, in_dispatch, final, recv, count, handle, combined)
+    return seconds
+
+
+def rank_fail(ctx, transport, dead, kill_point, how):
+    """Round 0 whole; in round 1 the `dead` ranks die at `kill_point`; survivors check partial results."""
+    if ctx.rank in dead and kill_point == "mid_dispatch":
+        os.environ["MEP_FAULT_POINT"] = f"dispatch_after_data:{ctx.rank}:2:{'exit' if how == 'exit' else 'kill'}"
+    buffer = Buffer(ctx.group, _size(), disable_p2p=transport == "mooncake", transport=transport)
+    os.environ.pop("MEP_FAULT_POINT", None)
+    _STATE["buffer"] = buffer
+    before = _addresses(buffer)
+    _round(ctx, buffer, 0, torch.ones(ctx.num_ranks, dtype=torch.int32))
+    active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+    if ctx.rank in dead and kill_point == "before_dispatch":
+        harness_die(how)
+    if kill_point == "between":
+        # Everyone dispatches; the dead ranks die before combine.
+        all_inputs = [_inputs(r, 1) for r in range(ctx.num_ranks)]
+        mine = all_inputs[ctx.rank]
+        start = time.monotonic()
+        recv, count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
+                                                    TIMEOUT_US, use_fp8=False)
+        if ctx.rank in dead:
+            harness_die(how)
+        combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active,
+                                        TIMEOUT_US, handle)
+        seconds = time.monotonic() - start
+        want = [0 if r in dead else 1 for r in range(ctx.num_ranks)]
+        assert active.tolist() == want
+        _check_round(ctx, all_inputs, [1] * ctx.num_ranks, want, recv, count, handle, combined)
+    else:
+        # before_dispatch: the dead never send; mid_dispatch: their rows land, their signals never
+        # do, so survivors must not read those rows.
+        seconds = _round(ctx, buffer, 1, active, expect_dead=dead, dispatch_dead=dead)
+    return {"seconds": seconds, "addresses": before}
+
+
+def harness_die(how):
+    from tests.test_faults import _die
+
+    _die(how)
+
+
+def rank_recover(ctx, transport, joiners, die_during_update=None):
+    """Admit `joiners` (this process is one of them if it has no group), then three full rounds."""
+    if die_during_update is not None and ctx.rank == die_during_update:
+        os.environ["MEP_FAULT_POINT"] = f"update_after_ready:{ctx.rank}:*:kill"
+    if ctx.group is None:  # a replacement process
+        ticket = join(ctx.store, ctx.rank, ctx.num_ranks)
+        buffer = Buffer(ticket, _size(), disable_p2p=transport == "mooncake", transport=transport)
+        _STATE["buffer"] = buffer
+    else:
+        buffer = _STATE["buffer"]
+        buffer._fault = None if die_during_update != ctx.rank else __import__(
+            "mooncake_ep_switch.faults", fromlist=["FaultPoint"]).FaultPoint.parse(os.environ["MEP_FAULT_POINT"])
+        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        while not set(joiners) <= set(buffer.pending_joiners()):
+            assert time.monotonic() < deadline, "joiners never showed up"
+            time.sleep(0.01)
+    started = time.monotonic()
+    view = buffer.update_ep_member(timeout_s=RECOVERY_TIMEOUT_S)
+    seconds = time.monotonic() - started
+    return {"view": list(view.ranks), "epoch": view.epoch, "seconds": seconds}
+
+
+def rank_full_rounds(ctx, first_round, rounds=3):
+    buffer = _STATE["buffer"]
+    for round_index in range(first_round, first_round + rounds):
+        _round(ctx, buffer, round_index, buffer.active_mask())
+    return {"addresses": _addresses(buffer), "transport": buffer.transport}
+
+
+def rank_teardown(ctx):
+    buffer = _STATE.pop("buffer", None)
+    if buffer is not None:
+        buffer.destroy()
+    return True
+
+
+CASES = [
+    ("before_dispatch", "exit", (2,)),
+    ("between", "sigkill", (2,)),
+    ("mid_dispatch", "sigkill", (2,)),
+    ("mid_dispatch", "exit", (1,)),
+    ("before_dispatch", "sigkill", (1, 2)),
+]
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+@pytest.mark.parametrize("kill_point,how,dead", CASES, ids=[f"{k}-{h}-{len(d)}dead" for k, h, d in CASES])
+def test_fail_then_replace(transport, kill_point, how, dead):
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        outcomes = cluster.run(rank_fail, transport, dead, kill_point, how, timeout_s=60, failure_grace_s=30)
+        survivors = [r for r in range(NUM_RANKS) if r not in dead]
+        for outcome in outcomes:
+            if outcome.rank in dead:
+                assert not outcome.ok and outcome.exitcode in (17, 3, -9), outcome
+            else:
+                assert outcome.ok, outcome.error
+                assert outcome.value["seconds"] < TIMEOUT_US / 1e6 + SLACK_S, outcome.value
+        before = {o.rank: o.value["addresses"] for o in outcomes if o.ok}
+        failed_at = time.monotonic()
+        for rank in dead:
+            cluster.respawn(rank)
+        recovered = harness_check(cluster.run(rank_recover, transport, list(dead), timeout_s=60))
+        assert all(v["view"] == list(range(NUM_RANKS)) for v in recovered)
+        assert len({v["epoch"] for v in recovered}) == 1
+        after = harness_check(cluster.run(rank_full_rounds, 10, timeout_s=60))
+        interruption = time.monotonic() - failed_at
+        for rank in survivors:
+            assert after[rank]["addresses"] == before[rank], "buffer addresses moved across recovery"
+        harness_check(cluster.run(rank_teardown, timeout_s=60))
+        processes = list(cluster.processes)
+    assert not any(p.is_alive() for p in processes)
+    assert interruption < 60
+
+
+def test_rank_dies_during_update_ep_member():
+    """Rank 2 dies; while it is re-admitted, rank 3 dies inside update_ep_member (after its
+    readiness was sealed into the view); survivors agree again without it, then rank 3 is
+    replaced too and the full group serves exact rounds."""
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        outcomes = cluster.run(rank_fail, "shm", (2,), "before_dispatch", "exit", timeout_s=60, failure_grace_s=30)
+        assert [o.ok for o in outcomes] == [True, True, False, True]
+        cluster.respawn(2)
+        outcomes = cluster.run(rank_recover, "shm", [2], 3, timeout_s=90, failure_grace_s=60)
+        assert not outcomes[3].ok and outcomes[3].exitcode == -9
+        views = [o.value["view"] for o in outcomes if o.ok]
+        assert views == [[0, 1, 2]] * 3, views
+        cluster.respawn(3)
+        recovered = harness_check(cluster.run(rank_recover, "shm", [3], timeout_s=60))
+        assert all(v["view"] == [0, 1, 2, 3] for v in recovered)
+        harness_check(cluster.run(rank_full_rounds, 20, timeout_s=60))
+        harness_check(cluster.run(rank_teardown, timeout_s=60))
+
+
+def harness_check(outcomes):
+    from mooncake_ep_switch.launch import check_outcomes
+
+    return check_outcomes(outcomes)

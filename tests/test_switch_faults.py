@@ -1,0 +1,98 @@
+"""A rank dies in the middle of a TP<->EP switch; the survivors end in one consistent layout.
+
+On the shm transport the survivors complete the switch from the dead rank's still-mapped memory:
+every survivor must report "completed" in the target layout with the dead rank named, hold
+bit-exact weights for its own part of the target layout, and serve attention for what it holds.
+No collective runs after the fault (it would hang on the dead rank).
+"""
+import os
+import signal
+
+import pytest
+import torch
+
+from tests import harness
+from tests.test_switch_kv import _all_specs, _attention_here, _check_reference, _check_sharing, _populate, _setup
+from tests.test_switch_weights import _expected_shard
+
+NUM_RANKS = 4
+DEAD = 2
+TIMEOUT_US = 1_500_000
+MOE_LAYERS = 2
+
+
+def _die(how):
+    if how == "exit":
+        os._exit(3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_killed_mid_switch(ctx, target, phase, index, how):
+    from mooncake_ep_switch.switch.moe_block import random_weights
+    from mooncake_ep_switch.switch.switcher import switch_layout
+
+    full = [random_weights(8, 128, 64, seed=layer) for layer in range(MOE_LAYERS)]
+    buffer, umm, kv = _setup(ctx, "shm", 96)
+    _populate(kv, ctx.rank, ctx.num_ranks, "ep")
+    if target == "ep":  # get to TP first (no fault), then fail on the way back
+        report = switch_layout(buffer, "tp", weights=umm, kv_cache=kv, timeout_us=20_000_000)
+        assert report.outcome == "completed"
+    # From here on no collective may run: rank DEAD dies inside the switch.
+
+    def hook(where, at):
+        if ctx.rank == DEAD and where == phase and at == index:
+            _die(how)
+
+    source = umm.layout
+    report = switch_layout(buffer, target, weights=umm, kv_cache=kv, timeout_us=TIMEOUT_US, on_step=hook)
+    if phase == "enter":  # died before entering: nothing moved anywhere, everyone stays in the source
+        assert report.outcome == "refused" and report.layout == source and str(DEAD) in report.reason, report
+    else:
+        assert report.outcome == "completed" and report.layout == target, report
+        assert report.dead_ranks == (DEAD,), report
+    layout = report.layout
+    assert umm.layout == layout and kv.layout == layout
+    for layer, weights in enumerate(full):
+        want = _expected_shard(weights, layout, ctx.rank, ctx.num_ranks)
+        got = umm.view(layer)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer} weights"
+    _check_sharing(kv)
+    attention = _attention_here(kv, step=0)
+    _check_reference(kv, attention, ctx.num_ranks, step=0)
+    result = {"report": report._asdict(), "rids": sorted(kv.requests), "heads": kv.head_groups()}
+    kv.destroy()
+    umm.destroy()
+    buffer.destroy()
+    return result
+
+
+@pytest.mark.parametrize("target, phase, index, how", [
+    ("tp", "weights", 1, "exit"),            # EP -> TP, dies between layers (after sending layer 0)
+    ("ep", "weights_partial", 0, "sigkill"),  # TP -> EP, killed mid-layer (one peer got its chunk)
+    ("tp", "kv", 0, "sigkill"),               # EP -> TP, killed after the weights, before its KV moves
+    ("tp", "enter", 0, "exit"),               # dies before entering: the switch is refused everywhere
+])
+def test_rank_dies_during_switch(target, phase, index, how):
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        outcomes = cluster.run(rank_killed_mid_switch, target, phase, index, how, timeout_s=90, failure_grace_s=40)
+        processes = list(cluster.processes)
+    dead = outcomes[DEAD]
+    assert not dead.ok and dead.exitcode == (3 if how == "exit" else -signal.SIGKILL), dead
+    survivors = [o for o in outcomes if o.rank != DEAD]
+    for outcome in survivors:
+        assert outcome.ok, outcome.error
+    reports = [o.value["report"] for o in survivors]
+    assert len({(r["layout"], r["outcome"], r["dead_ranks"]) for r in reports}) == 1, reports
+    all_rids = {spec[0] for spec in _all_specs(NUM_RANKS)}
+    if phase == "enter":
+        assert all(r["outcome"] == "refused" and r["layout"] == "ep" for r in reports)
+        assert all(o.value["heads"] == [0, 1, 2, 3] for o in survivors)
+    elif target == "tp":
+        for o in survivors:  # every request survives, each survivor holds its own head group
+            assert set(o.value["rids"]) == all_rids and o.value["heads"] == [o.rank]
+    else:  # every request is on exactly one survivor, or reported lost with the dead rank
+        held = [rid for o in survivors for rid in o.value["rids"]]
+        lost = set(reports[0]["lost_requests"])
+        assert len(held) == len(set(held)) and set(held) | lost == all_rids and not set(held) & lost
+        assert all(set(r["lost_requests"]) == lost for r in reports)
+    assert not any(process.is_alive() for process in processes), "leftover rank processes"
