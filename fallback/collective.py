@@ -59,6 +59,19 @@ class CollectivePlan(NamedTuple):
     rows_to_rank: List[int]
 
 
+class _Finisher:
+    """A Work-like object whose wait() runs a completion function once."""
+
+    def __init__(self, finish):
+        self._finish, self._done = finish, False
+
+    def wait(self):
+        if not self._done:
+            self._done = True
+            self._finish()
+        return True
+
+
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(counts, 0) - counts
 
@@ -80,9 +93,27 @@ class CollectiveTransport:
         self.num_ranks = num_ranks
         self._combine_buffers = {}
         self._staging = _StagingPool()
+        self.failed_sources = []  # evidence for membership (ranks a call found dead)
+        self.members = tuple(range(num_ranks))  # EP ranks in the group, in group-rank order
 
-    def connect(self) -> None:
-        """Nothing to exchange: collectives need no peer metadata."""
+    def endpoint(self) -> dict:
+        """Nothing to publish: collectives need no peer metadata."""
+        return {}
+
+    def connect_members(self, view, membership, deadline: float) -> None:
+        """Run on the group of `view`: the constructor's group in epoch 0, else one built from the
+        store with the epoch in its prefix (a gloo group cannot lose or regain a member)."""
+        import time
+
+        from mooncake_ep_switch.buffer.membership import view_group
+
+        if view.epoch == 0 and self.group is not None:
+            return
+        if membership is None:
+            raise RuntimeError("connect: a new view needs the group's store; pass store= to Buffer")
+        self.group = view_group(membership.store, view, self.rank, max(1.0, deadline - time.monotonic()))
+        self.members = tuple(view.ranks)
+        self._staging.clear()
 
     def destroy(self) -> None:
         """Drop cached buffers."""
@@ -91,8 +122,38 @@ class CollectiveTransport:
 
     # ------------------------------------------------------------------ helpers
     def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits, input_splits, async_op=False):
-        return dist.all_to_all_single(output, input, output_split_sizes=output_splits,
-                                      input_split_sizes=input_splits, group=self.group, async_op=async_op)
+        """all_to_all_single with blocks in EP-rank order, on the current view's group.
+
+        The group's own `alltoall_base` is used, so it also works for the unregistered per-epoch
+        groups membership builds. When the view lacks some ranks, their (empty, never accepted)
+        blocks are left out of the exchange and arrive as zeros.
+        """
+        R = self.num_ranks
+        if len(self.members) == R:
+            work = self.group.alltoall_base(output, input, list(output_splits or []), list(input_splits or []),
+                                            dist.AllToAllOptions())
+            return work if async_op else work.wait()
+        in_splits = list(input_splits) if input_splits else [input.size(0) // R] * R
+        out_splits = list(output_splits) if output_splits else [output.size(0) // R] * R
+        in_offsets = [sum(in_splits[:r]) for r in range(R)]
+        out_offsets = [sum(out_splits[:r]) for r in range(R)]
+        compact_in = torch.cat([input.narrow(0, in_offsets[r], in_splits[r]) for r in self.members])
+        compact_out = output.new_empty((sum(out_splits[r] for r in self.members),) + tuple(output.shape[1:]))
+        work = self.group.alltoall_base(compact_out, compact_in, [out_splits[r] for r in self.members],
+                                        [in_splits[r] for r in self.members], dist.AllToAllOptions())
+
+        def finish():
+            work.wait()
+            output.zero_()
+            start = 0
+            for r in self.members:
+                output.narrow(0, out_offsets[r], out_splits[r]).copy_(compact_out.narrow(0, start, out_splits[r]))
+                start += out_splits[r]
+            return True
+
+        if async_op:
+            return _Finisher(finish)
+        return finish()
 
     def combine_buffer(self, call: int, shape, device) -> torch.Tensor:
         """Persistent zero-copy combine buffer for the half of `call` and this shape."""

@@ -328,6 +328,13 @@ class Buffer:
                 f"num_ranks={self.num_ranks}, num_experts={experts}) needs {needed} bytes "
                 f"(Buffer.get_ep_buffer_size_hint), the buffer has {self.num_ep_buffer_bytes}")
 
+    def _check_members(self, active_ranks: torch.Tensor) -> None:
+        if len(self.members) < self.num_ranks:
+            outside = [r for r in range(self.num_ranks) if r not in self.members and int(active_ranks[r])]
+            if outside:
+                raise ValueError(f"active_ranks: expected 0 for ranks outside epoch {self.epoch} (members "
+                                 f"{list(self.members)}), got 1 for {outside}; reset it to buffer.active_mask()")
+
     def _background(self) -> ThreadPoolExecutor:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mep-recv")
@@ -382,6 +389,7 @@ class Buffer:
             self.num_ranks)
         hidden = x.size(1)
         self._check_capacity(tokens, hidden, experts)
+        self._check_members(active_ranks)
 
         local = experts // self.num_ranks
         rows = self.num_ranks * tokens
@@ -462,6 +470,7 @@ class Buffer:
         fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
                                                       out, self.num_ranks)
         src_info, layout_range, tokens, hidden, experts = fields
+        self._check_members(active_ranks)
         plan = getattr(handle, "plan", None) or self._last_plan
         if plan is None:
             raise ValueError("handle: no dispatch has run on this Buffer")
