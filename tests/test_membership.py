@@ -54,11 +54,12 @@ def test_survivors_and_a_joiner_agree_on_one_view(store):
 
 
 def test_dead_rank_without_replacement_is_left_out(store):
-    members = [Membership(store, r, 4) for r in range(4)]
+    members = [Membership(store, r, 4) for r in range(4)]  # nobody reads the epoch before agreeing
     survivors = [m for m in members if m.rank != 2]
     expected = {r: [0, 1, 3] for r in (0, 1, 3)}
     results, errors = _agree_all(survivors, expected, deadline_s=5)
     assert not errors and {v.ranks for v in results.values()} == {(0, 1, 3)}
+    assert members[0].epoch() == 1, "the store's epoch must advance even if nobody read it before"
 
 
 def test_a_late_rank_is_told_it_was_left_out(store):

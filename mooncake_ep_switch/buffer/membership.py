@@ -166,6 +166,7 @@ class Membership:
         if self.rank not in ranks:
             raise MembershipError(f"rank {self.rank} was left out of epoch {target} (members {list(ranks)}): "
                                   "it was not ready before the view was sealed; call update_ep_member() again")
+        self.epoch()  # creates the key if no one has read it yet: a CAS on a missing key does nothing
         self.store.compare_set("epoch", str(current), str(target))  # the first member advances it
         self.set_state(ACTIVE)
         return View(target, ranks)

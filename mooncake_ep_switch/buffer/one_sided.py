@@ -110,6 +110,7 @@ class OneSidedTransport:
         if membership is None:
             raise RuntimeError("connect: the one-sided transports exchange endpoints through the store; "
                                "pass store= to Buffer")
+        unreachable = []
         for peer in range(self.num_ranks):
             if peer == self.rank:
                 continue
@@ -123,25 +124,34 @@ class OneSidedTransport:
                 except MembershipError:
                     return None
 
-            found = membership.wait_for(published, deadline, f"rank {peer}'s endpoint")
-            if self.allow_shm and found.get("host_id") == self.settings.host_id:
-                self.region.map_peer(peer, RegionEndpoint(*found["region"]))
-                self.te_peers.pop(peer, None)
-                self.routes[peer] = SHM
-            else:
-                if self.te is None:
-                    raise ValueError(f"transport: 'shm' cannot reach rank {peer} on host {found.get('host_id')!r} "
-                                     f"(this host: {self.settings.host_id!r}); use 'mooncake' or 'auto'")
-                session, base = found.get("te_session"), found.get("te_base")
-                if not isinstance(session, str) or not isinstance(base, int) or base <= 0:
-                    raise ValueError(f"rank {peer} published no usable Transfer Engine endpoint: {found}")
-                self.region.unmap_peer(peer)
-                self.te_peers[peer] = TePeer(session, base)
-                self.routes[peer] = TE
-                self.te.connect(session, timeout_s=max(0.1, deadline - time.monotonic()))
+            try:
+                found = membership.wait_for(published, deadline, f"rank {peer}'s endpoint")
+                self._route(peer, found, deadline)
+            except (OSError, ConnectionError, TimeoutError, MembershipError):
+                unreachable.append(peer)  # died since it was sealed into the view
         # Nobody returns (and could destroy its region, closing the fd a slower peer is about to
         # open) before every member has mapped every region.
         membership.barrier(f"connect/{view.epoch}", view.ranks, deadline)
+        if unreachable:
+            raise MembershipError(f"members {unreachable} of epoch {view.epoch} cannot be reached", unreachable)
+
+    def _route(self, peer: int, found: dict, deadline: float) -> None:
+        """Reach `peer` at its published endpoint: shared memory on this host, else the TE."""
+        if self.allow_shm and found.get("host_id") == self.settings.host_id:
+            self.region.map_peer(peer, RegionEndpoint(*found["region"]))
+            self.te_peers.pop(peer, None)
+            self.routes[peer] = SHM
+        else:
+            if self.te is None:
+                raise ValueError(f"transport: 'shm' cannot reach rank {peer} on host {found.get('host_id')!r} "
+                                 f"(this host: {self.settings.host_id!r}); use 'mooncake' or 'auto'")
+            session, base = found.get("te_session"), found.get("te_base")
+            if not isinstance(session, str) or not isinstance(base, int) or base <= 0:
+                raise ValueError(f"rank {peer} published no usable Transfer Engine endpoint: {found}")
+            self.region.unmap_peer(peer)
+            self.te_peers[peer] = TePeer(session, base)
+            self.routes[peer] = TE
+            self.te.connect(session, timeout_s=max(0.1, deadline - time.monotonic()))
 
     def _drop(self, peer: int) -> None:
         self.region.unmap_peer(peer)
