@@ -22,7 +22,7 @@ def run_transport_rows(quick: bool = False) -> list:
     """Measure every transport row; returns a list of dict rows."""
     iters = 5 if quick else 20
     rows = []
-    total = 4
+    total = 6
     _progress(1, total, "collective vs all-gather + all-reduce, R=4")
     rows += tb.fallback_vs_allgather(iters=iters)
 
@@ -31,10 +31,11 @@ def run_transport_rows(quick: bool = False) -> list:
     with LocalCluster(shape.num_ranks) as cluster:
         shm = tb.measure(cluster, "shm", shape, iters)
         coll = tb.measure(cluster, "collective", shape, max(3, iters // 4))
+        te = tb.measure(cluster, "mooncake", shape, max(3, iters // 4))
     logical = shm["selections"] * shape.hidden * 2 * 2  # dispatch + combine
     memcpy = tb.memcpy_seconds(logical)
     label = f"R=2 T=128 hidden=7168 E=32 K=8 ({logical / 1e6:.1f} MB logical)"
-    for name, result in (("shm", shm), ("collective", coll)):
+    for name, result in (("shm", shm), ("collective", coll), ("mooncake TE (tcp, disable_p2p)", te)):
         gbps = logical / result["seconds"] / 1e9
         rows.append({"benchmark": f"{name} dispatch+combine bandwidth (bf16)", "shape": label,
                      "ours_ms": result["seconds"] * 1e3, "baseline": "1-core memcpy of the logical bytes",
@@ -50,6 +51,11 @@ def run_transport_rows(quick: bool = False) -> list:
                  "ours_ms": shm["seconds"] * 1e3, "baseline": "collective fallback",
                  "baseline_ms": coll["seconds"] * 1e3, "speedup": coll["seconds"] / shm["seconds"]})
 
+    rows.append({"benchmark": "mooncake TE dispatch+combine (bf16, tcp loopback)", "shape": label,
+                 "ours_ms": te["seconds"] * 1e3, "baseline": "shm (same run)", "baseline_ms": shm["seconds"] * 1e3,
+                 "speedup": shm["seconds"] / te["seconds"],
+                 "note": f"vs collective: {coll['seconds'] / te['seconds']:.2f}x"})
+
     _progress(4, total, "latency: T=1 round trip, R=2")
     shape = tb.TransportShape(2, 1, 1024, 32, 8)
     with LocalCluster(shape.num_ranks) as cluster:
@@ -59,7 +65,23 @@ def run_transport_rows(quick: bool = False) -> list:
                  "ours_ms": shm["seconds"] * 1e3, "baseline": "collective fallback",
                  "baseline_ms": coll["seconds"] * 1e3, "speedup": coll["seconds"] / shm["seconds"],
                  "note": f"shm round trip {shm['seconds'] * 1e6:.0f} us"})
+    _progress(5, total, "EPLB placement vs classic greedy (quick)")
+    from mooncake_ep_switch.bench import eplb_bench
+
+    for row in eplb_bench.run(quick=True):
+        rows.append(_eplb_row(row))
     return rows
+
+
+def _eplb_row(row: dict) -> dict:
+    """One EPLB benchmark row in the common table shape (ratios against the in-repo greedy)."""
+    note = f"balancedness {row['bal_ours']:.4f} vs greedy {row['bal_greedy']:.4f}"
+    if "moved_ours" in row:
+        note += (f"; moved copies {100 * row['moved_ours']:.1f}% vs {100 * row['moved_greedy']:.1f}% of slots"
+                 f"; {row['worst_drop']:.4f} below a fresh placement")
+    return {"benchmark": f"EPLB placement {row['workload']}", "shape": f"{row['config']} ({row['layers']} layers)",
+            "ours_ms": row["t_ours"] * 1e3, "baseline": "classic greedy (in-repo)", "baseline_ms": row["t_greedy"] * 1e3,
+            "speedup": row["t_greedy"] / row["t_ours"], "note": note}
 
 
 def format_rows(rows: list) -> str:
@@ -76,12 +98,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     rows = run_transport_rows(quick=args.quick)
-    print(format_rows(rows))
+    from mooncake_ep_switch.bench import switch_bench
+
+    _progress(6, 6, "TP<->EP switch: weights and KV vs memcpy")
+    rows += switch_bench.run(quick=True)
+    table = format_rows(rows)
+    print(table)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            handle.write(table + "\n")
     return 0
 
 

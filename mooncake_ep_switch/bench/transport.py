@@ -50,7 +50,8 @@ def rank_buffer_round(ctx, transport: str, shape: TransportShape, iters: int, wa
     x, topk, weights = _inputs(ctx.rank, shape)
     size = Buffer.get_ep_buffer_size_hint(shape.tokens, shape.hidden, ctx.num_ranks, shape.experts)
     active = torch.ones(ctx.num_ranks, dtype=torch.int32)
-    with Buffer(ctx.group, size, transport=transport) as buffer:
+    # "mooncake" with disable_p2p: every peer over the Transfer Engine, as between hosts.
+    with Buffer(ctx.group, size, disable_p2p=transport == "mooncake", transport=transport) as buffer:
         local = shape.experts // ctx.num_ranks
         y = torch.randn((local, ctx.num_ranks * shape.tokens, shape.hidden)).to(torch.bfloat16)
 
