@@ -43,6 +43,16 @@ def _round_inputs(ctx, round_index):
                              random_values=True)
 
 
+def _gather_rounds(ctx, count=3):
+    """Every rank's inputs for `count` rounds, gathered while every rank is still alive."""
+    rounds = []
+    for round_index in range(count):
+        gathered = [None] * ctx.num_ranks
+        dist.all_gather_object(gathered, _round_inputs(ctx, round_index), group=ctx.group)
+        rounds.append(gathered)
+    return rounds
+
+
 def _check_round(ctx, all_inputs, dispatch_active, combine_active, recv, recv_count, handle, combined):
     """Compare one round's outputs with the references for the given views of who took part."""
     local = Shape.experts // ctx.num_ranks
@@ -72,11 +82,7 @@ def _mock_expert(ctx, recv):
 def rank_killed(ctx, transport, kill_point, how):
     """Rounds 1-2 whole; in round 3 rank DEAD dies at `kill_point`; survivors check everything."""
     buffer = _buffer(ctx, transport)
-    rounds = []
-    for round_index in range(3):
-        gathered = [None] * ctx.num_ranks
-        dist.all_gather_object(gathered, _round_inputs(ctx, round_index), group=ctx.group)
-        rounds.append(gathered)
+    rounds = _gather_rounds(ctx)
     # From here on no collective is used: a dead rank would make it hang.
     everyone = [1] * ctx.num_ranks
     without_dead = [0 if r == DEAD else 1 for r in range(ctx.num_ranks)]
@@ -135,11 +141,7 @@ def test_rank_dies(transport, kill_point, how):
 def rank_late(ctx, transport):
     """Rank DEAD is late in round 2 (its signals arrive after the deadline); round 3 excludes it."""
     buffer = _buffer(ctx, transport)
-    rounds = []
-    for round_index in range(3):
-        gathered = [None] * ctx.num_ranks
-        dist.all_gather_object(gathered, _round_inputs(ctx, round_index), group=ctx.group)
-        rounds.append(gathered)
+    rounds = _gather_rounds(ctx)
     active = torch.ones(ctx.num_ranks, dtype=torch.int32)
     without_late = [0 if r == DEAD else 1 for r in range(ctx.num_ranks)]
     for round_index, all_inputs in enumerate(rounds):

@@ -12,6 +12,7 @@ import sys
 
 from mooncake_ep_switch.bench import transport as tb
 from mooncake_ep_switch.launch import LocalCluster
+from mooncake_ep_switch.bench.table import format_rows
 
 
 def _progress(index: int, total: int, label: str) -> None:
@@ -82,16 +83,6 @@ def _eplb_row(row: dict) -> dict:
     return {"benchmark": f"EPLB placement {row['workload']}", "shape": f"{row['config']} ({row['layers']} layers)",
             "ours_ms": row["t_ours"] * 1e3, "baseline": "classic greedy (in-repo)", "baseline_ms": row["t_greedy"] * 1e3,
             "speedup": row["t_greedy"] / row["t_ours"], "note": note}
-
-
-def format_rows(rows: list) -> str:
-    """Markdown table of benchmark rows."""
-    lines = ["| benchmark | shape | ours (ms) | baseline | baseline (ms) | ratio (baseline/ours) | note |",
-             "| --- | --- | ---: | --- | ---: | ---: | --- |"]
-    for row in rows:
-        lines.append(f"| {row['benchmark']} | {row['shape']} | {row['ours_ms']:.3f} | {row['baseline']} | "
-                     f"{row['baseline_ms']:.3f} | {row['speedup']:.2f}x | {row.get('note', '')} |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+from mooncake_ep_switch.bench.table import format_rows
 
 
 class SwitchBenchShape(NamedTuple):
@@ -225,16 +226,6 @@ def run(quick: bool = False) -> List[dict]:
             shape = SwitchBenchShape(ranks, 4, 16, 1024, 512, 4, 8, 128, 16, 8, 256)
             rows += measure(shape, iters=5, collective_iters=2)
     return rows
-
-
-def format_rows(rows: List[dict]) -> str:
-    """Markdown table of benchmark rows."""
-    lines = ["| benchmark | shape | ours (ms) | baseline | baseline (ms) | ratio (baseline/ours) | note |",
-             "| --- | --- | ---: | --- | ---: | ---: | --- |"]
-    for row in rows:
-        lines.append(f"| {row['benchmark']} | {row['shape']} | {row['ours_ms']:.2f} | {row['baseline']} | "
-                     f"{row['baseline_ms']:.2f} | {row['speedup']:.2f}x | {row.get('note', '')} |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

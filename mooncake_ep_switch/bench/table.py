@@ -1,0 +1,13 @@
+"""The one table format every benchmark prints: rows with a ratio to an in-run baseline."""
+from typing import List
+
+
+def format_rows(rows: List[dict]) -> str:
+    """Markdown table of benchmark rows (keys: benchmark, shape, ours_ms, baseline, baseline_ms,
+    speedup = baseline / ours, and an optional note)."""
+    lines = ["| benchmark | shape | ours (ms) | baseline | baseline (ms) | ratio (baseline/ours) | note |",
+             "| --- | --- | ---: | --- | ---: | ---: | --- |"]
+    for row in rows:
+        lines.append(f"| {row['benchmark']} | {row['shape']} | {row['ours_ms']:.3f} | {row['baseline']} | "
+                     f"{row['baseline_ms']:.3f} | {row['speedup']:.2f}x | {row.get('note', '')} |")
+    return "\n".join(lines)
