@@ -7,7 +7,7 @@ def _demo(args) -> int:
     from mooncake_ep_switch.demo import DemoConfig, run_demo
 
     config = DemoConfig(num_ranks=args.ranks, steps=args.steps, transport=args.transport, use_fp8=args.fp8,
-                        out_dir=args.out)
+                        out_dir=args.out, kill_step=args.kill_step, kill_rank=min(2, args.ranks - 1))
     metrics = run_demo(config)
     return 0 if metrics["correct"] else 1
 
@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     demo.add_argument("--transport", default="auto", choices=["auto", "shm", "mooncake", "collective"])
     demo.add_argument("--fp8", action="store_true", help="FP8 dispatch")
     demo.add_argument("--out", default="mep_demo_out", help="directory for metrics.json")
+    demo.add_argument("--kill-step", type=int, default=8, help="step at which a rank is killed and replaced (-1: none)")
     bench = sub.add_parser("bench", help="transport benchmarks with in-run baselines")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)

@@ -63,13 +63,15 @@ def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -
     return (activated @ down.float().t()).to(torch.bfloat16)
 
 
-def reference_forward(x: torch.Tensor, weights: MoEWeights, top_k: int) -> torch.Tensor:
+def reference_forward(x: torch.Tensor, weights: MoEWeights, top_k: int, skip_experts=()) -> torch.Tensor:
     """Single-process MoE forward (no communication), the correctness reference.
 
     Arguments:
         x: `[N, H]` torch.bfloat16.
         weights: the layer's `MoEWeights`.
         top_k: experts per token.
+        skip_experts: experts whose contribution is left out (owned by a dead rank), no
+            renormalisation, as combine does.
 
     Returns:
         out: `[N, H]` torch.bfloat16, `sum_k w_k * expert_k(x)` in float32, then bf16.
@@ -78,6 +80,8 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, top_k: int) -> torch
     out = torch.zeros((x.size(0), x.size(1)), dtype=torch.float32)
     for k in range(top_k):
         for expert in topk_idx[:, k].unique().tolist():
+            if expert in skip_experts:
+                continue
             rows = (topk_idx[:, k] == expert).nonzero().view(-1)
             y = expert_forward(x[rows], weights.gate_up[expert], weights.down[expert])
             out[rows] += topk_weights[rows, k:k + 1] * y.float()
