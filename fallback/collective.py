@@ -59,6 +59,23 @@ class CollectivePlan(NamedTuple):
     rows_to_rank: List[int]
 
 
+class PeerLost(RuntimeError):
+    """A collective failed because a peer of the group is gone (gloo: connection reset)."""
+
+
+class _GuardedWork:
+    """Wraps a Work so that a failure in wait() surfaces as PeerLost."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self):
+        try:
+            return self._work.wait()
+        except RuntimeError as error:
+            raise PeerLost(str(error)) from error
+
+
 class _Finisher:
     """A Work-like object whose wait() runs a completion function once."""
 
@@ -95,6 +112,8 @@ class CollectiveTransport:
         self._staging = _StagingPool()
         self.failed_sources = []  # evidence for membership (ranks a call found dead)
         self.members = tuple(range(num_ranks))  # EP ranks in the group, in group-rank order
+        # Set by the Buffer: agrees on a survivors' view (and rebuilds our group) before a deadline.
+        self.view_change = None
 
     def endpoint(self) -> dict:
         """Nothing to publish: collectives need no peer metadata."""
@@ -111,6 +130,9 @@ class CollectiveTransport:
             return
         if membership is None:
             raise RuntimeError("connect: a new view needs the group's store; pass store= to Buffer")
+        # Meet in the store first: a member that died after the view was sealed is named (and the
+        # Buffer agrees again without it) instead of stalling the group's rendezvous.
+        membership.barrier(f"connect/{view.epoch}", view.ranks, deadline)
         self.group = view_group(membership.store, view, self.rank, max(1.0, deadline - time.monotonic()))
         self.members = tuple(view.ranks)
         self._staging.clear()
@@ -130,8 +152,11 @@ class CollectiveTransport:
         """
         R = self.num_ranks
         if len(self.members) == R:
-            work = self.group.alltoall_base(output, input, list(output_splits or []), list(input_splits or []),
-                                            dist.AllToAllOptions())
+            try:
+                work = _GuardedWork(self.group.alltoall_base(output, input, list(output_splits or []),
+                                                             list(input_splits or []), dist.AllToAllOptions()))
+            except RuntimeError as error:
+                raise PeerLost(str(error)) from error
             return work if async_op else work.wait()
         in_splits = list(input_splits) if input_splits else [input.size(0) // R] * R
         out_splits = list(output_splits) if output_splits else [output.size(0) // R] * R
@@ -139,8 +164,11 @@ class CollectiveTransport:
         out_offsets = [sum(out_splits[:r]) for r in range(R)]
         compact_in = torch.cat([input.narrow(0, in_offsets[r], in_splits[r]) for r in self.members])
         compact_out = output.new_empty((sum(out_splits[r] for r in self.members),) + tuple(output.shape[1:]))
-        work = self.group.alltoall_base(compact_out, compact_in, [out_splits[r] for r in self.members],
-                                        [in_splits[r] for r in self.members], dist.AllToAllOptions())
+        try:
+            work = _GuardedWork(self.group.alltoall_base(compact_out, compact_in, [out_splits[r] for r in self.members],
+                                                         [in_splits[r] for r in self.members], dist.AllToAllOptions()))
+        except RuntimeError as error:
+            raise PeerLost(str(error)) from error
 
         def finish():
             work.wait()
@@ -164,9 +192,50 @@ class CollectiveTransport:
             self._combine_buffers[key] = buffer
         return buffer
 
-    # ------------------------------------------------------------------ dispatch
+    # ------------------------------------------------------------------ failures
+    def _recover(self, active_ranks: torch.Tensor, timeout_us: int, error: PeerLost) -> None:
+        """A peer died during a collective: move to the survivors' view within the call's deadline.
+
+        The survivors agree on the next epoch through the store (the dead never answer), get a group
+        over themselves, and the caller's `active_ranks` loses the ranks that are gone.
+        """
+        if self.view_change is None:
+            raise error
+        import time
+
+        before = set(self.members)
+        budget = timeout_us / 1e6 if timeout_us >= 0 else 30.0
+        view = self.view_change(time.monotonic() + max(0.5, budget))
+        gone = sorted(before - set(view.ranks))
+        for rank in range(self.num_ranks):
+            if rank not in view.ranks:
+                active_ranks[rank] = 0
+        self.failed_sources.extend(gone)
+
     def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple["_LazyPlan", Callable[[], None]]:
-        """Run the send phase; return (the plan for combine, the receive phase that fills `outputs`)."""
+        """Run the send phase; return (the plan for combine, the receive phase that fills `outputs`).
+
+        If a peer dies during the exchange, the survivors move to a group over themselves (within
+        the call's deadline) and the dispatch runs again there, without the dead.
+        """
+        try:
+            plan, receive = self._dispatch_once(call, outputs)
+        except PeerLost as error:
+            self._recover(call.active_ranks, call.timeout_us, error)
+            plan, receive = self._dispatch_once(call, outputs)
+
+        def guarded() -> None:
+            try:
+                receive()
+            except PeerLost as error:
+                self._recover(call.active_ranks, call.timeout_us, error)
+                again, receive_again = self._dispatch_once(call, outputs)
+                receive_again()
+                plan.rows_from_rank, plan.row_index, plan.state = again.rows_from_rank, again.row_index, again.state
+
+        return plan, guarded
+
+    def _dispatch_once(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple["_LazyPlan", Callable[[], None]]:
         x, topk = call.x, call.topk_idx
         if x.device.type != "cpu":
             raise ValueError(f"x: the collective transport packs on the CPU, expected a CPU tensor, got {x.device}")
@@ -221,7 +290,27 @@ class CollectiveTransport:
 
     # ------------------------------------------------------------------ combine
     def combine(self, call: CombineCall) -> Callable[[], None]:
-        """Run the send phase of combine; return the receive phase, which fills `call.out`."""
+        """Run the send phase of combine; return the receive phase, which fills `call.out`.
+
+        A peer that dies during the exchange: survivors move to their own group and run the
+        combine again there; the dead owner's experts are skipped (no renormalisation).
+        """
+        try:
+            receive = self._combine_once(call)
+        except PeerLost as error:
+            self._recover(call.active_ranks, call.timeout_us, error)
+            receive = self._combine_once(call)
+
+        def guarded() -> None:
+            try:
+                receive()
+            except PeerLost as error:
+                self._recover(call.active_ranks, call.timeout_us, error)
+                self._combine_once(call)()
+
+        return guarded
+
+    def _combine_once(self, call: CombineCall) -> Callable[[], None]:
         R = self.num_ranks
         L = call.num_experts // R
         hidden = call.hidden

@@ -120,6 +120,8 @@ class Buffer:
         self._destroyed = False
         self._impl = self._make_transport(transport)
         self.transport = self._impl.name
+        if hasattr(self._impl, "view_change"):  # the fallback survives a peer lost mid-collective
+            self._impl.view_change = self._survivors_view
         if self.membership is not None:
             self.membership.publish_endpoint(dict(self._impl.endpoint(), host_id=self.settings.host_id))
         if self.joining:
@@ -229,6 +231,18 @@ class Buffer:
                 if not error.missing or time.monotonic() >= deadline:
                     raise
                 failed = set(error.missing)  # a member died after the view was sealed: agree again
+
+    def _survivors_view(self, deadline: float) -> View:
+        """Agree with the other survivors on the next view and reconnect (a collective lost a peer).
+
+        Every current member that is still alive posts readiness; the dead never do, so the view
+        is sealed at `deadline` without them.
+        """
+        membership = self._require_membership("the collective fallback's failure recovery")
+        view = membership.agree_next_view(self.epoch, set(self.members), deadline, call=self._call)
+        self.epoch, self.members = view.epoch, view.ranks
+        self._impl.connect_members(view, membership, max(deadline, time.monotonic() + 5.0))
+        return view
 
     def active_mask(self) -> torch.Tensor:
         """A fresh `active_ranks` tensor for the current view.
