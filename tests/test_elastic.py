@@ -220,7 +220,7 @@ def rank_collective_shrink(ctx):
     _round(ctx, buffer, 0, torch.ones(ctx.num_ranks, dtype=torch.int32))
     if ctx.rank == 2:
         os._exit(3)
-    view = buffer.update_ep_member(timeout_s=6)  # rank 2 never answers: sealed without it
+    view = buffer.update_ep_member(timeout_s=10)  # rank 2 never answers: sealed without it
     assert list(view.ranks) == [0, 1, 3], view
     seconds = _round(ctx, buffer, 1, buffer.active_mask(), expect_dead=(2,), dispatch_dead=(2,))
     return {"seconds": seconds}

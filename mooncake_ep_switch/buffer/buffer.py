@@ -214,7 +214,10 @@ class Buffer:
                 expected = set(membership.view(self.epoch).ranks) | {self.rank}
             else:
                 expected = (set(self.members) - failed) | set(membership.joining())
-            view = membership.agree_next_view(self.epoch, expected, deadline, call=self._call)
+            # Half the remaining budget to agree (a dead member is waited for until then), the rest to
+            # connect, so a dead expected rank cannot eat the time the live ones need to meet.
+            agree_by = time.monotonic() + (deadline - time.monotonic()) / 2
+            view = membership.agree_next_view(self.epoch, expected, agree_by, call=self._call)
             if self._fault is not None:
                 self._fault.hit("update_after_ready", self.rank)
             # Every member starts its call counter at one agreed value above every tag used so far.
@@ -224,7 +227,7 @@ class Buffer:
             try:
                 # Half the remaining budget per attempt: a member that died after the view was
                 # sealed is found missing in time to agree again without it.
-                attempt = time.monotonic() + max(1.0, (deadline - time.monotonic()) / 2)
+                attempt = time.monotonic() + max(2.0, (deadline - time.monotonic()) / 2)
                 self._impl.connect_members(view, membership, min(attempt, deadline))
                 return view
             except MembershipError as error:
