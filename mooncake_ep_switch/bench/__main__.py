@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     from mooncake_ep_switch.bench import switch_bench
 
     _progress(6, 6, "TP<->EP switch: weights and KV vs memcpy")
-    rows += switch_bench.run(quick=True)
+    rows += switch_bench.run(quick=args.quick)
     table = format_rows(rows)
     print(table)
     if args.out:
