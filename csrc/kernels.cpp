@@ -205,8 +205,12 @@ void check_indices_nonnegative(const int64_t* index, int64_t n, const char* name
 
 }  // namespace
 
-void gather_rows(uintptr_t dst_ptr, int64_t dst_stride, uintptr_t src_ptr, int64_t src_stride, int64_t row_bytes,
-                 uintptr_t index_ptr, int64_t n) {
+namespace {
+
+// Copy n rows of row_bytes; `index` picks the source row (gather) or the destination row
+// (scatter) of row i. Arguments are checked before anything is written.
+void copy_indexed_rows(uintptr_t dst_ptr, int64_t dst_stride, uintptr_t src_ptr, int64_t src_stride,
+                       int64_t row_bytes, uintptr_t index_ptr, int64_t n, bool index_is_source) {
     check_count(n, "n");
     check_count(row_bytes, "row_bytes");
     if (n == 0 || row_bytes == 0) return;
@@ -217,22 +221,23 @@ void gather_rows(uintptr_t dst_ptr, int64_t dst_stride, uintptr_t src_ptr, int64
     check_indices_nonnegative(index, n, "index");
     auto* dst = reinterpret_cast<uint8_t*>(dst_ptr);
     const auto* src = reinterpret_cast<const uint8_t*>(src_ptr);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * dst_stride, src + index[i] * src_stride, size_t(row_bytes));
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t from = index_is_source ? index[i] : i;
+        const int64_t to = index_is_source ? i : index[i];
+        std::memcpy(dst + to * dst_stride, src + from * src_stride, size_t(row_bytes));
+    }
+}
+
+}  // namespace
+
+void gather_rows(uintptr_t dst_ptr, int64_t dst_stride, uintptr_t src_ptr, int64_t src_stride, int64_t row_bytes,
+                 uintptr_t index_ptr, int64_t n) {
+    copy_indexed_rows(dst_ptr, dst_stride, src_ptr, src_stride, row_bytes, index_ptr, n, true);
 }
 
 void scatter_rows(uintptr_t dst_ptr, int64_t dst_stride, uintptr_t src_ptr, int64_t src_stride, int64_t row_bytes,
                   uintptr_t index_ptr, int64_t n) {
-    check_count(n, "n");
-    check_count(row_bytes, "row_bytes");
-    if (n == 0 || row_bytes == 0) return;
-    check_nonnull(dst_ptr, "dst_ptr");
-    check_nonnull(src_ptr, "src_ptr");
-    check_nonnull(index_ptr, "index_ptr");
-    const auto* index = reinterpret_cast<const int64_t*>(index_ptr);
-    check_indices_nonnegative(index, n, "index");
-    auto* dst = reinterpret_cast<uint8_t*>(dst_ptr);
-    const auto* src = reinterpret_cast<const uint8_t*>(src_ptr);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(dst + index[i] * dst_stride, src + i * src_stride, size_t(row_bytes));
+    copy_indexed_rows(dst_ptr, dst_stride, src_ptr, src_stride, row_bytes, index_ptr, n, false);
 }
 
 void quantize_fp8_rows(uintptr_t src_ptr, int64_t src_stride, uintptr_t index_ptr, int64_t n, int64_t hidden,

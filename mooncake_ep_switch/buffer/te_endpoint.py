@@ -116,9 +116,8 @@ def _socket_inodes() -> Set[int]:
     return inodes
 
 
-def _listening(inodes: Set[int]) -> List[str]:
-    """'addr:port' of the LISTEN sockets among `inodes` (from /proc/net/tcp and tcp6)."""
-    found = []
+def _tcp_rows():
+    """Yield (fields, is_ipv6) for every socket row of /proc/net/tcp and /proc/net/tcp6."""
     for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
         try:
             with open(table) as handle:
@@ -126,17 +125,27 @@ def _listening(inodes: Set[int]) -> List[str]:
         except OSError:
             continue
         for row in rows:
-            fields = row.split()
-            if len(fields) < 10 or fields[3] != "0A" or int(fields[9]) not in inodes:
-                continue
-            hex_addr, hex_port = fields[1].split(":")
-            raw = bytes.fromhex(hex_addr)
-            if v6:
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-                addr = "[%s]" % socket.inet_ntop(socket.AF_INET6, raw)
-            else:
-                addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
-            found.append(f"{addr}:{int(hex_port, 16)}")
+            yield row.split(), v6
+
+
+def _decode_addr(hex_addr: str, v6: bool) -> str:
+    """The IP address of a /proc/net/tcp{,6} hex address field (kernel byte order)."""
+    raw = bytes.fromhex(hex_addr)
+    if v6:
+        return socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    return socket.inet_ntop(socket.AF_INET, raw[::-1])
+
+
+def _listening(inodes: Set[int]) -> List[str]:
+    """'addr:port' of the LISTEN sockets among `inodes` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for fields, v6 in _tcp_rows():
+        if len(fields) < 10 or fields[3] != "0A" or int(fields[9]) not in inodes:
+            continue
+        hex_addr, hex_port = fields[1].split(":")
+        addr = _decode_addr(hex_addr, v6)
+        addr = f"[{addr}]" if v6 else addr
+        found.append(f"{addr}:{int(hex_port, 16)}")
     return sorted(found)
 
 
@@ -156,27 +165,15 @@ def _abort_connections(peer_session: str) -> int:
         return 0
     remote_ips |= {"::ffff:" + ip for ip in remote_ips if "." in ip}
     targets = set()
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        try:
-            with open(table) as handle:
-                rows = handle.read().splitlines()[1:]
-        except OSError:
+    for fields, v6 in _tcp_rows():
+        if len(fields) < 10 or fields[3] not in ("01", "02"):  # ESTABLISHED, SYN_SENT
             continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) < 10 or fields[3] not in ("01", "02"):  # ESTABLISHED, SYN_SENT
-                continue
-            hex_addr, hex_port = fields[2].split(":")
-            if int(hex_port, 16) != port:
-                continue
-            raw = bytes.fromhex(hex_addr)
-            if v6:
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-                addr = socket.inet_ntop(socket.AF_INET6, raw)
-            else:
-                addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
-            if addr in remote_ips:
-                targets.add(int(fields[9]))
+        hex_addr, hex_port = fields[2].split(":")
+        if int(hex_port, 16) != port:
+            continue
+        addr = _decode_addr(hex_addr, v6)
+        if addr in remote_ips:
+            targets.add(int(fields[9]))
     aborted = 0
     if not targets:
         return 0

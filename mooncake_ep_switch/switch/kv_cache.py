@@ -39,6 +39,7 @@ import torch
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
+from mooncake_ep_switch.switch.umm import _check_int
 
 EP = "ep"
 TP = "tp"
@@ -115,14 +116,6 @@ class KVPlan(NamedTuple):
     new_requests: Dict[int, KVRequest]
     new_free: Optional[np.ndarray]
     reserved: Optional[np.ndarray]
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return int(value)
 
 
 def _cdiv(a: int, b: int) -> int:

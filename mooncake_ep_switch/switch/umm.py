@@ -24,6 +24,7 @@ fallback it is private memory. A second, small shared region holds the switch's 
 import os
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from mooncake_ep_switch import _native
@@ -77,11 +78,12 @@ class MemoryReport(NamedTuple):
 
 
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """`value` as an int >= `minimum` (Python or NumPy integer, not bool), else a clear error."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
+    return int(value)
 
 
 def _mapping_bytes(address: int) -> int:
