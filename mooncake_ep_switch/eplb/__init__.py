@@ -3,12 +3,20 @@ from mooncake_ep_switch.eplb.budget import RedundancyAdvice, suggest_redundancy
 from mooncake_ep_switch.eplb.greedy import greedy_rebalance_experts
 from mooncake_ep_switch.eplb.layout import Placement, placement_from_phy2log
 from mooncake_ep_switch.eplb.maps import build_dispatch_map, logical_to_physical, spread_to_physical
+from mooncake_ep_switch.eplb.online import OnlineRebalancer, RebalanceChunk, RebalanceReport
+from mooncake_ep_switch.eplb.serving import physical_ep_forward
+from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 from mooncake_ep_switch.eplb.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
 from mooncake_ep_switch.eplb.placement import rebalance_experts
 from mooncake_ep_switch.eplb.recorder import ExpertLoadRecorder, LoadBalance, counts_from_topk
 
 __all__ = [
     "ExpertLoadRecorder",
+    "ExpertSlots",
+    "OnlineRebalancer",
+    "RebalanceChunk",
+    "RebalanceReport",
+    "SlotShape",
     "LoadBalance",
     "Placement",
     "RedundancyAdvice",
@@ -20,6 +28,7 @@ __all__ = [
     "layer_balancedness",
     "logical_to_physical",
     "moved_copies",
+    "physical_ep_forward",
     "placement_from_phy2log",
     "rebalance_experts",
     "spread_to_physical",

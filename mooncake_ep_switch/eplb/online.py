@@ -1,0 +1,348 @@
+"""Online rebalance: move physical experts to a new placement while serving continues.
+
+Every rank calls `begin(new_phy2log, commit_step)` with the same plan (the controller, e.g. rank 0
+or the engine's scheduler, computed it from the recorded loads), then `step(step)` once per serving
+step. The plan touches only the slots whose logical expert changes. Layers move in chunks whose
+changed slots fit the spare frames of every rank (`ExpertSlots.spare_frames`); chunk `c` commits at
+step `commit_step + c * steps_per_chunk`.
+
+Staging. Between begin and a chunk's commit step, each `step()` pulls at most `frames_per_step`
+changed slots of this rank: the new logical expert's weights are copied from a rank that holds a
+copy in the *old* placement (this rank first, then the least-used holder) into one of this rank's
+free frames. Nothing that serves is written: dispatch/combine keep running on the old placement.
+
+Commit (at the chunk's commit step, before the step's forward). A rank finishes its staging (the
+only stall, bounded by `frames_per_step` having done most of it), writes the chunk's plan digest,
+then its vote (GO, or ABORT when staging failed or `active_ranks` shows a dead rank), and waits
+for every peer's vote with the deadline `timeout_us`. Only if every rank voted GO with the same
+digest does it commit: it points the changed slots' frame-table entries at the staged frames and
+frees the old ones (no copy). Otherwise it aborts: the staged frames are freed, the old placement
+stays in force, and the rest of the rebalance is dropped. Votes are words in each rank's own
+region and stay readable after the rank dies, so every survivor reads the same votes: a rank that
+dies before voting makes every survivor abort; one that dies after voting GO lets the chunk commit
+everywhere (its slots are lost either way, as they were in the old placement). As in
+`switch_layout`, this assumes fail-stop within the deadline: a rank that is merely slow and votes
+after a peer's deadline can be left in the other state.
+
+Control words (64-bit, `(epoch << 32) | value`, epoch numbering the chunks of every rebalance):
+offset 0: vote (1 = GO, 2 = ABORT); offset 8: the chunk's plan digest.
+"""
+import time
+import zlib
+from collections import deque
+from typing import Deque, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+import torch
+
+from mooncake_ep_switch import _native
+from mooncake_ep_switch.eplb._convert import as_int
+from mooncake_ep_switch.eplb.slots import ExpertSlots, check_phy2log
+
+_VOTE, _DIGEST = 0, 8
+GO, ABORT = 1, 2
+COMMITTED = "committed"
+ABORTED = "aborted"
+_POLL_US = 20_000
+
+
+class RebalanceChunk(NamedTuple):
+    """Layers that commit together.
+
+    Fields:
+        epoch: agreement number of this chunk (the same on every rank).
+        layers: MoE layers of the chunk.
+        commit_step: serving step at whose start the chunk commits.
+        moves: `[n, 3]` int64 rows `(layer, local_slot, new_logical_expert)`, this rank's changed slots.
+        target: `[len(layers), R * slots_per_rank]` int64, the new placement of the chunk's layers.
+        digest: 32-bit checksum of `epoch`, `layers` and `target` (compared between ranks).
+    """
+
+    epoch: int
+    layers: Tuple[int, ...]
+    commit_step: int
+    moves: np.ndarray
+    target: np.ndarray
+    digest: int
+
+
+class RebalanceReport(NamedTuple):
+    """What a chunk's commit step did on this rank.
+
+    Fields:
+        epoch: the chunk's epoch.
+        layers: its MoE layers.
+        outcome: `"committed"` (new placement in force) or `"aborted"` (old placement kept).
+        reason: why it aborted ("" when committed).
+        moved_slots: slots of this rank that changed their logical expert (staged).
+        moved_bytes: weight bytes this rank copied into its frames (from peers or itself).
+        remote_bytes: the part of `moved_bytes` read from other ranks.
+        stage_ms: staging time spent in `step()` calls before and at the commit step.
+        stall_ms: time of the commit step's own work (finishing staging, vote, wait, commit).
+        commit_step: the step at which it committed or aborted.
+    """
+
+    epoch: int
+    layers: Tuple[int, ...]
+    outcome: str
+    reason: str
+    moved_slots: int
+    moved_bytes: int
+    remote_bytes: int
+    stage_ms: float
+    stall_ms: float
+    commit_step: int
+
+
+class _Staging:
+    """Progress of the chunk at the head of the queue."""
+
+    def __init__(self, chunk: RebalanceChunk):
+        self.chunk = chunk
+        self.next_move = 0
+        self.frames: List[int] = []  # staged frame of each move done so far
+        self.moved_bytes = 0
+        self.remote_bytes = 0
+        self.stage_ms = 0.0
+        self.error = ""
+
+
+class OnlineRebalancer:
+    """Moves this rank's physical experts to a new placement in chunks, committed at agreed steps.
+
+    Arguments:
+        slots: this rank's `ExpertSlots`.
+        timeout_us: deadline of the vote wait at a commit step, in microseconds (-1: none); a rank
+            that has not voted by then aborts the chunk.
+        frames_per_step: slots staged per `step()` before the commit step (bounds the per-step work).
+        epoch: epochs already used (a replacement rank passes the survivors' `rebalancer.epoch`).
+    """
+
+    def __init__(self, slots: ExpertSlots, *, timeout_us: int = 5_000_000, frames_per_step: int = 2,
+                 epoch: int = 0):
+        if not isinstance(slots, ExpertSlots):
+            raise TypeError(f"slots: expected an ExpertSlots, got {type(slots).__name__}")
+        if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or timeout_us < -1:
+            raise ValueError(f"timeout_us: expected -1 (no deadline) or an int >= 0, got {timeout_us!r}")
+        self.slots = slots
+        self.timeout_us = timeout_us
+        self.frames_per_step = as_int("frames_per_step", frames_per_step)
+        self.epoch = as_int("epoch", epoch, minimum=0)
+        self._queue: Deque[RebalanceChunk] = deque()
+        self._staging: Optional[_Staging] = None
+        self._holder_use = np.zeros(slots.num_ranks, dtype=np.int64)
+
+    @property
+    def in_progress(self) -> bool:
+        """True while chunks of a rebalance wait to commit."""
+        return bool(self._queue)
+
+    def pending_chunks(self) -> Tuple[RebalanceChunk, ...]:
+        """Chunks not yet committed or aborted, in commit order."""
+        return tuple(self._queue)
+
+    # ------------------------------------------------------------------ planning
+    def begin(self, new_phy2log, commit_step: int, *, steps_per_chunk: int = 1) -> Tuple[RebalanceChunk, ...]:
+        """Start moving to `new_phy2log`; every rank calls it with the same arguments.
+
+        Arguments:
+            new_phy2log: `[L, R * slots_per_rank]` integer torch tensor or numpy array, the target
+                placement (a copy of every logical expert, no two copies of one expert on one rank).
+            commit_step: serving step at whose start the first chunk commits (staging runs in the
+                `step()` calls before it).
+            steps_per_chunk: steps between the commits of consecutive chunks, >= 1.
+
+        Returns:
+            chunks: the `RebalanceChunk`s, in commit order (empty when nothing changes).
+        """
+        if self._queue:
+            raise RuntimeError(f"begin: a rebalance is in progress ({len(self._queue)} chunks left); wait for it")
+        slots = self.slots
+        shape = slots.shape
+        target = check_phy2log("new_phy2log", new_phy2log, shape.num_layers, slots.num_slots,
+                               shape.num_logical_experts, shape.slots_per_rank)
+        commit_step = as_int("commit_step", commit_step, minimum=0)
+        steps_per_chunk = as_int("steps_per_chunk", steps_per_chunk)
+        per_rank = shape.slots_per_rank
+        changed = target != slots.phy2log  # [L, S]
+        per_rank_changes = changed.reshape(shape.num_layers, slots.num_ranks, per_rank).sum(axis=2)  # [L, R]
+        too_many = per_rank_changes > slots.spare_frames
+        if too_many.any():
+            layer, rank = (int(v[0]) for v in np.nonzero(too_many))
+            raise ValueError(f"new_phy2log: layer {layer} changes {int(per_rank_changes[layer, rank])} slots of rank "
+                             f"{rank}, more than its spare_frames={slots.spare_frames}; build the ExpertSlots "
+                             "with more spare frames")
+        chunks: List[RebalanceChunk] = []
+        layers: List[int] = []
+        load = np.zeros(slots.num_ranks, dtype=np.int64)
+
+        def close() -> None:
+            if not layers:
+                return
+            epoch = self.epoch + len(chunks) + 1
+            rows = [(layer, s - slots.rank * per_rank, int(target[layer, s]))
+                    for layer in layers for s in np.nonzero(changed[layer])[0]
+                    if s // per_rank == slots.rank]
+            moves = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+            digest = zlib.crc32(np.ascontiguousarray(target[layers]).tobytes(),
+                                zlib.crc32(np.asarray([epoch, *layers], dtype=np.int64).tobytes())) & 0x7FFFFFFF
+            chunks.append(RebalanceChunk(epoch, tuple(layers), commit_step + len(chunks) * steps_per_chunk,
+                                         moves, target[layers].copy(), digest))
+            layers.clear()
+            load[:] = 0
+
+        for layer in range(shape.num_layers):
+            if not changed[layer].any():
+                continue
+            if ((load + per_rank_changes[layer]) > slots.spare_frames).any():
+                close()
+            layers.append(layer)
+            load += per_rank_changes[layer]
+        close()
+        self.epoch += len(chunks)
+        self._queue.extend(chunks)
+        self._staging = None
+        return tuple(chunks)
+
+    # ------------------------------------------------------------------ serving-loop hook
+    def step(self, step: int, active_ranks: Optional[torch.Tensor] = None) -> List[RebalanceReport]:
+        """Do this step's part of the rebalance; call at the start of every serving step, on every rank.
+
+        Arguments:
+            step: the serving step about to run (the same numbering on every rank).
+            active_ranks: `[R]` torch.int32, the caller's mask (a 0 entry makes this rank vote ABORT),
+                or None.
+
+        Returns:
+            reports: a `RebalanceReport` for every chunk that committed or aborted at this step
+                (after an abort, one for each dropped chunk too).
+        """
+        reports: List[RebalanceReport] = []
+        while self._queue:
+            head = self._queue[0]
+            if self._staging is None or self._staging.chunk is not head:
+                self._staging = _Staging(head)
+            if step < head.commit_step:
+                self._stage(self._staging, self.frames_per_step)
+                break
+            report = self._commit(self._staging, step, active_ranks)
+            reports.append(report)
+            self._queue.popleft()
+            self._staging = None
+            if report.outcome == ABORTED:
+                for dropped in self._queue:
+                    reports.append(RebalanceReport(dropped.epoch, dropped.layers, ABORTED,
+                                                   f"dropped after epoch {head.epoch} aborted", 0, 0, 0, 0.0, 0.0,
+                                                   step))
+                self._queue.clear()
+                break
+            if self._queue and self._queue[0].commit_step > step:
+                break
+        return reports
+
+    # ------------------------------------------------------------------ internals
+    def _source(self, layer: int, expert: int, active: Optional[np.ndarray]) -> Tuple[int, int]:
+        """(rank, local slot) holding `expert` of `layer` in the current placement."""
+        slots = self.slots
+        per_rank = slots.shape.slots_per_rank
+        holders = np.nonzero(slots.phy2log[layer] == expert)[0]
+        ranks = holders // per_rank
+        mine = holders[ranks == slots.rank]
+        if mine.size:
+            return slots.rank, int(mine[0] % per_rank)
+        if active is not None:
+            alive = holders[active[ranks] != 0]
+            holders = alive if alive.size else holders
+        best = min(holders.tolist(), key=lambda s: (self._holder_use[s // per_rank], s))
+        self._holder_use[best // per_rank] += 1
+        return best // per_rank, best % per_rank
+
+    def _stage(self, staging: _Staging, budget: int, active: Optional[np.ndarray] = None) -> None:
+        if staging.error:
+            return
+        slots = self.slots
+        started = time.perf_counter()
+        moves = staging.chunk.moves
+        try:
+            while staging.next_move < moves.shape[0] and budget > 0:
+                layer, _, expert = (int(v) for v in moves[staging.next_move])
+                src_rank, src_slot = self._source(layer, expert, active)
+                src_frame = slots.peer_frame(src_rank, layer, src_slot)
+                if not slots.free_frames:
+                    raise RuntimeError("no free frame left for staging")
+                frame = slots.free_frames.pop()
+                staging.frames.append(frame)
+                blocks = slots.frame_blocks(frame, src_rank, src_frame)
+                _native.copy_blocks(blocks.ctypes.data, blocks.shape[0], *slots.region_range(slots.rank),
+                                    *slots.region_range(src_rank))
+                staging.moved_bytes += slots.frame_bytes
+                if src_rank != slots.rank:
+                    staging.remote_bytes += slots.frame_bytes
+                staging.next_move += 1
+                budget -= 1
+        except Exception as error:  # a staging failure votes ABORT; nothing that serves was touched
+            staging.error = f"staging failed on rank {slots.rank}: {error}"
+        staging.stage_ms += (time.perf_counter() - started) * 1e3
+
+    def _word(self, epoch: int, value: int) -> int:
+        return (epoch << 32) | value
+
+    def _commit(self, staging: _Staging, step: int, active_ranks: Optional[torch.Tensor]) -> RebalanceReport:
+        slots = self.slots
+        chunk = staging.chunk
+        started = time.perf_counter()
+        active = None
+        if active_ranks is not None:
+            if (not isinstance(active_ranks, torch.Tensor) or active_ranks.dtype != torch.int32
+                    or tuple(active_ranks.shape) != (slots.num_ranks,)):
+                raise ValueError(f"active_ranks: expected a [{slots.num_ranks}] torch.int32 tensor, got "
+                                 f"{getattr(active_ranks, 'shape', type(active_ranks).__name__)}")
+            active = active_ranks.numpy().copy()
+        self._stage(staging, chunk.moves.shape[0], active)
+        reason = staging.error
+        if not reason and active is not None and (active == 0).any():
+            reason = f"ranks {np.nonzero(active == 0)[0].tolist()} are inactive in active_ranks on rank {slots.rank}"
+        vote = ABORT if reason else GO
+        me = slots.rank
+        _native.signal_publish(slots.control_addr(me, _DIGEST), self._word(chunk.epoch, chunk.digest))
+        _native.signal_publish(slots.control_addr(me, _VOTE), self._word(chunk.epoch, vote))
+        if vote == GO:
+            reason = self._collect_votes(chunk)
+        if reason:
+            slots.free_frames.extend(staging.frames)
+            outcome = ABORTED
+        else:
+            for (layer, local_slot, expert), frame in zip(chunk.moves.tolist(), staging.frames):
+                slots.free_frames.append(int(slots.frame_of[layer, local_slot]))
+                slots.frame_of[layer, local_slot] = frame
+            slots.phy2log[list(chunk.layers)] = chunk.target  # every rank's rows: the digests matched
+            slots.publish_table()
+            slots.version += 1
+            outcome = COMMITTED
+        return RebalanceReport(chunk.epoch, chunk.layers, outcome, reason, int(chunk.moves.shape[0]),
+                               staging.moved_bytes, staging.remote_bytes, staging.stage_ms,
+                               (time.perf_counter() - started) * 1e3, step)
+
+    def _collect_votes(self, chunk: RebalanceChunk) -> str:
+        """Wait for every peer's vote on `chunk`; "" when all voted GO with our digest, else why not."""
+        slots = self.slots
+        peers = [p for p in range(slots.num_ranks) if p != slots.rank]
+        deadline = None if self.timeout_us < 0 else time.monotonic() + self.timeout_us / 1e6
+        pending = list(peers)
+        while pending:
+            left = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1e6))
+            slice_us = _POLL_US if left < 0 else min(_POLL_US, left)
+            addrs = [slots.control_addr(p, _VOTE) for p in pending]
+            missing = _native.wait_words(addrs, [self._word(chunk.epoch, GO)] * len(addrs), 1, slice_us)
+            pending = [pending[i] for i in missing]
+            if pending and deadline is not None and time.monotonic() >= deadline:
+                return f"ranks {pending} did not vote on epoch {chunk.epoch} within timeout_us={self.timeout_us}"
+        for peer in peers:
+            vote = _native.signal_load(slots.control_addr(peer, _VOTE))
+            if vote != self._word(chunk.epoch, GO):
+                return f"rank {peer} voted to abort epoch {chunk.epoch}"
+            digest = _native.signal_load(slots.control_addr(peer, _DIGEST))
+            if digest != self._word(chunk.epoch, chunk.digest):
+                return f"rank {peer} planned epoch {chunk.epoch} differently (digest {digest & 0xFFFFFFFF:#x} vs " \
+                       f"{chunk.digest:#x})"
+        return ""

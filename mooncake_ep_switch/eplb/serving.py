@@ -1,0 +1,43 @@
+"""The EP forward of one MoE layer on physical experts (with redundant replicas) over a Buffer."""
+from typing import Tuple
+
+import torch
+
+from mooncake_ep_switch.eplb.maps import logical_to_physical
+from mooncake_ep_switch.eplb.slots import ExpertSlots
+from mooncake_ep_switch.switch.moe_block import expert_forward, route
+
+
+def physical_ep_forward(buffer, x: torch.Tensor, router: torch.Tensor, slots: ExpertSlots, layer: int, top_k: int,
+                        tokens_per_rank: int, active_ranks: torch.Tensor, dispatch_row: torch.Tensor,
+                        timeout_us: int = 30_000_000) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Route to logical experts, map them to physical slots, dispatch, run this rank's slots, combine.
+
+    Arguments:
+        buffer: a `Buffer` over the EP group, sized for `slots.num_slots` experts.
+        x: `[N, H]` torch.bfloat16 local tokens.
+        router: `[E, H]` torch.float32 router of the layer (logical experts).
+        slots: this rank's `ExpertSlots` (the current placement is `slots.phy2log`).
+        layer: MoE layer index.
+        top_k: experts per token.
+        tokens_per_rank: `num_max_dispatch_tokens_per_rank`.
+        active_ranks: `[R]` torch.int32 caller-owned mask.
+        dispatch_row: `[E]` torch.int64, `build_dispatch_map(slots.phy2log, ...)[rank, layer]`.
+        timeout_us: deadline of dispatch and combine.
+
+    Returns:
+        out: `[N, H]` torch.bfloat16, the combined output (no renormalisation for skipped experts).
+        recv_count: `[slots_per_rank]` torch.int32, tokens each local physical slot served.
+    """
+    topk_idx, topk_weights = route(x, router, top_k)
+    physical = logical_to_physical(topk_idx, dispatch_row)
+    recv, recv_count, handle, _, _ = buffer.dispatch(x, physical, active_ranks, tokens_per_rank, slots.num_slots,
+                                                     timeout_us, use_fp8=False)
+    y = buffer.get_next_combine_buffer(handle)
+    for local_slot in range(slots.shape.slots_per_rank):
+        count = int(recv_count[local_slot])
+        if count:
+            gate_up, down = slots.expert(layer, local_slot)
+            y[local_slot, :count] = expert_forward(recv[local_slot, :count], gate_up, down)
+    out, _, _ = buffer.combine(y, physical, topk_weights, active_ranks, timeout_us, handle, zero_copy=True)
+    return out, recv_count.clone()

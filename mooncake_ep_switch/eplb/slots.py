@@ -1,0 +1,220 @@
+"""Physical expert slots of every MoE layer of a rank, in one shared region with spare frames.
+
+A physical expert (slot) `s` of a layer lives on rank `s // slots_per_rank` at local index
+`s % slots_per_rank` and holds a copy of one logical expert's weights (gate/up `[2I, H]` and down
+`[H, I]`, bf16). The weights live in *frames*: `L * slots_per_rank` frames in use plus
+`spare_frames` free ones. A frame table maps (layer, local slot) to a frame, so an online
+rebalance (`eplb.online`) stages a slot's new expert into a free frame while the old frame keeps
+serving, and commits by switching one table entry: no copy at the commit and no address a
+running step uses ever changes under it.
+
+Region layout (a `SharedRegion`, mapped by every rank of the host):
+
+    [0, 4096)                     control words of the rebalance (64-bit, see online.py)
+    [4096, 4096 + table_bytes)    frame table, int32 `[L, slots_per_rank]` (read by peers)
+    gate/up of every frame        `[num_frames, 2I, H]` bf16
+    down of every frame           `[num_frames, H, I]` bf16
+
+Peers read this rank's frame table and frames directly; every frame id read from a peer is
+checked against the frame count before it becomes an address.
+"""
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer.shared_region import SharedRegion
+from mooncake_ep_switch.eplb._convert import as_indices, as_int
+from mooncake_ep_switch.eplb.layout import expert_counts
+
+CONTROL_BYTES = 4096
+_PAGE = 4096
+
+
+def _round_up(value: int, unit: int) -> int:
+    return (value + unit - 1) // unit * unit
+
+
+class SlotShape(NamedTuple):
+    """Geometry of the physical expert slots of every layer.
+
+    Fields:
+        num_layers: `L`, MoE layers.
+        num_logical_experts: `E`, logical experts per layer.
+        slots_per_rank: physical slots per rank and layer.
+        hidden: `H`.
+        intermediate: `I`.
+    """
+
+    num_layers: int
+    num_logical_experts: int
+    slots_per_rank: int
+    hidden: int
+    intermediate: int
+
+
+def check_phy2log(name: str, phy2log, num_layers: int, num_slots: int, num_logical: int,
+                  slots_per_rank: int) -> np.ndarray:
+    """`phy2log` as an int64 `[L, num_slots]` numpy array with a copy of every logical expert and no
+    two copies of one logical expert on one rank, else a clear error naming `name`."""
+    table = as_indices(name, phy2log, 2, upper=num_logical)
+    if table.shape != (num_layers, num_slots):
+        raise ValueError(f"{name}: expected shape [{num_layers}, {num_slots}], got {list(table.shape)}")
+    counts = expert_counts(table, num_logical)
+    if (counts == 0).any():
+        layer, expert = (int(v[0]) for v in np.nonzero(counts == 0))
+        raise ValueError(f"{name}: expected a copy of every logical expert; layer {layer} has none of expert {expert}")
+    per_rank = np.sort(table.reshape(num_layers, -1, slots_per_rank), axis=2)
+    same = per_rank[:, :, 1:] == per_rank[:, :, :-1]
+    if same.any():
+        layer, rank, _ = (int(v[0]) for v in np.nonzero(same))
+        raise ValueError(f"{name}: layer {layer} puts two copies of one logical expert on rank {rank}")
+    return table.copy()
+
+
+class ExpertSlots:
+    """This rank's physical experts of every layer, in frames of a region every rank of the host maps.
+
+    Collective at construction over `buffer.group` (every rank builds one with the same arguments).
+
+    Arguments:
+        buffer: a `mooncake_ep_switch.Buffer` on the `"shm"` transport (its group, rank and size are used).
+        shape: the `SlotShape`.
+        phy2log: `[L, R * slots_per_rank]` integer torch tensor or numpy array, the initial placement
+            (logical expert of every physical slot).
+        spare_frames: free frames for staging; an online rebalance moves at most this many slots
+            of this rank per chunk of layers (default: `slots_per_rank`, one layer's worth).
+        prefault: populate the page tables of this and every peer's region now.
+    """
+
+    def __init__(self, buffer, shape: SlotShape, phy2log, *, spare_frames: Optional[int] = None,
+                 prefault: bool = True):
+        if not isinstance(shape, SlotShape):
+            raise TypeError(f"shape: expected a SlotShape, got {type(shape).__name__}")
+        if buffer.transport != "shm":
+            raise ValueError("buffer: expert slots are moved one-sided through shared memory; expected a Buffer on "
+                             f"transport 'shm', got {buffer.transport!r}")
+        num_layers = as_int("shape.num_layers", shape.num_layers)
+        num_logical = as_int("shape.num_logical_experts", shape.num_logical_experts)
+        per_rank = as_int("shape.slots_per_rank", shape.slots_per_rank)
+        hidden = as_int("shape.hidden", shape.hidden)
+        inter = as_int("shape.intermediate", shape.intermediate)
+        spare = per_rank if spare_frames is None else as_int("spare_frames", spare_frames, minimum=1)
+        self.shape = SlotShape(num_layers, num_logical, per_rank, hidden, inter)
+        self.rank = buffer.rank
+        self.num_ranks = buffer.num_ranks
+        self.group = buffer.group
+        self.num_slots = self.num_ranks * per_rank
+        if self.num_slots < num_logical:
+            raise ValueError(f"shape.slots_per_rank: {per_rank} slots on {self.num_ranks} ranks cannot hold "
+                             f"{num_logical} logical experts")
+        self.phy2log = check_phy2log("phy2log", phy2log, num_layers, self.num_slots, num_logical, per_rank)
+        self.num_frames = num_layers * per_rank + spare
+        self.spare_frames = spare
+        self.gate_up_bytes = 2 * inter * hidden * 2
+        self.down_bytes = hidden * inter * 2
+        self.frame_bytes = self.gate_up_bytes + self.down_bytes
+        self.table_offset = CONTROL_BYTES
+        self.frames_offset = CONTROL_BYTES + _round_up(num_layers * per_rank * 4, _PAGE)
+        self.down_offset = self.frames_offset + self.num_frames * self.gate_up_bytes
+        nbytes = self.down_offset + self.num_frames * self.down_bytes
+        self.region = SharedRegion(self.group, self.rank, self.num_ranks, nbytes)
+        self.region.connect()
+        if prefault:
+            for peer in range(self.num_ranks):
+                _native.prefault(self.region.peer_bases[peer], nbytes)
+        local = self.region.local
+        self._gate_up = local[self.frames_offset:self.down_offset].view(torch.bfloat16).view(
+            self.num_frames, 2 * inter, hidden)
+        self._down = local[self.down_offset:nbytes].view(torch.bfloat16).view(self.num_frames, hidden, inter)
+        self.frame_of = np.arange(num_layers * per_rank, dtype=np.int64).reshape(num_layers, per_rank)
+        self.free_frames: List[int] = list(range(num_layers * per_rank, self.num_frames))
+        self.version = 0  # advanced at every committed change of the placement
+        self.publish_table()
+
+    # ------------------------------------------------------------------ placement
+    def local_experts(self, layer: int) -> List[int]:
+        """Logical expert of each of this rank's slots of `layer` (local index order)."""
+        per_rank = self.shape.slots_per_rank
+        return self.phy2log[layer, self.rank * per_rank:(self.rank + 1) * per_rank].tolist()
+
+    def expert(self, layer: int, local_slot: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Weights of this rank's slot `local_slot` of `layer`.
+
+        Arguments:
+            layer: MoE layer in `[0, L)`.
+            local_slot: local slot index in `[0, slots_per_rank)`.
+
+        Returns:
+            gate_up: `[2I, H]` torch.bfloat16 (gate rows then up rows), a view of the frame.
+            down: `[H, I]` torch.bfloat16, a view of the frame.
+        """
+        frame = int(self.frame_of[layer, local_slot])
+        return self._gate_up[frame], self._down[frame]
+
+    def frame_views(self, frame: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up `[2I, H]`, down `[H, I]`) torch.bfloat16 views of one of this rank's frames."""
+        return self._gate_up[frame], self._down[frame]
+
+    def load(self, layers: Sequence) -> None:
+        """Copy this rank's slots of every layer from full (unsharded) weights.
+
+        Arguments:
+            layers: L objects with `gate_up` `[E, 2I, H]` and `down` `[E, H, I]` torch.bfloat16
+                (e.g. `moe_block.MoEWeights`), indexed by logical expert.
+        """
+        if len(layers) != self.shape.num_layers:
+            raise ValueError(f"layers: expected {self.shape.num_layers} layers, got {len(layers)}")
+        for index, weights in enumerate(layers):
+            for local_slot, expert in enumerate(self.local_experts(index)):
+                gate_up, down = self.expert(index, local_slot)
+                gate_up.copy_(weights.gate_up[expert])
+                down.copy_(weights.down[expert])
+
+    # ------------------------------------------------------------------ frame tables
+    def publish_table(self) -> None:
+        """Write this rank's frame table where peers read it."""
+        per_rank = self.shape.slots_per_rank
+        count = self.shape.num_layers * per_rank
+        view = self.region.local[self.table_offset:self.table_offset + 4 * count].view(torch.int32)
+        view.copy_(torch.from_numpy(self.frame_of.reshape(-1).astype(np.int32)))
+
+    def peer_frame(self, rank: int, layer: int, local_slot: int) -> int:
+        """Frame of `rank`'s slot (`layer`, `local_slot`), read from its table and bounds-checked."""
+        if rank == self.rank:
+            return int(self.frame_of[layer, local_slot])
+        index = layer * self.shape.slots_per_rank + local_slot
+        at = self.table_offset + 4 * index
+        value = int(self.region.peer(rank)[at:at + 4].view(torch.int32)[0])
+        if not 0 <= value < self.num_frames:
+            raise ValueError(f"rank {rank}'s frame table names frame {value} for layer {layer} slot {local_slot}; "
+                             f"expected a frame in [0, {self.num_frames})")
+        return value
+
+    def frame_blocks(self, dst_frame: int, src_rank: int, src_frame: int) -> np.ndarray:
+        """copy_blocks descriptors `[2, 6]` int64: `src_rank`'s frame -> this rank's `dst_frame`."""
+        dst_base, src_base = self.region.peer_bases[self.rank], self.region.peer_bases[src_rank]
+        rows = []
+        for offset, size in ((self.frames_offset, self.gate_up_bytes), (self.down_offset, self.down_bytes)):
+            rows.append((dst_base + offset + dst_frame * size, src_base + offset + src_frame * size, 1, size,
+                         size, size))
+        return np.asarray(rows, dtype=np.int64)
+
+    def region_range(self, rank: int) -> Tuple[int, int]:
+        """(lo, hi) addresses of `rank`'s region as mapped here."""
+        base = self.region.peer_bases[rank]
+        if not base:
+            raise RuntimeError(f"rank {rank}'s expert slots are not mapped")
+        return base, base + self.region.nbytes
+
+    def control_addr(self, rank: int, offset: int) -> int:
+        """Address of a control word of `rank` (offset < 4096, 8-aligned)."""
+        return self.region.peer_bases[rank] + offset
+
+    def destroy(self) -> None:
+        """Unmap the region; views of the frames become invalid."""
+        self._gate_up = self._down = None
+        if self.region is not None:
+            self.region.destroy()
+            self.region = None

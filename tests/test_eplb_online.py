@@ -1,0 +1,223 @@
+"""Online rebalance over shared memory: outputs, traffic, commits at an agreed step, aborts on failure.
+
+R=4 ranks serve two MoE layers on physical experts (3 slots per rank for 8 logical experts: 4
+redundant copies) while `OnlineRebalancer` moves them to a placement computed from the loads the
+ranks recorded. Every step's output is checked against the single-process reference; the moved
+frames are compared bit for bit with the checkpoint weights.
+"""
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import harness
+
+R = 4
+LAYERS, EXPERTS, HIDDEN, INTER, TOP_K, TOKENS = 2, 8, 256, 128, 2, 16
+SLOTS_PER_RANK = 3
+TIMEOUT_US = 1_500_000
+DEAD = 3
+
+
+def _initial_phy2log():
+    rows = []
+    for rank in range(R):
+        rows += [2 * rank, 2 * rank + 1, (2 * rank + 2) % EXPERTS]  # primaries, then one redundant copy
+    return np.asarray([rows] * LAYERS, dtype=np.int64)
+
+
+def _setup(ctx, spare_frames=SLOTS_PER_RANK):
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.eplb.online import OnlineRebalancer
+    from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+    from mooncake_ep_switch.switch.moe_block import random_weights
+
+    size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, ctx.num_ranks, R * SLOTS_PER_RANK)
+    buffer = Buffer(ctx.group, size, transport="shm")
+    weights = [random_weights(EXPERTS, HIDDEN, INTER, seed=100 + layer) for layer in range(LAYERS)]
+    slots = ExpertSlots(buffer, SlotShape(LAYERS, EXPERTS, SLOTS_PER_RANK, HIDDEN, INTER), _initial_phy2log(),
+                        spare_frames=spare_frames)
+    slots.load(weights)
+    rebalancer = OnlineRebalancer(slots, timeout_us=TIMEOUT_US, frames_per_step=1)
+    return buffer, weights, slots, rebalancer
+
+
+def _inputs(rank, step):
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    # A skewed router input: a shared direction makes a few experts hot.
+    bias = torch.randn((1, HIDDEN), generator=torch.Generator().manual_seed(7)) * 2.0
+    return (torch.randn((TOKENS, HIDDEN), generator=generator) + bias).to(torch.bfloat16)
+
+
+def _forward(ctx, buffer, weights, slots, active, x, skip_dead=()):
+    """Both layers on physical experts; returns (output, reference, per-layer recv counts)."""
+    from mooncake_ep_switch.eplb.maps import build_dispatch_map
+    from mooncake_ep_switch.eplb.serving import physical_ep_forward
+    from mooncake_ep_switch.switch.moe_block import reference_forward
+
+    dispatch_map = build_dispatch_map(slots.phy2log, R, R)
+    out, reference, counts = x, x, []
+    for layer in range(LAYERS):
+        row = dispatch_map[ctx.rank, layer]
+        out, count = physical_ep_forward(buffer, out, weights[layer].router, slots, layer, TOP_K, TOKENS, active, row,
+                                         timeout_us=TIMEOUT_US)
+        counts.append(count)
+        skip = {e for e in range(EXPERTS) if int(row[e]) // SLOTS_PER_RANK in skip_dead}
+        reference = reference_forward(reference, weights[layer], TOP_K, skip_experts=skip)
+    return out, reference, counts
+
+
+def _close(out, ref):
+    """Equal up to float32 summation order inside the expert GEMMs (batch shapes differ from the
+    reference's): calc_diff as DeepEP's tests, far below any routing or weight error."""
+    x, y = out.double() + 1, ref.double() + 1
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum()) < 1e-6
+
+
+def _frames_match_checkpoint(slots, weights):
+    for layer in range(LAYERS):
+        for local_slot, expert in enumerate(slots.local_experts(layer)):
+            gate_up, down = slots.expert(layer, local_slot)
+            if not (torch.equal(gate_up, weights[layer].gate_up[expert]) and torch.equal(down, weights[layer].down[expert])):
+                return False
+    return True
+
+
+def _global_counts(ctx, counts):
+    """[L, R * slots_per_rank] tokens per physical slot, all-gathered (every rank alive)."""
+    mine = torch.stack(counts).to(torch.int64)  # [L, slots_per_rank]
+    gathered = [torch.empty_like(mine) for _ in range(ctx.num_ranks)]
+    dist.all_gather(gathered, mine, group=ctx.group)
+    return torch.cat(gathered, dim=1).numpy()
+
+
+def _rank_loads(slot_counts):
+    return slot_counts.reshape(LAYERS, R, SLOTS_PER_RANK).sum(axis=2)
+
+
+def rank_rebalance(ctx):
+    from mooncake_ep_switch.eplb import rebalance_experts
+    from mooncake_ep_switch.eplb.online import COMMITTED
+
+    buffer, weights, slots, rebalancer = _setup(ctx)
+    active = buffer.active_mask()
+    try:
+        # Step 0: serve on the initial placement and record the logical loads.
+        x0 = _inputs(ctx.rank, 0)
+        before, reference, counts = _forward(ctx, buffer, weights, slots, active, x0)
+        exact_before = _close(before, reference)
+        slot_counts = _global_counts(ctx, counts)
+        logical = np.zeros((LAYERS, EXPERTS), dtype=np.int64)
+        for layer in range(LAYERS):
+            np.add.at(logical[layer], slots.phy2log[layer], slot_counts[layer])
+        old = slots.phy2log.copy()
+        target = rebalance_experts(torch.from_numpy(logical).float(), R * SLOTS_PER_RANK, 1, 1, R,
+                                   previous_phy2log=torch.from_numpy(old)).phy2log
+        chunks = rebalancer.begin(target, commit_step=3)
+        reports, step_ok = [], []
+        for step in range(1, 6):  # staging runs in steps 1-2, chunks commit at steps 3 and 4
+            reports += rebalancer.step(step, active)
+            out, ref, _ = _forward(ctx, buffer, weights, slots, active, _inputs(ctx.rank, step))
+            step_ok.append(_close(out, ref))
+        after, reference_after, counts_after = _forward(ctx, buffer, weights, slots, active, x0)
+        slot_counts_after = _global_counts(ctx, counts_after)
+        return {
+            "changed_slots": int((old != target.numpy()).sum()),
+            "chunks": [(c.epoch, c.layers, c.commit_step) for c in chunks],
+            "reports": [(r.epoch, r.outcome, r.moved_slots, r.moved_bytes, r.remote_bytes, r.commit_step) for r in reports],
+            "placement_is_target": bool(np.array_equal(slots.phy2log, target.numpy())),
+            "frames_ok": _frames_match_checkpoint(slots, weights),
+            "exact_before": exact_before, "steps_exact": step_ok,
+            "same_output": torch.equal(before, after), "exact_after": _close(after, reference_after),
+            "max_before": _rank_loads(slot_counts).max(axis=1).tolist(),
+            "max_after": _rank_loads(slot_counts_after).max(axis=1).tolist(),
+            "slot_counts_after": slot_counts_after.tolist(), "target": target.tolist(),
+            "committed": all(r.outcome == COMMITTED for r in reports), "free_frames": len(slots.free_frames),
+        }
+    finally:
+        slots.destroy()
+        buffer.destroy()
+
+
+def test_online_rebalance_keeps_outputs_and_spreads_traffic():
+    results = harness.run(R, rank_rebalance)
+    first = results[0]
+    assert first["changed_slots"] > 0, "the loads should call for a different placement"
+    for rank, result in enumerate(results):
+        assert result["committed"], result["reports"]
+        assert result["placement_is_target"] and result["frames_ok"], f"rank {rank}"
+        assert result["exact_before"] and result["exact_after"] and all(result["steps_exact"]), f"rank {rank}"
+        assert result["same_output"], f"rank {rank}: output changed across the rebalance"
+        assert result["free_frames"] == SLOTS_PER_RANK, "frames leaked"
+        assert result["chunks"] == first["chunks"], "ranks planned different chunks"
+    # Every changed slot was staged exactly once, by its owner, and some weights crossed ranks.
+    assert sum(r[2] for res in results for r in res["reports"]) == first["changed_slots"]
+    assert sum(r[4] for res in results for r in res["reports"]) > 0
+    # Commits happened at the agreed steps on every rank.
+    for result in results:
+        assert [(r[0], r[5]) for r in result["reports"]] == [(c[0], c[2]) for c in first["chunks"]]
+    # Traffic spreads: the busiest rank gets fewer tokens, and every copy of a replicated expert serves.
+    assert sum(first["max_after"]) < sum(first["max_before"]), (first["max_before"], first["max_after"])
+    counts = np.asarray(first["slot_counts_after"])
+    target = np.asarray(first["target"])
+    for layer in range(LAYERS):
+        totals = np.bincount(target[layer], weights=counts[layer], minlength=EXPERTS)
+        hot = int(np.argmax(totals))
+        copies = np.nonzero(target[layer] == hot)[0]
+        assert copies.size >= 2, f"layer {layer}: the hottest expert {hot} should be replicated"
+        assert (counts[layer][copies] > 0).all(), f"layer {layer}: copies {copies} of expert {hot} idle"
+
+
+def rank_kill_mid_rebalance(ctx, use_mask):
+    from mooncake_ep_switch.eplb.online import ABORTED
+
+    buffer, weights, slots, rebalancer = _setup(ctx)
+    active = buffer.active_mask()
+    dist.barrier(group=ctx.group)
+    old = slots.phy2log.copy()
+    target = old.copy()
+    for layer in range(LAYERS):  # every rank's redundant copy moves to the next expert
+        for rank in range(R):
+            target[layer, rank * SLOTS_PER_RANK + 2] = (2 * rank + 3) % EXPERTS
+    rebalancer.begin(target, commit_step=3)
+    reports, exact = [], []
+    for step in range(1, 5):
+        if step == 2 and ctx.rank == DEAD:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-rebalance: staged, never votes
+        reports += rebalancer.step(step, active if use_mask else None)
+        dead = () if step < 2 else (DEAD,)
+        out, ref, _ = _forward(ctx, buffer, weights, slots, active, _inputs(ctx.rank, step), skip_dead=dead)
+        exact.append(_close(out, ref))
+    result = {
+        "reports": [(r.outcome, r.reason, r.commit_step) for r in reports],
+        "aborted": bool(reports) and all(r.outcome == ABORTED for r in reports),
+        "old_placement": bool(np.array_equal(slots.phy2log, old)),
+        "frames_ok": _frames_match_checkpoint(slots, weights),
+        "free_frames": len(slots.free_frames), "exact": exact, "in_progress": rebalancer.in_progress,
+        "active": active.tolist(),
+    }
+    slots.destroy()
+    buffer.destroy()
+    return result
+
+
+@pytest.mark.parametrize("use_mask", [True, False], ids=["mask-knows", "vote-timeout"])
+def test_rank_killed_mid_rebalance_keeps_old_placement(use_mask):
+    with harness.fresh_cluster(R) as cluster:
+        outcomes = cluster.run(rank_kill_mid_rebalance, use_mask, timeout_s=90, failure_grace_s=60)
+    assert not outcomes[DEAD].ok
+    for outcome in outcomes:
+        if outcome.rank == DEAD:
+            continue
+        assert outcome.ok, outcome.error
+        result = outcome.value
+        assert result["aborted"], result["reports"]
+        assert result["old_placement"] and result["frames_ok"], f"rank {outcome.rank}"
+        assert result["free_frames"] == SLOTS_PER_RANK and not result["in_progress"]
+        assert all(result["exact"]), f"rank {outcome.rank}: outputs differ from the reference without rank {DEAD}"
+        assert result["active"][DEAD] == 0
+        reason = result["reports"][0][1]
+        assert ("inactive" in reason) if use_mask else ("did not vote" in reason), reason
