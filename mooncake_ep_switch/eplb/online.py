@@ -161,6 +161,7 @@ class OnlineRebalancer:
         shape = slots.shape
         target = check_phy2log("new_phy2log", new_phy2log, shape.num_layers, slots.num_slots,
                                shape.num_logical_experts, shape.slots_per_rank)
+        slots.check_primaries("new_phy2log", target)
         commit_step = as_int("commit_step", commit_step, minimum=0)
         steps_per_chunk = as_int("steps_per_chunk", steps_per_chunk)
         per_rank = shape.slots_per_rank
@@ -267,14 +268,12 @@ class OnlineRebalancer:
             while staging.next_move < moves.shape[0] and budget > 0:
                 layer, _, expert = (int(v) for v in moves[staging.next_move])
                 src_rank, src_slot = self._source(layer, expert, active)
-                src_frame = slots.peer_frame(src_rank, layer, src_slot)
                 if not slots.free_frames:
                     raise RuntimeError("no free frame left for staging")
                 frame = slots.free_frames.pop()
                 staging.frames.append(frame)
-                blocks = slots.frame_blocks(frame, src_rank, src_frame)
-                _native.copy_blocks(blocks.ctypes.data, blocks.shape[0], *slots.region_range(slots.rank),
-                                    *slots.region_range(src_rank))
+                blocks, src_range = slots.source_blocks(frame, src_rank, layer, src_slot)
+                _native.copy_blocks(blocks.ctypes.data, blocks.shape[0], *slots.region_range(slots.rank), *src_range)
                 staging.moved_bytes += slots.frame_bytes
                 if src_rank != slots.rank:
                     staging.remote_bytes += slots.frame_bytes

@@ -17,6 +17,13 @@ Region layout (a `SharedRegion`, mapped by every rank of the host):
 
 Peers read this rank's frame table and frames directly; every frame id read from a peer is
 checked against the frame count before it becomes an address.
+
+Primaries in the unified weight memory. With `primaries=UnifiedWeights` (the memory `switch_layout`
+moves between EP and TP), the first `E/R` local slots of every rank are the rank's EP experts in
+that memory (logical expert `rank * E/R + j` at local slot `j`, fixed), and only the remaining
+slots, the redundant experts, live in frames. A rebalance then moves redundant experts only
+(`eplb.replicas.place_redundant_experts` plans for this), and reads a primary copy from the peer's
+unified memory, which must be in the EP layout while serving and staging.
 """
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -86,10 +93,12 @@ class ExpertSlots:
         spare_frames: free frames for staging; an online rebalance moves at most this many slots
             of this rank per chunk of layers (default: `slots_per_rank`, one layer's worth).
         prefault: populate the page tables of this and every peer's region now.
+        primaries: a `UnifiedWeights` holding the primary copies (see the module docstring), or None
+            (every slot in frames).
     """
 
     def __init__(self, buffer, shape: SlotShape, phy2log, *, spare_frames: Optional[int] = None,
-                 prefault: bool = True):
+                 prefault: bool = True, primaries=None):
         if not isinstance(shape, SlotShape):
             raise TypeError(f"shape: expected a SlotShape, got {type(shape).__name__}")
         if buffer.transport != "shm":
@@ -110,7 +119,24 @@ class ExpertSlots:
             raise ValueError(f"shape.slots_per_rank: {per_rank} slots on {self.num_ranks} ranks cannot hold "
                              f"{num_logical} logical experts")
         self.phy2log = check_phy2log("phy2log", phy2log, num_layers, self.num_slots, num_logical, per_rank)
-        self.num_frames = num_layers * per_rank + spare
+        self.primaries = primaries
+        self.num_primary = 0
+        if primaries is not None:
+            from mooncake_ep_switch.switch.umm import UnifiedWeights
+
+            if not isinstance(primaries, UnifiedWeights):
+                raise TypeError(f"primaries: expected a UnifiedWeights or None, got {type(primaries).__name__}")
+            if (primaries.num_layers, tuple(primaries.shape)) != (num_layers, (num_logical, hidden, inter)):
+                raise ValueError(f"primaries: expected {num_layers} layers of shape ({num_logical}, {hidden}, {inter}), "
+                                 f"got {primaries.num_layers} of {tuple(primaries.shape)}")
+            if primaries.region is None:
+                raise ValueError("primaries: expected a UnifiedWeights on the 'shm' transport")
+            self.num_primary = num_logical // self.num_ranks
+            if per_rank < self.num_primary:
+                raise ValueError(f"shape.slots_per_rank: expected >= {self.num_primary} (the primaries), got {per_rank}")
+            self.check_primaries("phy2log", self.phy2log)
+        self.num_redundant = per_rank - self.num_primary
+        self.num_frames = num_layers * self.num_redundant + spare
         self.spare_frames = spare
         self.gate_up_bytes = 2 * inter * hidden * 2
         self.down_bytes = hidden * inter * 2
@@ -128,12 +154,31 @@ class ExpertSlots:
         self._gate_up = local[self.frames_offset:self.down_offset].view(torch.bfloat16).view(
             self.num_frames, 2 * inter, hidden)
         self._down = local[self.down_offset:nbytes].view(torch.bfloat16).view(self.num_frames, hidden, inter)
-        self.frame_of = np.arange(num_layers * per_rank, dtype=np.int64).reshape(num_layers, per_rank)
-        self.free_frames: List[int] = list(range(num_layers * per_rank, self.num_frames))
+        self.frame_of = np.full((num_layers, per_rank), -1, dtype=np.int64)  # -1: a primary (not in a frame)
+        self.frame_of[:, self.num_primary:] = np.arange(num_layers * self.num_redundant).reshape(num_layers, -1)
+        self.free_frames: List[int] = list(range(num_layers * self.num_redundant, self.num_frames))
         self.version = 0  # advanced at every committed change of the placement
         self.publish_table()
 
     # ------------------------------------------------------------------ placement
+    def check_primaries(self, name: str, table: np.ndarray) -> None:
+        """With primaries: every rank's first E/R slots hold its EP experts, else a clear error."""
+        if not self.num_primary:
+            return
+        per_rank = self.shape.slots_per_rank
+        expected = (np.arange(self.num_ranks)[:, None] * self.num_primary + np.arange(self.num_primary)[None, :])
+        got = table.reshape(table.shape[0], self.num_ranks, per_rank)[:, :, :self.num_primary]
+        if not (got == expected[None]).all():
+            raise ValueError(f"{name}: expected rank r's first {self.num_primary} slots to hold its primaries "
+                             f"r*{self.num_primary}+j (they live in the unified weight memory and do not move)")
+
+    def _check_primaries_serving(self) -> None:
+        from mooncake_ep_switch.switch.umm import EP
+
+        if self.primaries.layout != EP:
+            raise RuntimeError(f"primaries: the unified weights are in layout {self.primaries.layout!r}; physical "
+                               "experts are served and staged in the 'ep' layout only")
+
     def local_experts(self, layer: int) -> List[int]:
         """Logical expert of each of this rank's slots of `layer` (local index order)."""
         per_rank = self.shape.slots_per_rank
@@ -150,6 +195,10 @@ class ExpertSlots:
             gate_up: `[2I, H]` torch.bfloat16 (gate rows then up rows), a view of the frame.
             down: `[H, I]` torch.bfloat16, a view of the frame.
         """
+        if local_slot < self.num_primary:
+            self._check_primaries_serving()
+            gate_up, down = self.primaries.view(layer, "ep")
+            return gate_up[local_slot], down[local_slot]
         frame = int(self.frame_of[layer, local_slot])
         return self._gate_up[frame], self._down[frame]
 
@@ -168,6 +217,8 @@ class ExpertSlots:
             raise ValueError(f"layers: expected {self.shape.num_layers} layers, got {len(layers)}")
         for index, weights in enumerate(layers):
             for local_slot, expert in enumerate(self.local_experts(index)):
+                if local_slot < self.num_primary:
+                    continue  # loaded into the unified weights by their owner
                 gate_up, down = self.expert(index, local_slot)
                 gate_up.copy_(weights.gate_up[expert])
                 down.copy_(weights.down[expert])
@@ -182,6 +233,8 @@ class ExpertSlots:
 
     def peer_frame(self, rank: int, layer: int, local_slot: int) -> int:
         """Frame of `rank`'s slot (`layer`, `local_slot`), read from its table and bounds-checked."""
+        if local_slot < self.num_primary:
+            raise ValueError(f"local_slot: {local_slot} is a primary (in the unified weights), not a frame")
         if rank == self.rank:
             return int(self.frame_of[layer, local_slot])
         index = layer * self.shape.slots_per_rank + local_slot
@@ -192,14 +245,31 @@ class ExpertSlots:
                              f"expected a frame in [0, {self.num_frames})")
         return value
 
-    def frame_blocks(self, dst_frame: int, src_rank: int, src_frame: int) -> np.ndarray:
-        """copy_blocks descriptors `[2, 6]` int64: `src_rank`'s frame -> this rank's `dst_frame`."""
-        dst_base, src_base = self.region.peer_bases[self.rank], self.region.peer_bases[src_rank]
-        rows = []
-        for offset, size in ((self.frames_offset, self.gate_up_bytes), (self.down_offset, self.down_bytes)):
-            rows.append((dst_base + offset + dst_frame * size, src_base + offset + src_frame * size, 1, size,
-                         size, size))
-        return np.asarray(rows, dtype=np.int64)
+    def source_blocks(self, dst_frame: int, src_rank: int, layer: int, src_slot: int) -> Tuple[np.ndarray, Tuple[int, int]]:
+        """copy_blocks descriptors `[2, 6]` int64 copying `src_rank`'s slot (`layer`, `src_slot`) into this
+        rank's `dst_frame`, and the source region's (lo, hi) address range."""
+        dst_base = self.region.peer_bases[self.rank]
+        if src_slot < self.num_primary:
+            from mooncake_ep_switch.switch.umm import EP
+
+            self._check_primaries_serving()
+            umm = self.primaries
+            base = umm.peer_slot_base(src_rank, umm.slot_of(layer, EP))
+            sources = (base + src_slot * self.gate_up_bytes,
+                       base + umm.gate_up_bytes() + src_slot * self.down_bytes)
+            lo = umm.region.peer_bases[src_rank]
+            src_range = (lo, lo + umm.region_bytes)
+        else:
+            src_frame = self.peer_frame(src_rank, layer, src_slot)
+            src_base = self.region.peer_bases[src_rank]
+            sources = (src_base + self.frames_offset + src_frame * self.gate_up_bytes,
+                       src_base + self.down_offset + src_frame * self.down_bytes)
+            src_range = self.region_range(src_rank)
+        rows = [(dst_base + self.frames_offset + dst_frame * self.gate_up_bytes, sources[0], 1, self.gate_up_bytes,
+                 self.gate_up_bytes, self.gate_up_bytes),
+                (dst_base + self.down_offset + dst_frame * self.down_bytes, sources[1], 1, self.down_bytes,
+                 self.down_bytes, self.down_bytes)]
+        return np.asarray(rows, dtype=np.int64), src_range
 
     def region_range(self, rank: int) -> Tuple[int, int]:
         """(lo, hi) addresses of `rank`'s region as mapped here."""
