@@ -6,8 +6,14 @@ import sys
 def _demo(args) -> int:
     from mooncake_ep_switch.demo import DemoConfig, run_demo
 
-    config = DemoConfig(num_ranks=args.ranks, steps=args.steps, transport=args.transport, use_fp8=args.fp8,
-                        out_dir=args.out, kill_step=args.kill_step, kill_rank=min(2, args.ranks - 1))
+    defaults = DemoConfig()
+    steps = defaults.steps if args.steps is None else args.steps
+    kill_step = args.kill_step
+    if kill_step is None:  # a step a little past the middle of the burst
+        first, end = (int(round(f * steps)) for f in defaults.burst)
+        kill_step = first + (end - first) * 4 // 5
+    config = DemoConfig(num_ranks=args.ranks, steps=steps, transport=args.transport, out_dir=args.out,
+                        kill_step=kill_step, kill_rank=min(2, args.ranks - 1))
     metrics = run_demo(config)
     return 0 if metrics["correct"] else 1
 
@@ -18,24 +24,37 @@ def _bench(args) -> int:
     return bench_main(args.rest)
 
 
+def _simulate(args) -> int:
+    from mooncake_ep_switch.simulate_cli import run_from_args
+
+    return run_from_args(args)
+
+
 def main(argv=None) -> int:
     """Entry point of the `mooncake-ep` console script."""
     parser = argparse.ArgumentParser(prog="mooncake-ep", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", help="serve a small MoE model on local CPU ranks (default)")
     demo.add_argument("--ranks", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=20)
+    demo.add_argument("--steps", type=int, default=None, help="decode steps (default 40)")
     demo.add_argument("--transport", default="auto", choices=["auto", "shm", "mooncake", "collective"])
-    demo.add_argument("--fp8", action="store_true", help="FP8 dispatch")
-    demo.add_argument("--out", default="mep_demo_out", help="directory for metrics.json")
-    demo.add_argument("--kill-step", type=int, default=8, help="step at which a rank is killed and replaced (-1: none)")
+    demo.add_argument("--out", default="mep_demo_out", help="directory for metrics.json and timeline.png")
+    demo.add_argument("--kill-step", type=int, default=None,
+                      help="step (inside the burst) at which a rank is SIGKILLed and replaced; -1: none")
     bench = sub.add_parser("bench", help="transport benchmarks with in-run baselines")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
+    from mooncake_ep_switch.simulate_cli import add_arguments as add_simulate_arguments
+
+    simulate = sub.add_parser("simulate", help="replay bursty and RL-rollout traces through the TP<->EP switch "
+                                               "policy under a step-latency model; checks the paper's result")
+    add_simulate_arguments(simulate)
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["demo"] + list(argv or sys.argv[1:]))
     if args.command == "demo":
         return _demo(args)
+    if args.command == "simulate":
+        return _simulate(args)
     return _bench(args)
 
 

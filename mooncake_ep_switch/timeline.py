@@ -1,0 +1,156 @@
+"""The demo's timeline as a multi-panel PNG: requests, layout, step latency, balancedness, events.
+
+Input (what the demo writes into its metrics)::
+
+    metrics["steps"]:  [{"step": int, "seconds": float,            # required
+                         "requests": int, "layout": "ep" | "tp",   # optional
+                         "balancedness": float | None}, ...]       # optional
+    metrics["events"]: [{"step": int, "kind": str, "label": str}, ...]   # optional
+
+Event kinds with their own colour: ``switch``, ``rebalance``, ``kill``, ``rejoin`` (others are
+grey). A panel whose key no step carries says "n/a". Needs matplotlib (the ``plot`` extra); the
+Agg backend is used, no display.
+"""
+import math
+import numbers
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+EVENT_COLOURS = {"switch": "tab:purple", "rebalance": "tab:green", "kill": "tab:red", "rejoin": "tab:blue"}
+OTHER_EVENT_COLOUR = "tab:gray"
+LAYOUT_LEVELS = {"tp": 0, "ep": 1}
+
+
+def _where(i: Optional[int], key: Optional[str], outer: str = "steps") -> str:
+    return f"metrics[{outer!r}]" + ("" if i is None else f"[{i}]") + ("" if key is None else f"[{key!r}]")
+
+
+def _number(value: Any, where: str, integer: bool = False) -> float:
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"{where} must be {'an integer' if integer else 'a number'}, "
+                        f"got {type(value).__name__} {value!r}")
+    if not integer and not math.isfinite(float(value)):
+        raise ValueError(f"{where} must be finite, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _entries(metrics: Mapping, key: str, required: bool) -> List[Mapping]:
+    if key not in metrics:
+        if required:
+            raise ValueError(f"metrics is missing the required key {key!r} (a list of dicts)")
+        return []
+    entries = metrics[key]
+    if isinstance(entries, (str, bytes, Mapping)) or not isinstance(entries, Sequence):
+        raise TypeError(f"metrics[{key!r}] must be a list of dicts, got {type(entries).__name__}")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"metrics[{key!r}][{i}] must be a dict, got {type(entry).__name__} {entry!r}")
+    return list(entries)
+
+
+def _validated(metrics: Mapping) -> Dict[str, Any]:
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a dict, got {type(metrics).__name__}")
+    steps = _entries(metrics, "steps", required=True)
+    if not steps:
+        raise ValueError("metrics['steps'] must hold at least one step, got an empty list")
+    x, seconds, requests, layout, balance = [], [], [], [], []
+    for i, s in enumerate(steps):
+        for key in ("step", "seconds"):
+            if key not in s:
+                raise ValueError(f"{_where(i, None)} is missing the required key {key!r}")
+        x.append(_number(s["step"], _where(i, "step"), integer=True))
+        seconds.append(_number(s["seconds"], _where(i, "seconds")))
+        r = s.get("requests")
+        requests.append(math.nan if r is None else _number(r, _where(i, "requests"), integer=True))
+        lay = s.get("layout")
+        if lay is not None and lay not in LAYOUT_LEVELS:
+            raise ValueError(f"{_where(i, 'layout')} must be 'ep' or 'tp' (or absent), got {lay!r}")
+        layout.append(math.nan if lay is None else LAYOUT_LEVELS[lay])
+        b = s.get("balancedness")
+        balance.append(math.nan if b is None else _number(b, _where(i, "balancedness")))
+    events = []
+    for i, e in enumerate(_entries(metrics, "events", required=False)):
+        for key in ("step", "kind"):
+            if key not in e:
+                raise ValueError(f"{_where(i, None, 'events')} is missing the required key {key!r}")
+        kind = e["kind"]
+        if not isinstance(kind, str):
+            raise TypeError(f"{_where(i, 'kind', 'events')} must be a str, got {type(kind).__name__} {kind!r}")
+        label = e.get("label", kind)
+        if not isinstance(label, str):
+            raise TypeError(f"{_where(i, 'label', 'events')} must be a str, got {type(label).__name__} {label!r}")
+        events.append((_number(e["step"], _where(i, "step", "events"), integer=True), kind, label))
+    order = sorted(range(len(x)), key=x.__getitem__)
+    pick = lambda values: [values[j] for j in order]  # noqa: E731
+    return {"step": pick(x), "seconds": pick(seconds), "requests": pick(requests), "layout": pick(layout),
+            "balancedness": pick(balance), "events": sorted(events)}
+
+
+def plot_demo_timeline(metrics: Mapping, path: str) -> str:
+    """Draw the demo's timeline as a PNG: one panel each for requests, layout, latency, balancedness.
+
+    Panels share the step axis: in-flight request count, layout (a step line, TP low, EP high),
+    step latency in ms, EPLB balancedness (mean GPU load / max GPU load, 1 = perfectly
+    balanced). Every event is a vertical line through all panels, coloured by kind and labelled at
+    the top. Steps are drawn in step order whatever their order in the list.
+
+    Arguments:
+        metrics: a dict with ``"steps"`` (required: a non-empty list of dicts with ``"step"`` int
+            and ``"seconds"`` float; optional ``"requests"`` int, ``"layout"`` ``"ep"``/``"tp"``,
+            ``"balancedness"`` float or None) and ``"events"`` (optional: a list of dicts with
+            ``"step"`` int, ``"kind"`` str, ``"label"`` str, the label defaulting to the kind).
+        path: the PNG to write.
+
+    Returns:
+        path: the written path.
+
+    Raises:
+        ValueError, TypeError: malformed input; the message names the offending key and entry.
+    """
+    data = _validated(metrics)
+    if not isinstance(path, str) or not path:
+        raise TypeError(f"path must be a non-empty str, got {type(path).__name__} {path!r}")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    x = data["step"]
+    fig = Figure(figsize=(11, 8.5), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": (2, 1, 2, 1.5)})
+    panels = (("requests", "in-flight requests", None), ("layout", "layout", None),
+              ("seconds", "step latency (ms)", 1e3), ("balancedness", "balancedness", None))
+    for ax, (key, ylabel, scale) in zip(axes, panels):
+        values = data[key]
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if all(math.isnan(v) for v in values):
+            ax.text(0.5, 0.5, f"n/a (no {key!r} in metrics['steps'])", transform=ax.transAxes, ha="center",
+                    va="center", color="0.4")
+            ax.set_yticks([])
+            continue
+        if key == "layout":
+            ax.step(x, values, where="post", color="tab:purple", lw=1.5)
+            ax.set_yticks([0, 1], ["TP", "EP"])
+            ax.set_ylim(-0.3, 1.3)
+        elif key == "balancedness":
+            ax.plot(x, values, marker="o", ms=3, lw=1.0, color="tab:green")
+            ax.set_ylim(0.0, 1.05)
+        else:
+            ax.plot(x, [v * scale for v in values] if scale else values, marker="o", ms=2.5, lw=1.0,
+                    color="tab:orange" if key == "seconds" else "tab:blue")
+    axes[-1].set_xlabel("step")
+    seen = {}
+    for step, kind, label in data["events"]:
+        colour = EVENT_COLOURS.get(kind, OTHER_EVENT_COLOUR)
+        for ax in axes:
+            line = ax.axvline(step, color=colour, ls="--", lw=1.0, alpha=0.8)
+        seen.setdefault(kind, line)
+        axes[0].annotate(label, xy=(step, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                         textcoords="offset points", rotation=90, va="top", ha="left", fontsize=7, color=colour)
+    if seen:
+        axes[0].legend(list(seen.values()), list(seen.keys()), loc="upper left", fontsize=8,
+                       bbox_to_anchor=(1.0, 1.0), title="events", title_fontsize=8)
+    axes[0].set_title("demo timeline")
+    fig.savefig(path, dpi=110)
+    return path
