@@ -1,16 +1,31 @@
-"""The main job: local CPU ranks serve a small random-weight MoE model over the Buffer.
+"""The main job: local CPU ranks serve a small MoE model under a bursty load, switching and rebalancing.
 
-Every decode step each rank routes its tokens, runs dispatch -> its experts -> combine for each MoE
-layer, and checks the result against a single-process reference computed from the same weights.
-Prints a live progress line and a summary; writes the metrics as JSON; exits non-zero when the
+Per decode step the controller (this process, like an engine's scheduler) reads the request count
+from a bursty trace, lets the `SwitchPolicy` pick the layout, and runs the step on every rank:
+
+- TP: every rank computes its intermediate slice of every expert for all requests' tokens (the
+  unified weight memory's TP view) and a deterministic all-reduce sums the partials;
+- EP: every rank serves its share of the requests; tokens go through `dispatch` -> physical
+  experts -> `combine`. The physical experts are the rank's primaries (the unified memory's EP
+  view) plus redundant experts placed by EPLB from the loads the ranks recorded and moved by the
+  online rebalancer while serving continues.
+
+`switch_layout` moves the unified memory between the layouts when the policy says so; one rank is
+SIGKILLed mid-run in EP, the survivors serve that step without it (timeouts mark it in
+`active_ranks`), and a replacement process is re-admitted with `update_ep_member` and maps
+everyone's regions anew. Every step of every rank is checked against a single-process reference
+computed from the same weights (leaving out exactly the experts a dead rank held). Prints a live
+progress line and a summary, writes metrics.json and a PNG timeline, exits non-zero when the
 correctness check fails.
 """
 import json
 import os
 import sys
 import time
+import warnings
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from mooncake_ep_switch.launch import LocalCluster, check_outcomes
@@ -23,38 +38,55 @@ class DemoConfig(NamedTuple):
         num_ranks: local CPU ranks.
         steps: decode steps.
         layers: MoE layers.
-        experts: experts per layer.
+        experts: logical experts per layer.
         top_k: experts per token.
         hidden: hidden size.
         intermediate: expert intermediate size.
-        tokens_per_rank: decode batch per rank (also `num_max_dispatch_tokens_per_rank`).
+        low_requests: in-flight requests outside the burst (a multiple of `num_ranks`).
+        burst_requests: in-flight requests during the burst (a multiple of `num_ranks`).
+        burst: (first step, end step) of the burst, as fractions of `steps`.
+        switch_threshold: requests at which the policy enters EP (`SwitchPolicy.threshold_high`).
+        redundant_per_rank: redundant experts per rank (EPLB replicas of hot experts).
+        rebalance_after: EP steps of recorded load before each rebalance.
         transport: Buffer transport.
-        use_fp8: FP8 dispatch.
-        out_dir: where the metrics are written.
-        kill_step: decode step at which `kill_rank` is killed (SIGKILL) and then replaced
-            (-1: no failure).
+        out_dir: where metrics.json and timeline.png are written.
+        kill_step: decode step at which `kill_rank` is SIGKILLed and then replaced (-1: no failure).
         kill_rank: the rank that dies.
-        timeout_us: per-call deadline of dispatch/combine (how fast a dead rank is noticed).
+        timeout_us: per-call deadline of dispatch/combine/all-reduce (how fast a dead rank is noticed).
     """
 
     num_ranks: int = 4
-    steps: int = 20
+    steps: int = 40
     layers: int = 2
     experts: int = 16
     top_k: int = 4
     hidden: int = 512
     intermediate: int = 256
-    tokens_per_rank: int = 32
+    low_requests: int = 16
+    burst_requests: int = 128
+    burst: tuple = (0.2, 0.75)
+    switch_threshold: int = 64
+    redundant_per_rank: int = 1
+    rebalance_after: int = 5
     transport: str = "auto"
-    use_fp8: bool = False
     out_dir: str = "mep_demo_out"
-    kill_step: int = 8
+    kill_step: int = 25
     kill_rank: int = 2
     timeout_us: int = 2_000_000
 
 
 _RANK_STATE = {}
 CHECK_LIMIT = 1e-4  # calc_diff against the single-process reference (bf16 activations)
+LAYOUT_TP, LAYOUT_EP = "tp", "ep"
+
+
+class GroupHandle(NamedTuple):
+    """What the weight, slot and all-reduce structures need of a Buffer: a group and who we are."""
+
+    group: object
+    rank: int
+    num_ranks: int
+    transport: str
 
 
 def _calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -62,132 +94,458 @@ def _calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
 
 
+def request_trace(config: DemoConfig):
+    """In-flight requests per step: low, a burst, low again (multiples of the rank count)."""
+    first, end = (int(round(f * config.steps)) for f in config.burst)
+    return [config.burst_requests if first <= step < end else config.low_requests for step in range(config.steps)]
+
+
+def initial_placement(config: DemoConfig) -> np.ndarray:
+    """[L, R * slots] phy2log: each rank's primaries, then redundant copies of the next ranks' experts."""
+    local = config.experts // config.num_ranks
+    rows = []
+    for rank in range(config.num_ranks):
+        rows += [rank * local + j for j in range(local)]
+        rows += [((rank + 1) * local + j) % config.experts for j in range(config.redundant_per_rank)]
+    return np.asarray([rows] * config.layers, dtype=np.int64)
+
+
+def _weights(config: DemoConfig):
+    from mooncake_ep_switch.switch.moe_block import MoEWeights, random_weights
+
+    layers = []
+    for layer in range(config.layers):
+        weights = random_weights(config.experts, config.hidden, config.intermediate, seed=layer)
+        # A skewed router (a few hot experts, as real routers are): what EPLB is for.
+        skew = torch.zeros(config.experts)
+        skew[torch.randperm(config.experts, generator=torch.Generator().manual_seed(99 + layer))[:3]] = 0.08
+        bias = torch.randn(config.hidden, generator=torch.Generator().manual_seed(7))
+        layers.append(MoEWeights(weights.router + skew[:, None] * bias[None, :], weights.gate_up, weights.down))
+    return layers
+
+
+def _build_structures(handle: GroupHandle, config: DemoConfig, layout: str, phy2log, sync=None):
+    """Unified weights, TP all-reduce, expert slots and rebalancer, collective over `handle.group`."""
+    from mooncake_ep_switch.eplb.online import OnlineRebalancer
+    from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+    from mooncake_ep_switch.switch import TPAllReduce, UnifiedWeights, WeightShape
+
+    weights = _weights(config)
+    umm = UnifiedWeights(handle, WeightShape(config.experts, config.hidden, config.intermediate), config.layers,
+                         layout=layout)
+    umm.load_full(weights)
+    all_reduce = TPAllReduce(handle, config.burst_requests, config.hidden)
+    slots = rebalancer = None
+    if handle.transport == "shm":
+        local = config.experts // config.num_ranks
+        shape = SlotShape(config.layers, config.experts, local + config.redundant_per_rank, config.hidden,
+                          config.intermediate)
+        slots = ExpertSlots(handle, shape, phy2log, primaries=umm, spare_frames=config.redundant_per_rank)
+        slots.load(weights)
+        rebalancer = OnlineRebalancer(slots, timeout_us=config.timeout_us, frames_per_step=1,
+                                      epoch=0 if sync is None else sync["epoch"])
+    if sync is not None:
+        umm.seq, all_reduce.call = sync["switch_seq"], sync["tp_call"]
+    _RANK_STATE.update(weights=weights, umm=umm, all_reduce=all_reduce, slots=slots, rebalancer=rebalancer,
+                       dispatch_map=None, map_version=-1)
+
+
 def rank_setup(ctx, config: DemoConfig):
     from mooncake_ep_switch import Buffer
-    from mooncake_ep_switch.switch.moe_block import random_weights
-
     from mooncake_ep_switch.elastic import join
 
-    size = Buffer.get_ep_buffer_size_hint(config.tokens_per_rank, config.hidden, ctx.num_ranks, config.experts)
-    group = ctx.group if ctx.group is not None else join(ctx.store, ctx.rank, ctx.num_ranks)  # a replacement
+    tokens = config.burst_requests // ctx.num_ranks
+    physical = ctx.num_ranks * (config.experts // ctx.num_ranks + config.redundant_per_rank)
+    size = Buffer.get_ep_buffer_size_hint(tokens, config.hidden, ctx.num_ranks, physical)
+    replacement = ctx.group is None
+    group = join(ctx.store, ctx.rank, ctx.num_ranks) if replacement else ctx.group
     buffer = Buffer(group, size, transport=config.transport)
-    weights = [random_weights(config.experts, config.hidden, config.intermediate, seed=layer)
-               for layer in range(config.layers)]
-    _RANK_STATE.update(buffer=buffer, weights=weights, config=config, active=buffer.active_mask())
+    _RANK_STATE.update(buffer=buffer, config=config, active=buffer.active_mask())
+    if not replacement:  # a replacement builds the rest once admitted (rank_readmit)
+        handle = GroupHandle(ctx.group, ctx.rank, ctx.num_ranks, buffer.transport)
+        _build_structures(handle, config, LAYOUT_TP, initial_placement(config))
     return buffer.transport
 
 
-def rank_readmit(ctx, joiner: int, timeout_s: float = 60.0):
-    """Every rank (survivors and the replacement) agrees on the next epoch with the joiner in it."""
+def rank_sync_state(ctx):
+    """What a replacement must take over from the survivors (counters, placement, layout)."""
+    state = _RANK_STATE
+    slots = state["slots"]
+    return {"switch_seq": state["umm"].seq, "tp_call": state["all_reduce"].call, "layout": state["umm"].layout,
+            "epoch": state["rebalancer"].epoch if state["rebalancer"] else 0,
+            "phy2log": slots.phy2log.tolist() if slots is not None else None}
+
+
+def rank_readmit(ctx, joiner: int, sync: dict, timeout_s: float = 60.0):
+    """Survivors and the replacement agree on the next epoch, then map each other's regions anew."""
+    from mooncake_ep_switch.buffer.membership import view_group
+
     buffer = _RANK_STATE["buffer"]
     deadline = time.monotonic() + timeout_s
-    while ctx.group is not None and joiner not in buffer.pending_joiners():
+    replacement = ctx.rank == joiner
+    while not replacement and joiner not in buffer.pending_joiners():
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {joiner}'s replacement never asked to join")
         time.sleep(0.01)
     view = buffer.update_ep_member(timeout_s=timeout_s)
     _RANK_STATE["active"] = buffer.active_mask()
+    group = view_group(ctx.store, view, ctx.rank, timeout_s, prefix="demo")
+    warnings.filterwarnings("ignore", message="You are using a Backend")  # a raw gloo group, used on purpose
+    if replacement:
+        handle = GroupHandle(group, ctx.rank, ctx.num_ranks, buffer.transport)
+        phy2log = np.asarray(sync["phy2log"]) if sync["phy2log"] is not None else initial_placement(_RANK_STATE["config"])
+        _build_structures(handle, _RANK_STATE["config"], sync["layout"], phy2log, sync)
+    else:  # same order as the constructors the replacement runs
+        state = _RANK_STATE
+        regions = [state["umm"].region, state["umm"].control, state["all_reduce"].region]
+        regions += [state["slots"].region] if state["slots"] is not None else []
+        for region in regions:
+            if region is not None:
+                region.group = group
+                region.connect(ranks=[joiner])
     return list(view.ranks)
 
 
-def rank_step(ctx, step: int):
-    import os
+def rank_switch(ctx, target: str):
+    from mooncake_ep_switch.switch import switch_layout
+
+    report = switch_layout(_RANK_STATE["buffer"], target, weights=_RANK_STATE["umm"],
+                           timeout_us=_RANK_STATE["config"].timeout_us)
+    return {"outcome": report.outcome, "total_ms": report.total_ms, "weight_bytes": report.weight_bytes,
+            "reason": report.reason}
+
+
+def _ep_forward(ctx, x):
+    """Every layer in EP; returns (output, per-layer slot counts or None, per-layer dispatch rows or None)."""
+    from mooncake_ep_switch.eplb.maps import build_dispatch_map
+    from mooncake_ep_switch.eplb.serving import physical_ep_forward
+    from mooncake_ep_switch.switch.moe_block import ep_forward_local
+
+    state = _RANK_STATE
+    config, buffer, slots, active = state["config"], state["buffer"], state["slots"], state["active"]
+    tokens = config.burst_requests // ctx.num_ranks
+    out = x
+    if slots is None:  # collective transport: primaries only (no one-sided slot moves)
+        for layer, weights in enumerate(state["weights"]):
+            gate_up, down = state["umm"].view(layer, LAYOUT_EP)
+            out = ep_forward_local(buffer, out, weights.router, gate_up, down, config.top_k, tokens, active,
+                                   timeout_us=config.timeout_us)
+        return out, None, None
+    if state["map_version"] != slots.version:
+        state["dispatch_map"] = build_dispatch_map(slots.phy2log, ctx.num_ranks, ctx.num_ranks)
+        state["map_version"] = slots.version
+    counts, rows = [], []
+    for layer, weights in enumerate(state["weights"]):
+        row = state["dispatch_map"][ctx.rank, layer]
+        out, count = physical_ep_forward(buffer, out, weights.router, slots, layer, config.top_k, tokens, active, row,
+                                         timeout_us=config.timeout_us)
+        counts.append(count.tolist())
+        rows.append(row)
+    return out, counts, rows
+
+
+def _ep_reference(ctx, x, rows, dead):
+    """The single-process forward without the experts this rank's tokens sent to dead ranks."""
+    from mooncake_ep_switch.switch.moe_block import reference_forward
+
+    state = _RANK_STATE
+    config = state["config"]
+    reference = x
+    for layer, weights in enumerate(state["weights"]):
+        if rows is None:
+            local = config.experts // ctx.num_ranks
+            skip = {r * local + j for r in dead for j in range(local)}
+        else:
+            per_rank = state["slots"].shape.slots_per_rank
+            skip = {e for e in range(config.experts) if int(rows[layer][e]) // per_rank in dead}
+        reference = reference_forward(reference, weights, config.top_k, skip_experts=skip)
+    return reference
+
+
+def rank_step(ctx, step: int, command: dict):
     import signal
 
-    from mooncake_ep_switch.switch.moe_block import ep_forward, reference_forward
+    from mooncake_ep_switch.switch.moe_block import reference_forward, tp_forward
 
-    buffer, weights, config = _RANK_STATE["buffer"], _RANK_STATE["weights"], _RANK_STATE["config"]
+    state = _RANK_STATE
+    config, umm = state["config"], state["umm"]
     if step == config.kill_step and ctx.rank == config.kill_rank:
         os.kill(os.getpid(), signal.SIGKILL)  # the failure the demo survives
-    generator = torch.Generator().manual_seed(step * 1009 + ctx.rank)
-    x = torch.randn((config.tokens_per_rank, config.hidden), generator=generator).to(torch.bfloat16)
-    active = _RANK_STATE["active"]  # the caller-owned mask: timeouts write into it
+    rebalancer, active = state["rebalancer"], state["active"]
+    reports = []
+    if rebalancer is not None and command.get("rebalance"):
+        plan = command["rebalance"]
+        rebalancer.begin(np.asarray(plan["phy2log"]), plan["commit_step"])
+    if rebalancer is not None and umm.layout == LAYOUT_EP:
+        reports = [r._asdict() for r in rebalancer.step(step, active)]
+    requests = command["requests"]
     start = time.perf_counter()
-    hidden_states = x
-    for layer in weights:
-        hidden_states = ep_forward(buffer, hidden_states, layer, config.top_k, config.tokens_per_rank, active,
-                                   timeout_us=config.timeout_us, use_fp8=config.use_fp8)
-    seconds = time.perf_counter() - start
-    # The reference leaves out exactly the experts of ranks this rank saw die (no renormalisation).
-    local = config.experts // ctx.num_ranks
-    dead = [r for r in range(ctx.num_ranks) if not int(active[r])]
-    skip = {r * local + l for r in dead for l in range(local)}
-    reference = x
-    for layer in weights:
-        reference = reference_forward(reference, layer, config.top_k, skip_experts=skip)
-    return {"seconds": seconds, "diff": _calc_diff(hidden_states, reference), "tokens": x.size(0),
-            "dead": dead}
+    counts = None
+    if umm.layout == LAYOUT_EP:
+        generator = torch.Generator().manual_seed(step * 1009 + ctx.rank)
+        x = torch.randn((requests // ctx.num_ranks, config.hidden), generator=generator).to(torch.bfloat16)
+        out, counts, rows = _ep_forward(ctx, x)
+        seconds = time.perf_counter() - start
+        dead = [r for r in range(ctx.num_ranks) if not int(active[r])]  # what the timeouts found
+        reference = _ep_reference(ctx, x, rows, dead)
+    else:  # TP: the same tokens on every rank
+        generator = torch.Generator().manual_seed(step * 1009)
+        x = torch.randn((requests, config.hidden), generator=generator).to(torch.bfloat16)
+        out = x
+        for layer, weights in enumerate(state["weights"]):
+            gate_up, down = umm.view(layer, LAYOUT_TP)
+            out = tp_forward(state["all_reduce"], out, weights.router, gate_up, down, config.top_k, active,
+                             timeout_us=config.timeout_us)
+        seconds = time.perf_counter() - start
+        dead = [r for r in range(ctx.num_ranks) if not int(active[r])]
+        reference = x
+        for weights in state["weights"]:
+            reference = reference_forward(reference, weights, config.top_k)
+    for report in reports:
+        report["layers"] = list(report["layers"])
+    return {"seconds": seconds, "diff": _calc_diff(out, reference), "tokens": x.size(0), "dead": dead,
+            "layout": umm.layout, "counts": counts, "reports": reports,
+            "phy2log": state["slots"].phy2log.tolist() if state["slots"] is not None else None}
 
 
 def rank_teardown(ctx):
-    buffer = _RANK_STATE.pop("buffer", None)
-    if buffer is not None:
-        buffer.destroy()
+    for name in ("rebalancer", "slots", "all_reduce", "umm", "buffer"):
+        item = _RANK_STATE.pop(name, None)
+        destroy = getattr(item, "destroy", None)
+        if destroy is not None:
+            destroy()
+    _RANK_STATE.clear()
     return True
 
 
+def _balancedness(counts_by_rank, num_layers: int) -> float:
+    """Mean over layers of mean rank load / max rank load (1.0 = perfectly even)."""
+    loads = np.asarray([[sum(layer) for layer in counts] for counts in counts_by_rank], dtype=np.float64)  # [R, L]
+    values = [loads[:, l].mean() / loads[:, l].max() for l in range(num_layers) if loads[:, l].max() > 0]
+    return float(np.mean(values)) if values else float("nan")
+
+
+class _Controller:
+    """The scheduler side: the trace, the switch policy, the load window and rebalance plans."""
+
+    def __init__(self, config: DemoConfig):
+        from mooncake_ep_switch.switch import SwitchPolicy
+
+        self.config = config
+        self.trace = request_trace(config)
+        self.policy = SwitchPolicy(config.switch_threshold, window=2, low_ratio=0.5, cooldown_steps=2)
+        self.layout = LAYOUT_TP
+        self.phy2log = initial_placement(config)
+        self.loads = np.zeros((config.layers, config.experts), dtype=np.float64)
+        self.ep_steps_recorded = 0
+        self.rebalance_until = -1  # last commit step of the rebalance in flight
+
+    def record(self, values) -> None:
+        """Add one EP step's per-slot counts of every rank to the logical loads."""
+        per_rank = self.phy2log.shape[1] // self.config.num_ranks
+        for value in values:
+            if value["counts"] is None:
+                return
+            for layer, counts in enumerate(value["counts"]):
+                slots = self.phy2log[layer, value["rank"] * per_rank:(value["rank"] + 1) * per_rank]
+                np.add.at(self.loads[layer], slots, counts)
+        self.ep_steps_recorded += 1
+
+    def plan(self, step: int):
+        """A rebalance to begin at `step` (commit two steps later), or None."""
+        from mooncake_ep_switch.eplb.replicas import place_redundant_experts
+
+        config = self.config
+        if (self.layout != LAYOUT_EP or step <= self.rebalance_until or self.ep_steps_recorded < config.rebalance_after
+                or step + 3 >= len(self.trace) or self.trace[step + 3] < config.switch_threshold):
+            return None
+        target = place_redundant_experts(self.loads, config.num_ranks, config.redundant_per_rank,
+                                         previous=self.phy2log).numpy()
+        self.loads[:] = 0
+        self.ep_steps_recorded = 0
+        if np.array_equal(target, self.phy2log):
+            return None
+        commit = step + 2
+        self.rebalance_until = commit + int(np.any(target != self.phy2log, axis=1).sum()) - 1
+        return {"phy2log": target.tolist(), "commit_step": commit}
+
+
 def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
-    """Run the demo and return its metrics (also written to `config.out_dir/metrics.json`)."""
+    """Run the demo and return its metrics (also written to `config.out_dir/metrics.json`).
+
+    Arguments:
+        config: a `DemoConfig`.
+        stream: where the progress line and the summary go.
+
+    Returns:
+        metrics: dict with "steps" (per step: requests, layout, seconds, balancedness, calc_diff),
+            "events" (switches, rebalances, the kill and the rejoin), "phases", "recovery",
+            "correct" and "wall_seconds".
+    """
     torch.set_num_threads(1)
     started = time.perf_counter()
-    print(f"mooncake_ep_switch demo: {config.num_ranks} CPU ranks, {config.layers} MoE layers x "
-          f"{config.experts} experts (top-{config.top_k}, hidden {config.hidden}), {config.steps} decode steps",
-          file=stream)
-    steps, recovery = [], None
+    if config.low_requests % config.num_ranks or config.burst_requests % config.num_ranks:
+        raise ValueError(f"low_requests/burst_requests: expected multiples of num_ranks={config.num_ranks}, got "
+                         f"{config.low_requests}/{config.burst_requests}")
+    control = _Controller(config)
+    if config.kill_step >= 0 and control.trace[config.kill_step] < config.switch_threshold:
+        raise ValueError(f"kill_step: expected a step inside the burst (EP layout), got {config.kill_step}")
+    print(f"mooncake_ep_switch demo: {config.num_ranks} CPU ranks, {config.layers} MoE layers x {config.experts} "
+          f"experts (top-{config.top_k}, hidden {config.hidden}), {config.steps} decode steps, "
+          f"{config.low_requests} -> {config.burst_requests} -> {config.low_requests} requests", file=stream)
+    steps, events, recovery, switches, rebalances = [], [], None, [], []
     with LocalCluster(config.num_ranks) as cluster:
         transport = check_outcomes(cluster.run(rank_setup, config, timeout_s=120))[0]
-        failed_at = None
         for step in range(config.steps):
-            step_started = time.perf_counter()
-            outcomes = cluster.run(rank_step, step, timeout_s=120, failure_grace_s=60)
+            requests = control.trace[step]
+            decision = control.policy.observe(step, requests)
+            if decision.target is not None:
+                if step <= control.rebalance_until:  # never move the weights under a rebalance in flight
+                    control.policy.set_layout(control.layout)
+                else:
+                    reports = check_outcomes(cluster.run(rank_switch, decision.target, timeout_s=120))
+                    if reports[0]["outcome"] != "completed":
+                        raise RuntimeError(f"switch to {decision.target} at step {step}: {reports[0]}")
+                    control.layout = decision.target
+                    ms = max(r["total_ms"] for r in reports)
+                    moved = sum(r["weight_bytes"] for r in reports)
+                    switches.append({"step": step, "target": decision.target, "ms": ms, "weight_bytes": moved})
+                    events.append({"step": step, "kind": "switch", "label": f"-> {decision.target.upper()} {ms:.0f} ms"})
+            command = {"requests": requests, "rebalance": control.plan(step) if transport == "shm" else None}
+            outcomes = cluster.run(rank_step, step, command, timeout_s=120, failure_grace_s=60)
             if step == config.kill_step:
-                failed_at = step_started
+                events.append({"step": step, "kind": "kill", "label": f"rank {config.kill_rank} SIGKILL"})
                 values = check_outcomes([o for o in outcomes if o.rank != config.kill_rank])
             else:
                 values = check_outcomes(outcomes)
+            for outcome, value in zip([o for o in outcomes if o.ok], values):
+                value["rank"] = outcome.rank
+            for report in values[0]["reports"]:
+                moved = sum(r["moved_bytes"] for v in values for rr in [v["reports"]] for r in rr
+                            if r["epoch"] == report["epoch"])
+                rebalances.append({"step": step, "epoch": report["epoch"], "layers": report["layers"],
+                                   "outcome": report["outcome"], "moved_bytes": moved,
+                                   "stall_ms": max(r["stall_ms"] for v in values for r in v["reports"]
+                                                   if r["epoch"] == report["epoch"])})
+                events.append({"step": step, "kind": "rebalance",
+                               "label": f"EPLB {report['outcome']} L{report['layers']} {moved / 2**20:.1f} MiB"})
+            if values[0]["phy2log"] is not None:
+                control.phy2log = np.asarray(values[0]["phy2log"])
+            layout = values[0]["layout"]
+            balanced = None
+            if layout == LAYOUT_EP and values[0]["counts"] is not None:
+                balanced = _balancedness([v["counts"] for v in values], config.layers)
+                if len(values) == config.num_ranks:
+                    control.record(values)
             step_seconds = max(v["seconds"] for v in values)
             worst = max(v["diff"] for v in values)
-            tokens = sum(v["tokens"] for v in values)
             dead = sorted({r for v in values for r in v["dead"]})
-            steps.append({"step": step, "seconds": step_seconds, "max_calc_diff": worst, "tokens": tokens,
+            steps.append({"step": step, "requests": requests, "layout": layout, "seconds": step_seconds,
+                          "tokens": requests, "balancedness": balanced, "max_calc_diff": worst,
                           "dead_ranks": dead, "ranks_serving": len(values)})
             if recovery is not None and "first_full_step" not in recovery and not dead and len(values) == config.num_ranks:
                 recovery["first_full_step"] = step
-                recovery["interruption_seconds"] = time.perf_counter() - failed_at
+                recovery["interruption_seconds"] = time.perf_counter() - recovery.pop("_failed_at")
             if step == config.kill_step:
-                # Replace the dead rank while the survivors have served this step without it.
+                failed_at = time.perf_counter() - step_seconds
                 replace_started = time.perf_counter()
                 cluster.respawn(config.kill_rank)
+                sync = check_outcomes(cluster.run(rank_sync_state, ranks=[0], timeout_s=60))[0]
                 check_outcomes(cluster.run(rank_setup, config, ranks=[config.kill_rank], timeout_s=120))
-                views = check_outcomes(cluster.run(rank_readmit, config.kill_rank, timeout_s=120))
+                views = check_outcomes(cluster.run(rank_readmit, config.kill_rank, sync, timeout_s=120))
                 recovery = {"rank": config.kill_rank, "killed_at_step": step, "survivors_saw_dead": dead,
-                            "replace_seconds": time.perf_counter() - replace_started, "view": views[0]}
+                            "replace_seconds": time.perf_counter() - replace_started, "view": views[0],
+                            "_failed_at": failed_at}
+                events.append({"step": step, "kind": "rejoin",
+                               "label": f"rank {config.kill_rank} rejoined {recovery['replace_seconds']:.1f} s"})
             if stream.isatty():
-                print(f"\r  step {step + 1}/{config.steps}  {tokens / step_seconds:8.0f} tok/s  "
-                      f"calc_diff {worst:.2e}  ranks {len(values)}", end="", file=stream, flush=True)
+                print(f"\r  step {step + 1}/{config.steps}  {layout.upper()}  {requests:4d} req  "
+                      f"{requests / step_seconds:8.0f} tok/s  calc_diff {worst:.1e}  ranks {len(values)}   ",
+                      end="", file=stream, flush=True)
         if stream.isatty():
             print(file=stream)
         check_outcomes(cluster.run(rank_teardown, timeout_s=60))
+    if recovery is not None:
+        recovery.pop("_failed_at", None)
     worst = max(s["max_calc_diff"] for s in steps)
-    total_tokens = sum(s["tokens"] for s in steps)
-    healthy = [s for s in steps if not s["dead_ranks"] and s["ranks_serving"] == config.num_ranks]
-    step_time = sum(s["seconds"] for s in healthy) or float("nan")
-    healthy_tokens = sum(s["tokens"] for s in healthy)
-    metrics = {
-        "config": config._asdict(), "transport": transport, "steps": steps,
-        "tokens_per_second": healthy_tokens / step_time, "max_calc_diff": worst,
-        "correct": worst < CHECK_LIMIT, "wall_seconds": time.perf_counter() - started,
-        "recovery": recovery,
-    }
+    metrics = {"config": config._asdict(), "transport": transport, "steps": steps, "events": events,
+               "switches": switches, "rebalances": rebalances, "recovery": recovery, "max_calc_diff": worst,
+               "correct": worst < CHECK_LIMIT, "phases": _phases(steps, config)}
+    metrics["wall_seconds"] = time.perf_counter() - started
     os.makedirs(config.out_dir, exist_ok=True)
     with open(os.path.join(config.out_dir, "metrics.json"), "w", encoding="utf-8") as handle:
         json.dump(metrics, handle, indent=2)
+    metrics["timeline"] = _plot(metrics, config, stream)
+    _summary(metrics, config, stream)
+    return metrics
+
+
+def _phases(steps, config: DemoConfig):
+    """Tokens/s per (layout, load) phase over steps with every rank serving."""
+    phases = []
+    for step in steps:
+        key = (step["layout"], step["requests"])
+        if not phases or phases[-1]["key"] != key:
+            phases.append({"key": key, "layout": step["layout"], "requests": step["requests"], "first": step["step"],
+                           "steps": 0, "seconds": 0.0, "tokens": 0, "balancedness": []})
+        phase = phases[-1]
+        phase["last"] = step["step"]
+        if step["ranks_serving"] == config.num_ranks and not step["dead_ranks"]:
+            phase["steps"] += 1
+            phase["seconds"] += step["seconds"]
+            phase["tokens"] += step["tokens"]
+            if step["balancedness"] is not None:
+                phase["balancedness"].append(step["balancedness"])
+    for phase in phases:
+        phase.pop("key")
+        phase["tokens_per_second"] = phase["tokens"] / phase["seconds"] if phase["seconds"] else float("nan")
+        phase["mean_step_ms"] = 1e3 * phase["seconds"] / phase["steps"] if phase["steps"] else float("nan")
+        values = phase.pop("balancedness")
+        phase["mean_balancedness"] = float(np.mean(values)) if values else None
+    return phases
+
+
+def _balance_around_rebalance(metrics):
+    """Mean EP balancedness (full steps) before the first committed rebalance and after it."""
+    commits = [r["step"] for r in metrics["rebalances"] if r["outcome"] == "committed"]
+    full = [s for s in metrics["steps"] if s["balancedness"] is not None and not s["dead_ranks"]]
+    if not commits:
+        return None, None
+    before = [s["balancedness"] for s in full if s["step"] < commits[0]]
+    after = [s["balancedness"] for s in full if s["step"] > commits[0]]
+    return (float(np.mean(before)) if before else None), (float(np.mean(after)) if after else None)
+
+
+def _plot(metrics, config: DemoConfig, stream):
+    try:
+        from mooncake_ep_switch.timeline import plot_demo_timeline
+    except ImportError as error:  # matplotlib is the optional extra `plot`
+        print(f"  (no timeline PNG: {error})", file=stream)
+        return None
+    return plot_demo_timeline(metrics, os.path.join(config.out_dir, "timeline.png"))
+
+
+def _summary(metrics, config: DemoConfig, stream) -> None:
     print("", file=stream)
-    print(f"  transport            {transport}", file=stream)
-    print(f"  decode steps         {len(steps)} ({total_tokens} tokens, {config.layers} layers each)", file=stream)
-    print(f"  EP tokens/s          {metrics['tokens_per_second']:.0f} (steps with every rank serving)", file=stream)
-    print(f"  mean step latency    {1e3 * step_time / max(1, len(healthy)):.2f} ms over {len(healthy)} full steps",
-          file=stream)
+    print(f"  transport            {metrics['transport']}", file=stream)
+    print("  phase                steps  requests  layout  tokens/s  step ms  balancedness", file=stream)
+    for phase in metrics["phases"]:
+        bal = f"{phase['mean_balancedness']:.3f}" if phase["mean_balancedness"] is not None else "-"
+        print(f"    {phase['first']:3d}-{phase['last']:<3d}            {phase['steps']:5d}  {phase['requests']:8d}  "
+              f"{phase['layout'].upper():6s}  {phase['tokens_per_second']:8.0f}  {phase['mean_step_ms']:7.2f}  {bal}",
+              file=stream)
+    for switch in metrics["switches"]:
+        print(f"  switch               step {switch['step']}: -> {switch['target'].upper()} in {switch['ms']:.0f} ms, "
+              f"{switch['weight_bytes'] / 2**20:.1f} MiB of weights moved", file=stream)
+    before, after = _balance_around_rebalance(metrics)
+    if before is not None and after is not None:
+        print(f"  EP balancedness      {before:.3f} before the first EPLB commit -> {after:.3f} after (mean rank load / "
+              "max rank load, per step)", file=stream)
+    for rebalance in metrics["rebalances"]:
+        print(f"  EPLB rebalance       step {rebalance['step']}: epoch {rebalance['epoch']} layers {rebalance['layers']} "
+              f"{rebalance['outcome']}, {rebalance['moved_bytes'] / 2**20:.2f} MiB moved, commit stall "
+              f"{rebalance['stall_ms']:.1f} ms", file=stream)
+    recovery = metrics["recovery"]
     if recovery is not None:
         print(f"  failure              rank {recovery['rank']} SIGKILLed at step {recovery['killed_at_step']}; "
               f"survivors served it without rank(s) {recovery['survivors_saw_dead']}", file=stream)
@@ -195,8 +553,11 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
               f"{recovery['replace_seconds']:.2f} s; interruption (failure -> first full step "
               f"{recovery.get('first_full_step')}) {recovery.get('interruption_seconds', float('nan')):.2f} s",
               file=stream)
-    print(f"  correctness          max calc_diff {worst:.2e} vs single-process reference "
+    print("  note                 the switch threshold is a setting here: on this CPU the EP step is faster at every "
+          "load; the TP/EP crossover is a GPU effect (see `mooncake-ep simulate`)", file=stream)
+    print(f"  correctness          max calc_diff {metrics['max_calc_diff']:.2e} vs single-process reference "
           f"(limit {CHECK_LIMIT:.0e}): {'PASS' if metrics['correct'] else 'FAIL'}", file=stream)
     print(f"  metrics              {os.path.join(config.out_dir, 'metrics.json')}", file=stream)
+    if metrics.get("timeline"):
+        print(f"  timeline             {metrics['timeline']}", file=stream)
     print(f"  wall time            {metrics['wall_seconds']:.1f} s", file=stream)
-    return metrics

@@ -4,29 +4,43 @@ import subprocess
 import sys
 
 
-def test_demo_short_run(tmp_path):
-    out = tmp_path / "demo"
-    result = subprocess.run([sys.executable, "-m", "mooncake_ep_switch", "demo", "--steps", "5", "--kill-step", "2",
-                             "--out", str(out)], capture_output=True, text=True, timeout=180)
+def _run(out, *args):
+    result = subprocess.run([sys.executable, "-m", "mooncake_ep_switch", "demo", "--out", str(out), *args],
+                            capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS" in result.stdout
-    metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["correct"] and len(metrics["steps"]) == 5
-    # Rank 2 was SIGKILLed at step 2: survivors served it without rank 2, a replacement joined, and
-    # every later step was whole again.
-    recovery = metrics["recovery"]
-    assert recovery["killed_at_step"] == 2 and recovery["survivors_saw_dead"] == [2]
-    assert recovery["view"] == [0, 1, 2, 3] and recovery["first_full_step"] == 3
-    assert 0 < recovery["interruption_seconds"] < 60
-    assert [s["ranks_serving"] for s in metrics["steps"]] == [4, 4, 3, 4, 4]
+    return json.loads((out / "metrics.json").read_text()), result.stdout
+
+
+def test_demo_short_run(tmp_path):
+    out = tmp_path / "demo"
+    metrics, stdout = _run(out, "--steps", "24")
+    assert metrics["correct"] and metrics["max_calc_diff"] < 1e-4 and len(metrics["steps"]) == 24
     assert metrics["transport"] == "shm"  # one host, a region: auto picks shared memory
-    assert metrics["max_calc_diff"] < 1e-4
+    layouts = [s["layout"] for s in metrics["steps"]]
+    requests = [s["requests"] for s in metrics["steps"]]
+    # The policy follows the burst: TP at low load, EP during the burst, TP again after it.
+    assert layouts[0] == "tp" and layouts[-1] == "tp" and "ep" in layouts
+    assert [s["target"] for s in metrics["switches"]] == ["ep", "tp"]
+    assert all(requests[s["step"]] >= 64 for s in metrics["steps"] if s["layout"] == "ep" and s["step"] <= 15)
+    # EPLB rebalanced online during the burst (every chunk committed, weights moved) without a failed check.
+    committed = [r for r in metrics["rebalances"] if r["outcome"] == "committed"]
+    assert committed and all(r["moved_bytes"] > 0 for r in committed)
+    # Rank 2 was SIGKILLed in the burst: survivors served that step without it, a replacement joined,
+    # and the next step was whole again.
+    recovery = metrics["recovery"]
+    kill = recovery["killed_at_step"]
+    assert layouts[kill] == "ep" and recovery["survivors_saw_dead"] == [2]
+    assert recovery["view"] == [0, 1, 2, 3] and recovery["first_full_step"] == kill + 1
+    assert 0 < recovery["interruption_seconds"] < 60
+    assert [s["ranks_serving"] for s in metrics["steps"]][kill - 1:kill + 2] == [4, 3, 4]
+    kinds = {e["kind"] for e in metrics["events"]}
+    assert kinds == {"switch", "rebalance", "kill", "rejoin"}
+    assert (out / "timeline.png").stat().st_size > 10_000
 
 
 def test_demo_collective_transport(tmp_path):
     out = tmp_path / "demo"
-    result = subprocess.run([sys.executable, "-m", "mooncake_ep_switch", "demo", "--steps", "2", "--transport",
-                             "collective", "--ranks", "2", "--kill-step", "-1", "--out", str(out)],
-                            capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert json.loads((out / "metrics.json").read_text())["transport"] == "collective"
+    metrics, _ = _run(out, "--steps", "8", "--transport", "collective", "--ranks", "2", "--kill-step", "-1")
+    assert metrics["transport"] == "collective" and metrics["correct"]
+    assert {s["layout"] for s in metrics["steps"]} == {"tp", "ep"}
