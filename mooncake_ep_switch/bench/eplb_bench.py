@@ -13,6 +13,11 @@ re-permuted) -- ours given `previous_phy2log`, the greedy recomputing from scrat
 notion of a previous placement); moved copies count slots whose logical expert changed against
 each algorithm's own previous placement.
 
+Fixed-primaries rows (`place_redundant_experts`: logical expert e's primary stays on GPU
+e // (E / GPUs), only the redundant slots are chosen): 58 x 256 with 1 redundant slot per GPU on
+32 and 64 GPUs, against the greedy with the same slot count (free to move every copy) and the
+plain layout without replicas; a drift row (noise) rebalances from the previous result.
+
 Every number is a ratio or a percentage measured in this run; times are the best of a few runs.
 """
 import argparse
@@ -29,6 +34,7 @@ from mooncake_ep_switch.eplb import (
     moved_copies,
     rebalance_experts,
 )
+from mooncake_ep_switch.eplb.replicas import place_redundant_experts
 
 SEED = 20240607
 TOKENS = 65536
@@ -42,6 +48,11 @@ CONFIGS = [
     ("48x128 +16, 8 GPUs", 48, 128, 144, 8, 1, 8, False),
 ]
 DRIFT_CONFIGS = CONFIGS[:3]
+# name, layers, experts, gpus, redundant per GPU (fixed primaries)
+REPLICA_CONFIGS = [
+    ("58x256 +1/GPU, 32 GPUs fixed", 58, 256, 32, 1),
+    ("58x256 +1/GPU, 64 GPUs fixed", 58, 256, 64, 1),
+]
 
 
 def distribution(kind: str, layers: int, experts: int, rng) -> np.ndarray:
@@ -143,13 +154,54 @@ def run(quick: bool = False) -> list:
                 moved_greedy=moved_copies(greedy_before, greedy) / total,
                 t_ours=t_ours, t_greedy=t_greedy,
             ))
+    rows += replica_rows(rng, repeats, quick)
+    return rows
+
+
+def replica_rows(rng, repeats: int, quick: bool) -> list:
+    """Fixed-primaries rows: `place_redundant_experts` against the greedy with the same slots."""
+    rows = []
+    for name, layers, experts, gpus, redundant in REPLICA_CONFIGS:
+        layers = min(layers, 8) if quick else layers
+        slots = experts + gpus * redundant
+        plain = np.tile(np.arange(experts), (layers, 1))
+        for kind in ("zipf1.0", "zipf0.5", "hot30"):
+            probs = distribution(kind, layers, experts, rng)
+            weight = sample(probs, rng)
+            ours, t_ours = timed(lambda: place_redundant_experts(weight, gpus, redundant), repeats)
+            greedy, t_greedy = timed(lambda: greedy_rebalance_experts(weight, slots, 1, 1, gpus), repeats)
+            rows.append(dict(
+                config=name, workload=f"fixed:{kind}", layers=layers,
+                bal_ours=float(layer_balancedness(weight, ours, gpus).mean()),
+                bal_greedy=float(layer_balancedness(weight, greedy.phy2log, gpus).mean()),
+                bal_plain=float(layer_balancedness(weight, plain, gpus).mean()),
+                t_ours=t_ours, t_greedy=t_greedy,
+            ))
+            if kind != "zipf1.0":
+                continue
+            after = drifted("noise", probs, weight, rng)
+            moved, t_ours = timed(lambda: place_redundant_experts(after, gpus, redundant, previous=ours), repeats)
+            greedy_after, t_greedy = timed(lambda: greedy_rebalance_experts(after, slots, 1, 1, gpus), repeats)
+            fresh = layer_balancedness(after, place_redundant_experts(after, gpus, redundant), gpus)
+            kept = layer_balancedness(after, moved, gpus)
+            rows.append(dict(
+                config=name, workload="fixed:drift:noise", layers=layers,
+                bal_ours=float(kept.mean()),
+                bal_greedy=float(layer_balancedness(after, greedy_after.phy2log, gpus).mean()),
+                bal_plain=float(layer_balancedness(after, plain, gpus).mean()),
+                bal_fresh=float(fresh.mean()), worst_drop=float((fresh - kept).max()),
+                moved_ours=moved_copies(ours, moved) / (layers * slots),
+                moved_greedy=moved_copies(greedy.phy2log, greedy_after.phy2log) / (layers * slots),
+                t_ours=t_ours, t_greedy=t_greedy,
+            ))
     return rows
 
 
 def targets(rows: list) -> list:
     """(target, met, detail) for each target of the benchmark."""
-    fresh = [r for r in rows if not r["workload"].startswith("drift")]
+    fresh = [r for r in rows if not r["workload"].startswith(("drift", "fixed"))]
     drift = [r for r in rows if r["workload"].startswith("drift")]
+    fixed = [r for r in rows if r["workload"].startswith("fixed")]
     checks = []
     worst = min(fresh, key=lambda r: r["bal_ours"] - r["bal_greedy"])
     checks.append(("balancedness >= greedy on every workload (fresh placements)", all(r["bal_ours"] >= r["bal_greedy"] - 1e-12 for r in fresh),
@@ -171,6 +223,10 @@ def targets(rows: list) -> list:
                    f"worst ratio {max(r['t_ours'] / r['t_greedy'] for r in fresh):.2f}"))
     checks.append(("runtime <= greedy's (movement-aware rebalances)", all(r["t_ours"] <= r["t_greedy"] for r in drift),
                    f"worst ratio {max(r['t_ours'] / r['t_greedy'] for r in drift):.2f}" if drift else "-"))
+    if fixed:
+        worst = min(fixed, key=lambda r: r["bal_ours"] - r["bal_plain"])
+        checks.append(("fixed primaries: balancedness >= the layout without replicas", all(r["bal_ours"] >= r["bal_plain"] for r in fixed),
+                       f"smallest margin {worst['bal_ours'] - worst['bal_plain']:+.4f} ({worst['config']}, {worst['workload']})"))
     big = [r for r in fresh if "8x8" in r["config"]]
     checks.append(("58x256 on 64 GPUs < 0.1 s", all(r["t_ours"] < 0.1 for r in big) and all(r["layers"] == 58 for r in big),
                    ", ".join(f"{r['t_ours'] * 1e3:.0f} ms" for r in big) + ("" if all(r["layers"] == 58 for r in big) else " (quick: fewer layers)")))

@@ -8,6 +8,7 @@ from mooncake_ep_switch.eplb.serving import physical_ep_forward
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 from mooncake_ep_switch.eplb.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
 from mooncake_ep_switch.eplb.placement import rebalance_experts
+from mooncake_ep_switch.eplb.replicas import place_redundant_experts
 from mooncake_ep_switch.eplb.recorder import ExpertLoadRecorder, LoadBalance, counts_from_topk
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "logical_to_physical",
     "moved_copies",
     "physical_ep_forward",
+    "place_redundant_experts",
     "placement_from_phy2log",
     "rebalance_experts",
     "spread_to_physical",

@@ -293,6 +293,31 @@ def _hierarchical(weight: np.ndarray, topo: Topology, group_node: Optional[np.nd
     return packed
 
 
+def lpt_balance(weight: np.ndarray, counts: np.ndarray, topo: Topology) -> np.ndarray:
+    """Global mode: balancedness after the LPT construction alone, a lower bound on `fresh_placement`'s.
+
+    The swap refinement that follows LPT never raises the heaviest GPU, so a fresh placement is at
+    least this balanced; rows where LPT had to break the one-copy-per-GPU rule (repaired later by
+    swaps that may raise it) get 0.
+
+    Arguments:
+        weight: `[L, E]` float64.
+        counts: `[L, E]` int64, `replica_counts(weight, num_replicas, num_gpus)`.
+        topo: the problem's shape (global mode).
+
+    Returns:
+        balance: `[L]` float64.
+    """
+    keys, sizes = sorted_items(weight / counts, counts)
+    bins, flagged = lpt_assign(sizes, keys, topo.num_gpus, topo.slots_per_gpu)
+    loads = np.zeros((weight.shape[0], topo.num_gpus))
+    np.add.at(loads, (np.broadcast_to(np.arange(weight.shape[0])[:, None], bins.shape), bins), sizes)
+    peak = loads.max(axis=1)
+    mean = loads.mean(axis=1)
+    balance = np.where(peak > 0, mean / np.where(peak > 0, peak, 1.0), 1.0)
+    return np.where(flagged, 0.0, balance)
+
+
 def fresh_placement(weight: np.ndarray, topo: Topology, group_node: Optional[np.ndarray] = None) -> Packed:
     """Place every layer from scratch.
 

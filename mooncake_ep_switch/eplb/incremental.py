@@ -8,34 +8,51 @@ layer, with `b_fresh` the balancedness of a fresh placement for the new load and
    two copies sharing a GPU, and (hierarchical) put a copy of every expert on its group's node;
 1. if the layer's balancedness is already >= target, keep it as it is (moves nothing). A cheap
    upper bound on `b_fresh` (perfect balance, or the smallest possible largest copy) settles
-   most unchanged layers without computing a fresh placement at all;
-2. transfers (one copy each): while some expert's copy load exceeds the fresh placement's
-   largest copy load, overwrite a spare copy of another expert with a copy of it, choosing the
-   slot that lowers the sum of squared GPU loads most;
-3. improve (`local_search.improve`): lower the heaviest GPU until it meets the target, each step taking the
-   move with the best drop per moved copy among a swap (two copies), parking a spare copy on a
-   cold expert (one copy) and splitting one of its experts onto a light GPU (one copy);
-4. if that misses the target, or moves more than the fallback would, take the fresh placement
-   with its GPUs matched to the previous ones and slots kept where the expert stays (in
-   hierarchical mode also a fresh placement that keeps the previous groups on their nodes,
-   when that is within the tolerance and moves fewer copies).
+   most unchanged layers without computing a fresh placement at all. In global mode a fresh
+   placement nearly always reaches that bound, so the search aims at the bound and fresh
+   placements are computed only for layers that miss it; hierarchical mode computes them first;
+2. transfers (one copy each): while some expert's copy load exceeds `ITEM_SHARE` of the mean
+   GPU load (or the fresh placement's largest copy, if larger), overwrite a spare copy of
+   another expert with a copy of it, choosing the slot that lowers the sum of squared GPU loads
+   most; hierarchical mode then relieves overloaded nodes the same way (`relieve_nodes`: the
+   pinned primaries cannot leave their node, extra copies elsewhere can take their load);
+3. improve (`local_search.improve`): lower every GPU above the target, up to `PARALLEL` per
+   layer and step, by swaps, parks and splits ranked by drop per moved copy, a slot that has
+   already changed costing nothing more (the copies placed by transfers get rearranged for
+   free). Hierarchical layers that miss get up to `RETRIES` more rounds of node relief and search;
+4. a layer still above the target (or past `MAX_SHARE` of its slots moved) gets one more search
+   from the deployed table with smaller copies and more node headroom (`RESCUE_*`); if that misses
+   too, it takes the fresh placement with its GPUs matched to the previous ones and slots kept
+   where the expert stays (in hierarchical mode also a fresh placement that keeps the previous
+   groups on their nodes, when that is within the tolerance and moves fewer copies).
 
 Hierarchical mode keeps the previous assignment of groups to nodes (groups matched to nodes that
 hold all their experts), so primaries do not move between nodes except in the fallback.
 """
+from typing import Optional
+
 import numpy as np
 
 from mooncake_ep_switch.eplb.alignment import align_to_previous
-from mooncake_ep_switch.eplb.construct import Topology, fresh_placement
+from mooncake_ep_switch.eplb.construct import Topology, fresh_placement, lpt_balance
 from mooncake_ep_switch.eplb.layout import expert_counts
-from mooncake_ep_switch.eplb.local_search import improve, split_large_copies
+from mooncake_ep_switch.eplb.local_search import improve, relieve_nodes, split_large_copies
 from mooncake_ep_switch.eplb.metrics import balance_of_loads
 from mooncake_ep_switch.eplb.previous import infer_group_nodes, pinned_flags, repair_previous
 from mooncake_ep_switch.eplb.replication import replica_counts
 
+NODE_MARGIN = 0.995  # node relief aims each node at this share of its GPUs' target load
+RETRIES = 3  # hierarchical: more rounds of node relief (0.5 % lower each) and search for layers that miss
+MAX_SHARE = 0.45  # the search gives up on a layer after moving this share of its slots
+ITEM_SHARE = 0.75  # moves may grow a copy up to this share of the mean GPU load
+PARALLEL = 4  # heavy GPUs per layer the local search works on at once
+RESCUE = True  # layers that miss get a second search from the deployed table, with:
+RESCUE_SHARE = 0.6  # smaller copies (item share) and
+RESCUE_MARGIN = 0.98  # more node headroom
+
 
 def movement_aware_placement(
-    weight: np.ndarray, topo: Topology, previous: np.ndarray, tolerance: float, item_share: float = 0.6
+    weight: np.ndarray, topo: Topology, previous: np.ndarray, tolerance: float, item_share: Optional[float] = None
 ) -> np.ndarray:
     """Rebalance from a previous placement, moving few copies (see the module docstring).
 
@@ -45,11 +62,12 @@ def movement_aware_placement(
         previous: `[L, R]` int64, the deployed slot table (validated shape and range).
         tolerance: absolute balancedness the result may lose against a fresh placement, per layer.
         item_share: moves may grow a copy's load up to this fraction of the mean GPU load (or
-            the fresh placement's largest copy, if larger).
+            the fresh placement's largest copy, if larger); None for `ITEM_SHARE`.
 
     Returns:
         phy2log: `[L, R]` int64, the new slot table.
     """
+    item_share = ITEM_SHARE if item_share is None else item_share
     num_layers = weight.shape[0]
     slots = topo.slots_per_gpu
     slot_node = topo.gpu_node()[np.arange(topo.num_replicas) // slots]
@@ -68,50 +86,108 @@ def movement_aware_placement(
         per_slot = np.take_along_axis(weight / np.maximum(cnt, 1), table, axis=1)
         return per_slot.reshape(num_layers, topo.num_gpus, slots).sum(axis=2).max(axis=1)
 
+    def limit_of(balance, rows):  # [n] the heaviest GPU load allowed for a target balancedness
+        target = balance - tolerance
+        return np.where(target > 0, mean_load[rows] / np.maximum(target, 1e-300), np.inf)
+
     # A fresh placement can do no better than the largest copy allows (or perfect balance); layers
     # already within the tolerance of that bound need no fresh placement and keep everything.
     peak = peak_of(experts, counts)
-    best_case = np.maximum(mean_load, (weight / replica_counts(weight, topo.num_replicas, topo.num_gpus)).max(axis=1))
+    counts_fresh = replica_counts(weight, topo.num_replicas, topo.num_gpus)
+    largest_copy = (weight / counts_fresh).max(axis=1)
+    best_case = np.maximum(mean_load, largest_copy)
     prev_balance = np.where(peak > 0, mean_load / np.where(peak > 0, peak, 1.0), 1.0)
-    maybe = np.nonzero(prev_balance < np.where(best_case > 0, mean_load / np.where(best_case > 0, best_case, 1.0), 1.0) - tolerance)[0]
+    bound = np.where(best_case > 0, mean_load / np.where(best_case > 0, best_case, 1.0), 1.0)
+    maybe = np.nonzero(prev_balance < bound - tolerance)[0]
     if maybe.size == 0:
         return experts
-    fresh = fresh_placement(weight[maybe], topo)
-    target_balance = balance_of_loads(fresh.sizes.sum(axis=2)) - tolerance
-    limit = np.where(target_balance > 0, mean_load[maybe] / np.maximum(target_balance, 1e-300), np.inf)
     peak_limit = np.full(num_layers, np.inf)
-    peak_limit[maybe] = limit
-    fresh_limit = np.zeros(num_layers)
-    fresh_limit[maybe] = fresh.sizes.max(axis=(1, 2))
-    fresh_table = np.zeros_like(experts)
-    fresh_table[maybe] = fresh.experts.reshape(maybe.size, topo.num_replicas)
+    fresh_limit = np.zeros(num_layers)  # the fresh placement's largest copy
+    fresh_table = {}  # layer -> fresh slot table, computed only where needed
 
-    work = maybe[peak[maybe] > limit * (1 + 1e-12)]
+    def fresh_for(rows):  # compute fresh placements and their targets for these layers
+        fresh = fresh_placement(weight[rows], topo)
+        peak_limit[rows] = limit_of(balance_of_loads(fresh.sizes.sum(axis=2)), rows)
+        fresh_limit[rows] = fresh.sizes.max(axis=(1, 2))
+        fresh_table.update(zip(rows.tolist(), fresh.experts.reshape(rows.size, topo.num_replicas)))
+
+    if topo.hierarchical:
+        fresh_for(maybe)
+    else:
+        # Global mode: a fresh placement nearly always reaches the bound, so aim at the bound and
+        # compute fresh placements only for the layers that miss it, and for layers that might
+        # already be within the tolerance of one (the LPT construction bounds it from below).
+        peak_limit[maybe] = limit_of(bound[maybe], maybe)
+        fresh_limit[maybe] = largest_copy[maybe]
+        unsure = maybe[prev_balance[maybe] >= lpt_balance(weight[maybe], counts_fresh[maybe], topo) - tolerance]
+        if unsure.size:
+            fresh_for(unsure)
+    work = maybe[peak[maybe] > peak_limit[maybe] * (1 + 1e-12)]
     if work.size == 0:
         return experts
-    # The fallback, known up front: the fresh placement relabelled to overlap the previous one.
-    # The incremental search gives up on a layer once it has moved as many copies.
-    fallback = align_to_previous(fresh_table[work], repaired[work], topo)
-    budget = np.zeros(num_layers, dtype=np.int64)
-    budget[work] = (fallback != repaired[work]).sum(axis=1)
+    budget = np.full(num_layers, int(MAX_SHARE * topo.num_replicas))
     pinned = pinned_flags(experts, home, slot_node) if home is not None else np.zeros(experts.shape, dtype=bool)
-    split_large_copies(weight, experts, counts, pinned, topo, fresh_limit, work)
-    # Copies up to `item_share` of the mean GPU load still pack well; never demand less than fresh.
     item_limit = np.maximum(fresh_limit, item_share * mean_load)
-    improve(weight, experts, counts, pinned, topo, peak_limit * (1 + 1e-12), item_limit, work,
-             max_steps=topo.num_replicas, start=repaired, budget=budget)
+    _search(weight, experts, counts, pinned, topo, peak_limit, item_limit, work, repaired, budget)
 
-    moved = (experts[work] != repaired[work]).sum(axis=1)
-    failed = (peak_of(experts, counts)[work] > peak_limit[work] * (1 + 1e-9)) | (moved >= budget[work])
-    missed = work[failed]
-    if missed.size:
-        replacement = fallback[failed]
-        if group_node is not None:
-            # A fresh placement that keeps the previous groups on their nodes may do with fewer moves.
-            kept = fresh_placement(weight[missed], topo, group_node=group_node[missed])
-            kept_table = align_to_previous(kept.experts.reshape(-1, topo.num_replicas), repaired[missed], topo)
-            kept_ok = kept.sizes.sum(axis=2).max(axis=1) <= peak_limit[missed] * (1 + 1e-9)
-            kept_ok &= (kept_table != repaired[missed]).sum(axis=1) < (replacement != repaired[missed]).sum(axis=1)
-            replacement[kept_ok] = kept_table[kept_ok]
-        experts[missed] = replacement
+    def missed(rows):
+        moved = (experts[rows] != repaired[rows]).sum(axis=1)
+        return rows[(peak_of(experts, counts)[rows] > peak_limit[rows] * (1 + 1e-9)) | (moved > budget[rows])]
+
+    failed = missed(work)
+    if failed.size and not topo.hierarchical:
+        # The bound was out of reach: aim at the fresh placement instead, from where the search is.
+        fresh_for(failed)
+        item_limit[failed] = np.maximum(fresh_limit[failed], item_share * mean_load[failed])
+        _search(weight, experts, counts, pinned, topo, peak_limit, item_limit, failed, repaired, budget)
+        failed = missed(failed)
+    if failed.size and RESCUE:
+        # A second search from the deployed table with smaller copies and more node headroom
+        # takes another path; layers it brings within the target keep its result.
+        keep = experts[failed].copy(), counts[failed].copy(), pinned[failed].copy()
+        experts[failed], counts[failed] = repaired[failed], expert_counts(repaired[failed], topo.num_logical)
+        if home is not None:
+            pinned[failed] = pinned_flags(repaired[failed], home[failed], slot_node)
+        item_limit[failed] = np.maximum(fresh_limit[failed], RESCUE_SHARE * mean_load[failed])
+        _search(weight, experts, counts, pinned, topo, peak_limit, item_limit, failed, repaired, budget, RESCUE_MARGIN)
+        still = missed(failed)
+        back = np.isin(failed, still)
+        experts[failed[back]], counts[failed[back]], pinned[failed[back]] = (a[back] for a in keep)
+        failed = still
+    if failed.size == 0:
+        return experts
+    # Fallback: the fresh placement relabelled to overlap the previous one (in hierarchical mode
+    # also a fresh placement keeping the previous groups on their nodes, if within the target).
+    fresh_rows = np.array([r for r in failed.tolist() if r not in fresh_table], dtype=np.int64)
+    if fresh_rows.size:
+        fresh_for(fresh_rows)
+    replacement = align_to_previous(np.stack([fresh_table[r] for r in failed.tolist()]), repaired[failed], topo)
+    if group_node is not None:
+        kept = fresh_placement(weight[failed], topo, group_node=group_node[failed])
+        kept_table = align_to_previous(kept.experts.reshape(-1, topo.num_replicas), repaired[failed], topo)
+        kept_ok = kept.sizes.sum(axis=2).max(axis=1) <= peak_limit[failed] * (1 + 1e-9)
+        kept_ok &= (kept_table != repaired[failed]).sum(axis=1) < (replacement != repaired[failed]).sum(axis=1)
+        replacement[kept_ok] = kept_table[kept_ok]
+    experts[failed] = replacement
     return experts
+
+
+def _search(weight, experts, counts, pinned, topo: Topology, peak_limit, item_limit, rows, start, budget, margin=None) -> None:
+    """Transfers, node relief (hierarchical) and the local search, in place, for `rows`."""
+    split_large_copies(weight, experts, counts, pinned, topo, item_limit, rows)
+    node_limit = peak_limit * topo.gpus_per_node
+    margin = NODE_MARGIN if margin is None else margin
+    if topo.hierarchical:
+        relieve_nodes(weight, experts, counts, pinned, topo, node_limit * margin, item_limit, rows)
+    improve(weight, experts, counts, pinned, topo, peak_limit * (1 + 1e-12), item_limit, rows,
+            max_steps=topo.num_replicas, start=start, budget=budget, parallel=PARALLEL)
+    for attempt in range(RETRIES if topo.hierarchical else 0):
+        per_slot = np.take_along_axis(weight[rows] / counts[rows], experts[rows], axis=1)
+        peak = per_slot.reshape(rows.size, topo.num_gpus, -1).sum(axis=2).max(axis=1)
+        moved = (experts[rows] != start[rows]).sum(axis=1)
+        again = rows[(peak > peak_limit[rows] * (1 + 1e-9)) & (moved < budget[rows])]
+        if again.size == 0:
+            return
+        relieve_nodes(weight, experts, counts, pinned, topo, node_limit * (margin - 0.005 * (attempt + 1)), item_limit, again)
+        improve(weight, experts, counts, pinned, topo, peak_limit * (1 + 1e-12), item_limit, again,
+                max_steps=topo.num_replicas, start=start, budget=budget, parallel=PARALLEL)
