@@ -18,6 +18,16 @@ SPLIT_ITEMS = 3  # the largest copies of a heavy GPU that a split considers
 MIN_GAIN = 1e-6  # a move must lower the heaviest GPU by this fraction (per cost) to count
 
 
+def _move_copies(experts, counts, active, receiver, go, choice):
+    """Give slot `choice` of every row `active[go]` to its `receiver` expert; returns the rows moved."""
+    rows, slot = active[go], choice[go]
+    donor = experts[rows, slot]
+    experts[rows, slot] = receiver[go]
+    counts[rows, receiver[go]] += 1
+    counts[rows, donor] -= 1
+    return rows
+
+
 def split_large_copies(weight, experts, counts, pinned, topo: Topology, limit: np.ndarray, active: np.ndarray) -> None:
     """Split experts whose copy load exceeds `limit` by overwriting spare copies, in place.
 
@@ -60,12 +70,7 @@ def split_large_copies(weight, experts, counts, pinned, topo: Topology, limit: n
         go = need & usable[sub, choice]
         if not go.any():
             return
-        rows, slot = active[go], choice[go]
-        donor = experts[rows, slot]
-        experts[rows, slot] = receiver[go]
-        counts[rows, receiver[go]] += 1
-        counts[rows, donor] -= 1
-        active = rows
+        active = _move_copies(experts, counts, active, receiver, go, choice)
 
 
 def relieve_nodes(weight, experts, counts, pinned, topo: Topology, node_limit, item_limit, active: np.ndarray) -> None:
@@ -134,12 +139,7 @@ def relieve_nodes(weight, experts, counts, pinned, topo: Topology, node_limit, i
         go = need & ok_receiver & usable[sub, choice]
         if not go.any():
             return
-        rows, slot = active[go], choice[go]
-        donor = experts[rows, slot]
-        experts[rows, slot] = receiver[go]
-        counts[rows, receiver[go]] += 1
-        counts[rows, donor] -= 1
-        active = rows
+        active = _move_copies(experts, counts, active, receiver, go, choice)
 
 
 def improve(

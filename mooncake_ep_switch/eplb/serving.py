@@ -5,7 +5,7 @@ import torch
 
 from mooncake_ep_switch.eplb.maps import logical_to_physical
 from mooncake_ep_switch.eplb.slots import ExpertSlots
-from mooncake_ep_switch.switch.moe_block import expert_forward, route
+from mooncake_ep_switch.switch.moe_block import ep_round, route
 
 
 def physical_ep_forward(buffer, x: torch.Tensor, router: torch.Tensor, slots: ExpertSlots, layer: int, top_k: int,
@@ -31,13 +31,7 @@ def physical_ep_forward(buffer, x: torch.Tensor, router: torch.Tensor, slots: Ex
     """
     topk_idx, topk_weights = route(x, router, top_k)
     physical = logical_to_physical(topk_idx, dispatch_row)
-    recv, recv_count, handle, _, _ = buffer.dispatch(x, physical, active_ranks, tokens_per_rank, slots.num_slots,
-                                                     timeout_us, use_fp8=False)
-    y = buffer.get_next_combine_buffer(handle)
-    for local_slot in range(slots.shape.slots_per_rank):
-        count = int(recv_count[local_slot])
-        if count:
-            gate_up, down = slots.expert(layer, local_slot)
-            y[local_slot, :count] = expert_forward(recv[local_slot, :count], gate_up, down)
-    out, _, _ = buffer.combine(y, physical, topk_weights, active_ranks, timeout_us, handle, zero_copy=True)
+    out, recv_count = ep_round(buffer, x, physical, topk_weights, slots.num_slots, slots.shape.slots_per_rank,
+                               lambda local_slot: slots.expert(layer, local_slot), tokens_per_rank, active_ranks,
+                               timeout_us)
     return out, recv_count.clone()

@@ -235,15 +235,40 @@ def ep_forward_local(buffer, x: torch.Tensor, router: torch.Tensor, gate_up: tor
     Returns:
         out: `[N, H]` torch.bfloat16.
     """
-    num_experts = router.size(0)
-    local = gate_up.size(0)
     topk_idx, topk_weights = route(x, router, top_k)
+    out, _ = ep_round(buffer, x, topk_idx, topk_weights, router.size(0), gate_up.size(0),
+                      lambda l_idx: (gate_up[l_idx], down[l_idx]), tokens_per_rank, active_ranks, timeout_us)
+    return out
+
+
+def ep_round(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+             num_local: int, local_expert, tokens_per_rank: int, active_ranks: torch.Tensor,
+             timeout_us: int = 30_000_000):
+    """Dispatch, run every local expert on its packed rows (bf16), combine zero-copy.
+
+    Arguments:
+        buffer: a `Buffer` over the EP group.
+        x: `[N, H]` torch.bfloat16 local tokens.
+        topk_idx: `[N, K]` torch.int64 expert ids as dispatch sees them (logical or physical).
+        topk_weights: `[N, K]` torch.float32.
+        num_experts: experts dispatch addresses (`num_local` per rank).
+        num_local: experts on this rank.
+        local_expert: `local_expert(l) -> (gate_up [2I, H], down [H, I])` torch.bfloat16 of local expert `l`.
+        tokens_per_rank: `num_max_dispatch_tokens_per_rank`.
+        active_ranks: `[R]` torch.int32 caller-owned mask.
+        timeout_us: deadline of dispatch and combine.
+
+    Returns:
+        out: `[N, H]` torch.bfloat16.
+        recv_count: `[num_local]` torch.int32, rows each local expert received.
+    """
     recv, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, tokens_per_rank, num_experts,
                                                      timeout_us, use_fp8=False)
     y = buffer.get_next_combine_buffer(handle)
-    for l_idx in range(local):
+    for l_idx in range(num_local):
         count = int(recv_count[l_idx])
         if count:
-            y[l_idx, :count] = expert_forward(recv[l_idx, :count], gate_up[l_idx], down[l_idx])
+            gate_up, down = local_expert(l_idx)
+            y[l_idx, :count] = expert_forward(recv[l_idx, :count], gate_up, down)
     out, _, _ = buffer.combine(y, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy=True)
-    return out
+    return out, recv_count
