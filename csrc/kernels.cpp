@@ -535,6 +535,8 @@ int64_t coll_dispatch_unpack(const uint8_t* recv, int64_t recv_bytes, int64_t R,
             begin += count;
         }
         recv_count[l] = int32_t(begin);
+        // src_info past the received rows is 0 (outputs may be reused buffers, not fresh zeros).
+        std::memset(src_info + l * RT + begin, 0, size_t(RT - begin) * sizeof(int32_t));
         total += begin;
     }
     return total;

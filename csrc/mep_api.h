@@ -41,6 +41,21 @@ std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int6
                               int64_t timeout_us, uintptr_t topk_ptr, uintptr_t weights_ptr, int64_t num_tokens,
                               int64_t top_k, uintptr_t out_ptr);
 
+// dispatch_send(..., dest = -1, write_signals = true) then dispatch_recv(...), in one call.
+std::vector<int> dispatch_round(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
+                                int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t max_tokens,
+                                uintptr_t active_ptr, const std::vector<uintptr_t>& peer_half_bases, int64_t tag,
+                                bool use_fp8, uintptr_t local_half_base, int64_t timeout_us, uintptr_t recv_x_ptr,
+                                uintptr_t recv_scales_ptr, uintptr_t src_info_ptr, uintptr_t layout_range_ptr,
+                                uintptr_t recv_count_ptr);
+
+// combine_send(..., dest = -1, write_signals = true) then combine_recv(...), in one call.
+std::vector<int> combine_round(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t num_ranks, int64_t rank,
+                               int64_t max_tokens, uintptr_t src_info_ptr, uintptr_t layout_range_ptr,
+                               uintptr_t active_ptr, const std::vector<uintptr_t>& peer_half_bases, int64_t tag,
+                               uintptr_t local_half_base, int64_t timeout_us, uintptr_t topk_ptr,
+                               uintptr_t weights_ptr, int64_t num_tokens, int64_t top_k, uintptr_t out_ptr);
+
 // ---- packing kernels (kernels.cpp) ----
 void gather_rows(uintptr_t dst_ptr, int64_t dst_stride, uintptr_t src_ptr, int64_t src_stride, int64_t row_bytes,
                  uintptr_t index_ptr, int64_t n);
@@ -56,6 +71,10 @@ void combine_reduce(uintptr_t out_ptr, int64_t num_tokens, int64_t hidden, int64
 // ---- argument value checks (validate.cpp); empty string = valid ----
 std::string check_topk_values(uintptr_t topk_ptr, int64_t num_tokens, int64_t top_k, int64_t num_experts);
 std::string check_mask_values(uintptr_t mask_ptr, int64_t n);
+// Both of the above in one call (the hot path of dispatch/combine): "" when valid, else the full
+// message starting with the argument's name ("topk_idx: expected ..." or "active_ranks: expected ...").
+std::string check_call_values(uintptr_t topk_ptr, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                              uintptr_t mask_ptr, int64_t num_ranks);
 
 }  // namespace mep
 

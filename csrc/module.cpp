@@ -81,6 +81,9 @@ PYBIND11_MODULE(_native, m) {
           "Check int64 [num_tokens, top_k] expert ids: in [-1, num_experts), no expert twice in a row.");
     m.def("check_mask_values", &mep::check_mask_values, "mask_ptr"_a, "n"_a,
           "Check an int32 [n] rank mask holds only 0 and 1.");
+    m.def("check_call_values", &mep::check_call_values, "topk_ptr"_a, "num_tokens"_a, "top_k"_a, "num_experts"_a,
+          "mask_ptr"_a, "num_ranks"_a,
+          "check_topk_values then check_mask_values; \"\" when valid, else the message naming the argument.");
 
     m.def("dispatch_send", &mep::dispatch_send, release(), "x_ptr"_a, "num_tokens"_a, "hidden"_a, "topk_ptr"_a,
           "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "active_ptr"_a,
@@ -101,6 +104,19 @@ PYBIND11_MODULE(_native, m) {
           "timeout_us"_a, "topk_ptr"_a, "weights_ptr"_a, "num_tokens"_a, "top_k"_a, "out_ptr"_a,
           "Wait for the combine signal of every expert of every active owner, then reduce; returns the "
           "ranks newly marked inactive.");
+
+    m.def("dispatch_round", &mep::dispatch_round, release(), "x_ptr"_a, "num_tokens"_a, "hidden"_a, "topk_ptr"_a,
+          "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "active_ptr"_a,
+          "peer_half_bases"_a, "tag"_a, "use_fp8"_a, "local_half_base"_a, "timeout_us"_a, "recv_x_ptr"_a,
+          "recv_scales_ptr"_a, "src_info_ptr"_a, "layout_range_ptr"_a, "recv_count_ptr"_a,
+          "A synchronous dispatch: dispatch_send to every destination, then dispatch_recv; returns the ranks "
+          "newly marked inactive.");
+    m.def("combine_round", &mep::combine_round, release(), "x_ptr"_a, "hidden"_a, "num_experts"_a, "num_ranks"_a,
+          "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "src_info_ptr"_a, "layout_range_ptr"_a, "active_ptr"_a,
+          "peer_half_bases"_a, "tag"_a, "local_half_base"_a, "timeout_us"_a, "topk_ptr"_a, "weights_ptr"_a,
+          "num_tokens"_a, "top_k"_a, "out_ptr"_a,
+          "A synchronous combine: combine_send to every destination, then combine_recv; returns the ranks "
+          "newly marked inactive.");
 
     // ---- packing kernels ----
     m.def("gather_rows", &mep::gather_rows, release(), "dst_ptr"_a, "dst_stride"_a, "src_ptr"_a, "src_stride"_a,

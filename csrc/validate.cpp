@@ -42,4 +42,13 @@ std::string check_mask_values(uintptr_t mask_ptr, int64_t n) {
     return {};
 }
 
+std::string check_call_values(uintptr_t topk_ptr, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                              uintptr_t mask_ptr, int64_t num_ranks) {
+    std::string problem = check_topk_values(topk_ptr, num_tokens, top_k, num_experts);
+    if (!problem.empty()) return "topk_idx: expected " + problem;
+    problem = check_mask_values(mask_ptr, num_ranks);
+    if (!problem.empty()) return "active_ranks: expected " + problem;
+    return {};
+}
+
 }  // namespace mep

@@ -5,7 +5,8 @@ Rows:
   * shm vs collective vs single-core memcpy of the same logical bytes (R=2 T=128 H=7168 E=32 K=8);
   * shm vs collective speed (R=4 T=128 H=1024 E=32 K=8);
   * small-message round trip (dispatch + combine) at T=1 H=1024, R=2.
-Timing is the slowest rank's mean over the iterations; every ratio uses numbers from this run.
+Timing: per rank, the median over 5 barrier-separated batches of the batch's mean time per round; the
+slowest rank counts. Every ratio uses numbers from this run.
 """
 import argparse
 import sys

@@ -5,6 +5,7 @@ all-gather + all-reduce implementation of the same semantics (the design of Moon
 Logical bytes of a round = selections x hidden x 2 (dispatch) + the same again (combine), where
 selections = valid (token, expert) pairs over all ranks.
 """
+import statistics
 import time
 from typing import List, NamedTuple
 
@@ -31,20 +32,27 @@ def _inputs(rank, shape: TransportShape, seed=0):
     return x, topk, weights
 
 
-def _timed(ctx, body, iters: int, warmup: int) -> float:
+def _timed(ctx, body, iters: int, warmup: int, batches: int = 5) -> float:
+    """Seconds per iteration: the median over `batches` batches (each started by a barrier) of the
+    batch's mean. On a machine shared with other work, one batch that a burst of foreign load hits
+    moves a mean over all iterations; the median of batch means ignores it (and would show a
+    steady slowdown all the same)."""
     for _ in range(warmup):
         body()
+    per_batch = max(1, iters // batches)
+    means = []
+    for _ in range(batches):
+        dist.barrier(group=ctx.group)
+        start = time.perf_counter()
+        for _ in range(per_batch):
+            body()
+        means.append((time.perf_counter() - start) / per_batch)
     dist.barrier(group=ctx.group)
-    start = time.perf_counter()
-    for _ in range(iters):
-        body()
-    elapsed = (time.perf_counter() - start) / iters
-    dist.barrier(group=ctx.group)
-    return elapsed
+    return statistics.median(means)
 
 
 def rank_buffer_round(ctx, transport: str, shape: TransportShape, iters: int, warmup: int, use_fp8=False):
-    """Mean seconds of dispatch + combine (bf16 unless use_fp8) on this rank."""
+    """Seconds per dispatch + combine (bf16 unless use_fp8) on this rank (see `_timed`)."""
     from mooncake_ep_switch import Buffer
 
     x, topk, weights = _inputs(ctx.rank, shape)
@@ -66,7 +74,7 @@ def rank_buffer_round(ctx, transport: str, shape: TransportShape, iters: int, wa
 
 
 def rank_allgather_round(ctx, shape: TransportShape, iters: int, warmup: int):
-    """Mean seconds of the all-gather + all-reduce baseline round on this rank."""
+    """Seconds per all-gather + all-reduce baseline round on this rank (see `_timed`)."""
     from mooncake_ep_switch.bench.allgather_baseline import allgather_combine, allgather_dispatch
 
     x, topk, weights = _inputs(ctx.rank, shape)
@@ -100,7 +108,7 @@ def memcpy_seconds(num_bytes: int, repeats: int = 20) -> float:
 
 def measure(cluster: LocalCluster, transport: str, shape: TransportShape, iters: int, warmup: int = 3,
             use_fp8=False) -> dict:
-    """Run the buffer round on a cluster; the slowest rank's mean time counts."""
+    """Run the buffer round on a cluster; the slowest rank's time counts."""
     values = check_outcomes(cluster.run(rank_buffer_round, transport, shape, iters, warmup, use_fp8,
                                         timeout_s=600))
     return {"seconds": max(v["seconds"] for v in values), "selections": sum(v["selections"] for v in values),

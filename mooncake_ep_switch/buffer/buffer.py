@@ -13,8 +13,9 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import validation
-from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
+from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
 from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap
 from mooncake_ep_switch.buffer.layout import region_layout
 from mooncake_ep_switch.buffer.membership import JOINING, Membership, MembershipError, View, generation_prefix
@@ -22,6 +23,28 @@ from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
 
 TRANSPORTS = ("auto", "shm", "mooncake", "collective")
+_Tensor = torch.Tensor
+_BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
+
+
+class _CallSpec:
+    """A validated call shape of one Buffer (T, E, hidden, FP8), with what its calls derive from it.
+
+    Built once per shape after the full validation (capacity included) passed; the hot path of
+    dispatch() looks it up, and combine() trusts a handle whose plan carries this Buffer's spec.
+    `owner` is the Buffer's token (not the Buffer: a handle must not keep a Buffer alive).
+    """
+
+    __slots__ = ("owner", "tokens", "experts", "hidden", "use_fp8", "local", "rows", "y_shape", "src_shape",
+                 "range_shape")
+
+    def __init__(self, owner: object, tokens: int, experts: int, hidden: int, use_fp8: bool, num_ranks: int):
+        self.owner, self.tokens, self.experts, self.hidden, self.use_fp8 = owner, tokens, experts, hidden, use_fp8
+        self.local = experts // num_ranks
+        self.rows = num_ranks * tokens
+        self.y_shape = torch.Size((self.local, self.rows, hidden))
+        self.src_shape = torch.Size((self.local, self.rows))
+        self.range_shape = torch.Size((self.local, num_ranks))
 
 
 def _default_store():
@@ -78,6 +101,22 @@ class Buffer:
 
     A replacement rank passes the ticket of `mooncake_ep_switch.elastic.join()` as `group`; it
     then waits as "joining" until it calls `update_ep_member()` together with the survivors.
+
+    Output memory: the tensors `dispatch` and `combine` return (recv_x, FP8 scales, recv_count, the
+    handle's src_info and layout_range, the combined output) come from a pool kept by the Buffer
+    (`calls.OutputPool`), so that steady-state calls neither allocate nor page-fault tens of MB.
+    As in Mooncake EP and DeepEP, a returned tensor stays valid, and is never written again, for
+    as long as the caller holds it or anything made from it (a view or slice, its storage, the
+    handle, the call's event or hook). Only when nothing outside the pool references a result any
+    more (torch's storage use count and the storage object's reference count say so) may a later
+    call of the same shape return the same memory. Rows of recv_x past `recv_count` are
+    unspecified (they may hold an earlier call's rows); src_info past `recv_count` is 0.
+
+    Hot path: the first call of a shape (T, E, hidden, FP8) runs the full validation and records
+    the shape; later calls of that shape check the tensors' properties in one expression and the
+    top-k and mask values in one native pass, and fall back to the full validation (whose errors
+    name the argument) whenever anything differs. A synchronous call on
+    the shm route runs its send and receive phases in one native call.
     """
 
     def __init__(self, group, num_ep_buffer_bytes: int = 0, disable_p2p: bool = False, *, transport: str = "auto",
@@ -116,10 +155,16 @@ class Buffer:
         self.members = tuple(range(self.num_ranks))
         self._call = 0
         self._last_plan: Optional[DispatchPlan] = None
+        self._specs = {}  # (T, E, hidden, use_fp8) -> _CallSpec, validated shapes
+        self._token = object()  # identifies this Buffer's specs on handles
+        self._mask_shape = torch.Size((self.num_ranks,))
+        self._outputs = OutputPool()
         self._worker: Optional[ThreadPoolExecutor] = None
         self._destroyed = False
         self._impl = self._make_transport(transport)
         self.transport = self._impl.name
+        # Transports that can run a synchronous call's send and receive phases in one go.
+        self._sync_calls = hasattr(self._impl, "dispatch_sync") and hasattr(self._impl, "combine_sync")
         if hasattr(self._impl, "view_change"):  # the fallback survives a peer lost mid-collective
             self._impl.view_change = self._survivors_view
         if self.membership is not None:
@@ -318,6 +363,7 @@ class Buffer:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        self._outputs.clear()
         self._impl.destroy()
 
     def __enter__(self):
@@ -360,14 +406,31 @@ class Buffer:
     def _completion(self, receive: Callable[[], None], async_finish: bool, return_recv_hook: bool,
                     keep_alive) -> Tuple[EventOverlap, Optional[Callable[[], None]]]:
         """Turn a receive phase into (event, hook) according to the call's mode."""
+        if not (return_recv_hook or async_finish):
+            receive()  # synchronous: runs exactly once, here
+            return EventOverlap(None, keep_alive), None
         receive = _once(receive)
         if return_recv_hook:
             return EventOverlap(receive, keep_alive), receive
-        if async_finish:
-            future = self._background().submit(receive)
-            return EventOverlap(lambda: future.result(), keep_alive), None
-        receive()
-        return EventOverlap(None, keep_alive), None
+        future = self._background().submit(receive)
+        return EventOverlap(lambda: future.result(), keep_alive), None
+
+    def _dispatch_spec_slow(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
+                            timeout_us, use_fp8):
+        """Full dispatch validation (every error names its argument); returns (spec, timeout_us)."""
+        tokens, experts, timeout_us, use_fp8 = validation.check_dispatch(
+            x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
+            self.num_ranks)
+        hidden = x.size(1)
+        key = (tokens, experts, hidden, use_fp8)
+        spec = self._specs.get(key)
+        if spec is None:
+            self._check_capacity(tokens, hidden, experts)
+            spec = _CallSpec(self._token, tokens, experts, hidden, use_fp8, self.num_ranks)
+            if len(self._specs) >= 64:
+                self._specs.clear()
+            self._specs[key] = spec
+        return spec, timeout_us
 
     # ------------------------------------------------------------------ dispatch / combine
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, active_ranks: torch.Tensor,
@@ -393,45 +456,65 @@ class Buffer:
                 (`[E_local, num_ranks * T, hidden]` torch.float8_e4m3fn,
                 `[E_local, num_ranks * T, hidden // 128]` torch.float32 scales, token axis contiguous).
                 Rows of each local expert: by source rank ascending, then source token index.
+                Every returned tensor is pooled memory that stays valid while held (class docstring).
             recv_count: `[E_local]` torch.int32, valid rows per local expert.
             handle: `DispatchHandle`, Mooncake's 5-tuple (src_info, layout_range, T, hidden, num_experts).
             event: `EventOverlap`.
             hook: the receive-phase callable when `return_recv_hook`, else None.
         """
-        self._check_alive()
+        if self._destroyed:
+            self._check_alive()
         if async_finish and return_recv_hook:
             raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
-        tokens, experts, timeout_us, use_fp8 = validation.check_dispatch(
-            x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
-            self.num_ranks)
-        hidden = x.size(1)
-        self._check_capacity(tokens, hidden, experts)
-        self._check_members(active_ranks)
+        if use_fp8 is None:
+            use_fp8 = True  # Mooncake's default
+        # Hot path: a shape seen before (validated then, capacity included) and well-formed tensors
+        # need only the value checks; anything else takes the full validation, which raises the
+        # precise error naming the argument.
+        spec = None
+        if (type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int and type(timeout_us) is int
+                and timeout_us >= -1 and type(use_fp8) is bool and isinstance(x, _Tensor)
+                and isinstance(topk_idx, _Tensor) and isinstance(active_ranks, _Tensor)):
+            xs, ks = x.shape, topk_idx.shape
+            if len(xs) == 2:
+                spec = self._specs.get((num_max_dispatch_tokens_per_rank, num_experts, xs[1], use_fp8))
+            if spec is not None and not (
+                    x.dtype is _BF16 and xs[0] <= spec.tokens and x.is_contiguous()
+                    and topk_idx.dtype is _I64 and len(ks) == 2 and ks[0] == xs[0] and 1 <= ks[1] <= spec.experts
+                    and topk_idx.is_contiguous() and topk_idx.is_cpu
+                    and active_ranks.dtype is _I32 and active_ranks.shape == self._mask_shape
+                    and active_ranks.is_contiguous() and active_ranks.is_cpu):
+                spec = None
+            if spec is not None:
+                problem = _native.check_call_values(topk_idx.data_ptr(), ks[0], ks[1], spec.experts,
+                                                    active_ranks.data_ptr(), self.num_ranks)
+                if problem:
+                    raise ValueError(problem)
+        if spec is None:
+            spec, timeout_us = self._dispatch_spec_slow(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+                                                        num_experts, timeout_us, use_fp8)
+        if len(self.members) < self.num_ranks:
+            self._check_members(active_ranks)
 
-        local = experts // self.num_ranks
-        rows = self.num_ranks * tokens
-        device = x.device
-        if use_fp8:
-            recv_x = torch.empty((local, rows, hidden), dtype=torch.float8_e4m3fn, device=device)
-            recv_scales = torch.empty((local, hidden // 128, rows), dtype=torch.float32, device=device)
-        else:
-            recv_x = torch.empty((local, rows, hidden), dtype=torch.bfloat16, device=device)
-            recv_scales = None
-        outputs = DispatchOutputs(
-            recv_x=recv_x, recv_scales=recv_scales,
-            src_info=torch.zeros((local, rows), dtype=torch.int32, device=device),
-            layout_range=torch.zeros((local, self.num_ranks), dtype=torch.int64, device=device),
-            recv_count=torch.zeros((local,), dtype=torch.int32, device=device))
-
+        outputs = self._outputs.dispatch_outputs(use_fp8, spec.local, spec.rows, spec.hidden, self.num_ranks,
+                                                 x.device)
         self._call += 1
-        call = DispatchCall(x, topk_idx, active_ranks, tokens, experts, timeout_us, use_fp8, self._call, self.epoch)
-        private, receive = self._impl.dispatch(call, outputs)
-        plan = DispatchPlan(call=self._call, num_tokens=x.size(0), top_k=topk_idx.size(1), use_fp8=use_fp8,
-                            epoch=self.epoch, private=private)
+        call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, self._call,
+                            self.epoch)
+        if self._sync_calls and not (async_finish or return_recv_hook):
+            private = self._impl.dispatch_sync(call, outputs)  # send and receive in one native call
+            receive = None
+        else:
+            private, receive = self._impl.dispatch(call, outputs)
+        plan = DispatchPlan(self._call, x.size(0), topk_idx.size(1), use_fp8, self.epoch, private, spec)
         self._last_plan = plan
-        handle = DispatchHandle(outputs.src_info, outputs.layout_range, tokens, hidden, experts, plan=plan)
-        event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, outputs))
-        packed = (recv_x, recv_scales.transpose(1, 2)) if use_fp8 else recv_x
+        handle = DispatchHandle(outputs.src_info, outputs.layout_range, spec.tokens, spec.hidden, spec.experts,
+                                plan=plan)
+        if receive is None:
+            event, hook = EventOverlap(None, (x, topk_idx, outputs)), None
+        else:
+            event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, outputs))
+        packed = (outputs.recv_x, outputs.recv_scales.transpose(1, 2)) if use_fp8 else outputs.recv_x
         return packed, outputs.recv_count, handle, event, hook
 
     def get_next_combine_buffer(self, handle) -> torch.Tensor:
@@ -475,31 +558,66 @@ class Buffer:
             out: optional `[num_tokens, hidden]` torch.bfloat16 output tensor.
 
         Returns:
-            combined_x: `[num_tokens, hidden]` torch.bfloat16.
+            combined_x: `[num_tokens, hidden]` torch.bfloat16 (`out` if given, else pooled memory that
+                stays valid while held, see the class docstring).
             event: `EventOverlap`.
             hook: the receive-phase callable when `return_recv_hook`, else None.
         """
-        self._check_alive()
+        if self._destroyed:
+            self._check_alive()
         if async_finish and return_recv_hook:
             raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
         if not isinstance(zero_copy, bool):
             raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
-        fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
-                                                      out, self.num_ranks)
-        src_info, layout_range, tokens, hidden, experts = fields
-        self._check_members(active_ranks)
-        plan = getattr(handle, "plan", None) or self._last_plan
-        if plan is None:
-            raise ValueError("handle: no dispatch has run on this Buffer")
+        # Hot path: a handle this Buffer returned (its fields were validated when it was made) and
+        # well-formed tensors need only the value checks; otherwise the full validation runs.
+        plan = getattr(handle, "plan", None)
+        spec = getattr(plan, "spec", None) if type(handle) is DispatchHandle else None
+        fast = False
+        if (spec is not None and spec.owner is self._token and type(timeout_us) is int and timeout_us >= -1
+                and isinstance(x, _Tensor) and isinstance(topk_idx, _Tensor) and isinstance(topk_weights, _Tensor)
+                and isinstance(active_ranks, _Tensor)):
+            src_info, layout_range = handle[0], handle[1]
+            ks = topk_idx.shape
+            fast = (x.dtype is _BF16 and x.shape == spec.y_shape and x.is_contiguous()
+                    and src_info.dtype is _I32 and src_info.shape == spec.src_shape and src_info.is_contiguous()
+                    and layout_range.dtype is _I64 and layout_range.shape == spec.range_shape
+                    and layout_range.is_contiguous()
+                    and topk_idx.dtype is _I64 and len(ks) == 2 and ks[0] == plan.num_tokens and ks[1] == plan.top_k
+                    and topk_idx.is_contiguous() and topk_idx.is_cpu
+                    and topk_weights.dtype is _F32 and topk_weights.shape == ks and topk_weights.is_contiguous()
+                    and active_ranks.dtype is _I32 and active_ranks.shape == self._mask_shape
+                    and active_ranks.is_contiguous() and active_ranks.is_cpu
+                    and (out is None or (isinstance(out, _Tensor) and out.dtype is _BF16 and out.dim() == 2
+                                         and out.size(0) == ks[0] and out.size(1) == spec.hidden
+                                         and out.is_contiguous())))
+        if fast:
+            problem = _native.check_call_values(topk_idx.data_ptr(), ks[0], ks[1], spec.experts,
+                                                active_ranks.data_ptr(), self.num_ranks)
+            if problem:
+                raise ValueError(problem)
+            tokens, hidden, experts = spec.tokens, spec.hidden, spec.experts
+        else:
+            fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
+                                                          out, self.num_ranks)
+            src_info, layout_range, tokens, hidden, experts = fields
+            plan = plan or self._last_plan
+            if plan is None:
+                raise ValueError("handle: no dispatch has run on this Buffer")
+        if len(self.members) < self.num_ranks:
+            self._check_members(active_ranks)
         if zero_copy:
             expected = self._impl.combine_buffer(plan.call, tuple(x.shape), x.device)
             if x.data_ptr() != expected.data_ptr():
                 raise ValueError("x: with zero_copy=True expected the tensor returned by "
                                  "get_next_combine_buffer(handle), got a different tensor")
         if out is None:
-            out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=x.device)
+            out = self._outputs.combine_output(topk_idx.size(0), hidden, x.device)
         call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens,
                            hidden, experts, plan.call, plan.private, out)
+        if self._sync_calls and not (async_finish or return_recv_hook):
+            self._impl.combine_sync(call)  # send and receive in one native call
+            return out, EventOverlap(None, (x, topk_idx, topk_weights)), None
         receive = self._impl.combine(call)
         event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights))
         return out, event, hook

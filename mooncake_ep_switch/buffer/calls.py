@@ -1,4 +1,7 @@
-"""Typed records that the Buffer hands to a transport for one dispatch or combine call."""
+"""Typed records that the Buffer hands to a transport for one dispatch or combine call, and the
+pool the Buffer allocates dispatch outputs from."""
+import sys
+import threading
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -76,3 +79,169 @@ class CombineCall(NamedTuple):
     call: int
     plan_private: Any
     out: torch.Tensor
+
+
+# ------------------------------------------------------------------ pooled outputs
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 63) // 64 * 64
+
+
+_storage_use_count = torch._C._storage_Use_Count
+_refcount = sys.getrefcount
+_detach = torch.Tensor.detach
+_new_tuple = tuple.__new__  # builds a NamedTuple without its Python-level __new__
+
+
+class _OutputSlot:
+    """One byte block holding every output tensor of one call, with the pool's own views of it.
+
+    The pool never hands these views out: each call gets fresh aliases (`detach()`), so whatever a
+    caller does to the tensors it got (in-place reshapes, `set_`) cannot change what a later call
+    receives. Every tensor that aliases the block (a returned output, any view or slice the caller
+    made of one, a tensor built on its storage) holds a reference to the block's storage, and torch
+    hands out one Python object per storage (`untyped_storage()`, which the pool keeps too), whose
+    Python reference count grows with every holder; the slot is free when both counts are the
+    pool's own.
+
+    Arguments:
+        parts: `(dtype, shape)` of every tensor, in order, or None for an absent one.
+        zeroed: indices of the parts that start zeroed (a fresh `torch.zeros` would have been).
+        device: where the block lives.
+    """
+
+    __slots__ = ("storage", "cdata", "baseline", "refs", "views", "nbytes")
+
+    def __init__(self, parts, zeroed, device):
+        offsets, total = [], 0
+        for part in parts:
+            offsets.append(total)
+            if part is not None:
+                dtype, shape = part
+                count = 1
+                for size in shape:
+                    count *= size
+                total += _aligned(count * dtype.itemsize)
+        block = torch.empty(max(total, 64), dtype=torch.uint8, device=device)
+        views, view = [], None
+        for index, (part, offset) in enumerate(zip(parts, offsets)):
+            if part is None:
+                views.append(None)
+                continue
+            dtype, shape = part
+            count = 1
+            for size in shape:
+                count *= size
+            view = block[offset:offset + count * dtype.itemsize].view(dtype).view(shape)
+            if index in zeroed:
+                view.zero_()
+            views.append(view)
+        self.views = tuple(views)
+        self.nbytes = block.numel()
+        self.storage = block.untyped_storage()
+        self.cdata = self.storage._cdata
+        del block, view
+        self.baseline = _storage_use_count(self.cdata)  # the pool's own references, counted once here
+        self.refs = _refcount(self.storage)
+
+    def is_free(self) -> bool:
+        """No tensor or storage object outside the pool refers to the block."""
+        return _storage_use_count(self.cdata) == self.baseline and _refcount(self.storage) == self.refs
+
+    def hand_out(self) -> list:
+        """Fresh aliases of the block for one call (the caller's to keep as long as it likes)."""
+        return [None if view is None else _detach(view) for view in self.views]
+
+
+class OutputPool:
+    """Output tensors reused across calls, never while anyone else can still reach them.
+
+    A fresh `recv_x` of hidden=7168 is tens of MB: the kernel zeroes every page of it on first
+    touch, which costs about as much as the copies themselves, and at small sizes allocating five
+    tensors costs more Python time than the call's data movement. The pool keeps, per output
+    shape, up to `slots_per_shape` blocks (one block holds every output tensor of one call: recv_x,
+    the FP8 scales, src_info, layout_range and recv_count of a dispatch; the result of a combine).
+
+    Reuse rule: a call gets a block only if no tensor outside the pool references its storage
+    (torch's storage use count equals the pool's own count). The tensors a call returned, any view,
+    slice or storage object made of them, an event or hook still holding them, or a handle holding
+    src_info/layout_range all keep the block busy, so a result stays valid, never overwritten, for
+    as long as its holder keeps it (Mooncake/DeepEP semantics). A busy pool allocates a new block
+    (kept when the shape has room, else left to be freed with its last reference).
+
+    Arguments:
+        slots_per_shape: blocks kept per (kind, shape, device); 3 covers DeepEP's "at most two
+            dispatch results alive" plus the result a caller's assignment is about to replace.
+        max_shapes: distinct shapes kept; beyond it the shape pooled first is dropped (its
+            blocks stay valid for whoever still holds them).
+    """
+
+    def __init__(self, slots_per_shape: int = 3, max_shapes: int = 8):
+        self.slots_per_shape = slots_per_shape
+        self.max_shapes = max_shapes
+        self._slots = {}  # key -> list of _OutputSlot, insertion order = first pooled first
+        self._lock = threading.Lock()
+
+    def acquire(self, key, parts, zeroed, device) -> tuple:
+        """Aliases of a free block for `key` (whose tensors are `parts`), else of a new block."""
+        with self._lock:
+            slots = self._slots.get(key)
+            if slots is not None:
+                for slot in slots:
+                    if slot.is_free():
+                        return slot.hand_out()
+        slot = _OutputSlot(parts, zeroed, device)
+        outputs = slot.hand_out()
+        with self._lock:
+            slots = self._slots.get(key)
+            if slots is None:
+                while len(self._slots) >= self.max_shapes:
+                    self._slots.pop(next(iter(self._slots)))
+                slots = self._slots[key] = []
+            if len(slots) < self.slots_per_shape:
+                slots.append(slot)
+        return outputs
+
+    def dispatch_outputs(self, use_fp8: bool, local: int, rows: int, hidden: int, num_ranks: int,
+                         device) -> DispatchOutputs:
+        """Outputs of one dispatch of this shape.
+
+        Rows of recv_x (and scales) beyond `recv_count` are unspecified (they may hold earlier calls'
+        data, as torch.empty may hold anything); src_info beyond `recv_count` is 0; layout_range and
+        recv_count are written in full by every receive.
+        """
+        key = ("dispatch", use_fp8, local, rows, hidden, num_ranks, device)
+        with self._lock:  # hot path: no shape tuple to build when a block is free
+            slots = self._slots.get(key)
+            if slots is not None:
+                for slot in slots:
+                    if _storage_use_count(slot.cdata) == slot.baseline and _refcount(slot.storage) == slot.refs:
+                        x, scales, src_info, layout_range, recv_count = slot.views
+                        return _new_tuple(DispatchOutputs, (
+                            _detach(x), None if scales is None else _detach(scales), _detach(src_info),
+                            _detach(layout_range), _detach(recv_count)))
+        parts = ((torch.float8_e4m3fn if use_fp8 else torch.bfloat16, (local, rows, hidden)),
+                 (torch.float32, (local, hidden // 128, rows)) if use_fp8 else None,
+                 (torch.int32, (local, rows)), (torch.int64, (local, num_ranks)), (torch.int32, (local,)))
+        return DispatchOutputs(*self.acquire(key, parts, (2, 3, 4), device))
+
+    def combine_output(self, num_tokens: int, hidden: int, device) -> torch.Tensor:
+        """The `[num_tokens, hidden]` bf16 result of one combine (every row is written by the call)."""
+        key = ("combine", num_tokens, hidden, device)
+        with self._lock:
+            slots = self._slots.get(key)
+            if slots is not None:
+                for slot in slots:
+                    if _storage_use_count(slot.cdata) == slot.baseline and _refcount(slot.storage) == slot.refs:
+                        return _detach(slot.views[0])
+        return self.acquire(key, ((torch.bfloat16, (num_tokens, hidden)),), (), device)[0]
+
+    def pooled_bytes(self) -> int:
+        """Bytes held by the pool (busy and free blocks)."""
+        with self._lock:
+            return sum(slot.nbytes for slots in self._slots.values() for slot in slots)
+
+    def clear(self) -> None:
+        """Drop the pool's references (outputs still held by callers stay valid)."""
+        with self._lock:
+            self._slots.clear()

@@ -23,6 +23,8 @@ class DispatchPlan(NamedTuple):
         use_fp8: whether the dispatch carried FP8 rows.
         epoch: membership epoch the call ran in.
         private: transport-specific state (the collective fallback's exchange plan), or None.
+        spec: the Buffer's validated record of the call shape (lets combine() skip re-checking the
+            handle's fields), or None.
     """
 
     call: int
@@ -31,6 +33,7 @@ class DispatchPlan(NamedTuple):
     use_fp8: bool
     epoch: int
     private: Any
+    spec: Any = None
 
 
 class DispatchHandle(_DispatchHandleFields):
@@ -51,8 +54,8 @@ class DispatchHandle(_DispatchHandleFields):
     """
 
     def __new__(cls, src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts, plan=None):
-        self = super().__new__(cls, src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        object.__setattr__(self, "plan", plan)
+        self = tuple.__new__(cls, (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts))
+        self.__dict__["plan"] = plan
         return self
 
     def __setattr__(self, name, value):
@@ -73,7 +76,7 @@ class EventOverlap:
 
     def __init__(self, finish: Optional[Callable[[], None]] = None, extra_tensors=None):
         self._finish = finish
-        self._lock = threading.Lock()
+        self._lock = None if finish is None else threading.Lock()  # a complete event needs none
         self._error: Optional[BaseException] = None
         self.extra_tensors = extra_tensors
 
@@ -83,6 +86,8 @@ class EventOverlap:
         Returns:
             None.
         """
+        if self._lock is None:
+            return
         with self._lock:
             finish, self._finish = self._finish, None
             if finish is not None:

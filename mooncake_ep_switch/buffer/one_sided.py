@@ -77,6 +77,8 @@ class OneSidedTransport:
         self.base = self.region.base
         self.routes: List[Optional[str]] = [None] * num_ranks
         self.routes[rank] = SELF
+        self._halves = {}  # half offset -> direct half bases; cleared whenever a route changes
+        self._layouts = {}  # (T, hidden, E) -> RegionLayout that fits the region
         self.te_peers: Dict[int, TePeer] = {}
         self.failed_sources: List[int] = []
         self.te = None
@@ -138,6 +140,7 @@ class OneSidedTransport:
     def _route(self, peer: int, found: dict, deadline: float) -> None:
         """Reach `peer` at its published endpoint: shared memory on this host, else the TE."""
         if self.allow_shm and found.get("host_id") == self.settings.host_id:
+            self._halves.clear()
             self.region.map_peer(peer, RegionEndpoint(*found["region"]))
             self.te_peers.pop(peer, None)
             self.routes[peer] = SHM
@@ -148,12 +151,14 @@ class OneSidedTransport:
             session, base = found.get("te_session"), found.get("te_base")
             if not isinstance(session, str) or not isinstance(base, int) or base <= 0:
                 raise ValueError(f"rank {peer} published no usable Transfer Engine endpoint: {found}")
+            self._halves.clear()
             self.region.unmap_peer(peer)
             self.te_peers[peer] = TePeer(session, base)
             self.routes[peer] = TE
             self.te.connect(session, timeout_s=max(0.1, deadline - time.monotonic()))
 
     def _drop(self, peer: int) -> None:
+        self._halves.clear()
         self.region.unmap_peer(peer)
         self.te_peers.pop(peer, None)
         self.routes[peer] = None
@@ -163,20 +168,28 @@ class OneSidedTransport:
         if self.te is not None:
             self.te.close()
             self.te = None
+        self._halves.clear()
         self.region.destroy()
         self.base = 0
 
     # ------------------------------------------------------------------ helpers
     def _layout(self, tokens: int, hidden: int, experts: int) -> RegionLayout:
-        layout = region_layout(self.num_ranks, tokens, hidden, experts)
-        if layout.total_bytes > self.nbytes:  # the Buffer checked already; never write past a region
-            raise ValueError(f"num_ep_buffer_bytes: call needs {layout.total_bytes}, region has {self.nbytes}")
+        layout = self._layouts.get((tokens, hidden, experts))
+        if layout is None:
+            layout = region_layout(self.num_ranks, tokens, hidden, experts)
+            if layout.total_bytes > self.nbytes:  # the Buffer checked already; never write past a region
+                raise ValueError(f"num_ep_buffer_bytes: call needs {layout.total_bytes}, region has {self.nbytes}")
+            self._layouts[(tokens, hidden, experts)] = layout
         return layout
 
     def _direct_halves(self, offset: int) -> List[int]:
         """Half bases of the peers the native kernels write directly (self and shm routes)."""
-        return [base + offset if base and self.routes[peer] in (SELF, SHM) else 0
-                for peer, base in enumerate(self.region.peer_bases)]
+        halves = self._halves.get(offset)
+        if halves is None:
+            halves = [base + offset if base and self.routes[peer] in (SELF, SHM) else 0
+                      for peer, base in enumerate(self.region.peer_bases)]
+            self._halves[offset] = halves
+        return halves
 
     def _staging_halves(self, offset: int, dest: int) -> List[int]:
         halves = [0] * self.num_ranks
@@ -241,6 +254,28 @@ class OneSidedTransport:
 
         return None, receive
 
+    def dispatch_sync(self, call: DispatchCall, outputs: DispatchOutputs) -> None:
+        """`dispatch` followed at once by its receive phase (a synchronous call), in one native call
+        when every peer is written directly (self and shm routes, no fault injection)."""
+        if self.te is not None or self.fault is not None:
+            private, receive = self.dispatch(call, outputs)
+            receive()
+            return private
+        x, topk = call.x, call.topk_idx
+        num_tokens, hidden = x.shape
+        tokens, experts = call.num_max_dispatch_tokens_per_rank, call.num_experts
+        layout = self._layouts.get((tokens, hidden, experts)) or self._layout(tokens, hidden, experts)
+        offset = layout.control_bytes + (call.call & 1) * layout.half_bytes
+        scales = outputs.recv_scales
+        newly = _native.dispatch_round(
+            x.data_ptr(), num_tokens, hidden, topk.data_ptr(), topk.shape[1], experts, self.num_ranks, self.rank,
+            tokens, call.active_ranks.data_ptr(), self._direct_halves(offset), signal_tag(call.call), call.use_fp8,
+            self.base + offset, call.timeout_us, outputs.recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(),
+            outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr())
+        if newly:
+            self.failed_sources.extend(newly)
+        return None
+
     def _dispatch_te(self, call: DispatchCall, layout: RegionLayout, offset: int, tag: int, args) -> None:
         L, T, G = layout.num_local_experts, call.num_max_dispatch_tokens_per_rank, layout.num_scale_groups
         signal_words = self.staging[offset + layout.dispatch_signals:].view(torch.int64)  # [R][L] words
@@ -289,3 +324,22 @@ class OneSidedTransport:
             self.failed_sources.extend(newly)
 
         return receive
+
+    def combine_sync(self, call: CombineCall) -> None:
+        """`combine` followed at once by its receive phase (a synchronous call), in one native call
+        when every peer is written directly (self and shm routes)."""
+        if self.te is not None:
+            self.combine(call)()
+            return
+        tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
+        layout = self._layouts.get((tokens, hidden, experts)) or self._layout(tokens, hidden, experts)
+        offset = layout.control_bytes + (call.call & 1) * layout.half_bytes
+        topk = call.topk_idx
+        num_tokens, top_k = topk.shape
+        newly = _native.combine_round(
+            call.x.data_ptr(), hidden, experts, self.num_ranks, self.rank, tokens, call.src_info.data_ptr(),
+            call.layout_range.data_ptr(), call.active_ranks.data_ptr(), self._direct_halves(offset),
+            signal_tag(call.call), self.base + offset, call.timeout_us, topk.data_ptr(), call.topk_weights.data_ptr(),
+            num_tokens, top_k, call.out.data_ptr())
+        if newly:
+            self.failed_sources.extend(newly)
