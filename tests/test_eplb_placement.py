@@ -262,3 +262,32 @@ def test_clear_errors(kwargs, error, match):
 def test_clear_errors_for_weight(weight, error, match):
     with pytest.raises(error, match=match):
         rebalance_experts(weight, 12, 2, 1, 4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_swap_scores_match_a_direct_evaluation(seed):
+    """`packing.swap_scores` (folded masks, few full passes) against a loop over every swap."""
+    from mooncake_ep_switch.eplb.packing import INVALID, swap_scores
+
+    rng = np.random.default_rng(seed)
+    rows, partners, slots = 3, 4, 3
+    eh = rng.integers(0, 6, (rows, slots))
+    el = rng.integers(0, 6, (rows, partners, slots))
+    sh = rng.integers(1, 6, (rows, slots)).astype(np.float64)
+    sl = rng.integers(0, 4, (rows, partners, slots)).astype(np.float64)
+    ph, pl = rng.random((rows, slots)) < 0.4, rng.random((rows, partners, slots)) < 0.4
+    lh, ll = sh.sum(axis=1), sl.sum(axis=2)
+    same_node = rng.random((rows, partners)) < 0.5
+    score = swap_scores(eh, sh, ph, lh, el, sl, pl, ll, same_node).reshape(rows, slots, partners, slots)
+    for r in range(rows):
+        for a in range(slots):
+            for k in range(partners):
+                for b in range(slots):
+                    d = sh[r, a] - sl[r, k, b]
+                    larger = max(lh[r] - d, ll[r, k] + d)
+                    valid = larger < lh[r] * (1 - 1e-12) and eh[r, a] not in el[r, k] and el[r, k, b] not in eh[r]
+                    valid &= bool(same_node[r, k] or not (ph[r, a] or pl[r, k, b]))
+                    if valid:
+                        assert score[r, a, k, b] == pytest.approx(larger, rel=1e-12)
+                    else:
+                        assert score[r, a, k, b] >= INVALID

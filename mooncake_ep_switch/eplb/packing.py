@@ -113,8 +113,8 @@ INVALID = 1e300  # added to the score of an invalid move
 def swap_scores(eh, sh, ph, lh, el, sl, pl, ll, same_node):
     """Score every swap between a heavy bin and its partner bins.
 
-    Written with arithmetic, comparisons and `abs` only: `np.where`/`np.maximum` are several
-    times slower on unpredictable data.
+    Full-size passes are few: the clash and node conditions are folded into `[R, S, K]` and
+    `[R, K, S]` masks first, and `np.where`/`np.maximum` (slow on unpredictable data) are avoided.
 
     Arguments:
         eh, sh, ph: `[R, S]` experts, sizes, pinned flags of the heavy bin of each of R problems.
@@ -125,7 +125,7 @@ def swap_scores(eh, sh, ph, lh, el, sl, pl, ll, same_node):
 
     Returns:
         score: `[R, S * K * S]` float64, the larger of the two loads after swapping item a of the
-            heavy bin with item b of partner k (flattened as a, k, b), or >= 1e300 where the swap
+            heavy bin with item b of partner k (flattened as a, k, b), or `INVALID` where the swap
             is invalid (duplicate expert, pinned item leaving its node) or does not lower the
             heavy load.
     """
@@ -136,19 +136,22 @@ def swap_scores(eh, sh, ph, lh, el, sl, pl, ll, same_node):
     off = sh[:, :, None, None] - sl[:, None, :, :]  # [R, S, K, S] = d
     off -= half_gap[:, None, :, None]
     off = np.abs(off, out=off)
-    invalid = off >= (half_gap - tolerance_of(lh)[:, None])[:, None, :, None]
-    off += (lh[:, None] - half_gap)[:, None, :, None]  # now the new larger load
     clash_a = el[:, None, :, 0] == eh[:, :, None]  # a's expert on the partner: [R, S, K]
     clash_b = el == eh[:, 0, None, None]  # b's expert on the heavy bin: [R, K, S]
     for s in range(1, slots):
         clash_a |= el[:, None, :, s] == eh[:, :, None]
         clash_b |= el == eh[:, s, None, None]
-    invalid |= clash_a[..., None]
-    invalid |= clash_b[:, None]
     crossing = ~same_node
     if crossing.any():
-        invalid |= crossing[:, None, :, None] & (ph[:, :, None, None] | pl[:, None, :, :])
-    off += invalid * INVALID
+        clash_a |= crossing[:, None, :] & ph[:, :, None]
+        clash_b |= crossing[:, :, None] & pl
+    # The distance must stay below `limit`; an item that cannot move gets a limit nothing meets.
+    limit = np.broadcast_to((half_gap - tolerance_of(lh)[:, None])[:, None, :], clash_a.shape).copy()
+    limit[clash_a] = -1.0
+    invalid = off >= limit[..., None]
+    invalid |= clash_b[:, None]
+    off += (lh[:, None] - half_gap)[:, None, :, None]  # now the new larger load
+    np.copyto(off, INVALID, where=invalid)
     return off.reshape(rows, -1)
 
 
