@@ -1,9 +1,11 @@
 """`python -m mooncake_ep_switch.bench`: transport benchmarks with ratios to in-run baselines.
 
 Rows:
-  * collective fallback vs an all-gather + all-reduce implementation (R=4 T=128 H=1024 E=32 K=8);
+  * collective fallback vs an all-gather + all-reduce implementation (R=4 T=128 H=1024 E=32 K=8),
+    and the floor: the fallback's exchanges alone with the same bytes;
   * shm vs collective vs single-core memcpy of the same logical bytes (R=2 T=128 H=7168 E=32 K=8);
-  * shm vs collective speed (R=4 T=128 H=1024 E=32 K=8);
+  * shm vs collective speed (R=4 T=128 H=1024 E=32 K=8), and the floor: the round's logical bytes
+    copied once on all cores;
   * small-message round trip (dispatch + combine) at T=1 H=1024, R=2.
 Timing: per rank, the median over 5 barrier-separated batches of the batch's mean time per round; the
 slowest rank counts. Every ratio uses numbers from this run.
@@ -57,6 +59,13 @@ def run_transport_rows(quick: bool = False) -> list:
     rows.append({"benchmark": "shm dispatch+combine (bf16)", "shape": "R=4 T=128 hidden=1024 E=32 K=8",
                  "ours_ms": shm["seconds"] * 1e3, "baseline": "collective fallback",
                  "baseline_ms": coll["seconds"] * 1e3, "speedup": coll["seconds"] / shm["seconds"]})
+    logical = shm["selections"] * shape.hidden * 2 * 2
+    floor = tb.copy_floor_seconds(logical)
+    rows.append({"benchmark": "floor: copy the round's logical bytes once on all cores", "shape":
+                 f"R=4 T=128 hidden=1024 E=32 K=8 ({logical / 1e6:.1f} MB logical)", "ours_ms": floor * 1e3,
+                 "baseline": "collective fallback", "baseline_ms": coll["seconds"] * 1e3,
+                 "speedup": coll["seconds"] / floor,
+                 "note": "the most any copying transport could beat the fallback by on this machine"})
 
     _progress(4, total, "latency: T=1 round trip, R=2")
     shape = tb.TransportShape(2, 1, 1024, 32, 8)
