@@ -15,6 +15,15 @@ _CLUSTERS: Dict[tuple, LocalCluster] = {}
 # Per-run deadline: generous for 8 ranks on 2 cores, small enough that a hang fails fast.
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEP_TEST_RUN_TIMEOUT_S", "120"))
 
+# `timeout_us` of dispatch/combine in the fault tests: how long a survivor waits for a dead peer.
+# A live peer must never miss it, even when 4-8 ranks share 2 cores with other work (1.5 s was
+# missed once under a load average far above the core count), and every survivor must return
+# within it plus FAULT_SLACK_S. Over the Transfer Engine a write to a freshly killed peer can take
+# up to ~1 s to fail and puts to peers are serial, so a healthy sender can be ~2 s late: TE waits more.
+FAULT_TIMEOUT_US = 2_500_000
+FAULT_TIMEOUT_US_TE = 4_000_000
+FAULT_SLACK_S = 2.0
+
 
 def cluster(num_ranks: int, env: Optional[Dict[str, str]] = None) -> LocalCluster:
     """A cached cluster of `num_ranks` ranks with `env`; rebuilt if a previous run broke it."""

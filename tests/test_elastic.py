@@ -19,11 +19,9 @@ from tests.test_faults import Shape, _check_round, _mock_expert
 from tests.reference import structured_inputs, token_count
 
 NUM_RANKS = 4
-TIMEOUT_US = 1_500_000
-# Over the Transfer Engine a write to a freshly killed peer can take up to ~1 s to fail and puts
-# to peers are serial, so with two dead peers a healthy sender can be ~2 s late: give TE 3 s.
-TIMEOUT_US_BY_TRANSPORT = {"shm": TIMEOUT_US, "mooncake": 3_000_000, "collective": TIMEOUT_US}
-SLACK_S = 2.0
+TIMEOUT_US_BY_TRANSPORT = {"shm": harness.FAULT_TIMEOUT_US, "mooncake": harness.FAULT_TIMEOUT_US_TE,
+                           "collective": harness.FAULT_TIMEOUT_US}
+SLACK_S = harness.FAULT_SLACK_S
 RECOVERY_TIMEOUT_S = 30.0
 _STATE = {}
 

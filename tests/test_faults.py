@@ -18,8 +18,8 @@ from tests.reference import expected_combine, expected_routing, structured_input
 NUM_RANKS = 4
 DEAD = 2
 ONE_SIDED = ["shm", "mooncake"]
-TIMEOUT_US = 1_500_000
-SLACK_S = 2.0
+TIMEOUT_US = harness.FAULT_TIMEOUT_US
+SLACK_S = harness.FAULT_SLACK_S
 
 
 class Shape:

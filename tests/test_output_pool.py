@@ -58,7 +58,7 @@ def test_held_outputs_are_never_handed_out_again(keep):
                                                           recv_x.shape, recv_x.stride())
     elif keep == "numpy":
         held = recv_x.view(torch.int16).numpy()
-    else:  # a handle keeps only src_info / layout_range: the whole block stays busy
+    else:  # a handle keeps only src_info / layout_range: their block stays busy
         held = (first.src_info, first.layout_range)
     before = [t.clone() for t in first if t is not None]
     del first, recv_x
@@ -66,12 +66,70 @@ def test_held_outputs_are_never_handed_out_again(keep):
     for _ in range(5):  # more calls than the pool keeps blocks for one shape
         later = pool.dispatch_outputs(**SHAPE)
         _fill(later, 0xAB)
-    # Everything of the first call is intact: the held part and the rest of its block.
+    # The block of the held part is intact: recv_x's rows, or src_info, layout_range and recv_count.
     del later
     assert held is not None
-    block = pool._slots[next(iter(pool._slots))][0]
-    for view, expected in zip([v for v in block.views if v is not None], before):
-        assert torch.equal(view, expected), f"{keep}: a held output was overwritten"
+    kind = "dispatch meta" if keep == "small_only" else "dispatch rows"
+    key = next(key for key in pool._slots if key[0] == kind)
+    expected = before[1:] if keep == "small_only" else before[:1]
+    views = [v for v in pool._slots[key][0].views if v is not None]
+    assert len(views) == len(expected)
+    for view, want in zip(views, expected):
+        assert torch.equal(view, want), f"{keep}: a held output was overwritten"
+
+
+def test_holding_small_outputs_does_not_pin_the_rows():
+    pool = OutputPool()
+    first = pool.dispatch_outputs(**SHAPE)
+    rows_pointer = first.recv_x.data_ptr()
+    kept = (first.recv_count, first.src_info, first.layout_range)  # load statistics, a handle
+    del first
+    second = pool.dispatch_outputs(**SHAPE)
+    assert second.recv_x.data_ptr() == rows_pointer, "recv_x's rows stayed pinned by its small outputs"
+    assert second.recv_count.data_ptr() != kept[0].data_ptr()
+
+
+def _share(tensor):
+    tensor.share_memory_()  # what sending it to another process does (its storage moves to shm)
+
+
+def _shrink(tensor):
+    tensor.untyped_storage().resize_(64)
+
+
+def _free(tensor):
+    tensor.untyped_storage().resize_(0)  # FSDP-style freeing of a tensor's memory
+
+
+@pytest.mark.parametrize("change", [_share, _shrink, _free], ids=["shared", "shrunk", "freed"])
+def test_a_block_changed_behind_the_pool_is_retired(change):
+    """Holders the reference counts cannot see (another process) or a resized storage: never reused."""
+    pool = OutputPool()
+    first = pool.dispatch_outputs(**SHAPE)
+    change(first.recv_x)
+    pointer = first.recv_x.untyped_storage().data_ptr()
+    del first
+    second = pool.dispatch_outputs(**SHAPE)
+    storage = second.recv_x.untyped_storage()
+    assert storage.nbytes() >= second.recv_x.numel() * 2 and not storage.is_shared()
+    assert storage.data_ptr() != pointer
+    second.recv_x.fill_(1.0)  # writable in full
+    key = next(key for key in pool._slots if key[0] == "dispatch rows")
+    assert all(slot.storage.data_ptr() != pointer for slot in pool._slots[key]), "the changed block is kept"
+
+
+def test_inference_mode_outputs_stay_in_inference_mode():
+    pool = OutputPool()
+    with torch.inference_mode():
+        first = pool.dispatch_outputs(**SHAPE)
+        out = pool.combine_output(5, 256, torch.device("cpu"))
+        assert first.recv_x.is_inference() and out.is_inference()
+    del first, out
+    later = pool.dispatch_outputs(**SHAPE)
+    out = pool.combine_output(5, 256, torch.device("cpu"))
+    assert not any(t.is_inference() for t in later if t is not None) and not out.is_inference()
+    recv_x = later.recv_x.float().requires_grad_()
+    (recv_x * 2).sum().backward()  # usable with autograd outside inference mode
 
 
 def test_in_place_metadata_changes_do_not_leak_into_later_calls():

@@ -17,7 +17,7 @@ from tests.test_switch_weights import _expected_shard
 
 NUM_RANKS = 4
 DEAD = 2
-TIMEOUT_US = 1_500_000
+TIMEOUT_US = harness.FAULT_TIMEOUT_US
 MOE_LAYERS = 2
 
 

@@ -121,6 +121,7 @@ COMBINE_CASES = {
     "weights_shape": ("topk_weights", "shape"),
     "handle_type": ("handle", "5-tuple"),
     "handle_src_info": ("handle.src_info", "shape"),
+    "handle_fields": ("handle.src_info", "shape"),
     "out_shape": ("out", "shape"),
     "zero_copy_other_tensor": ("x", "get_next_combine_buffer"),
     "topk_other_shape": ("topk_idx", "the dispatch's shape"),
@@ -146,6 +147,8 @@ def rank_bad_combine(ctx, transport, case_name):
             args["handle"] = "not a handle"
         elif case_name == "handle_src_info":
             args["handle"] = (handle[0][:, :-1].contiguous(),) + tuple(handle[1:])
+        elif case_name == "handle_fields":  # the Buffer's own handle type and plan, altered T
+            args["handle"] = type(handle)(handle[0], handle[1], T * 2, handle[3], handle[4], plan=handle.plan)
         elif case_name == "out_shape":
             args["out"] = torch.empty((x.size(0) + 1, H), dtype=torch.bfloat16)
         elif case_name == "zero_copy_other_tensor":

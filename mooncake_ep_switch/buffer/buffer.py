@@ -579,7 +579,8 @@ class Buffer:
                 and isinstance(active_ranks, _Tensor)):
             src_info, layout_range = handle[0], handle[1]
             ks = topk_idx.shape
-            fast = (x.dtype is _BF16 and x.shape == spec.y_shape and x.is_contiguous()
+            fast = (handle[2] == spec.tokens and handle[3] == spec.hidden and handle[4] == spec.experts
+                    and x.dtype is _BF16 and x.shape == spec.y_shape and x.is_contiguous()
                     and src_info.dtype is _I32 and src_info.shape == spec.src_shape and src_info.is_contiguous()
                     and layout_range.dtype is _I64 and layout_range.shape == spec.range_shape
                     and layout_range.is_contiguous()
