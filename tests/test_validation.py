@@ -231,3 +231,33 @@ def test_size_hint_validates_and_grows():
         Buffer.get_ep_buffer_size_hint(16, 200, 2, 8)
     with pytest.raises(ValueError, match="num_experts"):
         Buffer.get_ep_buffer_size_hint(16, 256, 3, 8)
+
+
+def rank_combine_before_receive(ctx, transport):
+    """A hook dispatch combined before its hook ran is rejected (its layout is not there yet) and
+    the call works once the hook ran; an async dispatch combined without waiting for its event is
+    completed first, so its result equals the synchronous one."""
+    size = Buffer.get_ep_buffer_size_hint(T, H, ctx.num_ranks, E)
+    with Buffer(ctx.group, size, transport=transport) as buffer:
+        x, topk, weights, active = _good(ctx)
+        recv, _, handle, _, _ = buffer.dispatch(x, topk, active, T, E, -1, use_fp8=False)
+        y = recv * 2
+        want, _, _ = buffer.combine(y, topk, weights, active, -1, handle)
+        want = want.clone()
+
+        _, _, handle, _, hook = buffer.dispatch(x, topk, active, T, E, -1, use_fp8=False, return_recv_hook=True)
+        with pytest.raises(ValueError, match="handle: .*hook"):
+            buffer.combine(y, topk, weights, active, -1, handle)
+        hook()
+        hooked, _, _ = buffer.combine(y, topk, weights, active, -1, handle)
+        assert torch.equal(hooked, want)
+
+        _, _, handle, _, _ = buffer.dispatch(x, topk, active, T, E, -1, use_fp8=False, async_finish=True)
+        waited, _, _ = buffer.combine(y, topk, weights, active, -1, handle)  # no event wait first
+        assert torch.equal(waited, want)
+    return True
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_combine_needs_the_dispatch_received(transport):
+    assert all(harness.run(2, rank_combine_before_receive, transport))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
-from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap
+from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt
 from mooncake_ep_switch.buffer.layout import region_layout
 from mooncake_ep_switch.buffer.membership import JOINING, Membership, MembershipError, View, generation_prefix
 from mooncake_ep_switch.config import settings
@@ -64,6 +64,19 @@ def _transfer_engine_available() -> bool:
     except (ImportError, OSError):
         return False
     return True
+
+
+def _with_receipt(receive: Callable[[], None]) -> Tuple[Callable[[], None], ReceiveReceipt]:
+    """Wrap a deferred receive phase so that its receipt records when it has run."""
+    receipt = ReceiveReceipt()
+
+    def run() -> None:
+        try:
+            receive()
+        finally:
+            receipt.done = True
+
+    return run, receipt
 
 
 def _once(function: Callable[[], None]) -> Callable[[], None]:
@@ -501,12 +514,15 @@ class Buffer:
         self._call += 1
         call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, self._call,
                             self.epoch)
+        receipt = None
         if self._sync_calls and not (async_finish or return_recv_hook):
             private = self._impl.dispatch_sync(call, outputs)  # send and receive in one native call
             receive = None
         else:
             private, receive = self._impl.dispatch(call, outputs)
-        plan = DispatchPlan(self._call, x.size(0), topk_idx.size(1), use_fp8, self.epoch, private, spec)
+            if async_finish or return_recv_hook:
+                receive, receipt = _with_receipt(receive)
+        plan = DispatchPlan(self._call, x.size(0), topk_idx.size(1), use_fp8, self.epoch, private, spec, receipt)
         self._last_plan = plan
         handle = DispatchHandle(outputs.src_info, outputs.layout_range, spec.tokens, spec.hidden, spec.experts,
                                 plan=plan)
@@ -514,6 +530,8 @@ class Buffer:
             event, hook = EventOverlap(None, (x, topk_idx, outputs)), None
         else:
             event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, outputs))
+            if async_finish:
+                receipt.wait = event.current_stream_wait
         packed = (outputs.recv_x, outputs.recv_scales.transpose(1, 2)) if use_fp8 else outputs.recv_x
         return packed, outputs.recv_count, handle, event, hook
 
@@ -605,6 +623,12 @@ class Buffer:
             plan = plan or self._last_plan
             if plan is None:
                 raise ValueError("handle: no dispatch has run on this Buffer")
+        receipt = plan.receipt
+        if receipt is not None and not receipt.done:
+            if receipt.wait is None:
+                raise ValueError("handle: expected a dispatch whose receive phase has run, got one made with "
+                                 "return_recv_hook=True whose hook() has not been called")
+            receipt.wait()  # async_finish: the layout is complete once the dispatch's event is
         if len(self.members) < self.num_ranks:
             self._check_members(active_ranks)
         if zero_copy:

@@ -25,6 +25,8 @@ class DispatchPlan(NamedTuple):
         private: transport-specific state (the collective fallback's exchange plan), or None.
         spec: the Buffer's validated record of the call shape (lets combine() skip re-checking the
             handle's fields), or None.
+        receipt: `ReceiveReceipt` of a dispatch whose receive phase runs later (hook or async
+            mode), or None when it ran inside the call.
     """
 
     call: int
@@ -34,6 +36,23 @@ class DispatchPlan(NamedTuple):
     epoch: int
     private: Any
     spec: Any = None
+    receipt: Any = None
+
+
+class ReceiveReceipt:
+    """Whether a dispatch's deferred receive phase has run (combine needs its layout first).
+
+    Fields:
+        done: set once the receive phase has finished (or failed: its error is the hook's to raise).
+        wait: completes the receive phase for an `async_finish` dispatch (the event's wait), or None
+            for a `return_recv_hook` dispatch, whose caller must run the hook itself.
+    """
+
+    __slots__ = ("done", "wait")
+
+    def __init__(self):
+        self.done = False
+        self.wait = None
 
 
 class DispatchHandle(_DispatchHandleFields):
