@@ -122,7 +122,10 @@ class Buffer:
     as long as the caller holds it or anything made from it (a view or slice, its storage, the
     handle, the call's event or hook). Only when nothing outside the pool references a result any
     more (torch's storage use count and the storage object's reference count say so) may a later
-    call of the same shape return the same memory. Rows of recv_x past `recv_count` are
+    call of the same shape return the same memory. The rows (recv_x, scales) and the small
+    tensors (src_info, layout_range, recv_count) are separate blocks, so keeping a handle or
+    recv_count does not keep tens of MB of rows busy; memory that was shared with another process
+    or whose storage a caller resized is never reused. Rows of recv_x past `recv_count` are
     unspecified (they may hold an earlier call's rows); src_info past `recv_count` is 0.
 
     Hot path: the first call of a shape (T, E, hidden, FP8) runs the full validation and records
@@ -569,7 +572,8 @@ class Buffer:
             topk_weights: `[num_tokens, num_topk]` torch.float32.
             active_ranks: `[num_ranks]` torch.int32; owners that miss the deadline are set to 0.
             timeout_us: deadline in microseconds, -1 = wait forever.
-            handle: the handle returned by the matching `dispatch`.
+            handle: the handle returned by the matching `dispatch` (with `return_recv_hook`, after its
+                hook ran; an `async_finish` dispatch is completed first if its event was not waited).
             zero_copy: `x` was written in place into `get_next_combine_buffer(handle)`.
             async_finish: return at once; `event.current_stream_wait()` completes the call.
             return_recv_hook: return after the send phase; `out` is valid after `hook()`.

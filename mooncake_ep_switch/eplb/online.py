@@ -138,7 +138,11 @@ class OnlineRebalancer:
         return bool(self._queue)
 
     def pending_chunks(self) -> Tuple[RebalanceChunk, ...]:
-        """Chunks not yet committed or aborted, in commit order."""
+        """Chunks not yet committed or aborted, in commit order.
+
+        Returns:
+            chunks: tuple of `RebalanceChunk`.
+        """
         return tuple(self._queue)
 
     # ------------------------------------------------------------------ planning

@@ -162,7 +162,15 @@ class ExpertSlots:
 
     # ------------------------------------------------------------------ placement
     def check_primaries(self, name: str, table: np.ndarray) -> None:
-        """With primaries: every rank's first E/R slots hold its EP experts, else a clear error."""
+        """With primaries: every rank's first E/R slots hold its EP experts, else a clear error.
+
+        Arguments:
+            name: the argument name the error message names.
+            table: `[L, num_slots]` integer numpy array, a phy2log slot table.
+
+        Returns:
+            None (raises ValueError naming `name` when a primary slot holds another expert).
+        """
         if not self.num_primary:
             return
         per_rank = self.shape.slots_per_rank
