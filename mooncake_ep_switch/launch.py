@@ -55,7 +55,12 @@ class RankOutcome(NamedTuple):
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface."""
+    """A free TCP port on the loopback interface.
+
+    Returns:
+        port: int, a port that was free on 127.0.0.1 when checked (the probe socket is closed
+            before returning, so another process may still take it).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -162,7 +167,13 @@ class LocalCluster:
         """Start a replacement process for a dead `rank` (same rank id, no world group).
 
         Its functions get a context whose `group` is None and whose `store` reaches the launcher's
-        store, which is how a replacement joins (`mooncake_ep_switch.elastic.join`).
+        store, which is how a replacement joins (`mooncake_ep_switch.elastic.join`). On success the
+        cluster is no longer marked broken.
+
+        Arguments:
+            rank: id of the rank to replace, in `[0, num_ranks)`; raises RuntimeError if it is alive.
+            threads: torch intra-op threads of the new process.
+            timeout_s: deadline in seconds for the new process to start; TimeoutError after it.
         """
         old = self.processes[rank]
         if old.is_alive():
@@ -275,7 +286,15 @@ class LocalCluster:
 
 
 def check_outcomes(outcomes: List[RankOutcome]) -> List[Any]:
-    """Return every rank's value, raising with every failed rank's error if any failed."""
+    """Return every rank's value, raising with every failed rank's error if any failed.
+
+    Arguments:
+        outcomes: `RankOutcome`s, e.g. from `LocalCluster.run`.
+
+    Returns:
+        values: list of each outcome's `value`, in the order of `outcomes` (if any outcome is not
+            ok, raises RuntimeError with every failed rank's error and exit code instead).
+    """
     failures = [o for o in outcomes if not o.ok]
     if failures:
         text = "\n".join(f"--- rank {o.rank} (exitcode {o.exitcode}):\n{o.error}" for o in failures)

@@ -118,7 +118,12 @@ class EventOverlap:
                 raise self._error
 
     def is_complete(self) -> bool:
-        """Whether the operation has been completed by a wait."""
+        """Whether the operation has been completed by a wait.
+
+        Returns:
+            complete: bool, True if the event was built already complete (no `finish`) or a
+                `current_stream_wait()` has run the operation (also when it raised), else False.
+        """
         return self._finish is None
 
     def __enter__(self):

@@ -188,7 +188,15 @@ class ExpertSlots:
                                "experts are served and staged in the 'ep' layout only")
 
     def local_experts(self, layer: int) -> List[int]:
-        """Logical expert of each of this rank's slots of `layer` (local index order)."""
+        """Logical expert of each of this rank's physical experts (slots) of `layer` (local index order).
+
+        Arguments:
+            layer: MoE layer in `[0, L)`.
+
+        Returns:
+            experts: list of `slots_per_rank` int logical expert ids in `[0, E)`, from the current
+                `phy2log`.
+        """
         per_rank = self.shape.slots_per_rank
         return self.phy2log[layer, self.rank * per_rank:(self.rank + 1) * per_rank].tolist()
 

@@ -228,26 +228,57 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ geometry
     def pool_base(self, rank: Optional[int] = None) -> int:
-        """Address (as mapped here) of `rank`'s pool (default this rank's)."""
+        """Address (as mapped here) of `rank`'s pool (default this rank's).
+
+        Arguments:
+            rank: rank in [0, P), or None for this rank (a peer needs the one-sided transport).
+
+        Returns:
+            address: int, first byte of the pool (just after the metadata area).
+        """
         if rank is None or rank == self.rank:
             return self.local.data_ptr() + self.meta_bytes
         return self.region.peer_bases[rank] + self.meta_bytes
 
     def region_range(self, rank: Optional[int] = None) -> Tuple[int, int]:
-        """[start, end) addresses of `rank`'s whole region as mapped here."""
+        """[start, end) addresses of `rank`'s whole region as mapped here.
+
+        Arguments:
+            rank: rank in [0, P), or None for this rank (a peer needs the one-sided transport).
+
+        Returns:
+            start: int, address of the region's first byte (the metadata area).
+            end: int, `start + region_bytes`.
+        """
         start = self.local.data_ptr() if rank is None or rank == self.rank else self.region.peer_bases[rank]
         return start, start + self.region_bytes
 
     def head_groups(self) -> List[int]:
-        """Head groups (units of `H_kv/P` heads) stored here: all in EP, this rank's in TP."""
+        """Head groups (units of `H_kv/P` heads) stored here: all in EP, this rank's in TP.
+
+        Returns:
+            groups: list of int, ascending: `[0, P)` in EP, `[rank]` in TP.
+        """
         return list(range(self.num_ranks)) if self.layout == EP else [self.rank]
 
     def num_heads_here(self) -> int:
-        """KV heads stored per request here: `H_kv` in EP, `H_kv/P` in TP."""
+        """KV heads stored per request here: `H_kv` in EP, `H_kv/P` in TP.
+
+        Returns:
+            heads: int.
+        """
         return len(self.head_groups()) * self.heads_per_unit
 
     def units_of(self, rid: int, group: int) -> List[int]:
-        """Units holding head group `group` of every page of request `rid`, in page order."""
+        """Units holding head group `group` of every page of request `rid`, in page order.
+
+        Arguments:
+            rid: a request id on this rank (KeyError otherwise).
+            group: head group, one of `head_groups()` (ValueError otherwise).
+
+        Returns:
+            units: list of int unit indices in [0, num_units), one per page of the request.
+        """
         req = self._request(rid)
         if group not in self.head_groups():
             raise ValueError(f"group: head group {group} is not stored on rank {self.rank} in layout "
@@ -350,7 +381,11 @@ class PagedKVCache:
         return start
 
     def free_request(self, rid: int) -> None:
-        """Drop a request; pages whose reference count reaches 0 become free."""
+        """Drop a request; pages whose reference count reaches 0 become free.
+
+        Arguments:
+            rid: a request id on this rank (KeyError otherwise).
+        """
         req = self._request(rid)
         for page in req.pages:
             self._release_page(page)
@@ -419,15 +454,30 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ switch metadata
     def used_units(self) -> int:
-        """Units in use on this rank."""
+        """Units in use on this rank.
+
+        Returns:
+            count: int, units not free (of `num_units`; a shared page counts once, an EP page as P).
+        """
         return int((~self.free).sum())
 
     def snapshot(self) -> RankMeta:
-        """This rank's state as published for a switch."""
+        """This rank's state as published for a switch.
+
+        Returns:
+            meta: a `RankMeta`: the current layout, a shallow copy of the requests and a copy of the
+                free-unit bitmap (`[num_units]` np.bool_).
+        """
         return RankMeta(self.layout, dict(self.requests), self.free.copy())
 
     def encode_meta(self) -> np.ndarray:
-        """This rank's `RankMeta` as one int64 array (no pickle: peers read it from shared memory)."""
+        """This rank's `RankMeta` as one int64 array (no pickle: peers read it from shared memory).
+
+        Returns:
+            data: `[n]` np.int64: header (magic, layout code, num_units, request count), then per
+                request in rid order (rid, num_tokens, prompt_len, page count, page ids...), then the
+                free-unit bitmap packed to bits and zero-padded to whole int64 words.
+        """
         head = [_MAGIC, _LAYOUT_CODE[self.layout], self.config.num_units, len(self.requests)]
         body: List[int] = []
         for rid in sorted(self.requests):
@@ -438,7 +488,14 @@ class PagedKVCache:
         return np.concatenate([np.asarray(head + body, dtype=np.int64), bits])
 
     def decode_meta(self, data: np.ndarray) -> RankMeta:
-        """Inverse of `encode_meta` (validates what a peer published)."""
+        """Inverse of `encode_meta` (validates what a peer published).
+
+        Arguments:
+            data: `[n]` integer array as `encode_meta()` makes it (converted to np.int64).
+
+        Returns:
+            meta: a `RankMeta` (raises ValueError if the magic or `num_units` differ from this cache's).
+        """
         data = np.asarray(data, dtype=np.int64)
         if data.size < 4 or int(data[0]) != _MAGIC or int(data[2]) != self.config.num_units:
             raise ValueError("metadata: a peer published KV metadata of another shape or format")
@@ -453,7 +510,12 @@ class PagedKVCache:
         return RankMeta(layout, requests, free)
 
     def publish_meta(self) -> int:
-        """Write `encode_meta()` into this rank's metadata area (one-sided transport); returns its bytes."""
+        """Write `encode_meta()` into this rank's metadata area (one-sided transport); returns its bytes.
+
+        Returns:
+            nbytes: int, size of the encoded metadata (`8 * encode_meta().size`), also stored in the
+                area's first 8 bytes; raises ValueError if it does not fit in the metadata area.
+        """
         data = self.encode_meta()
         nbytes = data.size * 8
         if nbytes > self.meta_bytes - _META_HEADER:
@@ -464,7 +526,14 @@ class PagedKVCache:
         return nbytes
 
     def read_meta(self, rank: int) -> RankMeta:
-        """Read the metadata `rank` published (after its entry signal was observed)."""
+        """Read the metadata `rank` published (after its entry signal was observed).
+
+        Arguments:
+            rank: rank in [0, P); this rank's is read locally, a peer's through shared memory.
+
+        Returns:
+            meta: a `RankMeta` (raises ValueError on a bad length or unreadable metadata).
+        """
         region = self.local if rank == self.rank else self.region.peer(rank)
         nbytes = int(region[:8].view(torch.int64)[0])
         if nbytes <= 0 or nbytes > self.meta_bytes - _META_HEADER or nbytes % 8:
@@ -697,9 +766,16 @@ class PagedKVCache:
 
         The packed form of a move is `[L][2][H_kv/P][filled][D]`, moves one after another.
 
+        Arguments:
+            moves: `[M, 5]` np.int64 (src_rank, src_unit, dst_rank, dst_unit, filled_tokens).
+            pool_base: address of this rank's pool as mapped here (see `pool_base()`).
+            packed_base: address of the contiguous packed buffer.
+            pack: True: pool -> packed, reading unit `src_unit`; False: packed -> pool, writing
+                unit `dst_unit`.
+
         Returns:
-            blocks: `[M * L * 2, 6]` np.int64.
-            nbytes: packed size.
+            blocks: `[M * L * 2, 6]` np.int64 for `copy_blocks`.
+            nbytes: int, packed size in bytes (0 when `moves` is empty).
         """
         cfg = self.config
         if moves.size == 0:
@@ -724,7 +800,12 @@ class PagedKVCache:
         return blocks.reshape(-1, 6), int(move_packed.sum())
 
     def commit(self, plan: KVPlan) -> None:
-        """Adopt a plan's new state on this rank (after every move into this rank is done)."""
+        """Adopt a plan's new state on this rank (after every move into this rank is done).
+
+        Arguments:
+            plan: a `KVPlan` from `plan()` that was not refused (its `new_free` is not None); sets the
+                layout to `plan.target` and the requests, reference counts and free units to its own.
+        """
         self.layout = plan.target
         self.requests = dict(plan.new_requests)
         refcount: Dict[int, int] = {}
@@ -735,7 +816,11 @@ class PagedKVCache:
         self.free = plan.new_free.copy()
 
     def memory_bytes(self) -> int:
-        """Bytes of this rank's region (metadata area + pool)."""
+        """Bytes of this rank's region (metadata area + pool).
+
+        Returns:
+            nbytes: int, `region_bytes` (metadata area rounded up to 4096 bytes, plus the pool).
+        """
         return self.region_bytes
 
     def destroy(self) -> None:

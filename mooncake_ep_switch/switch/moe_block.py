@@ -24,7 +24,19 @@ class MoEWeights(NamedTuple):
 
 
 def random_weights(num_experts: int, hidden: int, intermediate: int, seed: int) -> MoEWeights:
-    """Random-weight layer, identical on every rank for the same seed."""
+    """Random-weight layer, identical on every rank for the same seed.
+
+    Arguments:
+        num_experts: `E`, logical experts.
+        hidden: `H`.
+        intermediate: `I`.
+        seed: seed of the CPU `torch.Generator` drawing the weights.
+
+    Returns:
+        weights: `MoEWeights` with router `[E, H]` torch.float32 (scaled by `H**-0.5`), gate_up
+            `[E, 2I, H]` torch.bfloat16 (scaled by `H**-0.5`), down `[E, H, I]` torch.bfloat16
+            (scaled by `I**-0.5`), all drawn from a standard normal.
+    """
     generator = torch.Generator().manual_seed(seed)
     scale_in, scale_mid = hidden ** -0.5, intermediate ** -0.5
     router = torch.randn((num_experts, hidden), generator=generator) * scale_in
@@ -54,7 +66,16 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int):
 def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """SwiGLU expert on rows `x` `[n, H]` bf16 with `gate_up` `[2I', H]`, `down` `[H, I']`; returns bf16.
 
-    Computed in float32 row by row-block; with I' a slice of I (TP), the result is a partial sum.
+    Computed in float32, rounded to bf16 at the end; with I' a slice of I (TP), the result is a
+    partial sum.
+
+    Arguments:
+        x: `[n, H]` torch.bfloat16 rows routed to this expert.
+        gate_up: `[2I', H]` torch.bfloat16, gate rows `[0, I')` then up rows `[I', 2I')`.
+        down: `[H, I']` torch.bfloat16.
+
+    Returns:
+        out: `[n, H]` torch.bfloat16, `down @ (SiLU(gate @ x) * (up @ x))` per row.
     """
     intermediate = gate_up.size(0) // 2
     hidden_states = x.float() @ gate_up.float().t()

@@ -168,29 +168,70 @@ class UnifiedWeights:
 
     @staticmethod
     def control_bytes_for(num_ranks: int) -> int:
-        """Bytes of the control region for `num_ranks` ranks."""
+        """Bytes of the control region for `num_ranks` ranks.
+
+        Arguments:
+            num_ranks: `P`, number of ranks of the group.
+
+        Returns:
+            nbytes: int, `CONTROL_BASE_BYTES` plus 8 bytes per rank rounded up to a multiple of 4096.
+        """
         return CONTROL_BASE_BYTES + ((8 * num_ranks + 4095) // 4096) * 4096
 
     # ------------------------------------------------------------------ geometry
     def slot_of(self, layer: int, layout: str) -> int:
-        """Slot holding `layer` in `layout` (EP: layer + 1, TP: layer)."""
+        """Slot holding `layer` in `layout` (EP: layer + 1, TP: layer).
+
+        Arguments:
+            layer: MoE layer index in [0, L) (not checked).
+            layout: `"ep"` or `"tp"` (any value other than `"ep"` counts as TP).
+
+        Returns:
+            slot: int in [0, L].
+        """
         return layer + 1 if layout == EP else layer
 
     def free_slot(self, layout: Optional[str] = None) -> int:
-        """The slot no layer uses in `layout` (default: the current one): 0 in EP, L in TP."""
+        """The slot no layer uses in `layout` (default: the current one): 0 in EP, L in TP.
+
+        Arguments:
+            layout: `"ep"`, `"tp"`, or None for the current layout (`self.layout`).
+
+        Returns:
+            slot: int, 0 in EP, `L` (`num_layers`) in TP.
+        """
         return 0 if (layout or self.layout) == EP else self.num_layers
 
     def slot_offset(self, slot: int) -> int:
-        """Byte offset of `slot` inside the region."""
+        """Byte offset of `slot` inside the region.
+
+        Arguments:
+            slot: slot index in [0, L] (not checked).
+
+        Returns:
+            offset: int, `slot * slot_bytes`.
+        """
         return slot * self.slot_bytes
 
     def gate_up_bytes(self) -> int:
-        """Bytes of the gate/up part of a slot (the down part follows it)."""
+        """Bytes of the gate/up part of a slot (the down part follows it).
+
+        Returns:
+            nbytes: int, `(E/P) * 2I * H * 2` (bf16), the same in EP and TP.
+        """
         experts, hidden, inter = self.shape
         return experts // self.num_ranks * 2 * inter * hidden * 2
 
     def view_shapes(self, layout: str) -> Tuple[tuple, tuple]:
-        """(gate_up shape, down shape) of one layer's view in `layout`."""
+        """(gate_up shape, down shape) of one layer's view in `layout`.
+
+        Arguments:
+            layout: `"ep"` or `"tp"` (any value other than `"ep"` gives the TP shapes).
+
+        Returns:
+            gate_up_shape: tuple, EP `(E/P, 2I, H)` or TP `(E, 2I/P, H)`.
+            down_shape: tuple, EP `(E/P, H, I)` or TP `(E, H, I/P)`.
+        """
         experts, hidden, inter = self.shape
         if layout == EP:
             local = experts // self.num_ranks
@@ -262,7 +303,15 @@ class UnifiedWeights:
             self.load(index, gate_up, down)
 
     def peer_slot_base(self, peer: int, slot: int) -> int:
-        """Address (as mapped here) of `slot` in `peer`'s region (one-sided transport only)."""
+        """Address (as mapped here) of `slot` in `peer`'s region (one-sided transport only).
+
+        Arguments:
+            peer: rank in [0, P) (this rank included).
+            slot: slot index in [0, L] (not checked).
+
+        Returns:
+            address: int, virtual address in this process of the slot's first byte.
+        """
         return self.region.peer_bases[peer] + self.slot_offset(slot)
 
     def memory_report(self) -> MemoryReport:
