@@ -116,12 +116,27 @@ class CollectiveTransport:
         self.view_change = None
 
     def endpoint(self) -> dict:
-        """Nothing to publish: collectives need no peer metadata."""
+        """Nothing to publish: collectives need no peer metadata. See `OneSidedTransport.endpoint`.
+
+        Returns:
+            endpoint: an empty dict.
+        """
         return {}
 
     def connect_members(self, view, membership, deadline: float) -> None:
         """Run on the group of `view`: the constructor's group in epoch 0, else one built from the
-        store with the epoch in its prefix (a gloo group cannot lose or regain a member)."""
+        store with the epoch in its prefix (a gloo group cannot lose or regain a member).
+
+        Arguments:
+            view: the membership `View` (epoch, ranks) to run on.
+            membership: the `Membership` whose store builds the group; may be None only in epoch 0
+                with a constructor group.
+            deadline: `time.monotonic()` deadline in seconds.
+
+        Raises:
+            RuntimeError: a new view but no `membership` (no store).
+            MembershipError: a member missed the store barrier before `deadline`.
+        """
         import time
 
         from mooncake_ep_switch.buffer.membership import view_group
@@ -184,7 +199,17 @@ class CollectiveTransport:
         return finish()
 
     def combine_buffer(self, call: int, shape, device) -> torch.Tensor:
-        """Persistent zero-copy combine buffer for the half of `call` and this shape."""
+        """Persistent zero-copy combine buffer for the half of `call` and this shape.
+
+        Arguments:
+            call: call number of the dispatch (its parity selects one of two buffers).
+            shape: (L, R*T, hidden).
+            device: torch device of the buffer.
+
+        Returns:
+            buffer: `[L, R*T, hidden]` torch.bfloat16, allocated once per (parity, shape, device)
+                and reused (contents unspecified).
+        """
         key = (call % 2, tuple(shape), str(device))
         buffer = self._combine_buffers.get(key)
         if buffer is None:
@@ -217,6 +242,20 @@ class CollectiveTransport:
 
         If a peer dies during the exchange, the survivors move to a group over themselves (within
         the call's deadline) and the dispatch runs again there, without the dead.
+
+        Arguments:
+            call: the validated `DispatchCall` (`x` must be on the CPU).
+            outputs: the `DispatchOutputs` the receive phase fills.
+
+        Returns:
+            plan: the dispatch's plan (resolves to a `CollectivePlan` once the receive phase ran),
+                kept on the handle for combine.
+            receive: callable with no arguments that waits for the exchange and fills `outputs`.
+
+        Raises:
+            ValueError: `x` is not a CPU tensor.
+            RuntimeError: a source announced a token count outside `[0, T]`.
+            PeerLost: a peer died and no view change is configured.
         """
         try:
             plan, receive = self._dispatch_once(call, outputs)
@@ -294,6 +333,19 @@ class CollectiveTransport:
 
         A peer that dies during the exchange: survivors move to their own group and run the
         combine again there; the dead owner's experts are skipped (no renormalisation).
+
+        Arguments:
+            call: the validated `CombineCall`; `plan_private` must be the plan `dispatch` returned.
+
+        Returns:
+            receive: callable with no arguments that waits for the exchange and writes the
+                weighted sum `[N, hidden]` torch.bfloat16 into `call.out`.
+
+        Raises:
+            ValueError: the handle carries no plan (a rebuilt tuple).
+            RuntimeError: the dispatch's receive phase has not run, or the handle's layout_range
+                is not the one its dispatch produced.
+            PeerLost: a peer died and no view change is configured.
         """
         try:
             receive = self._combine_once(call)

@@ -31,7 +31,16 @@ def _simulate(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Entry point of the `mooncake-ep` console script."""
+    """Entry point of the `mooncake-ep` console script.
+
+    Arguments:
+        argv: command-line arguments without the program name, or None for `sys.argv[1:]`; with no
+            subcommand, `demo` is assumed.
+
+    Returns:
+        status: int exit status (demo: 0 when its outputs were correct, else 1; bench and simulate:
+            their own status).
+    """
     parser = argparse.ArgumentParser(prog="mooncake-ep", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", help="serve a small MoE model on local CPU ranks (default)")

@@ -41,7 +41,11 @@ def _read_first_line(path: str) -> str:
 
 
 def default_host_id() -> str:
-    """Identity of this host: hostname, machine id and boot id joined by '/'."""
+    """Identity of this host: hostname, machine id and boot id joined by '/'.
+
+    Returns:
+        host_id: str `"<hostname>/<machine id>/<boot id>"` (an unreadable id is left empty).
+    """
     machine = _read_first_line("/etc/machine-id") or _read_first_line("/var/lib/dbus/machine-id")
     boot = _read_first_line("/proc/sys/kernel/random/boot_id")
     return "/".join([socket.gethostname(), machine, boot])

@@ -81,7 +81,14 @@ LAYOUT_TP, LAYOUT_EP = "tp", "ep"
 
 
 class GroupHandle(NamedTuple):
-    """What the weight, slot and all-reduce structures need of a Buffer: a group and who we are."""
+    """What the weight, slot and all-reduce structures need of a Buffer: a group and who we are.
+
+    Fields:
+        group: the process group (a view's gloo group after a re-admission).
+        rank: this rank.
+        num_ranks: `R`.
+        transport: the Buffer's transport (`"shm"` builds expert slots and a rebalancer).
+    """
 
     group: object
     rank: int
@@ -95,13 +102,29 @@ def _calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def request_trace(config: DemoConfig):
-    """In-flight requests per step: low, a burst, low again (multiples of the rank count)."""
+    """In-flight requests per step: low, a burst, low again (multiples of the rank count).
+
+    Arguments:
+        config: the `DemoConfig`.
+
+    Returns:
+        requests: list of `config.steps` ints, `burst_requests` inside the burst, else `low_requests`.
+    """
     first, end = (int(round(f * config.steps)) for f in config.burst)
     return [config.burst_requests if first <= step < end else config.low_requests for step in range(config.steps)]
 
 
 def initial_placement(config: DemoConfig) -> np.ndarray:
-    """[L, R * slots] phy2log: each rank's primaries, then redundant copies of the next ranks' experts."""
+    """[L, R * slots] phy2log: each rank's primaries, then redundant copies of the next ranks' experts.
+
+    Arguments:
+        config: the `DemoConfig` (`experts` a multiple of `num_ranks`).
+
+    Returns:
+        phy2log: `[L, R * (E/R + redundant_per_rank)]` np.int64, the logical expert of every
+            physical expert (slot); rank r's slots are its `E/R` primaries, then redundant experts
+            `(r+1) * E/R + j` (mod `E`), the same in every layer.
+    """
     local = config.experts // config.num_ranks
     rows = []
     for rank in range(config.num_ranks):
@@ -151,6 +174,18 @@ def _build_structures(handle: GroupHandle, config: DemoConfig, layout: str, phy2
 
 
 def rank_setup(ctx, config: DemoConfig):
+    """Build this rank's Buffer and (unless it is a replacement) its weights, slots and rebalancer.
+
+    Runs inside a `LocalCluster` rank; collective over `ctx.group`. A replacement rank
+    (`ctx.group` None) joins through the store and builds the rest in `rank_readmit`.
+
+    Arguments:
+        ctx: the `launch.RankContext`.
+        config: the `DemoConfig`.
+
+    Returns:
+        transport: str, the transport the Buffer uses.
+    """
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.elastic import join
 
@@ -168,7 +203,16 @@ def rank_setup(ctx, config: DemoConfig):
 
 
 def rank_sync_state(ctx):
-    """What a replacement must take over from the survivors (counters, placement, layout)."""
+    """What a replacement must take over from the survivors (counters, placement, layout).
+
+    Arguments:
+        ctx: the `launch.RankContext` (unused).
+
+    Returns:
+        sync: dict with `"switch_seq"`, `"tp_call"`, `"epoch"` (int), `"layout"` (`"tp"` or
+            `"ep"`) and `"phy2log"` (`[L, R * slots_per_rank]` nested list of int, or None
+            without expert slots).
+    """
     state = _RANK_STATE
     slots = state["slots"]
     return {"switch_seq": state["umm"].seq, "tp_call": state["all_reduce"].call, "layout": state["umm"].layout,
@@ -177,7 +221,20 @@ def rank_sync_state(ctx):
 
 
 def rank_readmit(ctx, joiner: int, sync: dict, timeout_s: float = 60.0):
-    """Survivors and the replacement agree on the next epoch, then map each other's regions anew."""
+    """Survivors and the replacement agree on the next epoch, then map each other's regions anew.
+
+    Arguments:
+        ctx: the `launch.RankContext`.
+        joiner: the rank being replaced.
+        sync: what `rank_sync_state` returned on a survivor (used by the replacement).
+        timeout_s: seconds to wait for the joiner and for the agreement.
+
+    Returns:
+        ranks: list of int, the members of the agreed epoch.
+
+    Raises:
+        TimeoutError: the replacement never asked to join.
+    """
     from mooncake_ep_switch.buffer.membership import view_group
 
     buffer = _RANK_STATE["buffer"]
@@ -207,6 +264,16 @@ def rank_readmit(ctx, joiner: int, sync: dict, timeout_s: float = 60.0):
 
 
 def rank_switch(ctx, target: str):
+    """Switch this rank's unified weights to `target` (collective over the Buffer's members).
+
+    Arguments:
+        ctx: the `launch.RankContext` (unused).
+        target: `"tp"` or `"ep"`.
+
+    Returns:
+        result: dict with `"outcome"`, `"reason"` (str), `"total_ms"` (float) and `"weight_bytes"`
+            (int), from the `SwitchReport`.
+    """
     from mooncake_ep_switch.switch import switch_layout
 
     report = switch_layout(_RANK_STATE["buffer"], target, weights=_RANK_STATE["umm"],
@@ -263,6 +330,24 @@ def _ep_reference(ctx, x, rows, dead):
 
 
 def rank_step(ctx, step: int, command: dict):
+    """Serve one decode step in the current layout and check it against the reference forward.
+
+    At `config.kill_step` the `config.kill_rank` SIGKILLs itself here. In EP, a rebalance is begun
+    (when `command` carries one) and advanced by one step before serving.
+
+    Arguments:
+        ctx: the `launch.RankContext`.
+        step: decode step number.
+        command: dict with `"requests"` (int, in flight over all ranks) and optionally
+            `"rebalance"` (dict with `"phy2log"` `[L, R * slots_per_rank]` and `"commit_step"`).
+
+    Returns:
+        result: dict with `"seconds"` (float, forward time), `"diff"` (float, DeepEP-style
+            difference against the reference), `"tokens"` (int, this rank's), `"dead"` (list of
+            int ranks found inactive), `"layout"`, `"counts"` (per layer, tokens per local
+            physical slot, or None), `"reports"` (list of `RebalanceReport` dicts) and
+            `"phy2log"` (nested list, or None).
+    """
     import signal
 
     from mooncake_ep_switch.switch.moe_block import reference_forward, tp_forward
@@ -309,6 +394,14 @@ def rank_step(ctx, step: int, command: dict):
 
 
 def rank_teardown(ctx):
+    """Destroy this rank's rebalancer, slots, all-reduce, weights and Buffer, in that order.
+
+    Arguments:
+        ctx: the `launch.RankContext` (unused).
+
+    Returns:
+        done: True.
+    """
     for name in ("rebalancer", "slots", "all_reduce", "umm", "buffer"):
         item = _RANK_STATE.pop(name, None)
         destroy = getattr(item, "destroy", None)

@@ -27,7 +27,17 @@ class FaultPoint(NamedTuple):
 
     @staticmethod
     def parse(text: Optional[str]) -> Optional["FaultPoint"]:
-        """Parse `point:rank:call:how`, or return None for an unset setting."""
+        """Parse `point:rank:call:how`, or return None for an unset setting.
+
+        Arguments:
+            text: the `MEP_FAULT_POINT` value, or None / "" when unset.
+
+        Returns:
+            fault: a `FaultPoint` (`call` -1 for `*`), or None when `text` is empty.
+
+        Raises:
+            ValueError: not four `:`-separated fields, `how` not exit/kill, or a non-integer rank/call.
+        """
         if not text:
             return None
         parts = text.split(":")
@@ -36,7 +46,16 @@ class FaultPoint(NamedTuple):
         return FaultPoint(parts[0], int(parts[1]), -1 if parts[2] == "*" else int(parts[2]), parts[3])
 
     def hit(self, point: str, rank: int, call: int = -1) -> None:
-        """Die here if this is the configured point, rank and call."""
+        """Die here if this is the configured point, rank and call.
+
+        Exits with `os._exit(17)` (`how="exit"`) or SIGKILLs this process (`how="kill"`); returns
+        normally otherwise.
+
+        Arguments:
+            point: name of the point reached.
+            rank: this rank.
+            call: current call number (matched unless the fault says any call).
+        """
         if self.point == point and self.rank == rank and self.call in (-1, call):
             if self.how == "exit":
                 os._exit(17)

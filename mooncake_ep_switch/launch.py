@@ -199,11 +199,13 @@ class LocalCluster:
 
         Arguments:
             function: an importable module-level function.
+            args: positional arguments passed to `function` after the context (picklable).
             timeout_s: deadline for every rank to answer; ranks still running then are killed and
                 the cluster is marked broken.
             failure_grace_s: once a rank has failed, the others get at most this long to answer
                 (they may be blocked in a collective with the failed rank).
             ranks: subset of ranks to run on (default all).
+            kwargs: keyword arguments passed to `function` (picklable).
 
         Returns:
             outcomes: one `RankOutcome` per rank run, in rank order.

@@ -23,7 +23,17 @@ def _progress(index: int, total: int, label: str) -> None:
 
 
 def run_transport_rows(quick: bool = False) -> list:
-    """Measure every transport row; returns a list of dict rows."""
+    """Measure every transport row; returns a list of dict rows.
+
+    Starts local clusters (2 and 4 ranks) in turn and runs the quick EPLB rows too; progress goes to stderr.
+
+    Arguments:
+        quick: fewer iterations (5 instead of 20 per batch, fewer for the slow transports).
+
+    Returns:
+        rows: list of dict in the `table.format_rows` shape (benchmark, shape, ours_ms, baseline,
+            baseline_ms, speedup, optional note).
+    """
     iters = 5 if quick else 20
     rows = []
     total = 6
@@ -96,6 +106,14 @@ def _eplb_row(row: dict) -> dict:
 
 
 def main(argv=None) -> int:
+    """Run every benchmark and print the markdown table (`python -m mooncake_ep_switch.bench`).
+
+    Arguments:
+        argv: command-line arguments (`--quick`, `--out FILE`), or None for `sys.argv[1:]`.
+
+    Returns:
+        status: int, 0 (failures raise).
+    """
     parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer iterations")

@@ -13,6 +13,23 @@ def allgather_dispatch(group, rank, num_ranks, x, topk_idx, tokens_per_rank, num
     """Returns (recv_x [L, R*T, H] bf16, recv_count [L], state for combine).
 
     One all-gather carries both the tokens and their top-k ids (packed side by side as bytes).
+    Collective over `group`.
+
+    Arguments:
+        group: the process group.
+        rank: this rank.
+        num_ranks: `R`.
+        x: `[N, H]` torch.bfloat16 CPU tokens, `N <= T`.
+        topk_idx: `[N, K]` torch.int64 global expert ids, -1 = none.
+        tokens_per_rank: `T`.
+        num_experts: `E`, a multiple of `R`.
+
+    Returns:
+        recv_x: `[L, R*T, H]` torch.bfloat16, the rows for local expert `l` first (by source rank,
+            then token), the rest unspecified.
+        recv_count: `[L]` torch.int32, rows received per local expert.
+        state: (all_topk `[R*T, K]` torch.int64, list of `L` row-index torch.int64 tensors), for
+            `allgather_combine`.
     """
     hidden, top_k = x.size(1), topk_idx.size(1)
     local = num_experts // num_ranks
@@ -39,7 +56,24 @@ def allgather_dispatch(group, rank, num_ranks, x, topk_idx, tokens_per_rank, num
 
 
 def allgather_combine(group, rank, num_ranks, y, topk_weights, num_tokens, tokens_per_rank, num_experts, state):
-    """Returns combined [num_tokens, H] bf16."""
+    """Returns combined [num_tokens, H] bf16.
+
+    Collective over `group` (an all-gather of the weights, an all-reduce of `[R*T, H]` float32).
+
+    Arguments:
+        group: the process group.
+        rank: this rank.
+        num_ranks: `R`.
+        y: `[L, R*T, H]` torch.bfloat16 expert outputs in `allgather_dispatch`'s layout.
+        topk_weights: `[N, K]` torch.float32.
+        num_tokens: `N`, this rank's tokens.
+        tokens_per_rank: `T`.
+        num_experts: `E`.
+        state: the state `allgather_dispatch` returned.
+
+    Returns:
+        out: `[N, H]` torch.bfloat16, the weighted sum over each token's experts (fp32 accumulation).
+    """
     all_topk, rows_by_expert = state
     hidden, top_k = y.size(2), topk_weights.size(1)
     local = num_experts // num_ranks

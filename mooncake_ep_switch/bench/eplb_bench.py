@@ -56,7 +56,21 @@ REPLICA_CONFIGS = [
 
 
 def distribution(kind: str, layers: int, experts: int, rng) -> np.ndarray:
-    """`[layers, experts]` routing probabilities of a synthetic workload."""
+    """`[layers, experts]` routing probabilities of a synthetic workload.
+
+    Arguments:
+        kind: `"zipf<s>"` (e.g. `"zipf1.0"`: Zipf(s) in a random logical-expert order per layer) or
+            `"hot30"` (one logical expert takes 30%, the rest near-uniform).
+        layers: `L`, MoE layers.
+        experts: `E`, logical experts per layer.
+        rng: a `numpy.random.Generator`.
+
+    Returns:
+        probs: `[L, E]` np.float64, each row summing to 1.
+
+    Raises:
+        ValueError: an unknown `kind`.
+    """
     if kind.startswith("zipf"):
         s = float(kind[4:])
         base = 1.0 / np.arange(1, experts + 1) ** s
@@ -73,11 +87,34 @@ def distribution(kind: str, layers: int, experts: int, rng) -> np.ndarray:
 
 
 def sample(probs: np.ndarray, rng) -> np.ndarray:
-    """Token counts of one window: a multinomial draw per layer."""
+    """Token counts of one window: a multinomial draw per layer.
+
+    Arguments:
+        probs: `[L, E]` np.float64 routing probabilities per logical expert.
+        rng: a `numpy.random.Generator`.
+
+    Returns:
+        counts: `[L, E]` np.float64, `TOKENS` routed tokens per layer.
+    """
     return np.stack([rng.multinomial(TOKENS, p) for p in probs]).astype(np.float64)
 
 
 def drifted(kind: str, probs: np.ndarray, counts: np.ndarray, rng) -> np.ndarray:
+    """The load after a drift of kind `kind`.
+
+    Arguments:
+        kind: `"resample"` (a new window from `probs`), `"noise"` (counts x lognormal(0, 0.2)) or
+            `"permute"` (each layer's counts re-permuted over the logical experts).
+        probs: `[L, E]` np.float64 routing probabilities (used by `"resample"`).
+        counts: `[L, E]` np.float64 load before the drift.
+        rng: a `numpy.random.Generator`.
+
+    Returns:
+        counts: `[L, E]` np.float64, the new load (a new array).
+
+    Raises:
+        ValueError: an unknown `kind`.
+    """
     if kind == "resample":
         return sample(probs, rng)
     if kind == "noise":
@@ -88,6 +125,16 @@ def drifted(kind: str, probs: np.ndarray, counts: np.ndarray, rng) -> np.ndarray
 
 
 def timed(fn, repeats: int):
+    """Run `fn` `repeats` times; keep the last result and the best time.
+
+    Arguments:
+        fn: callable with no arguments.
+        repeats: runs, >= 1 (0 gives (None, inf)).
+
+    Returns:
+        result: what the last run of `fn` returned.
+        seconds: float, the fastest run's wall time.
+    """
     best, result = float("inf"), None
     for _ in range(repeats):
         start = time.perf_counter()
@@ -97,18 +144,44 @@ def timed(fn, repeats: int):
 
 
 def greedy_args(cfg):
+    """Positional arguments of `greedy_rebalance_experts` (after the weight) for a configuration.
+
+    Arguments:
+        cfg: a `CONFIGS` tuple (name, layers, experts, slots, groups, nodes, gpus, hierarchical).
+
+    Returns:
+        args: (num_replicas, num_groups, num_nodes, num_gpus); one group and one node in global mode.
+    """
     _, _, _, slots, groups, nodes, gpus, hierarchical = cfg
     # The greedy is hierarchical when groups % nodes == 0; pass one node for the global mode.
     return (slots, groups, nodes, gpus) if hierarchical else (slots, 1, 1, gpus)
 
 
 def ours_args(cfg):
+    """Arguments of `rebalance_experts` (after the weight) for a configuration.
+
+    Arguments:
+        cfg: a `CONFIGS` tuple (name, layers, experts, slots, groups, nodes, gpus, hierarchical).
+
+    Returns:
+        args: (num_replicas, num_groups, num_nodes, num_gpus).
+        kwargs: dict with `hierarchical`.
+    """
     _, _, _, slots, groups, nodes, gpus, hierarchical = cfg
     return (slots, groups, nodes, gpus), dict(hierarchical=hierarchical)
 
 
 def run(quick: bool = False) -> list:
-    """Run every configuration and workload; return one dict per row (see `print_table`)."""
+    """Run every configuration and workload; return one dict per row (see `print_table`).
+
+    Arguments:
+        quick: at most 8 layers per configuration and one timing run (else 3, best counts).
+
+    Returns:
+        rows: list of dict with `config`, `workload`, `layers`, `bal_ours`, `bal_greedy`, `t_ours`,
+            `t_greedy` (seconds); drift rows add `bal_fresh`, `worst_drop`, `moved_ours`,
+            `moved_greedy` (fractions of physical slots); fixed-primaries rows add `bal_plain`.
+    """
     rng = np.random.default_rng(SEED)
     repeats = 1 if quick else 3
     rows = []
@@ -159,7 +232,16 @@ def run(quick: bool = False) -> list:
 
 
 def replica_rows(rng, repeats: int, quick: bool) -> list:
-    """Fixed-primaries rows: `place_redundant_experts` against the greedy with the same slots."""
+    """Fixed-primaries rows: `place_redundant_experts` against the greedy with the same slots.
+
+    Arguments:
+        rng: a `numpy.random.Generator` (advanced).
+        repeats: timing runs per measurement, >= 1.
+        quick: at most 8 layers per configuration.
+
+    Returns:
+        rows: list of dict rows as in `run` (workloads `fixed:<kind>` and `fixed:drift:noise`).
+    """
     rows = []
     for name, layers, experts, gpus, redundant in REPLICA_CONFIGS:
         layers = min(layers, 8) if quick else layers
@@ -198,7 +280,14 @@ def replica_rows(rng, repeats: int, quick: bool) -> list:
 
 
 def targets(rows: list) -> list:
-    """(target, met, detail) for each target of the benchmark."""
+    """(target, met, detail) for each target of the benchmark.
+
+    Arguments:
+        rows: the rows of `run`.
+
+    Returns:
+        checks: list of (target str, met bool, detail str).
+    """
     fresh = [r for r in rows if not r["workload"].startswith(("drift", "fixed"))]
     drift = [r for r in rows if r["workload"].startswith("drift")]
     fixed = [r for r in rows if r["workload"].startswith("fixed")]
@@ -234,6 +323,11 @@ def targets(rows: list) -> list:
 
 
 def print_table(rows: list) -> None:
+    """Print the rows, a legend and every target with met / NOT met to stdout.
+
+    Arguments:
+        rows: the rows of `run`.
+    """
     header = f"{'config':28s} {'workload':15s} {'bal ours':>8s} {'greedy':>7s} {'ratio':>6s} | {'moved ours':>10s} {'greedy':>7s} {'ratio':>6s} | {'drop':>6s} | {'time ratio':>10s} {'ours ms':>8s}"
     print(header)
     print("-" * len(header))
@@ -253,6 +347,14 @@ def print_table(rows: list) -> None:
 
 
 def main(argv=None) -> int:
+    """Run the EPLB benchmark and print its table (`python -m mooncake_ep_switch.bench.eplb_bench`).
+
+    Arguments:
+        argv: command-line arguments (`--quick`), or None for `sys.argv[1:]`.
+
+    Returns:
+        status: int, 0 (targets not met are reported, not turned into a status).
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 layers per configuration, one timing run")
     args = parser.parse_args(argv)

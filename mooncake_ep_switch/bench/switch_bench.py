@@ -102,7 +102,22 @@ def _populate_kv(kv, ctx, shape: SwitchBenchShape) -> None:
 
 
 def rank_switch_bench(ctx, shape: SwitchBenchShape, iters: int, collective_iters: int):
-    """One rank: switch back and forth `iters` times; memcpy baselines; the collective fallback."""
+    """One rank: switch back and forth `iters` times; memcpy baselines; the collective fallback.
+
+    Runs inside a `LocalCluster` rank; collective over `ctx.group` (two Buffers, "shm" then "collective").
+
+    Arguments:
+        ctx: the `launch.RankContext`.
+        shape: the `SwitchBenchShape`.
+        iters: timed EP -> TP -> EP round trips (after one warm-up round trip).
+        collective_iters: timed round trips on the collective fallback (weights only).
+
+    Returns:
+        result: dict with `"ep->tp"` and `"tp->ep"` (lists of `SwitchReport._asdict()`, one per
+            timed switch), `"memcpy_weights"`, `"memcpy_weights_all"`, `"stream_weights_all"`,
+            `"memcpy_kv_ep->tp"`, `"memcpy_kv_tp->ep"` (float seconds of the copy baselines) and
+            `"collective"` (list of float EP -> TP weight_ms on the fallback).
+    """
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, PagedKVCache
     from mooncake_ep_switch.switch.switcher import switch_layout
@@ -165,7 +180,20 @@ def _slowest(results, way: str, key: str) -> float:
 
 
 def measure(shape: SwitchBenchShape, iters: int, collective_iters: int) -> List[dict]:
-    """Rows for one shape (spawns `shape.num_ranks` ranks)."""
+    """Rows for one shape (spawns `shape.num_ranks` ranks).
+
+    Arguments:
+        shape: the `SwitchBenchShape`; `num_ranks` >= 2.
+        iters: timed round trips per rank (see `rank_switch_bench`).
+        collective_iters: timed round trips on the collective fallback.
+
+    Returns:
+        rows: list of dict rows in the `table.format_rows` shape (weights both ways, shm vs
+            collective, KV both ways).
+
+    Raises:
+        RuntimeError: a rank failed (see `launch.check_outcomes`).
+    """
     with LocalCluster(shape.num_ranks) as cluster:
         results = check_outcomes(cluster.run(rank_switch_bench, shape, iters, collective_iters, timeout_s=900))
     ranks = shape.num_ranks
@@ -229,6 +257,14 @@ def run(quick: bool = False) -> List[dict]:
 
 
 def main(argv=None) -> int:
+    """Run the switch benchmark and print its table (`python -m mooncake_ep_switch.bench.switch_bench`).
+
+    Arguments:
+        argv: command-line arguments (`--quick`), or None for `sys.argv[1:]`.
+
+    Returns:
+        status: int, 0 (failures raise).
+    """
     parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch.bench.switch_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer iterations, smaller shapes")

@@ -4,7 +4,14 @@ from typing import List
 
 def format_rows(rows: List[dict]) -> str:
     """Markdown table of benchmark rows (keys: benchmark, shape, ours_ms, baseline, baseline_ms,
-    speedup = baseline / ours, and an optional note)."""
+    speedup = baseline / ours, and an optional note).
+
+    Arguments:
+        rows: list of dict with those keys (times in milliseconds).
+
+    Returns:
+        table: str, header, separator and one line per row, joined by newlines (no trailing newline).
+    """
     lines = ["| benchmark | shape | ours (ms) | baseline | baseline (ms) | ratio (baseline/ours) | note |",
              "| --- | --- | ---: | --- | ---: | ---: | --- |"]
     for row in rows:

@@ -16,6 +16,16 @@ from mooncake_ep_switch.launch import LocalCluster, check_outcomes
 
 
 class TransportShape(NamedTuple):
+    """Shape of one transport benchmark round (inputs are random, seeded per rank).
+
+    Fields:
+        num_ranks: `R`.
+        tokens: `T`, tokens per rank (also num_max_dispatch_tokens_per_rank).
+        hidden: `H`.
+        experts: `E`, a multiple of `R`.
+        top_k: `K`.
+    """
+
     num_ranks: int
     tokens: int
     hidden: int
@@ -52,7 +62,23 @@ def _timed(ctx, body, iters: int, warmup: int, batches: int = 5) -> float:
 
 
 def rank_buffer_round(ctx, transport: str, shape: TransportShape, iters: int, warmup: int, use_fp8=False):
-    """Seconds per dispatch + combine (bf16 unless use_fp8) on this rank (see `_timed`)."""
+    """Seconds per dispatch + combine (bf16 unless use_fp8) on this rank (see `_timed`).
+
+    Runs inside a `LocalCluster` rank; collective over `ctx.group`.
+
+    Arguments:
+        ctx: the `launch.RankContext`.
+        transport: `"shm"`, `"mooncake"` (with `disable_p2p`: every peer over the Transfer
+            Engine), `"collective"` or `"auto"`.
+        shape: the `TransportShape`.
+        iters: timed iterations, split over 5 batches.
+        warmup: untimed iterations first.
+        use_fp8: dispatch FP8 rows.
+
+    Returns:
+        result: dict with `"seconds"` (float, per round), `"selections"` (int, this rank's valid
+            (token, expert) pairs) and `"transport"` (str, the path the Buffer used).
+    """
     from mooncake_ep_switch import Buffer
 
     x, topk, weights = _inputs(ctx.rank, shape)
@@ -74,7 +100,17 @@ def rank_buffer_round(ctx, transport: str, shape: TransportShape, iters: int, wa
 
 
 def rank_allgather_round(ctx, shape: TransportShape, iters: int, warmup: int):
-    """Seconds per all-gather + all-reduce baseline round on this rank (see `_timed`)."""
+    """Seconds per all-gather + all-reduce baseline round on this rank (see `_timed`).
+
+    Arguments:
+        ctx: the `launch.RankContext`.
+        shape: the `TransportShape`.
+        iters: timed iterations, split over 5 batches.
+        warmup: untimed iterations first.
+
+    Returns:
+        result: dict with `"seconds"` (float, per round).
+    """
     from mooncake_ep_switch.bench.allgather_baseline import allgather_combine, allgather_dispatch
 
     x, topk, weights = _inputs(ctx.rank, shape)
@@ -90,7 +126,15 @@ def rank_allgather_round(ctx, shape: TransportShape, iters: int, warmup: int):
 
 
 def memcpy_seconds(num_bytes: int, repeats: int = 20) -> float:
-    """Best single-thread copy time of `num_bytes` (the memcpy roofline)."""
+    """Best single-thread copy time of `num_bytes` (the memcpy roofline).
+
+    Arguments:
+        num_bytes: bytes to copy, >= 1.
+        repeats: copies timed; the fastest counts.
+
+    Returns:
+        seconds: float, the fastest `torch.Tensor.copy_` of `num_bytes` torch.uint8 on one thread.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -108,7 +152,23 @@ def memcpy_seconds(num_bytes: int, repeats: int = 20) -> float:
 
 def measure(cluster: LocalCluster, transport: str, shape: TransportShape, iters: int, warmup: int = 3,
             use_fp8=False) -> dict:
-    """Run the buffer round on a cluster; the slowest rank's time counts."""
+    """Run the buffer round on a cluster; the slowest rank's time counts.
+
+    Arguments:
+        cluster: a running `LocalCluster` of `shape.num_ranks` ranks.
+        transport: the Buffer transport (see `rank_buffer_round`).
+        shape: the `TransportShape`.
+        iters: timed iterations per rank.
+        warmup: untimed iterations first.
+        use_fp8: dispatch FP8 rows.
+
+    Returns:
+        result: dict with `"seconds"` (float, the slowest rank's per-round time), `"selections"`
+            (int, summed over ranks) and `"transport"` (str, rank 0's path).
+
+    Raises:
+        RuntimeError: a rank failed (see `launch.check_outcomes`).
+    """
     values = check_outcomes(cluster.run(rank_buffer_round, transport, shape, iters, warmup, use_fp8,
                                         timeout_s=600))
     return {"seconds": max(v["seconds"] for v in values), "selections": sum(v["selections"] for v in values),
@@ -116,6 +176,17 @@ def measure(cluster: LocalCluster, transport: str, shape: TransportShape, iters:
 
 
 def measure_allgather(cluster: LocalCluster, shape: TransportShape, iters: int, warmup: int = 2) -> float:
+    """Run the all-gather + all-reduce baseline round on a cluster; the slowest rank's time counts.
+
+    Arguments:
+        cluster: a running `LocalCluster` of `shape.num_ranks` ranks.
+        shape: the `TransportShape`.
+        iters: timed iterations per rank.
+        warmup: untimed iterations first.
+
+    Returns:
+        seconds: float, the slowest rank's per-round time.
+    """
     values = check_outcomes(cluster.run(rank_allgather_round, shape, iters, warmup, timeout_s=600))
     return max(v["seconds"] for v in values)
 
@@ -127,6 +198,16 @@ def rank_exchange_floor(ctx, shape: TransportShape, iters: int, warmup: int):
     Sizes follow `fallback/collective.py`: dispatch records of `kernels.record_layout` bytes, fixed
     blocks of `T + 1` records per peer when they fit `FIXED_MODE_MAX_BYTES` (else a count exchange and
     the exact records), and the combine returning one bf16 row per (token, expert) pair.
+
+    Arguments:
+        ctx: the `launch.RankContext`.
+        shape: the `TransportShape`.
+        iters: timed iterations, split over 5 batches.
+        warmup: untimed iterations first.
+
+    Returns:
+        result: dict with `"seconds"` (float, per round), `"bytes_sent"` (int, this rank's bytes
+            per round) and `"exchanges"` (int, all_to_all_single calls per round: 2 or 3).
     """
     from mooncake_ep_switch.buffer import kernels
     from mooncake_ep_switch.fallback.collective import FIXED_MODE_MAX_BYTES
@@ -166,6 +247,12 @@ def fallback_vs_allgather(iters: int = 20) -> List[dict]:
 
     Also measures, in the same cluster, the floor any fallback built on these exchanges has here
     (`rank_exchange_floor`), and the best ratio that floor would allow.
+
+    Arguments:
+        iters: timed iterations per measurement.
+
+    Returns:
+        rows: two dict rows in the `table.format_rows` shape (the fallback, then the floor).
     """
     shape = TransportShape(4, 128, 1024, 32, 8)
     with LocalCluster(shape.num_ranks) as cluster:
@@ -190,7 +277,14 @@ def fallback_vs_allgather(iters: int = 20) -> List[dict]:
 
 
 def copy_floor_seconds(num_bytes: int) -> float:
-    """Lower bound on moving `num_bytes` once with every core of this machine copying (memcpy rate)."""
+    """Lower bound on moving `num_bytes` once with every core of this machine copying (memcpy rate).
+
+    Arguments:
+        num_bytes: bytes to move, >= 1.
+
+    Returns:
+        seconds: float, `memcpy_seconds(num_bytes)` divided by the CPUs this process may run on.
+    """
     import os
 
     return memcpy_seconds(num_bytes) / len(os.sched_getaffinity(0))

@@ -215,7 +215,20 @@ class OutputPool:
         return None
 
     def acquire(self, key, parts, zeroed, device) -> tuple:
-        """Aliases of a free block for `key` (whose tensors are `parts`), else of a new block."""
+        """Aliases of a free block for `key` (whose tensors are `parts`), else of a new block.
+
+        A new block is kept for reuse if `key` has room (the oldest key is dropped beyond `max_shapes`).
+
+        Arguments:
+            key: hashable pool key; equal keys must describe equal `parts`.
+            parts: sequence of `(dtype, shape)` per tensor, or None for an absent one.
+            zeroed: indices of the parts zeroed when a new block is made (a reused block keeps
+                whatever the last call wrote).
+            device: torch device of the block.
+
+        Returns:
+            tensors: list with one fresh alias per part (None for an absent part).
+        """
         with self._lock:
             slot = self._free_slot(key)
             if slot is not None:
@@ -239,6 +252,19 @@ class OutputPool:
         Rows of recv_x (and scales) beyond `recv_count` are unspecified (they may hold earlier calls'
         data, as torch.empty may hold anything); src_info beyond `recv_count` is 0; layout_range and
         recv_count are written in full by every receive.
+
+        Arguments:
+            use_fp8: rows are torch.float8_e4m3fn with scales (else torch.bfloat16, no scales).
+            local: `L`, local experts per rank.
+            rows: `R * T`, receive rows per local expert.
+            hidden: `H`, a multiple of 128.
+            num_ranks: `R`.
+            device: torch device of the outputs.
+
+        Returns:
+            outputs: a `DispatchOutputs` (recv_x `[L, R*T, H]`, recv_scales `[L, H/128, R*T]`
+                torch.float32 or None, src_info `[L, R*T]` torch.int32, layout_range `[L, R]`
+                torch.int64, recv_count `[L]` torch.int32).
         """
         inference = _inference_mode()
         rows_key = ("dispatch rows", use_fp8, local, rows, hidden, device, inference)
@@ -259,7 +285,16 @@ class OutputPool:
         return _new_tuple(DispatchOutputs, (recv_x, scales, src_info, layout_range, recv_count))
 
     def combine_output(self, num_tokens: int, hidden: int, device) -> torch.Tensor:
-        """The `[num_tokens, hidden]` bf16 result of one combine (every row is written by the call)."""
+        """The `[num_tokens, hidden]` bf16 result of one combine (every row is written by the call).
+
+        Arguments:
+            num_tokens: `N`, tokens of this rank.
+            hidden: `H`.
+            device: torch device of the output.
+
+        Returns:
+            out: `[N, H]` torch.bfloat16, contents unspecified until the combine writes it.
+        """
         key = ("combine", num_tokens, hidden, device, _inference_mode())
         with self._lock:
             slot = self._free_slot(key)
@@ -268,7 +303,11 @@ class OutputPool:
         return self.acquire(key, ((torch.bfloat16, (num_tokens, hidden)),), (), device)[0]
 
     def pooled_bytes(self) -> int:
-        """Bytes held by the pool (busy and free blocks)."""
+        """Bytes held by the pool (busy and free blocks).
+
+        Returns:
+            nbytes: int, summed over the blocks the pool keeps (not blocks only callers hold).
+        """
         with self._lock:
             return sum(slot.nbytes for slots in self._slots.values() for slot in slots)
 

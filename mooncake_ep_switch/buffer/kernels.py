@@ -127,7 +127,18 @@ def _checked(result: int, what: str) -> int:
 
 
 def record_layout(hidden: int, num_local_experts: int, use_fp8: bool):
-    """(payload bytes, byte offset of the int32 token index, record bytes) of a collective record."""
+    """(payload bytes, byte offset of the int32 token index, record bytes) of a collective record.
+
+    Arguments:
+        hidden: `H`, a multiple of 128.
+        num_local_experts: `L`, local experts per rank (one flag byte each).
+        use_fp8: payload is the e4m3fn row plus `H/128` float32 scales (else the bf16 row).
+
+    Returns:
+        payload: int bytes, `H + 4 * H/128` with FP8 else `2 * H`.
+        meta: int byte offset of the token index (equal to `payload`).
+        size: int record bytes, `payload + 4 + L` rounded up to a multiple of 16.
+    """
     payload = hidden + 4 * (hidden // 128) if use_fp8 else 2 * hidden
     return payload, payload, (payload + 4 + num_local_experts + 15) // 16 * 16
 
@@ -139,11 +150,25 @@ def coll_dispatch_pack(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
     """Write this rank's dispatch records into `send`; returns the number of records.
 
     Arguments:
-        x: `[N, hidden]` torch.bfloat16. topk_idx: `[N, K]` torch.int64. active: `[R]` torch.int32.
-        record: `record_layout(...)`. fixed: fixed slots of `T + 1` records per destination.
+        x: `[N, hidden]` torch.bfloat16 CPU tokens.
+        topk_idx: `[N, K]` torch.int64 global expert ids, -1 = none.
+        num_experts: `E`, a multiple of `R`.
+        num_ranks: `R`.
+        max_tokens: `T`, num_max_dispatch_tokens_per_rank.
+        active: `[R]` torch.int32, the destinations this rank sends to (1 = active).
+        use_fp8: quantise the payload to FP8 with per-128-channel scales.
+        fixed: fixed slots of `T + 1` records per destination (slot 0 a header).
+        record: `record_layout(...)`.
         send: torch.uint8 buffer (fixed: `R * (T + 1)` records; exact: enough for every record).
-        tokens_to, pairs_to: `[R]` torch.int64 outputs (records, (token, expert) pairs per rank).
+        tokens_to: `[R]` torch.int64 output, records per destination rank.
+        pairs_to: `[R]` torch.int64 output, (token, expert) pairs per destination rank.
         row_index: `[N, K]` torch.int64 output, combine receive row of every pair (-1 = not sent).
+
+    Returns:
+        records: int, data records written over all destinations (fixed-mode headers not counted).
+
+    Raises:
+        RuntimeError: the native packer refused (the message says why).
     """
     _, meta, size = record
     return _checked(_C.mep_coll_dispatch_pack(
@@ -158,11 +183,26 @@ def coll_dispatch_unpack(recv: torch.Tensor, num_ranks: int, max_tokens: int, hi
     """Validate received records and pack them into the dispatch outputs; returns the rows packed.
 
     Arguments:
-        recv: torch.uint8 records as received. recv_tokens: `[R]` torch.int64 records per source (input
-            in exact mode, output in fixed mode, read from the headers). accepted_by: `[R]` torch.int64
-            output (fixed mode): whether each source accepts this rank. accept: `[R]` torch.int32, the
-            sources this rank accepts. outputs: the `DispatchOutputs`. rows_to_rank: `[R]` torch.int64
-            output, rows each source will get back in combine.
+        recv: torch.uint8 records as received.
+        num_ranks: `R`.
+        max_tokens: `T`, num_max_dispatch_tokens_per_rank.
+        hidden: `H`.
+        num_local: `L`, local experts per rank.
+        record: `record_layout(...)`.
+        fixed: the records came in fixed slots of `T + 1` per source.
+        recv_tokens: `[R]` torch.int64 records per source (input in exact mode, output in fixed
+            mode, read from the headers).
+        accepted_by: `[R]` torch.int64 output (fixed mode): whether each source accepts this rank.
+        accept: `[R]` torch.int32, the sources this rank accepts.
+        use_fp8: the payload is FP8 with scales.
+        outputs: the `DispatchOutputs`, filled here.
+        rows_to_rank: `[R]` torch.int64 output, rows each source will get back in combine.
+
+    Returns:
+        rows: int, rows packed into `outputs` over all local experts.
+
+    Raises:
+        RuntimeError: malformed records (the message says why).
     """
     _, meta, size = record
     scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
@@ -174,7 +214,20 @@ def coll_dispatch_unpack(recv: torch.Tensor, num_ranks: int, max_tokens: int, hi
 
 
 def coll_combine_pack(x: torch.Tensor, layout_range: torch.Tensor, max_tokens: int, send: torch.Tensor) -> int:
-    """Copy the expert outputs each source gets back into `send` `[P, hidden]`: by source, local expert, token."""
+    """Copy the expert outputs each source gets back into `send` `[P, hidden]`: by source, local expert, token.
+
+    Arguments:
+        x: `[L, R*T, hidden]` torch.bfloat16 expert outputs in the dispatch's packed layout.
+        layout_range: `[L, R]` torch.int64, the layout this rank produced as an owner.
+        max_tokens: `T`, num_max_dispatch_tokens_per_rank.
+        send: `[P, hidden]` torch.bfloat16, `P` the rows returned to all sources.
+
+    Returns:
+        rows: int, rows written into `send`.
+
+    Raises:
+        RuntimeError: the layout does not fit `send` (the message says why).
+    """
     num_local, num_ranks = layout_range.shape
     return _checked(_C.mep_coll_combine_pack(x.data_ptr(), x.size(2), num_local, num_ranks, max_tokens,
                                              layout_range.data_ptr(), send.data_ptr(), send.size(0)),

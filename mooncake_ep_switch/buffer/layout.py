@@ -27,7 +27,14 @@ class RegionLayout(NamedTuple):
     combine_send: int
 
     def half_offset(self, call: int) -> int:
-        """Byte offset of the half used by call number `call`."""
+        """Byte offset of the half used by call number `call`.
+
+        Arguments:
+            call: call sequence number, >= 0 (calls alternate between the two halves).
+
+        Returns:
+            offset: int, `control_bytes + (call % 2) * half_bytes`, from the start of the region.
+        """
         return self.control_bytes + (call % 2) * self.half_bytes
 
 

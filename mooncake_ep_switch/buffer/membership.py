@@ -74,27 +74,59 @@ class Membership:
         return self.store.get(key).decode()
 
     def epoch(self) -> int:
-        """Current epoch number."""
+        """Current epoch number.
+
+        Returns:
+            epoch: int, 0 before any change (reading creates the key).
+        """
         return int(self.store.add("epoch", 0))
 
     def view(self, epoch: Optional[int] = None) -> View:
-        """Members of `epoch` (default the current one); epoch 0 is every rank."""
+        """Members of `epoch` (default the current one); epoch 0 is every rank.
+
+        Arguments:
+            epoch: epoch number, or None for the current one.
+
+        Returns:
+            view: a `View`; every rank when no view of that epoch was sealed.
+        """
         epoch = self.epoch() if epoch is None else epoch
         text = self._get(f"view/{epoch}")
         ranks = tuple(range(self.num_ranks)) if text is None else tuple(json.loads(text))
         return View(epoch, ranks)
 
     def state(self, rank: int) -> str:
-        """State of `rank`: active, inactive or joining."""
+        """State of `rank`: active, inactive or joining.
+
+        Arguments:
+            rank: EP rank in `[0, num_ranks)`.
+
+        Returns:
+            state: `"active"` (also when never set), `"inactive"` or `"joining"`.
+        """
         return self._get(f"state/{rank}", ACTIVE)
 
     def joining(self) -> List[int]:
-        """Ranks waiting to be admitted."""
+        """Ranks waiting to be admitted.
+
+        Returns:
+            ranks: list of int, ascending, the ranks whose state is `"joining"`.
+        """
         keys = [f"state/{r}" for r in range(self.num_ranks)]
         return [r for r, key in enumerate(keys) if self.store.check([key]) and self.store.get(key).decode() == JOINING]
 
     def endpoint(self, rank: int) -> dict:
-        """The published endpoint of `rank`'s current incarnation."""
+        """The published endpoint of `rank`'s current incarnation.
+
+        Arguments:
+            rank: EP rank in `[0, num_ranks)`.
+
+        Returns:
+            endpoint: dict as published (see `publish_endpoint`) plus `"incarnation"` (int).
+
+        Raises:
+            MembershipError: that incarnation has published no endpoint yet.
+        """
         incarnation = int(self.store.add(f"incarnation/{rank}", 0))
         text = self._get(f"endpoint/{rank}/{incarnation}")
         if text is None:
@@ -102,7 +134,14 @@ class Membership:
         return dict(json.loads(text), incarnation=incarnation)
 
     def evidence(self, epoch: Optional[int] = None) -> Dict[int, List[int]]:
-        """Failures reported in `epoch`: reporter -> ranks it saw fail."""
+        """Failures reported in `epoch`: reporter -> ranks it saw fail.
+
+        Arguments:
+            epoch: epoch number, or None for the current one.
+
+        Returns:
+            evidence: dict int -> list of int, for reporters that posted evidence only.
+        """
         epoch = self.epoch() if epoch is None else epoch
         found = {}
         for reporter in range(self.num_ranks):
@@ -113,23 +152,45 @@ class Membership:
 
     # ------------------------------------------------------------------ writes
     def publish_endpoint(self, endpoint: dict) -> None:
-        """Publish this incarnation's endpoint (region pid/fd, TE session, host identity)."""
+        """Publish this incarnation's endpoint (region pid/fd, TE session, host identity).
+
+        Arguments:
+            endpoint: JSON-serialisable dict (the transport's `endpoint()` plus `"host_id"`).
+        """
         self.store.set(f"endpoint/{self.rank}/{self.incarnation}", json.dumps(endpoint))
 
     def set_state(self, state: str, rank: Optional[int] = None) -> None:
-        """Set `rank`'s (default this rank's) state."""
+        """Set `rank`'s (default this rank's) state.
+
+        Arguments:
+            state: `"active"`, `"inactive"` or `"joining"`.
+            rank: EP rank, or None for this rank.
+
+        Raises:
+            ValueError: an unknown state.
+        """
         if state not in (ACTIVE, INACTIVE, JOINING):
             raise ValueError(f"state: expected one of active, inactive, joining, got {state!r}")
         self.store.set(f"state/{self.rank if rank is None else rank}", state)
 
     def report_failures(self, ranks: Iterable[int]) -> None:
-        """Publish the ranks this rank saw fail in the current epoch (data-plane evidence)."""
+        """Publish the ranks this rank saw fail in the current epoch (data-plane evidence).
+
+        Replaces this rank's earlier evidence for the epoch; nothing is written for no ranks.
+
+        Arguments:
+            ranks: iterable of int EP ranks (duplicates are dropped).
+        """
         ranks = sorted(set(int(r) for r in ranks))
         if ranks:
             self.store.set(f"evidence/{self.epoch()}/{self.rank}", json.dumps(ranks))
 
     def deactivate(self, ranks: Iterable[int]) -> None:
-        """Mark ranks inactive (an operator's or a survivor's decision after evidence)."""
+        """Mark ranks inactive (an operator's or a survivor's decision after evidence).
+
+        Arguments:
+            ranks: iterable of int EP ranks.
+        """
         for rank in ranks:
             self.set_state(INACTIVE, rank)
 
@@ -172,7 +233,15 @@ class Membership:
         return View(target, ranks)
 
     def max_call(self, epoch: int, ranks: Iterable[int]) -> int:
-        """Largest call counter the members of `epoch` posted with their readiness."""
+        """Largest call counter the members of `epoch` posted with their readiness.
+
+        Arguments:
+            epoch: epoch number whose `ready` records are read.
+            ranks: iterable of int EP ranks (ranks without a record are skipped).
+
+        Returns:
+            call: int, the maximum, or 0 when none posted.
+        """
         best = 0
         for rank in ranks:
             text = self._get(f"ready/{epoch}/{rank}")
@@ -181,7 +250,16 @@ class Membership:
         return best
 
     def barrier(self, name: str, ranks: Iterable[int], deadline: float) -> None:
-        """Wait until every rank of `ranks` reached the barrier `name` (store keys, no collective)."""
+        """Wait until every rank of `ranks` reached the barrier `name` (store keys, no collective).
+
+        Arguments:
+            name: barrier name, unique per use (e.g. `"connect/<epoch>"`).
+            ranks: iterable of int EP ranks to wait for (include this rank).
+            deadline: `time.monotonic()` deadline in seconds.
+
+        Raises:
+            MembershipError: the deadline passed; `missing` names the ranks that did not arrive.
+        """
         self.store.set(f"barrier/{name}/{self.rank}", "1")
         keys = [f"barrier/{name}/{r}" for r in ranks]
         try:
@@ -192,7 +270,19 @@ class Membership:
             raise MembershipError(f"{error}; missing ranks {missing}", missing) from None
 
     def wait_for(self, predicate, deadline: float, what: str):
-        """Poll `predicate()` (returns a value or None) with backoff until `deadline`."""
+        """Poll `predicate()` (returns a value or None) with backoff until `deadline`.
+
+        Arguments:
+            predicate: callable with no arguments, returning None while not ready.
+            deadline: `time.monotonic()` deadline in seconds (the predicate runs at least once).
+            what: description for the error message.
+
+        Returns:
+            value: the first non-None value of `predicate()`.
+
+        Raises:
+            MembershipError: the deadline passed first.
+        """
         pause = 0.001
         while True:
             value = predicate()
@@ -209,6 +299,12 @@ def root_store(store):
 
     The default group's store arrives wrapped by torch.distributed's own prefixes, a replacement
     rank's store client does not; membership keys must not depend on which handle a rank holds.
+
+    Arguments:
+        store: a torch.distributed Store, possibly wrapped in PrefixStores.
+
+    Returns:
+        store: the innermost Store (the argument itself when not a PrefixStore).
     """
     import torch.distributed as dist
 
@@ -223,6 +319,16 @@ def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joini
     Every rank constructs its Buffers in the same order, so the n-th Buffer of every rank gets
     generation n and never reads an endpoint a previous Buffer left in the store. A joining rank
     adopts the newest generation any rank has reached.
+
+    Arguments:
+        store: a torch.distributed Store (PrefixStore wrappers are removed).
+        rank: this EP rank.
+        num_ranks: EP group size.
+        base: key prefix of the EP group.
+        joining: a replacement rank: adopt the newest generation instead of advancing its own counter.
+
+    Returns:
+        prefix: str, `"<base>/g<n>"` for generation `n`.
     """
     store = root_store(store)
     counter = f"{base}/generation/{rank}"
@@ -238,6 +344,13 @@ def view_group(store, view: View, rank: int, timeout_s: float, prefix: str = "me
 
     Built from the store with the epoch in its key prefix, so it never meets a previous epoch's
     group. Collective over the members.
+
+    Arguments:
+        store: the torch.distributed Store shared by the members.
+        view: the `View` whose members form the group; `rank` must be one of them.
+        rank: this EP rank.
+        timeout_s: the group's timeout in seconds.
+        prefix: key prefix of the EP group.
 
     Returns:
         group: a `torch.distributed.ProcessGroupGloo`.

@@ -32,7 +32,14 @@ DEFAULT_TE_TIMEOUT_S = 30.0  # TE writes when the call has no deadline (timeout_
 
 
 def signal_tag(call: int) -> int:
-    """The 32-bit, never-zero signal tag of call number `call` (wraps after 2**32 - 1 calls)."""
+    """The 32-bit, never-zero signal tag of call number `call` (wraps after 2**32 - 1 calls).
+
+    Arguments:
+        call: call number (int; calls are numbered from 1).
+
+    Returns:
+        tag: int in `[1, 2**32 - 1]`, `(call - 1) % (2**32 - 1) + 1`.
+    """
     return (call - 1) % _TAG_SPACE + 1
 
 
@@ -95,7 +102,13 @@ class OneSidedTransport:
 
     # ------------------------------------------------------------------ membership
     def endpoint(self) -> dict:
-        """What peers need to reach this rank (published in the store)."""
+        """What peers need to reach this rank (published in the store).
+
+        Returns:
+            endpoint: dict with `"region"`: [pid, fd, nbytes] of this rank's `SharedRegion`, and on
+                `"mooncake"` also `"te_session"` (str, "host:port") and `"te_base"` (int, the
+                region's registered address). The Buffer adds `"host_id"` before publishing.
+        """
         found = {"region": list(self.region.endpoint)}
         if self.te is not None:
             found.update(te_session=self.te.session_id, te_base=self.base)
@@ -106,6 +119,18 @@ class OneSidedTransport:
 
         Waits (until `deadline`) for each member's endpoint in the store; same-host members are
         mapped through shared memory when allowed, others reached over the Transfer Engine.
+
+        Arguments:
+            view: the membership `View` (epoch, ranks) to connect.
+            membership: the `Membership` whose store holds the endpoints (None is refused).
+            deadline: `time.monotonic()` deadline in seconds.
+
+        Raises:
+            RuntimeError: `membership` is None (no store).
+            ValueError: a member on another host under `"shm"`, or a member with no usable
+                Transfer Engine endpoint.
+            MembershipError: members that cannot be reached (named in the error), or a member
+                missing from the final barrier.
         """
         from mooncake_ep_switch.buffer.membership import MembershipError
 
@@ -216,7 +241,20 @@ class OneSidedTransport:
             self.failed_sources.append(dest)
 
     def combine_buffer(self, call: int, shape, device) -> torch.Tensor:
-        """Region-resident zero-copy combine buffer `[L, R*T, hidden]` bf16 for the half of `call`."""
+        """Region-resident zero-copy combine buffer `[L, R*T, hidden]` bf16 for the half of `call`.
+
+        Arguments:
+            call: call number of the dispatch (selects the region half).
+            shape: (L, R*T, hidden), `L` local experts per rank.
+            device: unused (the region is CPU memory).
+
+        Returns:
+            buffer: `[L, R*T, hidden]` torch.bfloat16, a view of the region half of `call` (the
+                same memory serves every call of the same parity).
+
+        Raises:
+            ValueError: the call shape does not fit in the region.
+        """
         local, rows, hidden = shape
         layout = self._layout(rows // self.num_ranks, hidden, local * self.num_ranks)
         start = layout.half_offset(call) + layout.combine_send
@@ -229,7 +267,20 @@ class OneSidedTransport:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple[None, Callable[[], None]]:
-        """Write this rank's tokens into every active peer's region; return the receive phase."""
+        """Write this rank's tokens into every active peer's region; return the receive phase.
+
+        A peer whose Transfer Engine write fails or times out is cleared in `call.active_ranks` and
+        appended to `failed_sources`, and so is a source the receive phase times out on.
+
+        Arguments:
+            call: the validated `DispatchCall`.
+            outputs: the `DispatchOutputs` the receive phase fills.
+
+        Returns:
+            private: None (this transport keeps no plan for combine).
+            receive: callable with no arguments that waits (up to `call.timeout_us` per source) for
+                every active source's signal and fills `outputs`.
+        """
         tokens, experts, hidden = call.num_max_dispatch_tokens_per_rank, call.num_experts, call.x.size(1)
         layout = self._layout(tokens, hidden, experts)
         offset = layout.half_offset(call.call)
@@ -256,7 +307,15 @@ class OneSidedTransport:
 
     def dispatch_sync(self, call: DispatchCall, outputs: DispatchOutputs) -> None:
         """`dispatch` followed at once by its receive phase (a synchronous call), in one native call
-        when every peer is written directly (self and shm routes, no fault injection)."""
+        when every peer is written directly (self and shm routes, no fault injection).
+
+        Arguments:
+            call: the validated `DispatchCall`.
+            outputs: the `DispatchOutputs` to fill.
+
+        Returns:
+            private: None (the plan for combine, which this transport does not keep).
+        """
         if self.te is not None or self.fault is not None:
             private, receive = self.dispatch(call, outputs)
             receive()
@@ -296,7 +355,17 @@ class OneSidedTransport:
 
     # ------------------------------------------------------------------ combine
     def combine(self, call: CombineCall) -> Callable[[], None]:
-        """Write expert outputs into their token owners' regions; return the receive phase."""
+        """Write expert outputs into their token owners' regions; return the receive phase.
+
+        A failed or timed-out peer is cleared in `call.active_ranks` and appended to `failed_sources`.
+
+        Arguments:
+            call: the validated `CombineCall` (`plan_private` is not used).
+
+        Returns:
+            receive: callable with no arguments that waits for every active owner's signal and
+                writes the weighted sum `[N, hidden]` torch.bfloat16 into `call.out`.
+        """
         tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
         layout = self._layout(tokens, hidden, experts)
         offset = layout.half_offset(call.call)
@@ -327,7 +396,11 @@ class OneSidedTransport:
 
     def combine_sync(self, call: CombineCall) -> None:
         """`combine` followed at once by its receive phase (a synchronous call), in one native call
-        when every peer is written directly (self and shm routes)."""
+        when every peer is written directly (self and shm routes).
+
+        Arguments:
+            call: the validated `CombineCall`; the result is written into `call.out`.
+        """
         if self.te is not None:
             self.combine(call)()
             return

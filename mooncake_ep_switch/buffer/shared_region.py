@@ -19,7 +19,15 @@ from mooncake_ep_switch import _native
 
 
 def region_tensor(base: int, nbytes: int) -> torch.Tensor:
-    """A torch.uint8 view `[nbytes]` of mapped memory at `base` (valid while it stays mapped)."""
+    """A torch.uint8 view `[nbytes]` of mapped memory at `base` (valid while it stays mapped).
+
+    Arguments:
+        base: int address of mapped memory in this process.
+        nbytes: bytes to view, > 0.
+
+    Returns:
+        view: `[nbytes]` torch.uint8 CPU tensor aliasing the memory (no copy).
+    """
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(base), dtype=torch.uint8)
 
 
@@ -70,6 +78,12 @@ class SharedRegion:
 
         Collective over `group`. Peers already mapped at the same endpoint stay mapped at the same
         address.
+
+        Arguments:
+            ranks: the peers to map, or None for every rank of the group.
+
+        Raises:
+            ValueError: a peer's region has a different size (see `map_peer`).
         """
         endpoints: List[Optional[RegionEndpoint]] = [None] * self.num_ranks
         dist.all_gather_object(endpoints, tuple(self.endpoint), group=self.group)
@@ -82,7 +96,17 @@ class SharedRegion:
         dist.barrier(group=self.group)
 
     def map_peer(self, rank: int, endpoint: RegionEndpoint) -> None:
-        """Map `rank`'s region at `endpoint`; a different endpoint (a new incarnation) replaces the old."""
+        """Map `rank`'s region at `endpoint`; a different endpoint (a new incarnation) replaces the old.
+
+        No-op for this rank and for a peer already mapped at the same endpoint.
+
+        Arguments:
+            rank: the peer's rank.
+            endpoint: the peer's `RegionEndpoint` (pid, fd, nbytes).
+
+        Raises:
+            ValueError: `endpoint.nbytes` differs from this region's size.
+        """
         if rank == self.rank:
             return
         if endpoint.nbytes != self.nbytes:
@@ -95,7 +119,17 @@ class SharedRegion:
         self.peer_endpoints[rank] = endpoint
 
     def peer(self, rank: int) -> torch.Tensor:
-        """torch.uint8 `[nbytes]` view of `rank`'s region as mapped here (writes land in the peer)."""
+        """torch.uint8 `[nbytes]` view of `rank`'s region as mapped here (writes land in the peer).
+
+        Arguments:
+            rank: any rank; this rank gives `local`.
+
+        Returns:
+            view: `[nbytes]` torch.uint8 CPU tensor aliasing the mapping (cached; invalid once unmapped).
+
+        Raises:
+            RuntimeError: `rank` is not mapped.
+        """
         if not self.peer_bases[rank]:
             raise RuntimeError(f"rank: peer {rank} is not mapped")
         if self._peer_tensors[rank] is None:
@@ -103,7 +137,13 @@ class SharedRegion:
         return self._peer_tensors[rank]
 
     def unmap_peer(self, rank: int) -> None:
-        """Drop the mapping of one peer (a dead rank's memory is released once nobody maps it)."""
+        """Drop the mapping of one peer (a dead rank's memory is released once nobody maps it).
+
+        No-op for this rank and for a peer not mapped; views from `peer(rank)` become invalid.
+
+        Arguments:
+            rank: the peer's rank.
+        """
         if rank != self.rank and self.peer_bases[rank]:
             self._peer_tensors[rank] = None
             _native.shm_unmap(self.peer_bases[rank], self.nbytes)

@@ -68,7 +68,14 @@ def _close_all_at_exit() -> None:
 
 
 def load_transfer_engine():
-    """The `TransferEngine` class, or ImportError that says what is missing."""
+    """The `TransferEngine` class, or ImportError that says what is missing.
+
+    Returns:
+        engine_class: `mooncake.engine.TransferEngine` (the class, not an instance).
+
+    Raises:
+        ImportError: the package or its system libraries are missing (the message says which to install).
+    """
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:  # libibverbs1 / libnuma1 missing, or package not installed
@@ -208,7 +215,7 @@ def _abort_connections(peer_session: str) -> int:
 class TeEndpoint:
     """One Transfer Engine: register local memory, write synchronously into peers' memory.
 
-    Args:
+    Arguments:
         bind_host: address advertised to peers (the host part of `session_id`). Must be a
             concrete address peers can reach; a wildcard is rejected. See the module docstring
             for what TE really binds.
@@ -290,18 +297,32 @@ class TeEndpoint:
 
     @property
     def listen_addresses(self) -> List[str]:
-        """What the engine's listening sockets are bound to ('addr:port'), from /proc."""
+        """What the engine's listening sockets are bound to ('addr:port'), from /proc.
+
+        Returns:
+            addresses: sorted list of str, e.g. "0.0.0.0:15123" or "[::]:15124".
+        """
         return _listening(self._engine_inodes)
 
     @property
     def registered(self) -> Dict[int, int]:
-        """A copy of the registered regions, base -> nbytes."""
+        """A copy of the registered regions, base -> nbytes.
+
+        Returns:
+            regions: dict int address -> int bytes (a copy; changing it changes nothing).
+        """
         with self._lock:
             return dict(self._regions)
 
     @property
     def num_abandoned(self) -> int:
-        """Writes abandoned at a deadline that TE has not finished yet."""
+        """Writes abandoned at a deadline that TE has not finished yet.
+
+        Reaps the ones TE has finished first (while the engine is open).
+
+        Returns:
+            count: int, abandoned batches still in flight.
+        """
         with self._lock:
             if self._engine is not None:
                 self._reap()
@@ -310,7 +331,17 @@ class TeEndpoint:
     # ------------------------------------------------------------------ memory
 
     def register(self, base: int, nbytes: int) -> None:
-        """Register [base, base + nbytes) so that peers can write into it."""
+        """Register [base, base + nbytes) so that peers can write into it.
+
+        Arguments:
+            base: int address, >= 1.
+            nbytes: int bytes, >= 1.
+
+        Raises:
+            TypeError: a non-integer argument.
+            ValueError: a bad value, or an overlap with a registered region.
+            RuntimeError: the endpoint is closed, or TE refused the registration.
+        """
         base = _check_int("base", base, 1)
         nbytes = _check_int("nbytes", nbytes, 1)
         with self._lock:
@@ -326,7 +357,16 @@ class TeEndpoint:
             self._regions[base] = nbytes
 
     def unregister(self, base: int) -> None:
-        """Unregister the region registered at `base`; later writes into it are rejected."""
+        """Unregister the region registered at `base`; later writes into it are rejected.
+
+        Arguments:
+            base: int address a region was registered at.
+
+        Raises:
+            KeyError: no region is registered at `base`.
+            RuntimeError: the endpoint is closed, or TE reported a failure (the region is
+                forgotten anyway).
+        """
         base = _check_int("base", base, 1)
         with self._lock:
             self._check_open()
@@ -347,6 +387,10 @@ class TeEndpoint:
         other write of this endpoint until it is aborted at the deadline of the call that
         started it, whereas a connected peer that dies or hangs later only fails the writes
         addressed to it. Errors as `write`.
+
+        Arguments:
+            peer_session: the peer engine's session id, "host:port".
+            timeout_s: deadline in seconds (> 0), or None for the endpoint's `timeout_s`.
         """
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         if not (timeout > 0):
@@ -365,7 +409,14 @@ class TeEndpoint:
             raise
 
     def is_connected(self, peer_session: str) -> bool:
-        """Whether the handshake with this peer has been done (it may have died since)."""
+        """Whether the handshake with this peer has been done (it may have died since).
+
+        Arguments:
+            peer_session: the peer engine's session id, "host:port".
+
+        Returns:
+            connected: bool.
+        """
         with self._lock:
             return peer_session in self._opened
 
@@ -376,14 +427,31 @@ class TeEndpoint:
         Raises ConnectionRefusedError if the peer's engine is gone, ConnectionError if the peer
         is reachable but the write failed (typically: the remote range is not inside memory the
         peer registered), TimeoutError if it did not finish within `timeout_s` (the write may
-        still land later: treat the peer as failed).
+        still land later: treat the peer as failed). Bad arguments raise TypeError/ValueError, a
+        closed endpoint RuntimeError.
+
+        Arguments:
+            peer_session: the peer engine's session id, "host:port".
+            local_addr: int source address, >= 1 (inside a registered region when
+                `require_registered_source`).
+            remote_addr: int destination address in the peer's address space, >= 1.
+            nbytes: int bytes, >= 1.
+            timeout_s: deadline in seconds (> 0), or None for the endpoint's `timeout_s`.
         """
         self.write_batch(peer_session, [local_addr], [remote_addr], [nbytes], timeout_s)
 
     def write_batch(self, peer_session: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
                     lengths: Sequence[int], timeout_s: Optional[float] = None) -> None:
         """Several writes to one peer, all finished on return (no order among them is implied:
-        to order a signal after data, call again after this returns). Errors as `write`."""
+        to order a signal after data, call again after this returns). Errors as `write`.
+
+        Arguments:
+            peer_session: the peer engine's session id, "host:port".
+            local_addrs: int source addresses, >= 1 each.
+            remote_addrs: int destination addresses in the peer's address space, one per source.
+            lengths: int bytes per range, >= 1 each; the three sequences have one equal, non-zero length.
+            timeout_s: deadline in seconds for the whole batch (> 0), or None for the endpoint's `timeout_s`.
+        """
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         if not (timeout > 0):
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -426,6 +494,13 @@ class TeEndpoint:
 
         Waits up to `reap_timeout_s` for abandoned writes and pending handshakes to end first.
         Idempotent. Takes about 1 s: the engine's destructor waits that long for its I/O threads.
+
+        Arguments:
+            reap_timeout_s: seconds to wait for abandoned writes and handshakes (a handshake still
+                pending then has its socket shut down).
+
+        Raises:
+            RuntimeError: TE failed to unregister some region (the engine is released anyway).
         """
         with self._lock:
             if self._closed:

@@ -16,7 +16,20 @@ def _fail(name: str, expected: str, got) -> None:
 
 
 def check_int(name: str, value, minimum: Optional[int] = None) -> int:
-    """Check that `value` is a Python/NumPy integer (not bool) at least `minimum`."""
+    """Check that `value` is a Python/NumPy integer (not bool) at least `minimum`.
+
+    Arguments:
+        name: argument name used in error messages.
+        value: the value to check (anything with `__index__`, bool refused).
+        minimum: smallest allowed value, or None for no bound.
+
+    Returns:
+        value: the value as a Python int.
+
+    Raises:
+        TypeError: not an integer, or a bool.
+        ValueError: below `minimum`.
+    """
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     value = int(value.__index__())
@@ -26,7 +39,22 @@ def check_int(name: str, value, minimum: Optional[int] = None) -> int:
 
 
 def check_tensor(name: str, tensor, dtype: torch.dtype, dim: int, shape=None) -> torch.Tensor:
-    """Check type, dtype, number of dims, contiguity and (where given, -1 = any) the shape."""
+    """Check type, dtype, number of dims, contiguity and (where given, -1 = any) the shape.
+
+    Arguments:
+        name: argument name used in error messages.
+        tensor: the value to check.
+        dtype: the required torch dtype.
+        dim: the required number of dimensions.
+        shape: required size per dimension (-1 = any), or None to skip the shape check.
+
+    Returns:
+        tensor: `tensor` itself, unchanged.
+
+    Raises:
+        TypeError: not a torch.Tensor.
+        ValueError: wrong dtype, dims or shape, or not contiguous.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype != dtype:
@@ -43,7 +71,19 @@ def check_tensor(name: str, tensor, dtype: torch.dtype, dim: int, shape=None) ->
 
 
 def check_active_ranks(active_ranks, num_ranks: int) -> torch.Tensor:
-    """`active_ranks` must be int32 `[num_ranks]` of zeros and ones (never silently replaced)."""
+    """`active_ranks` must be int32 `[num_ranks]` of zeros and ones (never silently replaced).
+
+    Arguments:
+        active_ranks: `[num_ranks]` torch.int32 contiguous CPU tensor, 1 = active, 0 = masked.
+        num_ranks: `R`, ranks of the group.
+
+    Returns:
+        active_ranks: the tensor itself, unchanged.
+
+    Raises:
+        TypeError: not a torch.Tensor.
+        ValueError: wrong dtype, shape or device, not contiguous, or a value other than 0 and 1.
+    """
     check_tensor("active_ranks", active_ranks, torch.int32, 1, (num_ranks,))
     if active_ranks.device.type != "cpu":
         _fail("active_ranks", "a CPU tensor (the runtime writes timed-out ranks into it)", active_ranks.device)
@@ -54,6 +94,18 @@ def check_active_ranks(active_ranks, num_ranks: int) -> torch.Tensor:
 
 
 def check_timeout(timeout_us) -> int:
+    """Check a call timeout.
+
+    Arguments:
+        timeout_us: microseconds, or -1 for no deadline.
+
+    Returns:
+        timeout_us: the value as a Python int.
+
+    Raises:
+        TypeError: not an integer, or a bool.
+        ValueError: below -1.
+    """
     timeout_us = check_int("timeout_us", timeout_us)
     if timeout_us < -1:
         _fail("timeout_us", "-1 (no deadline) or a non-negative number of microseconds", timeout_us)
@@ -61,7 +113,22 @@ def check_timeout(timeout_us) -> int:
 
 
 def check_topk_idx(topk_idx, num_tokens: int, num_experts: int) -> torch.Tensor:
-    """`topk_idx` int64 `[num_tokens, K]`, values in [-1, num_experts), no expert twice in a row."""
+    """`topk_idx` int64 `[num_tokens, K]`, values in [-1, num_experts), no expert twice in a row.
+
+    Arguments:
+        topk_idx: `[num_tokens, K]` torch.int64 contiguous CPU tensor, `1 <= K <= num_experts`; -1
+            marks an unused entry.
+        num_tokens: the required number of rows.
+        num_experts: `E`, the exclusive upper bound of the expert ids.
+
+    Returns:
+        topk_idx: the tensor itself, unchanged.
+
+    Raises:
+        TypeError: not a torch.Tensor.
+        ValueError: wrong dtype, shape or device, not contiguous, a value out of range, or an
+            expert repeated within a row.
+    """
     check_tensor("topk_idx", topk_idx, torch.int64, 2, (num_tokens, -1))
     if topk_idx.size(1) < 1:
         _fail("topk_idx", "at least one column (top-k >= 1)", list(topk_idx.shape))
@@ -77,7 +144,28 @@ def check_topk_idx(topk_idx, num_tokens: int, num_experts: int) -> torch.Tensor:
 
 def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
                    timeout_us, use_fp8, num_ranks: int):
-    """Validate dispatch() arguments; returns (T, E, timeout_us, use_fp8) normalised."""
+    """Validate dispatch() arguments; returns (T, E, timeout_us, use_fp8) normalised.
+
+    Arguments:
+        x: `[num_tokens, H]` torch.bfloat16 contiguous, `num_tokens <= T`, `H` a positive multiple of 128.
+        topk_idx: `[num_tokens, K]` torch.int64 CPU (see `check_topk_idx`).
+        active_ranks: `[R]` torch.int32 CPU mask (see `check_active_ranks`).
+        num_max_dispatch_tokens_per_rank: `T`, >= 1.
+        num_experts: `E`, >= 1 and a multiple of `R`.
+        timeout_us: microseconds, or -1 for no deadline.
+        use_fp8: bool, or None for True (Mooncake's default).
+        num_ranks: `R`, ranks of the group.
+
+    Returns:
+        tokens_per_rank: int, `T`.
+        num_experts: int, `E`.
+        timeout_us: int.
+        use_fp8: bool.
+
+    Raises:
+        TypeError: a wrong Python type (e.g. a non-bool `use_fp8`).
+        ValueError: any other violation; nothing has been written.
+    """
     tokens_per_rank = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
     num_experts = check_int("num_experts", num_experts, 1)
     if num_experts % num_ranks != 0:
@@ -98,7 +186,23 @@ def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, 
 
 
 def check_handle(handle, num_ranks: int):
-    """Validate a dispatch handle (ours or a plain Mooncake 5-tuple); returns its fields."""
+    """Validate a dispatch handle (ours or a plain Mooncake 5-tuple); returns its fields.
+
+    Arguments:
+        handle: the 5-tuple (src_info, layout_range, T, H, E) from `dispatch()`.
+        num_ranks: `R`, ranks of the group.
+
+    Returns:
+        src_info: `[E/R, R * T]` torch.int32.
+        layout_range: `[E/R, R]` torch.int64.
+        tokens_per_rank: int, `T` (>= 1).
+        hidden: int, `H` (>= 128).
+        num_experts: int, `E` (a multiple of `R`).
+
+    Raises:
+        TypeError: not a 5-tuple, or a field of the wrong type.
+        ValueError: a field out of range or of the wrong dtype or shape.
+    """
     if not isinstance(handle, tuple) or len(handle) != 5:
         raise TypeError("handle: expected the 5-tuple returned by dispatch(), "
                         f"got {type(handle).__name__}{'' if not isinstance(handle, tuple) else f' of length {len(handle)}'}")
@@ -115,7 +219,27 @@ def check_handle(handle, num_ranks: int):
 
 
 def check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out, num_ranks: int):
-    """Validate combine() arguments; returns (handle fields, timeout_us)."""
+    """Validate combine() arguments; returns (handle fields, timeout_us).
+
+    Arguments:
+        x: `[E/R, R * T, H]` torch.bfloat16 contiguous, the expert outputs.
+        topk_idx: `[num_tokens, K]` torch.int64 CPU, `num_tokens <= T` (and equal to the dispatch's
+            shape when the handle carries a plan).
+        topk_weights: `[num_tokens, K]` torch.float32 contiguous.
+        active_ranks: `[R]` torch.int32 CPU mask (see `check_active_ranks`).
+        timeout_us: microseconds, or -1 for no deadline.
+        handle: the 5-tuple from `dispatch()` (see `check_handle`).
+        out: `[num_tokens, H]` torch.bfloat16 contiguous, or None.
+        num_ranks: `R`, ranks of the group.
+
+    Returns:
+        fields: the 5 handle fields as returned by `check_handle`.
+        timeout_us: int.
+
+    Raises:
+        TypeError: a wrong Python type.
+        ValueError: any other violation; nothing has been written.
+    """
     fields = check_handle(handle, num_ranks)
     _, _, tokens_per_rank, hidden, num_experts = fields
     local = num_experts // num_ranks

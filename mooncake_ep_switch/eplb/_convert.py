@@ -12,7 +12,15 @@ import torch
 
 
 def describe(value) -> str:
-    """A short description of a value for error messages: type, shape and dtype."""
+    """A short description of a value for error messages: type, shape and dtype.
+
+    Arguments:
+        value: any object; torch tensors and numpy arrays are described by shape and dtype, anything
+            else by type name and repr.
+
+    Returns:
+        text: the description, e.g. "torch.Tensor of shape [4, 8] and dtype torch.int64".
+    """
     if isinstance(value, torch.Tensor):
         return f"torch.Tensor of shape {list(value.shape)} and dtype {value.dtype}"
     if isinstance(value, np.ndarray):

@@ -48,14 +48,28 @@ class Topology(NamedTuple):
 
     @property
     def slots_per_gpu(self) -> int:
+        """Physical expert slots per GPU.
+
+        Returns:
+            count: int, ``num_replicas // num_gpus``.
+        """
         return self.num_replicas // self.num_gpus
 
     @property
     def gpus_per_node(self) -> int:
+        """GPUs per server node.
+
+        Returns:
+            count: int, ``num_gpus // num_nodes``.
+        """
         return self.num_gpus // self.num_nodes
 
     def gpu_node(self) -> np.ndarray:
-        """`[num_gpus]` int64, the node of each GPU (all 0 in global mode)."""
+        """The node of each GPU (all 0 in global mode).
+
+        Returns:
+            node: `[num_gpus]` np.int64, ``gpu // gpus_per_node`` in hierarchical mode, else zeros.
+        """
         if not self.hierarchical:
             return np.zeros(self.num_gpus, dtype=np.int64)
         return np.arange(self.num_gpus, dtype=np.int64) // self.gpus_per_node

@@ -134,7 +134,11 @@ class OnlineRebalancer:
 
     @property
     def in_progress(self) -> bool:
-        """True while chunks of a rebalance wait to commit."""
+        """True while chunks of a rebalance wait to commit.
+
+        Returns:
+            busy: bool, True while `pending_chunks()` is non-empty (`begin` then raises).
+        """
         return bool(self._queue)
 
     def pending_chunks(self) -> Tuple[RebalanceChunk, ...]:

@@ -17,7 +17,14 @@ _INF = np.inf
 
 
 def tolerance_of(load: np.ndarray) -> np.ndarray:
-    """The smallest load change that counts as an improvement: 1e-12 relative (rounding noise)."""
+    """The smallest load change that counts as an improvement: 1e-12 relative (rounding noise).
+
+    Arguments:
+        load: float64 array of loads, any shape.
+
+    Returns:
+        tolerance: float64 array of the same shape, ``1e-12 * max(|load|, 1e-300)``.
+    """
     return 1e-12 * np.maximum(np.abs(load), 1e-300)
 
 

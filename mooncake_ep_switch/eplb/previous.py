@@ -65,7 +65,17 @@ def infer_group_nodes(previous: np.ndarray, topo: Topology) -> np.ndarray:
 
 
 def pinned_flags(experts: np.ndarray, home: np.ndarray, slot_node: np.ndarray) -> np.ndarray:
-    """Mark, per expert, its first slot on its home node as the pinned primary."""
+    """Mark, per logical expert, its first slot on its home node as the pinned primary.
+
+    Arguments:
+        experts: `[L, R]` np.int64, logical expert of each physical expert (slot).
+        home: `[L, E]` np.int64, home node of each logical expert.
+        slot_node: `[R]` np.int64, node of each slot.
+
+    Returns:
+        pinned: `[L, R]` np.bool_, True at the lowest-index slot of each logical expert on its home
+            node (no flag for an expert without a copy there).
+    """
     num_layers, num_slots = experts.shape
     rows = np.arange(num_layers)[:, None]
     on_home = slot_node[None, :] == home[rows, experts]
@@ -77,7 +87,17 @@ def pinned_flags(experts: np.ndarray, home: np.ndarray, slot_node: np.ndarray) -
 
 def repair_previous(weight, experts, topo: Topology, home) -> None:
     """Make a previous slot table valid in place: every expert present, no same-GPU duplicates,
-    (hierarchical) a copy of every expert on its home node. Loops in Python over broken layers."""
+    (hierarchical) a copy of every expert on its home node. Loops in Python over broken layers.
+
+    Arguments:
+        weight: `[L, E]` np.float64, load of each logical expert (decides which copies are given up).
+        experts: `[L, R]` np.int64, logical expert of each physical expert (slot); repaired in place.
+        topo: the `Topology`.
+        home: `[L, E]` np.int64, home node of each logical expert (hierarchical mode), or None.
+
+    Raises:
+        RuntimeError: a layer has no slot that can take a missing logical expert.
+    """
     num_layers, num_slots = experts.shape
     slots, num_logical = topo.slots_per_gpu, topo.num_logical
     slot_gpu = np.arange(num_slots) // slots

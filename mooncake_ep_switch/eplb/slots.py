@@ -63,8 +63,25 @@ class SlotShape(NamedTuple):
 
 def check_phy2log(name: str, phy2log, num_layers: int, num_slots: int, num_logical: int,
                   slots_per_rank: int) -> np.ndarray:
-    """`phy2log` as an int64 `[L, num_slots]` numpy array with a copy of every logical expert and no
-    two copies of one logical expert on one rank, else a clear error naming `name`."""
+    """Validate a placement: a copy of every logical expert, no two copies of one on a rank.
+
+    Arguments:
+        name: argument name used in error messages.
+        phy2log: `[L, num_slots]` integer torch tensor, numpy array or nested sequence, the logical
+            expert of every physical expert (slot).
+        num_layers: `L`, MoE layers.
+        num_slots: physical experts (slots) per layer, `R * slots_per_rank`.
+        num_logical: `E`, logical experts per layer; every entry must be in `[0, E)`.
+        slots_per_rank: physical slots per rank and layer.
+
+    Returns:
+        phy2log: `[L, num_slots]` np.int64, a copy of the validated placement.
+
+    Raises:
+        TypeError: `phy2log` is not an integer array.
+        ValueError: a wrong shape, an entry outside `[0, E)`, a logical expert without a copy in
+            some layer, or two copies of one logical expert on one rank.
+    """
     table = as_indices(name, phy2log, 2, upper=num_logical)
     if table.shape != (num_layers, num_slots):
         raise ValueError(f"{name}: expected shape [{num_layers}, {num_slots}], got {list(table.shape)}")
@@ -219,7 +236,15 @@ class ExpertSlots:
         return self._gate_up[frame], self._down[frame]
 
     def frame_views(self, frame: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up `[2I, H]`, down `[H, I]`) torch.bfloat16 views of one of this rank's frames."""
+        """Views of one of this rank's frames.
+
+        Arguments:
+            frame: frame id in `[0, num_frames)` (not bounds-checked here).
+
+        Returns:
+            gate_up: `[2I, H]` torch.bfloat16, a view of the frame.
+            down: `[H, I]` torch.bfloat16, a view of the frame.
+        """
         return self._gate_up[frame], self._down[frame]
 
     def load(self, layers: Sequence) -> None:
@@ -248,7 +273,20 @@ class ExpertSlots:
         view.copy_(torch.from_numpy(self.frame_of.reshape(-1).astype(np.int32)))
 
     def peer_frame(self, rank: int, layer: int, local_slot: int) -> int:
-        """Frame of `rank`'s slot (`layer`, `local_slot`), read from its table and bounds-checked."""
+        """Frame of `rank`'s slot (`layer`, `local_slot`), read from its table and bounds-checked.
+
+        Arguments:
+            rank: owner rank of the physical expert (slot); this rank reads its own table in memory.
+            layer: MoE layer in `[0, L)`.
+            local_slot: local slot index in `[num_primary, slots_per_rank)` (a redundant expert's slot).
+
+        Returns:
+            frame: frame id in `[0, num_frames)` on `rank`.
+
+        Raises:
+            ValueError: `local_slot` is a primary (lives in the unified weights, not a frame), or the
+                peer's table names a frame outside `[0, num_frames)`.
+        """
         if local_slot < self.num_primary:
             raise ValueError(f"local_slot: {local_slot} is a primary (in the unified weights), not a frame")
         if rank == self.rank:
@@ -262,8 +300,26 @@ class ExpertSlots:
         return value
 
     def source_blocks(self, dst_frame: int, src_rank: int, layer: int, src_slot: int) -> Tuple[np.ndarray, Tuple[int, int]]:
-        """copy_blocks descriptors `[2, 6]` int64 copying `src_rank`'s slot (`layer`, `src_slot`) into this
-        rank's `dst_frame`, and the source region's (lo, hi) address range."""
+        """`copy_blocks` descriptors copying `src_rank`'s slot (`layer`, `src_slot`) into this rank's `dst_frame`.
+
+        A primary source slot (`src_slot < num_primary`) is read from `src_rank`'s unified weights
+        (which must be in the EP layout), any other from its frame via `peer_frame`.
+
+        Arguments:
+            dst_frame: destination frame id on this rank.
+            src_rank: rank owning the source physical expert (slot).
+            layer: MoE layer in `[0, L)`.
+            src_slot: local slot index on `src_rank` in `[0, slots_per_rank)`.
+
+        Returns:
+            blocks: `[2, 6]` np.int64, rows `(dst, src, rows, row_bytes, dst_stride, src_stride)` for
+                gate/up then down.
+            src_range: (lo, hi) int addresses of the source region as mapped here.
+
+        Raises:
+            ValueError: a bad frame id in `src_rank`'s table (see `peer_frame`).
+            RuntimeError: the primaries are not serving in the EP layout, or `src_rank`'s region is not mapped.
+        """
         dst_base = self.region.peer_bases[self.rank]
         if src_slot < self.num_primary:
             from mooncake_ep_switch.switch.umm import EP
@@ -288,14 +344,33 @@ class ExpertSlots:
         return np.asarray(rows, dtype=np.int64), src_range
 
     def region_range(self, rank: int) -> Tuple[int, int]:
-        """(lo, hi) addresses of `rank`'s region as mapped here."""
+        """Address range of `rank`'s region as mapped in this process.
+
+        Arguments:
+            rank: rank in `[0, R)`.
+
+        Returns:
+            range: (lo, hi) int addresses, hi exclusive.
+
+        Raises:
+            RuntimeError: `rank`'s region is not mapped.
+        """
         base = self.region.peer_bases[rank]
         if not base:
             raise RuntimeError(f"rank {rank}'s expert slots are not mapped")
         return base, base + self.region.nbytes
 
     def control_addr(self, rank: int, offset: int) -> int:
-        """Address of a control word of `rank` (offset < 4096, 8-aligned)."""
+        """Address of a control word of `rank` (offset < 4096, 8-aligned).
+
+        Arguments:
+            rank: rank in `[0, R)`.
+            offset: byte offset into the control words (not checked here).
+
+        Returns:
+            addr: int address of the word in `rank`'s region as mapped here (meaningless if that
+                region is not mapped: nothing is checked).
+        """
         return self.region.peer_bases[rank] + offset
 
     def destroy(self) -> None:

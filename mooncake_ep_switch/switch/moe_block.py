@@ -120,6 +120,8 @@ def ep_forward(buffer, x: torch.Tensor, weights: MoEWeights, top_k: int, tokens_
         top_k: experts per token.
         tokens_per_rank: `num_max_dispatch_tokens_per_rank`.
         active_ranks: `[R]` torch.int32 caller-owned mask.
+        timeout_us: deadline of dispatch and combine in microseconds, -1 = none.
+        use_fp8: dispatch FP8 rows (dequantised to bf16 before the experts run).
 
     Returns:
         out: `[N, H]` torch.bfloat16.
@@ -252,6 +254,7 @@ def ep_forward_local(buffer, x: torch.Tensor, router: torch.Tensor, gate_up: tor
         top_k: experts per token.
         tokens_per_rank: `num_max_dispatch_tokens_per_rank`.
         active_ranks: `[R]` torch.int32 caller-owned mask.
+        timeout_us: deadline of dispatch and combine in microseconds, -1 = none.
 
     Returns:
         out: `[N, H]` torch.bfloat16.

@@ -83,12 +83,21 @@ class PolicySettings(NamedTuple):
 
     @property
     def threshold_low(self) -> float:
-        """``T_l``: EP -> TP happens when the windowed mean falls below it."""
+        """``T_l``: EP -> TP happens when the windowed mean falls below it.
+
+        Returns:
+            threshold: float, ``threshold_high`` in rollout mode, else ``low_ratio * threshold_high``
+                (requests).
+        """
         return self.threshold_high if self.rollout_mode else self.low_ratio * self.threshold_high
 
     @property
     def effective_window(self) -> int:
-        """The window in use: ``window``, or 1 in rollout mode."""
+        """The window in use: ``window``, or 1 in rollout mode.
+
+        Returns:
+            window: int, steps averaged before EP -> TP.
+        """
         return 1 if self.rollout_mode else self.window
 
     def validated(self) -> "PolicySettings":
@@ -204,12 +213,20 @@ class SwitchPolicy:
 
     @property
     def settings(self) -> PolicySettings:
-        """The validated settings."""
+        """The validated settings.
+
+        Returns:
+            settings: the `PolicySettings` this policy was built with (integer fields normalised).
+        """
         return self._settings
 
     @property
     def layout(self) -> str:
-        """The current layout, ``"tp"`` or ``"ep"``."""
+        """The current layout, ``"tp"`` or ``"ep"``.
+
+        Returns:
+            layout: str, ``"tp"`` or ``"ep"``.
+        """
         return self._layout
 
     def state(self) -> PolicyState:

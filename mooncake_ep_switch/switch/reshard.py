@@ -35,7 +35,18 @@ TP_TO_EP = "tp->ep"
 
 
 def direction(source: str, target: str) -> str:
-    """`"ep->tp"` or `"tp->ep"` for a switch from `source` to `target` (distinct layouts)."""
+    """`"ep->tp"` or `"tp->ep"` for a switch from `source` to `target` (distinct layouts).
+
+    Arguments:
+        source: layout before the switch, `"ep"` or `"tp"`.
+        target: layout after the switch, the other one.
+
+    Returns:
+        way: `EP_TO_TP` (`"ep->tp"`) or `TP_TO_EP` (`"tp->ep"`).
+
+    Raises:
+        ValueError: the pair is not (`"ep"`, `"tp"`) or (`"tp"`, `"ep"`).
+    """
     if (source, target) == (EP, TP):
         return EP_TO_TP
     if (source, target) == (TP, EP):
@@ -49,6 +60,13 @@ def step_order(way: str, num_layers: int) -> List[Tuple[int, int, int]]:
     EP -> TP moves layer i from slot i+1 to slot i, layers ascending (slot 0 is free first; step t's
     destination is the slot step t-1 read from). TP -> EP moves layer i from slot i to slot i+1,
     layers descending (slot L is free first).
+
+    Arguments:
+        way: `"ep->tp"`; any other value is taken as `"tp->ep"` (use `direction` to get it).
+        num_layers: `L`, MoE layers.
+
+    Returns:
+        steps: list of `L` (layer, source slot, destination slot) int tuples.
     """
     if way == EP_TO_TP:
         return [(layer, layer + 1, layer) for layer in range(num_layers)]
@@ -119,7 +137,21 @@ def slot_chunk_blocks(umm: UnifiedWeights, way: str, src_rank: int, dst_rank: in
 
 
 def copy(blocks: np.ndarray, dst_range: Tuple[int, int], src_range: Tuple[int, int]) -> int:
-    """Copy `blocks` (checked against the regions first); returns the bytes copied."""
+    """Copy `blocks` (checked against the regions first); returns the bytes copied.
+
+    Arguments:
+        blocks: `[n, 6]` int64 (np or convertible) rows `(dst, src, rows, row_bytes, dst_stride,
+            src_stride)`, as from `chunk_blocks`.
+        dst_range: (lo, hi) int addresses every destination byte must lie in.
+        src_range: (lo, hi) int addresses every source byte must lie in.
+
+    Returns:
+        nbytes: int, `sum(rows * row_bytes)` over the blocks (0 for no blocks).
+
+    Raises:
+        ValueError: (from the native `copy_blocks`) a block with a negative field, an overflow, or
+            an extent outside its range; nothing is copied then.
+    """
     blocks = np.ascontiguousarray(blocks, dtype=np.int64)
     if blocks.size == 0:
         return 0

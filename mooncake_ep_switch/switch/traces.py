@@ -68,7 +68,11 @@ class Trace(NamedTuple):
 
     @property
     def num_requests(self) -> int:
-        """Number of requests."""
+        """Number of requests.
+
+        Returns:
+            count: int, the length of ``arrival_seconds``.
+        """
         return int(self.arrival_seconds.shape[0])
 
     def phase_index(self) -> np.ndarray:

@@ -100,7 +100,15 @@ def _mapping_bytes(address: int) -> int:
 
 
 def layer_bytes(shape: WeightShape, num_ranks: int) -> int:
-    """Expert bytes of one layer on one rank (bf16): `(E/P) * 3 * I * H * 2`, the same in EP and TP."""
+    """Expert bytes of one layer on one rank (bf16): `(E/P) * 3 * I * H * 2`, the same in EP and TP.
+
+    Arguments:
+        shape: the `WeightShape` (`E` = `num_experts`, `H` = `hidden`, `I` = `intermediate`).
+        num_ranks: `P`, ranks sharing the layer; `E` should be a multiple of it (floor division).
+
+    Returns:
+        nbytes: int, bytes of one layer's slot.
+    """
     return shape.num_experts // num_ranks * 3 * shape.intermediate * shape.hidden * 2
 
 
