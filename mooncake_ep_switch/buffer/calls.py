@@ -231,8 +231,10 @@ class OutputPool:
         """
         with self._lock:
             slot = self._free_slot(key)
-            if slot is not None:
-                return slot.hand_out()
+        return self._new_block(key, parts, zeroed, device) if slot is None else slot.hand_out()
+
+    def _new_block(self, key, parts, zeroed, device) -> list:
+        """Aliases of a new block for `key` (see `acquire`), kept in the pool when `key` has room."""
         slot = _OutputSlot(parts, zeroed, device)
         outputs = slot.hand_out()
         with self._lock:
@@ -269,19 +271,21 @@ class OutputPool:
         inference = _inference_mode()
         rows_key = ("dispatch rows", use_fp8, local, rows, hidden, device, inference)
         meta_key = ("dispatch meta", local, rows, num_ranks, device, inference)
-        with self._lock:  # hot path: both blocks free, one lock, no parts to describe
+        with self._lock:  # one lock for both blocks
             rows_slot, meta_slot = self._free_slot(rows_key), self._free_slot(meta_key)
-            if rows_slot is not None and meta_slot is not None:
-                recv_x, scales = rows_slot.views
-                src_info, layout_range, recv_count = meta_slot.views
-                return _new_tuple(DispatchOutputs, (
-                    _detach(recv_x), None if scales is None else _detach(scales), _detach(src_info),
-                    _detach(layout_range), _detach(recv_count)))
-        parts = ((torch.float8_e4m3fn if use_fp8 else torch.bfloat16, (local, rows, hidden)),
-                 (torch.float32, (local, hidden // 128, rows)) if use_fp8 else None)
-        recv_x, scales = self.acquire(rows_key, parts, (), device)
-        parts = ((torch.int32, (local, rows)), (torch.int64, (local, num_ranks)), (torch.int32, (local,)))
-        src_info, layout_range, recv_count = self.acquire(meta_key, parts, (0, 1, 2), device)
+        if rows_slot is not None:
+            recv_x, scales = rows_slot.views
+            recv_x, scales = _detach(recv_x), None if scales is None else _detach(scales)
+        else:
+            parts = ((torch.float8_e4m3fn if use_fp8 else torch.bfloat16, (local, rows, hidden)),
+                     (torch.float32, (local, hidden // 128, rows)) if use_fp8 else None)
+            recv_x, scales = self._new_block(rows_key, parts, (), device)
+        if meta_slot is not None:
+            src_info, layout_range, recv_count = meta_slot.views
+            src_info, layout_range, recv_count = _detach(src_info), _detach(layout_range), _detach(recv_count)
+        else:
+            parts = ((torch.int32, (local, rows)), (torch.int64, (local, num_ranks)), (torch.int32, (local,)))
+            src_info, layout_range, recv_count = self._new_block(meta_key, parts, (0, 1, 2), device)
         return _new_tuple(DispatchOutputs, (recv_x, scales, src_info, layout_range, recv_count))
 
     def combine_output(self, num_tokens: int, hidden: int, device) -> torch.Tensor:
@@ -298,9 +302,9 @@ class OutputPool:
         key = ("combine", num_tokens, hidden, device, _inference_mode())
         with self._lock:
             slot = self._free_slot(key)
-            if slot is not None:
-                return _detach(slot.views[0])
-        return self.acquire(key, ((torch.bfloat16, (num_tokens, hidden)),), (), device)[0]
+        if slot is not None:
+            return _detach(slot.views[0])
+        return self._new_block(key, ((torch.bfloat16, (num_tokens, hidden)),), (), device)[0]
 
     def pooled_bytes(self) -> int:
         """Bytes held by the pool (busy and free blocks).

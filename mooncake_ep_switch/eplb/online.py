@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer.peer_words import wait_peer_words
 from mooncake_ep_switch.eplb._convert import as_int
 from mooncake_ep_switch.eplb.slots import ExpertSlots, check_phy2log
 
@@ -43,7 +44,6 @@ _VOTE, _DIGEST = 0, 8
 GO, ABORT = 1, 2
 COMMITTED = "committed"
 ABORTED = "aborted"
-_POLL_US = 20_000
 
 
 class RebalanceChunk(NamedTuple):
@@ -334,16 +334,10 @@ class OnlineRebalancer:
         """Wait for every peer's vote on `chunk`; "" when all voted GO with our digest, else why not."""
         slots = self.slots
         peers = [p for p in range(slots.num_ranks) if p != slots.rank]
-        deadline = None if self.timeout_us < 0 else time.monotonic() + self.timeout_us / 1e6
-        pending = list(peers)
-        while pending:
-            left = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1e6))
-            slice_us = _POLL_US if left < 0 else min(_POLL_US, left)
-            addrs = [slots.control_addr(p, _VOTE) for p in pending]
-            missing = _native.wait_words(addrs, [self._word(chunk.epoch, GO)] * len(addrs), 1, slice_us)
-            pending = [pending[i] for i in missing]
-            if pending and deadline is not None and time.monotonic() >= deadline:
-                return f"ranks {pending} did not vote on epoch {chunk.epoch} within timeout_us={self.timeout_us}"
+        pending = wait_peer_words(peers, lambda p: slots.control_addr(p, _VOTE), self._word(chunk.epoch, GO), 1,
+                                  self.timeout_us)
+        if pending:
+            return f"ranks {pending} did not vote on epoch {chunk.epoch} within timeout_us={self.timeout_us}"
         for peer in peers:
             vote = _native.signal_load(slots.control_addr(peer, _VOTE))
             if vote != self._word(chunk.epoch, GO):

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer.peer_words import wait_peer_words
 from mooncake_ep_switch.switch import reshard
 from mooncake_ep_switch.switch.kv_cache import KVPlan, PagedKVCache
 from mooncake_ep_switch.switch.umm import EP, INVALID, LAYOUTS, TP, UnifiedWeights
@@ -64,7 +65,6 @@ ABORT_CODES = {2: "a rank rejected its arguments", 3: "the KV cache does not fit
                5: "a rank did not enter the switch before the deadline", 6: "ranks found dead earlier need recovery"}
 
 _PROGRESS, _DECISION, _DIGEST, _DIGEST_WORDS, _DECL = 0, 8, 64, 48, 512
-_POLL_US = 20_000  # wait slice between checks of peers' dead declarations and our own fence
 
 COMPLETED = "completed"
 REFUSED = "refused"
@@ -193,26 +193,22 @@ class _Control:
         """Wait until every peer's word at `offset` reaches this switch's `value` (mode 1: progress >=,
         mode 0: same switch). Returns the peers that missed the deadline (declared dead if `declare`)."""
         peers = self.live_peers() if peers is None else [p for p in peers if p not in self.dead]
-        deadline = None if self.timeout_us < 0 else time.monotonic() + self.timeout_us / 1e6
-        pending = list(peers)
-        while pending:
-            left_us = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1e6))
-            slice_us = _POLL_US if left_us < 0 else min(_POLL_US, left_us)
-            addrs = [self.addr(p, offset) for p in pending]
-            missing = _native.wait_words(addrs, [self.word(value)] * len(addrs), mode, slice_us)
-            pending = [pending[i] for i in missing]
+
+        def between_slices(pending: List[int]) -> List[int]:
             if declare:
                 for peer in list(pending):
                     if self.declared_by_peer(peer):  # another survivor already found it dead
                         self.declare(peer)
                         pending.remove(peer)
             self.check_fence()
-            if pending and deadline is not None and time.monotonic() >= deadline:
-                if declare:
-                    for peer in pending:
-                        self.declare(peer)
-                return pending
-        return []
+            return pending
+
+        pending = wait_peer_words(peers, lambda p: self.addr(p, offset), self.word(value), mode, self.timeout_us,
+                                  between_slices)
+        if declare:
+            for peer in pending:
+                self.declare(peer)
+        return pending
 
 
 # ------------------------------------------------------------------------------------------------
