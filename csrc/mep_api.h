@@ -96,4 +96,32 @@ void prefault(uintptr_t base, int64_t nbytes);
 // Release-store a signal word and wake every wait_words() sleeping on it (any process).
 void signal_publish(uintptr_t addr, uint64_t value);
 
+// ---- EPLB placement search (eplb_search.cpp) ----
+// One placement problem's shape: slot s on GPU s / (num_replicas / num_gpus), GPU g on node
+// g / gpus_per_node (node 0 for all when not hierarchical).
+struct EplbShape {
+    int64_t num_logical, num_replicas, num_gpus, gpus_per_node;
+    bool hierarchical;
+};
+// Arrays (validated by the Python layer): weight [L, E] float64, experts [L, R] int64,
+// counts [L, E] int64, pinned [L, R] uint8 (all three modified), start [L, R] int64 or 0,
+// rows [num_rows] int64, peak_limit / item_limit [L] float64, budget [L] int64 or 0.
+struct EplbArrays {
+    uintptr_t weight, experts, counts, pinned, start, rows;
+    int64_t num_rows;
+    uintptr_t peak_limit, item_limit, budget;
+};
+// Which phases run: split large copies, relieve nodes (hierarchical: node_margin of the node
+// target, `retries` more rounds 0.5 % lower each), and the local search (`max_steps` moves,
+// `near` light partner GPUs, swaps only at slot positions >= swap_from, the `heavy` heaviest GPUs
+// tried in turn when the heaviest has no move), on up to `threads` threads
+// (layers are independent: the result does not depend on the thread count).
+struct EplbSearchParams {
+    bool split, relieve;
+    double node_margin;
+    int64_t retries, max_steps, near, swap_from, heavy, threads;
+};
+// The movement-aware search of eplb/local_search.py for every layer in rows, in place.
+void eplb_search(const EplbShape& shape, const EplbArrays& arrays, const EplbSearchParams& params);
+
 }  // namespace mep

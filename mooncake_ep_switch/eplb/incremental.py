@@ -14,12 +14,14 @@ layer, with `b_fresh` the balancedness of a fresh placement for the new load and
 2. transfers (one copy each): while some expert's copy load exceeds `ITEM_SHARE` of the mean
    GPU load (or the fresh placement's largest copy, if larger), overwrite a spare copy of
    another expert with a copy of it, choosing the slot that lowers the sum of squared GPU loads
-   most; hierarchical mode then relieves overloaded nodes the same way (`relieve_nodes`: the
+   most; hierarchical mode then relieves overloaded nodes the same way (node relief: the
    pinned primaries cannot leave their node, extra copies elsewhere can take their load);
-3. improve (`local_search.improve`): lower every GPU above the target, up to `PARALLEL` per
-   layer and step, by swaps, parks and splits ranked by drop per moved copy, a slot that has
-   already changed costing nothing more (the copies placed by transfers get rearranged for
-   free). Hierarchical layers that miss get up to `RETRIES` more rounds of node relief and search;
+3. improve (`local_search.search`, compiled): lower the heaviest GPU while it is above the
+   target (the next `HEAVY` heaviest when it has no move) by swaps, parks and splits ranked by
+   drop per moved copy, a slot that has already changed costing nothing more (the copies placed
+   by transfers get rearranged for free). Hierarchical layers that miss get up to `RETRIES` more
+   rounds of node relief and search; then changed slots whose start expert can come back
+   without leaving the target get it back;
 4. a layer still above the target (or past `MAX_SHARE` of its slots moved) gets one more search
    from the deployed table with smaller copies and more node headroom (`RESCUE_*`); if that misses
    too, it takes the fresh placement with its GPUs matched to the previous ones and slots kept
@@ -36,7 +38,7 @@ import numpy as np
 from mooncake_ep_switch.eplb.alignment import align_to_previous
 from mooncake_ep_switch.eplb.construct import Topology, fresh_placement, lpt_balance
 from mooncake_ep_switch.eplb.layout import expert_counts
-from mooncake_ep_switch.eplb.local_search import improve, relieve_nodes, split_large_copies
+from mooncake_ep_switch.eplb.local_search import search
 from mooncake_ep_switch.eplb.metrics import balance_of_loads
 from mooncake_ep_switch.eplb.previous import infer_group_nodes, pinned_flags, repair_previous
 from mooncake_ep_switch.eplb.replication import replica_counts
@@ -45,7 +47,7 @@ NODE_MARGIN = 0.995  # node relief aims each node at this share of its GPUs' tar
 RETRIES = 3  # hierarchical: more rounds of node relief (0.5 % lower each) and search for layers that miss
 MAX_SHARE = 0.45  # the search gives up on a layer after moving this share of its slots
 ITEM_SHARE = 0.75  # moves may grow a copy up to this share of the mean GPU load
-PARALLEL = 4  # heavy GPUs per layer the local search works on at once
+HEAVY = 4  # heavy GPUs the local search tries in turn when the heaviest has no move
 RESCUE = True  # layers that miss get a second search from the deployed table, with:
 RESCUE_SHARE = 0.6  # smaller copies (item share) and
 RESCUE_MARGIN = 0.98  # more node headroom
@@ -173,21 +175,7 @@ def movement_aware_placement(
 
 
 def _search(weight, experts, counts, pinned, topo: Topology, peak_limit, item_limit, rows, start, budget, margin=None) -> None:
-    """Transfers, node relief (hierarchical) and the local search, in place, for `rows`."""
-    split_large_copies(weight, experts, counts, pinned, topo, item_limit, rows)
-    node_limit = peak_limit * topo.gpus_per_node
-    margin = NODE_MARGIN if margin is None else margin
-    if topo.hierarchical:
-        relieve_nodes(weight, experts, counts, pinned, topo, node_limit * margin, item_limit, rows)
-    improve(weight, experts, counts, pinned, topo, peak_limit * (1 + 1e-12), item_limit, rows,
-            max_steps=topo.num_replicas, start=start, budget=budget, parallel=PARALLEL)
-    for attempt in range(RETRIES if topo.hierarchical else 0):
-        per_slot = np.take_along_axis(weight[rows] / counts[rows], experts[rows], axis=1)
-        peak = per_slot.reshape(rows.size, topo.num_gpus, -1).sum(axis=2).max(axis=1)
-        moved = (experts[rows] != start[rows]).sum(axis=1)
-        again = rows[(peak > peak_limit[rows] * (1 + 1e-9)) & (moved < budget[rows])]
-        if again.size == 0:
-            return
-        relieve_nodes(weight, experts, counts, pinned, topo, node_limit * (margin - 0.005 * (attempt + 1)), item_limit, again)
-        improve(weight, experts, counts, pinned, topo, peak_limit * (1 + 1e-12), item_limit, again,
-                max_steps=topo.num_replicas, start=start, budget=budget, parallel=PARALLEL)
+    """Transfers, node relief (hierarchical), the local search and its retries, in place, for `rows`."""
+    search(weight, experts, counts, pinned, topo, peak_limit, item_limit, rows, start=start, budget=budget,
+           node_margin=NODE_MARGIN if margin is None else margin, retries=RETRIES if topo.hierarchical else 0,
+           heavy=HEAVY)

@@ -21,7 +21,7 @@ split evenly across its copies):
    counted, with a free redundant slot and no copy of the expert yet); layers where LPT cannot
    avoid a duplicate are filled slot by slot instead (`_fill`: each slot to an expert of the
    heaviest GPU, on the lightest GPU that can take it);
-2. refinement: `local_search.improve` lowers the heaviest GPUs by swapping redundant copies
+2. refinement: `local_search.search` (compiled) lowers the heaviest GPUs by swapping redundant copies
    between GPUs, re-pointing a redundant slot at another expert ("park"), or giving an expert of a
    heavy GPU a copy in a light GPU's redundant slot ("split"); primaries are pinned and swaps
    consider only redundant positions.
@@ -38,7 +38,7 @@ import torch
 from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_int, as_loads
 from mooncake_ep_switch.eplb.construct import Topology, sorted_items
 from mooncake_ep_switch.eplb.layout import expert_counts
-from mooncake_ep_switch.eplb.local_search import improve
+from mooncake_ep_switch.eplb.local_search import search
 from mooncake_ep_switch.eplb.metrics import balance_of_loads
 from mooncake_ep_switch.eplb.packing import group_by_bin, lpt_assign
 from mooncake_ep_switch.eplb.placement import normalized_loads
@@ -47,6 +47,7 @@ from mooncake_ep_switch.eplb.replication import replica_counts
 __all__ = ["place_redundant_experts"]
 
 NEAR = 16  # light partner GPUs per heavy GPU in the refinement (only redundant slots move: cheap)
+HEAVY = 8  # heavy GPUs tried in turn when the heaviest has no move
 
 
 def place_redundant_experts(
@@ -214,8 +215,8 @@ def _fresh(w: np.ndarray, num_gpus: int, primaries: int, redundant: int) -> np.n
     counts = expert_counts(table, num_logical)
     pinned = _pinned(num_layers, num_gpus, primaries, redundant)
     mean = w.sum(axis=1) / num_gpus
-    improve(w, table, counts, pinned, topo, mean * (1 + 1e-9), np.full(num_layers, np.inf), np.arange(num_layers),
-            max_steps=4 * num_gpus * redundant, swap_from=primaries, near=NEAR)
+    search(w, table, counts, pinned, topo, mean * (1 + 1e-9), np.full(num_layers, np.inf), np.arange(num_layers),
+           split=False, relieve=False, max_steps=32 * num_gpus * redundant, swap_from=primaries, near=NEAR, heavy=HEAVY)
     return _sorted_redundant(table, num_gpus, primaries, redundant)
 
 
@@ -251,8 +252,8 @@ def _from_previous(w, prev, fresh, num_gpus: int, primaries: int, redundant: int
     pinned = _pinned(num_layers, num_gpus, primaries, redundant)
     fallback = _align(fresh, start, num_gpus, primaries, redundant)
     budget = (fallback != start).sum(axis=1)
-    improve(w, result, counts, pinned, topo, peak_limit * (1 + 1e-12), np.full(num_layers, np.inf), work,
-            max_steps=4 * num_gpus * redundant, start=start, budget=budget, swap_from=primaries, near=NEAR)
+    search(w, result, counts, pinned, topo, peak_limit, np.full(num_layers, np.inf), work, start=start, budget=budget,
+           split=False, relieve=False, max_steps=32 * num_gpus * redundant, swap_from=primaries, near=NEAR, heavy=HEAVY)
     peak = _gpu_loads(w, result, num_gpus).max(axis=1)
     failed = work[(peak[work] > peak_limit[work] * (1 + 1e-9)) | ((result[work] != start[work]).sum(axis=1) >= budget[work])]
     result[failed] = fallback[failed]
