@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "eplb_common.h"
 #include "mep_api.h"
 
 namespace mep {
@@ -291,7 +292,7 @@ class LayerSearch {
     // The best swap of a copy of `top` (positions >= swap_from) with one on a GPU of `partners`.
     void best_swap(int64_t top, const int64_t* partners, int64_t num_partners, int64_t swap_from, Move& best) const {
         const double lh = load_[top];
-        const double tol = 1e-12 * std::max(std::abs(lh), 1e-300);
+        const double tol = load_tolerance(lh);
         for (int64_t k = 0; k < num_partners; ++k) {
             const int64_t p = partners[k];
             if (p == top) continue;
@@ -308,9 +309,8 @@ class LayerSearch {
                     const int64_t b = p * S_ + j;
                     const int64_t eb = ex_[b];
                     if (holds(eb, top) || (pinned_[b] && !same_node)) continue;
-                    const double off = std::abs(size_[a] - size_[b] - half_gap);
-                    if (off >= half_gap - tol) continue;
-                    const double score = lh - half_gap + off;
+                    const double score = swap_peak(lh, load_[p], size_[a], size_[b], tol);
+                    if (score == kNoSwap) continue;
                     const double gain = (lh - score) / (unchanged(a) + unchanged(b) + kFree);
                     if (gain > best.gain) {
                         best.kind = 0;

@@ -123,5 +123,9 @@ struct EplbSearchParams {
 };
 // The movement-aware search of eplb/local_search.py for every layer in rows, in place.
 void eplb_search(const EplbShape& shape, const EplbArrays& arrays, const EplbSearchParams& params);
+// Swap refinement of packed rows (eplb_refine.cpp; eplb/packing.py): experts [B, N, S] int64,
+// sizes [B, N, S] float64, pinned [B, N, S] uint8 (all modified), bin_node [N] int64.
+void eplb_refine(uintptr_t experts, uintptr_t sizes, uintptr_t pinned, int64_t num_rows, int64_t num_bins,
+                 int64_t slots, uintptr_t bin_node, bool sweeps, int64_t descend_steps, int64_t near, int64_t threads);
 
 }  // namespace mep

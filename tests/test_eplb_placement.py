@@ -264,30 +264,84 @@ def test_clear_errors_for_weight(weight, error, match):
         rebalance_experts(weight, 12, 2, 1, 4)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_swap_scores_match_a_direct_evaluation(seed):
-    """`packing.swap_scores` (folded masks, few full passes) against a loop over every swap."""
-    from mooncake_ep_switch.eplb.packing import INVALID, swap_scores
+def _reference_refine(ex, sz, pn, node, descend_steps, near):
+    """`packing.refine_swaps` for one row as plain loops (the documented rule, no shortcuts)."""
+    num_bins, slots = ex.shape
+
+    def loads():
+        return [sum(float(v) for v in sz[b]) for b in range(num_bins)]
+
+    def best_swap(h, partners, load, best):
+        lh = load[h]
+        tol = 1e-12 * max(abs(lh), 1e-300)
+        for a in range(slots):
+            for l in partners:
+                if l == h or 0.5 * (lh - load[l]) <= tol:
+                    continue
+                if ex[h, a] in ex[l] or (pn[h, a] and node[l] != node[h]):
+                    continue
+                for b in range(slots):
+                    if ex[l, b] in ex[h] or (pn[l, b] and node[l] != node[h]):
+                        continue
+                    d = sz[h, a] - sz[l, b]
+                    half_gap = 0.5 * (lh - load[l])
+                    off = abs(d - half_gap)
+                    if off >= half_gap - tol:
+                        continue
+                    peak = off + (lh - half_gap)
+                    if best is None or peak < best[0]:
+                        best = (peak, h, a, l, b)
+        return best
+
+    def apply(best):
+        _, h, a, l, b = best
+        for arr in (ex, sz, pn):
+            arr[h, a], arr[l, b] = arr[l, b].copy(), arr[h, a].copy()
+
+    partners = 1
+    while num_bins // (partners + 1) >= 2:
+        heavy = num_bins // (partners + 1)
+        for _ in range(3):
+            load = loads()
+            order = sorted(range(num_bins), key=lambda b: (load[b], b))
+            found = [best_swap(order[num_bins - 1 - i], [order[k * heavy + i] for k in range(partners)], load, None)
+                     for i in range(heavy)]
+            found = [f for f in found if f is not None]
+            if not found:
+                break
+            for f in found:
+                apply(f)
+        partners = 2 * partners + 1
+    near = min(near, num_bins - 1)
+    for _ in range(descend_steps):
+        load = loads()
+        top = max(range(num_bins), key=lambda b: (load[b], -b))
+        best = None
+        if near < num_bins - 1:
+            best = best_swap(top, sorted(range(num_bins), key=lambda b: (load[b], b))[:near], load, None)
+        if best is None:
+            best = best_swap(top, range(num_bins), load, None)
+        if best is None:
+            break
+        apply(best)
+
+
+@pytest.mark.parametrize("bins, slots, near", [(6, 3, 2), (8, 4, 12), (12, 2, 3), (5, 5, 1)])
+@pytest.mark.parametrize("seed", range(3))
+def test_swap_refinement_matches_a_plain_loop(bins, slots, near, seed):
+    """`packing.refine_swaps` (compiled, rows on threads) against the same rule written as loops."""
+    from mooncake_ep_switch.eplb.packing import refine_swaps
 
     rng = np.random.default_rng(seed)
-    rows, partners, slots = 3, 4, 3
-    eh = rng.integers(0, 6, (rows, slots))
-    el = rng.integers(0, 6, (rows, partners, slots))
-    sh = rng.integers(1, 6, (rows, slots)).astype(np.float64)
-    sl = rng.integers(0, 4, (rows, partners, slots)).astype(np.float64)
-    ph, pl = rng.random((rows, slots)) < 0.4, rng.random((rows, partners, slots)) < 0.4
-    lh, ll = sh.sum(axis=1), sl.sum(axis=2)
-    same_node = rng.random((rows, partners)) < 0.5
-    score = swap_scores(eh, sh, ph, lh, el, sl, pl, ll, same_node).reshape(rows, slots, partners, slots)
+    rows = 5
+    ex = rng.integers(0, bins * slots // 2, (rows, bins, slots))  # few experts: duplicates clash often
+    sz = rng.uniform(0.0, 1.0, (rows, bins, slots)) ** 3
+    pn = rng.random((rows, bins, slots)) < 0.3
+    node = np.arange(bins, dtype=np.int64) // 2
+    expected = [a.copy() for a in (ex, sz, pn)]
+    original = ex.copy()
     for r in range(rows):
-        for a in range(slots):
-            for k in range(partners):
-                for b in range(slots):
-                    d = sh[r, a] - sl[r, k, b]
-                    larger = max(lh[r] - d, ll[r, k] + d)
-                    valid = larger < lh[r] * (1 - 1e-12) and eh[r, a] not in el[r, k] and el[r, k, b] not in eh[r]
-                    valid &= bool(same_node[r, k] or not (ph[r, a] or pl[r, k, b]))
-                    if valid:
-                        assert score[r, a, k, b] == pytest.approx(larger, rel=1e-12)
-                    else:
-                        assert score[r, a, k, b] >= INVALID
+        _reference_refine(expected[0][r], expected[1][r], expected[2][r], node, 4 * bins, near)
+    refine_swaps(ex, sz, pn, node, descend_steps=4 * bins, near=near, threads=3)
+    assert np.array_equal(ex, expected[0]) and np.array_equal(sz, expected[1]) and np.array_equal(pn, expected[2])
+    assert not np.array_equal(ex, original)  # swaps happened (the comparison is not vacuous)

@@ -295,11 +295,6 @@ def targets(rows: list) -> list:
     worst = min(fresh, key=lambda r: r["bal_ours"] - r["bal_greedy"])
     checks.append(("balancedness >= greedy on every workload (fresh placements)", all(r["bal_ours"] >= r["bal_greedy"] - 1e-12 for r in fresh),
                    f"smallest margin {worst['bal_ours'] - worst['bal_greedy']:+.4f} ({worst['config']}, {worst['workload']})"))
-    if drift:
-        worst = min(drift, key=lambda r: r["bal_ours"] - r["bal_greedy"])
-        checks.append(("balancedness >= greedy's fresh placement after drift (ours trades up to 0.01 for fewer moves)",
-                       all(r["bal_ours"] >= r["bal_greedy"] - 1e-12 for r in drift),
-                       f"smallest margin {worst['bal_ours'] - worst['bal_greedy']:+.4f} ({worst['config']}, {worst['workload']})"))
     hier = [r for r in fresh if "4x8" in r["config"] and r["workload"] == "zipf1.0"]
     checks.append(("hierarchical Zipf(1) balancedness >= 0.90", all(r["bal_ours"] >= 0.90 for r in hier),
                    ", ".join(f"{r['bal_ours']:.4f}" for r in hier)))
@@ -307,7 +302,8 @@ def targets(rows: list) -> list:
         ratio = r["moved_ours"] / max(r["moved_greedy"], 1e-12)
         checks.append((f"drift {r['workload'][6:]} [{r['config']}]: moved <= 25% of greedy's, drop <= 0.01",
                        ratio <= 0.25 and r["worst_drop"] <= 0.01 + 1e-9,
-                       f"moved {ratio:.1%} of greedy's, worst layer drop {r['worst_drop']:.4f}"))
+                       f"moved {ratio:.1%} of greedy's, worst layer drop {r['worst_drop']:.4f} "
+                       f"(balancedness {r['bal_ours'] - r['bal_greedy']:+.4f} against the greedy's fresh placement)"))
     checks.append(("runtime <= greedy's (fresh placements)", all(r["t_ours"] <= r["t_greedy"] for r in fresh),
                    f"worst ratio {max(r['t_ours'] / r['t_greedy'] for r in fresh):.2f}"))
     checks.append(("runtime <= greedy's (movement-aware rebalances)", all(r["t_ours"] <= r["t_greedy"] for r in drift),
@@ -316,8 +312,8 @@ def targets(rows: list) -> list:
         worst = min(fixed, key=lambda r: r["bal_ours"] - r["bal_plain"])
         checks.append(("fixed primaries: balancedness >= the layout without replicas", all(r["bal_ours"] >= r["bal_plain"] for r in fixed),
                        f"smallest margin {worst['bal_ours'] - worst['bal_plain']:+.4f} ({worst['config']}, {worst['workload']})"))
-    big = [r for r in fresh if "8x8" in r["config"]]
-    checks.append(("58x256 on 64 GPUs < 0.1 s", all(r["t_ours"] < 0.1 for r in big) and all(r["layers"] == 58 for r in big),
+    big = [r for r in fresh + drift if "8x8" in r["config"]]
+    checks.append(("58x256 on 64 GPUs < 0.1 s (fresh and movement-aware)", all(r["t_ours"] < 0.1 for r in big) and all(r["layers"] == 58 for r in big),
                    ", ".join(f"{r['t_ours'] * 1e3:.0f} ms" for r in big) + ("" if all(r["layers"] == 58 for r in big) else " (quick: fewer layers)")))
     return checks
 

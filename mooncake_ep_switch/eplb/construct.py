@@ -2,7 +2,7 @@
 
 Global mode: copies per expert by largest load per copy (`replication.replica_counts`), all
 copies packed onto all GPUs largest first (LPT, never two copies of an expert on one GPU), then
-refined by swaps (`packing.sweep_schedule`, `packing.descend_max`).
+refined by swaps (`packing.refine_swaps`, compiled).
 
 Hierarchical mode packs expert groups onto nodes (exactly `num_groups // num_nodes` per node) and
 pins each expert's primary copy to its group's node, so group-limited routing finds every expert
@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from mooncake_ep_switch.eplb.packing import descend_max, group_by_bin, lpt_assign, repair_duplicates, sweep_schedule
+from mooncake_ep_switch.eplb.packing import group_by_bin, lpt_assign, refine_swaps, repair_duplicates
 from mooncake_ep_switch.eplb.replication import relieve_pinned_nodes, replica_counts
 
 
@@ -118,8 +118,7 @@ def refine(packed: Packed, gpu_node: np.ndarray, flagged: Optional[np.ndarray] =
     experts, sizes, pinned = packed
     if flagged is not None and flagged.any():
         repair_duplicates(experts, sizes, pinned, gpu_node, rows=np.nonzero(flagged)[0])
-    sweep_schedule(experts, sizes, pinned, gpu_node)
-    descend_max(experts, sizes, pinned, gpu_node, max_steps=4 * experts.shape[1])
+    refine_swaps(experts, sizes, pinned, gpu_node, descend_steps=4 * experts.shape[1])
 
 
 def pack_groups(group_load: np.ndarray, num_nodes: int) -> np.ndarray:
@@ -140,8 +139,7 @@ def pack_groups(group_load: np.ndarray, num_nodes: int) -> np.ndarray:
     experts, packed_sizes = group_by_bin(bins, num_nodes, order, sizes)
     pinned = np.zeros(experts.shape, dtype=bool)
     nodes = np.arange(num_nodes, dtype=np.int64)
-    sweep_schedule(experts, packed_sizes, pinned, nodes)
-    descend_max(experts, packed_sizes, pinned, nodes, max_steps=2 * num_nodes)
+    refine_swaps(experts, packed_sizes, pinned, nodes, descend_steps=2 * num_nodes)
     group_node = np.empty((num_layers, num_groups), dtype=np.int64)
     rows = np.arange(num_layers)[:, None, None]
     group_node[rows, experts] = nodes[None, :, None]

@@ -36,7 +36,7 @@ import numpy as np
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.eplb.construct import Topology
 
-NEAR = 8  # light partner GPUs per heavy GPU in the local search (hierarchical mode)
+NEAR = 16  # light partner GPUs per heavy GPU in the local search (hierarchical mode)
 NEAR_GLOBAL = 4  # the same in global mode (no primaries pinned to nodes: fewer suffice)
 MAX_THREADS = 4  # layers searched in parallel, at most
 
