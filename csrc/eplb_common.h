@@ -3,7 +3,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <exception>
 #include <limits>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 namespace mep {
 
@@ -21,5 +26,28 @@ inline double swap_peak(double lh, double ll, double sa, double sb, double tol) 
 
 // 1e-12 of a load: smaller changes are rounding noise, not improvements.
 inline double load_tolerance(double load) { return 1e-12 * std::max(std::abs(load), 1e-300); }
+
+// Run `work` on min(threads, rows) threads (this one included) and wait for all; `work` takes rows
+// from a shared counter. The first exception a thread throws is rethrown here after every thread
+// has finished (an exception escaping a std::thread would terminate the process).
+template <typename Work>
+void run_on_threads(Work& work, int64_t threads, int64_t rows) {
+    std::exception_ptr failure;
+    std::mutex lock;
+    auto guarded = [&]() {
+        try {
+            work();
+        } catch (...) {
+            std::lock_guard<std::mutex> hold(lock);
+            if (!failure) failure = std::current_exception();
+        }
+    };
+    const int64_t helpers = std::min<int64_t>(std::max<int64_t>(threads, 1), rows) - 1;
+    std::vector<std::thread> pool;
+    for (int64_t t = 0; t < helpers; ++t) pool.emplace_back(guarded);
+    guarded();
+    for (auto& t : pool) t.join();
+    if (failure) std::rethrow_exception(failure);
+}
 
 }  // namespace mep

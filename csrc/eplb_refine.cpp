@@ -13,7 +13,6 @@
 #include <atomic>
 #include <cstdint>
 #include <numeric>
-#include <thread>
 #include <vector>
 
 #include "eplb_common.h"
@@ -118,7 +117,7 @@ class RowRefine {
 
     void descend(int64_t max_steps, int64_t near) {
         if (N_ < 2 || S_ == 0) return;
-        near = std::min(near, N_ - 1);
+        near = std::clamp<int64_t>(near, 0, N_ - 1);
         std::vector<int64_t> everyone(N_);
         std::iota(everyone.begin(), everyone.end(), 0);
         for (int64_t step = 0; step < max_steps; ++step) {
@@ -169,11 +168,7 @@ void eplb_refine(uintptr_t experts, uintptr_t sizes, uintptr_t pinned, int64_t n
             row.descend(descend_steps, near);
         }
     };
-    const int64_t helpers = std::min<int64_t>(std::max<int64_t>(threads, 1), num_rows) - 1;
-    std::vector<std::thread> pool;
-    for (int64_t t = 0; t < helpers; ++t) pool.emplace_back(work);
-    work();
-    for (auto& t : pool) t.join();
+    run_on_threads(work, threads, num_rows);
 }
 
 }  // namespace mep

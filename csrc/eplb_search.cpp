@@ -309,6 +309,7 @@ class LayerSearch {
                     const int64_t b = p * S_ + j;
                     const int64_t eb = ex_[b];
                     if (holds(eb, top) || (pinned_[b] && !same_node)) continue;
+                    if (unchanged(a) + unchanged(b) > room_) continue;  // over the budget
                     const double score = swap_peak(lh, load_[p], size_[a], size_[b], tol);
                     if (score == kNoSwap) continue;
                     const double gain = (lh - score) / (unchanged(a) + unchanged(b) + kFree);
@@ -342,7 +343,7 @@ class LayerSearch {
         for (int64_t i = 0; i < S_; ++i) {
             const int64_t a = top * S_ + i;
             const int64_t x = ex_[a];
-            if (cnt_[x] < 2 || pinned_[a]) continue;
+            if (cnt_[x] < 2 || pinned_[a] || unchanged(a) > room_) continue;
             const double x_after = w_[x] / static_cast<double>(cnt_[x] - 1);
             if (x_after > item_limit) continue;
             add_expert_delta(x, x_after - size_[a], top);
@@ -381,7 +382,7 @@ class LayerSearch {
                 for (int64_t j = 0; j < S_; ++j) {
                     const int64_t s = p * S_ + j;
                     const int64_t x = ex_[s];
-                    if (cnt_[x] < 2 || pinned_[s]) continue;
+                    if (cnt_[x] < 2 || pinned_[s] || unchanged(s) > room_) continue;
                     // top and p after the move bound the largest changed load from below
                     const double floor = std::max(lh - shrink_y, load_[p] + new_y - size_[s]);
                     if ((lh - floor) / (unchanged(s) + kFree) <= best.gain * (1 - 1e-9)) continue;
@@ -416,10 +417,12 @@ class LayerSearch {
             const int64_t top = heaviest();
             if (!(load_[top] > peak_limit)) return;
             if (budget >= 0 && changed >= budget) return;
-            // partners: the `near` lightest GPUs (lightest first, ties by index)
+            room_ = budget >= 0 ? static_cast<double>(budget - changed) : kInf;
+            // GPUs by load, lightest first (partners: the `near` lightest); equal loads by
+            // decreasing index, so order_[G - 1] is the first heaviest GPU, `top`
             for (int64_t g = 0; g < G_; ++g) order_[g] = g;
             std::sort(order_.begin(), order_.end(), [&](int64_t a, int64_t b) {
-                return load_[a] < load_[b] || (load_[a] == load_[b] && a < b);
+                return load_[a] < load_[b] || (load_[a] == load_[b] && a > b);
             });
             // The heaviest GPU's best move; if it has none, the next heaviest GPU above the limit
             // (up to `heavy` of them): lowering those can open moves for the heaviest later.
@@ -475,6 +478,7 @@ class LayerSearch {
   private:
     const int64_t E_, R_, G_, S_, per_node_gpus_, N_;
     const bool hierarchical_;
+    double room_ = kInf;  // slots the budget still lets the current move change
     const double* w_ = nullptr;
     int64_t* ex_ = nullptr;
     int64_t* cnt_ = nullptr;
@@ -528,14 +532,10 @@ void eplb_search(const EplbShape& shape, const EplbArrays& arrays, const EplbSea
                 search.relieve_nodes(node_limit * (params.node_margin - 0.005 * (attempt + 1)), items);
                 search.improve(limit * (1 + 1e-12), items, params.max_steps, cap, params.near, params.swap_from, params.heavy);
             }
-            search.revert_moves(limit, items);
+            if (params.revert) search.revert_moves(limit, items);
         }
     };
-    const int64_t helpers = std::min<int64_t>(std::max<int64_t>(params.threads, 1), arrays.num_rows) - 1;
-    std::vector<std::thread> pool;
-    for (int64_t t = 0; t < helpers; ++t) pool.emplace_back(work);
-    work();
-    for (auto& t : pool) t.join();
+    run_on_threads(work, params.threads, arrays.num_rows);
 }
 
 }  // namespace mep

@@ -111,13 +111,14 @@ struct EplbArrays {
     int64_t num_rows;
     uintptr_t peak_limit, item_limit, budget;
 };
-// Which phases run: split large copies, relieve nodes (hierarchical: node_margin of the node
+// Which phases run: split large copies, relieve nodes, revert unneeded moves (with a start
+// table); node relief (hierarchical) aims at node_margin of the node
 // target, `retries` more rounds 0.5 % lower each), and the local search (`max_steps` moves,
 // `near` light partner GPUs, swaps only at slot positions >= swap_from, the `heavy` heaviest GPUs
 // tried in turn when the heaviest has no move), on up to `threads` threads
 // (layers are independent: the result does not depend on the thread count).
 struct EplbSearchParams {
-    bool split, relieve;
+    bool split, relieve, revert;
     double node_margin;
     int64_t retries, max_steps, near, swap_from, heavy, threads;
 };

@@ -147,15 +147,15 @@ PYBIND11_MODULE(_native, m) {
         "eplb_search",
         [](int64_t num_logical, int64_t num_replicas, int64_t num_gpus, int64_t gpus_per_node, bool hierarchical,
            uintptr_t weight, uintptr_t experts, uintptr_t counts, uintptr_t pinned, uintptr_t start, uintptr_t rows,
-           int64_t num_rows, uintptr_t peak_limit, uintptr_t item_limit, uintptr_t budget, bool split, bool relieve,
+           int64_t num_rows, uintptr_t peak_limit, uintptr_t item_limit, uintptr_t budget, bool split, bool relieve, bool revert,
            double node_margin, int64_t retries, int64_t max_steps, int64_t near, int64_t swap_from, int64_t heavy, int64_t threads) {
             mep::eplb_search({num_logical, num_replicas, num_gpus, gpus_per_node, hierarchical},
                              {weight, experts, counts, pinned, start, rows, num_rows, peak_limit, item_limit, budget},
-                             {split, relieve, node_margin, retries, max_steps, near, swap_from, heavy, threads});
+                             {split, relieve, revert, node_margin, retries, max_steps, near, swap_from, heavy, threads});
         },
         release(), "num_logical"_a, "num_replicas"_a, "num_gpus"_a, "gpus_per_node"_a, "hierarchical"_a, "weight"_a,
         "experts"_a, "counts"_a, "pinned"_a, "start"_a, "rows"_a, "num_rows"_a, "peak_limit"_a, "item_limit"_a,
-        "budget"_a, "split"_a, "relieve"_a, "node_margin"_a, "retries"_a, "max_steps"_a, "near"_a, "swap_from"_a, "heavy"_a, "threads"_a,
+        "budget"_a, "split"_a, "relieve"_a, "revert"_a, "node_margin"_a, "retries"_a, "max_steps"_a, "near"_a, "swap_from"_a, "heavy"_a, "threads"_a,
         "The EPLB movement-aware search for the layers in rows, in place (arrays validated by "
         "eplb/local_search.py; start and budget may be 0 for none).");
     m.def("eplb_refine", &mep::eplb_refine, release(), "experts"_a, "sizes"_a, "pinned"_a, "num_rows"_a,

@@ -179,3 +179,16 @@ def test_clear_errors(kwargs, error, match):
     arguments.update(kwargs)
     with pytest.raises(error, match=match):
         place_redundant_experts(**arguments)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_previous_with_a_clash_in_the_first_redundant_position_is_refilled_there(seed):
+    """A deployed redundant slot that repeats a GPU's primary is freed and refilled in place, at
+    whatever position it sits (it used to be refilled at the GPU's last position, overwriting a
+    valid copy and leaving the freed slot at -1)."""
+    rng = np.random.default_rng(seed)
+    weight = rng.uniform(0.5, 1.5, (2, 4))
+    previous = np.array([[0, 1, 0, 2, 2, 3, 0, 1], [0, 1, 0, 2, 2, 3, 0, 1]])  # GPU 0: primary 0 again
+    previous[1, 4:] = rng.permutation(4)
+    table = place_redundant_experts(weight, 2, 2, previous=previous, balance_tolerance=0.2)
+    check_layout(table, 2, 4, 2, 2)

@@ -5,7 +5,9 @@ threads; the result does not depend on how many) and one move at a time. Per lay
 
 1. split large copies: while some expert's copy load exceeds `item_limit`, give it one more copy
    by overwriting a spare copy (an expert with >= 2 copies, not pinned) on a GPU that does not
-   hold it, choosing the slot that lowers the sum of squared GPU loads most (one moved copy each);
+   hold it, choosing the slot that lowers the sum of squared GPU loads most among the slots whose
+   donor stays within `item_limit` (else among those whose donor stays below the receiver's copy
+   load); one moved copy each;
 2. relieve nodes (hierarchical mode): while the heaviest node is above its share of the target,
    the expert whose extra copy lowers that node most gets a copy on another node, in a slot
    after which every node is lighter than the heaviest node was (a pinned primary cannot leave
@@ -35,6 +37,7 @@ import numpy as np
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.eplb.construct import Topology
+from mooncake_ep_switch.eplb.layout import expert_counts
 
 NEAR = 16  # light partner GPUs per heavy GPU in the local search (hierarchical mode)
 NEAR_GLOBAL = 4  # the same in global mode (no primaries pinned to nodes: fewer suffice)
@@ -50,7 +53,7 @@ def _array(name: str, value, dtype, shape) -> np.ndarray:
 
 def search(
     weight, experts, counts, pinned, topo: Topology, peak_limit, item_limit, rows, *, start=None, budget=None,
-    split: bool = True, relieve: bool = True, node_margin: float = 1.0, retries: int = 0, max_steps=None,
+    split: bool = True, relieve: bool = True, revert: bool = True, node_margin: float = 1.0, retries: int = 0, max_steps=None,
     near: int = 0, swap_from: int = 0, heavy: int = 1, threads=None,
 ) -> None:
     """Run the local search (see the module docstring) on the layers in `rows`, in place.
@@ -58,16 +61,19 @@ def search(
     Arguments:
         weight: `[L, E]` float64, load of each logical expert.
         experts: `[L, R]` int64 slot table (modified): logical expert of each physical expert (slot).
-        counts: `[L, E]` int64 copies per logical expert (modified; must match `experts`).
+        counts: `[L, E]` int64 copies per logical expert (modified; must match `experts`, which
+            must hold at most one copy of an expert per GPU).
         pinned: `[L, R]` bool primaries (modified: flags move with swapped copies).
         topo: the problem's shape.
         peak_limit: `[L]` float64, the heaviest GPU load to reach.
         item_limit: `[L]` float64, the largest copy load allowed to appear.
         rows: int64 layer indices to work on.
         start: `[L, R]` int64, the table moves are counted against, or None (every move costs).
-        budget: `[L]` int64, a layer stops once this many slots differ from `start`, or None.
+        budget: `[L]` int64 >= 0, the most slots a layer's improvement may leave different from
+            `start` (steps 1 and 2 do not count against it), or None.
         split: run step 1.
         relieve: run step 2 (and 4); hierarchical mode only.
+        revert: run step 5 (needs `start`).
         node_margin: node relief aims each node at this share of its GPUs' target load.
         retries: rounds of step 4.
         max_steps: the most moves per improvement round (None: 4 x slots per layer).
@@ -80,7 +86,9 @@ def search(
             `MAX_THREADS`); the result is the same for any count.
 
     Raises:
-        ValueError: an array of the wrong dtype, shape or layout, or a layer index out of range.
+        ValueError: an array of the wrong dtype, shape or layout, values out of range (weights,
+            experts, start, budget, repeated or out-of-range rows), counts that disagree with
+            experts, or a GPU holding two copies of one expert.
     """
     num_layers = weight.shape[0] if isinstance(weight, np.ndarray) and weight.ndim == 2 else -1
     table = (num_layers, topo.num_replicas)
@@ -93,14 +101,29 @@ def search(
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     if rows.ndim != 1 or (rows.size and (rows.min() < 0 or rows.max() >= num_layers)):
         raise ValueError(f"rows: expected layer indices in [0, {num_layers}), got {rows.tolist()}")
-    if start is not None:
-        start = _array("start", np.ascontiguousarray(start, dtype=np.int64), np.int64, table)
-    if budget is not None:
-        budget = _array("budget", np.ascontiguousarray(budget, dtype=np.int64), np.int64, (num_layers,))
+    if rows.size != np.unique(rows).size:
+        raise ValueError(f"rows: expected distinct layer indices, got {rows.tolist()}")
+    if not np.isfinite(weight).all() or (weight < 0).any():
+        raise ValueError("weight: expected finite, non-negative loads")
     if experts.size and (experts.min() < 0 or experts.max() >= topo.num_logical):
         raise ValueError(f"experts: expected logical experts in [0, {topo.num_logical})")
+    if not np.array_equal(counts, expert_counts(experts, topo.num_logical)):
+        raise ValueError("counts: expected the copies of each logical expert in experts")
+    per_gpu = np.sort(experts.reshape(num_layers, topo.num_gpus, topo.slots_per_gpu), axis=2)
+    if (per_gpu[:, :, 1:] == per_gpu[:, :, :-1]).any():
+        raise ValueError("experts: expected at most one copy of a logical expert per GPU")
+    if start is not None:
+        start = _array("start", np.ascontiguousarray(start, dtype=np.int64), np.int64, table)
+        if start.size and (start.min() < 0 or start.max() >= topo.num_logical):
+            raise ValueError(f"start: expected logical experts in [0, {topo.num_logical})")
+    if budget is not None:
+        budget = _array("budget", np.ascontiguousarray(budget, dtype=np.int64), np.int64, (num_layers,))
+        if (budget < 0).any():
+            raise ValueError(f"budget: expected non-negative slot counts, got a minimum of {budget.min()}")
     if not 0 <= swap_from < topo.slots_per_gpu:
         raise ValueError(f"swap_from: expected a slot position in [0, {topo.slots_per_gpu}), got {swap_from}")
+    if near < 0 or heavy < 1 or (max_steps is not None and max_steps < 0):
+        raise ValueError(f"near, heavy, max_steps: expected >= 0, >= 1, >= 0, got {near}, {heavy}, {max_steps}")
     if rows.size == 0:
         return
     _native.eplb_search(
@@ -108,8 +131,8 @@ def search(
         weight.ctypes.data, experts.ctypes.data, counts.ctypes.data, pinned.ctypes.data,
         0 if start is None else start.ctypes.data, rows.ctypes.data, rows.size,
         peak_limit.ctypes.data, item_limit.ctypes.data, 0 if budget is None else budget.ctypes.data,
-        bool(split), bool(relieve), float(node_margin), int(retries),
+        bool(split), bool(relieve), bool(revert), float(node_margin), int(retries),
         4 * topo.num_replicas if max_steps is None else int(max_steps),
-        int(near or (NEAR if topo.hierarchical else NEAR_GLOBAL)), int(swap_from), max(1, int(heavy)),
+        int(near or (NEAR if topo.hierarchical else NEAR_GLOBAL)), int(swap_from), int(heavy),
         min(len(os.sched_getaffinity(0)), MAX_THREADS) if threads is None else max(1, int(threads)),
     )

@@ -192,7 +192,7 @@ def refine_swaps(experts, sizes, pinned, bin_node, *, sweeps: bool = True, desce
             result is the same for any count.
 
     Raises:
-        ValueError: an array of the wrong dtype, shape or layout.
+        ValueError: an array of the wrong dtype, shape or layout, or a negative count.
     """
     from mooncake_ep_switch import _native
     shape = experts.shape if isinstance(experts, np.ndarray) else None
@@ -201,6 +201,8 @@ def refine_swaps(experts, sizes, pinned, bin_node, *, sweeps: bool = True, desce
                 or not array.flags.c_contiguous:
             got = f"{array.dtype} {list(array.shape)}" if isinstance(array, np.ndarray) else type(array).__name__
             raise ValueError(f"{name}: expected a C-contiguous {np.dtype(dtype)} array of shape [B, N, S] like experts, got {got}")
+    if int(near) < 0 or int(descend_steps) < 0:
+        raise ValueError(f"near, descend_steps: expected >= 0, got {near}, {descend_steps}")
     bin_node = np.ascontiguousarray(bin_node, dtype=np.int64)
     if bin_node.shape != (shape[1],):
         raise ValueError(f"bin_node: expected shape [{shape[1]}], got {list(bin_node.shape)}")

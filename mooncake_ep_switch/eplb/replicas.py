@@ -180,7 +180,7 @@ def _fill(w: np.ndarray, table: np.ndarray, num_gpus: int, primaries: int, redun
         other = np.where(~holder[active, :, light] & (ca < num_gpus), per, -1.0).argmax(axis=1)
         expert = np.where(helps, expert, other)
         gpu = np.where(helps, gpu, light)
-        position = spg - fa[sub, gpu]
+        position = (table3[active, gpu] < 0).argmax(axis=1)  # the GPU's first free slot (any position)
         table3[active, gpu, position] = expert
         holder[active, expert, gpu] = True
         counts[active, expert] += 1
