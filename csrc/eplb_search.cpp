@@ -288,6 +288,12 @@ class LayerSearch {
         return changed;
     }
     double unchanged(int64_t slot) const { return unchanged_[slot]; }
+    // Slots changed against `start` after `slot` takes `expert`, minus before: 1 (a new move),
+    // 0, or -1 (the slot gets its start expert back). Without `start` every change costs 1.
+    double change_cost(int64_t slot, int64_t expert) const {
+        if (start_ == nullptr) return 1.0;
+        return static_cast<double>(expert != start_[slot]) - (1.0 - unchanged_[slot]);
+    }
 
     // The best swap of a copy of `top` (positions >= swap_from) with one on a GPU of `partners`.
     void best_swap(int64_t top, const int64_t* partners, int64_t num_partners, int64_t swap_from, Move& best) const {
@@ -304,15 +310,15 @@ class LayerSearch {
                 const int64_t a = top * S_ + i;
                 const int64_t ea = ex_[a];
                 if (holds(ea, p) || (pinned_[a] && !same_node)) continue;
-                if (half_gap / (unchanged(a) + kFree) <= best.gain * (1 - 1e-9)) continue;
                 for (int64_t j = swap_from; j < S_; ++j) {
                     const int64_t b = p * S_ + j;
                     const int64_t eb = ex_[b];
                     if (holds(eb, top) || (pinned_[b] && !same_node)) continue;
-                    if (unchanged(a) + unchanged(b) > room_) continue;  // over the budget
+                    const double cost = change_cost(a, eb) + change_cost(b, ea);
+                    if (cost > room_) continue;  // over the budget
                     const double score = swap_peak(lh, load_[p], size_[a], size_[b], tol);
                     if (score == kNoSwap) continue;
-                    const double gain = (lh - score) / (unchanged(a) + unchanged(b) + kFree);
+                    const double gain = (lh - score) / (std::max(cost, 0.0) + kFree);
                     if (gain > best.gain) {
                         best.kind = 0;
                         best.gain = gain;
@@ -343,13 +349,14 @@ class LayerSearch {
         for (int64_t i = 0; i < S_; ++i) {
             const int64_t a = top * S_ + i;
             const int64_t x = ex_[a];
-            if (cnt_[x] < 2 || pinned_[a] || unchanged(a) > room_) continue;
+            const double cost = change_cost(a, y);
+            if (cnt_[x] < 2 || pinned_[a] || cost > room_) continue;
             const double x_after = w_[x] / static_cast<double>(cnt_[x] - 1);
             if (x_after > item_limit) continue;
             add_expert_delta(x, x_after - size_[a], top);
             add_expert_delta(y, -shrink_y, -1);
             add_delta(top, y_cost - size_[a]);
-            const double gain = (lh - take_max()) / (unchanged(a) + kFree);
+            const double gain = (lh - take_max()) / (std::max(cost, 0.0) + kFree);
             if (gain > best.gain) {
                 best = Move{1, gain, a, -1, y};
             }
@@ -382,16 +389,17 @@ class LayerSearch {
                 for (int64_t j = 0; j < S_; ++j) {
                     const int64_t s = p * S_ + j;
                     const int64_t x = ex_[s];
-                    if (cnt_[x] < 2 || pinned_[s] || unchanged(s) > room_) continue;
+                    const double cost = std::max(change_cost(s, y), 0.0);
+                    if (cnt_[x] < 2 || pinned_[s] || cost > room_) continue;
                     // top and p after the move bound the largest changed load from below
                     const double floor = std::max(lh - shrink_y, load_[p] + new_y - size_[s]);
-                    if ((lh - floor) / (unchanged(s) + kFree) <= best.gain * (1 - 1e-9)) continue;
+                    if ((lh - floor) / (cost + kFree) <= best.gain * (1 - 1e-9)) continue;
                     const double x_after = w_[x] / static_cast<double>(cnt_[x] - 1);
                     if (x_after > item_limit) continue;
                     add_expert_delta(y, -shrink_y, -1);
                     add_expert_delta(x, x_after - size_[s], -1);
                     add_delta(p, new_y - x_after);
-                    const double gain = (lh - take_max()) / (unchanged(s) + kFree);
+                    const double gain = (lh - take_max()) / (cost + kFree);
                     if (gain > best.gain) {
                         best = Move{2, gain, s, -1, y};
                     }

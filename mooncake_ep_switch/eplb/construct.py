@@ -6,18 +6,19 @@ refined by swaps (`packing.refine_swaps`, compiled).
 
 Hierarchical mode packs expert groups onto nodes (exactly `num_groups // num_nodes` per node) and
 pins each expert's primary copy to its group's node, so group-limited routing finds every expert
-of a group inside one node. Two node plans are built per layer and the one with the lighter
-heaviest node is kept:
+of a group inside one node. Two node plans are built per layer, both are packed onto the GPUs,
+and the one with the lighter heaviest GPU is kept:
 
 - spread (usually the winner): redundant copies may go to any node (LPT over node loads, at most
   one copy of an expert per GPU of a node); copies move toward experts of a node whose pinned
   primaries alone overload it (`replication.relieve_pinned_nodes`). This is what lets a hot
   group's load leave its node, where the classic hierarchical greedy is capped;
 - local: every copy stays in its group's node (the classic layout), which wins when a node has
-  too few redundant slots to absorb a hot group.
+  too few redundant slots to absorb a hot group, or when a hot expert's copies pair better with
+  its own group's small experts.
 
-Then copies are packed onto each node's GPUs (LPT) and refined by swaps across all GPUs; a pinned
-primary only moves between GPUs of its node.
+Each plan's copies are packed onto each node's GPUs (LPT) and refined by swaps across all GPUs; a
+pinned primary only moves between GPUs of its node.
 """
 from typing import NamedTuple, Optional
 
@@ -269,20 +270,29 @@ def _plan_local(weight, topo: Topology, group_node) -> _NodePlan:
 
 def _hierarchical(weight: np.ndarray, topo: Topology, group_node: Optional[np.ndarray]) -> Packed:
     num_layers, num_logical = weight.shape
+    # Two node plans, each packed onto the GPUs; per layer keep the one with the lighter heaviest
+    # GPU. Spreading copies across nodes usually wins; keeping them home wins when a few redundant
+    # slots per node cannot absorb a hot group's primaries, or when a hot expert's copies pair
+    # better with its own group's small experts (the lighter heaviest node is not enough to
+    # choose: it can leave a heavier GPU).
+    spread = _plan_spread(weight, topo, group_node)
+    if not num_logical < topo.num_replicas <= num_logical * topo.gpus_per_node:  # the local plan does not fit
+        return _pack_plan(weight, topo, spread)
+    local = _plan_local(weight, topo, group_node)
+    both = _pack_plan(np.concatenate([weight, weight]), topo, _NodePlan(*(np.concatenate([a, b]) for a, b in zip(spread, local))))
+    peak = both.sizes.sum(axis=2).max(axis=1)
+    use_local = peak[num_layers:] < peak[:num_layers] * (1 - 1e-12)
+    pick = np.where(use_local, np.arange(num_layers) + num_layers, np.arange(num_layers))
+    return Packed(*(a[pick] for a in both))
+
+
+def _pack_plan(weight: np.ndarray, topo: Topology, plan: _NodePlan) -> Packed:
+    """Pack a node plan's copies onto the GPUs of each node (LPT), then swap-refine across all GPUs."""
+    num_layers, num_logical = weight.shape
     nodes, gpus_per_node, slots = topo.num_nodes, topo.gpus_per_node, topo.slots_per_gpu
-    # Two node plans; per layer keep the one with the lighter heaviest node. Spreading copies
-    # across nodes usually wins; keeping them home wins when a few redundant slots per node
-    # cannot absorb a hot group's primaries.
-    plan = _plan_spread(weight, topo, group_node)
-    if num_logical < topo.num_replicas <= num_logical * gpus_per_node:  # the local plan fits
-        local = _plan_local(weight, topo, group_node)
-        use_local = local.node_load.max(axis=1) < plan.node_load.max(axis=1) * (1 - 1e-12)
-        if use_local.any():
-            plan = _NodePlan(*(np.where(use_local.reshape((-1,) + (1,) * (a.ndim - 1)), b, a) for a, b in zip(plan, local)))
     home, counts, red_keys, red_node = plan.home, plan.counts, plan.red_keys, plan.red_node
     per_copy = weight / counts
     red_sizes = np.take_along_axis(per_copy, red_keys, axis=1)
-    flagged = np.zeros(num_layers, dtype=bool)
 
     # Items of every node: primaries (pinned) and redundant copies, sorted by (size desc, expert,
     # primary first) so that the copies of one expert are adjacent.
@@ -301,7 +311,7 @@ def _hierarchical(weight: np.ndarray, topo: Topology, group_node: Optional[np.nd
     experts, sizes, pinned = group_by_bin(gpu_bins, gpus_per_node, keys, sizes, pinned)
     shape = (num_layers, topo.num_gpus, slots)
     packed = Packed(experts.reshape(shape), sizes.reshape(shape), pinned.reshape(shape))
-    refine(packed, topo.gpu_node(), flagged | flagged_gpus.reshape(num_layers, nodes).any(axis=1))
+    refine(packed, topo.gpu_node(), flagged_gpus.reshape(num_layers, nodes).any(axis=1))
     return packed
 
 

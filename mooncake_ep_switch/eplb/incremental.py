@@ -22,9 +22,9 @@ layer, with `b_fresh` the balancedness of a fresh placement for the new load and
    by transfers get rearranged for free). Hierarchical layers that miss get up to `RETRIES` more
    rounds of node relief and search; then changed slots whose start expert can come back
    without leaving the target get it back;
-4. a layer still above the target (or past `MAX_SHARE` of its slots moved) gets one more search
-   from the deployed table with smaller copies and more node headroom (`RESCUE_*`); if that misses
-   too, it takes the fresh placement with its GPUs matched to the previous ones and slots kept
+4. a layer still above the target (or past `MAX_SHARE` of its slots moved) gets more searches
+   from the deployed table with other copy sizes, node headroom and partners (`RESCUES`); if those
+   miss too, it takes the fresh placement with its GPUs matched to the previous ones and slots kept
    where the expert stays (in hierarchical mode also a fresh placement that keeps the previous
    groups on their nodes, when that is within the tolerance and moves fewer copies).
 
@@ -48,9 +48,9 @@ RETRIES = 3  # hierarchical: more rounds of node relief (0.5 % lower each) and s
 MAX_SHARE = 0.45  # the search gives up on a layer after moving this share of its slots
 ITEM_SHARE = 0.75  # moves may grow a copy up to this share of the mean GPU load
 HEAVY = 4  # heavy GPUs the local search tries in turn when the heaviest has no move
-RESCUE = True  # layers that miss get a second search from the deployed table, with:
-RESCUE_SHARE = 0.6  # smaller copies (item share) and
-RESCUE_MARGIN = 0.98  # more node headroom
+# Layers that miss get more searches from the deployed table, in this order, until one reaches the
+# target: (item share, node margin, light partner GPUs or None for all).
+RESCUES = ((0.6, 0.98, 0), (ITEM_SHARE, 0.98, None), (ITEM_SHARE, NODE_MARGIN, None))
 
 
 def movement_aware_placement(
@@ -143,15 +143,18 @@ def movement_aware_placement(
         item_limit[failed] = np.maximum(fresh_limit[failed], item_share * mean_load[failed])
         _search(weight, experts, counts, pinned, topo, peak_limit, item_limit, failed, repaired, budget)
         failed = missed(failed)
-    if failed.size and RESCUE:
-        # A second search from the deployed table with smaller copies and more node headroom
+    for rescue_share, rescue_margin, rescue_near in RESCUES:
+        if failed.size == 0:
+            break
+        # Another search from the deployed table (other copy sizes, node headroom, partners)
         # takes another path; layers it brings within the target keep its result.
         keep = experts[failed].copy(), counts[failed].copy(), pinned[failed].copy()
         experts[failed], counts[failed] = repaired[failed], expert_counts(repaired[failed], topo.num_logical)
         if home is not None:
             pinned[failed] = pinned_flags(repaired[failed], home[failed], slot_node)
-        item_limit[failed] = np.maximum(fresh_limit[failed], RESCUE_SHARE * mean_load[failed])
-        _search(weight, experts, counts, pinned, topo, peak_limit, item_limit, failed, repaired, budget, RESCUE_MARGIN)
+        item_limit[failed] = np.maximum(fresh_limit[failed], rescue_share * mean_load[failed])
+        _search(weight, experts, counts, pinned, topo, peak_limit, item_limit, failed, repaired, budget, rescue_margin,
+                near=topo.num_gpus - 1 if rescue_near is None else rescue_near)
         still = missed(failed)
         back = np.isin(failed, still)
         experts[failed[back]], counts[failed[back]], pinned[failed[back]] = (a[back] for a in keep)
@@ -174,8 +177,9 @@ def movement_aware_placement(
     return experts
 
 
-def _search(weight, experts, counts, pinned, topo: Topology, peak_limit, item_limit, rows, start, budget, margin=None) -> None:
+def _search(weight, experts, counts, pinned, topo: Topology, peak_limit, item_limit, rows, start, budget, margin=None,
+            near=0) -> None:
     """Transfers, node relief (hierarchical), the local search and its retries, in place, for `rows`."""
     search(weight, experts, counts, pinned, topo, peak_limit, item_limit, rows, start=start, budget=budget,
            node_margin=NODE_MARGIN if margin is None else margin, retries=RETRIES if topo.hierarchical else 0,
-           heavy=HEAVY)
+           heavy=HEAVY, near=near)
