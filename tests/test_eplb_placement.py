@@ -1,6 +1,7 @@
 """Property tests of the EPLB placement (`rebalance_experts`) against its contract and the greedy.
 
-Set EPLB_EXAMPLES to run more hypothesis examples than the quick default (40).
+The quick default runs the same 40 hypothesis examples every time (reproducible CI); set EPLB_EXAMPLES
+to run that many examples drawn afresh each run (exploration: 3000 passed on 2026-11-22).
 """
 import os
 
@@ -20,7 +21,8 @@ from mooncake_ep_switch.eplb import (
 )
 
 SETTINGS = settings(
-    max_examples=int(os.environ.get("EPLB_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=int(os.environ.get("EPLB_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    derandomize="EPLB_EXAMPLES" not in os.environ,
 )
 
 

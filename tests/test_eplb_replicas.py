@@ -1,6 +1,7 @@
 """Tests of `place_redundant_experts`: redundant experts around fixed primaries.
 
-Set EPLB_EXAMPLES to run more hypothesis examples than the quick default (40).
+The quick default runs the same 40 hypothesis examples every time (reproducible CI); set EPLB_EXAMPLES
+to run that many examples drawn afresh each run (exploration: 3000 passed on 2026-11-22).
 """
 import os
 
@@ -14,7 +15,8 @@ from mooncake_ep_switch.eplb import greedy_rebalance_experts, layer_balancedness
 from mooncake_ep_switch.eplb.replicas import place_redundant_experts
 
 SETTINGS = settings(
-    max_examples=int(os.environ.get("EPLB_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=int(os.environ.get("EPLB_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    derandomize="EPLB_EXAMPLES" not in os.environ,
 )
 
 
