@@ -26,6 +26,7 @@ setup(
     python_requires=">=3.10",
     packages=[
         "mooncake_ep_switch",
+        "mooncake_ep_switch.bench",
         "mooncake_ep_switch.buffer",
         "mooncake_ep_switch.switch",
         "mooncake_ep_switch.eplb",

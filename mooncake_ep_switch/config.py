@@ -15,7 +15,8 @@ class Settings(NamedTuple):
         host_id: identity used to decide which peers share this host (shared memory reaches
             them). Default: hostname + the machine id + the boot id, so two containers with the
             same hostname are not mistaken for one host. Override: `MEP_HOST_ID`.
-        bind_host: address the Transfer Engine listens on. Default 127.0.0.1 (loopback only).
+        bind_host: address the Transfer Engine advertises to peers. Default 127.0.0.1. The engine
+            itself listens on all interfaces whatever this says (hard-coded in the engine).
             Override: `MEP_BIND_HOST`.
         te_protocol: Transfer Engine protocol, "tcp" or "rdma". Default: "rdma" when an RDMA
             device is present under /sys/class/infiniband, else "tcp". Override:

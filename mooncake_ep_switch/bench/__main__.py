@@ -1,4 +1,4 @@
-"""`python -m mooncake_ep_switch.bench`: transport benchmarks with ratios to in-run baselines.
+"""`python -m mooncake_ep_switch.bench`: transport, switch and EPLB benchmarks with ratios to in-run baselines.
 
 Rows:
   * collective fallback vs an all-gather + all-reduce implementation (R=4 T=128 H=1024 E=32 K=8),
@@ -6,8 +6,11 @@ Rows:
   * shm vs collective vs single-core memcpy of the same logical bytes (R=2 T=128 H=7168 E=32 K=8);
   * shm vs collective speed (R=4 T=128 H=1024 E=32 K=8), and the floor: the round's logical bytes
     copied once on all cores;
-  * small-message round trip (dispatch + combine) at T=1 H=1024, R=2.
-Timing: per rank, the median over 5 barrier-separated batches of the batch's mean time per round; the
+  * small-message round trip (dispatch + combine) at T=1 H=1024, R=2;
+  * EPLB placement against the in-repo classic greedy (`eplb_bench`, 8 layers per configuration);
+  * TP<->EP switch: weight reshard and KV redistribution against memcpy and the collective
+    (`switch_bench`; the small shapes with `--quick`).
+Timing of the transport rows: per rank, the median over 5 barrier-separated batches of the batch's mean time per round; the
 slowest rank counts. Every ratio uses numbers from this run.
 """
 import argparse
