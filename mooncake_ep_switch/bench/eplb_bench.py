@@ -34,7 +34,7 @@ from mooncake_ep_switch.eplb import (
     moved_copies,
     rebalance_experts,
 )
-from mooncake_ep_switch.eplb.local_search import MAX_THREADS
+from mooncake_ep_switch.eplb._convert import native_threads
 from mooncake_ep_switch.eplb.replicas import place_redundant_experts
 
 SEED = 20240607
@@ -338,7 +338,7 @@ def print_table(rows: list) -> None:
     print("drop = largest per-layer balancedness loss against a fresh placement (tolerance 0.01);")
     print("time ratio = ours / greedy, best of runs, same process; moved = slots whose expert changed;")
     print(f"absolute times depend on the host's load (load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs);")
-    print(f"our compiled search and refinement ran on {min(len(os.sched_getaffinity(0)), MAX_THREADS)} thread(s), the greedy (numpy) "
+    print(f"our compiled search and refinement ran on {native_threads()} thread(s), the greedy (numpy) "
           "on one (run under `taskset -c 0` for one core each).")
     print()
     for name, met, detail in targets(rows):

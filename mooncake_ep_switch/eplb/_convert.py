@@ -5,6 +5,7 @@ The helpers here convert and check one argument each, and raise errors that name
 what was expected and what came.
 """
 import numbers
+import os
 from typing import Optional
 
 import numpy as np
@@ -142,3 +143,45 @@ def as_float(name: str, value, minimum: float = 0.0, maximum: Optional[float] = 
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
         raise ValueError(f"{name}: expected a finite number {bound}, got {result!r}")
     return result
+
+
+def inplace_array(name: str, value, dtype, shape) -> np.ndarray:
+    """Check an array that native code will read or modify in place (no conversion, no copy).
+
+    Arguments:
+        name: argument name for the error message.
+        value: the array.
+        dtype: the numpy dtype it must have.
+        shape: the shape it must have (a tuple; `None` entries match any length).
+
+    Returns:
+        value: the same array.
+
+    Raises:
+        ValueError: not a C-contiguous numpy array of that dtype and shape.
+    """
+    ok = isinstance(value, np.ndarray) and value.dtype == dtype and value.flags.c_contiguous and value.ndim == len(shape)
+    ok = ok and all(want is None or got == want for got, want in zip(value.shape, shape))
+    if not ok:
+        got = f"{value.dtype} {list(value.shape)}" if isinstance(value, np.ndarray) else describe(value)
+        wanted = ", ".join("*" if n is None else str(n) for n in shape)
+        raise ValueError(f"{name}: expected a C-contiguous {np.dtype(dtype)} array of shape [{wanted}], got {got}")
+    return value
+
+
+MAX_NATIVE_THREADS = 4  # threads the compiled EPLB code (search, refinement) uses at most
+
+
+def native_threads(threads=None) -> int:
+    """Threads for the compiled EPLB code: `threads`, or the CPUs this process may use, at most
+    `MAX_NATIVE_THREADS` (layers are independent: the result does not depend on the count).
+
+    Arguments:
+        threads: an int >= 1, or None for the default.
+
+    Returns:
+        threads: int >= 1.
+    """
+    if threads is None:
+        return min(len(os.sched_getaffinity(0)), MAX_NATIVE_THREADS)
+    return max(1, int(threads))

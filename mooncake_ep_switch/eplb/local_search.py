@@ -31,24 +31,15 @@ threads; the result does not depend on how many) and one move at a time. Per lay
    the slot not pinned, no GPU above max(`peak_limit`, the heaviest load) and no copy above
    `item_limit` afterwards) gets it back: moves the search made on its way but does not need.
 """
-import os
-
 import numpy as np
 
 from mooncake_ep_switch import _native
+from mooncake_ep_switch.eplb._convert import inplace_array, native_threads
 from mooncake_ep_switch.eplb.construct import Topology
 from mooncake_ep_switch.eplb.layout import expert_counts
 
 NEAR = 16  # light partner GPUs per heavy GPU in the local search (hierarchical mode)
 NEAR_GLOBAL = 4  # the same in global mode (no primaries pinned to nodes: fewer suffice)
-MAX_THREADS = 4  # layers searched in parallel, at most
-
-
-def _array(name: str, value, dtype, shape) -> np.ndarray:
-    if not isinstance(value, np.ndarray) or value.dtype != dtype or value.shape != shape or not value.flags.c_contiguous:
-        got = f"{value.dtype} {list(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__
-        raise ValueError(f"{name}: expected a C-contiguous {np.dtype(dtype)} array of shape {list(shape)}, got {got}")
-    return value
 
 
 def search(
@@ -83,7 +74,7 @@ def search(
         heavy: when the heaviest GPU has no move, try the next heaviest GPUs above `peak_limit`,
             up to this many GPUs in all (lowering them can open moves for the heaviest later).
         threads: threads to search layers on (None: the CPUs this process may use, at most
-            `MAX_THREADS`); the result is the same for any count.
+            `MAX_NATIVE_THREADS`); the result is the same for any count.
 
     Raises:
         ValueError: an array of the wrong dtype, shape or layout, values out of range (weights,
@@ -92,12 +83,12 @@ def search(
     """
     num_layers = weight.shape[0] if isinstance(weight, np.ndarray) and weight.ndim == 2 else -1
     table = (num_layers, topo.num_replicas)
-    _array("weight", weight, np.float64, (num_layers, topo.num_logical))
-    _array("experts", experts, np.int64, table)
-    _array("counts", counts, np.int64, (num_layers, topo.num_logical))
-    _array("pinned", pinned, np.bool_, table)
-    peak_limit = _array("peak_limit", np.ascontiguousarray(peak_limit, dtype=np.float64), np.float64, (num_layers,))
-    item_limit = _array("item_limit", np.ascontiguousarray(item_limit, dtype=np.float64), np.float64, (num_layers,))
+    inplace_array("weight", weight, np.float64, (num_layers, topo.num_logical))
+    inplace_array("experts", experts, np.int64, table)
+    inplace_array("counts", counts, np.int64, (num_layers, topo.num_logical))
+    inplace_array("pinned", pinned, np.bool_, table)
+    peak_limit = inplace_array("peak_limit", np.ascontiguousarray(peak_limit, dtype=np.float64), np.float64, (num_layers,))
+    item_limit = inplace_array("item_limit", np.ascontiguousarray(item_limit, dtype=np.float64), np.float64, (num_layers,))
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     if rows.ndim != 1 or (rows.size and (rows.min() < 0 or rows.max() >= num_layers)):
         raise ValueError(f"rows: expected layer indices in [0, {num_layers}), got {rows.tolist()}")
@@ -113,11 +104,11 @@ def search(
     if (per_gpu[:, :, 1:] == per_gpu[:, :, :-1]).any():
         raise ValueError("experts: expected at most one copy of a logical expert per GPU")
     if start is not None:
-        start = _array("start", np.ascontiguousarray(start, dtype=np.int64), np.int64, table)
+        start = inplace_array("start", np.ascontiguousarray(start, dtype=np.int64), np.int64, table)
         if start.size and (start.min() < 0 or start.max() >= topo.num_logical):
             raise ValueError(f"start: expected logical experts in [0, {topo.num_logical})")
     if budget is not None:
-        budget = _array("budget", np.ascontiguousarray(budget, dtype=np.int64), np.int64, (num_layers,))
+        budget = inplace_array("budget", np.ascontiguousarray(budget, dtype=np.int64), np.int64, (num_layers,))
         if (budget < 0).any():
             raise ValueError(f"budget: expected non-negative slot counts, got a minimum of {budget.min()}")
     if not 0 <= swap_from < topo.slots_per_gpu:
@@ -134,5 +125,5 @@ def search(
         bool(split), bool(relieve), bool(revert), float(node_margin), int(retries),
         4 * topo.num_replicas if max_steps is None else int(max_steps),
         int(near or (NEAR if topo.hierarchical else NEAR_GLOBAL)), int(swap_from), int(heavy),
-        min(len(os.sched_getaffinity(0)), MAX_THREADS) if threads is None else max(1, int(threads)),
+        native_threads(threads),
     )

@@ -10,10 +10,11 @@ A packed state is three arrays of shape `[B, num_bins, slots_per_bin]`:
 (`[num_bins]` int64) gives each bin's node. The invariants kept by every move: each bin keeps its
 slot count, no bin holds two copies of one expert, a pinned copy never leaves its node.
 """
-import os
 from typing import Optional
 
 import numpy as np
+
+from mooncake_ep_switch.eplb._convert import inplace_array, native_threads
 
 _INF = np.inf
 
@@ -188,25 +189,21 @@ def refine_swaps(experts, sizes, pinned, bin_node, *, sweeps: bool = True, desce
         sweeps: run the group sweeps.
         descend_steps: the most descent steps.
         near: light bins tried first in the descent.
-        threads: threads for the rows (None: the CPUs this process may use, at most 4); the
-            result is the same for any count.
+        threads: threads for the rows (None: the CPUs this process may use, at most
+            `MAX_NATIVE_THREADS`); the result is the same for any count.
 
     Raises:
         ValueError: an array of the wrong dtype, shape or layout, or a negative count.
     """
     from mooncake_ep_switch import _native
-    shape = experts.shape if isinstance(experts, np.ndarray) else None
-    for name, array, dtype in (("experts", experts, np.int64), ("sizes", sizes, np.float64), ("pinned", pinned, np.bool_)):
-        if not isinstance(array, np.ndarray) or array.ndim != 3 or array.shape != shape or array.dtype != dtype \
-                or not array.flags.c_contiguous:
-            got = f"{array.dtype} {list(array.shape)}" if isinstance(array, np.ndarray) else type(array).__name__
-            raise ValueError(f"{name}: expected a C-contiguous {np.dtype(dtype)} array of shape [B, N, S] like experts, got {got}")
+    inplace_array("experts", experts, np.int64, (None, None, None))
+    shape = experts.shape
+    inplace_array("sizes", sizes, np.float64, shape)
+    inplace_array("pinned", pinned, np.bool_, shape)
     if int(near) < 0 or int(descend_steps) < 0:
         raise ValueError(f"near, descend_steps: expected >= 0, got {near}, {descend_steps}")
     bin_node = np.ascontiguousarray(bin_node, dtype=np.int64)
     if bin_node.shape != (shape[1],):
         raise ValueError(f"bin_node: expected shape [{shape[1]}], got {list(bin_node.shape)}")
-    if threads is None:
-        threads = min(len(os.sched_getaffinity(0)), 4)
     _native.eplb_refine(experts.ctypes.data, sizes.ctypes.data, pinned.ctypes.data, shape[0], shape[1], shape[2],
-                        bin_node.ctypes.data, bool(sweeps), int(descend_steps), int(near), int(threads))
+                        bin_node.ctypes.data, bool(sweeps), int(descend_steps), int(near), native_threads(threads))
