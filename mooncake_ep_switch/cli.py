@@ -50,7 +50,8 @@ def main(argv=None) -> int:
     demo.add_argument("--out", default="mep_demo_out", help="directory for metrics.json and timeline.png")
     demo.add_argument("--kill-step", type=int, default=None,
                       help="step (inside the burst) at which a rank is SIGKILLed and replaced; -1: none")
-    bench = sub.add_parser("bench", help="transport, switch and EPLB benchmarks with in-run baselines")
+    bench = sub.add_parser("bench", help="transport, switch and EPLB benchmarks with in-run baselines; "
+                                         "`bench soak`: the soak benchmark (resources over 10^4 rounds)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     from mooncake_ep_switch.simulate_cli import add_arguments as add_simulate_arguments
 

@@ -10,6 +10,8 @@ Rows:
   * EPLB placement against the in-repo classic greedy (`eplb_bench`, 8 layers per configuration);
   * TP<->EP switch: weight reshard and KV redistribution against memcpy and the collective
     (`switch_bench`; the small shapes with `--quick`).
+`python -m mooncake_ep_switch.bench soak [...]` runs the soak benchmark instead (`bench.soak`: 10^4
+dispatch + combine rounds over shm and 10^3 over the Transfer Engine, resources sampled; `soak --help`).
 Timing of the transport rows: per rank, the median over 5 barrier-separated batches of the batch's mean time per round; the
 slowest rank counts. Every ratio uses numbers from this run.
 """
@@ -112,11 +114,18 @@ def main(argv=None) -> int:
     """Run every benchmark and print the markdown table (`python -m mooncake_ep_switch.bench`).
 
     Arguments:
-        argv: command-line arguments (`--quick`, `--out FILE`), or None for `sys.argv[1:]`.
+        argv: command-line arguments (`--quick`, `--out FILE`), or None for `sys.argv[1:]`; when the
+            first is `soak`, the rest go to the soak benchmark (`bench.soak.main`).
 
     Returns:
-        status: int, 0 (failures raise).
+        status: int, 0 (failures raise); for `soak`, its status (1 when a check or the flatness
+            verdict failed).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["soak"]:
+        from mooncake_ep_switch.bench import soak
+
+        return soak.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer iterations")

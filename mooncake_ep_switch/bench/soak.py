@@ -24,7 +24,8 @@ its shared-memory handles (fds and mappings of memfd or /dev/shm objects), the o
 the number of GC-tracked Python objects, and the machine-wide /dev/shm entry count (other processes
 change it: information only).
 
-Verdict, per transport and rank, over the samples after the warm-up (`--warmup-frac` of the rounds):
+Verdict, per transport and rank, over the samples after the warm-up (`--warmup-frac` of the rounds,
+at least `--warmup-min`, at most half):
 RSS growth (largest sample minus the first post-warm-up sample) at most `--rss-tol-mib` MiB or
 `--rss-tol-pct` % of RSS, whichever is larger; open fds, Python threads, native threads and
 shared-memory handles exactly constant; every check exact and no peer marked inactive. The exit
@@ -33,12 +34,14 @@ status is 1 when any of that fails.
 import argparse
 import array
 import collections
+import ctypes
 import gc
 import json
 import os
 import sys
 import threading
 import time
+import tracemalloc
 from typing import List, NamedTuple, Optional
 
 TIMEOUT_US = 60_000_000  # per call; a live peer never misses it, even on a loaded machine
@@ -58,8 +61,12 @@ class SoakConfig(NamedTuple):
         top_k: `K`.
         check_every: exact check of the outputs every this many rounds.
         sample_every: resource sample every this many rounds.
-        warmup_frac: fraction of the rounds before the flatness baseline.
+        warmup_frac: fraction of the rounds before the flatness baseline ...
+        warmup_min: ... but at least this many rounds (at most half the rounds): over the Transfer
+            Engine, glibc's malloc arenas reach their high-water mark only after ~250 rounds.
         seed: seed of the routing and the token values.
+        trace: run `tracemalloc` (from the Buffer's creation on): samples get `traced_kib`, and the
+            result the ten source lines whose Python allocations grew most after the warm-up.
     """
 
     transport: str
@@ -72,6 +79,20 @@ class SoakConfig(NamedTuple):
     sample_every: int
     warmup_frac: float
     seed: int
+    warmup_min: int = 300
+    trace: bool = False
+
+
+def warmup_rounds(config: SoakConfig) -> int:
+    """Rounds before the flatness baseline: `warmup_frac` of them, at least `warmup_min`, at most half.
+
+    Arguments:
+        config: the `SoakConfig`.
+
+    Returns:
+        rounds: int.
+    """
+    return min(config.rounds // 2, max(int(config.rounds * config.warmup_frac), config.warmup_min))
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -145,10 +166,26 @@ def _status_fields() -> dict:
     fields = {}
     with open("/proc/self/status", encoding="ascii", errors="replace") as handle:
         for line in handle:
-            if line.startswith(("VmRSS:", "Threads:")):
+            if line.startswith(("VmRSS:", "RssAnon:", "RssFile:", "RssShmem:", "Threads:")):
                 key, value = line.split(":", 1)
                 fields[key] = int(value.split()[0])
     return fields
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _malloc_bytes() -> tuple:
+    """glibc malloc: (bytes in use, incl. mmapped chunks; bytes free inside the arenas), or (-1, -1)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+    except (OSError, AttributeError):
+        return -1, -1
+    return info.uordblks + info.hblkhd, info.fordblks
 
 
 def _shm_handles() -> int:
@@ -176,10 +213,15 @@ def sample(round_index: int, buffer=None) -> dict:
         buffer: the soaked `Buffer` (its output pool's bytes are recorded), or None.
 
     Returns:
-        sample: dict with `round`, `rss_kib` (VmRSS), `fds` (entries of /proc/self/fd), `py_threads`
+        sample: dict with `round`, `rss_kib` (VmRSS) and its parts `anon_kib` (RssAnon: heap, malloc,
+            torch tensors), `file_kib` (RssFile) and `shmem_kib` (RssShmem: touched pages of the
+            memfd regions, this rank's and mapped peers'), `malloc_used_kib` / `malloc_free_kib` (glibc
+            mallinfo2: bytes allocated by native code and Python, incl. mmapped chunks / free bytes held
+            in the malloc arenas; torch's CPU tensors come from malloc too), `fds` (entries of /proc/self/fd), `py_threads`
             (`threading.active_count()`), `threads` (native, /proc/self/status), `shm_handles`
             (memfd or /dev/shm fds and mappings), `pool_bytes`, `py_objects` (GC-tracked) and
-            `dev_shm` (machine-wide /dev/shm entries).
+            `dev_shm` (machine-wide /dev/shm entries), `traced_kib` (tracemalloc's current bytes, -1 when
+            not tracing).
     """
     status = _status_fields()
     pool = getattr(buffer, "_outputs", None) if buffer is not None else None
@@ -187,10 +229,14 @@ def sample(round_index: int, buffer=None) -> dict:
         dev_shm = len(os.listdir("/dev/shm"))
     except OSError:
         dev_shm = -1
-    return {"round": round_index, "rss_kib": status.get("VmRSS", -1), "fds": len(os.listdir("/proc/self/fd")),
+    malloc_used, malloc_free = _malloc_bytes()
+    return {"round": round_index, "rss_kib": status.get("VmRSS", -1), "anon_kib": status.get("RssAnon", -1),
+            "file_kib": status.get("RssFile", -1), "shmem_kib": status.get("RssShmem", -1),
+            "malloc_used_kib": malloc_used // 1024, "malloc_free_kib": malloc_free // 1024, "fds": len(os.listdir("/proc/self/fd")),
             "py_threads": threading.active_count(), "threads": status.get("Threads", -1),
             "shm_handles": _shm_handles(), "pool_bytes": pool.pooled_bytes() if pool is not None else 0,
-            "py_objects": len(gc.get_objects()), "dev_shm": dev_shm}
+            "py_objects": len(gc.get_objects()), "dev_shm": dev_shm,
+            "traced_kib": tracemalloc.get_traced_memory()[0] // 1024 if tracemalloc.is_tracing() else -1}
 
 
 # ---------------------------------------------------------------------------------------------- one rank
@@ -229,6 +275,10 @@ def soak_rank(ctx, config: SoakConfig) -> dict:
     T, E = config.tokens, config.experts
     with Buffer(ctx.group, size, disable_p2p=config.transport == "mooncake", transport=config.transport) as buffer:
         path = buffer.transport
+        if config.trace:
+            tracemalloc.start(4)
+        warm_round = warmup_rounds(config)
+        snapshot = None
         samples.append(sample(0, buffer))
         held = collections.deque(maxlen=1)  # the previous round's results stay alive during this one
         dist.barrier(group=ctx.group)
@@ -238,20 +288,21 @@ def soak_rank(ctx, config: SoakConfig) -> dict:
             mode = ("sync", "async_finish", "hook")[index % 3]
             began = time.perf_counter()
             if mode == "sync":
-                recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk, active, T, E, TIMEOUT_US, use_fp8=False)
-                combined, _, _ = buffer.combine(recv_x, topk, weights, active, TIMEOUT_US, handle)
+                recv_x, recv_count, handle, event, hook = buffer.dispatch(x, topk, active, T, E, TIMEOUT_US,
+                                                                          use_fp8=False)
+                combined, event, hook = buffer.combine(recv_x, topk, weights, active, TIMEOUT_US, handle)
             elif mode == "async_finish":
-                recv_x, recv_count, handle, event, _ = buffer.dispatch(x, topk, active, T, E, TIMEOUT_US,
-                                                                       use_fp8=False, async_finish=True)
+                recv_x, recv_count, handle, event, hook = buffer.dispatch(x, topk, active, T, E, TIMEOUT_US,
+                                                                          use_fp8=False, async_finish=True)
                 event.current_stream_wait()
-                combined, event, _ = buffer.combine(recv_x, topk, weights, active, TIMEOUT_US, handle,
+                combined, event, hook = buffer.combine(recv_x, topk, weights, active, TIMEOUT_US, handle,
                                                     async_finish=True)
                 event.current_stream_wait()
             else:
-                recv_x, recv_count, handle, _, hook = buffer.dispatch(x, topk, active, T, E, TIMEOUT_US,
-                                                                      use_fp8=False, return_recv_hook=True)
+                recv_x, recv_count, handle, event, hook = buffer.dispatch(x, topk, active, T, E, TIMEOUT_US,
+                                                                          use_fp8=False, return_recv_hook=True)
                 hook()
-                combined, _, hook = buffer.combine(recv_x, topk, weights, active, TIMEOUT_US, handle,
+                combined, event, hook = buffer.combine(recv_x, topk, weights, active, TIMEOUT_US, handle,
                                                    return_recv_hook=True)
                 hook()
             times[index] = time.perf_counter() - began
@@ -265,17 +316,27 @@ def soak_rank(ctx, config: SoakConfig) -> dict:
                         failures.append(f"round {index} ({mode}): {problem}")
                     active.fill_(1)  # keep going: every rank runs every round, so none waits on a deadline
             held.append((recv_x, recv_count, handle, combined))
-            del recv_x, recv_count, handle, combined
+            # Only `held` outlives the round (events and hooks hold their call's tensors).
+            del recv_x, recv_count, handle, combined, event, hook
             if (index + 1) % config.sample_every == 0 or index == config.rounds - 1:
                 samples.append(sample(index + 1, buffer))
+                if config.trace and snapshot is None and index + 1 >= warm_round:
+                    snapshot = tracemalloc.take_snapshot()
         loop_seconds = time.perf_counter() - start
         cpu_seconds = time.process_time() - cpu0
+        growth = []
+        if config.trace:
+            if snapshot is not None:
+                stats = tracemalloc.take_snapshot().compare_to(snapshot, "lineno")[:10]
+                growth = [f"{stat.size_diff / 1024:+.1f} KiB ({stat.count_diff:+d} blocks) "
+                          f"{stat.traceback[0].filename}:{stat.traceback[0].lineno}" for stat in stats]
+            tracemalloc.stop()
         held.clear()
         dist.barrier(group=ctx.group)
     gc.collect()
     after_destroy = sample(config.rounds)
     ordered = sorted(times)
-    warm = int(config.rounds * config.warmup_frac)
+    warm = warmup_rounds(config)
     tenth = max(1, (config.rounds - warm) // 10)
     return {"samples": samples, "after_destroy": after_destroy, "transport": path,
             "round_seconds": {"median": ordered[len(ordered) // 2], "p99": ordered[min(len(ordered) - 1,
@@ -284,7 +345,7 @@ def soak_rank(ctx, config: SoakConfig) -> dict:
             "time_first": sorted(times[warm:warm + tenth])[tenth // 2],
             "time_last": sorted(times[-tenth:])[tenth // 2],
             "loop_seconds": loop_seconds, "cpu_seconds": cpu_seconds, "checks": checks,
-            "failures": failures, "failure_count": failure_count}
+            "failures": failures, "failure_count": failure_count, "traced_growth": growth}
 
 
 # ---------------------------------------------------------------------------------------------- verdict
@@ -304,10 +365,10 @@ def verdict(result: dict, config: SoakConfig, rss_tol_mib: float, rss_tol_pct: f
             `rounds_per_s`, `ms_per_round` (median), `ok` (bool) and `problems` (list of str).
     """
     samples = [s for s in result["samples"][1:]]  # from the Buffer's creation on
-    warm = int(config.rounds * config.warmup_frac)
+    warm = warmup_rounds(config)
     post = [s for s in samples if s["round"] >= warm and s["round"] > 0] or samples[-1:]
     base, last = post[0], post[-1]
-    keys = ("rss_kib", "fds", "py_threads", "threads", "shm_handles", "pool_bytes", "py_objects", "dev_shm")
+    keys = ("rss_kib", "anon_kib", "file_kib", "shmem_kib", "malloc_used_kib", "malloc_free_kib", "fds", "py_threads", "threads", "shm_handles", "pool_bytes", "py_objects", "dev_shm", "traced_kib")
     growth = {key: last[key] - base[key] for key in keys}
     rss_growth_kib = max(s["rss_kib"] for s in post) - base["rss_kib"]
     tolerance_kib = max(rss_tol_mib * 1024, base["rss_kib"] * rss_tol_pct / 100)
@@ -353,15 +414,18 @@ def format_rank(transport: str, rank: int, result: dict, config: SoakConfig, jud
              f"T={config.tokens} H={config.hidden} E={config.experts} K={config.top_k} bf16, "
              f"modes sync / async_finish / hook 1:1:1",
              "",
-             "| round | RSS MiB | fds | py threads | threads | shm handles | pool MiB | py objects | /dev/shm |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| round | RSS MiB | anon | file | shmem | malloc used | malloc free | fds | py threads | threads | shm handles | pool MiB | "
+             "py objects | /dev/shm |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     labelled = [("before Buffer", result["samples"][0]), ("Buffer made", result["samples"][1])]
     labelled += [(str(s["round"]), s) for s in result["samples"][2:]]
     labelled.append(("destroyed", result["after_destroy"]))
     for label, s in labelled:
         mark = " (baseline)" if s is not result["samples"][0] and s["round"] == judged["baseline_round"] and \
             label not in ("Buffer made", "destroyed") else ""
-        lines.append(f"| {label}{mark} | {s['rss_kib'] / 1024:.1f} | {s['fds']} | {s['py_threads']} | {s['threads']} | "
+        lines.append(f"| {label}{mark} | {s['rss_kib'] / 1024:.1f} | {s['anon_kib'] / 1024:.1f} | "
+                     f"{s['file_kib'] / 1024:.1f} | {s['shmem_kib'] / 1024:.1f} | {s['malloc_used_kib'] / 1024:.1f} | "
+                     f"{s['malloc_free_kib'] / 1024:.1f} | {s['fds']} | {s['py_threads']} | {s['threads']} | "
                      f"{s['shm_handles']} | {s['pool_bytes'] / 2 ** 20:.1f} | {s['py_objects']} | {s['dev_shm']} |")
     g = judged["growth"]
     rs = result["round_seconds"]
@@ -369,7 +433,9 @@ def format_rank(transport: str, rank: int, result: dict, config: SoakConfig, jud
     lines += ["",
               f"verdict {transport} rank {rank}: {'FLAT' if judged['ok'] else 'FAIL'} after warm-up "
               f"(baseline round {judged['baseline_round']}): RSS {g['rss_kib'] / 1024:+.2f} MiB at the end, "
-              f"max {judged['rss_growth_mib']:+.2f} MiB (tolerance {judged['rss_tol_mib']:.2f}), slope "
+              f"max {judged['rss_growth_mib']:+.2f} MiB (tolerance {judged['rss_tol_mib']:.2f}; anon "
+              f"{g['anon_kib'] / 1024:+.2f}, file {g['file_kib'] / 1024:+.2f}, shmem {g['shmem_kib'] / 1024:+.2f}; malloc used "
+              f"{g['malloc_used_kib'] / 1024:+.2f}, free {g['malloc_free_kib'] / 1024:+.2f}), slope "
               f"{judged['rss_slope_kib_per_1k']:+.1f} KiB/1000 rounds; fds {g['fds']:+d}; py threads "
               f"{g['py_threads']:+d}; native threads {g['threads']:+d}; shm handles {g['shm_handles']:+d}; "
               f"py objects {g['py_objects']:+d}",
@@ -379,6 +445,9 @@ def format_rank(transport: str, rank: int, result: dict, config: SoakConfig, jud
               f"samples included, CPU {result['cpu_seconds']:.1f} s); per round median "
               f"{rs['median'] * 1e3:.3f} ms, p99 {rs['p99'] * 1e3:.3f} ms, max {rs['max'] * 1e3:.1f} ms; median "
               f"first/last tenth after warm-up {result['time_first'] * 1e3:.3f}/{result['time_last'] * 1e3:.3f} ms"]
+    if result["samples"][-1]["traced_kib"] >= 0:
+        lines.append(f"  tracemalloc: Python allocations {g['traced_kib'] / 1024:+.2f} MiB after the warm-up; top growth:")
+        lines += [f"    {line}" for line in result["traced_growth"][:5]]
     for problem in judged["problems"]:
         lines.append(f"  problem: {problem}")
     return "\n".join(lines)
@@ -448,10 +517,14 @@ def main(argv=None) -> int:
     parser.add_argument("--check-every", type=_positive, default=50, help="exact check period (default 50)")
     parser.add_argument("--samples", type=_positive, default=20,
                         help="resource samples per transport after the Buffer is made (default 20)")
-    parser.add_argument("--warmup-frac", type=float, default=0.1, help="warm-up fraction (default 0.1)")
+    parser.add_argument("--warmup-frac", type=float, default=0.1, help="warm-up fraction (default 0.1) ...")
+    parser.add_argument("--warmup-min", type=int, default=300,
+                        help="... but at least this many rounds, at most half of them (default 300)")
     parser.add_argument("--rss-tol-mib", type=float, default=2.0, help="RSS growth tolerance, MiB (default 2)")
     parser.add_argument("--rss-tol-pct", type=float, default=1.0, help="... or percent of RSS (default 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", action="store_true",
+                        help="tracemalloc from the Buffer's creation on: where Python allocations grow (slower)")
     parser.add_argument("--quick", action="store_true", help="300 rounds over shm and 150 over the TE")
     parser.add_argument("--out", default=None, help="also write every sample and verdict (json) to this file")
     args = parser.parse_args(argv)
@@ -476,7 +549,8 @@ def main(argv=None) -> int:
         if rounds == 0:
             continue
         config = SoakConfig(transport, rounds, args.tokens, args.hidden, args.experts, args.topk, args.check_every,
-                            max(1, rounds // args.samples), args.warmup_frac, args.seed)
+                            max(1, rounds // args.samples), args.warmup_frac, args.seed, warmup_min=args.warmup_min,
+                            trace=args.trace)
         print(f"[soak] {transport}: {rounds} rounds, R={args.ranks}", file=sys.stderr, flush=True)
         report = run_soak(config, args.ranks, args.rss_tol_mib, args.rss_tol_pct)
         print(report["text"] + "\n", flush=True)
