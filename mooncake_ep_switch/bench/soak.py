@@ -349,7 +349,7 @@ def soak_rank(ctx, config: SoakConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- verdict
-def verdict(result: dict, config: SoakConfig, rss_tol_mib: float, rss_tol_pct: float) -> dict:
+def verdict(result: dict, config: SoakConfig, rss_tol_mib: float, rss_tol_pct: float, judge_rss: bool = True) -> dict:
     """Flatness and correctness verdict of one rank's `soak_rank` result.
 
     Arguments:
@@ -357,6 +357,8 @@ def verdict(result: dict, config: SoakConfig, rss_tol_mib: float, rss_tol_pct: f
         config: the `SoakConfig` it ran.
         rss_tol_mib: RSS growth allowed after the warm-up, MiB ...
         rss_tol_pct: ... or this percentage of the baseline RSS, whichever is larger.
+        judge_rss: False: RSS growth is reported but never a problem (runs too short to reach the
+            plateau: shm RSS reaches it after ~1000 rounds, the TE's after ~250).
 
     Returns:
         verdict: dict with `baseline_round`, `growth` (per sampled figure: last post-warm-up sample
@@ -380,7 +382,7 @@ def verdict(result: dict, config: SoakConfig, rss_tol_mib: float, rss_tol_pct: f
         denominator = sum((a - mx) ** 2 for a in xs)
         slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / denominator * 1000 if denominator else 0.0
     problems = []
-    if rss_growth_kib > tolerance_kib:
+    if judge_rss and rss_growth_kib > tolerance_kib:
         problems.append(f"RSS grew {rss_growth_kib / 1024:.2f} MiB after the warm-up "
                         f"(tolerance {tolerance_kib / 1024:.2f} MiB)")
     for key, label in (("fds", "open fds"), ("py_threads", "Python threads"), ("threads", "native threads"),
@@ -392,7 +394,7 @@ def verdict(result: dict, config: SoakConfig, rss_tol_mib: float, rss_tol_pct: f
     if result["failure_count"]:
         problems.append(f"{result['failure_count']} check(s) failed: " + "; ".join(result["failures"][:3]))
     return {"baseline_round": base["round"], "growth": growth, "rss_growth_mib": rss_growth_kib / 1024,
-            "rss_tol_mib": tolerance_kib / 1024, "rss_slope_kib_per_1k": slope,
+            "rss_tol_mib": tolerance_kib / 1024, "rss_judged": judge_rss, "rss_slope_kib_per_1k": slope,
             "rounds_per_s": config.rounds / result["loop_seconds"],
             "ms_per_round": result["round_seconds"]["median"] * 1e3, "ok": not problems, "problems": problems}
 
@@ -431,9 +433,10 @@ def format_rank(transport: str, rank: int, result: dict, config: SoakConfig, jud
     rs = result["round_seconds"]
     checks = result["checks"]
     lines += ["",
-              f"verdict {transport} rank {rank}: {'FLAT' if judged['ok'] else 'FAIL'} after warm-up "
+              f"verdict {transport} rank {rank}: {('FLAT' if judged['rss_judged'] else 'OK (fds, threads, checks)') if judged['ok'] else 'FAIL'} after warm-up "
               f"(baseline round {judged['baseline_round']}): RSS {g['rss_kib'] / 1024:+.2f} MiB at the end, "
-              f"max {judged['rss_growth_mib']:+.2f} MiB (tolerance {judged['rss_tol_mib']:.2f}; anon "
+              f"max {judged['rss_growth_mib']:+.2f} MiB ("
+              f"{'tolerance %.2f' % judged['rss_tol_mib'] if judged['rss_judged'] else 'not judged: too few rounds'}; anon "
               f"{g['anon_kib'] / 1024:+.2f}, file {g['file_kib'] / 1024:+.2f}, shmem {g['shmem_kib'] / 1024:+.2f}; malloc used "
               f"{g['malloc_used_kib'] / 1024:+.2f}, free {g['malloc_free_kib'] / 1024:+.2f}), slope "
               f"{judged['rss_slope_kib_per_1k']:+.1f} KiB/1000 rounds; fds {g['fds']:+d}; py threads "
@@ -455,7 +458,7 @@ def format_rank(transport: str, rank: int, result: dict, config: SoakConfig, jud
 
 # ---------------------------------------------------------------------------------------------- driver
 def run_soak(config: SoakConfig, num_ranks: int = 2, rss_tol_mib: float = 2.0, rss_tol_pct: float = 1.0,
-             timeout_s: Optional[float] = None) -> dict:
+             timeout_s: Optional[float] = None, judge_rss: bool = True) -> dict:
     """Soak one transport on a fresh local cluster and judge every rank.
 
     Arguments:
@@ -464,6 +467,7 @@ def run_soak(config: SoakConfig, num_ranks: int = 2, rss_tol_mib: float = 2.0, r
         rss_tol_mib: RSS growth tolerance after the warm-up, MiB (or rss_tol_pct, whichever is larger).
         rss_tol_pct: RSS growth tolerance, percent of the baseline RSS.
         timeout_s: deadline of the whole run (default: 300 s + 0.25 s per round).
+        judge_rss: whether RSS growth can fail the verdict (see `verdict`).
 
     Returns:
         report: dict with `config` (dict), `ranks` (per rank: `result` and `verdict`), `text` (str,
@@ -480,7 +484,7 @@ def run_soak(config: SoakConfig, num_ranks: int = 2, rss_tol_mib: float = 2.0, r
         results = check_outcomes(cluster.run(soak_rank, config, timeout_s=timeout_s))
     ranks, texts = [], []
     for rank, result in enumerate(results):
-        judged = verdict(result, config, rss_tol_mib, rss_tol_pct)
+        judged = verdict(result, config, rss_tol_mib, rss_tol_pct, judge_rss)
         ranks.append({"result": result, "verdict": judged})
         texts.append(format_rank(config.transport, rank, result, config, judged))
     return {"config": config._asdict(), "num_ranks": num_ranks, "ranks": ranks, "text": "\n\n".join(texts),
@@ -525,7 +529,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", action="store_true",
                         help="tracemalloc from the Buffer's creation on: where Python allocations grow (slower)")
-    parser.add_argument("--quick", action="store_true", help="300 rounds over shm and 150 over the TE")
+    parser.add_argument("--quick", action="store_true",
+                        help="300 rounds over shm and 150 over the TE; RSS growth is printed but not judged (its "
+                             "plateau comes after ~1000 shm / ~250 TE rounds); fds, threads and checks are")
     parser.add_argument("--out", default=None, help="also write every sample and verdict (json) to this file")
     args = parser.parse_args(argv)
     if args.quick:
@@ -552,11 +558,13 @@ def main(argv=None) -> int:
                             max(1, rounds // args.samples), args.warmup_frac, args.seed, warmup_min=args.warmup_min,
                             trace=args.trace)
         print(f"[soak] {transport}: {rounds} rounds, R={args.ranks}", file=sys.stderr, flush=True)
-        report = run_soak(config, args.ranks, args.rss_tol_mib, args.rss_tol_pct)
+        report = run_soak(config, args.ranks, args.rss_tol_mib, args.rss_tol_pct, judge_rss=not args.quick)
         print(report["text"] + "\n", flush=True)
         reports.append(report)
         ok = ok and report["ok"]
-    print(f"soak: {'every transport and rank flat after warm-up, every check exact' if ok else 'FAILED'}")
+    summary = ("every transport and rank flat after warm-up, every check exact" if not args.quick else
+               "fds, threads and shm handles constant after warm-up, every check exact (--quick: RSS not judged)")
+    print(f"soak: {summary if ok else 'FAILED'}")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump({"ok": ok, "reports": [{k: v for k, v in r.items() if k != "text"} for r in reports]}, handle,
