@@ -16,7 +16,8 @@ uintptr_t shm_open_peer(const std::string& name, int64_t nbytes);
 void shm_unlink(const std::string& name);
 void shm_unmap(uintptr_t base, int64_t nbytes);
 bool shm_name_is_valid(const std::string& name);
-// Anonymous regions (memfd, mode 0600): never named, so nothing can be left in /dev/shm.
+// Anonymous regions (memfd 'mep_region', mode 0600, sealed against resizing): never named, so nothing can be
+// left in /dev/shm; region_map_peer maps only such regions.
 std::pair<int, uintptr_t> region_create(int64_t nbytes);
 uintptr_t region_map_peer(int64_t pid, int64_t fd, int64_t nbytes);
 void region_close_fd(int64_t fd);

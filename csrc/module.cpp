@@ -64,9 +64,12 @@ PYBIND11_MODULE(_native, m) {
     m.def("shm_open_peer", &mep::shm_open_peer, "name"_a, "nbytes"_a,
           "Map a peer's segment (name validated, size must equal nbytes); returns the base address.");
     m.def("region_create", &mep::region_create, "nbytes"_a,
-          "Create an anonymous 0600 shared region (memfd) of nbytes, mapped; returns (fd, base).");
+          "Create an anonymous 0600 shared region (memfd 'mep_region', sealed against shrinking and growing) "
+          "of nbytes, mapped; returns (fd, base).");
     m.def("region_map_peer", &mep::region_map_peer, "pid"_a, "fd"_a, "nbytes"_a,
-          "Map a peer's region through /proc/<pid>/fd/<fd>, checking its size; returns the base address.");
+          "Map a peer's region through /proc/<pid>/fd/<fd>; returns the base address. Only a region made by "
+          "region_create (a memfd 'mep_region' sealed against resizing) of exactly nbytes is mapped: anything "
+          "else raises ValueError naming the path and what was found; a missing pid/fd raises FileNotFoundError.");
     m.def("region_close_fd", &mep::region_close_fd, "fd"_a, "Close a region's file descriptor.");
     m.def("shm_unlink", &mep::shm_unlink, "name"_a, "Unlink a segment name; a missing name is not an error.");
     m.def("shm_unmap", &mep::shm_unmap, "base"_a, "nbytes"_a, "Unmap a mapping made by shm_create/shm_open_peer.");

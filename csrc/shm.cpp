@@ -1,5 +1,7 @@
-// POSIX shared-memory segments for the same-host transport: created 0600 with unguessable names,
-// mapped read-write and shared. Errors raise OSError (with errno and strerror) or ValueError.
+// Shared memory for the same-host transport: anonymous regions (memfd, 0600, sealed against
+// resizing) that peers map through /proc/<pid>/fd/<fd> after checking they are regions of ours,
+// and named POSIX segments (0600, unguessable names). Errors raise OSError (with errno and
+// strerror) or ValueError.
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -7,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -23,6 +26,8 @@ namespace {
 
 constexpr const char* kPrefix = "/mep_";
 constexpr size_t kHexChars = 32;
+// The memfd name of every region (shown by the kernel as "/memfd:mep_region (deleted)").
+constexpr const char* kRegionName = "mep_region";
 
 // Raises OSError(errno, "<what>: <strerror>", name); errno picks the subclass
 // (FileNotFoundError, PermissionError, ...). Called with the GIL held.
@@ -59,6 +64,18 @@ void check_size(int64_t nbytes) {
 void* map_shared(int fd, int64_t nbytes) {
     void* p = mmap(nullptr, size_t(nbytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     return p == MAP_FAILED ? nullptr : p;
+}
+
+const char* file_kind(mode_t mode) {
+    switch (mode & S_IFMT) {
+        case S_IFDIR: return "a directory";
+        case S_IFCHR: return "a character device";
+        case S_IFBLK: return "a block device";
+        case S_IFIFO: return "a pipe";
+        case S_IFSOCK: return "a socket";
+        case S_IFLNK: return "a symbolic link";
+        default: return "an unknown kind of file";
+    }
 }
 
 }  // namespace
@@ -128,43 +145,82 @@ uintptr_t shm_open_peer(const std::string& name, int64_t nbytes) {
 
 std::pair<int, uintptr_t> region_create(int64_t nbytes) {
     check_size(nbytes);
-    const int fd = ::memfd_create("mep_region", MFD_CLOEXEC);
+    const int fd = ::memfd_create(kRegionName, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) raise_os_error(errno, "memfd_create", "");
+    auto fail = [&](const char* what) {
+        const int err = errno;
+        ::close(fd);
+        raise_os_error(err, what, "memfd");
+    };
     // 0600: only this user may open it through /proc (which also requires ptrace read access).
-    if (::fchmod(fd, 0600) != 0 || ::ftruncate(fd, off_t(nbytes)) != 0) {
-        const int err = errno;
-        ::close(fd);
-        raise_os_error(err, "fchmod/ftruncate", "memfd");
-    }
+    if (::fchmod(fd, 0600) != 0) fail("fchmod");
+    if (::ftruncate(fd, off_t(nbytes)) != 0) fail("ftruncate");
+    // The size is final: nobody (a peer that opened it through /proc included) can shrink it under
+    // a mapping (a SIGBUS in every mapper) or grow it; F_SEAL_SEAL keeps the seals as they are.
+    // region_map_peer maps nothing that lacks these seals.
+    if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) fail("fcntl(F_ADD_SEALS)");
     void* base = map_shared(fd, nbytes);
-    if (!base) {
-        const int err = errno;
-        ::close(fd);
-        raise_os_error(err, "mmap", "memfd");
-    }
+    if (!base) fail("mmap");
     return {fd, reinterpret_cast<uintptr_t>(base)};
 }
 
 uintptr_t region_map_peer(int64_t pid, int64_t fd, int64_t nbytes) {
-    // pid and fd come from a peer: they only ever form a /proc/<pid>/fd/<fd> path.
+    // pid and fd come from a peer (a store record): they only ever form a /proc/<pid>/fd/<fd>
+    // path, and what that path names is mapped only if it is one of our regions: a memfd named
+    // kRegionName, sealed against resizing, of exactly nbytes. Anything else the same user has
+    // open (a regular file, a pipe, a memfd of another program) is refused before it is mapped.
     if (pid <= 0 || pid > (int64_t(1) << 22) || fd < 0 || fd > (int64_t(1) << 20)) {
         throw_value_error("peer region (pid " + std::to_string(pid) + ", fd " + std::to_string(fd) +
                           "): expected 0 < pid <= 4194304 and 0 <= fd <= 1048576");
     }
     check_size(nbytes);
     const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-    const int local = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (local < 0) raise_os_error(errno, "open", path);
+    auto refuse = [&](const std::string& found) {
+        throw_value_error("peer region " + path + " is not a region of mooncake_ep_switch: " + found +
+                          " (expected a memfd '" + kRegionName + "' sealed against shrinking and growing)");
+    };
+    // Look before opening, so that opening has no side effect on what is not a regular file
+    // (a device, a FIFO); the checks that count are made again on the opened descriptor.
     struct stat st;
+    if (::stat(path.c_str(), &st) != 0) raise_os_error(errno, "stat", path);
+    if (!S_ISREG(st.st_mode)) refuse(std::string("not a regular file but ") + file_kind(st.st_mode));
+    const int local = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (local < 0) raise_os_error(errno, "open", path);
+    auto close_and = [&](auto&& thrower) {
+        ::close(local);
+        thrower();
+    };
     if (::fstat(local, &st) != 0) {
         const int err = errno;
-        ::close(local);
-        raise_os_error(err, "fstat", path);
+        close_and([&] { raise_os_error(err, "fstat", path); });
     }
-    if (!S_ISREG(st.st_mode) || int64_t(st.st_size) != nbytes) {
-        ::close(local);
-        throw_value_error("peer region " + path + " has " + std::to_string(int64_t(st.st_size)) +
-                          " bytes, expected nbytes = " + std::to_string(nbytes));
+    if (!S_ISREG(st.st_mode)) close_and([&] { refuse("not a regular file"); });
+    const int seals = ::fcntl(local, F_GET_SEALS);
+    if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
+        // EINVAL: a file of a file system without seals (a regular file on disk).
+        char what[96];
+        if (seals < 0) {
+            std::snprintf(what, sizeof(what), "a regular file that cannot be sealed (%s)", std::strerror(errno));
+        } else {
+            std::snprintf(what, sizeof(what), "a regular file not sealed against resizing (seals 0x%x)", unsigned(seals));
+        }
+        close_and([&] { refuse(what); });
+    }
+    // The name, read through our own descriptor (not the peer's fd slot, which could change meanwhile).
+    char link[256];
+    const std::string self_path = "/proc/self/fd/" + std::to_string(local);
+    const ssize_t len = ::readlink(self_path.c_str(), link, sizeof(link) - 1);
+    if (len < 0) {
+        const int err = errno;
+        close_and([&] { raise_os_error(err, "readlink", path); });
+    }
+    const std::string target(link, size_t(len));
+    if (target != std::string("/memfd:") + kRegionName + " (deleted)") close_and([&] { refuse("'" + target + "'"); });
+    if (int64_t(st.st_size) != nbytes) {
+        close_and([&] {
+            throw_value_error("peer region " + path + " has " + std::to_string(int64_t(st.st_size)) +
+                              " bytes, expected nbytes = " + std::to_string(nbytes));
+        });
     }
     void* base = map_shared(local, nbytes);
     const int err = errno;

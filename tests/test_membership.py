@@ -1,19 +1,16 @@
 """Membership agreement in the store: one sealed view per epoch, adopted by every member."""
 import threading
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from mooncake_ep_switch.buffer.membership import JOINING, Membership, MembershipError
-from mooncake_ep_switch.launch import free_port
+from mooncake_ep_switch.launch import host_store
 
 
 @pytest.fixture()
 def store():
-    return dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=30))
+    return host_store("127.0.0.1", 0, 1, timeout_s=30)
 
 
 def _agree_all(members, expected, deadline_s, late=()):

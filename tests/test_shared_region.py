@@ -1,10 +1,15 @@
-"""SharedRegion: anonymous 0600 regions, mapped by peers through /proc, nothing in /dev/shm."""
+"""SharedRegion: anonymous 0600 sealed regions, mapped by peers through /proc, nothing in /dev/shm."""
+import fcntl
 import os
 import stat
+import subprocess
+import sys
 
+import pytest
 import torch
 
-from mooncake_ep_switch.buffer.shared_region import SharedRegion
+from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, SharedRegion, region_tensor
 from tests import harness
 
 
@@ -33,10 +38,6 @@ def test_regions_are_shared_and_never_named():
 
 
 def test_bad_peer_endpoints_are_rejected():
-    import pytest
-
-    from mooncake_ep_switch import _native
-    from mooncake_ep_switch.buffer.shared_region import RegionEndpoint
 
     region = SharedRegion(None, 0, 2, 4096)
     try:
@@ -51,5 +52,124 @@ def test_bad_peer_endpoints_are_rejected():
         region.map_peer(1, RegionEndpoint(os.getpid(), region.fd, 4096))  # maps our own memory again
         region.peer(1)[0] = 42
         assert int(region.local[0]) == 42
+    finally:
+        region.destroy()
+
+
+# ---- region_map_peer maps only sealed memfd regions created by region_create ----
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _holder(fd: int) -> subprocess.Popen:
+    """Another process of this user that holds `fd` open (as its fd 0) until killed."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdin=fd)
+
+
+def _memfd(name: str, nbytes: int, seals: int) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, nbytes)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _regular_file(tmp_path, nbytes: int) -> int:
+    path = tmp_path / "victim.bin"
+    path.write_bytes(b"\0" * nbytes)
+    return os.open(path, os.O_RDWR)
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("regular file", r"is not a region .*a regular file"),
+    ("tmpfs file", r"is not a region .*a regular file not sealed"),
+    ("unsealed memfd", r"is not a region .*not sealed"),
+    ("memfd without grow seal", r"is not a region .*not sealed"),
+    ("sealed memfd of another name", r"is not a region .*memfd:other"),
+    ("pipe", r"is not a region .*not a regular file but a pipe"),
+])
+def test_region_map_peer_refuses_what_is_not_a_region(tmp_path, kind, match):
+    """A forged (pid, fd) endpoint naming anything but one of our sealed regions is refused,
+    whichever process holds it, and nothing of it is mapped or written."""
+    nbytes = 4096
+    extra = -1
+    if kind == "regular file":
+        fd = _regular_file(tmp_path, nbytes)
+    elif kind == "tmpfs file":  # shared memory too, but a named file, not one of our regions
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm")
+        path = f"/dev/shm/victim-{os.getpid()}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)
+        os.ftruncate(fd, nbytes)
+    elif kind == "unsealed memfd":
+        fd = _memfd("mep_region", nbytes, 0)
+    elif kind == "memfd without grow seal":
+        fd = _memfd("mep_region", nbytes, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    elif kind == "sealed memfd of another name":
+        fd = _memfd("other", nbytes, _SEALS)
+    else:
+        fd, extra = os.pipe()
+    holder = _holder(fd)
+    try:
+        for pid, peer_fd in ((holder.pid, 0), (os.getpid(), fd)):
+            with pytest.raises(ValueError, match=match) as info:
+                _native.region_map_peer(pid, peer_fd, nbytes)
+            assert f"/proc/{pid}/fd/{peer_fd}" in str(info.value)
+        if kind == "regular file":
+            assert (tmp_path / "victim.bin").read_bytes() == b"\0" * nbytes
+    finally:
+        holder.kill()
+        holder.wait(10)
+        os.close(fd)
+        if extra >= 0:
+            os.close(extra)
+
+
+def test_region_map_peer_refuses_a_dead_pid_and_a_wrong_size():
+    region = SharedRegion(None, 0, 2, 4096)
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait(30)
+        with pytest.raises(FileNotFoundError, match=f"/proc/{dead.pid}/fd/{region.fd}"):
+            _native.region_map_peer(dead.pid, region.fd, 4096)
+        for wrong in (4095, 8192):
+            with pytest.raises(ValueError, match=f"has 4096 bytes, expected nbytes = {wrong}"):
+                _native.region_map_peer(os.getpid(), region.fd, wrong)
+        # The region still maps afterwards, from another process too.
+        holder = _holder(region.fd)
+        try:
+            base = _native.region_map_peer(holder.pid, 0, 4096)
+            try:
+                region_tensor(base, 4096)[7] = 99
+                assert int(region.local[7]) == 99
+            finally:
+                _native.shm_unmap(base, 4096)
+        finally:
+            holder.kill()
+            holder.wait(10)
+    finally:
+        region.destroy()
+
+
+def test_regions_are_sealed_against_resizing():
+    """No peer (nor the owner) can shrink or grow a region under its mappers."""
+    region = SharedRegion(None, 0, 1, 8192)
+    try:
+        seals = fcntl.fcntl(region.fd, fcntl.F_GET_SEALS)
+        assert seals & _SEALS == _SEALS, hex(seals)
+        assert os.readlink(f"/proc/self/fd/{region.fd}").startswith("/memfd:mep_region")
+        peer = os.open(f"/proc/{os.getpid()}/fd/{region.fd}", os.O_RDWR)
+        try:
+            for size in (0, 4096, 16384):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(peer, size)
+            with pytest.raises(PermissionError):
+                fcntl.fcntl(peer, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            assert os.fstat(peer).st_size == 8192
+        finally:
+            os.close(peer)
+        region.local[-1] = 5  # the last byte is still there and writable
+        assert int(region.local[-1]) == 5
     finally:
         region.destroy()

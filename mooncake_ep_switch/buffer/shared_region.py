@@ -105,7 +105,10 @@ class SharedRegion:
             endpoint: the peer's `RegionEndpoint` (pid, fd, nbytes).
 
         Raises:
-            ValueError: `endpoint.nbytes` differs from this region's size.
+            ValueError: `endpoint.nbytes` differs from this region's size, or the endpoint does not
+                name a region made by `SharedRegion` (a memfd "mep_region" sealed against
+                resizing) of that size: a forged endpoint never maps another file of this user.
+            FileNotFoundError: no such process or descriptor (e.g. the peer died).
         """
         if rank == self.rank:
             return
