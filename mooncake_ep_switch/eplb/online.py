@@ -125,8 +125,10 @@ class OnlineRebalancer:
 
     Arguments:
         slots: this rank's `ExpertSlots`.
-        timeout_us: deadline of the vote wait at a commit step, in microseconds (-1: none); a rank
-            that has not voted by then aborts the chunk.
+        timeout_us: deadline of the vote wait at a commit step, in microseconds (-1: none); a peer
+            that has not voted by then makes this rank propose ABORT. Every rank adopts the one
+            decision stored for the chunk (see the module docstring), so a rank that is merely late
+            follows what the others decided.
         frames_per_step: slots staged per `step()` before the commit step (bounds the per-step work).
         epoch: epochs already used (a replacement rank passes the survivors' `rebalancer.epoch`).
     """
