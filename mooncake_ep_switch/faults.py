@@ -1,8 +1,11 @@
 """Test-only fault injection: a rank dies at a named point (set by `MEP_FAULT_POINT`).
 
-The value is `point:rank:call:how` with `how` one of `exit` (os._exit) or `kill` (SIGKILL) and
-`call` a call number or `*` for any. Points: `dispatch_after_data` (data written into peers,
-signals not yet), `update_after_ready` (readiness for the next epoch posted, peers not mapped).
+The value is `point:rank:call:how` with `how` one of `exit` (os._exit), `kill` (SIGKILL) or `stop`
+(SIGSTOP: the rank freezes until something sends it SIGCONT, a slow rank) and `call` a call number
+or `*` for any. Points: `dispatch_after_data` (data written into peers, signals not yet),
+`update_after_ready` (readiness for the next epoch posted, peers not mapped), and in the online
+EPLB commit step (`call` = the chunk's epoch) `eplb_before_vote` (staged, vote not published),
+`eplb_after_vote` (vote published, decision not read).
 Unset in production: `FaultPoint.parse(None)` is None and nothing is checked.
 """
 import os
@@ -17,7 +20,7 @@ class FaultPoint(NamedTuple):
         point: the point name.
         rank: the rank that dies there.
         call: call number (-1 = any).
-        how: "exit" or "kill".
+        how: "exit", "kill" or "stop".
     """
 
     point: str
@@ -36,20 +39,20 @@ class FaultPoint(NamedTuple):
             fault: a `FaultPoint` (`call` -1 for `*`), or None when `text` is empty.
 
         Raises:
-            ValueError: not four `:`-separated fields, `how` not exit/kill, or a non-integer rank/call.
+            ValueError: not four `:`-separated fields, `how` not exit/kill/stop, or a non-integer rank/call.
         """
         if not text:
             return None
         parts = text.split(":")
-        if len(parts) != 4 or parts[3] not in ("exit", "kill"):
-            raise ValueError(f"MEP_FAULT_POINT: expected point:rank:call:exit|kill, got {text!r}")
+        if len(parts) != 4 or parts[3] not in ("exit", "kill", "stop"):
+            raise ValueError(f"MEP_FAULT_POINT: expected point:rank:call:exit|kill|stop, got {text!r}")
         return FaultPoint(parts[0], int(parts[1]), -1 if parts[2] == "*" else int(parts[2]), parts[3])
 
     def hit(self, point: str, rank: int, call: int = -1) -> None:
-        """Die here if this is the configured point, rank and call.
+        """Die (or freeze) here if this is the configured point, rank and call.
 
-        Exits with `os._exit(17)` (`how="exit"`) or SIGKILLs this process (`how="kill"`); returns
-        normally otherwise.
+        Exits with `os._exit(17)` (`how="exit"`), SIGKILLs this process (`how="kill"`) or SIGSTOPs it
+        (`how="stop"`: it resumes here when another process sends SIGCONT); returns normally otherwise.
 
         Arguments:
             point: name of the point reached.
@@ -59,4 +62,4 @@ class FaultPoint(NamedTuple):
         if self.point == point and self.rank == rank and self.call in (-1, call):
             if self.how == "exit":
                 os._exit(17)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGSTOP if self.how == "stop" else signal.SIGKILL)

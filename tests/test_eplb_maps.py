@@ -84,3 +84,51 @@ def test_spread_uses_every_copy_evenly():
 def test_clear_errors(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def _placement_with(bad_id):
+    placement = placement_from_phy2log(np.array([[0, 1, 2, 3, 0, 1, 2, 3]]), num_logical=4, num_gpus=4)
+    table = placement.phy2log.clone()
+    table[0, 5] = bad_id
+    return placement._replace(phy2log=table)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        # A corrupted id would size a [G, L, max + 1] map: 2^34 -> 128 GiB before it was caught.
+        (lambda: build_dispatch_map(np.array([[0, 1, 2, 1 << 34]]), 2, 1), ValueError,
+         r"phy2log: expected logical experts < 4 .* got a maximum of 17179869184"),
+        (lambda: build_dispatch_map(np.array([[0, 1, 2, -1]]), 2, 1), ValueError, "phy2log: expected values >= 0"),
+        (lambda: build_dispatch_map(_placement_with(1 << 34), 4, 2), ValueError,
+         "phy2log: expected values < 4, got a maximum of 17179869184"),
+        (lambda: build_dispatch_map(_placement_with(-1), 4, 2), ValueError, "phy2log: expected values >= 0"),
+        (lambda: build_dispatch_map(np.zeros((1, 4), dtype=np.int64), 0, 1), ValueError, "num_gpus: expected an int >= 1"),
+        (lambda: build_dispatch_map(np.zeros((1, 4), dtype=np.int64), 8, 1), ValueError,
+         "phy2log: expected a slot count divisible by num_gpus=8"),
+        (lambda: build_dispatch_map(np.zeros((1, 4), dtype=np.int64), 2, 0), ValueError, "ranks_per_host: expected an int >= 1"),
+    ],
+    ids=["bare-2^34", "bare-negative", "placement-2^34", "placement-negative", "zero-gpus", "more-gpus-than-slots",
+         "zero-ranks-per-host"],
+)
+def test_corrupt_or_senseless_sizes_fail_fast(call, error, match):
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(error, match=match):
+        call()
+    assert time.monotonic() - started < 1.0
+
+
+def test_recorder_remap_refuses_ids_outside_the_slots():
+    import time
+
+    from mooncake_ep_switch.eplb import ExpertLoadRecorder
+
+    recorder = ExpertLoadRecorder(1, 4, 2)
+    old = np.array([[0, 1, 2, 3]])
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="new_phy2log: expected values < 4, got a maximum of 17179869184"):
+        recorder.remap(old, np.array([[0, 1, 2, 1 << 34]]))
+    assert time.monotonic() - started < 1.0
+    recorder.remap(old, np.array([[3, 2, 1, 0]]))  # still usable

@@ -221,3 +221,93 @@ def test_rank_killed_mid_rebalance_keeps_old_placement(use_mask):
         assert result["active"][DEAD] == 0
         reason = result["reports"][0][1]
         assert ("inactive" in reason) if use_mask else ("did not vote" in reason), reason
+
+
+def _wait_stopped(pid, timeout_s=60.0):
+    """Wait until process `pid` is stopped (SIGSTOP), with a deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    raise TimeoutError(f"rank process {pid} did not stop within {timeout_s} s")
+
+
+def rank_fault_at_commit(ctx, faulty, how):
+    """Every redundant copy moves (one chunk, epoch 1, commit step 3); rank `faulty` freezes
+    (SIGSTOP, resumed by a peer once that peer has decided) or dies at the fault point set in
+    MEP_FAULT_POINT. Returns the placement and whether every step's output matched the reference."""
+    buffer, weights, slots, rebalancer = _setup(ctx)
+    active = buffer.active_mask()
+    pids = [None] * ctx.num_ranks
+    dist.all_gather_object(pids, os.getpid(), group=ctx.group)
+    old = slots.phy2log.copy()
+    target = old.copy()
+    for layer in range(LAYERS):
+        for rank in range(R):
+            target[layer, rank * SLOTS_PER_RANK + 2] = (2 * rank + 3) % EXPERTS
+    chunks = rebalancer.begin(target, commit_step=3)
+    assert [c.epoch for c in chunks] == [1]
+    reports, exact = [], []
+    for step in range(1, 7):
+        reports += rebalancer.step(step, None)
+        if step == 3 and how == "stop":
+            if ctx.rank == (faulty + 1) % R:  # decided: let the frozen rank go on (it may not have voted)
+                _wait_stopped(pids[faulty])
+                os.kill(pids[faulty], signal.SIGCONT)
+            dist.barrier(group=ctx.group)  # the frozen rank catches up before anyone serves again
+        dead = (faulty,) if how == "kill" and step >= 3 else ()
+        out, ref, _ = _forward(ctx, buffer, weights, slots, active, _inputs(ctx.rank, step), skip_dead=dead)
+        exact.append(_close(out, ref))
+    result = {
+        "reports": [(r.epoch, r.outcome, r.reason, r.commit_step) for r in reports],
+        "phy2log": slots.phy2log.tolist(), "old": old.tolist(), "target": target.tolist(),
+        "frames_ok": _frames_match_checkpoint(slots, weights), "free_frames": len(slots.free_frames),
+        "exact": exact, "in_progress": rebalancer.in_progress,
+    }
+    slots.destroy()
+    buffer.destroy()
+    return result
+
+
+@pytest.mark.parametrize("faulty, point, how, outcome", [
+    (3, "eplb_before_vote", "stop", "aborted"),   # frozen past the deadline before voting: everyone aborts
+    (3, "eplb_after_vote", "stop", "committed"),  # frozen after voting GO: everyone commits, it too on waking
+    (0, "eplb_before_vote", "stop", "aborted"),   # the rank holding the decision word is the slow one
+    (0, "eplb_before_vote", "kill", "aborted"),   # the decision word's holder dies before voting
+    (0, "eplb_after_vote", "kill", "committed"),  # ... or after voting GO: decided in its still-mapped memory
+    (2, "eplb_after_vote", "kill", "committed"),
+])
+def test_slow_or_dead_rank_at_commit_step_all_ranks_agree(faulty, point, how, outcome):
+    env = {"MEP_FAULT_POINT": f"{point}:{faulty}:1:{how}"}
+    with harness.fresh_cluster(R, env=env) as cluster:
+        outcomes = cluster.run(rank_fault_at_commit, faulty, how, timeout_s=120, failure_grace_s=60)
+    if how == "kill":
+        assert not outcomes[faulty].ok and outcomes[faulty].exitcode == -signal.SIGKILL, outcomes[faulty]
+    alive = [o for o in outcomes if how == "stop" or o.rank != faulty]
+    for o in alive:
+        assert o.ok, o.error
+    placements = {str(o.value["phy2log"]) for o in alive}
+    assert len(placements) == 1, "ranks ended on different placements"
+    first = alive[0].value
+    expected = first["target"] if outcome == "committed" else first["old"]
+    for o in alive:
+        result = o.value
+        assert [(r[0], r[1], r[3]) for r in result["reports"]] == [(1, outcome, 3)], (o.rank, result["reports"])
+        assert result["phy2log"] == expected, f"rank {o.rank}"
+        assert result["frames_ok"] and result["free_frames"] == SLOTS_PER_RANK and not result["in_progress"]
+        assert all(result["exact"]), f"rank {o.rank}: outputs differ from the reference {result['exact']}"
+
+
+def test_signal_cas_stores_only_over_the_expected_value():
+    from mooncake_ep_switch import _native
+
+    word = torch.zeros(2, dtype=torch.int64)
+    addr = word.data_ptr()
+    assert _native.signal_cas(addr, 0, (1 << 32) | 2) == 0 and int(word[0]) == (1 << 32) | 2
+    assert _native.signal_cas(addr, 0, (1 << 32) | 1) == (1 << 32) | 2 and int(word[0]) == (1 << 32) | 2
+    with pytest.raises(ValueError, match="8-aligned"):
+        _native.signal_cas(addr + 4, 0, 1)

@@ -347,3 +347,61 @@ def test_swap_refinement_matches_a_plain_loop(bins, slots, near, seed):
     refine_swaps(ex, sz, pn, node, descend_steps=4 * bins, near=near, threads=3)
     assert np.array_equal(ex, expected[0]) and np.array_equal(sz, expected[1]) and np.array_equal(pn, expected[2])
     assert not np.array_equal(ex, original)  # swaps happened (the comparison is not vacuous)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((8, 1, 1, 100_000), "num_replicas: expected a multiple of num_gpus=100000, got 8"),  # more GPUs than slots
+        ((100_000, 1, 3, 100_000), "num_nodes: expected a divisor of num_gpus=100000, got 3"),
+        ((800_008, 1, 1, 100_000), "num_replicas: expected a multiple of num_gpus=100000"),
+        ((1_600_000, 1, 1, 100_000), r"num_replicas: expected <= 800000"),  # more copies of an expert than GPUs
+        ((0, 1, 1, 100_000), "num_replicas: expected an int >= 1, got 0"),
+        ((8, 0, 1, 1), "num_groups: expected an int >= 1, got 0"),
+        ((8, 1, -2, 1), "num_nodes: expected an int >= 1, got -2"),
+    ],
+)
+def test_senseless_sizes_fail_fast_naming_the_argument(args, match):
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        rebalance_experts(np.ones((2, 8)), *args)
+    assert time.monotonic() - started < 1.0
+
+
+def test_eight_experts_on_100k_gpus_is_placed_quickly():
+    """A huge GPU count is a valid (if odd) problem, as in DeepSeek's EPLB: it must finish in time
+    linear in the slots (LPT through a heap above 512 GPUs), not O(slots x GPUs) (24 s before)."""
+    import time
+
+    weight = np.array([[8.0, 1, 1, 1, 1, 1, 1, 2]])
+    started = time.monotonic()
+    placement = rebalance_experts(weight, 100_000, 1, 1, 100_000)
+    assert time.monotonic() - started < 15.0
+    counts = placement.logcnt.numpy()[0]
+    assert counts.sum() == 100_000 and (counts >= 1).all()
+    assert counts[0] == counts.max()  # the heaviest expert gets the most copies
+    assert (np.bincount(placement.phy2log.numpy()[0], minlength=8) == counts).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lpt_heap_path_matches_the_vectorised_scan(seed, monkeypatch):
+    from mooncake_ep_switch.eplb import packing
+
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        rows, bins, slots, cap = (int(v) for v in (rng.integers(1, 4), rng.integers(1, 12), rng.integers(1, 5),
+                                                   rng.integers(1, 3)))
+        items = int(rng.integers(1, bins * slots + 1))
+        kinds = int(rng.integers(1, items + 1))
+        keys = np.sort(rng.integers(0, kinds, (rows, items)), axis=1)
+        sizes = np.round(rng.random((rows, items)) * 4) / 4  # ties on purpose
+        init_load = None if rng.random() < 0.5 else np.round(rng.random((rows, bins)) * 2) / 2
+        init_keycount = None if rng.random() < 0.5 else rng.integers(0, 2, (rows, bins, kinds))
+        results = []
+        for threshold in (10**9, 0):  # the vectorised scan, then the heap
+            monkeypatch.setattr(packing, "_HEAP_BINS", threshold)
+            results.append(packing.lpt_assign(sizes, keys, bins, slots, key_cap=cap, init_load=init_load,
+                                              init_keycount=init_keycount))
+        assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])

@@ -8,6 +8,8 @@ Decode attention before and after every switch must be bit-identical per (reques
 """
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -251,3 +253,121 @@ def rank_capacity_refusal(ctx):
 
 def test_capacity_check_refuses_without_touching_anything():
     harness.run(4, rank_capacity_refusal)
+
+
+# ---------------------------------------------------------------------------------------------
+# Corrupt peer metadata: every bad count/length/offset is refused fast, before any loop over it
+# ---------------------------------------------------------------------------------------------
+
+def _meta_cache(layout="ep"):
+    import types
+
+    from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, PagedKVCache
+
+    buffer = types.SimpleNamespace(group=None, rank=0, num_ranks=2, transport="collective")
+    cache = PagedKVCache(buffer, KVCacheConfig(1, 4, 8, 4, 64), layout)
+    cache.add_request(7, 30)
+    cache.reserve(7, 9)      # 3 pages
+    cache.add_request(9, 4)  # no pages
+    return cache
+
+
+def _corrupt(kind, data):
+    """`data` (a valid encoding: header, request 7 with 3 pages, request 9 with none, bitmap) corrupted."""
+    data = data.copy()
+    if kind == "count_2_40":
+        data[3] = 1 << 40
+    elif kind == "count_2_40_negative_lengths":  # each record steps back: an endless walk before
+        data[3] = 1 << 40
+        data[7] = -4
+    elif kind == "negative_count":
+        data[3] = -1
+    elif kind == "negative_length":
+        data[7] = -3
+    elif kind == "length_past_end":
+        data[7] = 1 << 40
+    elif kind == "page_past_units":
+        data[8] = 1 << 34
+    elif kind == "negative_page":
+        data[8] = -1
+    elif kind == "pages_not_matching_tokens":
+        data[5] = 100
+    elif kind == "negative_tokens":
+        data[5] = -9
+    elif kind == "duplicate_rid":
+        data[11] = 7
+    elif kind == "bad_layout":
+        data[1] = 99
+    elif kind == "truncated":
+        data = data[:9]
+    elif kind == "truncated_bitmap":
+        data = data[:-1]
+    elif kind == "trailing_words":
+        data = np.concatenate([data, np.zeros(3, dtype=np.int64)])
+    elif kind == "count_too_small":
+        data[3] = 1
+    elif kind == "used_page_marked_free":
+        data[-1] = -1  # every unit free
+    return data
+
+
+_CORRUPTIONS = ["count_2_40", "count_2_40_negative_lengths", "negative_count", "negative_length", "length_past_end",
+                "page_past_units", "negative_page", "pages_not_matching_tokens", "negative_tokens", "duplicate_rid",
+                "bad_layout", "truncated", "truncated_bitmap", "trailing_words", "count_too_small",
+                "used_page_marked_free"]
+
+
+@pytest.mark.parametrize("kind", _CORRUPTIONS)
+def test_corrupt_kv_metadata_is_refused_fast(kind):
+    import time
+
+    cache = _meta_cache()
+    data = cache.encode_meta()
+    assert cache.decode_meta(data).requests == cache.requests  # the valid encoding decodes
+    bad = _corrupt(kind, data)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="metadata"):
+        cache.decode_meta(bad)
+    assert time.monotonic() - started < 1.0, f"{kind}: decoding took {time.monotonic() - started:.1f} s"
+    assert cache.decode_meta(cache.encode_meta()).requests == cache.requests  # still usable
+
+
+def rank_corrupt_metadata(ctx, transport, corrupt_rank):
+    """Rank `corrupt_rank` publishes KV metadata whose request count is 2^40 and whose records step
+    backwards: every rank refuses the switch quickly, nothing changes, and the next switch works."""
+    import time
+
+    from mooncake_ep_switch.switch.switcher import switch_layout
+
+    buffer, umm, kv = _setup(ctx, transport, 96)
+    try:
+        _populate(kv, ctx.rank, ctx.num_ranks, "ep")
+        pool_before = kv.pool.clone()
+        state_before = (dict(kv.requests), dict(kv.refcount), kv.free.copy())
+        if ctx.rank == corrupt_rank:
+            good = kv.encode_meta
+            kv.encode_meta = lambda: _corrupt("count_2_40_negative_lengths", good())
+        started = time.monotonic()
+        report = switch_layout(buffer, "tp", weights=umm, kv_cache=kv, timeout_us=20_000_000)
+        elapsed = time.monotonic() - started
+        assert report.outcome == "refused" and report.layout == "ep", report
+        assert "metadata" in report.reason or "refused" in report.reason, report.reason
+        assert umm.layout == "ep" and kv.layout == "ep" and torch.equal(pool_before, kv.pool)
+        assert (dict(kv.requests), dict(kv.refcount)) == state_before[:2] and (kv.free == state_before[2]).all()
+        if ctx.rank == corrupt_rank:
+            del kv.encode_meta
+        report = switch_layout(buffer, "tp", weights=umm, kv_cache=kv, timeout_us=20_000_000)
+        assert report.outcome == "completed" and kv.layout == "tp", report
+        _check_sharing(kv)
+        _check_reference(kv, _attention_here(kv, step=0), ctx.num_ranks, step=0)
+        return elapsed
+    finally:
+        kv.destroy()
+        umm.destroy()
+        buffer.destroy()
+
+
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_corrupt_peer_metadata_aborts_the_switch_everywhere(transport):
+    elapsed = harness.run(4 if transport == "shm" else 2, rank_corrupt_metadata, transport, 0)
+    assert max(elapsed) < 10.0, elapsed

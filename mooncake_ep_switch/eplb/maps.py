@@ -34,9 +34,15 @@ from mooncake_ep_switch.eplb.layout import Placement, expert_counts, replica_tab
 
 
 def _slot_table(phy2log):
+    """(table, E), validated before anything is sized by it: ids in `[0, E)` for a `Placement`,
+    in `[0, R)` for a bare table (E = max + 1, and every expert needs one of the R slots)."""
     if isinstance(phy2log, Placement):
-        return as_indices("phy2log", phy2log.phy2log, 2), int(phy2log.logcnt.shape[1])
+        num_logical = int(phy2log.logcnt.shape[1])
+        return as_indices("phy2log", phy2log.phy2log, 2, upper=num_logical), num_logical
     table = as_indices("phy2log", phy2log, 2)
+    if table.size and int(table.max()) >= table.shape[1]:
+        raise ValueError(f"phy2log: expected logical experts < {table.shape[1]} (the slots per layer: every expert "
+                         f"in [0, max] needs a slot), got a maximum of {int(table.max())}")
     return table, (int(table.max()) + 1 if table.size else 0)
 
 
@@ -80,7 +86,7 @@ def build_dispatch_map(phy2log: Union[Placement, torch.Tensor, np.ndarray], num_
     Arguments:
         phy2log: a `Placement`, or `[L, R]` integer torch tensor / numpy array of logical experts
             per physical slot (slot s on GPU `s // (R // num_gpus)`). Every logical expert in
-            `[0, E)` must have a copy (E from the `Placement`, else max + 1).
+            `[0, E)` must have a copy (E from the `Placement`, else max + 1, so ids are < R).
         num_gpus: GPUs, which are also the source ranks; must divide R.
         ranks_per_host: ranks sharing a host (rank r is on host `r // ranks_per_host`); must
             divide `num_gpus`.
@@ -88,6 +94,12 @@ def build_dispatch_map(phy2log: Union[Placement, torch.Tensor, np.ndarray], num_
     Returns:
         dispatch_map: `[num_gpus, L, E]` torch.int64: a copy on the source rank itself if any,
             else one on its host, else a remote one, copies filled least-assigned first.
+
+    Raises:
+        TypeError: `phy2log` is not an integer table, or a size is not an int.
+        ValueError: an id outside `[0, E)` (`[0, R)` for a bare table), an expert without a copy,
+            `num_gpus` not dividing R or `ranks_per_host` not dividing `num_gpus`; checked before
+            anything is allocated.
     """
     table, num_logical = _slot_table(phy2log)
     num_gpus = as_int("num_gpus", num_gpus)

@@ -13,19 +13,28 @@ free frames. Nothing that serves is written: dispatch/combine keep running on th
 
 Commit (at the chunk's commit step, before the step's forward). A rank finishes its staging (the
 only stall, bounded by `frames_per_step` having done most of it), writes the chunk's plan digest,
-then its vote (GO, or ABORT when staging failed or `active_ranks` shows a dead rank), and waits
-for every peer's vote with the deadline `timeout_us`. Only if every rank voted GO with the same
-digest does it commit: it points the changed slots' frame-table entries at the staged frames and
-frees the old ones (no copy). Otherwise it aborts: the staged frames are freed, the old placement
-stays in force, and the rest of the rebalance is dropped. Votes are words in each rank's own
-region and stay readable after the rank dies, so every survivor reads the same votes: a rank that
-dies before voting makes every survivor abort; one that dies after voting GO lets the chunk commit
-everywhere (its slots are lost either way, as they were in the old placement). As in
-`switch_layout`, this assumes fail-stop within the deadline: a rank that is merely slow and votes
-after a peer's deadline can be left in the other state.
+then its vote (GO, or ABORT when staging failed or `active_ranks` shows a dead rank). The outcome
+is then decided once for every rank by a *decision word* per epoch, set by compare-and-set from
+"undecided" (a ring of words in the control page of the arbiter, rank 0): a rank that voted GO
+waits for every peer's vote with the deadline `timeout_us` and proposes COMMIT only if every rank
+voted GO with the same digest, ABORT otherwise (a vote missing at its deadline, an ABORT vote, a
+different digest); a rank that voted ABORT proposes ABORT at once. The first proposal stored wins;
+every rank, the proposer included, adopts the word's value, never its own view of the votes. On
+COMMIT it points the changed slots' frame-table entries at the staged frames and frees the old ones
+(no copy); on ABORT the staged frames are freed, the old placement stays in force, and the rest of
+the rebalance is dropped. So all ranks end on the same placement whatever is slow or dead: a rank
+frozen past its peers' deadline (before or after voting) adopts, when it wakes, what they decided
+without it; a rank that dies before voting makes every survivor abort, one that dies after voting
+GO lets the chunk commit everywhere (its slots are lost either way, as they were in the old
+placement). The arbiter's region stays mapped in every survivor after the arbiter dies (the memfd
+lives as long as a mapping does), so its decision words keep working without it. Limits: the words
+live in host shared memory (one host, the `"shm"` transport the slots need anyway); a rank that
+falls 256 epochs behind (its ring slot reused) raises instead of guessing.
 
 Control words (64-bit, `(epoch << 32) | value`, epoch numbering the chunks of every rebalance):
-offset 0: vote (1 = GO, 2 = ABORT); offset 8: the chunk's plan digest.
+offset 0: vote (1 = GO, 2 = ABORT); offset 8: the chunk's plan digest; on rank 0 only, offsets
+2048 + 8 * (epoch % 256): the decision of the epoch (1 = COMMIT, 2 = ABORT; an older epoch's word:
+undecided).
 """
 import time
 import zlib
@@ -37,11 +46,15 @@ import torch
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.peer_words import wait_peer_words
+from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.eplb._convert import as_int
 from mooncake_ep_switch.eplb.slots import ExpertSlots, check_phy2log
+from mooncake_ep_switch.faults import FaultPoint
 
 _VOTE, _DIGEST = 0, 8
+_DECISIONS, _DECISION_SLOTS, _ARBITER = 2048, 256, 0  # ring of decision words on the arbiter's control page
 GO, ABORT = 1, 2
+DECIDE_COMMIT, DECIDE_ABORT = 1, 2
 COMMITTED = "committed"
 ABORTED = "aborted"
 
@@ -112,8 +125,10 @@ class OnlineRebalancer:
 
     Arguments:
         slots: this rank's `ExpertSlots`.
-        timeout_us: deadline of the vote wait at a commit step, in microseconds (-1: none); a rank
-            that has not voted by then aborts the chunk.
+        timeout_us: deadline of the vote wait at a commit step, in microseconds (-1: none); a peer
+            that has not voted by then makes this rank propose ABORT. Every rank adopts the one
+            decision stored for the chunk (see the module docstring), so a rank that is merely late
+            follows what the others decided.
         frames_per_step: slots staged per `step()` before the commit step (bounds the per-step work).
         epoch: epochs already used (a replacement rank passes the survivors' `rebalancer.epoch`).
     """
@@ -131,6 +146,7 @@ class OnlineRebalancer:
         self._queue: Deque[RebalanceChunk] = deque()
         self._staging: Optional[_Staging] = None
         self._holder_use = np.zeros(slots.num_ranks, dtype=np.int64)
+        self._fault = FaultPoint.parse(settings().fault_point)
 
     @property
     def in_progress(self) -> bool:
@@ -311,10 +327,21 @@ class OnlineRebalancer:
             reason = f"ranks {np.nonzero(active == 0)[0].tolist()} are inactive in active_ranks on rank {slots.rank}"
         vote = ABORT if reason else GO
         me = slots.rank
+        if self._fault is not None:
+            self._fault.hit("eplb_before_vote", me, chunk.epoch)
         _native.signal_publish(slots.control_addr(me, _DIGEST), self._word(chunk.epoch, chunk.digest))
         _native.signal_publish(slots.control_addr(me, _VOTE), self._word(chunk.epoch, vote))
+        if self._fault is not None:
+            self._fault.hit("eplb_after_vote", me, chunk.epoch)
         if vote == GO:
             reason = self._collect_votes(chunk)
+        decision = self._decide(chunk.epoch, DECIDE_ABORT if reason else DECIDE_COMMIT)
+        if decision == DECIDE_COMMIT and vote != GO:  # impossible: a COMMIT needs this rank's GO
+            raise RuntimeError(f"online EPLB: epoch {chunk.epoch} was decided COMMIT although rank {me} voted ABORT")
+        if decision == DECIDE_ABORT and not reason:
+            reason = f"epoch {chunk.epoch} was aborted by a peer (a vote missed its deadline or a rank voted ABORT)"
+        if decision == DECIDE_COMMIT:
+            reason = ""
         if reason:
             slots.free_frames.extend(staging.frames)
             outcome = ABORTED
@@ -330,14 +357,53 @@ class OnlineRebalancer:
                                staging.moved_bytes, staging.remote_bytes, staging.stage_ms,
                                (time.perf_counter() - started) * 1e3, step)
 
+    def _decision_addr(self, epoch: int) -> int:
+        return self.slots.control_addr(_ARBITER, _DECISIONS + 8 * (epoch % _DECISION_SLOTS))
+
+    def _decided(self, epoch: int) -> Optional[int]:
+        """The decision of `epoch` if one was stored (DECIDE_COMMIT / DECIDE_ABORT), else None."""
+        word = _native.signal_load(self._decision_addr(epoch))
+        if word >> 32 == epoch:
+            return word & 0xFFFFFFFF
+        if word >> 32 > epoch:
+            raise RuntimeError(f"online EPLB: rank {self.slots.rank} is {(word >> 32) - epoch} epochs behind "
+                               f"(epoch {epoch}'s decision word was reused by epoch {word >> 32}); its placement "
+                               "is unknown, replace this rank")
+        return None
+
+    def _decide(self, epoch: int, proposal: int) -> int:
+        """Store `proposal` as `epoch`'s decision unless one is stored already; returns the decision."""
+        addr = self._decision_addr(epoch)
+        while True:
+            decided = self._decided(epoch)
+            if decided is not None:
+                return decided
+            seen = _native.signal_load(addr)
+            if seen >> 32 >= epoch:
+                continue  # a peer decided in between: read it
+            if _native.signal_cas(addr, seen, self._word(epoch, proposal)) == seen:
+                return proposal
+
     def _collect_votes(self, chunk: RebalanceChunk) -> str:
-        """Wait for every peer's vote on `chunk`; "" when all voted GO with our digest, else why not."""
+        """Wait for every peer's vote on `chunk`; "" when all voted GO with our digest, else why not.
+
+        The wait ends early when a peer has already decided the epoch (it can only be ABORT then)."""
         slots = self.slots
         peers = [p for p in range(slots.num_ranks) if p != slots.rank]
+        decided: List[List[int]] = []
+
+        def stop_if_decided(pending: List[int]) -> List[int]:
+            if pending and self._decided(chunk.epoch) is not None:
+                decided.append(pending)
+                return []
+            return pending
+
         pending = wait_peer_words(peers, lambda p: slots.control_addr(p, _VOTE), self._word(chunk.epoch, GO), 1,
-                                  self.timeout_us)
+                                  self.timeout_us, stop_if_decided)
         if pending:
             return f"ranks {pending} did not vote on epoch {chunk.epoch} within timeout_us={self.timeout_us}"
+        if decided:
+            return f"ranks {decided[0]} did not vote on epoch {chunk.epoch} before a peer decided it (ABORT)"
         for peer in peers:
             vote = _native.signal_load(slots.control_addr(peer, _VOTE))
             if vote != self._word(chunk.epoch, GO):

@@ -269,7 +269,7 @@ class ExpertLoadRecorder:
         for name, table in (("old_phy2log", old_phy2log), ("new_phy2log", new_phy2log)):
             if isinstance(table, Placement):
                 table = table.phy2log
-            table = as_indices(name, table, 2)
+            table = as_indices(name, table, 2, upper=self.num_physical_experts)  # E <= P: ids are < P
             if table.shape != (self.num_layers, self.num_physical_experts):
                 raise ValueError(
                     f"{name}: expected shape [{self.num_layers}, {self.num_physical_experts}], got {list(table.shape)}"

@@ -521,25 +521,75 @@ class PagedKVCache:
         return np.concatenate([np.asarray(head + body, dtype=np.int64), bits])
 
     def decode_meta(self, data: np.ndarray) -> RankMeta:
-        """Inverse of `encode_meta` (validates what a peer published).
+        """Inverse of `encode_meta`, validating what a peer published before any loop over it.
+
+        Every count, length and page id is checked against the array's size and this cache's
+        limits first, so corrupt metadata (a count of 2^40, a negative length, a page id past the
+        pool) fails in time bounded by the array's size and never becomes an address.
 
         Arguments:
             data: `[n]` integer array as `encode_meta()` makes it (converted to np.int64).
 
         Returns:
-            meta: a `RankMeta` (raises ValueError if the magic or `num_units` differ from this cache's).
+            meta: a `RankMeta`.
+
+        Raises:
+            ValueError: ("metadata: ...") the magic, layout or `num_units` differ from this cache's, a
+                request count or page count is negative or larger than the data holds, a request's
+                page count is not `ceil(num_tokens / page_size)`, a page id is outside the layout's
+                pages, a request id is negative or repeated, a token count is negative, or the
+                data is truncated or has words after the free-unit bitmap.
         """
-        data = np.asarray(data, dtype=np.int64)
-        if data.size < 4 or int(data[0]) != _MAGIC or int(data[2]) != self.config.num_units:
-            raise ValueError("metadata: a peer published KV metadata of another shape or format")
-        layout = {code: name for name, code in _LAYOUT_CODE.items()}[int(data[1])]
+        try:
+            data = np.asarray(data, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError, OverflowError) as error:
+            raise ValueError(f"metadata: expected an int64 array, got unreadable data ({error})") from None
+        cfg = self.config
+        units = cfg.num_units
+        bitmap_words = _cdiv(_cdiv(units, 8), 8)
+        if data.size < 4 + bitmap_words:
+            raise ValueError(f"metadata: truncated: {data.size} words, a header and bitmap need {4 + bitmap_words}")
+        if int(data[0]) != _MAGIC or int(data[2]) != units:
+            raise ValueError("metadata: a peer published KV metadata of another shape or format "
+                             f"(num_units {int(data[2])} vs {units})")
+        layouts = {code: name for name, code in _LAYOUT_CODE.items()}
+        if int(data[1]) not in layouts:
+            raise ValueError(f"metadata: layout code {int(data[1])} is not one of {sorted(layouts)}")
+        layout = layouts[int(data[1])]
+        num_pages = units // self.num_ranks if layout == EP else units  # page ids of that layout
+        end = data.size - bitmap_words
         count = int(data[3])
+        if count < 0 or 4 + 4 * count > end:
+            raise ValueError(f"metadata: request count {count} is negative or more than the {end - 4} words "
+                             "of request records hold")
+        page_size = cfg.page_size
         at, requests = 4, {}
-        for _ in range(count):
+        for index in range(count):  # bounded: every record takes >= 4 of the `end` words
+            if at + 4 > end:
+                raise ValueError(f"metadata: truncated at request {index} of {count}")
             rid, tokens, prompt, n = (int(v) for v in data[at:at + 4])
-            requests[rid] = KVRequest(tokens, prompt, tuple(int(p) for p in data[at + 4:at + 4 + n]))
+            if rid < 0 or rid in requests:
+                raise ValueError(f"metadata: request id {rid} is negative or repeated")
+            if tokens < 0 or prompt < 0:
+                raise ValueError(f"metadata: request {rid} has {tokens} tokens and prompt length {prompt}, "
+                                 "expected >= 0")
+            if n < 0 or n > end - at - 4 or n > num_pages or n != _cdiv(tokens, page_size):
+                raise ValueError(f"metadata: request {rid} lists {n} pages; expected ceil({tokens} tokens / "
+                                 f"{page_size}) within the {end - at - 4} words left and <= {num_pages} pages")
+            pages = data[at + 4:at + 4 + n]
+            if n and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+                raise ValueError(f"metadata: request {rid} has a page id outside [0, {num_pages}) "
+                                 f"({int(pages.min())}..{int(pages.max())})")
+            requests[rid] = KVRequest(tokens, prompt, tuple(pages.tolist()))
             at += 4 + n
-        free = np.unpackbits(data[at:].view(np.uint8))[:self.config.num_units].astype(bool)
+        if at != end:
+            raise ValueError(f"metadata: {end - at} words between the last request and the free-unit bitmap")
+        free = np.unpackbits(data[end:].view(np.uint8))[:units].astype(bool)
+        used = np.asarray([p for req in requests.values() for p in req.pages], dtype=np.int64)
+        if layout == EP:
+            used = (used[:, None] * self.num_ranks + np.arange(self.num_ranks)).reshape(-1)
+        if used.size and free[used].any():
+            raise ValueError(f"metadata: unit {int(used[free[used]][0])} is both in a request's pages and free")
         return RankMeta(layout, requests, free)
 
     def publish_meta(self) -> int:
@@ -574,8 +624,8 @@ class PagedKVCache:
         raw = region[_META_HEADER:_META_HEADER + nbytes].clone().numpy().view(np.int64)
         try:
             return self.decode_meta(raw)
-        except ValueError:
-            raise
+        except ValueError as error:
+            raise ValueError(f"rank {rank}'s {error}") from None
         except Exception as error:  # a torn or foreign blob: report it like any bad metadata
             raise ValueError(f"metadata: rank {rank} published unreadable KV metadata ({error!r})") from None
 

@@ -511,7 +511,10 @@ def _switch_collective(buffer, target: str, umm: UnifiedWeights, kv: Optional[Pa
                        seq, transport)
     plan = None
     if kv is not None:
-        plan = kv.plan([kv.decode_meta(g[1]) for g in gathered], target)
+        try:
+            plan = kv.plan([kv.decode_meta(g[1]) for g in gathered], target)
+        except ValueError as error:  # a rank's corrupt metadata: every rank refuses alike
+            return _report(source, target, source, REFUSED, str(error), start, seq, transport)
         if plan.refused:
             return _report(source, target, source, REFUSED, plan.refused, start, seq, transport)
     prepare_ms = (time.perf_counter() - start) * 1e3
