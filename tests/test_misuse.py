@@ -382,3 +382,34 @@ def test_destroy_with_a_call_in_flight_is_bounded(transport, mode, how):
                     "reference destroys it only once the call ended")
     took = harness.run(2, rank_destroy_in_flight, transport, mode, how)[0]
     assert took is not None
+
+
+# ------------------------------------------------------------------ double buffering
+
+def rank_late_dispatch_hook(ctx, transport):
+    """A dispatch hook run after the dispatch after next (which reuses its region half) is refused,
+    never read from rows a peer may have overwritten; the Buffer works on afterwards."""
+    with _buffer(ctx, transport) as buffer:
+        mine, everyone = _inputs(ctx, 80)
+        active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+        hooks = []
+        for _ in range(3):
+            result = buffer.dispatch(mine.x, mine.topk_idx, active, CASE.tokens, CASE.experts, TIMEOUT_US,
+                                     use_fp8=False, return_recv_hook=True)
+            hooks.append(result)
+        with pytest.raises(RuntimeError, match="reused its region half"):
+            hooks[0][4]()
+        for result in hooks[1:]:  # the two latest are fine, exact
+            _check_dispatch(ctx, CASE, everyone, active.tolist(), result, False, "hook")
+        assert active.tolist() == [1] * ctx.num_ranks
+        handle = hooks[2][2]
+        y = _expert_outputs(ctx, CASE, hooks[2][0], hooks[2][1], False)
+        del hooks
+        _combine_exact(ctx, buffer, mine, y, active, handle, "sync")
+        _healthy_round(ctx, buffer, 81, "hook")
+    return True
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_dispatch_hook_after_its_half_was_reused_is_refused(transport):
+    assert all(harness.run(2, rank_late_dispatch_hook, transport))

@@ -91,6 +91,7 @@ class OneSidedTransport:
         # Address of an int64 word the owner raises to stop every native receive wait (RuntimeError):
         # Buffer.destroy() never waits for a call with no deadline. 0 = none.
         self.abort_ptr = 0
+        self.latest_dispatch = 0  # call number of the latest dispatch (its half is no earlier call's)
         self.te = None
         self.staging: Optional[torch.Tensor] = None
         if name == "mooncake":
@@ -288,6 +289,7 @@ class OneSidedTransport:
         layout = self._layout(tokens, hidden, experts)
         offset = layout.half_offset(call.call)
         tag = signal_tag(call.call)
+        self.latest_dispatch = call.call
         args = (call.x.data_ptr(), call.x.size(0), hidden, call.topk_idx.data_ptr(), call.topk_idx.size(1), experts,
                 self.num_ranks, self.rank, tokens, call.active_ranks.data_ptr())
         mid_dispatch = self.fault is not None and self.fault.point == "dispatch_after_data"
@@ -304,6 +306,12 @@ class OneSidedTransport:
         def receive() -> None:
             if region is None or not base:
                 raise RuntimeError("dispatch: the transport was destroyed before this receive phase ran")
+            if self.latest_dispatch - call.call >= 2:
+                # A later dispatch of the same parity was sent: peers may have overwritten this call's
+                # rows in our region half (double buffering, as in DeepEP: at most two in flight).
+                raise RuntimeError(f"dispatch: the receive phase of call {call.call} ran after call "
+                                   f"{self.latest_dispatch} reused its region half; complete a dispatch (hook or "
+                                   "event) before the dispatch after next")
             scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
             newly = _native.dispatch_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts,
                                           tag, call.active_ranks.data_ptr(), call.timeout_us, call.use_fp8,
@@ -334,6 +342,7 @@ class OneSidedTransport:
         tokens, experts = call.num_max_dispatch_tokens_per_rank, call.num_experts
         layout = self._layouts.get((tokens, hidden, experts)) or self._layout(tokens, hidden, experts)
         offset = layout.control_bytes + (call.call & 1) * layout.half_bytes
+        self.latest_dispatch = call.call
         scales = outputs.recv_scales
         newly = _native.dispatch_round(
             x.data_ptr(), num_tokens, hidden, topk.data_ptr(), topk.shape[1], experts, self.num_ranks, self.rank,
