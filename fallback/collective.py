@@ -20,8 +20,12 @@ Exchanges per round:
   sent to owners that accepted it), so it needs no count exchange; a peer whose view of the mask
   differed returns nothing and that is known in advance.
 
-Works on any process group with all_to_all_single (gloo on CPU, nccl on GPU) and honours
-`active_ranks`: nothing is sent to, or accepted from, an inactive rank. Routing, record packing and
+Runs on any process group with all_to_all_single (gloo here) and honours `active_ranks`: nothing
+is sent to, or accepted from, an inactive rank. CPU tensors only: the packing and reduction
+kernels are host code reading raw pointers, so `Buffer` rejects a CUDA (or any non-CPU) tensor
+argument before the call starts, with an error naming it (buffer/validation.py); a GPU engine
+copies to and from the host itself. (Making this path take CUDA tensors would need device packing
+kernels or staging through host memory, and an nccl group; none of it exists or was run here.) Routing, record packing and
 unpacking, FP8 quantisation and the weighted combine reduction are native (csrc/kernels.cpp,
 shared with the one-sided transports); the Python here only sizes buffers and runs the exchanges.
 """
@@ -253,7 +257,7 @@ class CollectiveTransport:
             receive: callable with no arguments that waits for the exchange and fills `outputs`.
 
         Raises:
-            ValueError: `x` is not a CPU tensor.
+            ValueError: `x` is not a CPU tensor (the Buffer has checked it already).
             RuntimeError: a source announced a token count outside `[0, T]`.
             PeerLost: a peer died and no view change is configured.
         """

@@ -8,6 +8,7 @@ layouts are Mooncake EP's, so engines written for it work unchanged.
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -77,6 +78,81 @@ def _with_receipt(receive: Callable[[], None]) -> Tuple[Callable[[], None], Rece
             receipt.done = True
 
     return run, receipt
+
+
+# How long destroy() waits for running calls (whose native waits it has told to stop) before it
+# returns and leaves the release of their memory to the last of them.
+DESTROY_WAIT_S = 5.0
+
+
+class _Lifetime:
+    """What a Buffer shares with its hooks, events and background receive phases (not the Buffer
+    itself, which they must not keep alive): whether it was destroyed, the abort word every native
+    wait of its calls polls, and how many calls are using its memory right now.
+
+    A call `enter()`s before it touches the transport (send phase, receive phase, hook) and
+    `leave()`s after; `enter()` refuses once the Buffer is destroyed. `end()` marks it destroyed,
+    raises the abort word (waits with no deadline stop with RuntimeError), waits a bounded time
+    for running calls, and runs the release at once when none is left, else when the last one leaves.
+    """
+
+    __slots__ = ("destroyed", "abort", "abort_ptr", "_lock", "_idle", "_running", "_release")
+
+    def __init__(self):
+        self.destroyed = False
+        self.abort = torch.zeros(1, dtype=_I64)  # the native waits poll this word
+        self.abort_ptr = self.abort.data_ptr()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._running = 0
+        self._release: Optional[Callable[[], None]] = None
+
+    def enter(self) -> None:
+        with self._lock:
+            if self.destroyed:
+                raise RuntimeError("Buffer: this buffer was destroyed (destroy() or garbage collection); "
+                                   "its hooks, events and calls can no longer run")
+            self._running += 1
+
+    def leave(self) -> None:
+        release = None
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                self._idle.notify_all()
+                release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def end(self, release: Callable[[], None], wait_s: float) -> bool:
+        """Destroy: stop the running calls' waits, run `release` once none is running.
+
+        Returns:
+            released: True if `release` ran here, False if the last running call will run it.
+        """
+        with self._lock:
+            self.destroyed = True
+            self.abort[0] = 1
+            if wait_s > 0:
+                self._idle.wait_for(lambda: self._running == 0, wait_s)
+            if self._running:
+                self._release = release
+                return False
+        release()
+        return True
+
+
+def _guarded(life: _Lifetime, function: Callable[[], None]) -> Callable[[], None]:
+    """A receive phase that runs only while its Buffer lives (RuntimeError after destroy())."""
+
+    def run() -> None:
+        life.enter()
+        try:
+            function()
+        finally:
+            life.leave()
+
+    return run
 
 
 def _once(function: Callable[[], None]) -> Callable[[], None]:
@@ -177,7 +253,10 @@ class Buffer:
         self._outputs = OutputPool()
         self._worker: Optional[ThreadPoolExecutor] = None
         self._destroyed = False
+        self._life = _Lifetime()
+        self._prev_plan: Optional[DispatchPlan] = None
         self._impl = self._make_transport(transport)
+        self._impl.abort_ptr = self._life.abort_ptr  # native waits stop once destroy() raises it
         self.transport = self._impl.name
         # Transports that can run a synchronous call's send and receive phases in one go.
         self._sync_calls = hasattr(self._impl, "dispatch_sync") and hasattr(self._impl, "combine_sync")
@@ -370,17 +449,44 @@ class Buffer:
     def destroy(self) -> None:
         """Release the region, peer mappings, endpoints and threads; the Buffer is unusable after.
 
+        Idempotent, and bounded: a receive phase still waiting (an `async_finish` call in the
+        background, a hook running on another thread, even with `timeout_us=-1`) is told to stop
+        and its event/hook raises RuntimeError; destroy() waits at most `DESTROY_WAIT_S` seconds
+        for such calls and their thread, and if one is still running then (a collective the process
+        group has not finished), the memory it uses is released when it ends. Later hooks, events
+        and calls of this Buffer raise RuntimeError. Tensors over the Buffer's region that the
+        caller still holds (`get_next_combine_buffer()`) stay valid memory until they go.
+        `__del__` does the same without waiting at all.
+
         Returns:
             None.
         """
-        if self._destroyed:
+        self._shutdown(DESTROY_WAIT_S)
+
+    def _shutdown(self, wait_s: float) -> None:
+        """destroy() with at most `wait_s` seconds spent on running calls (0: never blocks)."""
+        life = getattr(self, "_life", None)
+        if self._destroyed or life is None:  # None: the constructor failed before it existed
+            self._destroyed = True
             return
         self._destroyed = True
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
-        self._outputs.clear()
-        self._impl.destroy()
+        worker, self._worker = self._worker, None
+        impl, outputs = self._impl, self._outputs
+
+        def release() -> None:
+            outputs.clear()
+            impl.destroy()
+
+        deadline = time.monotonic() + wait_s
+        life.end(release, wait_s)
+        if worker is not None:
+            # Queued receive phases refuse at once (the Buffer is destroyed), a running one was told
+            # to stop: the thread ends within the bound, and a later wait never blocks here.
+            threads = list(getattr(worker, "_threads", ()))
+            worker.shutdown(wait=False)
+            for thread in threads:
+                if thread is not threading.current_thread():
+                    thread.join(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self):
         return self
@@ -391,7 +497,7 @@ class Buffer:
 
     def __del__(self):
         try:
-            self.destroy()
+            self._shutdown(0.0)  # never blocks: running calls are told to stop and release the memory
         except Exception:
             pass
 
@@ -421,15 +527,32 @@ class Buffer:
 
     def _completion(self, receive: Callable[[], None], async_finish: bool, return_recv_hook: bool,
                     keep_alive) -> Tuple[EventOverlap, Optional[Callable[[], None]]]:
-        """Turn a receive phase into (event, hook) according to the call's mode."""
+        """Turn a receive phase into (event, hook) according to the call's mode.
+
+        The hook, the event and a background receive refuse to run (RuntimeError) once the Buffer
+        is destroyed; one that is waiting then is stopped by destroy() with RuntimeError.
+        """
         if not (return_recv_hook or async_finish):
-            receive()  # synchronous: runs exactly once, here
+            receive()  # synchronous: runs exactly once, here (the caller holds the Buffer's lifetime)
             return EventOverlap(None, keep_alive), None
-        receive = _once(receive)
+        receive = _once(_guarded(self._life, receive))
         if return_recv_hook:
             return EventOverlap(receive, keep_alive), receive
         future = self._background().submit(receive)
-        return EventOverlap(lambda: future.result(), keep_alive), None
+        life = self._life
+
+        def finish() -> None:
+            while True:
+                try:
+                    return future.result(timeout=0.05)
+                except FutureTimeout:
+                    # destroy() stopped what it could (native waits); a collective the process group
+                    # has not finished cannot be stopped, and its event must not block for it.
+                    if life.destroyed and not future.done():
+                        raise RuntimeError("aborted: the Buffer was destroyed while this call was in flight") \
+                            from None
+
+        return EventOverlap(finish, keep_alive), None
 
     def _dispatch_spec_slow(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
                             timeout_us, use_fp8):
@@ -495,7 +618,7 @@ class Buffer:
             if len(xs) == 2:
                 spec = self._specs.get((num_max_dispatch_tokens_per_rank, num_experts, xs[1], use_fp8))
             if spec is not None and not (
-                    x.dtype is _BF16 and xs[0] <= spec.tokens and x.is_contiguous()
+                    x.dtype is _BF16 and xs[0] <= spec.tokens and x.is_contiguous() and x.is_cpu
                     and topk_idx.dtype is _I64 and len(ks) == 2 and ks[0] == xs[0] and 1 <= ks[1] <= spec.experts
                     and topk_idx.is_contiguous() and topk_idx.is_cpu
                     and active_ranks.dtype is _I32 and active_ranks.shape == self._mask_shape
@@ -514,27 +637,34 @@ class Buffer:
 
         outputs = self._outputs.dispatch_outputs(use_fp8, spec.local, spec.rows, spec.hidden, self.num_ranks,
                                                  x.device)
-        self._call += 1
-        call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, self._call,
-                            self.epoch)
-        receipt = None
-        if self._sync_calls and not (async_finish or return_recv_hook):
-            private = self._impl.dispatch_sync(call, outputs)  # send and receive in one native call
-            receive = None
-        else:
-            private, receive = self._impl.dispatch(call, outputs)
-            if async_finish or return_recv_hook:
-                receive, receipt = _with_receipt(receive)
-        plan = DispatchPlan(self._call, x.size(0), topk_idx.size(1), use_fp8, self.epoch, private, spec, receipt)
-        self._last_plan = plan
-        handle = DispatchHandle(outputs.src_info, outputs.layout_range, spec.tokens, spec.hidden, spec.experts,
-                                plan=plan)
-        if receive is None:
-            event, hook = EventOverlap(None, (x, topk_idx, outputs)), None
-        else:
-            event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, outputs))
-            if async_finish:
-                receipt.wait = event.current_stream_wait
+        life = self._life
+        life.enter()  # refuses after destroy(); keeps the memory mapped while the send phase runs
+        try:
+            self._call += 1
+            call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, self._call,
+                                self.epoch)
+            receipt = None
+            if self._sync_calls and not (async_finish or return_recv_hook):
+                private = self._impl.dispatch_sync(call, outputs)  # send and receive in one native call
+                receive = None
+            else:
+                private, receive = self._impl.dispatch(call, outputs)
+                if async_finish or return_recv_hook:
+                    receive, receipt = _with_receipt(receive)
+            # combine() checks its topk_idx against this copy: rows exist only for dispatched pairs.
+            plan = DispatchPlan(self._call, x.size(0), topk_idx.size(1), use_fp8, self.epoch, private, spec, receipt,
+                                topk_idx.clone(), outputs.src_info.data_ptr(), [False])
+            self._prev_plan, self._last_plan = self._last_plan, plan
+            handle = DispatchHandle(outputs.src_info, outputs.layout_range, spec.tokens, spec.hidden, spec.experts,
+                                    plan=plan)
+            if receive is None:
+                event, hook = EventOverlap(None, (x, topk_idx, outputs)), None
+            else:
+                event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, outputs))
+                if async_finish:
+                    receipt.wait = event.current_stream_wait
+        finally:
+            life.leave()
         packed = (outputs.recv_x, outputs.recv_scales.transpose(1, 2)) if use_fp8 else outputs.recv_x
         return packed, outputs.recv_count, handle, event, hook
 
@@ -546,16 +676,36 @@ class Buffer:
 
         Returns:
             buffer: `[E_local, num_ranks * T, hidden]` torch.bfloat16; write expert outputs here and
-                call `combine(buffer, ..., handle, zero_copy=True)`.
+                call `combine(buffer, ..., handle, zero_copy=True)`. It views the region half of the
+                handle's call (dispatches of the same parity share it) and keeps that memory mapped
+                while it lives, also after `destroy()`.
+
+        Raises:
+            RuntimeError: the Buffer was destroyed.
+            TypeError, ValueError: `handle` is not a handle of this Buffer's last two dispatches.
         """
         self._check_alive()
         _, _, tokens, hidden, experts = validation.check_handle(handle, self.num_ranks)
-        plan = getattr(handle, "plan", None) or self._last_plan
-        if plan is None:
-            raise ValueError("handle: no dispatch has run on this Buffer")
+        plan = self._plan_of(handle)
         shape = (experts // self.num_ranks, self.num_ranks * tokens, hidden)
         self._check_capacity(tokens, hidden, experts)
         return self._impl.combine_buffer(plan.call, shape, handle[0].device)
+
+    def _plan_of(self, handle) -> DispatchPlan:
+        """The dispatch `handle` stands for: its own plan, or for a plain 5-tuple, the one of the
+        last two dispatches whose src_info tensor it carries (ValueError naming `handle` otherwise)."""
+        plan = getattr(handle, "plan", None)
+        if plan is not None:
+            if plan.spec is not None and plan.spec.owner is not self._token:
+                raise ValueError("handle: expected a handle returned by this Buffer's dispatch(), got one of "
+                                 "another Buffer")
+            return plan
+        src = handle[0].data_ptr()
+        for plan in (self._last_plan, self._prev_plan):
+            if plan is not None and plan.src_ptr == src:
+                return plan
+        raise ValueError("handle: expected the handle of one of this Buffer's last two dispatches (a plain "
+                         "5-tuple is recognised by its src_info tensor), got a tuple matching none")
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 active_ranks: torch.Tensor, timeout_us: int, handle, zero_copy: bool = False,
@@ -602,18 +752,20 @@ class Buffer:
             src_info, layout_range = handle[0], handle[1]
             ks = topk_idx.shape
             fast = (handle[2] == spec.tokens and handle[3] == spec.hidden and handle[4] == spec.experts
-                    and x.dtype is _BF16 and x.shape == spec.y_shape and x.is_contiguous()
+                    and x.dtype is _BF16 and x.shape == spec.y_shape and x.is_contiguous() and x.is_cpu
                     and src_info.dtype is _I32 and src_info.shape == spec.src_shape and src_info.is_contiguous()
+                    and src_info.is_cpu
                     and layout_range.dtype is _I64 and layout_range.shape == spec.range_shape
-                    and layout_range.is_contiguous()
+                    and layout_range.is_contiguous() and layout_range.is_cpu
                     and topk_idx.dtype is _I64 and len(ks) == 2 and ks[0] == plan.num_tokens and ks[1] == plan.top_k
                     and topk_idx.is_contiguous() and topk_idx.is_cpu
                     and topk_weights.dtype is _F32 and topk_weights.shape == ks and topk_weights.is_contiguous()
+                    and topk_weights.is_cpu
                     and active_ranks.dtype is _I32 and active_ranks.shape == self._mask_shape
                     and active_ranks.is_contiguous() and active_ranks.is_cpu
                     and (out is None or (isinstance(out, _Tensor) and out.dtype is _BF16 and out.dim() == 2
                                          and out.size(0) == ks[0] and out.size(1) == spec.hidden
-                                         and out.is_contiguous())))
+                                         and out.is_contiguous() and out.is_cpu)))
         if fast:
             problem = _native.check_call_values(topk_idx.data_ptr(), ks[0], ks[1], spec.experts,
                                                 active_ranks.data_ptr(), self.num_ranks)
@@ -624,9 +776,14 @@ class Buffer:
             fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
                                                           out, self.num_ranks)
             src_info, layout_range, tokens, hidden, experts = fields
-            plan = plan or self._last_plan
-            if plan is None:
-                raise ValueError("handle: no dispatch has run on this Buffer")
+            plan = self._plan_of(handle)
+        if plan.combined[0]:
+            raise ValueError(f"handle: expected a dispatch not combined yet, got the handle of call {plan.call}, "
+                             "which was combined already (one combine per dispatch handle, as in DeepEP)")
+        if plan.topk_idx is not None and not torch.equal(topk_idx, plan.topk_idx):
+            differ = int((topk_idx != plan.topk_idx).sum())
+            raise ValueError(f"topk_idx: expected the topk_idx given to the matching dispatch (call {plan.call}), "
+                             f"got one that differs in {differ} entries (rows exist only for dispatched pairs)")
         receipt = plan.receipt
         if receipt is not None and not receipt.done:
             if receipt.wait is None:
@@ -644,9 +801,17 @@ class Buffer:
             out = self._outputs.combine_output(topk_idx.size(0), hidden, x.device)
         call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens,
                            hidden, experts, plan.call, plan.private, out)
-        if self._sync_calls and not (async_finish or return_recv_hook):
-            self._impl.combine_sync(call)  # send and receive in one native call
-            return out, EventOverlap(None, (x, topk_idx, topk_weights)), None
-        receive = self._impl.combine(call)
-        event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights))
+        life = self._life
+        life.enter()  # refuses after destroy(); keeps the memory mapped while the send phase runs
+        try:
+            # From here the peers may see this combine's signals: the handle is used up, whatever happens
+            # (a second combine would find this call's signals and read rows being overwritten).
+            plan.combined[0] = True
+            if self._sync_calls and not (async_finish or return_recv_hook):
+                self._impl.combine_sync(call)  # send and receive in one native call
+                return out, EventOverlap(None, (x, topk_idx, topk_weights)), None
+            receive = self._impl.combine(call)
+            event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights))
+        finally:
+            life.leave()
         return out, event, hook

@@ -27,6 +27,12 @@ class DispatchPlan(NamedTuple):
             handle's fields), or None.
         receipt: `ReceiveReceipt` of a dispatch whose receive phase runs later (hook or async
             mode), or None when it ran inside the call.
+        topk_idx: `[N, K]` torch.int64 copy of the dispatch's top-k (combine must be given the same
+            values: rows exist only for the pairs that were dispatched), or None.
+        src_ptr: address of the handle's src_info (how a plain 5-tuple handle is matched to its
+            dispatch), or 0.
+        combined: one-element list, `[True]` once a combine of this dispatch has started (a handle
+            is combined once: a second combine would read the first one's signals).
     """
 
     call: int
@@ -37,6 +43,9 @@ class DispatchPlan(NamedTuple):
     private: Any
     spec: Any = None
     receipt: Any = None
+    topk_idx: Any = None
+    src_ptr: int = 0
+    combined: Any = (False,)
 
 
 class ReceiveReceipt:
@@ -68,8 +77,9 @@ class DispatchHandle(_DispatchHandleFields):
         num_experts: global number of experts of the call.
 
     The attribute `plan` (a `DispatchPlan`, not part of the tuple) carries the transport's record
-    of the call. A plain 5-tuple built by the caller is accepted by `combine()` too; it then refers
-    to the most recent dispatch.
+    of the call. A plain 5-tuple built by the caller is accepted by `combine()` too when it carries
+    the src_info tensor of one of the Buffer's last two dispatches (it then refers to that one).
+    Each handle is combined once; `combine()` refuses a second combine of it.
     """
 
     def __new__(cls, src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts, plan=None):

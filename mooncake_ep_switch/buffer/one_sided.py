@@ -88,6 +88,10 @@ class OneSidedTransport:
         self._layouts = {}  # (T, hidden, E) -> RegionLayout that fits the region
         self.te_peers: Dict[int, TePeer] = {}
         self.failed_sources: List[int] = []
+        # Address of an int64 word the owner raises to stop every native receive wait (RuntimeError):
+        # Buffer.destroy() never waits for a call with no deadline. 0 = none.
+        self.abort_ptr = 0
+        self.latest_dispatch = 0  # call number of the latest dispatch (its half is no earlier call's)
         self.te = None
         self.staging: Optional[torch.Tensor] = None
         if name == "mooncake":
@@ -285,6 +289,7 @@ class OneSidedTransport:
         layout = self._layout(tokens, hidden, experts)
         offset = layout.half_offset(call.call)
         tag = signal_tag(call.call)
+        self.latest_dispatch = call.call
         args = (call.x.data_ptr(), call.x.size(0), hidden, call.topk_idx.data_ptr(), call.topk_idx.size(1), experts,
                 self.num_ranks, self.rank, tokens, call.active_ranks.data_ptr())
         mid_dispatch = self.fault is not None and self.fault.point == "dispatch_after_data"
@@ -295,12 +300,24 @@ class OneSidedTransport:
         if self.te is not None:
             self._dispatch_te(call, layout, offset, tag, args)
 
+        region = self.region.local  # the receive may run late: its memory stays mapped until it ran
+        base = self.base
+
         def receive() -> None:
+            if region is None or not base:
+                raise RuntimeError("dispatch: the transport was destroyed before this receive phase ran")
+            if self.latest_dispatch - call.call >= 2:
+                # A later dispatch of the same parity was sent: peers may have overwritten this call's
+                # rows in our region half (double buffering, as in DeepEP: at most two in flight).
+                raise RuntimeError(f"dispatch: the receive phase of call {call.call} ran after call "
+                                   f"{self.latest_dispatch} reused its region half; complete a dispatch (hook or "
+                                   "event) before the dispatch after next")
             scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
-            newly = _native.dispatch_recv(self.base + offset, self.num_ranks, self.rank, tokens, hidden, experts,
+            newly = _native.dispatch_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts,
                                           tag, call.active_ranks.data_ptr(), call.timeout_us, call.use_fp8,
                                           outputs.recv_x.data_ptr(), scales, outputs.src_info.data_ptr(),
-                                          outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr())
+                                          outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr(),
+                                          self.abort_ptr)
             self.failed_sources.extend(newly)
 
         return None, receive
@@ -325,12 +342,14 @@ class OneSidedTransport:
         tokens, experts = call.num_max_dispatch_tokens_per_rank, call.num_experts
         layout = self._layouts.get((tokens, hidden, experts)) or self._layout(tokens, hidden, experts)
         offset = layout.control_bytes + (call.call & 1) * layout.half_bytes
+        self.latest_dispatch = call.call
         scales = outputs.recv_scales
         newly = _native.dispatch_round(
             x.data_ptr(), num_tokens, hidden, topk.data_ptr(), topk.shape[1], experts, self.num_ranks, self.rank,
             tokens, call.active_ranks.data_ptr(), self._direct_halves(offset), signal_tag(call.call), call.use_fp8,
             self.base + offset, call.timeout_us, outputs.recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(),
-            outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr())
+            outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr(),
+            self.abort_ptr)
         if newly:
             self.failed_sources.extend(newly)
         return None
@@ -385,11 +404,16 @@ class OneSidedTransport:
                 # reads combine_data[e][t] only for the experts token t selected: one write suffices.
                 self._te_put(dest, [block], signal_range, call.active_ranks, timeout_s)
 
+        region = self.region.local  # the receive may run late: its memory stays mapped until it ran
+        base = self.base
+
         def receive() -> None:
-            newly = _native.combine_recv(self.base + offset, self.num_ranks, self.rank, tokens, hidden, experts, tag,
+            if region is None or not base:
+                raise RuntimeError("combine: the transport was destroyed before this receive phase ran")
+            newly = _native.combine_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts, tag,
                                          call.active_ranks.data_ptr(), call.timeout_us, call.topk_idx.data_ptr(),
                                          call.topk_weights.data_ptr(), call.topk_idx.size(0), call.topk_idx.size(1),
-                                         call.out.data_ptr())
+                                         call.out.data_ptr(), self.abort_ptr)
             self.failed_sources.extend(newly)
 
         return receive
@@ -413,6 +437,6 @@ class OneSidedTransport:
             call.x.data_ptr(), hidden, experts, self.num_ranks, self.rank, tokens, call.src_info.data_ptr(),
             call.layout_range.data_ptr(), call.active_ranks.data_ptr(), self._direct_halves(offset),
             signal_tag(call.call), self.base + offset, call.timeout_us, topk.data_ptr(), call.topk_weights.data_ptr(),
-            num_tokens, top_k, call.out.data_ptr())
+            num_tokens, top_k, call.out.data_ptr(), self.abort_ptr)
         if newly:
             self.failed_sources.extend(newly)

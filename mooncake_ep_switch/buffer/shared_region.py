@@ -7,6 +7,13 @@ through /proc/<pid>/fd/<fd>, which the kernel allows only to processes of the sa
 read access; the (pid, fd) endpoint is exchanged through the group (`connect`) or the store
 (re-admission of a replacement rank). The memory lives as long as some process maps it. Addresses
 never change while the region lives.
+
+Mapping lifetime: every mapping (this rank's region, each peer's) is owned by a `Mapping` object,
+and every tensor view of it (`local`, `peer(rank)` and anything sliced or viewed from them, such
+as `Buffer.get_next_combine_buffer()` or `UnifiedWeights.view()`) holds a reference to that owner
+through its storage. `destroy()` and `unmap_peer()` drop the region's own references; the memory
+is unmapped when the last view goes, so a tensor a caller still holds stays readable and writable
+(it then aliases memory nobody else uses) instead of faulting.
 """
 import ctypes
 import os
@@ -18,17 +25,47 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 
 
-def region_tensor(base: int, nbytes: int) -> torch.Tensor:
-    """A torch.uint8 view `[nbytes]` of mapped memory at `base` (valid while it stays mapped).
+class Mapping:
+    """Owner of one shared mapping `[base, base + nbytes)`: unmapped when the last reference goes.
+
+    Held by a `SharedRegion` and by every tensor made with `region_tensor(..., owner=mapping)`
+    (through the tensor's storage), so the memory stays mapped for as long as any view of it lives.
+
+    Arguments:
+        base: int address returned by `_native.region_create` / `_native.region_map_peer`.
+        nbytes: size of the mapping, > 0.
+    """
+
+    __slots__ = ("base", "nbytes")
+
+    def __init__(self, base: int, nbytes: int):
+        self.base, self.nbytes = base, nbytes
+
+    def __del__(self):
+        base, self.base = self.base, 0
+        if base:
+            try:
+                _native.shm_unmap(base, self.nbytes)
+            except Exception:  # interpreter shutdown (module gone) or an already unmapped range
+                pass
+
+
+def region_tensor(base: int, nbytes: int, owner: Optional[Mapping] = None) -> torch.Tensor:
+    """A torch.uint8 view `[nbytes]` of mapped memory at `base`.
 
     Arguments:
         base: int address of mapped memory in this process.
         nbytes: bytes to view, > 0.
+        owner: the `Mapping` of that memory; the tensor (and every view made of it) keeps it, so the
+            memory stays mapped while any of them lives. None: the caller keeps the memory mapped.
 
     Returns:
         view: `[nbytes]` torch.uint8 CPU tensor aliasing the memory (no copy).
     """
-    return torch.frombuffer((ctypes.c_char * nbytes).from_address(base), dtype=torch.uint8)
+    array = (ctypes.c_char * nbytes).from_address(base)
+    if owner is not None:
+        array._mapping = owner  # torch.frombuffer keeps `array` (and with it `owner`) alive
+    return torch.frombuffer(array, dtype=torch.uint8)
 
 
 class RegionEndpoint(NamedTuple):
@@ -65,7 +102,9 @@ class SharedRegion:
         self.nbytes = nbytes
         self.fd, self.base = _native.region_create(nbytes)
         self.endpoint = RegionEndpoint(os.getpid(), self.fd, nbytes)
-        self.local = region_tensor(self.base, nbytes)
+        self._mappings: List[Optional[Mapping]] = [None] * num_ranks
+        self._mappings[rank] = Mapping(self.base, nbytes)
+        self.local = region_tensor(self.base, nbytes, self._mappings[rank])
         self.peer_bases: List[int] = [0] * num_ranks
         self.peer_bases[rank] = self.base
         self.peer_endpoints: List[Optional[RegionEndpoint]] = [None] * num_ranks
@@ -118,7 +157,9 @@ class SharedRegion:
         if self.peer_bases[rank] and self.peer_endpoints[rank] == endpoint:
             return
         self.unmap_peer(rank)
-        self.peer_bases[rank] = _native.region_map_peer(endpoint.pid, endpoint.fd, self.nbytes)
+        base = _native.region_map_peer(endpoint.pid, endpoint.fd, self.nbytes)
+        self._mappings[rank] = Mapping(base, self.nbytes)
+        self.peer_bases[rank] = base
         self.peer_endpoints[rank] = endpoint
 
     def peer(self, rank: int) -> torch.Tensor:
@@ -128,7 +169,8 @@ class SharedRegion:
             rank: any rank; this rank gives `local`.
 
         Returns:
-            view: `[nbytes]` torch.uint8 CPU tensor aliasing the mapping (cached; invalid once unmapped).
+            view: `[nbytes]` torch.uint8 CPU tensor aliasing the mapping (cached); it keeps the
+                mapping alive, also after `unmap_peer(rank)` or `destroy()`.
 
         Raises:
             RuntimeError: `rank` is not mapped.
@@ -136,31 +178,38 @@ class SharedRegion:
         if not self.peer_bases[rank]:
             raise RuntimeError(f"rank: peer {rank} is not mapped")
         if self._peer_tensors[rank] is None:
-            self._peer_tensors[rank] = region_tensor(self.peer_bases[rank], self.nbytes)
+            self._peer_tensors[rank] = region_tensor(self.peer_bases[rank], self.nbytes, self._mappings[rank])
         return self._peer_tensors[rank]
 
     def unmap_peer(self, rank: int) -> None:
         """Drop the mapping of one peer (a dead rank's memory is released once nobody maps it).
 
-        No-op for this rank and for a peer not mapped; views from `peer(rank)` become invalid.
+        No-op for this rank and for a peer not mapped. The region forgets the peer at once; the
+        memory is unmapped when the last view from `peer(rank)` goes (at once if there is none).
 
         Arguments:
             rank: the peer's rank.
         """
         if rank != self.rank and self.peer_bases[rank]:
             self._peer_tensors[rank] = None
-            _native.shm_unmap(self.peer_bases[rank], self.nbytes)
+            self._mappings[rank] = None  # munmap now, or when the last view goes
             self.peer_bases[rank] = 0
             self.peer_endpoints[rank] = None
 
     def destroy(self) -> None:
-        """Unmap everything and close the descriptor. Views of the region become invalid."""
+        """Drop every mapping and close the descriptor; idempotent.
+
+        The region forgets its addresses at once (`base` and `peer_bases` become 0); each mapping
+        is unmapped when the last tensor viewing it goes (at once if there is none), so a view a
+        caller still holds stays valid memory.
+        """
         for peer in range(self.num_ranks):
             self.unmap_peer(peer)
         self._peer_tensors = [None] * self.num_ranks
         self.local = None
         if self.base:
-            _native.shm_unmap(self.base, self.nbytes)
+            self._mappings[self.rank] = None
+            self.peer_bases[self.rank] = 0
             self.base = 0
         if self.fd >= 0:
             _native.region_close_fd(self.fd)

@@ -1,8 +1,12 @@
 """Argument checks for dispatch() and combine(): clear errors, nothing written on failure.
 
 Every check raises `ValueError` (or `TypeError` for a wrong Python type) whose message names the
-argument, what was expected and what came. Checks run before any byte moves, so a rejected call
-leaves the Buffer exactly as it was.
+argument, what was expected and what came. Checks run before any byte moves (and before the call
+counter advances), so a rejected call leaves the Buffer exactly as it was.
+
+Every tensor argument must be a CPU tensor: the transports here (shared memory, the Transfer
+Engine, gloo collectives) move host memory, and native code reads raw pointers. A CUDA, meta or
+other non-CPU tensor is rejected with an error naming the argument and its device.
 """
 from typing import Optional
 
@@ -39,7 +43,7 @@ def check_int(name: str, value, minimum: Optional[int] = None) -> int:
 
 
 def check_tensor(name: str, tensor, dtype: torch.dtype, dim: int, shape=None) -> torch.Tensor:
-    """Check type, dtype, number of dims, contiguity and (where given, -1 = any) the shape.
+    """Check type, device (CPU), dtype, number of dims, contiguity and (where given, -1 = any) the shape.
 
     Arguments:
         name: argument name used in error messages.
@@ -53,10 +57,13 @@ def check_tensor(name: str, tensor, dtype: torch.dtype, dim: int, shape=None) ->
 
     Raises:
         TypeError: not a torch.Tensor.
-        ValueError: wrong dtype, dims or shape, or not contiguous.
+        ValueError: not on the CPU, wrong dtype, dims or shape, or not contiguous.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        _fail(name, "a CPU tensor (this runtime moves host memory; CUDA tensors are not supported)",
+              f"a tensor on {tensor.device}")
     if tensor.dtype != dtype:
         _fail(name, f"dtype {dtype}", tensor.dtype)
     if tensor.dim() != dim:
@@ -85,8 +92,6 @@ def check_active_ranks(active_ranks, num_ranks: int) -> torch.Tensor:
         ValueError: wrong dtype, shape or device, not contiguous, or a value other than 0 and 1.
     """
     check_tensor("active_ranks", active_ranks, torch.int32, 1, (num_ranks,))
-    if active_ranks.device.type != "cpu":
-        _fail("active_ranks", "a CPU tensor (the runtime writes timed-out ranks into it)", active_ranks.device)
     problem = _native.check_mask_values(active_ranks.data_ptr(), num_ranks)
     if problem:
         raise ValueError(f"active_ranks: expected {problem}")
@@ -134,8 +139,6 @@ def check_topk_idx(topk_idx, num_tokens: int, num_experts: int) -> torch.Tensor:
         _fail("topk_idx", "at least one column (top-k >= 1)", list(topk_idx.shape))
     if topk_idx.size(1) > num_experts:
         _fail("topk_idx", f"top-k <= num_experts ({num_experts})", topk_idx.size(1))
-    if topk_idx.device.type != "cpu":
-        _fail("topk_idx", "a CPU tensor", topk_idx.device)
     problem = _native.check_topk_values(topk_idx.data_ptr(), topk_idx.size(0), topk_idx.size(1), num_experts)
     if problem:
         raise ValueError(f"topk_idx: expected {problem}")
@@ -147,7 +150,7 @@ def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, 
     """Validate dispatch() arguments; returns (T, E, timeout_us, use_fp8) normalised.
 
     Arguments:
-        x: `[num_tokens, H]` torch.bfloat16 contiguous, `num_tokens <= T`, `H` a positive multiple of 128.
+        x: `[num_tokens, H]` torch.bfloat16 contiguous CPU, `num_tokens <= T`, `H` a positive multiple of 128.
         topk_idx: `[num_tokens, K]` torch.int64 CPU (see `check_topk_idx`).
         active_ranks: `[R]` torch.int32 CPU mask (see `check_active_ranks`).
         num_max_dispatch_tokens_per_rank: `T`, >= 1.

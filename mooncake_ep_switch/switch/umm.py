@@ -344,7 +344,12 @@ class UnifiedWeights:
                             (region - static) / static, control)
 
     def destroy(self) -> None:
-        """Unmap the regions; the views become invalid."""
+        """Release the regions; idempotent.
+
+        The object forgets its memory at once; each shared mapping is unmapped when the last view
+        of it goes, so `view()` tensors a caller still holds stay valid (private) memory instead of
+        faulting.
+        """
         self._views.clear()
         self.local = None
         for region in (self.region, self.control):
