@@ -4,6 +4,7 @@ Settings are an immutable NamedTuple; `settings()` reads the environment once pe
 tests and spawned ranks can set variables before they construct a Buffer.
 """
 import os
+import secrets
 import socket
 from typing import NamedTuple, Optional
 
@@ -93,3 +94,15 @@ def settings() -> Settings:
         fault_point=env.get("MEP_FAULT_POINT") or None,
         job_secret=secret.encode() if secret else None,
     )
+
+
+JOB_SECRET_ENV = "MEP_JOB_SECRET"
+
+
+def new_job_secret() -> str:
+    """A fresh per-job secret for `MEP_JOB_SECRET` (what a launcher passes to every rank).
+
+    Returns:
+        secret: str, 64 hex digits (256 random bits).
+    """
+    return secrets.token_hex(32)

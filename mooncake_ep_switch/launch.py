@@ -16,6 +16,8 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
+from mooncake_ep_switch.config import JOB_SECRET_ENV, new_job_secret
+
 
 class RankContext(NamedTuple):
     """What a rank function receives as its first argument.
@@ -121,7 +123,8 @@ class LocalCluster:
 
     Arguments:
         num_ranks: number of ranks to spawn.
-        env: environment variables set in every rank before torch is imported.
+        env: environment variables set in every rank before torch is imported (a fresh
+            `MEP_JOB_SECRET` is added unless given: replacements get the same one).
         threads: torch intra-op threads per rank.
         start_timeout_s: deadline for spawning and joining the process group.
     """
@@ -134,6 +137,8 @@ class LocalCluster:
             raise ValueError(f"num_ranks: expected >= 1, got {num_ranks}")
         self.num_ranks = num_ranks
         self.env = dict(env or {})
+        # Every rank and replacement authenticates its membership records with this job's secret.
+        self.env.setdefault(JOB_SECRET_ENV, new_job_secret())
         port = free_port()
         self.store = dist.TCPStore("127.0.0.1", port, num_ranks, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))

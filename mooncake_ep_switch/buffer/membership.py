@@ -11,22 +11,26 @@ Buffer generation of one EP group, see `group_prefix` and `generation_prefix`):
     incarnation/<rank>          counter, bumped by every process (or rejoining Buffer) taking the rank id
     endpoint/<rank>/<inc>       JSON endpoint of that incarnation (region pid/fd, TE session)
     evidence/<e>/<reporter>     JSON list of ranks the reporter saw fail in epoch e
+    alive/<rank>                heartbeat of a joiner while it waits to be admitted
 
 Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; epoch 0 is every rank):
 
 1. Only a member of V_e seals `view/<e+1>`. A member posts `ready/<e+1>` and waits, up to its
    deadline, for every member of V_e it has not seen fail; then it seals, with compare-and-set, the
    ranks whose `ready/<e+1>` record carries their current incarnation and that are members of V_e
-   or joiners registered for e+1. The CAS picks one view; every rank adopts it, so no rank decides
-   alone and all agree. The sealed view always holds its sealer, so it is never empty.
+   or joiners registered for e+1 whose heartbeat still moves (a joiner that died while waiting is
+   not sealed in; checking costs the sealer at most `JOINER_PROOF_S`, only when joiners wait). The
+   CAS picks one view; every rank adopts it, so no rank decides alone and all agree. The sealed
+   view always holds its sealer, so it is never empty.
 2. A joiner (a replacement process, or a member that was left out) never seals. It posts
    `ready/<e+1>`, then sets its state to joining for e+1 (so a member that sees it joining also
    finds it ready: members never wait for joiners), and waits up to its deadline for a member to
    seal. Sealed without it (it posted too late): it registers again for the next epoch. Deadline
    passed: it withdraws (state inactive) and reports that it was not admitted.
 3. Adopting a view sets the adopter's state active and every non-member's state inactive, unless that
-   rank has registered as joining for a later epoch. A joiner that died is therefore sealed out (or
-   found missing when the members connect) at most once, and is not listed again until it registers.
+   rank has registered as joining for a later epoch. A joiner that died is therefore listed by
+   `joining()` only until the next seal (which costs the members at most `JOINER_PROOF_S` for it),
+   and never again unless a process registers for that rank anew.
 4. A member that finds a view sealed without it was left out: it is no longer a member (dispatch
    and combine refuse) and comes back through rule 2: `update_ep_member()` takes a new incarnation
    (refused if another process took the rank over), republishes its endpoint and waits as a joiner.
@@ -51,6 +55,8 @@ ACTIVE, INACTIVE, JOINING = "active", "inactive", "joining"
 STATES = (ACTIVE, INACTIVE, JOINING)
 MAX_RECORD_BYTES = 1 << 16  # no honest record comes near this; bigger ones are refused unparsed
 MAX_COUNTER = 1 << 53
+JOINER_BEAT_S = 0.02  # a waiting joiner refreshes alive/<rank> this often
+JOINER_PROOF_S = 1.0  # a sealer admits only joiners whose heartbeat moved within this long
 _MAC = "mac1:"
 
 
@@ -225,7 +231,8 @@ class Membership:
             return None
         value = self._decode(key, raw)
         if not valid(value):
-            raise MembershipError(f"store record {self.prefix}/{key} is not a valid {what}: {str(value)[:120]!r}")
+            raise MembershipError(f"store record {self.prefix}/{key} is not a valid {what}: {str(value)[:120]!r}; "
+                                  "refused (this job's ranks never write such a record)")
         return value
 
     def _put(self, key: str, value: Any) -> None:
@@ -501,7 +508,11 @@ class Membership:
             self.set_state(JOINING, epoch=target)
         waiting = sorted(set(int(r) for r in expected if r in members) | {self.rank})
         pause = 0.001
+        beats = 0
         while not self.sealed(target):
+            if joining:  # proof of life for the sealer (rule 2): a dead joiner is never sealed in
+                beats += 1
+                self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{beats}")
             if time.monotonic() >= deadline:
                 if joining:
                     self._withdraw(target)
@@ -518,7 +529,7 @@ class Membership:
                 self._seal(target, members)
                 break
             time.sleep(pause)
-            pause = min(pause * 2, 0.02)
+            pause = min(pause * 2, JOINER_BEAT_S if joining else 0.02)
         ranks = self._view_record(target)
         if ranks is None:
             raise MembershipError(f"the view of epoch {target} disappeared from the store after it was sealed")
@@ -553,10 +564,27 @@ class Membership:
             except MembershipError:
                 continue  # a malformed record keeps that rank out; it never breaks the seal
             candidates.append(rank)
+        joiners = [r for r in candidates if r not in members]
+        if joiners:
+            alive = self._alive(joiners)
+            candidates = [r for r in candidates if r in members or r in alive]
         if self.rank not in candidates:  # own readiness unreadable: the store was tampered with
             raise MembershipError(f"rank {self.rank}'s own readiness for epoch {target} does not read back "
                                   "intact; refusing to seal")
         self.store.compare_set(f"view/{target}", "", self._encode(f"view/{target}", candidates))
+
+    def _alive(self, joiners: List[int]) -> set:
+        """The joiners whose heartbeat moves within `JOINER_PROOF_S` (they are waiting, not dead)."""
+        def beat(rank):
+            raw = self._raw(f"alive/{rank}")
+            return None if raw is None else bytes(raw[:64])
+
+        first = {r: beat(r) for r in joiners}
+        alive, stop = set(), time.monotonic() + JOINER_PROOF_S
+        while len(alive) < len(joiners) and time.monotonic() < stop:
+            time.sleep(JOINER_BEAT_S)
+            alive.update(r for r in joiners if r not in alive and beat(r) != first[r])
+        return alive
 
     def _withdraw(self, target: int) -> None:
         """A joiner gives up waiting for `target`: its joining state becomes inactive (CAS on its own record)."""
