@@ -5,7 +5,6 @@ Multi-rank cases run real processes through tests/harness.py (SIGKILL, SIGSTOP);
 cases drive `Membership` objects from threads against one TCPStore. Every wait has a deadline.
 """
 import json
-import math
 import os
 import signal
 import threading
@@ -163,6 +162,7 @@ def test_lone_replacement_cannot_lock_out_the_members(transport):
         lone = _ok(cluster.run(rank_update, 4.0, ranks=[1], timeout_s=60)[0])
         assert "not admitted" in lone.get("error", ""), lone
         assert lone["seconds"] < 4.0 + harness.FAULT_SLACK_S
+        assert _ok(cluster.run(rank_refused_until_admitted, ranks=[1])[0])
         assert _ok(cluster.run(rank_pending, ranks=[0])[0]) == [], "a joiner that gave up is still listed"
         alone = _ok(cluster.run(rank_update, 10.0, ranks=[0])[0])
         assert alone.get("view") == [0], f"rank 0 was locked out by a lone joiner: {alone}"
@@ -213,12 +213,12 @@ def rank_round_without_peer(ctx):
     return _round2(ctx, _STATE["buffer"], seed=3, active=torch.ones(2, dtype=torch.int32))
 
 
-def rank_refused_while_left_out(ctx):
+def rank_refused_until_admitted(ctx):
     buffer = _STATE["buffer"]
     with pytest.raises(MembershipError, match="update_ep_member"):
-        buffer.dispatch(torch.zeros(1, Shape.hidden, dtype=torch.bfloat16), torch.zeros(1, Shape.top_k,
-                        dtype=torch.int64), torch.ones(2, dtype=torch.int32), Shape.tokens, Shape.experts,
-                        TIMEOUT_US, use_fp8=False)
+        mine = structured_inputs(ctx.rank, 4, Shape.hidden, Shape.experts, Shape.top_k, seed=5)
+        buffer.dispatch(mine.x, mine.topk_idx, buffer.active_mask(), Shape.tokens, Shape.experts, TIMEOUT_US,
+                        use_fp8=False)
     return True
 
 
