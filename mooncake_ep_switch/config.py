@@ -4,6 +4,7 @@ Settings are an immutable NamedTuple; `settings()` reads the environment once pe
 tests and spawned ranks can set variables before they construct a Buffer.
 """
 import os
+import secrets
 import socket
 from typing import NamedTuple, Optional
 
@@ -24,6 +25,11 @@ class Settings(NamedTuple):
         connect_timeout_s: deadline for connection set-up and metadata exchange.
             Override: `MEP_CONNECT_TIMEOUT_S` (default 60).
         fault_point: test-only fault injection point name (`MEP_FAULT_POINT`), or None.
+        job_secret: per-job secret (bytes) that authenticates every membership record in the store
+            (HMAC-SHA256), or None: records are then only validated, and anyone who can write the
+            store can forge them. The launcher generates one and passes it to every rank and
+            replacement; it is never written to the store. `MEP_JOB_SECRET` (at least 16
+            characters; unset or empty: None).
     """
 
     host_id: str
@@ -31,6 +37,7 @@ class Settings(NamedTuple):
     te_protocol: str
     connect_timeout_s: float
     fault_point: Optional[str]
+    job_secret: Optional[bytes] = None
 
 
 def _read_first_line(path: str) -> str:
@@ -76,10 +83,26 @@ def settings() -> Settings:
         raise ValueError(f"MEP_CONNECT_TIMEOUT_S: expected a number of seconds, got {timeout_text!r}") from None
     if connect_timeout_s <= 0:
         raise ValueError(f"MEP_CONNECT_TIMEOUT_S: expected > 0, got {connect_timeout_s}")
+    secret = env.get("MEP_JOB_SECRET", "")
+    if secret and len(secret) < 16:
+        raise ValueError(f"MEP_JOB_SECRET: expected at least 16 characters, got {len(secret)}")
     return Settings(
         host_id=env.get("MEP_HOST_ID", "") or default_host_id(),
         bind_host=env.get("MEP_BIND_HOST", "") or "127.0.0.1",
         te_protocol=protocol,
         connect_timeout_s=connect_timeout_s,
         fault_point=env.get("MEP_FAULT_POINT") or None,
+        job_secret=secret.encode() if secret else None,
     )
+
+
+JOB_SECRET_ENV = "MEP_JOB_SECRET"
+
+
+def new_job_secret() -> str:
+    """A fresh per-job secret for `MEP_JOB_SECRET` (what a launcher passes to every rank).
+
+    Returns:
+        secret: str, 64 hex digits (256 random bits).
+    """
+    return secrets.token_hex(32)

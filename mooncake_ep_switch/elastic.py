@@ -3,16 +3,24 @@
 A replacement process (same rank id as the dead one) does::
 
     ticket = mooncake_ep_switch.elastic.join(store, rank, num_ranks)
-    buffer = Buffer(ticket, num_ep_buffer_bytes)     # maps nothing yet; state "joining"
+    buffer = Buffer(ticket, num_ep_buffer_bytes)     # maps nothing yet; not a member
     ...                                               # warm up (load weights, build graphs)
-    buffer.update_ep_member()                         # admitted: full membership from here on
+    buffer.update_ep_member()                         # registers as joining, waits to be admitted
 
-and every survivor, when `buffer.pending_joiners()` is non-empty (or after it saw failures),
-calls `buffer.update_ep_member()` too. The store must outlive every rank (a TCPStore hosted by the
-launcher or the torchrun agent); `connect_store()` opens a client to it.
+and every survivor, when `buffer.pending_joiners()` is non-empty (the joiner is waiting inside
+`update_ep_member()`) or after it saw failures, calls `buffer.update_ep_member()` too: only members
+seal the next view, a joiner never does. The store must outlive every rank (a TCPStore hosted by
+the launcher or the torchrun agent); `connect_store()` opens a client to it.
+
+The ticket names the group as the members' Buffers did: `group_ranks` (the global ranks of the
+EP group, default every rank of a `num_ranks` world) and, when the members passed `store=` to
+Buffer, `keep_prefix=True` with a handle to that same store (its PrefixStore prefixes count).
+Without `store=` the members used the default group's store, whose torch-internal prefixes are
+removed, so any client of the server will do.
 """
+import numbers
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional, Sequence
 
 
 class JoinTicket(NamedTuple):
@@ -23,12 +31,18 @@ class JoinTicket(NamedTuple):
         rank: the EP rank id this process takes over.
         num_ranks: EP group size.
         prefix: membership key prefix of the EP group.
+        group_ranks: global ranks of the EP group in group-rank order, or None for
+            `range(num_ranks)` (the members' group was the whole world).
+        keep_prefix: `store` is the store the members passed as `store=` (prefixes kept), not a
+            client of the default group's store (prefixes removed).
     """
 
     store: Any
     rank: int
     num_ranks: int
     prefix: str = "mep"
+    group_ranks: Optional[tuple] = None
+    keep_prefix: bool = False
 
 
 def connect_store(host: str, port: int, timeout_s: float = 60.0):
@@ -37,28 +51,65 @@ def connect_store(host: str, port: int, timeout_s: float = 60.0):
     Arguments:
         host: store host (the launcher's or agent's address).
         port: store port.
-        timeout_s: deadline for connecting and for each store operation.
+        timeout_s: deadline for connecting and for each store operation (finite, > 0).
 
     Returns:
         store: a `torch.distributed.TCPStore` client.
+
+    Raises:
+        TypeError, ValueError: `timeout_s` is not a finite number of seconds > 0.
     """
     import torch.distributed as dist
+
+    from mooncake_ep_switch.buffer.membership import check_seconds
+
+    timeout_s = check_seconds("timeout_s", timeout_s)
 
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def join(store, rank: int, num_ranks: int, *, prefix: str = "mep") -> JoinTicket:
+def _check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    value = int(value)
+    if value < low or (high is not None and value >= high):
+        raise ValueError(f"{name}: expected {low} <= {name}" + (f" < {high}" if high is not None else "") +
+                         f", got {value}")
+    return value
+
+
+def join(store, rank: int, num_ranks: int, *, prefix: str = "mep", group_ranks: Optional[Sequence[int]] = None,
+         keep_prefix: bool = False) -> JoinTicket:
     """Take over `rank` of an elastic EP group as a replacement process.
 
     Arguments:
         store: client of the group's store (see `connect_store`).
-        rank: the rank id to take over, in [0, num_ranks).
+        rank: the group rank to take over, in [0, num_ranks).
         num_ranks: EP group size.
         prefix: membership key prefix (as the group's Buffers use; default "mep").
+        group_ranks: global ranks of the EP group in group-rank order, as
+            `torch.distributed.get_process_group_ranks(group)` gave the members; None (default)
+            for a group of the whole world, `range(num_ranks)`.
+        keep_prefix: True when the members passed `store=` to Buffer and `store` is that store
+            (its PrefixStore prefixes are part of the keys); False (default) when they used the
+            default group's store (prefixes removed: any client of the server names the same keys).
 
     Returns:
         ticket: pass it to `Buffer(ticket, num_ep_buffer_bytes)`, then call `update_ep_member()`.
+
+    Raises:
+        TypeError: a non-int rank, num_ranks or group rank, a non-str prefix, a non-bool keep_prefix.
+        ValueError: rank outside [0, num_ranks), num_ranks < 1, or group_ranks not num_ranks
+            distinct non-negative ranks.
     """
-    if not 0 <= rank < num_ranks:
-        raise ValueError(f"rank: expected 0 <= rank < num_ranks={num_ranks}, got {rank}")
-    return JoinTicket(store, rank, num_ranks, prefix)
+    num_ranks = _check_int("num_ranks", num_ranks, 1)
+    rank = _check_int("rank", rank, 0, num_ranks)
+    if not isinstance(prefix, str) or not prefix:
+        raise TypeError(f"prefix: expected a non-empty str, got {prefix!r}")
+    if not isinstance(keep_prefix, bool):
+        raise TypeError(f"keep_prefix: expected a bool, got {type(keep_prefix).__name__}")
+    if group_ranks is not None:
+        group_ranks = tuple(_check_int("group_ranks[i]", r, 0) for r in group_ranks)
+        if len(group_ranks) != num_ranks or len(set(group_ranks)) != num_ranks:
+            raise ValueError(f"group_ranks: expected {num_ranks} distinct global ranks, got {list(group_ranks)}")
+    return JoinTicket(store, rank, num_ranks, prefix, group_ranks, keep_prefix)

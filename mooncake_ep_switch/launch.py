@@ -17,6 +17,8 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
+from mooncake_ep_switch.config import JOB_SECRET_ENV, new_job_secret
+
 
 class RankContext(NamedTuple):
     """What a rank function receives as its first argument.
@@ -53,18 +55,6 @@ class RankOutcome(NamedTuple):
     value: Any
     error: Optional[str]
     exitcode: Optional[int]
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface.
-
-    Returns:
-        port: int, a port that was free on 127.0.0.1 when checked (the probe socket is closed
-            before returning, so another process may still take it).
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0, world_size: Optional[int] = None,
@@ -175,7 +165,8 @@ class LocalCluster:
 
     Arguments:
         num_ranks: number of ranks to spawn.
-        env: environment variables set in every rank before torch is imported.
+        env: environment variables set in every rank before torch is imported (a fresh
+            `MEP_JOB_SECRET` is added unless given: replacements get the same one).
         threads: torch intra-op threads per rank.
         start_timeout_s: deadline for spawning and joining the process group.
     """
@@ -186,6 +177,8 @@ class LocalCluster:
             raise ValueError(f"num_ranks: expected >= 1, got {num_ranks}")
         self.num_ranks = num_ranks
         self.env = dict(env or {})
+        # Every rank and replacement authenticates its membership records with this job's secret.
+        self.env.setdefault(JOB_SECRET_ENV, new_job_secret())
         # Listens on loopback only (torch's own server would listen on every interface).
         self.store = host_store("127.0.0.1", 0, num_ranks, timeout_s=60)
         self.store_addr = ("127.0.0.1", self.store.port)

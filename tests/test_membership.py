@@ -13,14 +13,15 @@ def store():
     return host_store("127.0.0.1", 0, 1, timeout_s=30)
 
 
-def _agree_all(members, expected, deadline_s, late=()):
+def _agree_all(members, expected, deadline_s, late=(), joiners=()):
     results, errors = {}, {}
 
     def run(member):
         if member.rank in late:
             time.sleep(deadline_s + 0.5)
         try:
-            results[member.rank] = member.agree_next_view(0, expected[member.rank], time.monotonic() + deadline_s)
+            results[member.rank] = member.agree_next_view(0, expected[member.rank], time.monotonic() + deadline_s,
+                                                          joining=member.rank in joiners)
         except MembershipError as error:
             errors[member.rank] = str(error)
 
@@ -39,12 +40,22 @@ def test_survivors_and_a_joiner_agree_on_one_view(store):
     assert members[0].evidence() == {1: [2]}
     replacement = Membership(store, 2, 4)  # the same rank id, a new incarnation
     assert replacement.incarnation == members[2].incarnation + 1
-    replacement.set_state(JOINING)
-    assert members[0].joining() == [2]
+    assert members[0].joining() == [], "a replacement is listed only while it waits to be admitted"
     survivors = [members[0], members[1], members[3]]
-    expected = {0: [0, 1, 3, 2], 1: [0, 1, 3, 2], 3: [0, 1, 3, 2], 2: [0, 1, 2, 3]}
-    results, errors = _agree_all(survivors + [replacement], expected, deadline_s=5)
-    assert not errors
+    expected = {0: [0, 1, 3], 1: [0, 1, 3], 3: [0, 1, 3], 2: []}
+    results, errors = {}, {}
+    joiner = threading.Thread(target=lambda: results.setdefault(2, replacement.agree_next_view(
+        0, [], time.monotonic() + 10, joining=True)))
+    joiner.start()
+    deadline = time.monotonic() + 10
+    while members[0].joining() != [2]:
+        assert time.monotonic() < deadline, "the waiting joiner was never listed"
+        time.sleep(0.01)
+    assert members[0].state(2) == JOINING
+    survivor_results, errors = _agree_all(survivors, expected, deadline_s=5)
+    joiner.join(15)
+    results.update(survivor_results)
+    assert not errors and set(results) == {0, 1, 2, 3}
     assert {view.ranks for view in results.values()} == {(0, 1, 2, 3)}
     assert {view.epoch for view in results.values()} == {1}
     assert members[0].epoch() == 1 and members[0].state(2) == "active"

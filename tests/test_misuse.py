@@ -227,9 +227,9 @@ def test_non_cpu_tensors_are_refused_before_anything_moves(transport, mode):
 _CHILD = textwrap.dedent("""
     import gc, sys
     import torch, torch.distributed as dist
-    from mooncake_ep_switch.launch import free_port
+    from mooncake_ep_switch.launch import host_store
 
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
+    store = host_store("127.0.0.1", 0, 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     from mooncake_ep_switch import Buffer
 

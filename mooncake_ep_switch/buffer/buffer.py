@@ -19,7 +19,8 @@ from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
 from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt
 from mooncake_ep_switch.buffer.layout import region_layout
-from mooncake_ep_switch.buffer.membership import JOINING, Membership, MembershipError, View, generation_prefix
+from mooncake_ep_switch.buffer.membership import (LeftOut, Membership, MembershipError, View, check_seconds,
+                                                  generation_prefix, group_prefix, root_store)
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
 
@@ -186,10 +187,14 @@ class Buffer:
         transport: `"auto"` (shared memory when every rank is on this host, else the Transfer
             Engine when installed, else collectives), `"shm"`, `"mooncake"` or `"collective"`.
         store: the group's torch.distributed store, which must outlive every rank (default: the
-            default group's store). Membership (epochs, endpoints, joiners) lives there.
+            default group's store, torch's own key prefixes removed). Membership (epochs,
+            endpoints, joiners) lives there, keyed by the group's identity (its global ranks) under
+            the prefixes of the store passed: several groups of one job never share keys.
 
-    A replacement rank passes the ticket of `mooncake_ep_switch.elastic.join()` as `group`; it
-    then waits as "joining" until it calls `update_ep_member()` together with the survivors.
+    A replacement rank passes the ticket of `mooncake_ep_switch.elastic.join()` as `group` (naming
+    the same group and store); it is no member until its `update_ep_member()` is admitted by the
+    members' `update_ep_member()`. With `MEP_JOB_SECRET` set, every membership record is
+    authenticated (see `buffer/membership.py`).
 
     Output memory: the tensors `dispatch` and `combine` return (recv_x, FP8 scales, recv_count, the
     handle's src_info and layout_range, the combined output) come from a pool kept by the Buffer
@@ -223,7 +228,9 @@ class Buffer:
         self.joining = isinstance(group, JoinTicket)
         if self.joining:
             self.group, self.rank, self.num_ranks = None, group.rank, group.num_ranks
-            store, prefix = group.store, group.prefix
+            group_ranks = group.group_ranks if group.group_ranks is not None else range(self.num_ranks)
+            prefix = group_prefix(group_ranks, group.prefix)
+            store = group.store if group.keep_prefix else root_store(group.store)
         else:
             if group is None:
                 if not dist.is_initialized():
@@ -233,8 +240,19 @@ class Buffer:
             self.group = group
             self.rank = dist.get_rank(group)
             self.num_ranks = dist.get_world_size(group)
-            prefix = "mep"
-            store = _default_store() if store is None else store
+            if self.rank < 0:
+                raise ValueError("group: this process is not a member of the group it passed")
+            try:
+                group_ranks = dist.get_process_group_ranks(group)
+            except (RuntimeError, ValueError, KeyError, AttributeError):
+                group_ranks = range(self.num_ranks)
+            # The group's identity keys its membership: several groups (attention DP, EP, several
+            # models) share one store without meeting. A store the caller passes keeps its own
+            # prefixes; the default group's store loses torch's, which a replacement's client lacks.
+            prefix = group_prefix(group_ranks, "mep")
+            if store is None:
+                default = _default_store()
+                store = None if default is None else root_store(default)
         self.num_ep_buffer_bytes = num_ep_buffer_bytes
         self.disable_p2p = disable_p2p
         self.settings = settings()
@@ -242,9 +260,11 @@ class Buffer:
         self.membership = None
         if store is not None:
             prefix = generation_prefix(store, self.rank, self.num_ranks, prefix, self.joining)
-            self.membership = Membership(store, self.rank, self.num_ranks, prefix)
+            self.membership = Membership(store, self.rank, self.num_ranks, prefix, secret=self.settings.job_secret)
         self.epoch = self.membership.epoch() if self.joining else 0
-        self.members = tuple(range(self.num_ranks))
+        # A joiner is no member until admitted (dispatch and combine refuse until then).
+        self.members = () if self.joining else tuple(range(self.num_ranks))
+        self._rejoin = False  # left out: take a new incarnation before registering as joining
         self._call = 0
         self._last_plan: Optional[DispatchPlan] = None
         self._specs = {}  # (T, E, hidden, use_fp8) -> _CallSpec, validated shapes
@@ -264,9 +284,7 @@ class Buffer:
             self._impl.view_change = self._survivors_view
         if self.membership is not None:
             self.membership.publish_endpoint(dict(self._impl.endpoint(), host_id=self.settings.host_id))
-        if self.joining:
-            self.membership.set_state(JOINING)  # admitted by update_ep_member()
-        else:
+        if not self.joining:  # a joiner registers as joining in update_ep_member(), when it waits
             self.connect()
 
     # ------------------------------------------------------------------ construction
@@ -321,43 +339,79 @@ class Buffer:
 
         Returns:
             None.
+
+        Raises:
+            MembershipError: this rank is not a member (a joiner connects when `update_ep_member()`
+                admits it).
         """
         self._check_alive()
+        if self.joining:
+            raise MembershipError(f"connect: rank {self.rank} is not a member yet; update_ep_member() admits and "
+                                  "connects it")
         deadline = time.monotonic() + self.settings.connect_timeout_s
         self._impl.connect_members(View(self.epoch, self.members), self.membership, deadline)
 
     def update_ep_member(self, timeout_s: Optional[float] = None) -> View:
         """Agree on the next membership epoch and refresh peers (Mooncake's meaning, elastic).
 
-        Collective over the ranks that continue and any replacement rank waiting to join: every
-        one of them calls it. Ranks this Buffer saw fail (data-plane timeouts) are reported as
-        evidence and not waited for; joiners are admitted. Peers' memory or endpoints are mapped
-        anew, call tags restart above every tag used before, the collective fallback gets a group
-        for the new view, and every buffer stays at its address.
+        Collective over the ranks that continue and any rank waiting to join: every one of them
+        calls it. Members: ranks this Buffer saw fail (data-plane timeouts) are reported as
+        evidence and not waited for; joiners already waiting are admitted; one member seals the
+        next view (joiners never do). Joiners (a replacement built from a `JoinTicket`, or a rank
+        that was left out of a view): register as joining (listed by the members'
+        `pending_joiners()`) and wait for a member's `update_ep_member()` to admit them; a
+        left-out rank first takes a new incarnation (refused if another process took its rank
+        over). Peers' memory or endpoints are mapped anew, call tags restart above every tag used
+        before, the collective fallback gets a group for the new view, and every buffer stays at
+        its address.
 
         Arguments:
-            timeout_s: deadline for the agreement and the re-connection (default: the connect
-                timeout setting).
+            timeout_s: deadline in seconds for the agreement and the re-connection, a finite
+                number > 0 (default: the connect timeout setting). A member waits at most half of
+                it for the other members; a joiner waits at most three quarters of it to be admitted.
 
         Returns:
             view: the new `View` (epoch, member ranks). Reset your `active_ranks` to
                 `buffer.active_mask()`.
+
+        Raises:
+            TypeError, ValueError: `timeout_s` is not a finite number of seconds > 0.
+            MembershipError: a joiner was not admitted before the deadline (call it again to keep
+                waiting), this rank was taken over by another process, members could not be
+                reached before the deadline, or a store record is malformed or forged.
         """
         self._check_alive()
+        timeout_s = check_seconds("timeout_s", timeout_s, allow_none=True)
         membership = self._require_membership("update_ep_member")
         deadline = time.monotonic() + (self.settings.connect_timeout_s if timeout_s is None else timeout_s)
         failed = set(self._impl.failed_sources)
         while True:
-            membership.report_failures(failed)
-            if self.joining:
-                self.epoch = membership.epoch()
-                expected = set(membership.view(self.epoch).ranks) | {self.rank}
-            else:
-                expected = (set(self.members) - failed) | set(membership.joining())
-            # Half the remaining budget to agree (a dead member is waited for until then), the rest to
-            # connect, so a dead expected rank cannot eat the time the live ones need to meet.
-            agree_by = time.monotonic() + (deadline - time.monotonic()) / 2
-            view = membership.agree_next_view(self.epoch, expected, agree_by, call=self._call)
+            try:
+                if self.joining:
+                    if self._rejoin:  # a left-out rank comes back as a new incarnation of itself
+                        membership.reincarnate()
+                        membership.publish_endpoint(dict(self._impl.endpoint(), host_id=self.settings.host_id))
+                        self._rejoin = False
+                    self.epoch = membership.epoch()
+                    for _ in range(64):  # a view sealed before the epoch counter moved: skip it
+                        if not membership.sealed(self.epoch + 1):
+                            break
+                        self.epoch += 1
+                    # Most of the budget to be admitted, the rest to connect once admitted.
+                    admit_by = time.monotonic() + 0.75 * (deadline - time.monotonic())
+                    view = membership.agree_next_view(self.epoch, (), admit_by, call=self._call, joining=True)
+                else:
+                    membership.report_failures(failed)
+                    expected = set(self.members) - failed
+                    # Half the remaining budget to agree (a dead member is waited for until then), the
+                    # rest to connect, so a dead expected rank cannot eat the time the live ones need.
+                    agree_by = time.monotonic() + (deadline - time.monotonic()) / 2
+                    view = membership.agree_next_view(self.epoch, expected, agree_by, call=self._call)
+            except LeftOut as error:
+                self._left_out(error)
+                if time.monotonic() >= deadline:
+                    raise
+                continue  # sealed without this rank: (re)register as joining within this call's deadline
             if self._fault is not None:
                 self._fault.hit("update_after_ready", self.rank)
             # Every member starts its call counter at one agreed value above every tag used so far.
@@ -369,20 +423,38 @@ class Buffer:
                 # sealed is found missing in time to agree again without it.
                 attempt = time.monotonic() + max(2.0, (deadline - time.monotonic()) / 2)
                 self._impl.connect_members(view, membership, min(attempt, deadline))
-                return view
             except MembershipError as error:
                 if not error.missing or time.monotonic() >= deadline:
                     raise
                 failed = set(error.missing)  # a member died after the view was sealed: agree again
+                continue
+            if membership.sealed(view.epoch + 1):
+                failed = set()  # the others moved on without this rank meanwhile: it finds out and rejoins
+                continue
+            return view
+
+    def _left_out(self, error: LeftOut) -> None:
+        """This rank is no member any more (a view was sealed without it): dispatch and combine
+        refuse until `update_ep_member()` admits it again as a new incarnation."""
+        if not self.joining:
+            self.joining, self._rejoin, self.members = True, True, ()
 
     def _survivors_view(self, deadline: float) -> View:
         """Agree with the other survivors on the next view and reconnect (a collective lost a peer).
 
         Every current member that is still alive posts readiness; the dead never do, so the view
-        is sealed at `deadline` without them.
+        is sealed at `deadline` without them. A rank left out of it raises `LeftOut` (its message
+        says to call `update_ep_member()` to rejoin).
         """
         membership = self._require_membership("the collective fallback's failure recovery")
-        view = membership.agree_next_view(self.epoch, set(self.members), deadline, call=self._call)
+        if self.joining:
+            raise MembershipError(f"rank {self.rank} is not a member of the group (joining or left out); call "
+                                  "update_ep_member() to be admitted")
+        try:
+            view = membership.agree_next_view(self.epoch, set(self.members), deadline, call=self._call)
+        except LeftOut as error:
+            self._left_out(error)
+            raise
         self.epoch, self.members = view.epoch, view.ranks
         self._impl.connect_members(view, membership, max(deadline, time.monotonic() + 5.0))
         return view
@@ -398,12 +470,17 @@ class Buffer:
         return mask
 
     def pending_joiners(self) -> list:
-        """Ranks waiting to be admitted (then every member calls `update_ep_member()`).
+        """Ranks waiting, inside their `update_ep_member()`, to be admitted into the next epoch
+        (then every member calls `update_ep_member()`).
+
+        A joiner is listed from the moment it waits until a view is sealed; one that was not
+        admitted (dead, gave up, or too late) is inactive and no longer listed until it waits again.
 
         Returns:
-            ranks: list of int.
+            ranks: list of int, ascending.
         """
-        return self._require_membership("pending_joiners").joining()
+        membership = self._require_membership("pending_joiners")
+        return membership.joining(None if self.joining else self.epoch + 1)
 
     def switch_layout(self, target: str, **kwargs):
         """Switch the MoE layers between tensor- and expert-parallel layouts (after Moebius).
@@ -514,6 +591,10 @@ class Buffer:
                 f"(Buffer.get_ep_buffer_size_hint), the buffer has {self.num_ep_buffer_bytes}")
 
     def _check_members(self, active_ranks: torch.Tensor) -> None:
+        if self.rank not in self.members:
+            raise MembershipError(f"rank {self.rank} is not a member of the current view (a joiner not yet "
+                                  "admitted, or a rank that was left out): call update_ep_member() to be admitted "
+                                  "before dispatch or combine")
         if len(self.members) < self.num_ranks:
             outside = [r for r in range(self.num_ranks) if r not in self.members and int(active_ranks[r])]
             if outside:

@@ -1,0 +1,381 @@
+"""Membership under hostile conditions: several EP groups in one job, lone or dead joiners, ranks
+left out that come back, bad deadlines, forged or malformed store records.
+
+Multi-rank cases run real processes through tests/harness.py (SIGKILL, SIGSTOP); single-store
+cases drive `Membership` objects from threads against one TCPStore. Every wait has a deadline.
+"""
+import json
+import os
+import signal
+import threading
+import time
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mooncake_ep_switch import Buffer
+from mooncake_ep_switch.buffer.membership import Membership, MembershipError
+from mooncake_ep_switch.elastic import join
+from mooncake_ep_switch.launch import host_store
+from tests import harness
+from tests.reference import structured_inputs, token_count
+from tests.test_faults import Shape, _check_round, _mock_expert
+
+_STATE = {}
+
+
+# ---------------------------------------------------------------------- two EP groups in one job
+def _group_round(buffer, local, size, seed):
+    """One exact dispatch + combine inside a group of `size` (group-local rank `local`)."""
+    all_inputs = [structured_inputs(r, token_count(r, size, Shape.tokens), Shape.hidden, Shape.experts,
+                                    Shape.top_k, seed=seed, random_values=True) for r in range(size)]
+    mine = all_inputs[local]
+    active = torch.ones(size, dtype=torch.int32)
+    ctx = types.SimpleNamespace(rank=local, num_ranks=size)
+    recv, count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
+                                                harness.FAULT_TIMEOUT_US, use_fp8=False)
+    combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active,
+                                    harness.FAULT_TIMEOUT_US, handle)
+    _check_round(ctx, all_inputs, [1] * size, [1] * size, recv, count, handle, combined)
+
+
+def rank_two_groups(ctx, store_mode, transport):
+    """Ranks {0,1} and {2,3} each build a Buffer on their own group; rounds must stay inside it."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    index = ctx.rank // 2
+    store = None
+    if store_mode == "own_prefix":
+        store = dist.PrefixStore(f"attn{index}", ctx.store)
+    elif store_mode == "shared_prefix":
+        store = dist.PrefixStore("engine", ctx.store)
+    size = Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, 2, Shape.experts)
+    buffer = Buffer(groups[index], size, transport=transport, store=store)
+    try:
+        for round_index in range(2):
+            _group_round(buffer, ctx.rank % 2, 2, seed=900 + 10 * index + round_index)
+        return buffer.transport
+    finally:
+        buffer.destroy()
+        dist.barrier(group=ctx.group)
+        for group in groups:
+            dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("store_mode", ["default", "own_prefix", "shared_prefix"])
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_two_ep_groups_in_one_job_stay_apart(store_mode, transport):
+    transports = harness.run(4, rank_two_groups, store_mode, transport)
+    assert transports == [transport] * 4
+
+
+# ---------------------------------------------------------------------- joiners and left-out ranks
+TIMEOUT_US = harness.FAULT_TIMEOUT_US
+
+
+def _size2():
+    return Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, 2, Shape.experts)
+
+
+def _round2(ctx, buffer, seed, active=None):
+    """One exact round over the current members of a 2-rank Buffer (the others contribute nothing)."""
+    active = buffer.active_mask() if active is None else active
+    all_inputs = [structured_inputs(r, token_count(r, 2, Shape.tokens), Shape.hidden, Shape.experts, Shape.top_k,
+                                    seed=seed, random_values=True) for r in range(2)]
+    mine = all_inputs[ctx.rank]
+    recv, count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
+                                                TIMEOUT_US, use_fp8=False)
+    after = active.tolist()
+    combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active, TIMEOUT_US,
+                                    handle)
+    _check_round(ctx, all_inputs, after, active.tolist(), recv, count, handle, combined)
+    return active.tolist()
+
+
+def rank_start(ctx, transport):
+    buffer = Buffer(ctx.group, _size2(), transport=transport)
+    _STATE["buffer"] = buffer
+    return _round2(ctx, buffer, seed=1)
+
+
+def rank_exit(ctx):
+    os._exit(3)
+
+
+def rank_update(ctx, timeout_s, wait_for_joiners=(), wait_s=60.0):
+    """update_ep_member on this rank (a replacement builds its Buffer first); returns view and seconds."""
+    buffer = _STATE.get("buffer")
+    if buffer is None:
+        buffer = _STATE["buffer"] = Buffer(join(ctx.store, ctx.rank, ctx.num_ranks), _size2(),
+                                           transport=_STATE.get("transport", "auto"))
+    deadline = time.monotonic() + wait_s
+    while ctx.rank not in wait_for_joiners and not set(wait_for_joiners) <= set(buffer.pending_joiners()):
+        assert time.monotonic() < deadline, f"joiners {wait_for_joiners} never showed up"
+        time.sleep(0.01)
+    started = time.monotonic()
+    try:
+        view = buffer.update_ep_member(timeout_s=timeout_s)
+    except MembershipError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+    return {"view": list(view.ranks), "epoch": view.epoch, "seconds": time.monotonic() - started}
+
+
+def rank_set_transport(ctx, transport):
+    _STATE["transport"] = transport
+    return True
+
+
+def rank_round(ctx, seed):
+    return _round2(ctx, _STATE["buffer"], seed)
+
+
+def rank_pending(ctx):
+    return _STATE["buffer"].pending_joiners()
+
+
+def rank_teardown(ctx):
+    buffer = _STATE.pop("buffer", None)
+    if buffer is not None:
+        buffer.destroy()
+    _STATE.clear()
+    return True
+
+
+def _ok(outcome):
+    assert outcome.ok, outcome.error
+    return outcome.value
+
+
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_lone_replacement_cannot_lock_out_the_members(transport):
+    """Rank 1 of 2 dies; rank 0 moves on alone; the replacement's update_ep_member(timeout_s=4) runs
+    while rank 0 is busy: it must give up (not seal a view of itself), rank 0 must keep working and
+    later admit it."""
+    with harness.fresh_cluster(2) as cluster:
+        assert harness.check_outcomes(cluster.run(rank_start, transport)) == [[1, 1]] * 2
+        cluster.run(rank_exit, ranks=[1], timeout_s=30)
+        cluster.respawn(1)  # the process only: it does nothing until told
+        assert _ok(cluster.run(rank_update, 10.0, ranks=[0])[0])["view"] == [0]
+        cluster.run(rank_set_transport, transport, ranks=[1])
+        lone = _ok(cluster.run(rank_update, 4.0, ranks=[1], timeout_s=60)[0])
+        assert "not admitted" in lone.get("error", ""), lone
+        assert lone["seconds"] < 4.0 + harness.FAULT_SLACK_S
+        assert _ok(cluster.run(rank_refused_until_admitted, ranks=[1])[0])
+        assert _ok(cluster.run(rank_pending, ranks=[0])[0]) == [], "a joiner that gave up is still listed"
+        alone = _ok(cluster.run(rank_update, 10.0, ranks=[0])[0])
+        assert alone.get("view") == [0], f"rank 0 was locked out by a lone joiner: {alone}"
+        both = [_ok(o) for o in cluster.run(rank_update, 60.0, wait_for_joiners=(1,), timeout_s=90)]
+        assert [b["view"] for b in both] == [[0, 1]] * 2, both
+        assert harness.check_outcomes(cluster.run(rank_round, 7)) == [[1, 1]] * 2
+        harness.check_outcomes(cluster.run(rank_teardown))
+
+
+
+def rank_join_then_die(ctx, transport):
+    """A replacement registers as joining (inside update_ep_member) and is SIGKILLed while it waits."""
+    buffer = Buffer(join(ctx.store, ctx.rank, ctx.num_ranks), _size2(), transport=transport)
+    threading.Thread(target=buffer.update_ep_member, kwargs={"timeout_s": 60.0}, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while ctx.rank not in buffer.pending_joiners():
+        assert time.monotonic() < deadline, "never registered as joining"
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_dead_joiner_costs_the_members_at_most_once(transport):
+    with harness.fresh_cluster(2) as cluster:
+        harness.check_outcomes(cluster.run(rank_start, transport))
+        cluster.run(rank_exit, ranks=[1], timeout_s=30)
+        cluster.respawn(1)
+        assert _ok(cluster.run(rank_update, 10.0, ranks=[0])[0])["view"] == [0]
+        died = cluster.run(rank_join_then_die, transport, ranks=[1], timeout_s=60)[0]
+        assert not died.ok and died.exitcode == -9, died
+        cluster.respawn(1)
+        first = _ok(cluster.run(rank_update, 20.0, ranks=[0])[0])
+        assert first.get("view") == [0], first
+        assert first["seconds"] < 1.0 + harness.FAULT_SLACK_S, f"a dead joiner cost {first['seconds']:.1f} s"
+        assert _ok(cluster.run(rank_pending, ranks=[0])[0]) == [], "the dead joiner is still listed"
+        second = _ok(cluster.run(rank_update, 20.0, ranks=[0])[0])
+        assert second.get("view") == [0] and second["seconds"] < 1.0, second
+        # A new replacement registers and is admitted; the group serves exact rounds again.
+        cluster.run(rank_set_transport, transport, ranks=[1])
+        both = [_ok(o) for o in cluster.run(rank_update, 60.0, wait_for_joiners=(1,), timeout_s=90)]
+        assert [b.get("view") for b in both] == [[0, 1]] * 2, both
+        assert harness.check_outcomes(cluster.run(rank_round, 8)) == [[1, 1]] * 2
+        harness.check_outcomes(cluster.run(rank_teardown))
+
+
+def rank_round_without_peer(ctx):
+    """Rank 0 runs a round while rank 1 is stopped: rank 1 times out of the mask."""
+    return _round2(ctx, _STATE["buffer"], seed=3, active=torch.ones(2, dtype=torch.int32))
+
+
+def rank_refused_until_admitted(ctx):
+    buffer = _STATE["buffer"]
+    with pytest.raises(MembershipError, match="update_ep_member"):
+        mine = structured_inputs(ctx.rank, 4, Shape.hidden, Shape.experts, Shape.top_k, seed=5)
+        buffer.dispatch(mine.x, mine.topk_idx, buffer.active_mask(), Shape.tokens, Shape.experts, TIMEOUT_US,
+                        use_fp8=False)
+    return True
+
+
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_left_out_rank_rejoins_after_sigstop(transport):
+    """Rank 1 is SIGSTOPped; rank 0 seals epoch 1 without it. After SIGCONT, rank 1's
+    update_ep_member() rejoins it (new incarnation, through the joining path) once rank 0 admits it."""
+    with harness.fresh_cluster(2) as cluster:
+        harness.check_outcomes(cluster.run(rank_start, transport))
+        stopped = cluster.processes[1].pid
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            if transport == "shm":  # the collective fallback agrees on the survivors' view inside the call
+                assert _ok(cluster.run(rank_round_without_peer, ranks=[0], timeout_s=60)[0]) == [1, 0]
+            assert _ok(cluster.run(rank_update, 10.0, ranks=[0], timeout_s=60)[0])["view"] == [0]
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        both = [_ok(o) for o in cluster.run(rank_update, 60.0, wait_for_joiners=(1,), timeout_s=90)]
+        assert [b.get("view") for b in both] == [[0, 1]] * 2, both
+        assert harness.check_outcomes(cluster.run(rank_round, 9)) == [[1, 1]] * 2
+        harness.check_outcomes(cluster.run(rank_teardown))
+
+
+def rank_bad_timeouts(ctx):
+    from mooncake_ep_switch.buffer.membership import view_group
+    from mooncake_ep_switch.elastic import connect_store
+
+    buffer = Buffer(ctx.group, _size2(), transport="shm")
+    try:
+        for bad, kind in [(float("nan"), ValueError), (float("inf"), ValueError), (0, ValueError),
+                          (-1.0, ValueError), ("10", TypeError), (True, TypeError), (torch.tensor(1.0), TypeError)]:
+            with pytest.raises(kind, match="timeout_s"):
+                buffer.update_ep_member(timeout_s=bad)
+        with pytest.raises(ValueError, match="timeout_s"):
+            connect_store(*ctx.store_addr, timeout_s=float("nan"))
+        with pytest.raises(ValueError, match="timeout_s"):
+            view_group(ctx.store, buffer.membership.view(), ctx.rank, float("nan"))
+        with pytest.raises(TypeError, match="rank"):
+            join(ctx.store, "1", 2)
+        # The Buffer is untouched and usable: agree, then an exact round.
+        view = buffer.update_ep_member(timeout_s=30)
+        _STATE["buffer"] = buffer
+        _round2(ctx, buffer, seed=11)
+        inc = buffer.membership.incarnation
+        raw = buffer.membership.store.get(f"endpoint/{ctx.rank}/{inc}")
+        return list(view.ranks), raw.startswith(b"mac1:")
+    finally:
+        _STATE.pop("buffer", None)
+        buffer.destroy()
+
+
+def test_update_ep_member_validates_timeout_s():
+    assert harness.run(2, rank_bad_timeouts) == [([0, 1], True)] * 2
+
+
+# ---------------------------------------------------------------------- forged / malformed store records
+@pytest.fixture()
+def store():
+    return host_store("127.0.0.1", 0, 1, timeout_s=30)
+
+
+def _agree(members, deadline_s=5.0, current=0):
+    results = {}
+
+    def run(member):
+        try:
+            results[member.rank] = member.agree_next_view(current, [m.rank for m in members],
+                                                          time.monotonic() + deadline_s)
+        except MembershipError as error:
+            results[member.rank] = error
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+BAD_VIEWS = ["[]", "[0,0]", "[7]", "[1,0]", "[true]", "abc", '{"ranks":[0]}', "[0.5]", "x" * 100_000]
+
+
+@pytest.mark.parametrize("forged", BAD_VIEWS, ids=range(len(BAD_VIEWS)))
+def test_forged_view_gives_a_clear_error(store, forged):
+    members = [Membership(store, r, 2, prefix="p") for r in range(2)]
+    store.set("p/view/1", forged)
+    started = time.monotonic()
+    results = _agree(members)
+    assert time.monotonic() - started < 5
+    for rank in (0, 1):
+        assert isinstance(results[rank], MembershipError), results
+        assert "view" in str(results[rank]) and "refused" in str(results[rank]), results[rank]
+    assert members[0].epoch() == 0 and members[0].joining() == []  # still usable
+
+
+def test_view_listing_ranks_that_never_posted_is_refused(store):
+    members = [Membership(store, r, 3, prefix="p") for r in range(3)]
+    store.set("p/view/1", "[0,1]")  # well-formed, but rank 1 never posted readiness
+    results = _agree(members[:1])
+    assert isinstance(results[0], MembershipError) and "posted no readiness" in str(results[0])
+
+
+def test_malformed_records_are_skipped_not_fatal(store):
+    members = [Membership(store, r, 3, prefix="p") for r in range(3)]
+    for key, value in [("state/2", "joining"), ("state/1", '{"state":"joining","incarnation":1,"epoch":"1"}'),
+                       ("ready/1/2", '{"incarnation":1,"call":-5}'), ("evidence/0/1", "[9]"),
+                       ("evidence/0/2", "not json")]:
+        store.set(f"p/{key}", value)
+    assert members[0].joining() == [] and members[0].evidence() == {}
+    results = _agree(members[:2], deadline_s=2.0)
+    assert {r: v.ranks for r, v in results.items()} == {0: (0, 1), 1: (0, 1)}
+    assert members[0].state(2) == "inactive"  # sealed out: the garbage record was replaced
+    assert members[0].max_call(1, [0, 1, 2]) == 0
+
+
+def test_garbage_counter_is_refused_and_the_connection_survives(store):
+    member = Membership(store, 0, 2, prefix="p")
+    store.set("p/epoch", "abc")
+    with pytest.raises(MembershipError, match="epoch"):
+        member.epoch()
+    store.set("p/incarnation/1", "-3")
+    with pytest.raises(MembershipError, match="incarnation"):
+        Membership(store, 1, 2, prefix="p")
+    store.set("p/epoch", "0")
+    assert member.epoch() == 0 and store.get("p/epoch") == b"0"  # the client's connection is intact
+
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def test_endpoints_are_authenticated_with_the_job_secret(store):
+    owner = Membership(store, 1, 2, prefix="p", secret=SECRET)
+    owner.publish_endpoint({"region": [1234, 5, 4096], "host_id": "h"})
+    reader = Membership(store, 0, 2, prefix="p", secret=SECRET)
+    reader.publish_endpoint({"region": [999, 7, 4096], "host_id": "h"})
+    assert reader.endpoint(1)["region"] == [1234, 5, 4096]
+    key = f"p/endpoint/1/{owner.incarnation}"
+    store.set(key, json.dumps({"region": [4321, 3, 4096], "host_id": "h"}))  # forged, no tag
+    with pytest.raises(MembershipError, match="authentication"):
+        reader.endpoint(1)
+    store.set(key, store.get(f"p/endpoint/0/{reader.incarnation}"))  # rank 0's genuine record, copied
+    with pytest.raises(MembershipError, match="fails authentication"):
+        reader.endpoint(1)
+    owner.publish_endpoint({"region": [1234, 5, 4096], "host_id": "h"})
+    with pytest.raises(MembershipError, match="fails authentication"):
+        Membership(store, 0, 2, prefix="p", secret=b"another job's secret!").endpoint(1)
+    with pytest.raises(MembershipError, match="MEP_JOB_SECRET"):
+        Membership(store, 0, 2, prefix="p").endpoint(1)
+    store.set("p/view/1", "[0]")  # a well-formed view without the tag
+    results = _agree([reader, owner])
+    assert all(isinstance(r, MembershipError) and "authentication" in str(r) for r in results.values())
+
+
+def test_without_a_secret_records_are_only_validated(store):
+    reader = Membership(store, 0, 2, prefix="p")
+    owner = Membership(store, 1, 2, prefix="p")
+    store.set(f"p/endpoint/1/{owner.incarnation}", json.dumps({"region": [4321, 3, 4096], "host_id": "h"}))
+    assert reader.endpoint(1)["region"] == [4321, 3, 4096]  # as before: a store writer is trusted
+    store.set(f"p/endpoint/1/{owner.incarnation}", json.dumps({"region": [-1, 3, 4096], "host_id": "h"}))
+    with pytest.raises(MembershipError, match="not a valid endpoint"):
+        reader.endpoint(1)
