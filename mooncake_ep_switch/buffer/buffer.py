@@ -470,9 +470,9 @@ class Buffer:
         return mask
 
     def pending_joiners(self) -> list:
-        """Ranks waiting, inside their `update_ep_member()`, to be admitted into the next epoch
-        (then every member calls `update_ep_member()`).
+        """Ranks waiting inside their `update_ep_member()` to be admitted into the next epoch.
 
+        When it is non-empty, every member calls `update_ep_member()` to admit them.
         A joiner is listed from the moment it waits until a view is sealed; one that was not
         admitted (dead, gave up, or too late) is inactive and no longer listed until it waits again.
 
