@@ -416,3 +416,31 @@ def rank_late_dispatch_hook(ctx, transport):
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])
 def test_dispatch_hook_after_its_half_was_reused_is_refused(transport):
     assert all(harness.run(2, rank_late_dispatch_hook, transport))
+
+
+def rank_late_combine_hook(ctx, transport):
+    """A combine hook run after the dispatch after next (whose combine reuses its region half and
+    its signal slots) is refused at once: never a wait for replaced tags, never a masked healthy
+    peer, never rows of a later round; the Buffer works on afterwards."""
+    with _buffer(ctx, transport) as buffer:
+        active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+        mine0, everyone0 = _inputs(ctx, 90)
+        handle0, y0 = _dispatch(ctx, buffer, mine0, everyone0, active, "sync")
+        late_out, _, late_hook = buffer.combine(y0, mine0.topk_idx, mine0.weights, active, TIMEOUT_US, handle0,
+                                                return_recv_hook=True)
+        for seed in (91, 92):  # dispatch 1 and 2, combine 1 and 2: call 2 reuses call 0's half
+            _healthy_round(ctx, buffer, seed)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="reused its region half"):
+            late_hook()
+        assert time.monotonic() - start < 1.0, "the late hook waited instead of refusing"
+        assert active.tolist() == [1] * ctx.num_ranks
+        assert not buffer._impl.failed_sources, f"healthy peers reported failed: {buffer._impl.failed_sources}"
+        del late_out
+        _healthy_round(ctx, buffer, 93, "hook")
+    return True
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_combine_hook_after_its_half_was_reused_is_refused(transport):
+    assert all(harness.run(2, rank_late_combine_hook, transport))

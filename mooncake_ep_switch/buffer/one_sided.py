@@ -410,6 +410,12 @@ class OneSidedTransport:
         def receive() -> None:
             if region is None or not base:
                 raise RuntimeError("combine: the transport was destroyed before this receive phase ran")
+            if self.latest_dispatch - call.call >= 2:
+                # Dispatch n+2 was sent, so peers may already have sent combine n+2 into the same half:
+                # its signals replaced this call's tags and its rows may have replaced this call's rows.
+                raise RuntimeError(f"combine: the receive phase of call {call.call} ran after call "
+                                   f"{self.latest_dispatch} reused its region half; complete a combine (hook or "
+                                   "event) before the dispatch after next")
             newly = _native.combine_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts, tag,
                                          call.active_ranks.data_ptr(), call.timeout_us, call.topk_idx.data_ptr(),
                                          call.topk_weights.data_ptr(), call.topk_idx.size(0), call.topk_idx.size(1),
