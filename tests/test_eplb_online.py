@@ -311,3 +311,45 @@ def test_signal_cas_stores_only_over_the_expected_value():
     assert _native.signal_cas(addr, 0, (1 << 32) | 1) == (1 << 32) | 2 and int(word[0]) == (1 << 32) | 2
     with pytest.raises(ValueError, match="8-aligned"):
         _native.signal_cas(addr + 4, 0, 1)
+
+
+def rank_second_rebalancer(ctx):
+    """A second OnlineRebalancer of the same slots (another layer group's, or a rebuilt one, with
+    the default epoch) continues the slots' chunk epochs: it never reads the first one's votes or
+    decision as its own, so a rank voting ABORT aborts the chunk on every rank."""
+    from mooncake_ep_switch.eplb.online import OnlineRebalancer
+
+    buffer, weights, slots, first = _setup(ctx)
+    old = slots.phy2log.copy()
+    target = old.copy()
+    for layer in range(LAYERS):
+        for rank in range(R):
+            target[layer, rank * SLOTS_PER_RANK + 2] = (2 * rank + 3) % EXPERTS
+    first.begin(target, commit_step=2)
+    outcomes = [r.outcome for step in range(1, 4) for r in first.step(step, None)]
+    assert outcomes == ["committed"], outcomes
+    moved = slots.phy2log.copy()
+    dist.barrier(group=ctx.group)
+    second = OnlineRebalancer(slots, timeout_us=TIMEOUT_US, frames_per_step=1)  # default epoch=0
+    assert second.epoch == first.epoch == 1
+    second.begin(old, commit_step=5)
+    with pytest.raises(RuntimeError, match="another OnlineRebalancer"):  # one rebalance at a time per slots
+        OnlineRebalancer(slots, timeout_us=TIMEOUT_US).begin(old, commit_step=5)
+    reports = []
+    for step in range(4, 8):
+        active = torch.ones(R, dtype=torch.int32)
+        if ctx.rank == 3:
+            active[2] = 0  # rank 3 votes ABORT: nobody may commit
+        reports += [(r.epoch, r.outcome) for r in second.step(step, active)]
+    assert reports == [(2, "aborted")], reports
+    assert np.array_equal(slots.phy2log, moved), "a rank left the placement every rank agreed on"
+    dist.barrier(group=ctx.group)
+    phy = slots.phy2log.copy()
+    slots.destroy()
+    buffer.destroy()
+    return phy.tolist()
+
+
+def test_second_rebalancer_of_the_same_slots_continues_their_epochs():
+    results = harness.run(R, rank_second_rebalancer)
+    assert all(result == results[0] for result in results)

@@ -37,6 +37,7 @@ offset 0: vote (1 = GO, 2 = ABORT); offset 8: the chunk's plan digest; on rank 0
 undecided).
 """
 import time
+import weakref
 import zlib
 from collections import deque
 from typing import Deque, List, NamedTuple, Optional, Tuple
@@ -130,7 +131,9 @@ class OnlineRebalancer:
             decision stored for the chunk (see the module docstring), so a rank that is merely late
             follows what the others decided.
         frames_per_step: slots staged per `step()` before the commit step (bounds the per-step work).
-        epoch: epochs already used (a replacement rank passes the survivors' `rebalancer.epoch`).
+        epoch: chunk epochs already used (a replacement rank passes the survivors'
+            `rebalancer.epoch`). The count lives on `slots`, shared by every rebalancer of them,
+            and never goes back: the larger of this and the slots' count is used.
     """
 
     def __init__(self, slots: ExpertSlots, *, timeout_us: int = 5_000_000, frames_per_step: int = 2,
@@ -142,11 +145,20 @@ class OnlineRebalancer:
         self.slots = slots
         self.timeout_us = timeout_us
         self.frames_per_step = as_int("frames_per_step", frames_per_step)
-        self.epoch = as_int("epoch", epoch, minimum=0)
+        slots.chunk_epoch = max(slots.chunk_epoch, as_int("epoch", epoch, minimum=0))
         self._queue: Deque[RebalanceChunk] = deque()
         self._staging: Optional[_Staging] = None
         self._holder_use = np.zeros(slots.num_ranks, dtype=np.int64)
         self._fault = FaultPoint.parse(settings().fault_point)
+
+    @property
+    def epoch(self) -> int:
+        """Chunk epochs used so far on this rebalancer's slots (by any rebalancer of them).
+
+        Returns:
+            epoch: int, the last chunk epoch planned (0 before any).
+        """
+        return self.slots.chunk_epoch
 
     @property
     def in_progress(self) -> bool:
@@ -182,6 +194,10 @@ class OnlineRebalancer:
         if self._queue:
             raise RuntimeError(f"begin: a rebalance is in progress ({len(self._queue)} chunks left); wait for it")
         slots = self.slots
+        other = slots.active_rebalancer() if slots.active_rebalancer is not None else None
+        if other is not None and other is not self and other.in_progress:
+            raise RuntimeError("begin: another OnlineRebalancer of these slots has a rebalance in progress "
+                               f"({len(other.pending_chunks())} chunks left); one rebalance at a time per ExpertSlots")
         shape = slots.shape
         target = check_phy2log("new_phy2log", new_phy2log, shape.num_layers, slots.num_slots,
                                shape.num_logical_experts, shape.slots_per_rank)
@@ -224,7 +240,8 @@ class OnlineRebalancer:
             layers.append(layer)
             load += per_rank_changes[layer]
         close()
-        self.epoch += len(chunks)
+        slots.chunk_epoch += len(chunks)
+        slots.active_rebalancer = weakref.ref(self)
         self._queue.extend(chunks)
         self._staging = None
         return tuple(chunks)

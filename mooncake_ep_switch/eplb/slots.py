@@ -138,6 +138,10 @@ class ExpertSlots:
         self.phy2log = check_phy2log("phy2log", phy2log, num_layers, self.num_slots, num_logical, per_rank)
         self.primaries = primaries
         self.num_primary = 0
+        # Chunk epochs used on these slots by every OnlineRebalancer (their votes and decision
+        # words are per slots, so the numbering must be too), and the rebalancer now moving them.
+        self.chunk_epoch = 0
+        self.active_rebalancer = None  # weakref.ref of an OnlineRebalancer, or None
         if primaries is not None:
             from mooncake_ep_switch.switch.umm import UnifiedWeights
 
