@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import Buffer
-from mooncake_ep_switch.buffer.membership import Membership, MembershipError
+from mooncake_ep_switch.buffer.membership import Membership, MembershipError, View
 from mooncake_ep_switch.elastic import join
 from mooncake_ep_switch.launch import host_store
 from tests import harness
@@ -369,6 +369,21 @@ def test_endpoints_are_authenticated_with_the_job_secret(store):
     store.set("p/view/1", "[0]")  # a well-formed view without the tag
     results = _agree([reader, owner])
     assert all(isinstance(r, MembershipError) and "authentication" in str(r) for r in results.values())
+
+
+def test_epoch_counter_set_back_is_not_believed(store):
+    """The epoch counter carries no tag: a store writer setting it back must not make a replacement
+    adopt an old view (the epoch is past every authentic sealed view)."""
+    members = [Membership(store, r, 2, prefix="p", secret=SECRET) for r in range(2)]
+    assert all(isinstance(v, View) and v.ranks == (0, 1) for v in _agree(members).values())
+    assert members[0].agree_next_view(1, [0], time.monotonic() + 5) == View(2, (0,))  # rank 1 died
+    replacement = Membership(store, 1, 2, prefix="p", secret=SECRET)
+    store.set("p/epoch", "0")
+    assert replacement.epoch() == 2
+    with pytest.raises(MembershipError, match="not admitted"):  # waits for epoch 3; never adopts epoch 1
+        replacement.agree_next_view(replacement.epoch(), (), time.monotonic() + 1, joining=True)
+    store.set("p/view/3", "[0,1]")  # an untagged view past the counter is no epoch either
+    assert members[0].epoch() == 2
 
 
 def test_without_a_secret_records_are_only_validated(store):

@@ -306,12 +306,14 @@ def _corrupt(kind, data):
         data = np.concatenate([data, np.zeros(3, dtype=np.int64)])
     elif kind == "count_too_small":
         data[3] = 1
+    elif kind == "duplicate_page":  # request 7's three pages all name its first one
+        data[9] = data[10] = data[8]
     elif kind == "used_page_marked_free":
         data[-1] = -1  # every unit free
     return data
 
 
-_CORRUPTIONS = ["count_2_40", "count_2_40_negative_lengths", "negative_count", "negative_length", "length_past_end",
+_CORRUPTIONS = ["duplicate_page", "count_2_40", "count_2_40_negative_lengths", "negative_count", "negative_length", "length_past_end",
                 "page_past_units", "negative_page", "pages_not_matching_tokens", "negative_tokens", "duplicate_rid",
                 "bad_layout", "truncated", "truncated_bitmap", "trailing_words", "count_too_small",
                 "used_page_marked_free"]

@@ -58,6 +58,7 @@ MAX_COUNTER = 1 << 53
 JOINER_BEAT_S = 0.02  # a waiting joiner refreshes alive/<rank> this often
 JOINER_PROOF_S = 1.0  # a sealer admits only joiners whose heartbeat moved within this long
 _MAC = "mac1:"
+_MAX_EPOCH_SKIP = 1 << 12  # sealed views past the epoch counter that epoch() walks over
 
 
 class MembershipError(RuntimeError):
@@ -275,13 +276,25 @@ class Membership:
     def epoch(self) -> int:
         """Current epoch number.
 
+        The counter is a hint (a store writer could set it back, and it moves after the view is
+        sealed): the epoch is past every well-formed (with a job secret: authentic) view sealed
+        after it, looked up one epoch at a time.
+
         Returns:
             epoch: int, 0 before any change.
 
         Raises:
             MembershipError: the epoch key holds something other than a count.
         """
-        return self._counter("epoch")
+        epoch = self._counter("epoch")
+        for _ in range(_MAX_EPOCH_SKIP):  # bounded: the counter lags by one in honest use
+            try:
+                if self._view_record(epoch + 1) is None:
+                    break
+            except MembershipError:
+                break  # a malformed or forged view is no epoch; agree_next_view() reports it
+            epoch += 1
+        return epoch
 
     def _view_record(self, epoch: int) -> Optional[tuple]:
         return self._read(f"view/{epoch}", lambda v: _rank_list(v, self.num_ranks) is not None,

@@ -580,6 +580,8 @@ class PagedKVCache:
             if n and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
                 raise ValueError(f"metadata: request {rid} has a page id outside [0, {num_pages}) "
                                  f"({int(pages.min())}..{int(pages.max())})")
+            if n > 1 and np.unique(pages).size != n:  # requests may share pages (prefixes), a request may not
+                raise ValueError(f"metadata: request {rid} lists a page more than once ({pages.tolist()})")
             requests[rid] = KVRequest(tokens, prompt, tuple(pages.tolist()))
             at += 4 + n
         if at != end:
