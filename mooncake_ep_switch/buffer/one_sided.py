@@ -28,6 +28,16 @@ from mooncake_ep_switch.faults import FaultPoint
 
 _TAG_SPACE = (1 << 32) - 1
 SELF, SHM, TE = "self", "shm", "te"
+CONTROL_BYTES = _native.CONTROL_BYTES  # the region's control block, before the two halves
+PROBE_BYTES = 8  # the control block (first CONTROL_BYTES of a region) holds one probe word per source rank
+
+
+def peer_probe_offset(rank: int) -> int:
+    """Offset in a peer's region of the word that `rank` writes to prove its TE data path (ranks
+    beyond the control block share words: nothing reads them)."""
+    return PROBE_BYTES * (rank % (CONTROL_BYTES // PROBE_BYTES))
+
+
 DEFAULT_TE_TIMEOUT_S = 30.0  # TE writes when the call has no deadline (timeout_us == -1)
 
 
@@ -185,6 +195,13 @@ class OneSidedTransport:
             self.te_peers[peer] = TePeer(session, base)
             self.routes[peer] = TE
             self.te.connect(session, timeout_s=max(0.1, deadline - time.monotonic()))
+            # The handshake (a zero-length write) never touches the data connection, which after a
+            # link outage can still sit in TCP's retransmission back-off for seconds: a view whose
+            # first rounds would mask the peer again. Prove the data path with a real write into
+            # this rank's probe word in the peer's control block (nothing reads it), within the deadline.
+            probe = peer_probe_offset(self.rank)
+            self.te.write(session, self.staging.data_ptr() + probe, base + probe, PROBE_BYTES,
+                          timeout_s=max(0.1, deadline - time.monotonic()))
 
     def _drop(self, peer: int) -> None:
         self._halves.clear()

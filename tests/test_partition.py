@@ -1,0 +1,233 @@
+"""A real network partition over the Transfer Engine: a rank's link goes down, then comes back.
+
+The test builds its own network in Linux network namespaces (one per rank, each with a veth to a
+bridge in a hub namespace) and deletes it afterwards. The ranks are spawned by `LocalCluster` in
+the root namespace, where they reach the launcher's store and their gloo group over loopback;
+before building its Buffer each rank moves its calling thread into its own namespace (setns) and
+advertises its namespace address (`MEP_BIND_HOST`), so the Transfer Engine (its listening sockets,
+its I/O threads and every put) lives in the namespace and only the veth carries its traffic.
+Downing one veth cuts that rank off the data plane while the store stays reachable: exactly the
+outage seen in production (a link flap between hosts), with real TCP underneath.
+"""
+import ctypes
+import os
+import re
+import subprocess
+import time
+
+import pytest
+import torch
+
+from mooncake_ep_switch import Buffer
+from tests import harness
+from tests.reference import expected_combine, expected_routing, structured_inputs, token_count
+from tests.test_faults import _mock_expert
+
+NUM_RANKS = 3
+HIDDEN, TOKENS, EXPERTS, TOP_K = 256, 32, 12, 4  # 12 experts: 4 per rank
+TIMEOUT_US = harness.FAULT_TIMEOUT_US_TE
+OUTAGE_S = 4.0
+PREFIX = "mep"  # namespaces are named mep<pid>r<rank> and mep<pid>hub
+SUBNET = "10.251.0"
+CLONE_NEWNET = 0x40000000
+_STATE = {}
+
+
+# ---------------------------------------------------------------------- the network
+def _ip(*args, check=True):
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def _namespaces():
+    return [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
+
+
+def _remove_stale():
+    """Namespaces of this prefix left behind by an earlier run that was killed before its cleanup."""
+    for name in _namespaces():
+        found = re.fullmatch(rf"{PREFIX}(\d+)(?:r\d+|hub)", name)
+        if found and int(found.group(1)) != os.getpid() and not os.path.exists(f"/proc/{found.group(1)}"):
+            _ip("netns", "delete", name, check=False)
+
+
+class Network:
+    """One namespace per rank, each with a veth (10.251.0.<1+rank>/24) to a bridge in a hub namespace."""
+
+    def __init__(self, num_ranks):
+        tag = f"{PREFIX}{os.getpid()}"
+        self.hub = f"{tag}hub"
+        self.names = [f"{tag}r{r}" for r in range(num_ranks)]
+        self.devices = [f"{tag}v{r}" for r in range(num_ranks)]  # at most 15 characters
+        self.addresses = [f"{SUBNET}.{1 + r}" for r in range(num_ranks)]
+        self.made = []
+
+    def create(self):
+        for name in [self.hub] + self.names:
+            _ip("netns", "add", name)
+            self.made.append(name)
+            _ip("-n", name, "link", "set", "lo", "up")
+        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.hub, "link", "set", "br0", "up")
+        for r, (name, device, address) in enumerate(zip(self.names, self.devices, self.addresses)):
+            _ip("-n", name, "link", "add", device, "type", "veth", "peer", "name", f"p{r}", "netns", self.hub)
+            _ip("-n", self.hub, "link", "set", f"p{r}", "master", "br0", "up")
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", device)
+            _ip("-n", name, "link", "set", device, "up")
+
+    def set_link(self, rank, up):
+        _ip("-n", self.names[rank], "link", "set", self.devices[rank], "up" if up else "down")
+
+    def delete(self):
+        for name in reversed(self.made):  # deleting a namespace deletes its veth ends and the bridge
+            _ip("netns", "delete", name, check=False)
+        self.made.clear()
+
+
+@pytest.fixture()
+def network():
+    """The namespaces of this test; always deleted, even when the test fails. No skip: a machine
+    where namespaces cannot be made fails the test with the reason."""
+    _remove_stale()
+    made = Network(NUM_RANKS)
+    try:
+        try:
+            made.create()
+        except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+            pytest.fail(f"cannot build the test network in network namespaces (needs root and iproute2): {error}")
+        yield made
+    finally:
+        made.delete()
+        left = [n for n in _namespaces() if n.startswith(f"{PREFIX}{os.getpid()}")]
+        assert not left, f"namespaces left behind: {left}"
+
+
+# ---------------------------------------------------------------------- rank functions
+def _enter(namespace):
+    """Move the calling thread (the rank's main thread, which runs every function) into `namespace`.
+    Sockets opened before (store, gloo) stay in the root namespace; threads started later inherit it."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns({namespace})")
+    finally:
+        os.close(fd)
+
+
+def _inputs(rank, seed):
+    return structured_inputs(rank, token_count(rank, NUM_RANKS, TOKENS), HIDDEN, EXPERTS, TOP_K, seed=seed,
+                             random_values=True)
+
+
+def _round(ctx, buffer, seed, active):
+    """One dispatch + combine; checks every row against the references for who took part."""
+    all_inputs = [_inputs(r, seed) for r in range(NUM_RANKS)]
+    mine = all_inputs[ctx.rank]
+    started = time.monotonic()
+    recv, count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, TOKENS, EXPERTS, TIMEOUT_US,
+                                                use_fp8=False)
+    in_dispatch = active.tolist()
+    combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active, TIMEOUT_US,
+                                    handle)
+    seconds = time.monotonic() - started
+    local = EXPERTS // NUM_RANKS
+    routing = expected_routing([inp.topk_idx for inp in all_inputs], in_dispatch, ctx.rank, local)
+    assert count.tolist() == [len(pairs) for pairs in routing], "recv_count"
+    for l_idx, pairs in enumerate(routing):
+        for row, (source, token) in enumerate(pairs):
+            assert int(handle[0][l_idx, row]) == token
+            assert torch.equal(recv[l_idx, row], all_inputs[source].x[token]), f"row {row} of expert {l_idx}"
+    owners = {r: bool(active[r]) for r in range(NUM_RANKS)}
+    assert torch.equal(combined, expected_combine(mine.x, mine.topk_idx, mine.weights, owners, local)), "combine"
+    return {"mask": active.tolist(), "dispatch_mask": in_dispatch, "seconds": seconds}
+
+
+def rank_start(ctx, namespaces, addresses):
+    _enter(namespaces[ctx.rank])
+    os.environ["MEP_BIND_HOST"] = addresses[ctx.rank]  # read by config.settings() when the Buffer is made
+    size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, NUM_RANKS, EXPERTS)
+    buffer = _STATE["buffer"] = Buffer(ctx.group, size, disable_p2p=True, transport="mooncake")
+    published = buffer.membership.endpoint(ctx.rank)["te_session"]
+    return {"transport": buffer.transport, "session": published, "incarnation": buffer.membership.incarnation,
+            "routes": [buffer._impl.routes[r] for r in range(NUM_RANKS) if r != ctx.rank],
+            "round": _round(ctx, buffer, 1, torch.ones(NUM_RANKS, dtype=torch.int32))}
+
+
+def rank_round(ctx, seed, full_mask=False):
+    buffer = _STATE["buffer"]
+    return _round(ctx, buffer, seed, torch.ones(NUM_RANKS, dtype=torch.int32) if full_mask else buffer.active_mask())
+
+
+def rank_update(ctx, timeout_s, wait_for_joiners=(), wait_s=30.0):
+    buffer = _STATE["buffer"]
+    deadline = time.monotonic() + wait_s
+    while ctx.rank not in wait_for_joiners and not set(wait_for_joiners) <= set(buffer.pending_joiners()):
+        assert time.monotonic() < deadline, f"joiners {wait_for_joiners} never showed up"
+        time.sleep(0.01)
+    started = time.monotonic()
+    view = buffer.update_ep_member(timeout_s=timeout_s)
+    return {"view": list(view.ranks), "epoch": view.epoch, "seconds": time.monotonic() - started,
+            "incarnation": buffer.membership.incarnation}
+
+
+def rank_refused(ctx):
+    """The left-out rank's data plane refuses with a message that says what to do."""
+    buffer = _STATE["buffer"]
+    mine = _inputs(ctx.rank, 5)
+    try:
+        buffer.dispatch(mine.x, mine.topk_idx, torch.ones(NUM_RANKS, dtype=torch.int32), TOKENS, EXPERTS,
+                        TIMEOUT_US, use_fp8=False)
+    except Exception as error:  # noqa: BLE001 - the message is what is checked
+        return str(error)
+    return None
+
+
+def rank_teardown(ctx):
+    buffer = _STATE.pop("buffer", None)
+    if buffer is not None:
+        buffer.destroy()
+    _STATE.clear()
+    return True
+
+
+def _ok(outcome):
+    assert outcome.ok, outcome.error
+    return outcome.value
+
+
+def test_left_out_rank_rejoins_after_link_outage(network):
+    """Rank 2's link goes down for ~4 s. Ranks 0 and 1 mask it within timeout_us, keep serving exact
+    rows and seal a view without it. Link back up: rank 2's update_ep_member() rejoins it as a new
+    incarnation through the joining path, the members admit it, and full rounds are exact again."""
+    everyone = list(range(NUM_RANKS))
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        started = [_ok(o) for o in cluster.run(rank_start, network.names, network.addresses, timeout_s=90)]
+        for rank, value in enumerate(started):
+            # The Transfer Engine advertises the namespace address: its puts go over the veth.
+            assert value["transport"] == "mooncake" and value["session"].startswith(f"{network.addresses[rank]}:")
+            assert value["routes"] == ["te"] * (NUM_RANKS - 1), value
+            assert value["round"]["mask"] == [1] * NUM_RANKS
+        network.set_link(2, up=False)
+        down_at = time.monotonic()
+        cut = [_ok(o) for o in cluster.run(rank_round, 2, full_mask=True, timeout_s=60)]
+        for rank in (0, 1):  # the members mask rank 2 within the deadline and serve exact rows
+            assert cut[rank]["mask"] == [1, 1, 0], cut
+            assert cut[rank]["seconds"] < TIMEOUT_US / 1e6 + harness.FAULT_SLACK_S, cut
+        assert cut[2]["mask"] == [0, 0, 1], cut  # rank 2 is cut off from both
+        # Only the members agree (a cut-off rank that also called it could race them for the seal).
+        members = [_ok(o) for o in cluster.run(rank_update, 20.0, ranks=[0, 1], timeout_s=60)]
+        assert [m["view"] for m in members] == [[0, 1]] * 2 and members[0]["epoch"] == 1, members
+        assert [_ok(o)["mask"] for o in cluster.run(rank_round, 3, ranks=[0, 1], timeout_s=60)] == [[1, 1, 0]] * 2
+        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_at)))
+        network.set_link(2, up=True)
+        # Rank 2 finds itself left out, rejoins as a new incarnation; the members admit it.
+        back = [_ok(o) for o in cluster.run(rank_update, 30.0, wait_for_joiners=(2,), timeout_s=90)]
+        assert [b["view"] for b in back] == [everyone] * NUM_RANKS and back[0]["epoch"] == 2, back
+        assert back[2]["incarnation"] > started[2].get("incarnation", 0)
+        for seed in (4, 5, 6):
+            rounds = [_ok(o) for o in cluster.run(rank_round, seed, timeout_s=60)]
+            assert [r["mask"] for r in rounds] == [[1] * NUM_RANKS] * NUM_RANKS, rounds
+        harness.check_outcomes(cluster.run(rank_teardown))
