@@ -286,6 +286,16 @@ class OneSidedTransport:
         order = [(self.rank + step) % self.num_ranks for step in range(1, self.num_ranks)]
         return [peer for peer in order if self.routes[peer] == TE and int(active[peer])]
 
+    def _check_half_not_reused(self, what: str, call: int) -> None:
+        """Refuse a receive phase run after the dispatch after next was sent (double buffering, as in
+        DeepEP: at most two calls in flight): that dispatch reused this call's region half, so peers
+        may already have overwritten its rows (dispatch) or sent the later combine's rows and tags
+        into it (combine)."""
+        if self.latest_dispatch - call >= 2:
+            raise RuntimeError(f"{what}: the receive phase of call {call} ran after call {self.latest_dispatch} "
+                               f"reused its region half; complete a {what} (hook or event) before the dispatch "
+                               "after next")
+
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple[None, Callable[[], None]]:
         """Write this rank's tokens into every active peer's region; return the receive phase.
@@ -323,12 +333,7 @@ class OneSidedTransport:
         def receive() -> None:
             if region is None or not base:
                 raise RuntimeError("dispatch: the transport was destroyed before this receive phase ran")
-            if self.latest_dispatch - call.call >= 2:
-                # A later dispatch of the same parity was sent: peers may have overwritten this call's
-                # rows in our region half (double buffering, as in DeepEP: at most two in flight).
-                raise RuntimeError(f"dispatch: the receive phase of call {call.call} ran after call "
-                                   f"{self.latest_dispatch} reused its region half; complete a dispatch (hook or "
-                                   "event) before the dispatch after next")
+            self._check_half_not_reused("dispatch", call.call)
             scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
             newly = _native.dispatch_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts,
                                           tag, call.active_ranks.data_ptr(), call.timeout_us, call.use_fp8,
@@ -427,12 +432,7 @@ class OneSidedTransport:
         def receive() -> None:
             if region is None or not base:
                 raise RuntimeError("combine: the transport was destroyed before this receive phase ran")
-            if self.latest_dispatch - call.call >= 2:
-                # Dispatch n+2 was sent, so peers may already have sent combine n+2 into the same half:
-                # its signals replaced this call's tags and its rows may have replaced this call's rows.
-                raise RuntimeError(f"combine: the receive phase of call {call.call} ran after call "
-                                   f"{self.latest_dispatch} reused its region half; complete a combine (hook or "
-                                   "event) before the dispatch after next")
+            self._check_half_not_reused("combine", call.call)
             newly = _native.combine_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts, tag,
                                          call.active_ranks.data_ptr(), call.timeout_us, call.topk_idx.data_ptr(),
                                          call.topk_weights.data_ptr(), call.topk_idx.size(0), call.topk_idx.size(1),
