@@ -18,9 +18,10 @@ Buffer, `keep_prefix=True` with a handle to that same store (its PrefixStore pre
 Without `store=` the members used the default group's store, whose torch-internal prefixes are
 removed, so any client of the server will do.
 """
-import numbers
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional, Sequence
+
+from mooncake_ep_switch.buffer.validation import check_int
 
 
 class JoinTicket(NamedTuple):
@@ -68,16 +69,6 @@ def connect_store(host: str, port: int, timeout_s: float = 60.0):
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def _check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    value = int(value)
-    if value < low or (high is not None and value >= high):
-        raise ValueError(f"{name}: expected {low} <= {name}" + (f" < {high}" if high is not None else "") +
-                         f", got {value}")
-    return value
-
-
 def join(store, rank: int, num_ranks: int, *, prefix: str = "mep", group_ranks: Optional[Sequence[int]] = None,
          keep_prefix: bool = False) -> JoinTicket:
     """Take over `rank` of an elastic EP group as a replacement process.
@@ -102,14 +93,16 @@ def join(store, rank: int, num_ranks: int, *, prefix: str = "mep", group_ranks: 
         ValueError: rank outside [0, num_ranks), num_ranks < 1, or group_ranks not num_ranks
             distinct non-negative ranks.
     """
-    num_ranks = _check_int("num_ranks", num_ranks, 1)
-    rank = _check_int("rank", rank, 0, num_ranks)
+    num_ranks = check_int("num_ranks", num_ranks, 1)
+    rank = check_int("rank", rank, 0)
+    if rank >= num_ranks:
+        raise ValueError(f"rank: expected 0 <= rank < num_ranks={num_ranks}, got {rank}")
     if not isinstance(prefix, str) or not prefix:
         raise TypeError(f"prefix: expected a non-empty str, got {prefix!r}")
     if not isinstance(keep_prefix, bool):
         raise TypeError(f"keep_prefix: expected a bool, got {type(keep_prefix).__name__}")
     if group_ranks is not None:
-        group_ranks = tuple(_check_int("group_ranks[i]", r, 0) for r in group_ranks)
+        group_ranks = tuple(check_int("group_ranks[i]", r, 0) for r in group_ranks)
         if len(group_ranks) != num_ranks or len(set(group_ranks)) != num_ranks:
             raise ValueError(f"group_ranks: expected {num_ranks} distinct global ranks, got {list(group_ranks)}")
     return JoinTicket(store, rank, num_ranks, prefix, group_ranks, keep_prefix)

@@ -53,3 +53,23 @@ def close_all() -> None:
     for created in _CLUSTERS.values():
         created.close()
     _CLUSTERS.clear()
+
+
+# Objects a multi-step test keeps in each rank process between `cluster.run` calls (the rank
+# functions of one test read and write it; `rank_teardown` empties it).
+RANK_STATE: Dict[str, object] = {}
+
+
+def rank_teardown(ctx) -> bool:
+    """Rank function: destroy the Buffer kept in `RANK_STATE` (if any) and forget everything."""
+    buffer = RANK_STATE.pop("buffer", None)
+    if buffer is not None:
+        buffer.destroy()
+    RANK_STATE.clear()
+    return True
+
+
+def outcome_value(outcome):
+    """The value of one rank's `Outcome`, asserting that the rank succeeded."""
+    assert outcome.ok, outcome.error
+    return outcome.value

@@ -20,10 +20,10 @@ from mooncake_ep_switch.buffer.membership import Membership, MembershipError, Vi
 from mooncake_ep_switch.elastic import join
 from mooncake_ep_switch.launch import host_store
 from tests import harness
+from tests.harness import RANK_STATE, outcome_value, rank_teardown
 from tests.reference import structured_inputs, token_count
 from tests.test_faults import Shape, _check_round, _mock_expert
 
-_STATE = {}
 
 
 # ---------------------------------------------------------------------- two EP groups in one job
@@ -95,7 +95,7 @@ def _round2(ctx, buffer, seed, active=None):
 
 def rank_start(ctx, transport):
     buffer = Buffer(ctx.group, _size2(), transport=transport)
-    _STATE["buffer"] = buffer
+    RANK_STATE["buffer"] = buffer
     return _round2(ctx, buffer, seed=1)
 
 
@@ -105,10 +105,10 @@ def rank_exit(ctx):
 
 def rank_update(ctx, timeout_s, wait_for_joiners=(), wait_s=60.0):
     """update_ep_member on this rank (a replacement builds its Buffer first); returns view and seconds."""
-    buffer = _STATE.get("buffer")
+    buffer = RANK_STATE.get("buffer")
     if buffer is None:
-        buffer = _STATE["buffer"] = Buffer(join(ctx.store, ctx.rank, ctx.num_ranks), _size2(),
-                                           transport=_STATE.get("transport", "auto"))
+        buffer = RANK_STATE["buffer"] = Buffer(join(ctx.store, ctx.rank, ctx.num_ranks), _size2(),
+                                               transport=RANK_STATE.get("transport", "auto"))
     deadline = time.monotonic() + wait_s
     while ctx.rank not in wait_for_joiners and not set(wait_for_joiners) <= set(buffer.pending_joiners()):
         assert time.monotonic() < deadline, f"joiners {wait_for_joiners} never showed up"
@@ -122,29 +122,16 @@ def rank_update(ctx, timeout_s, wait_for_joiners=(), wait_s=60.0):
 
 
 def rank_set_transport(ctx, transport):
-    _STATE["transport"] = transport
+    RANK_STATE["transport"] = transport
     return True
 
 
 def rank_round(ctx, seed):
-    return _round2(ctx, _STATE["buffer"], seed)
+    return _round2(ctx, RANK_STATE["buffer"], seed)
 
 
 def rank_pending(ctx):
-    return _STATE["buffer"].pending_joiners()
-
-
-def rank_teardown(ctx):
-    buffer = _STATE.pop("buffer", None)
-    if buffer is not None:
-        buffer.destroy()
-    _STATE.clear()
-    return True
-
-
-def _ok(outcome):
-    assert outcome.ok, outcome.error
-    return outcome.value
+    return RANK_STATE["buffer"].pending_joiners()
 
 
 @pytest.mark.parametrize("transport", ["shm", "collective"])
@@ -156,16 +143,16 @@ def test_lone_replacement_cannot_lock_out_the_members(transport):
         assert harness.check_outcomes(cluster.run(rank_start, transport)) == [[1, 1]] * 2
         cluster.run(rank_exit, ranks=[1], timeout_s=30)
         cluster.respawn(1)  # the process only: it does nothing until told
-        assert _ok(cluster.run(rank_update, 10.0, ranks=[0])[0])["view"] == [0]
+        assert outcome_value(cluster.run(rank_update, 10.0, ranks=[0])[0])["view"] == [0]
         cluster.run(rank_set_transport, transport, ranks=[1])
-        lone = _ok(cluster.run(rank_update, 4.0, ranks=[1], timeout_s=60)[0])
+        lone = outcome_value(cluster.run(rank_update, 4.0, ranks=[1], timeout_s=60)[0])
         assert "not admitted" in lone.get("error", ""), lone
         assert lone["seconds"] < 4.0 + harness.FAULT_SLACK_S
-        assert _ok(cluster.run(rank_refused_until_admitted, ranks=[1])[0])
-        assert _ok(cluster.run(rank_pending, ranks=[0])[0]) == [], "a joiner that gave up is still listed"
-        alone = _ok(cluster.run(rank_update, 10.0, ranks=[0])[0])
+        assert outcome_value(cluster.run(rank_refused_until_admitted, ranks=[1])[0])
+        assert outcome_value(cluster.run(rank_pending, ranks=[0])[0]) == [], "a joiner that gave up is still listed"
+        alone = outcome_value(cluster.run(rank_update, 10.0, ranks=[0])[0])
         assert alone.get("view") == [0], f"rank 0 was locked out by a lone joiner: {alone}"
-        both = [_ok(o) for o in cluster.run(rank_update, 60.0, wait_for_joiners=(1,), timeout_s=90)]
+        both = [outcome_value(o) for o in cluster.run(rank_update, 60.0, wait_for_joiners=(1,), timeout_s=90)]
         assert [b["view"] for b in both] == [[0, 1]] * 2, both
         assert harness.check_outcomes(cluster.run(rank_round, 7)) == [[1, 1]] * 2
         harness.check_outcomes(cluster.run(rank_teardown))
@@ -189,19 +176,19 @@ def test_dead_joiner_costs_the_members_at_most_once(transport):
         harness.check_outcomes(cluster.run(rank_start, transport))
         cluster.run(rank_exit, ranks=[1], timeout_s=30)
         cluster.respawn(1)
-        assert _ok(cluster.run(rank_update, 10.0, ranks=[0])[0])["view"] == [0]
+        assert outcome_value(cluster.run(rank_update, 10.0, ranks=[0])[0])["view"] == [0]
         died = cluster.run(rank_join_then_die, transport, ranks=[1], timeout_s=60)[0]
         assert not died.ok and died.exitcode == -9, died
         cluster.respawn(1)
-        first = _ok(cluster.run(rank_update, 20.0, ranks=[0])[0])
+        first = outcome_value(cluster.run(rank_update, 20.0, ranks=[0])[0])
         assert first.get("view") == [0], first
         assert first["seconds"] < 1.0 + harness.FAULT_SLACK_S, f"a dead joiner cost {first['seconds']:.1f} s"
-        assert _ok(cluster.run(rank_pending, ranks=[0])[0]) == [], "the dead joiner is still listed"
-        second = _ok(cluster.run(rank_update, 20.0, ranks=[0])[0])
+        assert outcome_value(cluster.run(rank_pending, ranks=[0])[0]) == [], "the dead joiner is still listed"
+        second = outcome_value(cluster.run(rank_update, 20.0, ranks=[0])[0])
         assert second.get("view") == [0] and second["seconds"] < 1.0, second
         # A new replacement registers and is admitted; the group serves exact rounds again.
         cluster.run(rank_set_transport, transport, ranks=[1])
-        both = [_ok(o) for o in cluster.run(rank_update, 60.0, wait_for_joiners=(1,), timeout_s=90)]
+        both = [outcome_value(o) for o in cluster.run(rank_update, 60.0, wait_for_joiners=(1,), timeout_s=90)]
         assert [b.get("view") for b in both] == [[0, 1]] * 2, both
         assert harness.check_outcomes(cluster.run(rank_round, 8)) == [[1, 1]] * 2
         harness.check_outcomes(cluster.run(rank_teardown))
@@ -209,11 +196,11 @@ def test_dead_joiner_costs_the_members_at_most_once(transport):
 
 def rank_round_without_peer(ctx):
     """Rank 0 runs a round while rank 1 is stopped: rank 1 times out of the mask."""
-    return _round2(ctx, _STATE["buffer"], seed=3, active=torch.ones(2, dtype=torch.int32))
+    return _round2(ctx, RANK_STATE["buffer"], seed=3, active=torch.ones(2, dtype=torch.int32))
 
 
 def rank_refused_until_admitted(ctx):
-    buffer = _STATE["buffer"]
+    buffer = RANK_STATE["buffer"]
     with pytest.raises(MembershipError, match="update_ep_member"):
         mine = structured_inputs(ctx.rank, 4, Shape.hidden, Shape.experts, Shape.top_k, seed=5)
         buffer.dispatch(mine.x, mine.topk_idx, buffer.active_mask(), Shape.tokens, Shape.experts, TIMEOUT_US,
@@ -231,11 +218,11 @@ def test_left_out_rank_rejoins_after_sigstop(transport):
         os.kill(stopped, signal.SIGSTOP)
         try:
             if transport == "shm":  # the collective fallback agrees on the survivors' view inside the call
-                assert _ok(cluster.run(rank_round_without_peer, ranks=[0], timeout_s=60)[0]) == [1, 0]
-            assert _ok(cluster.run(rank_update, 10.0, ranks=[0], timeout_s=60)[0])["view"] == [0]
+                assert outcome_value(cluster.run(rank_round_without_peer, ranks=[0], timeout_s=60)[0]) == [1, 0]
+            assert outcome_value(cluster.run(rank_update, 10.0, ranks=[0], timeout_s=60)[0])["view"] == [0]
         finally:
             os.kill(stopped, signal.SIGCONT)
-        both = [_ok(o) for o in cluster.run(rank_update, 60.0, wait_for_joiners=(1,), timeout_s=90)]
+        both = [outcome_value(o) for o in cluster.run(rank_update, 60.0, wait_for_joiners=(1,), timeout_s=90)]
         assert [b.get("view") for b in both] == [[0, 1]] * 2, both
         assert harness.check_outcomes(cluster.run(rank_round, 9)) == [[1, 1]] * 2
         harness.check_outcomes(cluster.run(rank_teardown))
@@ -259,13 +246,13 @@ def rank_bad_timeouts(ctx):
             join(ctx.store, "1", 2)
         # The Buffer is untouched and usable: agree, then an exact round.
         view = buffer.update_ep_member(timeout_s=30)
-        _STATE["buffer"] = buffer
+        RANK_STATE["buffer"] = buffer
         _round2(ctx, buffer, seed=11)
         inc = buffer.membership.incarnation
         raw = buffer.membership.store.get(f"endpoint/{ctx.rank}/{inc}")
         return list(view.ranks), raw.startswith(b"mac1:")
     finally:
-        _STATE.pop("buffer", None)
+        RANK_STATE.pop("buffer", None)
         buffer.destroy()
 
 

@@ -20,6 +20,7 @@ import torch
 
 from mooncake_ep_switch import Buffer
 from tests import harness
+from tests.harness import RANK_STATE, outcome_value, rank_teardown
 from tests.reference import expected_combine, expected_routing, structured_inputs, token_count
 from tests.test_faults import _mock_expert
 
@@ -30,7 +31,6 @@ OUTAGE_S = 4.0
 PREFIX = "mep"  # namespaces are named mep<pid>r<rank> and mep<pid>hub
 SUBNET = "10.251.0"
 CLONE_NEWNET = 0x40000000
-_STATE = {}
 
 
 # ---------------------------------------------------------------------- the network
@@ -149,7 +149,7 @@ def rank_start(ctx, namespaces, addresses):
     _enter(namespaces[ctx.rank])
     os.environ["MEP_BIND_HOST"] = addresses[ctx.rank]  # read by config.settings() when the Buffer is made
     size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, NUM_RANKS, EXPERTS)
-    buffer = _STATE["buffer"] = Buffer(ctx.group, size, disable_p2p=True, transport="mooncake")
+    buffer = RANK_STATE["buffer"] = Buffer(ctx.group, size, disable_p2p=True, transport="mooncake")
     published = buffer.membership.endpoint(ctx.rank)["te_session"]
     return {"transport": buffer.transport, "session": published, "incarnation": buffer.membership.incarnation,
             "routes": [buffer._impl.routes[r] for r in range(NUM_RANKS) if r != ctx.rank],
@@ -157,12 +157,12 @@ def rank_start(ctx, namespaces, addresses):
 
 
 def rank_round(ctx, seed, full_mask=False):
-    buffer = _STATE["buffer"]
+    buffer = RANK_STATE["buffer"]
     return _round(ctx, buffer, seed, torch.ones(NUM_RANKS, dtype=torch.int32) if full_mask else buffer.active_mask())
 
 
 def rank_update(ctx, timeout_s, wait_for_joiners=(), wait_s=30.0):
-    buffer = _STATE["buffer"]
+    buffer = RANK_STATE["buffer"]
     deadline = time.monotonic() + wait_s
     while ctx.rank not in wait_for_joiners and not set(wait_for_joiners) <= set(buffer.pending_joiners()):
         assert time.monotonic() < deadline, f"joiners {wait_for_joiners} never showed up"
@@ -175,7 +175,7 @@ def rank_update(ctx, timeout_s, wait_for_joiners=(), wait_s=30.0):
 
 def rank_refused(ctx):
     """The left-out rank's data plane refuses with a message that says what to do."""
-    buffer = _STATE["buffer"]
+    buffer = RANK_STATE["buffer"]
     mine = _inputs(ctx.rank, 5)
     try:
         buffer.dispatch(mine.x, mine.topk_idx, torch.ones(NUM_RANKS, dtype=torch.int32), TOKENS, EXPERTS,
@@ -185,26 +185,13 @@ def rank_refused(ctx):
     return None
 
 
-def rank_teardown(ctx):
-    buffer = _STATE.pop("buffer", None)
-    if buffer is not None:
-        buffer.destroy()
-    _STATE.clear()
-    return True
-
-
-def _ok(outcome):
-    assert outcome.ok, outcome.error
-    return outcome.value
-
-
 def test_left_out_rank_rejoins_after_link_outage(network):
     """Rank 2's link goes down for ~4 s. Ranks 0 and 1 mask it within timeout_us, keep serving exact
     rows and seal a view without it. Link back up: rank 2's update_ep_member() rejoins it as a new
     incarnation through the joining path, the members admit it, and full rounds are exact again."""
     everyone = list(range(NUM_RANKS))
     with harness.fresh_cluster(NUM_RANKS) as cluster:
-        started = [_ok(o) for o in cluster.run(rank_start, network.names, network.addresses, timeout_s=90)]
+        started = [outcome_value(o) for o in cluster.run(rank_start, network.names, network.addresses, timeout_s=90)]
         for rank, value in enumerate(started):
             # The Transfer Engine advertises the namespace address: its puts go over the veth.
             assert value["transport"] == "mooncake" and value["session"].startswith(f"{network.addresses[rank]}:")
@@ -212,22 +199,23 @@ def test_left_out_rank_rejoins_after_link_outage(network):
             assert value["round"]["mask"] == [1] * NUM_RANKS
         network.set_link(2, up=False)
         down_at = time.monotonic()
-        cut = [_ok(o) for o in cluster.run(rank_round, 2, full_mask=True, timeout_s=60)]
+        cut = [outcome_value(o) for o in cluster.run(rank_round, 2, full_mask=True, timeout_s=60)]
         for rank in (0, 1):  # the members mask rank 2 within the deadline and serve exact rows
             assert cut[rank]["mask"] == [1, 1, 0], cut
             assert cut[rank]["seconds"] < TIMEOUT_US / 1e6 + harness.FAULT_SLACK_S, cut
         assert cut[2]["mask"] == [0, 0, 1], cut  # rank 2 is cut off from both
         # Only the members agree (a cut-off rank that also called it could race them for the seal).
-        members = [_ok(o) for o in cluster.run(rank_update, 20.0, ranks=[0, 1], timeout_s=60)]
+        members = [outcome_value(o) for o in cluster.run(rank_update, 20.0, ranks=[0, 1], timeout_s=60)]
         assert [m["view"] for m in members] == [[0, 1]] * 2 and members[0]["epoch"] == 1, members
-        assert [_ok(o)["mask"] for o in cluster.run(rank_round, 3, ranks=[0, 1], timeout_s=60)] == [[1, 1, 0]] * 2
+        masks = [outcome_value(o)["mask"] for o in cluster.run(rank_round, 3, ranks=[0, 1], timeout_s=60)]
+        assert masks == [[1, 1, 0]] * 2, masks
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_at)))
         network.set_link(2, up=True)
         # Rank 2 finds itself left out, rejoins as a new incarnation; the members admit it.
-        back = [_ok(o) for o in cluster.run(rank_update, 30.0, wait_for_joiners=(2,), timeout_s=90)]
+        back = [outcome_value(o) for o in cluster.run(rank_update, 30.0, wait_for_joiners=(2,), timeout_s=90)]
         assert [b["view"] for b in back] == [everyone] * NUM_RANKS and back[0]["epoch"] == 2, back
         assert back[2]["incarnation"] > started[2].get("incarnation", 0)
         for seed in (4, 5, 6):
-            rounds = [_ok(o) for o in cluster.run(rank_round, seed, timeout_s=60)]
+            rounds = [outcome_value(o) for o in cluster.run(rank_round, seed, timeout_s=60)]
             assert [r["mask"] for r in rounds] == [[1] * NUM_RANKS] * NUM_RANKS, rounds
         harness.check_outcomes(cluster.run(rank_teardown))
