@@ -235,17 +235,20 @@ struct SendRows {
 
 // Writes the rows, source indices and (FP8) scales of every local expert of destination d into
 // d's half, then (if asked) d's signals. Signals strictly after data: a reader that sees the tag
-// with acquire also sees every row it counts.
-void send_to_destination(uint8_t* half, const Layout& lay, int64_t rank, int64_t d, const Routing& rt,
+// with acquire also sees every row it counts. `column` is the source column written: this rank's
+// in a peer's half; d itself in a staging copy that holds every destination at once (the
+// Transfer Engine path then copies column d of the staging into column `rank` of peer d).
+void send_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64_t d, const Routing& rt,
                          const SendRows& src, bool use_fp8, uint32_t tag, bool write_signals) {
     const int64_t R = lay.num_ranks, T = lay.max_tokens, H = lay.hidden, L = lay.num_local_experts;
     const int64_t G = lay.num_scale_groups;
+    const int64_t rank = column;
     uint8_t* data = half + lay.dispatch_data;
     auto* scales = reinterpret_cast<float*>(half + lay.dispatch_scales);
     auto* srcidx = reinterpret_cast<int32_t*>(half + lay.dispatch_src);
     for (int64_t l = 0; l < L; ++l) {
         const int64_t e = d * L + l;
-        const int64_t slot0 = (l * R + rank) * T;  // dispatch_*[l][rank][0]
+        const int64_t slot0 = (l * R + rank) * T;  // dispatch_*[l][column][0]
         const int64_t begin = rt.offset[size_t(e)], count = rt.offset[size_t(e + 1)] - begin;
         for (int64_t i = 0; i < count; ++i) {
             const int64_t t = rt.tokens[size_t(begin + i)];
@@ -369,8 +372,11 @@ void decode_range(const int64_t* layout_range, const int32_t* src_info, const La
 }
 
 // Returns each expert output row to its token's slot in rank s's combine_data, then signals.
-void combine_to_destination(uint8_t* half, const Layout& lay, int64_t rank, int64_t s, const uint16_t* x,
+// `column` picks the expert block written: this rank's (combine_data[rank*L + l]) in a peer's half,
+// s's own in a staging copy that holds every destination at once (see send_to_destination).
+void combine_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64_t s, const uint16_t* x,
                             const int32_t* src_info, const int64_t* layout_range, uint32_t tag, bool write_signals) {
+    const int64_t rank = column;
     const int64_t R = lay.num_ranks, T = lay.max_tokens, H = lay.hidden, L = lay.num_local_experts, RT = R * T;
     std::vector<uint32_t> counts(static_cast<size_t>(L));
     for (int64_t l = 0; l < L; ++l) {
@@ -407,7 +413,7 @@ void check_call(const Layout& lay, int64_t rank, uintptr_t active_ptr) {
 void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
                    int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t max_tokens, uintptr_t active_ptr,
                    const std::vector<uintptr_t>& peer_half_bases, int64_t tag, bool use_fp8, int64_t dest,
-                   bool write_signals) {
+                   bool write_signals, bool by_destination) {
     const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
     check_call(lay, rank, active_ptr);
     const uint32_t tag32 = check_tag(tag);
@@ -450,8 +456,8 @@ void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_
         rows.scales = scales.data();
     }
     for (int64_t d : dests) {
-        send_to_destination(reinterpret_cast<uint8_t*>(peer_half_bases[size_t(d)]), lay, rank, d, rt, rows, use_fp8,
-                            tag32, write_signals);
+        send_to_destination(reinterpret_cast<uint8_t*>(peer_half_bases[size_t(d)]), lay, by_destination ? d : rank, d,
+                            rt, rows, use_fp8, tag32, write_signals);
     }
 }
 
@@ -488,7 +494,8 @@ std::vector<int> dispatch_recv(uintptr_t local_half_base, int64_t num_ranks, int
 
 void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t num_ranks, int64_t rank,
                   int64_t max_tokens, uintptr_t src_info_ptr, uintptr_t layout_range_ptr, uintptr_t active_ptr,
-                  const std::vector<uintptr_t>& peer_half_bases, int64_t tag, int64_t dest, bool write_signals) {
+                  const std::vector<uintptr_t>& peer_half_bases, int64_t tag, int64_t dest, bool write_signals,
+                  bool by_destination) {
     const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
     check_call(lay, rank, active_ptr);
     const uint32_t tag32 = check_tag(tag);
@@ -512,8 +519,8 @@ void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t 
         }
     }
     for (int64_t s : dests) {
-        combine_to_destination(reinterpret_cast<uint8_t*>(peer_half_bases[size_t(s)]), lay, rank, s, x, src_info,
-                               layout_range, tag32, write_signals);
+        combine_to_destination(reinterpret_cast<uint8_t*>(peer_half_bases[size_t(s)]), lay, by_destination ? s : rank,
+                               s, x, src_info, layout_range, tag32, write_signals);
     }
 }
 
@@ -576,7 +583,7 @@ std::vector<int> dispatch_round(uintptr_t x_ptr, int64_t num_tokens, int64_t hid
                                 uintptr_t recv_scales_ptr, uintptr_t src_info_ptr, uintptr_t layout_range_ptr,
                                 uintptr_t recv_count_ptr, uintptr_t abort_ptr) {
     dispatch_send(x_ptr, num_tokens, hidden, topk_ptr, top_k, num_experts, num_ranks, rank, max_tokens, active_ptr,
-                  peer_half_bases, tag, use_fp8, -1, true);
+                  peer_half_bases, tag, use_fp8, -1, true, false);
     return dispatch_recv(local_half_base, num_ranks, rank, max_tokens, hidden, num_experts, tag, active_ptr, timeout_us,
                          use_fp8, recv_x_ptr, recv_scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr, abort_ptr);
 }
@@ -588,7 +595,7 @@ std::vector<int> combine_round(uintptr_t x_ptr, int64_t hidden, int64_t num_expe
                                uintptr_t weights_ptr, int64_t num_tokens, int64_t top_k, uintptr_t out_ptr,
                                uintptr_t abort_ptr) {
     combine_send(x_ptr, hidden, num_experts, num_ranks, rank, max_tokens, src_info_ptr, layout_range_ptr, active_ptr,
-                 peer_half_bases, tag, -1, true);
+                 peer_half_bases, tag, -1, true, false);
     return combine_recv(local_half_base, num_ranks, rank, max_tokens, hidden, num_experts, tag, active_ptr, timeout_us,
                         topk_ptr, weights_ptr, num_tokens, top_k, out_ptr, abort_ptr);
 }

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from mooncake_ep_switch.buffer.te_endpoint import TeEndpoint, load_transfer_engine
+from mooncake_ep_switch.buffer.te_endpoint import PeerWrite, TeEndpoint, load_transfer_engine
 
 _CTX = multiprocessing.get_context("spawn")
 AGENT_DEADLINE_S = 40.0  # hard cap on an agent's life (the watchdog calls os._exit)
@@ -97,16 +97,33 @@ def _agent_main(conn, options):
         "write": lambda peer, src_off, dst, n, timeout: endpoint.write(peer, base + src_off, dst, n, timeout_s=timeout),
         "write_batch": lambda peer, src_offs, dsts, lens, timeout: endpoint.write_batch(
             peer, [base + o for o in src_offs], dsts, lens, timeout_s=timeout),
+        "write_each": lambda writes, timeout: _write_each(endpoint, base, writes, timeout),
         "num_abandoned": lambda: endpoint.num_abandoned,
         "close": lambda: endpoint.close(),
     }
 
-    def rounds(peer, remote_base, data_off, data_len, sig_off, count):
+    def rounds(peer, remote_base, data_off, data_len, sig_off, count, each=False):
         for r in range(1, count + 1):
             view[data_off:data_off + data_len] = bytes([r]) * data_len
             struct.pack_into("<Q", view, sig_off, r)
+            if each:  # data as two ranges, then the signal, through write_each
+                half = data_len // 2
+                data = [(base + data_off, remote_base + data_off, half),
+                        (base + data_off + half, remote_base + data_off + half, data_len - half)]
+                failures = endpoint.write_each([PeerWrite(peer, data, [(base + sig_off, remote_base + sig_off, 8)])])
+                assert not failures, failures
+                continue
             endpoint.write(peer, base + data_off, remote_base + data_off, data_len)
             endpoint.write(peer, base + sig_off, remote_base + sig_off, 8)
+
+    def _await_word(offset, timeout):
+        """The CLOCK_MONOTONIC time at which the 8-byte word at `offset` first reads non-zero."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if struct.unpack_from("<Q", view, offset)[0]:
+                return time.monotonic()
+            time.sleep(0.0002)
+        raise TimeoutError(f"word at {offset} still zero after {timeout} s")
 
     def start_watch(*args):
         thread = threading.Thread(target=watch, args=args, daemon=True)
@@ -117,7 +134,7 @@ def _agent_main(conn, options):
         watcher["thread"].join(20)
         return watcher.get("result")
 
-    handlers.update(rounds=rounds, watch=start_watch, watch_result=watch_result)
+    handlers.update(rounds=rounds, watch=start_watch, watch_result=watch_result, await_word=_await_word)
     end = time.monotonic() + options.get("deadline_s", AGENT_DEADLINE_S)
     while conn.poll(max(0.0, end - time.monotonic())):
         try:
@@ -133,6 +150,15 @@ def _agent_main(conn, options):
         except BaseException as exc:
             conn.send(("err", type(exc).__name__, str(exc), time.monotonic() - began))
     endpoint.close()
+
+
+def _write_each(endpoint, base, writes, timeout):
+    """Agent side of write_each: `writes` as (peer, [(src_off, dst, n)], [(src_off, dst, n)]) tuples."""
+    started = time.monotonic()
+    failures = endpoint.write_each(
+        [PeerWrite(peer, [(base + o, d, n) for o, d, n in data], [(base + o, d, n) for o, d, n in signal])
+         for peer, data, signal in writes], timeout_s=timeout)
+    return started, {index: type(exc).__name__ for index, exc in failures.items()}
 
 
 class AgentError(Exception):
@@ -388,16 +414,90 @@ def test_four_processes_all_to_all_batches(agents):
                 position += size + 13
 
 
-def test_signal_after_a_completed_write_is_never_seen_early(agents):
+@pytest.mark.parametrize("each", [False, True], ids=["write", "write_each"])
+def test_signal_after_completed_data_is_never_seen_early(agents, each):
     writer, reader = agents(2, nbytes=1 << 21)
     data_off, data_len, sig_off, count = 0, 1 << 20, (1 << 20) + 4096, 30
     writer.call("connect", reader.session, 5.0)
     reader.call("watch", sig_off, data_off, data_len, count)
-    writer.call("rounds", reader.session, reader.addr, data_off, data_len, sig_off, count, timeout=25)
+    writer.call("rounds", reader.session, reader.addr, data_off, data_len, sig_off, count, each, timeout=25)
     seen, violations, last = reader.call("watch_result", timeout=25)[0]
     assert last == count
     assert seen > 0
     assert violations == 0
+
+
+def test_write_each_dead_and_stopped_peers_do_not_delay_a_live_one(agents):
+    """One call to a SIGKILLed, a SIGSTOPped and a healthy peer: the healthy peer's data and signal
+    land at once (not after the others' failures), the others are reported within the deadline."""
+    writer, dead, stopped, healthy = agents(4, nbytes=1 << 21)
+    timeout_s = 2.5
+    for peer in (dead, stopped, healthy):
+        writer.call("connect", peer.session, 5.0)
+    os.kill(dead.proc.pid, signal.SIGKILL)
+    dead.proc.join(5)
+    # Warm TE's reconnect pause to the dead peer: later writes to it take ~1 s each to fail.
+    _expect_failure(writer, "write", dead.session, 0, dead.addr, 64, timeout_s, timeout_s=timeout_s)
+    os.kill(stopped.proc.pid, signal.SIGSTOP)
+    try:
+        data_len, sig_off = 1 << 20, (1 << 20) + 4096
+        writer.call("fill", 0, _pattern(7, data_len))
+        writer.call("fill", sig_off, struct.pack("<Q", 7))
+        half = data_len // 2
+
+        def write_for(peer):
+            data = [(0, peer.addr, half), (half, peer.addr + half, data_len - half)]
+            return (peer.session, data, [(sig_off, peer.addr + sig_off, 8)])
+
+        healthy.conn.send(("await_word", sig_off, timeout_s + 5))
+        writer.conn.send(("write_each", [write_for(p) for p in (dead, stopped, healthy)], timeout_s))
+        status, *rest = writer._receive(timeout_s + 10)
+        assert status == "ok", rest
+        (started, failures), elapsed = rest
+        status, *rest = healthy._receive(10)
+        assert status == "ok", rest
+        landed = rest[0]
+        assert landed - started < 0.5, f"the healthy peer's signal landed {landed - started:.3f} s after the start"
+        assert healthy.call("read", 0, data_len)[0] == _pattern(7, data_len)
+        assert set(failures) == {0, 1}, failures
+        assert failures[0] in ("ConnectionRefusedError", "ConnectionError"), failures
+        assert failures[1] == "TimeoutError", failures
+        assert timeout_s - 0.05 <= elapsed <= timeout_s + SLACK_S, elapsed
+    finally:
+        os.kill(stopped.proc.pid, signal.SIGCONT)
+
+
+def test_write_each_bad_arguments_submit_nothing():
+    _engine_or_fail()
+    buffer = mmap.mmap(-1, 1 << 16)
+    target = mmap.mmap(-1, 1 << 16)
+    base, dest = _address(buffer), _address(target)
+    with TeEndpoint(timeout_s=3, log_level="ERROR") as endpoint:
+        me = endpoint.session_id
+        endpoint.register(base, len(buffer))
+        endpoint.register(dest, len(target))
+        good = PeerWrite(me, [(base, dest, 64)], [(base + 64, dest + 64, 8)])
+        with pytest.raises(TypeError, match=r"writes\[0\] must be a PeerWrite"):
+            endpoint.write_each([(me, [], [])])
+        with pytest.raises(ValueError, match="appears twice"):
+            endpoint.write_each([good, good])
+        with pytest.raises(ValueError, match=r"writes\[0\].data\[0\] nbytes must be >= 1"):
+            endpoint.write_each([PeerWrite(me, [(base, dest, 0)], [])])
+        with pytest.raises(ValueError, match=r"writes\[0\].signal\[0\] must be"):
+            endpoint.write_each([PeerWrite(me, [], [(base, dest)])])
+        with pytest.raises(ValueError, match="not inside memory registered"):
+            endpoint.write_each([PeerWrite(me, [(base + len(buffer), dest, 8)], [])])
+        with pytest.raises(ValueError, match="timeout_s"):
+            endpoint.write_each([good], timeout_s=0)
+        assert target[0:72] == bytes(72)  # nothing was submitted by the refused calls
+        buffer[0:72] = _pattern(9, 72)
+        assert endpoint.write_each([good]) == {}
+        assert target[0:72] == _pattern(9, 72)
+        # A destination outside the peer's registered memory: reported, not raised.
+        failures = endpoint.write_each([PeerWrite(me, [(base, dest + len(target) - 4, 8)], [(base, dest, 8)])])
+        assert list(failures) == [0] and "registered" in str(failures[0])
+    with pytest.raises(RuntimeError, match="closed"):
+        endpoint.write_each([good])
 
 
 def test_write_to_sigkilled_peer_fails_within_deadline(agents):

@@ -24,6 +24,7 @@ from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.layout import RegionLayout, region_layout
 from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, SharedRegion
+from mooncake_ep_switch.buffer.te_endpoint import PeerWrite
 from mooncake_ep_switch.faults import FaultPoint
 
 _TAG_SPACE = (1 << 32) - 1
@@ -237,29 +238,31 @@ class OneSidedTransport:
             self._halves[offset] = halves
         return halves
 
-    def _staging_halves(self, offset: int, dest: int) -> List[int]:
-        halves = [0] * self.num_ranks
-        halves[dest] = self.staging.data_ptr() + offset
-        return halves
-
     def _te_timeout(self, timeout_us: int) -> float:
         return DEFAULT_TE_TIMEOUT_S if timeout_us < 0 else max(0.05, timeout_us / 1e6)
 
-    def _te_put(self, dest: int, ranges: List[Tuple[int, int]], signal_range: Tuple[int, int],
-                active: torch.Tensor, timeout_s: float) -> None:
-        """Write `ranges` (offset, length) of the staging copy into `dest`, then its signals."""
-        peer = self.te_peers[dest]
+    def _te_send(self, targets: List[int], ranges: Callable[[int], List[Tuple[int, int, int]]],
+                 signals: Callable[[int], Tuple[int, int, int]], active: torch.Tensor, timeout_s: float) -> None:
+        """Write every target's ranges (staging offset, region offset, length) into its region, then its
+        signals: all targets in flight at once, so a dead or slow peer delays no other. A peer whose
+        write fails or times out is cleared in `active` and neither sent to nor waited for again."""
         staging = self.staging.data_ptr()
-        ranges = [(offset, length) for offset, length in ranges if length > 0]
-        try:
-            if ranges:
-                self.te.write_batch(peer.session, [staging + o for o, _ in ranges], [peer.base + o for o, _ in ranges],
-                                    [n for _, n in ranges], timeout_s=timeout_s)
-            offset, length = signal_range
-            self.te.write(peer.session, staging + offset, peer.base + offset, length, timeout_s=timeout_s)
-        except (ConnectionError, TimeoutError):
-            active[dest] = 0  # a dead or unreachable peer: neither sent to nor waited for again
-            self.failed_sources.append(dest)
+        writes = []
+        for dest in targets:
+            peer = self.te_peers[dest]
+            data = [(staging + src, peer.base + dst, n) for src, dst, n in ranges(dest) if n > 0]
+            src, dst, n = signals(dest)
+            writes.append(PeerWrite(peer.session, data, [(staging + src, peer.base + dst, n)]))
+        for index in sorted(self.te.write_each(writes, timeout_s)):
+            active[targets[index]] = 0
+            self.failed_sources.append(targets[index])
+
+    def _staging_bases(self, offset: int, targets: List[int]) -> List[int]:
+        """Half bases for a native send into the staging copy (by destination) for `targets`."""
+        halves = [0] * self.num_ranks
+        for dest in targets:
+            halves[dest] = self.staging.data_ptr() + offset
+        return halves
 
     def combine_buffer(self, call: int, shape, device) -> torch.Tensor:
         """Region-resident zero-copy combine buffer `[L, R*T, hidden]` bf16 for the half of `call`.
@@ -377,22 +380,36 @@ class OneSidedTransport:
         return None
 
     def _dispatch_te(self, call: DispatchCall, layout: RegionLayout, offset: int, tag: int, args) -> None:
+        """Pack every Transfer Engine destination's rows into its own column of the staging copy (one
+        native call), then write each destination's counted rows and signals into column `rank` of
+        its region."""
+        targets = self._te_targets(call.active_ranks)
+        if not targets:
+            return
+        R, rank = self.num_ranks, self.rank
         L, T, G = layout.num_local_experts, call.num_max_dispatch_tokens_per_rank, layout.num_scale_groups
+        _native.dispatch_send(*args, self._staging_bases(offset, targets), tag, call.use_fp8, -1, True, True)
         signal_words = self.staging[offset + layout.dispatch_signals:].view(torch.int64)  # [R][L] words
-        timeout_s = self._te_timeout(call.timeout_us)
-        for dest in self._te_targets(call.active_ranks):
-            _native.dispatch_send(*args, self._staging_halves(offset, dest), tag, call.use_fp8, dest, True)
-            words = signal_words[self.rank * L:(self.rank + 1) * L]
-            counts = (words & 0xFFFFFFFF).tolist()
-            ranges = []
+
+        def ranges(dest: int) -> List[Tuple[int, int, int]]:
+            counts = (signal_words[dest * L:(dest + 1) * L] & 0xFFFFFFFF).tolist()
+            found = []
             for local, count in enumerate(counts):
-                slot = local * self.num_ranks * T + self.rank * T  # first row of [local][rank][*]
-                ranges.append((offset + layout.dispatch_data + slot * layout.row_bytes, count * layout.row_bytes))
-                ranges.append((offset + layout.dispatch_src + slot * 4, count * 4))
+                packed, placed = (local * R + dest) * T, (local * R + rank) * T  # [local][column][0]
+                found.append((offset + layout.dispatch_data + packed * layout.row_bytes,
+                              offset + layout.dispatch_data + placed * layout.row_bytes, count * layout.row_bytes))
+                found.append((offset + layout.dispatch_src + packed * 4, offset + layout.dispatch_src + placed * 4,
+                              count * 4))
                 if call.use_fp8:
-                    ranges.append((offset + layout.dispatch_scales + slot * G * 4, count * G * 4))
-            signal_range = (offset + layout.dispatch_signals + self.rank * L * 8, L * 8)
-            self._te_put(dest, ranges, signal_range, call.active_ranks, timeout_s)
+                    found.append((offset + layout.dispatch_scales + packed * G * 4,
+                                  offset + layout.dispatch_scales + placed * G * 4, count * G * 4))
+            return found
+
+        def signals(dest: int) -> Tuple[int, int, int]:
+            return (offset + layout.dispatch_signals + dest * L * 8, offset + layout.dispatch_signals + rank * L * 8,
+                    L * 8)
+
+        self._te_send(targets, ranges, signals, call.active_ranks, self._te_timeout(call.timeout_us))
 
     # ------------------------------------------------------------------ combine
     def combine(self, call: CombineCall) -> Callable[[], None]:
@@ -415,16 +432,7 @@ class OneSidedTransport:
                 call.layout_range.data_ptr(), call.active_ranks.data_ptr())
         _native.combine_send(*args, self._direct_halves(offset), tag)
         if self.te is not None:
-            L = layout.num_local_experts
-            first = self.rank * L  # this rank's experts' rows: combine_data[first:first+L][0:T]
-            block = (offset + layout.combine_data + first * tokens * hidden * 2, L * tokens * hidden * 2)
-            signal_range = (offset + layout.combine_signals + first * 8, L * 8)
-            timeout_s = self._te_timeout(call.timeout_us)
-            for dest in self._te_targets(call.active_ranks):
-                _native.combine_send(*args, self._staging_halves(offset, dest), tag, dest, True)
-                # Rows of tokens that did not select an expert carry stale bytes, but a token owner
-                # reads combine_data[e][t] only for the experts token t selected: one write suffices.
-                self._te_put(dest, [block], signal_range, call.active_ranks, timeout_s)
+            self._combine_te(call, layout, offset, tag, args)
 
         region = self.region.local  # the receive may run late: its memory stays mapped until it ran
         base = self.base
@@ -440,6 +448,29 @@ class OneSidedTransport:
             self.failed_sources.extend(newly)
 
         return receive
+
+    def _combine_te(self, call: CombineCall, layout: RegionLayout, offset: int, tag: int, args) -> None:
+        """Return every Transfer Engine token owner's rows into its own expert block of the staging copy
+        (one native call), then write each owner's block and signals into this rank's experts' block
+        of its region."""
+        targets = self._te_targets(call.active_ranks)
+        if not targets:
+            return
+        L, block = layout.num_local_experts, layout.num_local_experts * call.num_max_dispatch_tokens_per_rank
+        row_bytes = call.hidden * 2
+        _native.combine_send(*args, self._staging_bases(offset, targets), tag, -1, True, True)
+
+        def ranges(dest: int) -> List[Tuple[int, int, int]]:
+            # Rows of tokens that did not select an expert carry stale bytes, but a token owner reads
+            # combine_data[e][t] only for the experts token t selected: one write of the block suffices.
+            return [(offset + layout.combine_data + dest * block * row_bytes,
+                     offset + layout.combine_data + self.rank * block * row_bytes, block * row_bytes)]
+
+        def signals(dest: int) -> Tuple[int, int, int]:
+            return (offset + layout.combine_signals + dest * L * 8, offset + layout.combine_signals + self.rank * L * 8,
+                    L * 8)
+
+        self._te_send(targets, ranges, signals, call.active_ranks, self._te_timeout(call.timeout_us))
 
     def combine_sync(self, call: CombineCall) -> None:
         """`combine` followed at once by its receive phase (a synchronous call), in one native call

@@ -47,9 +47,22 @@ import socket
 import threading
 import time
 import weakref
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
-__all__ = ["TeEndpoint", "load_transfer_engine"]
+__all__ = ["PeerWrite", "TeEndpoint", "load_transfer_engine"]
+
+
+class PeerWrite(NamedTuple):
+    """The writes `TeEndpoint.write_each` makes to one peer: `data` first, then `signal`.
+
+    Each range is (local_addr, remote_addr, nbytes). The ranges of `data` land in no particular
+    order among themselves; `signal` is submitted only once every `data` range completed, so a
+    peer that sees a signal also sees the data before it (the protocol's "data, then signal").
+    """
+
+    peer_session: str
+    data: Sequence[Tuple[int, int, int]]
+    signal: Sequence[Tuple[int, int, int]]
 
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]", "*"}
 _MAX_BATCH_ID = 1 << 63
@@ -487,6 +500,134 @@ class TeEndpoint:
                 self._orphans.extend(pending)
             raise
 
+    def write_each(self, writes: Sequence[PeerWrite], timeout_s: Optional[float] = None) -> Dict[int, Exception]:
+        """Write to several peers at once, each its data then its signal; one peer's failure or
+        slowness never delays the others beyond the shared deadline.
+
+        Every peer's data ranges are submitted before any completion is awaited; a peer's signal
+        ranges are submitted as soon as its own data completed. A peer whose write fails, or does not
+        finish by the deadline, is reported and the rest go on (what it had in flight may still land
+        later: treat that peer as failed). Bad arguments raise before anything is submitted.
+
+        Arguments:
+            writes: one `PeerWrite` per peer (a peer at most once); ranges as (local_addr >= 1,
+                remote_addr >= 1, nbytes >= 1), local ranges inside registered memory when
+                `require_registered_source`.
+            timeout_s: deadline in seconds for all of them (> 0), or None for the endpoint's `timeout_s`.
+
+        Returns:
+            failures: dict index into `writes` -> the exception `write` would have raised for that
+                peer (ConnectionRefusedError, ConnectionError or TimeoutError); empty when all landed.
+
+        Raises:
+            TypeError / ValueError: a malformed write (names the write and range); RuntimeError: closed.
+        """
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not (timeout > 0):
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        deadline = time.monotonic() + timeout
+        phases: List[List[List[Tuple[int, int, int]]]] = []
+        seen = set()
+        for index, write in enumerate(writes):
+            if not isinstance(write, PeerWrite):
+                raise TypeError(f"writes[{index}] must be a PeerWrite, got {type(write).__name__}")
+            _parse_session(write.peer_session)
+            if write.peer_session in seen:
+                raise ValueError(f"writes[{index}]: peer {write.peer_session} appears twice")
+            seen.add(write.peer_session)
+            checked = []
+            for part in ("data", "signal"):
+                ranges = []
+                for j, entry in enumerate(getattr(write, part)):
+                    if len(entry) != 3:
+                        raise ValueError(f"writes[{index}].{part}[{j}] must be (local_addr, remote_addr, nbytes)")
+                    ranges.append((_check_int(f"writes[{index}].{part}[{j}] local_addr", entry[0], 1),
+                                   _check_int(f"writes[{index}].{part}[{j}] remote_addr", entry[1], 1),
+                                   _check_int(f"writes[{index}].{part}[{j}] nbytes", entry[2], 1)))
+                checked.append(ranges)
+            phases.append(checked)
+        with self._lock:
+            self._check_open()
+            if self.require_registered_source:
+                for data, signal in phases:
+                    for src, _, size in data + signal:
+                        self._check_local(src, size)
+            self._reap()
+
+        failures: Dict[int, Exception] = {}
+        rejected: Dict[int, str] = {}  # index -> what failed (classified after the others finished)
+        pending: Dict[int, List[int]] = {}
+        stage: Dict[int, int] = {}  # index -> 0 data in flight, 1 signal in flight
+        # Peers already handshaken first: a first contact may have to wait for TE's handshake.
+        order = sorted(range(len(phases)), key=lambda i: not self.is_connected(writes[i].peer_session))
+
+        def submit(index: int, part: int) -> None:
+            ids = pending.setdefault(index, [])
+            stage[index] = part
+            try:
+                for src, dst, size in phases[index][part]:
+                    ids.append(self._submit(writes[index].peer_session, src, dst, size, deadline))
+            except (ConnectionError, TimeoutError) as exc:
+                drop(index, exc)
+
+        def drop(index: int, exc: Optional[Exception], what: str = "") -> None:
+            with self._lock:
+                self._orphans.extend(pending.pop(index, []))
+            stage.pop(index, None)
+            if exc is not None:
+                failures[index] = exc
+            else:
+                rejected[index] = what
+
+        try:
+            for index in order:
+                submit(index, 0)
+            started = time.monotonic()
+            spin_until = started + self.spin_s
+            check = self._engine.transfer_check_status
+            while stage:
+                for index in list(stage):
+                    ids = pending[index]
+                    for k in range(len(ids) - 1, -1, -1):
+                        status = check(ids[k])
+                        if status == 1:
+                            ids.pop(k)
+                        elif status != 0:  # -1 failed (freed by TE), -2 TE-level timeout (kept by TE)
+                            ids.pop(k)
+                            peer = writes[index].peer_session
+                            drop(index, None, f"a TE write to {peer} failed" if status == -1
+                                 else f"a TE write to {peer} timed out inside TE ({status})")
+                            break
+                    if index in stage and not ids:
+                        if stage[index] == 0:
+                            submit(index, 1)
+                        if index in stage and not pending[index]:
+                            stage.pop(index)
+                            pending.pop(index)
+                if not stage:
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    for index in list(stage):
+                        count = len(pending.get(index, ()))
+                        drop(index, TimeoutError(
+                            f"{count} TE write(s) to {writes[index].peer_session} did not complete before the "
+                            "deadline (peer hung or overloaded); they may still land later"))
+                    break
+                if now < spin_until:
+                    continue
+                pause = min(0.002, max(0.00005, 0.1 * (now - started)))
+                time.sleep(min(pause, max(0.0, deadline - now)))
+        except BaseException:
+            with self._lock:
+                for ids in pending.values():
+                    self._orphans.extend(ids)
+            raise
+        for index, what in rejected.items():
+            failures[index] = self._failure_error(writes[index].peer_session, what,
+                                                  max(0.05, min(0.5, deadline - time.monotonic())))
+        return failures
+
     # ------------------------------------------------------------------ lifecycle
 
     def close(self, reap_timeout_s: float = 2.0) -> None:
@@ -669,16 +810,20 @@ class TeEndpoint:
             time.sleep(min(pause, max(0.0, deadline - now)))
 
     def _raise_failure(self, peer: str, what: str):
-        """Tell a dead peer from a rejected write: probe the peer's handshake port briefly."""
+        """Tell a dead peer from a rejected write (`_failure_error`) and raise that."""
+        raise self._failure_error(peer, what)
+
+    @staticmethod
+    def _failure_error(peer: str, what: str, probe_s: float = 0.5) -> Exception:
+        """The error for a failed write: probes the peer's handshake port for up to `probe_s`."""
         host, port = _parse_session(peer)
         try:
-            with socket.create_connection((host, port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=probe_s):
                 pass
         except ConnectionRefusedError:
-            raise ConnectionRefusedError(
-                f"{what}: the peer's engine is gone (connection to {peer} refused)") from None
+            return ConnectionRefusedError(f"{what}: the peer's engine is gone (connection to {peer} refused)")
         except OSError as exc:
-            raise ConnectionError(f"{what}: the peer is unreachable ({exc})") from None
-        raise ConnectionError(
+            return ConnectionError(f"{what}: the peer is unreachable ({exc})")
+        return ConnectionError(
             f"{what}: the peer is up, so the write was most likely rejected: is every remote range "
             "inside memory the peer registered (and not unregistered since)?")
