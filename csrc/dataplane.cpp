@@ -122,8 +122,12 @@ private:
 // throws std::runtime_error (RuntimeError), leaving the mask untouched, so that destroying a Buffer
 // never waits for a receive that has no deadline (timeout_us == -1). Checked before every backoff
 // (a sleep is at most 128 us), so an abort is seen within a fraction of a millisecond.
+// `dead` (nullable): int32 [P] flags of the caller's (a peer watcher sets them when a peer process
+// is gone); a peer whose flag is non-zero and whose signals are not all there is marked inactive at
+// once, exactly as at the deadline, instead of being waited for until then.
 void wait_for_signals(const uint8_t* words, int64_t num_peers, int64_t L, uint32_t tag, int64_t max_tokens,
-                      Waiter& waiter, ActiveMask& active, std::vector<uint32_t>& counts, const void* abort_word) {
+                      Waiter& waiter, ActiveMask& active, std::vector<uint32_t>& counts, const void* abort_word,
+                      const int32_t* dead) {
     DataplaneWait wait(waiter);
     counts.assign(size_t(num_peers * L), 0);
     std::vector<int64_t> next(size_t(num_peers), 0);  // signals of p confirmed so far (in order)
@@ -145,6 +149,17 @@ void wait_for_signals(const uint8_t* words, int64_t num_peers, int64_t L, uint32
             if (active.alive(p) && l < L) complete = false;
         }
         if (complete) return;
+        if (dead != nullptr) {
+            bool failed = false;
+            for (int64_t p = 0; p < num_peers; ++p) {
+                if (active.alive(p) && next[size_t(p)] < L &&
+                    __atomic_load_n(dead + p, __ATOMIC_ACQUIRE) != 0) {
+                    active.fail(p);
+                    failed = true;
+                }
+            }
+            if (failed) continue;  // re-check completeness without the failed peers
+        }
         if (abort_word != nullptr && load_acquire(abort_word) != 0) {
             throw std::runtime_error("aborted: the Buffer was destroyed while this call waited for its peers");
         }
@@ -465,7 +480,7 @@ std::vector<int> dispatch_recv(uintptr_t local_half_base, int64_t num_ranks, int
                                int64_t hidden, int64_t num_experts, int64_t tag, uintptr_t active_ptr,
                                int64_t timeout_us, bool use_fp8, uintptr_t recv_x_ptr, uintptr_t recv_scales_ptr,
                                uintptr_t src_info_ptr, uintptr_t layout_range_ptr, uintptr_t recv_count_ptr,
-                               uintptr_t abort_ptr) {
+                               uintptr_t abort_ptr, uintptr_t dead_ptr) {
     Waiter waiter(timeout_us);  // the deadline covers the whole call
     const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
     check_call(lay, rank, active_ptr);
@@ -481,7 +496,7 @@ std::vector<int> dispatch_recv(uintptr_t local_half_base, int64_t num_ranks, int
     ActiveMask active(active_ptr, num_ranks);
     std::vector<uint32_t> counts;
     wait_for_signals(half + lay.dispatch_signals, num_ranks, lay.num_local_experts, tag32, max_tokens, waiter, active,
-                     counts, reinterpret_cast<const void*>(abort_ptr));
+                     counts, reinterpret_cast<const void*>(abort_ptr), reinterpret_cast<const int32_t*>(dead_ptr));
     validate_dispatch_sources(half, lay, counts, active);
 
     RecvOutputs out{reinterpret_cast<uint8_t*>(recv_x_ptr), reinterpret_cast<float*>(recv_scales_ptr),
@@ -527,7 +542,7 @@ void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t 
 std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int64_t rank, int64_t max_tokens,
                               int64_t hidden, int64_t num_experts, int64_t tag, uintptr_t active_ptr,
                               int64_t timeout_us, uintptr_t topk_ptr, uintptr_t weights_ptr, int64_t num_tokens,
-                              int64_t top_k, uintptr_t out_ptr, uintptr_t abort_ptr) {
+                              int64_t top_k, uintptr_t out_ptr, uintptr_t abort_ptr, uintptr_t dead_ptr) {
     Waiter waiter(timeout_us);
     const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
     check_call(lay, rank, active_ptr);
@@ -553,7 +568,7 @@ std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int6
     ActiveMask active(active_ptr, num_ranks);
     std::vector<uint32_t> counts;
     wait_for_signals(half + lay.combine_signals, num_ranks, L, tag32, max_tokens, waiter, active, counts,
-                     reinterpret_cast<const void*>(abort_ptr));
+                     reinterpret_cast<const void*>(abort_ptr), reinterpret_cast<const int32_t*>(dead_ptr));
 
     // Reduce in top-k order, skipping -1 and experts whose owner is inactive.
     auto* out = reinterpret_cast<uint16_t*>(out_ptr);
@@ -581,11 +596,12 @@ std::vector<int> dispatch_round(uintptr_t x_ptr, int64_t num_tokens, int64_t hid
                                 uintptr_t active_ptr, const std::vector<uintptr_t>& peer_half_bases, int64_t tag,
                                 bool use_fp8, uintptr_t local_half_base, int64_t timeout_us, uintptr_t recv_x_ptr,
                                 uintptr_t recv_scales_ptr, uintptr_t src_info_ptr, uintptr_t layout_range_ptr,
-                                uintptr_t recv_count_ptr, uintptr_t abort_ptr) {
+                                uintptr_t recv_count_ptr, uintptr_t abort_ptr, uintptr_t dead_ptr) {
     dispatch_send(x_ptr, num_tokens, hidden, topk_ptr, top_k, num_experts, num_ranks, rank, max_tokens, active_ptr,
                   peer_half_bases, tag, use_fp8, -1, true, false);
     return dispatch_recv(local_half_base, num_ranks, rank, max_tokens, hidden, num_experts, tag, active_ptr, timeout_us,
-                         use_fp8, recv_x_ptr, recv_scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr, abort_ptr);
+                         use_fp8, recv_x_ptr, recv_scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr, abort_ptr,
+                         dead_ptr);
 }
 
 std::vector<int> combine_round(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t num_ranks, int64_t rank,
@@ -593,11 +609,11 @@ std::vector<int> combine_round(uintptr_t x_ptr, int64_t hidden, int64_t num_expe
                                uintptr_t active_ptr, const std::vector<uintptr_t>& peer_half_bases, int64_t tag,
                                uintptr_t local_half_base, int64_t timeout_us, uintptr_t topk_ptr,
                                uintptr_t weights_ptr, int64_t num_tokens, int64_t top_k, uintptr_t out_ptr,
-                               uintptr_t abort_ptr) {
+                               uintptr_t abort_ptr, uintptr_t dead_ptr) {
     combine_send(x_ptr, hidden, num_experts, num_ranks, rank, max_tokens, src_info_ptr, layout_range_ptr, active_ptr,
                  peer_half_bases, tag, -1, true, false);
     return combine_recv(local_half_base, num_ranks, rank, max_tokens, hidden, num_experts, tag, active_ptr, timeout_us,
-                        topk_ptr, weights_ptr, num_tokens, top_k, out_ptr, abort_ptr);
+                        topk_ptr, weights_ptr, num_tokens, top_k, out_ptr, abort_ptr, dead_ptr);
 }
 
 }  // namespace mep

@@ -32,7 +32,7 @@ std::vector<int> dispatch_recv(uintptr_t local_half_base, int64_t num_ranks, int
                                int64_t hidden, int64_t num_experts, int64_t tag, uintptr_t active_ptr,
                                int64_t timeout_us, bool use_fp8, uintptr_t recv_x_ptr, uintptr_t recv_scales_ptr,
                                uintptr_t src_info_ptr, uintptr_t layout_range_ptr, uintptr_t recv_count_ptr,
-                               uintptr_t abort_ptr = 0);
+                               uintptr_t abort_ptr = 0, uintptr_t dead_ptr = 0);
 
 void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t num_ranks, int64_t rank,
                   int64_t max_tokens, uintptr_t src_info_ptr, uintptr_t layout_range_ptr, uintptr_t active_ptr,
@@ -42,7 +42,7 @@ void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t 
 std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int64_t rank, int64_t max_tokens,
                               int64_t hidden, int64_t num_experts, int64_t tag, uintptr_t active_ptr,
                               int64_t timeout_us, uintptr_t topk_ptr, uintptr_t weights_ptr, int64_t num_tokens,
-                              int64_t top_k, uintptr_t out_ptr, uintptr_t abort_ptr = 0);
+                              int64_t top_k, uintptr_t out_ptr, uintptr_t abort_ptr = 0, uintptr_t dead_ptr = 0);
 
 // dispatch_send(..., dest = -1, write_signals = true) then dispatch_recv(...), in one call.
 std::vector<int> dispatch_round(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
@@ -50,7 +50,7 @@ std::vector<int> dispatch_round(uintptr_t x_ptr, int64_t num_tokens, int64_t hid
                                 uintptr_t active_ptr, const std::vector<uintptr_t>& peer_half_bases, int64_t tag,
                                 bool use_fp8, uintptr_t local_half_base, int64_t timeout_us, uintptr_t recv_x_ptr,
                                 uintptr_t recv_scales_ptr, uintptr_t src_info_ptr, uintptr_t layout_range_ptr,
-                                uintptr_t recv_count_ptr, uintptr_t abort_ptr = 0);
+                                uintptr_t recv_count_ptr, uintptr_t abort_ptr = 0, uintptr_t dead_ptr = 0);
 
 // combine_send(..., dest = -1, write_signals = true) then combine_recv(...), in one call.
 std::vector<int> combine_round(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t num_ranks, int64_t rank,
@@ -58,7 +58,7 @@ std::vector<int> combine_round(uintptr_t x_ptr, int64_t hidden, int64_t num_expe
                                uintptr_t active_ptr, const std::vector<uintptr_t>& peer_half_bases, int64_t tag,
                                uintptr_t local_half_base, int64_t timeout_us, uintptr_t topk_ptr,
                                uintptr_t weights_ptr, int64_t num_tokens, int64_t top_k, uintptr_t out_ptr,
-                               uintptr_t abort_ptr = 0);
+                               uintptr_t abort_ptr = 0, uintptr_t dead_ptr = 0);
 
 // ---- packing kernels (kernels.cpp) ----
 void gather_rows(uintptr_t dst_ptr, int64_t dst_stride, uintptr_t src_ptr, int64_t src_stride, int64_t row_bytes,

@@ -97,10 +97,11 @@ PYBIND11_MODULE(_native, m) {
     m.def("dispatch_recv", &mep::dispatch_recv, release(), "local_half_base"_a, "num_ranks"_a, "rank"_a,
           "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a, "tag"_a, "active_ptr"_a,
           "timeout_us"_a, "use_fp8"_a, "recv_x_ptr"_a, "recv_scales_ptr"_a, "src_info_ptr"_a, "layout_range_ptr"_a,
-          "recv_count_ptr"_a, "abort_ptr"_a = 0,
+          "recv_count_ptr"_a, "abort_ptr"_a = 0, "dead_ptr"_a = 0,
           "Wait for every active source's dispatch signals (one deadline), pack the received rows; "
           "returns the ranks newly marked inactive. A non-zero 8-byte word at abort_ptr (0 = none) ends "
-          "the wait with RuntimeError.");
+          "the wait with RuntimeError; a non-zero int32 dead_ptr[p] (0 = no array) marks a source whose signals "
+          "are not all there inactive at once.");
     m.def("combine_send", &mep::combine_send, release(), "x_ptr"_a, "hidden"_a, "num_experts"_a, "num_ranks"_a,
           "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "src_info_ptr"_a, "layout_range_ptr"_a, "active_ptr"_a,
           "peer_half_bases"_a, "tag"_a, "dest"_a = -1, "write_signals"_a = true, "by_destination"_a = false,
@@ -110,20 +111,22 @@ PYBIND11_MODULE(_native, m) {
     m.def("combine_recv", &mep::combine_recv, release(), "local_half_base"_a, "num_ranks"_a, "rank"_a,
           "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a, "tag"_a, "active_ptr"_a,
           "timeout_us"_a, "topk_ptr"_a, "weights_ptr"_a, "num_tokens"_a, "top_k"_a, "out_ptr"_a, "abort_ptr"_a = 0,
+          "dead_ptr"_a = 0,
           "Wait for the combine signal of every expert of every active owner, then reduce; returns the "
           "ranks newly marked inactive. A non-zero 8-byte word at abort_ptr (0 = none) ends the wait with "
-          "RuntimeError.");
+          "RuntimeError; a non-zero int32 dead_ptr[p] (0 = no array) marks an owner whose signals are not "
+          "all there inactive at once.");
 
     m.def("dispatch_round", &mep::dispatch_round, release(), "x_ptr"_a, "num_tokens"_a, "hidden"_a, "topk_ptr"_a,
           "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "active_ptr"_a,
           "peer_half_bases"_a, "tag"_a, "use_fp8"_a, "local_half_base"_a, "timeout_us"_a, "recv_x_ptr"_a,
           "recv_scales_ptr"_a, "src_info_ptr"_a, "layout_range_ptr"_a, "recv_count_ptr"_a, "abort_ptr"_a = 0,
-          "A synchronous dispatch: dispatch_send to every destination, then dispatch_recv; returns the ranks "
+          "dead_ptr"_a = 0, "A synchronous dispatch: dispatch_send to every destination, then dispatch_recv; returns the ranks "
           "newly marked inactive.");
     m.def("combine_round", &mep::combine_round, release(), "x_ptr"_a, "hidden"_a, "num_experts"_a, "num_ranks"_a,
           "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "src_info_ptr"_a, "layout_range_ptr"_a, "active_ptr"_a,
           "peer_half_bases"_a, "tag"_a, "local_half_base"_a, "timeout_us"_a, "topk_ptr"_a, "weights_ptr"_a,
-          "num_tokens"_a, "top_k"_a, "out_ptr"_a, "abort_ptr"_a = 0,
+          "num_tokens"_a, "top_k"_a, "out_ptr"_a, "abort_ptr"_a = 0, "dead_ptr"_a = 0,
           "A synchronous combine: combine_send to every destination, then combine_recv; returns the ranks "
           "newly marked inactive.");
 

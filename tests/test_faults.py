@@ -173,3 +173,63 @@ def test_late_signal_from_inactive_rank_is_ignored(transport):
         outcomes = cluster.run(rank_late, transport, timeout_s=60, failure_grace_s=30)
     for outcome in outcomes:
         assert outcome.ok, outcome.error
+
+
+LONG_TIMEOUT_US = 30_000_000  # a death must be found long before this deadline
+EARLY_S = 3.0  # what a survivor may spend on a round in which a peer process died
+
+
+def rank_killed_early(ctx, transport, kill_point, pretend_hosts):
+    """Like rank_killed, but with a 30 s deadline: the dead rank is found by its process ending (a
+    pidfd on this host, the watch connection across pretend hosts), not by the deadline."""
+    if pretend_hosts:
+        os.environ["MEP_HOST_ID"] = f"pretend-host-{ctx.rank}"
+    try:
+        buffer = _buffer(ctx, transport)
+    finally:
+        os.environ.pop("MEP_HOST_ID", None)
+    routes = sorted(set(buffer._impl.routes) - {"self"})
+    rounds = _gather_rounds(ctx, 2)
+    without_dead = [0 if r == DEAD else 1 for r in range(ctx.num_ranks)]
+    seconds = None
+    for round_index, all_inputs in enumerate(rounds):
+        mine = all_inputs[ctx.rank]
+        active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+        fault = round_index == 1
+        if fault and ctx.rank == DEAD and kill_point == "before_dispatch":
+            _die("sigkill")
+        start = time.monotonic()
+        recv, recv_count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
+                                                         LONG_TIMEOUT_US, use_fp8=False)
+        if fault and ctx.rank == DEAD:
+            _die("sigkill")
+        after_dispatch = active.tolist()
+        combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active,
+                                        LONG_TIMEOUT_US, handle)
+        if not fault:
+            continue
+        seconds = time.monotonic() - start
+        assert active.tolist() == without_dead, f"mask {active.tolist()}"
+        in_dispatch = without_dead if kill_point == "before_dispatch" else [1] * ctx.num_ranks
+        assert after_dispatch == in_dispatch, after_dispatch
+        _check_round(ctx, all_inputs, in_dispatch, without_dead, recv, recv_count, handle, combined)
+    buffer.destroy()
+    return {"seconds": seconds, "routes": routes}
+
+
+@pytest.mark.parametrize("transport,kill_point,pretend_hosts", [
+    ("shm", "before_dispatch", False),
+    ("mooncake", "between", False),
+    ("mooncake", "before_dispatch", True),
+    ("mooncake", "between", True),
+], ids=["shm-before_dispatch", "mooncake-between", "mooncake-hosts-before_dispatch", "mooncake-hosts-between"])
+def test_dead_process_is_found_before_the_deadline(transport, kill_point, pretend_hosts):
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        outcomes = cluster.run(rank_killed_early, transport, kill_point, pretend_hosts, timeout_s=60,
+                               failure_grace_s=30)
+    assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
+    for outcome in outcomes:
+        if outcome.rank != DEAD:
+            assert outcome.ok, outcome.error
+            assert outcome.value["routes"] == (["te"] if transport == "mooncake" else ["shm"]), outcome.value
+            assert outcome.value["seconds"] < EARLY_S, outcome.value

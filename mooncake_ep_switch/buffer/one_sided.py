@@ -24,6 +24,7 @@ from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.layout import RegionLayout, region_layout
 from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, SharedRegion
+from mooncake_ep_switch.buffer.peer_watch import PeerWatch
 from mooncake_ep_switch.buffer.te_endpoint import PeerWrite
 from mooncake_ep_switch.faults import FaultPoint
 
@@ -105,6 +106,8 @@ class OneSidedTransport:
         self.latest_dispatch = 0  # call number of the latest dispatch (its half is no earlier call's)
         self.te = None
         self.staging: Optional[torch.Tensor] = None
+        # Fails a dead peer's receive waits at once (a listener only where peers may be on other hosts).
+        self.watch = PeerWatch(num_ranks, rank, settings.bind_host if name == "mooncake" else None)
         if name == "mooncake":
             from mooncake_ep_switch.buffer.te_endpoint import TeEndpoint
 
@@ -126,7 +129,7 @@ class OneSidedTransport:
         """
         found = {"region": list(self.region.endpoint)}
         if self.te is not None:
-            found.update(te_session=self.te.session_id, te_base=self.base)
+            found.update(te_session=self.te.session_id, te_base=self.base, watch_port=self.watch.port)
         return found
 
     def connect_members(self, view, membership, deadline: float) -> None:
@@ -178,8 +181,11 @@ class OneSidedTransport:
             raise MembershipError(f"members {unreachable} of epoch {view.epoch} cannot be reached", unreachable)
 
     def _route(self, peer: int, found: dict, deadline: float) -> None:
-        """Reach `peer` at its published endpoint: shared memory on this host, else the TE."""
-        if self.allow_shm and found.get("host_id") == self.settings.host_id:
+        """Reach `peer` at its published endpoint: shared memory on this host, else the TE; watch it."""
+        same_host = found.get("host_id") == self.settings.host_id
+        if same_host:  # before the region is mapped: a reused pid fails the mapping's checks
+            self.watch.watch_process(peer, RegionEndpoint(*found["region"]).pid)
+        if self.allow_shm and same_host:
             self._halves.clear()
             self.region.map_peer(peer, RegionEndpoint(*found["region"]))
             self.te_peers.pop(peer, None)
@@ -203,8 +209,13 @@ class OneSidedTransport:
             probe = peer_probe_offset(self.rank)
             self.te.write(session, self.staging.data_ptr() + probe, base + probe, PROBE_BYTES,
                           timeout_s=max(0.1, deadline - time.monotonic()))
+            port = found.get("watch_port")
+            if not same_host and isinstance(port, int) and port > 0:
+                host = session.rpartition(":")[0]
+                self.watch.watch_address(peer, host, port, timeout_s=max(0.1, min(2.0, deadline - time.monotonic())))
 
     def _drop(self, peer: int) -> None:
+        self.watch.forget(peer)
         self._halves.clear()
         self.region.unmap_peer(peer)
         self.te_peers.pop(peer, None)
@@ -212,6 +223,7 @@ class OneSidedTransport:
 
     def destroy(self) -> None:
         """Close the Transfer Engine (if any) and release the region and every mapping."""
+        self.watch.close()
         if self.te is not None:
             self.te.close()
             self.te = None
@@ -342,7 +354,7 @@ class OneSidedTransport:
                                           tag, call.active_ranks.data_ptr(), call.timeout_us, call.use_fp8,
                                           outputs.recv_x.data_ptr(), scales, outputs.src_info.data_ptr(),
                                           outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr(),
-                                          self.abort_ptr)
+                                          self.abort_ptr, self.watch.dead_ptr)
             self.failed_sources.extend(newly)
 
         return None, receive
@@ -374,7 +386,7 @@ class OneSidedTransport:
             tokens, call.active_ranks.data_ptr(), self._direct_halves(offset), signal_tag(call.call), call.use_fp8,
             self.base + offset, call.timeout_us, outputs.recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(),
             outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr(),
-            self.abort_ptr)
+            self.abort_ptr, self.watch.dead_ptr)
         if newly:
             self.failed_sources.extend(newly)
         return None
@@ -444,7 +456,7 @@ class OneSidedTransport:
             newly = _native.combine_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts, tag,
                                          call.active_ranks.data_ptr(), call.timeout_us, call.topk_idx.data_ptr(),
                                          call.topk_weights.data_ptr(), call.topk_idx.size(0), call.topk_idx.size(1),
-                                         call.out.data_ptr(), self.abort_ptr)
+                                         call.out.data_ptr(), self.abort_ptr, self.watch.dead_ptr)
             self.failed_sources.extend(newly)
 
         return receive
@@ -491,6 +503,6 @@ class OneSidedTransport:
             call.x.data_ptr(), hidden, experts, self.num_ranks, self.rank, tokens, call.src_info.data_ptr(),
             call.layout_range.data_ptr(), call.active_ranks.data_ptr(), self._direct_halves(offset),
             signal_tag(call.call), self.base + offset, call.timeout_us, topk.data_ptr(), call.topk_weights.data_ptr(),
-            num_tokens, top_k, call.out.data_ptr(), self.abort_ptr)
+            num_tokens, top_k, call.out.data_ptr(), self.abort_ptr, self.watch.dead_ptr)
         if newly:
             self.failed_sources.extend(newly)

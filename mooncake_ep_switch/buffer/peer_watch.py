@@ -1,0 +1,313 @@
+"""Early death detection for the one-sided transports: a peer process that is gone is failed at once.
+
+Without it a receive learns that a source died only at its deadline (`timeout_us`), and a survivor
+that spent that deadline waiting for a dead peer then starts its own sends late, so a survivor that
+had learned of the death sooner (a refused write) times out on a live rank: one death masks two.
+`PeerWatch` keeps one background thread that blocks in poll() on one file descriptor per watched
+peer and raises that peer's flag in `dead` (an int32 `[R]` tensor the native receive waits read)
+when the descriptor says the process is gone:
+
+* a peer on this host (same host id): a pidfd of its process (readable once it exits, SIGKILL
+  included; the pid is the one its shared region was published with). Opened before the region is
+  mapped, so a pid reused by another process would fail the mapping's checks.
+* a peer on another host: a TCP connection to the peer's watch listener (bound to the configured
+  address, published with the endpoint). An end of file or a reset is confirmed by reconnecting: a
+  refused connection means the peer process is gone; if the peer answers it is alive (the
+  listener dropped connections above its cap, say) and is watched again. A cut link raises nothing
+  (no end of file crosses it): the deadline decides, as before.
+
+A flag only makes a wait stop early for a source whose signals are not all there; a peer that sent
+everything and died after is still counted, exactly as the deadline would. Flags are cleared when a
+peer is watched again (a replacement admitted with `update_ep_member`).
+"""
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["PeerWatch"]
+
+_PROBE_TIMEOUT_S = 0.5  # confirming a closed watch connection: connect() to the peer's listener
+
+
+class _Watched:
+    __slots__ = ("kind", "fd", "handle", "address")
+
+    def __init__(self, kind: str, fd: int, handle, address: Optional[Tuple[str, int]] = None):
+        self.kind = kind  # "pid" or "socket"
+        self.fd = fd
+        self.handle = handle  # the pidfd (int) or the socket object
+        self.address = address
+
+
+class PeerWatch:
+    """Flags dead peers in `dead` as soon as their process is gone (see the module docstring).
+
+    Arguments:
+        num_ranks: group size (length of `dead`).
+        rank: this rank (never watched).
+        bind_host: address the watch listener binds to, or None for no listener (then peers on
+            other hosts cannot watch this rank and fall back to their deadlines).
+        max_accepted: cap on connections the listener holds open (further ones are closed at once).
+    """
+
+    def __init__(self, num_ranks: int, rank: int, bind_host: Optional[str], max_accepted: Optional[int] = None):
+        self.num_ranks = num_ranks
+        self.rank = rank
+        self.dead = torch.zeros(num_ranks, dtype=torch.int32)
+        self.dead_ptr = self.dead.data_ptr()
+        self._lock = threading.Lock()
+        self._watched: Dict[int, _Watched] = {}
+        self._accepted: Dict[int, socket.socket] = {}
+        self._max_accepted = max_accepted if max_accepted is not None else 4 * num_ranks
+        self._closed = False
+        self._listener: Optional[socket.socket] = None
+        self.port = 0
+        if bind_host is not None:
+            family = socket.AF_INET6 if ":" in bind_host.strip("[]") else socket.AF_INET
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                listener.bind((bind_host.strip("[]"), 0))
+                listener.listen(max(8, num_ranks))
+                listener.setblocking(False)
+            except OSError:
+                listener.close()
+                raise
+            self._listener = listener
+            self.port = listener.getsockname()[1]
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._run, name=f"mep-peer-watch-{rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ watching
+    def watch_process(self, peer: int, pid: int) -> None:
+        """Watch `peer` through its process id (a peer on this host); clears its flag.
+
+        Arguments:
+            peer: the peer's rank.
+            pid: its process id, > 0.
+        """
+        self._check_peer(peer)
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            raise ValueError(f"pid: expected a process id > 0, got {pid!r}")
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._replace(peer, None)
+            self.dead[peer] = 1  # already gone
+            return
+        self._replace(peer, _Watched("pid", fd, fd))
+
+    def watch_address(self, peer: int, host: str, port: int, timeout_s: float = _PROBE_TIMEOUT_S) -> None:
+        """Watch `peer` through a connection to its watch listener (a peer on another host); clears its flag.
+
+        Arguments:
+            peer: the peer's rank.
+            host: the peer's address.
+            port: its watch listener's port, in (0, 65536).
+            timeout_s: connect timeout in seconds.
+
+        Raises:
+            ConnectionError / OSError: the listener cannot be reached (the caller treats the peer
+                as unreachable, as for any other endpoint).
+        """
+        self._check_peer(peer)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"port: expected an int in (0, 65536), got {port!r}")
+        sock = socket.create_connection((host.strip("[]"), port), timeout=timeout_s)
+        sock.setblocking(False)
+        self._replace(peer, _Watched("socket", sock.fileno(), sock, (host.strip("[]"), port)))
+
+    def forget(self, peer: int) -> None:
+        """Stop watching `peer` and clear its flag (it left the view)."""
+        self._check_peer(peer)
+        self._replace(peer, None)
+
+    def is_watched(self, peer: int) -> bool:
+        with self._lock:
+            return peer in self._watched
+
+    def close(self) -> None:
+        """Stop the thread and close every descriptor. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake()
+        self._thread.join(5.0)
+        with self._lock:
+            for watched in self._watched.values():
+                _close(watched)
+            self._watched.clear()
+            for sock in self._accepted.values():
+                sock.close()
+            self._accepted.clear()
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ internals
+    def _check_peer(self, peer: int) -> None:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.num_ranks or peer == self.rank:
+            raise ValueError(f"peer: expected a rank in [0, {self.num_ranks}) other than {self.rank}, got {peer!r}")
+
+    def _replace(self, peer: int, watched: Optional[_Watched]) -> None:
+        with self._lock:
+            if self._closed:
+                if watched is not None:
+                    _close(watched)
+                raise RuntimeError("PeerWatch is closed")
+            old = self._watched.pop(peer, None)
+            if watched is not None:
+                self._watched[peer] = watched
+            self.dead[peer] = 0
+        if old is not None:
+            _close(old)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _run(self) -> None:
+        poller = select.poll()
+        registered: Dict[int, object] = {}
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                wanted: Dict[int, object] = {self._wake_r: "wake"}
+                if self._listener is not None:
+                    wanted[self._listener.fileno()] = "listen"
+                for peer, watched in self._watched.items():
+                    wanted[watched.fd] = (peer, watched)
+                for fd, sock in self._accepted.items():
+                    wanted[fd] = ("accepted", sock)
+            for fd in list(registered):
+                if fd not in wanted or registered[fd] != wanted[fd]:
+                    poller.unregister(fd)
+                    del registered[fd]
+            for fd, what in wanted.items():
+                if fd not in registered:
+                    poller.register(fd, select.POLLIN | select.POLLPRI)
+                    registered[fd] = what
+            try:
+                events = poller.poll(1000)
+            except InterruptedError:
+                continue
+            for fd, _ in events:
+                what = registered.get(fd)
+                if what == "wake":
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except OSError:
+                        pass
+                elif what == "listen":
+                    self._accept()
+                elif isinstance(what, tuple) and what[0] == "accepted":
+                    self._drain_accepted(fd, what[1])
+                elif isinstance(what, tuple):
+                    self._peer_event(*what)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            with self._lock:
+                if self._closed or len(self._accepted) >= self._max_accepted:
+                    sock.close()
+                    continue
+                sock.setblocking(False)
+                self._accepted[sock.fileno()] = sock
+
+    def _drain_accepted(self, fd: int, sock: socket.socket) -> None:
+        """A watcher of this rank sent data (never expected) or went away: read, close at end of file."""
+        try:
+            data = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            with self._lock:
+                self._accepted.pop(fd, None)
+            sock.close()
+
+    def _peer_event(self, peer: int, watched: _Watched) -> None:
+        if watched.kind == "pid":
+            verdict = "gone"  # a pidfd polls readable once the process exited
+        else:
+            if not self._socket_closed(watched):
+                return
+            verdict = self._reconnect(peer, watched)
+            if verdict == "alive":
+                return
+        with self._lock:
+            if self._watched.get(peer) is not watched:
+                return  # replaced meanwhile (a new member): its flag is not this one's
+            del self._watched[peer]
+            if verdict == "gone":
+                self.dead[peer] = 1
+        _close(watched)  # "unknown": not watched any more; the deadline decides
+
+    @staticmethod
+    def _socket_closed(watched: _Watched) -> bool:
+        try:
+            data = watched.handle.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        return not data
+
+    def _reconnect(self, peer: int, watched: _Watched) -> str:
+        """After the watch connection ended: "gone" if the peer's listener refuses (its process is
+        gone), "alive" (and watched again) if it answers, "unknown" if it cannot be reached."""
+        try:
+            sock = socket.create_connection(watched.address, timeout=_PROBE_TIMEOUT_S)
+        except ConnectionRefusedError:
+            return "gone"
+        except OSError:
+            return "unknown"
+        sock.setblocking(False)
+        fresh = _Watched("socket", sock.fileno(), sock, watched.address)
+        with self._lock:
+            if self._watched.get(peer) is not watched:
+                sock.close()
+                return "alive"
+            self._watched[peer] = fresh
+        _close(watched)
+        return "alive"
+
+
+def _close(watched: _Watched) -> None:
+    try:
+        if watched.kind == "pid":
+            os.close(watched.handle)
+        else:
+            watched.handle.close()
+    except OSError:
+        pass

@@ -1,0 +1,140 @@
+"""PeerWatch: a peer process that is gone raises its flag at once; a live one never does.
+
+Peers are real child processes (spawn); each is killed in a finally block and every wait has a deadline.
+"""
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from mooncake_ep_switch.buffer.peer_watch import PeerWatch
+
+_CTX = multiprocessing.get_context("spawn")
+FLAG_DEADLINE_S = 3.0  # a flag must rise within this after the peer died (typically a few ms)
+
+
+def _child_listener(conn, max_accepted):
+    """A peer with a watch listener: sends its port, then lives until told to quit (or 30 s)."""
+    watch = PeerWatch(2, 1, "127.0.0.1", max_accepted=max_accepted)
+    conn.send(watch.port)
+    conn.poll(30)
+    watch.close()
+
+
+def _child_sleeper():
+    time.sleep(30)
+
+
+def _spawn(target, *args):
+    conn, child = _CTX.Pipe()
+    process = _CTX.Process(target=target, args=((child,) + args) if target is _child_listener else args, daemon=True)
+    process.start()
+    child.close()
+    return process, conn
+
+
+def _wait_flag(watch, peer, deadline_s=FLAG_DEADLINE_S):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if int(watch.dead[peer]):
+            return time.monotonic()
+        time.sleep(0.002)
+    return None
+
+
+def _kill(process):
+    if process.is_alive():
+        process.kill()
+    process.join(5)
+
+
+@pytest.mark.parametrize("how", ["process", "address"])
+def test_killed_peer_is_flagged_at_once_and_a_live_one_never(how):
+    peers = [_spawn(_child_listener, None) if how == "address" else _spawn(_child_sleeper) for _ in range(2)]
+    watch = PeerWatch(3, 0, None)
+    try:
+        for rank, (process, conn) in enumerate(peers, start=1):
+            if how == "address":
+                assert conn.poll(20), "child did not start"
+                watch.watch_address(rank, "127.0.0.1", conn.recv())
+            else:
+                watch.watch_process(rank, process.pid)
+        time.sleep(0.2)
+        assert watch.dead.tolist() == [0, 0, 0]
+        killed_at = time.monotonic()
+        os.kill(peers[0][0].pid, signal.SIGKILL)
+        flagged_at = _wait_flag(watch, 1)
+        assert flagged_at is not None, "the killed peer was never flagged"
+        assert flagged_at - killed_at < 1.0
+        time.sleep(0.3)
+        assert watch.dead.tolist() == [0, 1, 0], "only the killed peer is flagged"
+        assert not watch.is_watched(1) and watch.is_watched(2)
+        # Watching again (a replacement admitted) clears the flag.
+        watch.watch_process(1, os.getpid()) if how == "process" else watch.forget(1)
+        assert watch.dead.tolist() == [0, 0, 0]
+    finally:
+        watch.close()
+        for process, _ in peers:
+            _kill(process)
+
+
+def test_closed_connection_of_a_live_peer_is_not_a_death():
+    """The peer's listener holds no connection (cap 0): the watcher reconnects, sees it answer, and
+    keeps watching; the later kill is still found."""
+    process, conn = _spawn(_child_listener, 0)
+    watch = PeerWatch(2, 0, None)
+    try:
+        assert conn.poll(20)
+        watch.watch_address(1, "127.0.0.1", conn.recv())
+        assert _wait_flag(watch, 1, 1.0) is None, "a closed connection of a live peer raised its flag"
+        os.kill(process.pid, signal.SIGKILL)
+        assert _wait_flag(watch, 1) is not None
+    finally:
+        watch.close()
+        _kill(process)
+
+
+def test_already_dead_pid_is_flagged_and_bad_arguments_are_refused():
+    process, _ = _spawn(_child_sleeper)
+    _kill(process)
+    watch = PeerWatch(3, 0, "127.0.0.1")
+    try:
+        watch.watch_process(2, process.pid)
+        assert watch.dead.tolist() == [0, 0, 1]
+        with pytest.raises(ValueError, match="peer"):
+            watch.watch_process(0, os.getpid())  # itself
+        with pytest.raises(ValueError, match="peer"):
+            watch.watch_process(3, os.getpid())
+        with pytest.raises(ValueError, match="pid"):
+            watch.watch_process(1, 0)
+        with pytest.raises(ValueError, match="port"):
+            watch.watch_address(1, "127.0.0.1", 70000)
+        with socket.socket() as unused:
+            unused.bind(("127.0.0.1", 0))
+            port = unused.getsockname()[1]
+        with pytest.raises(ConnectionRefusedError):
+            watch.watch_address(1, "127.0.0.1", port)
+        assert watch.dead.tolist() == [0, 0, 1]
+        # The listener binds where it is told.
+        assert watch._listener.getsockname()[0] == "127.0.0.1"
+    finally:
+        watch.close()
+    watch.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        watch.watch_process(1, os.getpid())
+
+
+def test_close_leaves_no_thread_or_descriptor():
+    threads = threading.active_count()
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        watch = PeerWatch(4, 0, "127.0.0.1")
+        watch.watch_process(1, os.getpid())
+        watch.watch_address(2, "127.0.0.1", watch.port)  # its own listener stands in for a peer
+        watch.close()
+    assert threading.active_count() == threads
+    assert len(os.listdir("/proc/self/fd")) == fds
