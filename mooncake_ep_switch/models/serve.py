@@ -25,6 +25,7 @@ import torch
 from mooncake_ep_switch.launch import LocalCluster, check_outcomes
 
 _STATE: Dict[str, object] = {}
+EP_LAYOUT = "ep"
 
 
 class ServeConfig(NamedTuple):
@@ -119,9 +120,6 @@ def rank_setup(ctx, config: ServeConfig) -> str:
     _STATE.update(config=config, model=model, buffer=buffer, memory=memory, runtime=runtime, prompts=mine,
                   cache=None, last=None)
     return buffer.transport
-
-
-EP_LAYOUT = "ep"
 
 
 def rank_switch(ctx, target: str) -> dict:
@@ -326,7 +324,7 @@ def serve_generation(config: ServeConfig, cluster: Optional[LocalCluster] = None
 
 
 def _moe_layers(config: ServeConfig) -> int:
-    from mooncake_ep_switch.models.tiny import ARCHITECTURES, moe_blocks
+    from mooncake_ep_switch.models.tiny import ARCHITECTURES
 
     cfg = ARCHITECTURES[config.model](config.num_experts)
     first_dense = getattr(cfg, "first_k_dense_replace", 0)
