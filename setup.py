@@ -31,6 +31,7 @@ setup(
         "mooncake_ep_switch.switch",
         "mooncake_ep_switch.eplb",
         "mooncake_ep_switch.fallback",
+        "mooncake_ep_switch.models",
     ],
     package_dir={"mooncake_ep_switch.fallback": "fallback"},
     ext_modules=[native],
@@ -44,6 +45,9 @@ setup(
         "mooncake-cuda": ["mooncake-transfer-engine"],
         "nccl": ["nvidia-nccl-cu12"],
         "plot": ["matplotlib"],
+        # transformers 5 fuses a MoE layer's experts into [E, 2I, H] / [E, H, I] tensors, the
+        # layout mooncake_ep_switch.models serves; 5.x does not change torch.
+        "models": ["transformers>=5.0,<6"],
     },
     entry_points={"console_scripts": ["mooncake-ep=mooncake_ep_switch.cli:main"]},
 )

@@ -4,6 +4,10 @@ import sys
 
 
 def _demo(args) -> int:
+    if args.model is not None:
+        from mooncake_ep_switch.models.demo import run_model_demo
+
+        return 0 if run_model_demo(args.model, args.ranks, args.transport) else 1
     from mooncake_ep_switch.demo import DemoConfig, run_demo
 
     defaults = DemoConfig()
@@ -50,6 +54,9 @@ def main(argv=None) -> int:
     demo.add_argument("--out", default="mep_demo_out", help="directory for metrics.json and timeline.png")
     demo.add_argument("--kill-step", type=int, default=None,
                       help="step (inside the burst) at which a rank is SIGKILLed and replaced; -1: none")
+    demo.add_argument("--model", default=None, choices=["qwen3_moe", "mixtral", "deepseek_v3"],
+                      help="instead: a tiny random transformers MoE model generating greedily over EP, TP and "
+                           "EPLB, checked against the single-process model (needs the `models` extra)")
     bench = sub.add_parser("bench", help="transport, switch and EPLB benchmarks with in-run baselines; "
                                          "`bench soak`: the soak benchmark (resources over 10^4 rounds)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
@@ -58,9 +65,10 @@ def main(argv=None) -> int:
     simulate = sub.add_parser("simulate", help="replay bursty and RL-rollout traces through the TP<->EP switch "
                                                "policy under a step-latency model; checks the paper's result")
     add_simulate_arguments(simulate)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in ("demo", "bench", "simulate") and argv[0] not in ("-h", "--help")):
+        argv = ["demo"] + argv  # flags without a subcommand are the demo's
     args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["demo"] + list(argv or sys.argv[1:]))
     if args.command == "demo":
         return _demo(args)
     if args.command == "simulate":

@@ -28,6 +28,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from mooncake_ep_switch.expert_memory import ExpertMemory, GroupHandle
+from mooncake_ep_switch.expert_memory import initial_placement as _initial_placement
 from mooncake_ep_switch.launch import LocalCluster, check_outcomes
 
 
@@ -80,22 +82,6 @@ CHECK_LIMIT = 1e-4  # calc_diff against the single-process reference (bf16 activ
 LAYOUT_TP, LAYOUT_EP = "tp", "ep"
 
 
-class GroupHandle(NamedTuple):
-    """What the weight, slot and all-reduce structures need of a Buffer: a group and who we are.
-
-    Fields:
-        group: the process group (a view's gloo group after a re-admission).
-        rank: this rank.
-        num_ranks: `R`.
-        transport: the Buffer's transport (`"shm"` builds expert slots and a rebalancer).
-    """
-
-    group: object
-    rank: int
-    num_ranks: int
-    transport: str
-
-
 def _calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double() + 1, y.double() + 1
     return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
@@ -115,22 +101,16 @@ def request_trace(config: DemoConfig):
 
 
 def initial_placement(config: DemoConfig) -> np.ndarray:
-    """[L, R * slots] phy2log: each rank's primaries, then redundant copies of the next ranks' experts.
+    """[L, R * slots] phy2log of the demo's shape (see `expert_memory.initial_placement`).
 
     Arguments:
         config: the `DemoConfig` (`experts` a multiple of `num_ranks`).
 
     Returns:
-        phy2log: `[L, R * (E/R + redundant_per_rank)]` np.int64, the logical expert of every
-            physical expert (slot); rank r's slots are its `E/R` primaries, then redundant experts
-            `(r+1) * E/R + j` (mod `E`), the same in every layer.
+        phy2log: `[L, R * (E/R + redundant_per_rank)]` np.int64: rank r's primaries, then redundant
+            experts `(r+1) * E/R + j` (mod `E`), the same in every layer.
     """
-    local = config.experts // config.num_ranks
-    rows = []
-    for rank in range(config.num_ranks):
-        rows += [rank * local + j for j in range(local)]
-        rows += [((rank + 1) * local + j) % config.experts for j in range(config.redundant_per_rank)]
-    return np.asarray([rows] * config.layers, dtype=np.int64)
+    return _initial_placement(config.layers, config.experts, config.num_ranks, config.redundant_per_rank)
 
 
 def _weights(config: DemoConfig):
@@ -148,29 +128,15 @@ def _weights(config: DemoConfig):
 
 
 def _build_structures(handle: GroupHandle, config: DemoConfig, layout: str, phy2log, sync=None):
-    """Unified weights, TP all-reduce, expert slots and rebalancer, collective over `handle.group`."""
-    from mooncake_ep_switch.eplb.online import OnlineRebalancer
-    from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
-    from mooncake_ep_switch.switch import TPAllReduce, UnifiedWeights, WeightShape
+    """Unified weights, TP all-reduce, expert slots and rebalancer (an `ExpertMemory`) over `handle.group`."""
+    from mooncake_ep_switch.switch import WeightShape
 
     weights = _weights(config)
-    umm = UnifiedWeights(handle, WeightShape(config.experts, config.hidden, config.intermediate), config.layers,
-                         layout=layout)
-    umm.load_full(weights)
-    all_reduce = TPAllReduce(handle, config.burst_requests, config.hidden)
-    slots = rebalancer = None
-    if handle.transport == "shm":
-        local = config.experts // config.num_ranks
-        shape = SlotShape(config.layers, config.experts, local + config.redundant_per_rank, config.hidden,
-                          config.intermediate)
-        slots = ExpertSlots(handle, shape, phy2log, primaries=umm, spare_frames=config.redundant_per_rank)
-        slots.load(weights)
-        rebalancer = OnlineRebalancer(slots, timeout_us=config.timeout_us, frames_per_step=1,
-                                      epoch=0 if sync is None else sync["epoch"])
-    if sync is not None:
-        umm.seq, all_reduce.call = sync["switch_seq"], sync["tp_call"]
-    _RANK_STATE.update(weights=weights, umm=umm, all_reduce=all_reduce, slots=slots, rebalancer=rebalancer,
-                       dispatch_map=None, map_version=-1)
+    memory = ExpertMemory(handle, WeightShape(config.experts, config.hidden, config.intermediate), weights,
+                          layout=layout, max_tp_tokens=config.burst_requests, phy2log=phy2log,
+                          redundant_per_rank=config.redundant_per_rank, timeout_us=config.timeout_us, sync=sync)
+    _RANK_STATE.update(weights=weights, memory=memory, umm=memory.umm, all_reduce=memory.all_reduce,
+                       slots=memory.slots, rebalancer=memory.rebalancer)
 
 
 def rank_setup(ctx, config: DemoConfig):
@@ -213,11 +179,7 @@ def rank_sync_state(ctx):
             `"ep"`) and `"phy2log"` (`[L, R * slots_per_rank]` nested list of int, or None
             without expert slots).
     """
-    state = _RANK_STATE
-    slots = state["slots"]
-    return {"switch_seq": state["umm"].seq, "tp_call": state["all_reduce"].call, "layout": state["umm"].layout,
-            "epoch": state["rebalancer"].epoch if state["rebalancer"] else 0,
-            "phy2log": slots.phy2log.tolist() if slots is not None else None}
+    return _RANK_STATE["memory"].sync_state()
 
 
 def rank_readmit(ctx, joiner: int, sync: dict, timeout_s: float = 60.0):
@@ -253,13 +215,9 @@ def rank_readmit(ctx, joiner: int, sync: dict, timeout_s: float = 60.0):
         phy2log = np.asarray(sync["phy2log"]) if sync["phy2log"] is not None else initial_placement(_RANK_STATE["config"])
         _build_structures(handle, _RANK_STATE["config"], sync["layout"], phy2log, sync)
     else:  # same order as the constructors the replacement runs
-        state = _RANK_STATE
-        regions = [state["umm"].region, state["umm"].control, state["all_reduce"].region]
-        regions += [state["slots"].region] if state["slots"] is not None else []
-        for region in regions:
-            if region is not None:
-                region.group = group
-                region.connect(ranks=[joiner])
+        for region in _RANK_STATE["memory"].regions():
+            region.group = group
+            region.connect(ranks=[joiner])
     return list(view.ranks)
 
 
@@ -284,7 +242,6 @@ def rank_switch(ctx, target: str):
 
 def _ep_forward(ctx, x):
     """Every layer in EP; returns (output, per-layer slot counts or None, per-layer dispatch rows or None)."""
-    from mooncake_ep_switch.eplb.maps import build_dispatch_map
     from mooncake_ep_switch.eplb.serving import physical_ep_forward
     from mooncake_ep_switch.switch.moe_block import ep_forward_local
 
@@ -298,12 +255,9 @@ def _ep_forward(ctx, x):
             out = ep_forward_local(buffer, out, weights.router, gate_up, down, config.top_k, tokens, active,
                                    timeout_us=config.timeout_us)
         return out, None, None
-    if state["map_version"] != slots.version:
-        state["dispatch_map"] = build_dispatch_map(slots.phy2log, ctx.num_ranks, ctx.num_ranks)
-        state["map_version"] = slots.version
     counts, rows = [], []
     for layer, weights in enumerate(state["weights"]):
-        row = state["dispatch_map"][ctx.rank, layer]
+        row = state["memory"].dispatch_row(layer)
         out, count = physical_ep_forward(buffer, out, weights.router, slots, layer, config.top_k, tokens, active, row,
                                          timeout_us=config.timeout_us)
         counts.append(count.tolist())
@@ -402,7 +356,7 @@ def rank_teardown(ctx):
     Returns:
         done: True.
     """
-    for name in ("rebalancer", "slots", "all_reduce", "umm", "buffer"):
+    for name in ("memory", "buffer"):
         item = _RANK_STATE.pop(name, None)
         destroy = getattr(item, "destroy", None)
         if destroy is not None:

@@ -28,8 +28,9 @@ def balanced_packing(weight: np.ndarray, num_packs: int):
     """Pack items into equally sized packs, heaviest first to the least-loaded pack with room.
 
     Arguments:
-        weight: `[X, n]` float64 numpy array, item weights of X independent problems; `n` must be
-            a multiple of `num_packs`.
+        weight: `[X, n]` float64 (or float32: pack loads then add in float32, as DeepSeek's torch
+            code does) numpy array, item weights of X independent problems; `n` must be a multiple
+            of `num_packs`.
         num_packs: the number of packs per problem.
 
     Returns:
@@ -45,7 +46,7 @@ def balanced_packing(weight: np.ndarray, num_packs: int):
         rank[:] = 0
         return pack, rank
     for row in range(rows):
-        load = np.zeros(num_packs)
+        load = np.zeros(num_packs, dtype=weight.dtype)
         filled = np.zeros(num_packs, dtype=np.int64)
         for item in np.argsort(-weight[row], kind="stable"):
             target = int(np.argmin(np.where(filled < per_pack, load, np.inf)))
@@ -60,7 +61,8 @@ def replicate(weight: np.ndarray, num_physical: int):
     """Give each redundant slot to the logical expert with the largest load per copy.
 
     Arguments:
-        weight: `[X, n]` float64 numpy array, loads of n logical experts in X problems.
+        weight: `[X, n]` float64 (or float32: load per copy divided in float32) numpy array, loads
+            of n logical experts in X problems.
         num_physical: slots per problem, >= n.
 
     Returns:
@@ -74,7 +76,7 @@ def replicate(weight: np.ndarray, num_physical: int):
     logcnt = np.ones((rows, num_logical), dtype=np.int64)
     index = np.arange(rows)
     for slot in range(num_logical, num_physical):
-        hottest = np.argmax(weight / logcnt, axis=1)
+        hottest = np.argmax(weight / logcnt.astype(weight.dtype), axis=1)
         phy2log[:, slot] = hottest
         rank[:, slot] = logcnt[index, hottest]
         logcnt[index, hottest] += 1
@@ -87,7 +89,8 @@ def _inverse(perm: np.ndarray) -> np.ndarray:
     return inverse
 
 
-def _hierarchical(weight: np.ndarray, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int) -> np.ndarray:
+def _hierarchical(weight: np.ndarray, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int,
+                  with_rank: bool = False):
     num_layers, num_logical = weight.shape
     group_size = num_logical // num_groups
     groups_per_node = num_groups // num_nodes
@@ -106,17 +109,22 @@ def _hierarchical(weight: np.ndarray, num_physical: int, num_groups: int, num_no
 
     # 2. replicate inside each node.
     node_weight = np.take_along_axis(weight, mlog2log, axis=1).reshape(num_layers * num_nodes, logical_per_node)
-    phy2mlog, _, mlogcnt = replicate(node_weight, physical_per_node)
+    phy2mlog, copy_rank, mlogcnt = replicate(node_weight, physical_per_node)
 
     # 3. pack copies onto the node's GPUs.
-    copy_load = np.take_along_axis(node_weight / mlogcnt, phy2mlog, axis=1)
+    copy_load = np.take_along_axis(node_weight / mlogcnt.astype(node_weight.dtype), phy2mlog, axis=1)
     gpu, gpu_rank = balanced_packing(copy_load, gpus_per_node)
     phy2pphy = gpu * slots_per_gpu + gpu_rank
     pphy2phy = _inverse(phy2pphy)
     pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1)
     node_base = (np.arange(num_nodes) * logical_per_node)[None, :, None]
     pphy2mlog = (pphy2mlog.reshape(num_layers, num_nodes, physical_per_node) + node_base).reshape(num_layers, num_physical)
-    return np.take_along_axis(mlog2log, pphy2mlog, axis=1)
+    phy2log = np.take_along_axis(mlog2log, pphy2mlog, axis=1)
+    if not with_rank:
+        return phy2log
+    # Which copy of its expert each slot holds (0 = the first): the order of DeepSeek's log2phy.
+    slot_rank = np.take_along_axis(copy_rank, pphy2phy, axis=1).reshape(num_layers, num_physical)
+    return phy2log, slot_rank
 
 
 def greedy_rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int) -> Placement:

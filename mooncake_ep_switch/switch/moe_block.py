@@ -267,7 +267,7 @@ def ep_forward_local(buffer, x: torch.Tensor, router: torch.Tensor, gate_up: tor
 
 def ep_round(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
              num_local: int, local_expert, tokens_per_rank: int, active_ranks: torch.Tensor,
-             timeout_us: int = 30_000_000):
+             timeout_us: int = 30_000_000, expert_fn=None):
     """Dispatch, run every local expert on its packed rows (bf16), combine zero-copy.
 
     Arguments:
@@ -281,11 +281,14 @@ def ep_round(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
         tokens_per_rank: `num_max_dispatch_tokens_per_rank`.
         active_ranks: `[R]` torch.int32 caller-owned mask.
         timeout_us: deadline of dispatch and combine.
+        expert_fn: `expert_fn(rows, gate_up, down) -> [n, H]` torch.bfloat16, the expert MLP (None:
+            `expert_forward`, the SwiGLU of this module; a served model passes its own).
 
     Returns:
         out: `[N, H]` torch.bfloat16.
         recv_count: `[num_local]` torch.int32, rows each local expert received.
     """
+    expert_fn = expert_forward if expert_fn is None else expert_fn
     recv, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, tokens_per_rank, num_experts,
                                                      timeout_us, use_fp8=False)
     y = buffer.get_next_combine_buffer(handle)
@@ -293,6 +296,6 @@ def ep_round(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
         count = int(recv_count[l_idx])
         if count:
             gate_up, down = local_expert(l_idx)
-            y[l_idx, :count] = expert_forward(recv[l_idx, :count], gate_up, down)
+            y[l_idx, :count] = expert_fn(recv[l_idx, :count], gate_up, down)
     out, _, _ = buffer.combine(y, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy=True)
     return out, recv_count

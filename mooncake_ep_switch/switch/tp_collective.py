@@ -65,7 +65,8 @@ class TPAllReduce:
         region = self.region.local if rank == self.rank else self.region.peer(rank)
         return region[start:start + nbytes]
 
-    def all_reduce(self, x: torch.Tensor, active_ranks: torch.Tensor, timeout_us: int = 30_000_000) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, active_ranks: torch.Tensor, timeout_us: int = 30_000_000, *,
+                   float32_result: bool = False) -> torch.Tensor:
         """Reduce `x` over the group.
 
         Arguments:
@@ -74,9 +75,12 @@ class TPAllReduce:
             active_ranks: `[R]` torch.int32 (1 active, 0 inactive), caller-owned; sources that miss
                 the deadline are set to 0 in place. Inactive ranks are neither sent to nor waited for.
             timeout_us: deadline for the whole receive in microseconds, -1 = none.
+            float32_result: return the float32 sum itself (no bf16 rounding): with every rank but
+                one passing zeros in a row, that row arrives bit-exact (an all-gather of rows).
 
         Returns:
-            out: `[N, H]` torch.bfloat16, `bf16(sum over active ranks in rank order of float32 x_r)`.
+            out: `[N, H]` torch.bfloat16, `bf16(sum over active ranks in rank order of float32 x_r)`
+                (torch.float32 and unrounded with `float32_result`).
         """
         if x.dim() != 2 or x.size(1) != self.hidden or x.size(0) > self.max_tokens or x.dtype not in (
                 torch.float32, torch.bfloat16):
@@ -97,7 +101,7 @@ class TPAllReduce:
             out = torch.zeros_like(x32)
             for part in parts:
                 out += part
-            return out.to(torch.bfloat16)
+            return out if float32_result else out.to(torch.bfloat16)
 
         tag = (self.call - 1) % _TAG_SPACE + 1
         half = self.call % 2
@@ -126,7 +130,7 @@ class TPAllReduce:
                 out += x32
             elif active[s] and s not in late and rows:
                 out += self._slot(self.rank, half, s, nbytes).view(torch.float32).view(rows, self.hidden)
-        return out.to(torch.bfloat16)
+        return out if float32_result else out.to(torch.bfloat16)
 
     def destroy(self) -> None:
         """Unmap the region."""

@@ -1,0 +1,154 @@
+"""A rank's MoE expert weights as the runtime serves them, in both layouts, with redundant experts.
+
+One object per rank that the demo and the transformers integration share:
+
+- the unified weight memory (`switch.UnifiedWeights`): every layer's experts in the EP view (whole
+  experts `[rE/R, (r+1)E/R)`) or the TP view (intermediate slice `r` of every expert), moved
+  between the two by `switch_layout`;
+- the TP all-reduce (`switch.TPAllReduce`) the TP layout sums its partials with;
+- on the `"shm"` transport, the physical experts (`eplb.ExpertSlots`: the primaries are the unified
+  memory's EP view, the redundant experts live in frames), the `eplb.OnlineRebalancer` that moves
+  them to a new placement while serving continues, and the per-rank dispatch map
+  (`eplb.build_dispatch_map`) rebuilt whenever a rebalance commits.
+"""
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+
+
+class GroupHandle(NamedTuple):
+    """What the weight, slot and all-reduce structures need of a Buffer: a group and who we are.
+
+    Fields:
+        group: the process group (a view's gloo group after a re-admission).
+        rank: this rank.
+        num_ranks: `R`.
+        transport: the Buffer's transport (`"shm"` builds expert slots and a rebalancer).
+    """
+
+    group: object
+    rank: int
+    num_ranks: int
+    transport: str
+
+
+def initial_placement(num_layers: int, num_experts: int, num_ranks: int, redundant_per_rank: int) -> np.ndarray:
+    """[L, R * slots] phy2log: each rank's primaries, then redundant copies of the next ranks' experts.
+
+    Arguments:
+        num_layers: `L`.
+        num_experts: `E`, a multiple of `num_ranks`.
+        num_ranks: `R`.
+        redundant_per_rank: redundant experts per rank.
+
+    Returns:
+        phy2log: `[L, R * (E/R + redundant_per_rank)]` np.int64, the logical expert of every
+            physical expert (slot); rank r's slots are its `E/R` primaries, then redundant experts
+            `(r+1) * E/R + j` (mod `E`), the same in every layer.
+    """
+    local = num_experts // num_ranks
+    rows = []
+    for rank in range(num_ranks):
+        rows += [rank * local + j for j in range(local)]
+        rows += [((rank + 1) * local + j) % num_experts for j in range(redundant_per_rank)]
+    return np.asarray([rows] * num_layers, dtype=np.int64)
+
+
+class ExpertMemory:
+    """This rank's expert weights (EP/TP unified memory), TP all-reduce, physical experts and rebalancer.
+
+    Collective at construction over `handle.group` (every rank builds one with the same arguments).
+
+    Arguments:
+        handle: a `GroupHandle` (or a `Buffer`: group, rank, num_ranks and transport are used).
+        shape: the `switch.WeightShape` of every layer (`E` and `I` multiples of `R`).
+        layers: L objects with `gate_up` `[E, 2I, H]` and `down` `[E, H, I]` torch.bfloat16 (the full
+            weights; this rank loads its shards and slots).
+        layout: `"ep"` or `"tp"`, the layout the weights start in.
+        max_tp_tokens: the most rows one TP all-reduce sums.
+        phy2log: `[L, R * (E/R + redundant_per_rank)]` initial placement (see `initial_placement`),
+            or None for primaries only; used on the `"shm"` transport only.
+        redundant_per_rank: redundant experts per rank (slots beyond the primaries).
+        timeout_us: vote deadline of the rebalancer's commits.
+        sync: None, or a dict with `"switch_seq"`, `"tp_call"` and `"epoch"` (int) that a
+            replacement rank takes over from the survivors.
+    """
+
+    def __init__(self, handle, shape, layers: Sequence, *, layout: str, max_tp_tokens: int,
+                 phy2log=None, redundant_per_rank: int = 0, timeout_us: int = 30_000_000,
+                 sync: Optional[dict] = None):
+        from mooncake_ep_switch.eplb.online import OnlineRebalancer
+        from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+        from mooncake_ep_switch.switch import TPAllReduce, UnifiedWeights
+
+        self.rank, self.num_ranks = handle.rank, handle.num_ranks
+        self.umm = UnifiedWeights(handle, shape, len(layers), layout=layout)
+        self.umm.load_full(layers)
+        self.all_reduce = TPAllReduce(handle, max_tp_tokens, shape.hidden)
+        self.slots = self.rebalancer = None
+        if handle.transport == "shm" and phy2log is not None:
+            local = shape.num_experts // handle.num_ranks
+            slot_shape = SlotShape(self.umm.num_layers, shape.num_experts, local + redundant_per_rank, shape.hidden,
+                                   shape.intermediate)
+            self.slots = ExpertSlots(handle, slot_shape, phy2log, primaries=self.umm,
+                                     spare_frames=max(1, redundant_per_rank))
+            self.slots.load(layers)
+            self.rebalancer = OnlineRebalancer(self.slots, timeout_us=timeout_us, frames_per_step=1,
+                                               epoch=0 if sync is None else sync["epoch"])
+        if sync is not None:
+            self.umm.seq, self.all_reduce.call = sync["switch_seq"], sync["tp_call"]
+        self._map = None
+        self._map_version = -1
+
+    @property
+    def layout(self) -> str:
+        """The current layout of the unified weights (`"ep"` or `"tp"`)."""
+        return self.umm.layout
+
+    def dispatch_row(self, layer: int) -> torch.Tensor:
+        """This rank's logical -> physical map of `layer` for the current placement.
+
+        Arguments:
+            layer: MoE layer in `[0, L)`.
+
+        Returns:
+            row: `[E]` torch.int64, `build_dispatch_map(slots.phy2log, R, R)[rank, layer]`, rebuilt
+                after every committed rebalance (requires expert slots).
+        """
+        from mooncake_ep_switch.eplb.maps import build_dispatch_map
+
+        if self._map_version != self.slots.version:
+            self._map = build_dispatch_map(self.slots.phy2log, self.num_ranks, self.num_ranks)
+            self._map_version = self.slots.version
+        return self._map[self.rank, layer]
+
+    def sync_state(self) -> dict:
+        """What a replacement rank takes over (see the `sync` argument).
+
+        Returns:
+            sync: dict with `"switch_seq"`, `"tp_call"`, `"epoch"` (int), `"layout"` (str) and
+                `"phy2log"` (nested list of int, or None without expert slots).
+        """
+        return {"switch_seq": self.umm.seq, "tp_call": self.all_reduce.call, "layout": self.umm.layout,
+                "epoch": self.rebalancer.epoch if self.rebalancer else 0,
+                "phy2log": self.slots.phy2log.tolist() if self.slots is not None else None}
+
+    def regions(self) -> list:
+        """The shared regions in construction order (a re-admission reconnects them to the joiner).
+
+        Returns:
+            regions: list of `SharedRegion` (none on the collective fallback).
+        """
+        regions = [self.umm.region, self.umm.control, self.all_reduce.region]
+        regions += [self.slots.region] if self.slots is not None else []
+        return [region for region in regions if region is not None]
+
+    def destroy(self) -> None:
+        """Destroy the rebalancer, slots, all-reduce and unified weights, in that order (idempotent)."""
+        for name in ("rebalancer", "slots", "all_reduce", "umm"):
+            item = getattr(self, name, None)
+            setattr(self, name, None)
+            destroy = getattr(item, "destroy", None)
+            if destroy is not None:
+                destroy()

@@ -1,0 +1,166 @@
+"""DeepSeek/vLLM-compatible EPLB entry point: call shapes, the triple, and the classic mode's exactness.
+
+The classic algorithm is re-derived below from its published description (plain Python loops,
+no code shared with the package): pack expert groups onto nodes heaviest first (least-loaded node
+with room), hand redundant slots to the expert with the largest load per copy, pack copies onto
+each node's GPUs heaviest first; the global policy is the same with one group and one node.
+"""
+import numpy as np
+import pytest
+import torch
+
+from mooncake_ep_switch.eplb.compat import rebalance_experts
+
+EXAMPLE = torch.tensor([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                        [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])
+# DeepSeek EPLB's README: rebalance_experts(EXAMPLE, 16, 4, 2, 8) prints this phy2log.
+EXAMPLE_PHY2LOG = [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+                   [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+
+
+def _pack(weights, num_packs):
+    """Heaviest first (ties: lower index) into the least-loaded pack with room (ties: lower pack);
+    with one item per pack, item i simply goes to pack i (the published code's shortcut)."""
+    per_pack = len(weights) // num_packs
+    if per_pack == 1:
+        return {item: (item, 0) for item in range(len(weights))}
+    loads, items, where = [np.float32(0)] * num_packs, [[] for _ in range(num_packs)], {}
+    for item in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        pack = min((p for p in range(num_packs) if len(items[p]) < per_pack), key=lambda p: (loads[p], p))
+        where[item] = (pack, len(items[pack]))
+        items[pack].append(item)
+        loads[pack] = np.float32(loads[pack] + weights[item])
+    return where
+
+
+def _classic_reference(row, num_replicas, num_groups, num_nodes, num_gpus):
+    """One layer: (phy2log, copy index of each slot) of the classic greedy."""
+    row = [np.float32(v) for v in row]
+    if num_groups % num_nodes:
+        num_groups, num_nodes = 1, 1
+    experts = len(row)
+    size = experts // num_groups
+    group_where = _pack([sum(row[g * size:(g + 1) * size], np.float32(0)) for g in range(num_groups)], num_nodes)
+    phy2log, copy = [None] * num_replicas, [None] * num_replicas
+    per_node = num_replicas // num_nodes
+    per_gpu = num_replicas // num_gpus
+    for node in range(num_nodes):
+        groups = sorted((g for g in range(num_groups) if group_where[g][0] == node), key=lambda g: group_where[g][1])
+        members = [g * size + j for g in groups for j in range(size)]
+        count = [1] * len(members)
+        slots = [(m, 0) for m in range(len(members))]
+        for _ in range(per_node - len(members)):
+            ratios = [np.float32(row[e]) / np.float32(c) for e, c in zip(members, count)]
+            hot = max(range(len(members)), key=lambda m: (ratios[m], -m))
+            slots.append((hot, count[hot]))
+            count[hot] += 1
+        where = _pack([np.float32(row[members[m]]) / np.float32(count[m]) for m, _ in slots], num_gpus // num_nodes)
+        for index, (m, rank) in enumerate(slots):
+            gpu, position = where[index]
+            slot = node * per_node + gpu * per_gpu + position
+            phy2log[slot], copy[slot] = members[m], rank
+    return phy2log, copy
+
+
+def _check_triple(phy2log, log2phy, logcnt, num_layers, num_experts, num_replicas):
+    assert all(t.dtype == torch.int64 and t.device.type == "cpu" for t in (phy2log, log2phy, logcnt))
+    assert phy2log.shape == (num_layers, num_replicas)
+    assert log2phy.shape == (num_layers, num_experts, num_replicas - num_experts + 1)
+    assert logcnt.shape == (num_layers, num_experts)
+    for layer in range(num_layers):
+        counts = np.bincount(phy2log[layer].numpy(), minlength=num_experts)
+        assert (counts >= 1).all() and counts.tolist() == logcnt[layer].tolist()
+        for expert in range(num_experts):
+            n = int(logcnt[layer, expert])
+            slots = log2phy[layer, expert].tolist()
+            assert all(s == -1 for s in slots[n:]) and all(phy2log[layer, s] == expert for s in slots[:n])
+            assert len(set(slots[:n])) == n
+
+
+def test_deepseek_readme_example_exact():
+    phy2log, log2phy, logcnt = rebalance_experts(EXAMPLE, 16, 4, 2, 8, mode="classic")
+    assert phy2log.tolist() == EXAMPLE_PHY2LOG
+    _check_triple(phy2log, log2phy, logcnt, 2, 12, 16)
+    for layer in range(2):
+        ref_phy2log, ref_copy = _classic_reference(EXAMPLE[layer].tolist(), 16, 4, 2, 8)
+        assert ref_phy2log == EXAMPLE_PHY2LOG[layer]
+        for slot, (expert, copy) in enumerate(zip(ref_phy2log, ref_copy)):
+            assert log2phy[layer, expert, copy] == slot  # DeepSeek's log2phy: copies in copy order
+
+
+# (experts, replicas, groups, nodes, gpus): hierarchical, global because groups % nodes != 0 (with
+# groups not dividing the experts, and nodes not dividing the GPUs), one node with groups, more
+# slots than `experts * gpus` (no-two-copies-per-GPU cannot hold), one slot per expert.
+COMBOS = [(12, 16, 4, 2, 8), (16, 24, 4, 2, 4), (16, 24, 5, 2, 4), (12, 16, 4, 3, 8), (12, 18, 7, 2, 6),
+          (16, 32, 4, 1, 8), (8, 24, 2, 2, 2), (8, 8, 1, 1, 4), (32, 40, 8, 4, 8), (6, 12, 3, 2, 2)]
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+def test_classic_mode_equals_the_classic_algorithm(combo):
+    experts, replicas, groups, nodes, gpus = combo
+    weight = torch.randint(0, 1000, (3, experts), generator=torch.Generator().manual_seed(experts * replicas))
+    phy2log, log2phy, logcnt = rebalance_experts(weight, replicas, groups, nodes, gpus, mode="classic")
+    _check_triple(phy2log, log2phy, logcnt, 3, experts, replicas)
+    for layer in range(3):
+        ref_phy2log, ref_copy = _classic_reference(weight[layer].tolist(), replicas, groups, nodes, gpus)
+        assert phy2log[layer].tolist() == ref_phy2log
+        for slot, (expert, copy) in enumerate(zip(ref_phy2log, ref_copy)):
+            assert log2phy[layer, expert, copy] == slot
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16])
+def test_every_combination_returns_the_triple(combo, dtype):
+    experts, replicas, groups, nodes, gpus = combo
+    weight = (torch.rand((2, experts), generator=torch.Generator().manual_seed(7)) * 100).to(dtype)
+    per_gpu = replicas // gpus
+    for result in (rebalance_experts(weight, replicas, groups, nodes, gpus),  # DeepSeek's positional call
+                   rebalance_experts(weight, num_replicas=replicas, num_groups=groups, num_nodes=nodes,
+                                     num_ranks=gpus),  # vLLM's keywords
+                   rebalance_experts(weight.numpy() if dtype != torch.bfloat16 else weight.float().numpy(),
+                                     replicas, groups, nodes, gpus, mode="classic")):
+        _check_triple(*result, 2, experts, replicas)
+    if replicas <= experts * gpus:  # our placement: never two copies of an expert on one GPU
+        phy2log = rebalance_experts(weight, replicas, groups, nodes, gpus)[0].view(2, gpus, per_gpu)
+        assert all(len(set(phy2log[l, g].tolist())) == per_gpu for l in range(2) for g in range(gpus))
+
+
+@pytest.mark.parametrize("combo", [c for c in COMBOS if c[1] <= c[0] * c[4]])
+def test_movement_mode_keeps_slots_of_experts_that_stay(combo):
+    experts, replicas, groups, nodes, gpus = combo
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randint(1, 1000, (4, experts), generator=generator)
+    old = rebalance_experts(weight, replicas, groups, nodes, gpus)[0]
+    # vLLM's call: old_global_expert_indices as the sixth argument; an unchanged load moves nothing.
+    assert torch.equal(rebalance_experts(weight, replicas, groups, nodes, gpus, old)[0], old)
+    drifted = (weight.double() * (0.7 + 0.6 * torch.rand(weight.shape, generator=generator, dtype=torch.float64)))
+    new, log2phy, logcnt = rebalance_experts(drifted, replicas, groups, nodes, gpus, old_global_expert_indices=old)
+    _check_triple(new, log2phy, logcnt, 4, experts, replicas)
+    per_gpu = replicas // gpus
+    for layer in range(4):
+        for gpu in range(gpus):
+            before = old[layer, gpu * per_gpu:(gpu + 1) * per_gpu].tolist()
+            after = new[layer, gpu * per_gpu:(gpu + 1) * per_gpu].tolist()
+            for position, expert in enumerate(after):
+                if expert in before and before.count(expert) == 1:
+                    assert before[position] == expert, f"layer {layer} gpu {gpu}: expert {expert} changed slot"
+
+
+def test_invalid_combinations_are_refused_like_deepseek():
+    w = EXAMPLE
+    with pytest.raises(ValueError, match="num_groups: the hierarchical policy"):
+        rebalance_experts(w, 16, 8, 2, 8)  # 8 % 2 == 0 -> hierarchical, 8 does not divide 12
+    with pytest.raises(ValueError, match="num_nodes: the hierarchical policy"):
+        rebalance_experts(w, 16, 6, 3, 8)  # 6 % 3 == 0 -> hierarchical, 3 nodes do not divide 8 GPUs
+    with pytest.raises(ValueError, match="num_replicas: expected a multiple of num_gpus=8"):
+        rebalance_experts(w, 20, 4, 2, 8)
+    with pytest.raises(ValueError, match="num_replicas: expected a multiple"):
+        rebalance_experts(w, 8, 4, 2, 8)
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        rebalance_experts(w, 16, 4, 2, 8, mode="fast")
+    with pytest.raises(ValueError, match="old_global_expert_indices: the 'movement' mode"):
+        rebalance_experts(w, 16, 4, 2, 8, mode="movement")
+    with pytest.raises(ValueError, match=r"old_global_expert_indices: expected shape \[2, 16\]"):
+        rebalance_experts(w, 16, 4, 2, 8, torch.zeros((2, 8), dtype=torch.int64))
+    with pytest.raises(TypeError, match="num_gpus, num_ranks: expected exactly one"):
+        rebalance_experts(w, 16, 4, 2, 8, num_ranks=8)

@@ -1,0 +1,92 @@
+"""A transformers MoE model served over the runtime: EP, TP switching, EPLB, a killed rank.
+
+Every step's logits of a short greedy generation on R local ranks are compared with the
+single-process transformers model (`reference_generation`, itself checked against transformers'
+own `generate`): bf16 calc_diff < 1e-3 and the same greedy tokens.
+"""
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the `models` extra (transformers) is part of the test install")
+
+from mooncake_ep_switch.models.serve import ServeConfig, prompts, reference_generation, serve_generation  # noqa: E402
+from mooncake_ep_switch.models.tiny import build_model  # noqa: E402
+from tests import harness  # noqa: E402
+from tests.reference import calc_diff  # noqa: E402
+
+ARCHS = ["qwen3_moe", "deepseek_v3"]
+LIMIT = 1e-3
+
+
+def _check_steps(result, reference):
+    for step in result["steps"]:
+        expected = reference[step["step"]]
+        rows = step["rows"]
+        diff = calc_diff(step["logits"], expected["logits"][rows])
+        assert diff < LIMIT, f"step {step['step']} ({step['layout']}): calc_diff {diff:.2e}"
+        assert step["tokens"] == [expected["tokens"][i] for i in rows], f"step {step['step']}: tokens differ"
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generation_ep_tp_and_rebalance_match_model(arch, num_ranks):
+    config = ServeConfig(model=arch, num_ranks=num_ranks)
+    result = serve_generation(config, cluster=harness.cluster(num_ranks))
+    reference = reference_generation(config)
+    assert result["transport"] == "shm"
+    _check_steps(result, reference)
+    layouts = [s["layout"] for s in result["steps"]]
+    assert layouts == ["ep", "ep", "tp", "tp"] + ["ep"] * (config.new_tokens - 4)
+    assert [s["target"] for s in result["switches"]] == ["tp", "ep"]
+    # EPLB moved redundant experts to where the router's loads went, while serving, and later steps
+    # (served by the new physical experts through the new dispatch map) still match the model.
+    plan = result["rebalance"]
+    assert plan is not None and plan["changed_layers"] >= 1
+    commits = [(s["step"], layer) for s in result["steps"] for r in s["reports"] if r["outcome"] == "committed"
+               for layer in r["layers"]]
+    assert len(commits) == plan["changed_layers"] and max(commits)[0] < config.new_tokens - 1
+    assert result["phy2log"]["final"] == plan["phy2log"] != result["phy2log"]["initial"]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_killed_rank_experts_skipped(arch, num_ranks):
+    kill_rank, kill_step = num_ranks - 1, 4
+    config = ServeConfig(model=arch, num_ranks=num_ranks, new_tokens=7, redundant_per_rank=0, switches=(),
+                         rebalance_step=-1, kill_step=kill_step, kill_rank=kill_rank,
+                         timeout_us=harness.FAULT_TIMEOUT_US)
+    with harness.fresh_cluster(num_ranks) as cluster:
+        result = serve_generation(config, cluster=cluster)
+    local = config.num_experts // num_ranks
+    dead_experts = range(kill_rank * local, (kill_rank + 1) * local)
+    reference = reference_generation(config, skip_from=kill_step, skip_experts=dead_experts)
+    _check_steps(result, reference)
+    assert [s["dead"] for s in result["steps"]] == [[]] * kill_step + [[kill_rank]] * (config.new_tokens - kill_step)
+    b = config.sequences_per_rank
+    assert len(result["steps"][-1]["rows"]) == (num_ranks - 1) * b
+    # The skip is real: without it the survivors' logits would differ from what they served.
+    full = reference_generation(config)
+    rows = result["steps"][kill_step]["rows"]
+    assert calc_diff(full[kill_step]["logits"][rows], result["steps"][kill_step]["logits"]) > 10 * LIMIT
+
+
+@pytest.mark.parametrize("arch", ARCHS + ["mixtral"])
+def test_reference_generation_is_transformers_generate(arch):
+    config = ServeConfig(model=arch, num_ranks=2, new_tokens=4)
+    reference = reference_generation(config)
+    model = build_model(arch, config.seed, config.num_experts)
+    ids = prompts(config)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=config.new_tokens,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert out.sequences[:, ids.size(1):].tolist() == [list(t) for t in zip(*[s["tokens"] for s in reference])]
+    for step, logits in enumerate(out.logits):
+        assert torch.equal(logits.float(), reference[step]["logits"])
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="name: expected one of"):
+        build_model("gpt2")
+    with pytest.raises(ValueError, match="num_ranks: expected a divisor of num_experts=8, got 3"):
+        serve_generation(ServeConfig(num_ranks=3))
+    with pytest.raises(ValueError, match="model: expected one of"):
+        serve_generation(ServeConfig(model="llama"))
