@@ -83,19 +83,35 @@ def test_killed_peer_is_flagged_at_once_and_a_live_one_never(how):
 
 
 def test_closed_connection_of_a_live_peer_is_not_a_death():
-    """The peer's listener holds no connection (cap 0): the watcher reconnects, sees it answer, and
-    keeps watching; the later kill is still found."""
+    """The peer's listener holds no connection (cap 0, or a stranger's listener): its flag never
+    rises, and the watcher stops watching it instead of reconnecting in a loop."""
     process, conn = _spawn(_child_listener, 0)
     watch = PeerWatch(2, 0, None)
     try:
         assert conn.poll(20)
         watch.watch_address(1, "127.0.0.1", conn.recv())
         assert _wait_flag(watch, 1, 1.0) is None, "a closed connection of a live peer raised its flag"
-        os.kill(process.pid, signal.SIGKILL)
-        assert _wait_flag(watch, 1) is not None
+        assert not watch.is_watched(1)
     finally:
         watch.close()
         _kill(process)
+
+
+def test_watch_connections_above_the_cap_are_closed_and_strangers_cannot_flood():
+    watch = PeerWatch(2, 0, "127.0.0.1", max_accepted=2)
+    clients = []
+    try:
+        for _ in range(4):
+            clients.append(socket.create_connection(("127.0.0.1", watch.port), timeout=2))
+        time.sleep(0.3)
+        assert len(watch._accepted) == 2
+        clients[0].sendall(b"garbage")  # watchers never send: such a connection is closed
+        time.sleep(0.3)
+        assert len(watch._accepted) == 1
+    finally:
+        for client in clients:
+            client.close()
+        watch.close()
 
 
 def test_already_dead_pid_is_flagged_and_bad_arguments_are_refused():

@@ -183,9 +183,9 @@ class OneSidedTransport:
     def _route(self, peer: int, found: dict, deadline: float) -> None:
         """Reach `peer` at its published endpoint: shared memory on this host, else the TE; watch it."""
         same_host = found.get("host_id") == self.settings.host_id
-        if same_host:  # before the region is mapped: a reused pid fails the mapping's checks
-            self.watch.watch_process(peer, RegionEndpoint(*found["region"]).pid)
         if self.allow_shm and same_host:
+            # Watched before the region is mapped: the mapping then proves the pid is the peer's.
+            self.watch.watch_process(peer, RegionEndpoint(*found["region"]).pid)
             self._halves.clear()
             self.region.map_peer(peer, RegionEndpoint(*found["region"]))
             self.te_peers.pop(peer, None)
@@ -210,7 +210,7 @@ class OneSidedTransport:
             self.te.write(session, self.staging.data_ptr() + probe, base + probe, PROBE_BYTES,
                           timeout_s=max(0.1, deadline - time.monotonic()))
             port = found.get("watch_port")
-            if not same_host and isinstance(port, int) and port > 0:
+            if isinstance(port, int) and 0 < port < 65536:
                 host = session.rpartition(":")[0]
                 self.watch.watch_address(peer, host, port, timeout_s=max(0.1, min(2.0, deadline - time.monotonic())))
 

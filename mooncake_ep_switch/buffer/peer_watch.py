@@ -7,14 +7,15 @@ had learned of the death sooner (a refused write) times out on a live rank: one 
 peer and raises that peer's flag in `dead` (an int32 `[R]` tensor the native receive waits read)
 when the descriptor says the process is gone:
 
-* a peer on this host (same host id): a pidfd of its process (readable once it exits, SIGKILL
-  included; the pid is the one its shared region was published with). Opened before the region is
-  mapped, so a pid reused by another process would fail the mapping's checks.
-* a peer on another host: a TCP connection to the peer's watch listener (bound to the configured
-  address, published with the endpoint). An end of file or a reset is confirmed by reconnecting: a
-  refused connection means the peer process is gone; if the peer answers it is alive (the
-  listener dropped connections above its cap, say) and is watched again. A cut link raises nothing
-  (no end of file crosses it): the deadline decides, as before.
+* a peer reached through shared memory: a pidfd of its process (readable once it exits, SIGKILL
+  included; the pid is the one its region was published with). Opened before the region is mapped,
+  and the mapping checks that this pid holds the rank's sealed region, so the pid is the peer's.
+* a peer reached over the Transfer Engine (on this host or another): a TCP connection to the
+  peer's watch listener (bound to the configured address, published with the endpoint). An end of
+  file or a reset is confirmed by reconnecting: a refused connection means the peer process is
+  gone; if the peer answers it is alive and is watched again (a connection closed within 1 s of
+  opening is not reopened: watching that peer stops and its deadline decides). A cut link raises
+  nothing (no end of file crosses it): the deadline decides, as before.
 
 A flag only makes a wait stop early for a source whose signals are not all there; a peer that sent
 everything and died after is still counted, exactly as the deadline would. Flags are cleared when a
@@ -26,6 +27,7 @@ import os
 import select
 import socket
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -35,14 +37,20 @@ __all__ = ["PeerWatch"]
 _PROBE_TIMEOUT_S = 0.5  # confirming a closed watch connection: connect() to the peer's listener
 
 
+_SETTLE_S = 0.1  # how long a fresh probe connection must stay open to count as an answer
+_PROBES = 4  # probe connections before a peer that keeps dropping them is given up on
+_MIN_CONNECTION_S = 1.0  # a watch connection closed younger than this is not reopened (no reconnect storm)
+
+
 class _Watched:
-    __slots__ = ("kind", "fd", "handle", "address")
+    __slots__ = ("kind", "fd", "handle", "address", "opened")
 
     def __init__(self, kind: str, fd: int, handle, address: Optional[Tuple[str, int]] = None):
         self.kind = kind  # "pid" or "socket"
         self.fd = fd
         self.handle = handle  # the pidfd (int) or the socket object
         self.address = address
+        self.opened = time.monotonic()
 
 
 class PeerWatch:
@@ -244,17 +252,16 @@ class PeerWatch:
                 self._accepted[sock.fileno()] = sock
 
     def _drain_accepted(self, fd: int, sock: socket.socket) -> None:
-        """A watcher of this rank sent data (never expected) or went away: read, close at end of file."""
+        """A watcher of this rank went away or sent data (watchers never send): close the connection."""
         try:
-            data = sock.recv(4096)
+            sock.recv(1)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
-            with self._lock:
-                self._accepted.pop(fd, None)
-            sock.close()
+            pass
+        with self._lock:
+            self._accepted.pop(fd, None)
+        sock.close()
 
     def _peer_event(self, peer: int, watched: _Watched) -> None:
         if watched.kind == "pid":
@@ -285,22 +292,37 @@ class PeerWatch:
 
     def _reconnect(self, peer: int, watched: _Watched) -> str:
         """After the watch connection ended: "gone" if the peer's listener refuses (its process is
-        gone), "alive" (and watched again) if it answers, "unknown" if it cannot be reached."""
-        try:
-            sock = socket.create_connection(watched.address, timeout=_PROBE_TIMEOUT_S)
-        except ConnectionRefusedError:
-            return "gone"
-        except OSError:
-            return "unknown"
-        sock.setblocking(False)
-        fresh = _Watched("socket", sock.fileno(), sock, watched.address)
-        with self._lock:
-            if self._watched.get(peer) is not watched:
+        gone), "alive" (and watched again) if it answers, "unknown" if it cannot be reached or keeps
+        dropping connections. A process being torn down can still complete a connect() into its
+        listener's queue and then reset it, so a connection that ends within _SETTLE_S is retried.
+        A watch connection closed younger than _MIN_CONNECTION_S is not reopened (a live listener
+        dropping it: its cap, or a stranger's listener): watching stops, the deadline decides."""
+        young = time.monotonic() - watched.opened < _MIN_CONNECTION_S
+        for _ in range(_PROBES):
+            try:
+                sock = socket.create_connection(watched.address, timeout=_PROBE_TIMEOUT_S)
+            except ConnectionRefusedError:
+                return "gone"
+            except OSError:
+                return "unknown"
+            readable, _, _ = select.select([sock], [], [], _SETTLE_S)
+            if readable:  # reset or closed at once: look again
                 sock.close()
-                return "alive"
-            self._watched[peer] = fresh
-        _close(watched)
-        return "alive"
+                time.sleep(_SETTLE_S / 2)
+                continue
+            if young:
+                sock.close()
+                return "unknown"
+            sock.setblocking(False)
+            fresh = _Watched("socket", sock.fileno(), sock, watched.address)
+            with self._lock:
+                if self._watched.get(peer) is not watched:
+                    sock.close()
+                    return "alive"
+                self._watched[peer] = fresh
+            _close(watched)
+            return "alive"
+        return "unknown"
 
 
 def _close(watched: _Watched) -> None:
