@@ -21,6 +21,7 @@ from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, Event
 from mooncake_ep_switch.buffer.layout import region_layout
 from mooncake_ep_switch.buffer.membership import (LeftOut, Membership, MembershipError, View, check_seconds,
                                                   generation_prefix, group_prefix, root_store)
+from mooncake_ep_switch.buffer.peer_regions import PeerRegions
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
 
@@ -275,6 +276,8 @@ class Buffer:
         self._destroyed = False
         self._life = _Lifetime()
         self._prev_plan: Optional[DispatchPlan] = None
+        # Every region peers map beyond the EP region (switch, KV, EPLB): re-mapped on re-admission.
+        self.peer_regions = PeerRegions(self)
         self._impl = self._make_transport(transport)
         self._impl.abort_ptr = self._life.abort_ptr  # native waits stop once destroy() raises it
         self.transport = self._impl.name
@@ -286,6 +289,7 @@ class Buffer:
             self.membership.publish_endpoint(dict(self._impl.endpoint(), host_id=self.settings.host_id))
         if not self.joining:  # a joiner registers as joining in update_ep_member(), when it waits
             self.connect()
+            self.peer_regions.snapshot(self.members)  # whose regions participants map (a later incarnation joins)
 
     # ------------------------------------------------------------------ construction
     def _host_ids(self):
@@ -416,6 +420,7 @@ class Buffer:
                 self._fault.hit("update_after_ready", self.rank)
             # Every member starts its call counter at one agreed value above every tag used so far.
             self._call = membership.max_call(view.epoch, view.ranks) + 2
+            admitted = self.joining
             self.epoch, self.members, self.joining = view.epoch, view.ranks, False
             self._impl.failed_sources.clear()
             try:
@@ -431,6 +436,14 @@ class Buffer:
             if membership.sealed(view.epoch + 1):
                 failed = set()  # the others moved on without this rank meanwhile: it finds out and rejoins
                 continue
+            if admitted:  # learn what to rebuild (or re-map what this rank still has)
+                self.peer_regions.admitted(view, deadline)
+            else:  # hand the joiners their state and map their regions as they rebuild them
+                try:
+                    self.peer_regions.readmit(view, deadline)
+                except MembershipError as error:
+                    self._impl.failed_sources.extend(error.missing)  # the next update_ep_member() drops them
+                    raise
             return view
 
     def _left_out(self, error: LeftOut) -> None:
@@ -458,6 +471,17 @@ class Buffer:
         self.epoch, self.members = view.epoch, view.ranks
         self._impl.connect_members(view, membership, max(deadline, time.monotonic() + 5.0))
         return view
+
+    @property
+    def process_group(self):
+        """The process group of the current view, for structures that run collectives on it.
+
+        Returns:
+            group: on the `"collective"` transport, the group the transport runs on now (a
+                per-epoch gloo group after a membership change); otherwise the constructor's group
+                (None for a replacement: its shared regions are mapped through the store).
+        """
+        return self._impl.group if self.transport == "collective" else self.group
 
     def active_mask(self) -> torch.Tensor:
         """A fresh `active_ranks` tensor for the current view.
@@ -547,6 +571,7 @@ class Buffer:
             self._destroyed = True
             return
         self._destroyed = True
+        self.peer_regions.clear()
         worker, self._worker = self._worker, None
         impl, outputs = self._impl, self._outputs
 
