@@ -1,1 +1,2 @@
-"""PyTorch-collective transport (pure torch), installed as mooncake_ep_switch.fallback."""
+"""The collective transport's entry point, installed as mooncake_ep_switch.fallback (a re-export of
+`mooncake_ep_switch.buffer.collective`, where the transport lives)."""

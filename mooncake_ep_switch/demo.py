@@ -22,13 +22,12 @@ import json
 import os
 import sys
 import time
-import warnings
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from mooncake_ep_switch.expert_memory import ExpertMemory, GroupHandle
+from mooncake_ep_switch.expert_memory import ExpertMemory
 from mooncake_ep_switch.expert_memory import initial_placement as _initial_placement
 from mooncake_ep_switch.launch import LocalCluster, check_outcomes
 
@@ -127,14 +126,19 @@ def _weights(config: DemoConfig):
     return layers
 
 
-def _build_structures(handle: GroupHandle, config: DemoConfig, layout: str, phy2log, sync=None):
-    """Unified weights, TP all-reduce, expert slots and rebalancer (an `ExpertMemory`) over `handle.group`."""
+def _build_structures(buffer, config: DemoConfig):
+    """Unified weights, TP all-reduce, expert slots and rebalancer (an `ExpertMemory`) on `buffer`.
+
+    A replacement rank makes the same call once admitted: it takes the members' layout, counters
+    and placement over through the Buffer and loads its weights from the loader (`_weights`).
+    """
     from mooncake_ep_switch.switch import WeightShape
 
-    weights = _weights(config)
-    memory = ExpertMemory(handle, WeightShape(config.experts, config.hidden, config.intermediate), weights,
-                          layout=layout, max_tp_tokens=config.burst_requests, phy2log=phy2log,
-                          redundant_per_rank=config.redundant_per_rank, timeout_us=config.timeout_us, sync=sync)
+    weights = _weights(config)  # the loader (a checkpoint in a real engine)
+    memory = ExpertMemory(buffer, WeightShape(config.experts, config.hidden, config.intermediate),
+                          weights, layout=LAYOUT_TP, max_tp_tokens=config.burst_requests,
+                          phy2log=initial_placement(config), redundant_per_rank=config.redundant_per_rank,
+                          timeout_us=config.timeout_us)
     _RANK_STATE.update(weights=weights, memory=memory, umm=memory.umm, all_reduce=memory.all_reduce,
                        slots=memory.slots, rebalancer=memory.rebalancer)
 
@@ -163,33 +167,20 @@ def rank_setup(ctx, config: DemoConfig):
     buffer = Buffer(group, size, transport=config.transport)
     _RANK_STATE.update(buffer=buffer, config=config, active=buffer.active_mask())
     if not replacement:  # a replacement builds the rest once admitted (rank_readmit)
-        handle = GroupHandle(ctx.group, ctx.rank, ctx.num_ranks, buffer.transport)
-        _build_structures(handle, config, LAYOUT_TP, initial_placement(config))
+        _build_structures(buffer, config)
     return buffer.transport
 
 
-def rank_sync_state(ctx):
-    """What a replacement must take over from the survivors (counters, placement, layout).
+def rank_readmit(ctx, joiner: int, timeout_s: float = 60.0):
+    """Admit `joiner`'s replacement: `update_ep_member()` everywhere, then the replacement builds its memory.
 
-    Arguments:
-        ctx: the `launch.RankContext` (unused).
-
-    Returns:
-        sync: dict with `"switch_seq"`, `"tp_call"`, `"epoch"` (int), `"layout"` (`"tp"` or
-            `"ep"`) and `"phy2log"` (`[L, R * slots_per_rank]` nested list of int, or None
-            without expert slots).
-    """
-    return _RANK_STATE["memory"].sync_state()
-
-
-def rank_readmit(ctx, joiner: int, sync: dict, timeout_s: float = 60.0):
-    """Survivors and the replacement agree on the next epoch, then map each other's regions anew.
+    The members' `update_ep_member()` hands the replacement their state and maps its regions as it
+    builds them; nothing else is re-mapped by hand.
 
     Arguments:
         ctx: the `launch.RankContext`.
         joiner: the rank being replaced.
-        sync: what `rank_sync_state` returned on a survivor (used by the replacement).
-        timeout_s: seconds to wait for the joiner and for the agreement.
+        timeout_s: seconds to wait for the joiner, the agreement and the replacement's rebuild.
 
     Returns:
         ranks: list of int, the members of the agreed epoch.
@@ -197,27 +188,16 @@ def rank_readmit(ctx, joiner: int, sync: dict, timeout_s: float = 60.0):
     Raises:
         TimeoutError: the replacement never asked to join.
     """
-    from mooncake_ep_switch.buffer.membership import view_group
-
     buffer = _RANK_STATE["buffer"]
     deadline = time.monotonic() + timeout_s
-    replacement = ctx.rank == joiner
-    while not replacement and joiner not in buffer.pending_joiners():
+    while ctx.rank != joiner and joiner not in buffer.pending_joiners():
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {joiner}'s replacement never asked to join")
         time.sleep(0.01)
     view = buffer.update_ep_member(timeout_s=timeout_s)
+    if ctx.rank == joiner:
+        _build_structures(buffer, _RANK_STATE["config"])
     _RANK_STATE["active"] = buffer.active_mask()
-    group = view_group(ctx.store, view, ctx.rank, timeout_s, prefix="demo")
-    warnings.filterwarnings("ignore", message="You are using a Backend")  # a raw gloo group, used on purpose
-    if replacement:
-        handle = GroupHandle(group, ctx.rank, ctx.num_ranks, buffer.transport)
-        phy2log = np.asarray(sync["phy2log"]) if sync["phy2log"] is not None else initial_placement(_RANK_STATE["config"])
-        _build_structures(handle, _RANK_STATE["config"], sync["layout"], phy2log, sync)
-    else:  # same order as the constructors the replacement runs
-        for region in _RANK_STATE["memory"].regions():
-            region.group = group
-            region.connect(ranks=[joiner])
     return list(view.ranks)
 
 
@@ -497,9 +477,8 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
                 failed_at = time.perf_counter() - step_seconds
                 replace_started = time.perf_counter()
                 cluster.respawn(config.kill_rank)
-                sync = check_outcomes(cluster.run(rank_sync_state, ranks=[0], timeout_s=60))[0]
                 check_outcomes(cluster.run(rank_setup, config, ranks=[config.kill_rank], timeout_s=120))
-                views = check_outcomes(cluster.run(rank_readmit, config.kill_rank, sync, timeout_s=120))
+                views = check_outcomes(cluster.run(rank_readmit, config.kill_rank, timeout_s=120))
                 recovery = {"rank": config.kill_rank, "killed_at_step": step, "survivors_saw_dead": dead,
                             "replace_seconds": time.perf_counter() - replace_started, "view": views[0],
                             "_failed_at": failed_at}

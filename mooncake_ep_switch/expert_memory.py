@@ -11,26 +11,10 @@ One object per rank that the demo and the transformers integration share:
   them to a new placement while serving continues, and the per-rank dispatch map
   (`eplb.build_dispatch_map`) rebuilt whenever a rebalance commits.
 """
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, Sequence, Union
 
 import numpy as np
 import torch
-
-
-class GroupHandle(NamedTuple):
-    """What the weight, slot and all-reduce structures need of a Buffer: a group and who we are.
-
-    Fields:
-        group: the process group (a view's gloo group after a re-admission).
-        rank: this rank.
-        num_ranks: `R`.
-        transport: the Buffer's transport (`"shm"` builds expert slots and a rebalancer).
-    """
-
-    group: object
-    rank: int
-    num_ranks: int
-    transport: str
 
 
 def initial_placement(num_layers: int, num_experts: int, num_ranks: int, redundant_per_rank: int) -> np.ndarray:
@@ -58,46 +42,52 @@ def initial_placement(num_layers: int, num_experts: int, num_ranks: int, redunda
 class ExpertMemory:
     """This rank's expert weights (EP/TP unified memory), TP all-reduce, physical experts and rebalancer.
 
-    Collective at construction over `handle.group` (every rank builds one with the same arguments).
+    Collective at construction over the Buffer's members (every rank builds one with the same
+    arguments), with one exception: a replacement rank, once its `update_ep_member()` admitted it,
+    builds its own with the same call alone while the members wait in theirs. It then takes the
+    members' state over through the Buffer's `peer_regions` (the weights' layout and switch
+    sequence, the all-reduce's call counter, the current placement and rebalance epochs), ignoring
+    `layout` and `phy2log`, and loads its weights from `layers` (a checkpoint loader in a real engine).
 
     Arguments:
-        handle: a `GroupHandle` (or a `Buffer`: group, rank, num_ranks and transport are used).
+        buffer: the `Buffer` (its members, rank, transport and membership are used).
         shape: the `switch.WeightShape` of every layer (`E` and `I` multiples of `R`).
         layers: L objects with `gate_up` `[E, 2I, H]` and `down` `[E, H, I]` torch.bfloat16 (the full
-            weights; this rank loads its shards and slots).
+            weights; this rank loads its shards and slots), or a callable with no arguments that
+            returns them (called once, here).
         layout: `"ep"` or `"tp"`, the layout the weights start in.
         max_tp_tokens: the most rows one TP all-reduce sums.
         phy2log: `[L, R * (E/R + redundant_per_rank)]` initial placement (see `initial_placement`),
             or None for primaries only; used on the `"shm"` transport only.
         redundant_per_rank: redundant experts per rank (slots beyond the primaries).
         timeout_us: vote deadline of the rebalancer's commits.
-        sync: None, or a dict with `"switch_seq"`, `"tp_call"` and `"epoch"` (int) that a
-            replacement rank takes over from the survivors.
     """
 
-    def __init__(self, handle, shape, layers: Sequence, *, layout: str, max_tp_tokens: int,
-                 phy2log=None, redundant_per_rank: int = 0, timeout_us: int = 30_000_000,
-                 sync: Optional[dict] = None):
+    def __init__(self, buffer, shape, layers: Union[Sequence, Callable[[], Sequence]], *, layout: str,
+                 max_tp_tokens: int, phy2log=None, redundant_per_rank: int = 0, timeout_us: int = 30_000_000):
         from mooncake_ep_switch.eplb.online import OnlineRebalancer
         from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
         from mooncake_ep_switch.switch import TPAllReduce, UnifiedWeights
 
-        self.rank, self.num_ranks = handle.rank, handle.num_ranks
-        self.umm = UnifiedWeights(handle, shape, len(layers), layout=layout)
-        self.umm.load_full(layers)
-        self.all_reduce = TPAllReduce(handle, max_tp_tokens, shape.hidden)
-        self.slots = self.rebalancer = None
-        if handle.transport == "shm" and phy2log is not None:
-            local = shape.num_experts // handle.num_ranks
-            slot_shape = SlotShape(self.umm.num_layers, shape.num_experts, local + redundant_per_rank, shape.hidden,
-                                   shape.intermediate)
-            self.slots = ExpertSlots(handle, slot_shape, phy2log, primaries=self.umm,
-                                     spare_frames=max(1, redundant_per_rank))
-            self.slots.load(layers)
-            self.rebalancer = OnlineRebalancer(self.slots, timeout_us=timeout_us, frames_per_step=1,
-                                               epoch=0 if sync is None else sync["epoch"])
-        if sync is not None:
-            self.umm.seq, self.all_reduce.call = sync["switch_seq"], sync["tp_call"]
+        if callable(layers):
+            layers = layers()
+        self.rank, self.num_ranks = buffer.rank, buffer.num_ranks
+        self.umm = self.all_reduce = self.slots = self.rebalancer = None
+        try:
+            self.umm = UnifiedWeights(buffer, shape, len(layers), layout=layout)
+            self.umm.load_full(layers)
+            self.all_reduce = TPAllReduce(buffer, max_tp_tokens, shape.hidden)
+            if buffer.transport == "shm" and phy2log is not None:
+                local = shape.num_experts // buffer.num_ranks
+                slot_shape = SlotShape(self.umm.num_layers, shape.num_experts, local + redundant_per_rank,
+                                       shape.hidden, shape.intermediate)
+                self.slots = ExpertSlots(buffer, slot_shape, phy2log, primaries=self.umm,
+                                         spare_frames=max(1, redundant_per_rank))
+                self.slots.load(layers)
+                self.rebalancer = OnlineRebalancer(self.slots, timeout_us=timeout_us, frames_per_step=1)
+        except BaseException:
+            self.destroy()
+            raise
         self._map = None
         self._map_version = -1
 
@@ -122,27 +112,6 @@ class ExpertMemory:
             self._map = build_dispatch_map(self.slots.phy2log, self.num_ranks, self.num_ranks)
             self._map_version = self.slots.version
         return self._map[self.rank, layer]
-
-    def sync_state(self) -> dict:
-        """What a replacement rank takes over (see the `sync` argument).
-
-        Returns:
-            sync: dict with `"switch_seq"`, `"tp_call"`, `"epoch"` (int), `"layout"` (str) and
-                `"phy2log"` (nested list of int, or None without expert slots).
-        """
-        return {"switch_seq": self.umm.seq, "tp_call": self.all_reduce.call, "layout": self.umm.layout,
-                "epoch": self.rebalancer.epoch if self.rebalancer else 0,
-                "phy2log": self.slots.phy2log.tolist() if self.slots is not None else None}
-
-    def regions(self) -> list:
-        """The shared regions in construction order (a re-admission reconnects them to the joiner).
-
-        Returns:
-            regions: list of `SharedRegion` (none on the collective fallback).
-        """
-        regions = [self.umm.region, self.umm.control, self.all_reduce.region]
-        regions += [self.slots.region] if self.slots is not None else []
-        return [region for region in regions if region is not None]
 
     def destroy(self) -> None:
         """Destroy the rebalancer, slots, all-reduce and unified weights, in that order (idempotent)."""

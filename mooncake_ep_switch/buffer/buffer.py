@@ -17,10 +17,14 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
+from mooncake_ep_switch.buffer.collective import CollectiveTransport
 from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt
 from mooncake_ep_switch.buffer.layout import region_layout
 from mooncake_ep_switch.buffer.membership import (LeftOut, Membership, MembershipError, View, check_seconds,
                                                   generation_prefix, group_prefix, root_store)
+from mooncake_ep_switch.buffer.one_sided import OneSidedTransport
+from mooncake_ep_switch.buffer.peer_regions import PeerRegions
+from mooncake_ep_switch.buffer.transport import Transport
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
 
@@ -275,17 +279,16 @@ class Buffer:
         self._destroyed = False
         self._life = _Lifetime()
         self._prev_plan: Optional[DispatchPlan] = None
-        self._impl = self._make_transport(transport)
+        # Every region peers map beyond the EP region (switch, KV, EPLB): re-mapped on re-admission.
+        self.peer_regions = PeerRegions(self)
+        self._impl: Transport = self._make_transport(transport)
         self._impl.abort_ptr = self._life.abort_ptr  # native waits stop once destroy() raises it
         self.transport = self._impl.name
-        # Transports that can run a synchronous call's send and receive phases in one go.
-        self._sync_calls = hasattr(self._impl, "dispatch_sync") and hasattr(self._impl, "combine_sync")
-        if hasattr(self._impl, "view_change"):  # the fallback survives a peer lost mid-collective
-            self._impl.view_change = self._survivors_view
         if self.membership is not None:
             self.membership.publish_endpoint(dict(self._impl.endpoint(), host_id=self.settings.host_id))
         if not self.joining:  # a joiner registers as joining in update_ep_member(), when it waits
             self.connect()
+            self.peer_regions.snapshot(self.members)  # whose regions participants map (a later incarnation joins)
 
     # ------------------------------------------------------------------ construction
     def _host_ids(self):
@@ -310,9 +313,6 @@ class Buffer:
 
     def _make_transport(self, requested: str):
         """Resolve `transport` and build it (rules in docs/transports.md)."""
-        from mooncake_ep_switch.buffer.one_sided import OneSidedTransport
-        from mooncake_ep_switch.fallback.collective import CollectiveTransport
-
         if requested == "auto":
             same_host = len(set(self._host_ids())) == 1
             if self.num_ep_buffer_bytes == 0:
@@ -324,7 +324,8 @@ class Buffer:
             else:
                 requested = "collective"
         if requested == "collective":
-            return CollectiveTransport(self.group, self.rank, self.num_ranks)
+            # The fallback survives a peer lost mid-collective: it agrees on the survivors' view.
+            return CollectiveTransport(self.group, self.rank, self.num_ranks, view_change=self._survivors_view)
         if requested == "shm":
             if self.disable_p2p:
                 raise ValueError("transport: 'shm' uses peer-to-peer shared memory, which disable_p2p=True forbids")
@@ -416,6 +417,7 @@ class Buffer:
                 self._fault.hit("update_after_ready", self.rank)
             # Every member starts its call counter at one agreed value above every tag used so far.
             self._call = membership.max_call(view.epoch, view.ranks) + 2
+            admitted = self.joining
             self.epoch, self.members, self.joining = view.epoch, view.ranks, False
             self._impl.failed_sources.clear()
             try:
@@ -431,6 +433,14 @@ class Buffer:
             if membership.sealed(view.epoch + 1):
                 failed = set()  # the others moved on without this rank meanwhile: it finds out and rejoins
                 continue
+            if admitted:  # learn what to rebuild (or re-map what this rank still has)
+                self.peer_regions.admitted(view, deadline)
+            else:  # hand the joiners their state and map their regions as they rebuild them
+                try:
+                    self.peer_regions.readmit(view, deadline)
+                except MembershipError as error:
+                    self._impl.failed_sources.extend(error.missing)  # the next update_ep_member() drops them
+                    raise
             return view
 
     def _left_out(self, error: LeftOut) -> None:
@@ -458,6 +468,17 @@ class Buffer:
         self.epoch, self.members = view.epoch, view.ranks
         self._impl.connect_members(view, membership, max(deadline, time.monotonic() + 5.0))
         return view
+
+    @property
+    def process_group(self):
+        """The process group of the current view, for structures that run collectives on it.
+
+        Returns:
+            group: on the `"collective"` transport, the group the transport runs on now (a
+                per-epoch gloo group after a membership change); otherwise the constructor's group
+                (None for a replacement: its shared regions are mapped through the store).
+        """
+        return self._impl.group if self.transport == "collective" else self.group
 
     def active_mask(self) -> torch.Tensor:
         """A fresh `active_ranks` tensor for the current view.
@@ -547,6 +568,7 @@ class Buffer:
             self._destroyed = True
             return
         self._destroyed = True
+        self.peer_regions.clear()
         worker, self._worker = self._worker, None
         impl, outputs = self._impl, self._outputs
 
@@ -725,7 +747,7 @@ class Buffer:
             call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, self._call,
                                 self.epoch)
             receipt = None
-            if self._sync_calls and not (async_finish or return_recv_hook):
+            if not (async_finish or return_recv_hook):
                 private = self._impl.dispatch_sync(call, outputs)  # send and receive in one native call
                 receive = None
             else:
@@ -888,7 +910,7 @@ class Buffer:
             # From here the peers may see this combine's signals: the handle is used up, whatever happens
             # (a second combine would find this call's signals and read rows being overwritten).
             plan.combined[0] = True
-            if self._sync_calls and not (async_finish or return_recv_hook):
+            if not (async_finish or return_recv_hook):
                 self._impl.combine_sync(call)  # send and receive in one native call
                 return out, EventOverlap(None, (x, topk_idx, topk_weights)), None
             receive = self._impl.combine(call)

@@ -12,53 +12,6 @@ def _ptr(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
 
 
-def gather_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
-    """Copy rows: `dst[i] = src[index[i]]`.
-
-    Arguments:
-        dst: `[n, ...]` contiguous rows of the same row size as `src`.
-        src: `[m, ...]` contiguous rows.
-        index: `[n]` torch.int64 row indices into `src`.
-    """
-    if index.numel() == 0:
-        return
-    row_bytes = src[0].numel() * src.element_size()
-    _native.gather_rows(_ptr(dst), row_bytes, _ptr(src), row_bytes, row_bytes, _ptr(index), index.numel())
-
-
-def quantize_fp8_rows(src: torch.Tensor, index, data: torch.Tensor, scales: torch.Tensor) -> None:
-    """Quantize bf16 rows to FP8 e4m3fn with one float32 scale per 128 channels.
-
-    Arguments:
-        src: `[m, hidden]` torch.bfloat16.
-        index: `[n]` torch.int64 rows of `src` to quantize, or None for all rows in order.
-        data: `[n, hidden]` torch.uint8 output (e4m3fn bits).
-        scales: `[n, hidden / 128]` torch.float32 output.
-    """
-    count = data.size(0)
-    if count == 0:
-        return
-    _native.quantize_fp8_rows(_ptr(src), src.size(1) * 2, 0 if index is None else _ptr(index), count,
-                              src.size(1), _ptr(data), _ptr(scales))
-
-
-def scatter_fp8_rows(data: torch.Tensor, scales: torch.Tensor, positions: torch.Tensor,
-                     recv_x: torch.Tensor, recv_scales_physical: torch.Tensor) -> None:
-    """Place compact FP8 rows into the packed layout with token-contiguous scales.
-
-    Arguments:
-        data: `[n, hidden]` torch.uint8 rows.
-        scales: `[n, hidden / 128]` torch.float32.
-        positions: `[n]` torch.int64 flat positions `local_expert * rows_per_expert + row`.
-        recv_x: `[L, rows_per_expert, hidden]` FP8 output (any 1-byte dtype).
-        recv_scales_physical: `[L, hidden / 128, rows_per_expert]` torch.float32 output.
-    """
-    if data.size(0) == 0:
-        return
-    _native.scatter_fp8_rows(_ptr(data), _ptr(scales), data.size(0), data.size(1), _ptr(positions),
-                             _ptr(recv_x), _ptr(recv_scales_physical), recv_x.size(1))
-
-
 def combine_reduce(out: torch.Tensor, row_index: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> None:
     """`out[t] = bf16(sum_k weights[t,k] * rows[row_index[t,k]])` in fp32, top-k order, -1 skipped.
 
@@ -78,21 +31,6 @@ def combine_reduce(out: torch.Tensor, row_index: torch.Tensor, weights: torch.Te
         return
     _native.combine_reduce(_ptr(out), out.size(0), hidden, row_index.size(1), _ptr(row_index), _ptr(weights),
                            _ptr(rows), hidden * 2)
-
-
-def gather_rows_strided(dst_ptr: int, dst_stride: int, src_ptr: int, src_stride: int, row_bytes: int,
-                        index: torch.Tensor) -> None:
-    """Copy `row_bytes` per row: `dst + i*dst_stride <- src + index[i]*src_stride` (byte addresses).
-
-    Arguments:
-        dst_ptr, src_ptr: base addresses (e.g. `data_ptr()`, possibly offset into a record).
-        dst_stride, src_stride: bytes between consecutive rows.
-        row_bytes: bytes copied per row.
-        index: `[n]` contiguous torch.int64 row indices into the source.
-    """
-    if index.numel() == 0:
-        return
-    _native.gather_rows(dst_ptr, dst_stride, src_ptr, src_stride, row_bytes, index.data_ptr(), index.numel())
 
 
 # ------------------------------------------------------------------ collective fallback records

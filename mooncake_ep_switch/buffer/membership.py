@@ -12,6 +12,9 @@ Buffer generation of one EP group, see `group_prefix` and `generation_prefix`):
     endpoint/<rank>/<inc>       JSON endpoint of that incarnation (region pid/fd, TE session)
     evidence/<e>/<reporter>     JSON list of ranks the reporter saw fail in epoch e
     alive/<rank>                heartbeat of a joiner while it waits to be admitted
+    regions/<i>/<rank>/<inc>    JSON {"kind", "regions": [[pid, fd, nbytes], ...]}: shared regions of
+                                participant i of that incarnation (buffer/peer_regions.py)
+    regions/state/<e>           JSON list, what the members' participants hand a replacement admitted in e
 
 Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; epoch 0 is every rank):
 
@@ -55,6 +58,7 @@ ACTIVE, INACTIVE, JOINING = "active", "inactive", "joining"
 STATES = (ACTIVE, INACTIVE, JOINING)
 MAX_RECORD_BYTES = 1 << 16  # no honest record comes near this; bigger ones are refused unparsed
 MAX_COUNTER = 1 << 53
+MAX_STATE_BYTES = 1 << 24  # peer state of every registered participant (a placement table is the big part)
 JOINER_BEAT_S = 0.02  # a waiting joiner refreshes alive/<rank> this often
 JOINER_PROOF_S = 1.0  # a sealer admits only joiners whose heartbeat moved within this long
 _MAC = "mac1:"
@@ -162,6 +166,21 @@ def _valid_endpoint(value) -> bool:
     return "te_base" not in value or _is_int(value["te_base"], 1, 1 << 64)
 
 
+def _valid_region_record(value) -> bool:
+    if not isinstance(value, dict) or not isinstance(value.get("kind"), str):
+        return False
+    regions = value.get("regions")
+    return isinstance(regions, list) and len(regions) <= 64 and all(
+        isinstance(r, list) and len(r) == 3 and _is_int(r[0], 1, 1 << 31) and _is_int(r[1], 0, 1 << 31)
+        and _is_int(r[2], 1, 1 << 62) for r in regions)
+
+
+def _valid_peer_state(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(item, dict) and _is_int(item.get("index"), 0, MAX_COUNTER) and isinstance(item.get("kind"), str)
+        and isinstance(item.get("state"), dict) for item in value)
+
+
 class Membership:
     """Read and change the EP membership kept in a store.
 
@@ -194,11 +213,11 @@ class Membership:
         text = json.dumps(value, separators=(",", ":"))
         return text if self.secret is None else f"{_MAC}{self._mac(key, text)}:{text}"
 
-    def _decode(self, key: str, raw: bytes) -> Any:
+    def _decode(self, key: str, raw: bytes, limit: int = MAX_RECORD_BYTES) -> Any:
         """Parse (and authenticate) one record; MembershipError if it is malformed or forged."""
-        if len(raw) > MAX_RECORD_BYTES:
+        if len(raw) > limit:
             raise MembershipError(f"store record {self.prefix}/{key} is {len(raw)} bytes (at most "
-                                  f"{MAX_RECORD_BYTES}): not written by this job's ranks; refused")
+                                  f"{limit}): not written by this job's ranks; refused")
         try:
             text = raw.decode()
         except UnicodeDecodeError:
@@ -225,12 +244,12 @@ class Membership:
             return None
         return self.store.get(key)
 
-    def _read(self, key: str, valid: Callable[[Any], Any], what: str) -> Any:
+    def _read(self, key: str, valid: Callable[[Any], Any], what: str, limit: int = MAX_RECORD_BYTES) -> Any:
         """The record at `key` (None when absent); MembershipError when malformed, forged or invalid."""
         raw = self._raw(key)
         if raw is None:
             return None
-        value = self._decode(key, raw)
+        value = self._decode(key, raw, limit)
         if not valid(value):
             raise MembershipError(f"store record {self.prefix}/{key} is not a valid {what}: {str(value)[:120]!r}; "
                                   "refused (this job's ranks never write such a record)")
@@ -398,6 +417,52 @@ class Membership:
             raise MembershipError(f"rank {rank} (incarnation {incarnation}) has published no endpoint")
         return dict(found, incarnation=incarnation)
 
+    def incarnation_of(self, rank: int) -> int:
+        """The current incarnation number of `rank` (bumped by every process taking the rank id).
+
+        Arguments:
+            rank: EP rank in `[0, num_ranks)`.
+
+        Returns:
+            incarnation: int, 0 when no process took the rank yet.
+
+        Raises:
+            MembershipError: the counter holds something other than a count.
+        """
+        return self._counter(f"incarnation/{rank}")
+
+    def region_record(self, index: int, rank: int) -> Optional[dict]:
+        """The shared regions `rank`'s current incarnation published for participant `index`.
+
+        Arguments:
+            index: participant index (see `buffer/peer_regions.py`), >= 0.
+            rank: EP rank in `[0, num_ranks)`.
+
+        Returns:
+            record: dict with `"kind"` (str) and `"regions"` (list of `[pid, fd, nbytes]`), or
+                None when that incarnation has published none (yet).
+
+        Raises:
+            MembershipError: the record is malformed or fails authentication.
+        """
+        incarnation = self._counter(f"incarnation/{rank}")
+        return self._read(f"regions/{index}/{rank}/{incarnation}", _valid_region_record,
+                          "region record (dict: kind str, regions list of [pid, fd, nbytes])")
+
+    def peer_state(self, epoch: int) -> Optional[list]:
+        """What the members published for the replacements admitted into `epoch` (see `publish_peer_state`).
+
+        Arguments:
+            epoch: the epoch that admitted the replacement.
+
+        Returns:
+            states: list of dicts (`"index"`, `"kind"`, `"state"`), or None when not published (yet).
+
+        Raises:
+            MembershipError: the record is malformed or fails authentication.
+        """
+        return self._read(f"regions/state/{epoch}", _valid_peer_state, "peer state list", limit=MAX_STATE_BYTES)
+
     def evidence(self, epoch: Optional[int] = None) -> Dict[int, List[int]]:
         """Failures reported in `epoch`: reporter -> ranks it saw fail.
 
@@ -434,6 +499,40 @@ class Membership:
             raise ValueError(f"endpoint: expected a dict with region [pid, fd, nbytes], host_id str, te_session "
                              f"str, te_base int, got {endpoint!r}")
         self._put(f"endpoint/{self.rank}/{self.incarnation}", endpoint)
+
+    def publish_region_record(self, index: int, record: dict) -> None:
+        """Publish this incarnation's shared regions of participant `index` (see `region_record`).
+
+        Arguments:
+            index: participant index, >= 0.
+            record: dict with `"kind"` (str) and `"regions"` (list of `[pid, fd, nbytes]`).
+
+        Raises:
+            ValueError: `record` is not a valid region record.
+        """
+        if not _valid_region_record(record):
+            raise ValueError(f"record: expected a dict with kind str and regions list of [pid, fd, nbytes], got "
+                             f"{str(record)[:120]!r}")
+        self._put(f"regions/{index}/{self.rank}/{self.incarnation}", record)
+
+    def publish_peer_state(self, epoch: int, states: list) -> None:
+        """Publish, once per epoch, what replacements admitted into `epoch` take over (see `peer_state`).
+
+        Arguments:
+            epoch: the epoch that admits the replacements.
+            states: list of dicts with `"index"` (int), `"kind"` (str) and `"state"` (JSON dict).
+
+        Raises:
+            ValueError: `states` is not a valid list or is larger than `MAX_STATE_BYTES`.
+        """
+        if not _valid_peer_state(states):
+            raise ValueError(f"states: expected a list of dicts with index int, kind str and state dict, got "
+                             f"{str(states)[:120]!r}")
+        key = f"regions/state/{epoch}"
+        text = self._encode(key, states)
+        if len(text) > MAX_STATE_BYTES:
+            raise ValueError(f"states: {len(text)} bytes encoded, at most {MAX_STATE_BYTES}")
+        self.store.set(key, text)
 
     def reincarnate(self) -> int:
         """Take a new incarnation of this rank (a left-out rank that rejoins).

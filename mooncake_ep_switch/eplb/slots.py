@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.eplb._convert import as_indices, as_int
 from mooncake_ep_switch.eplb.layout import expert_counts
@@ -97,6 +98,9 @@ def check_phy2log(name: str, phy2log, num_layers: int, num_slots: int, num_logic
     return table.copy()
 
 
+KIND = "expert_slots"  # participant kind in the Buffer's peer regions
+
+
 class ExpertSlots:
     """This rank's physical experts of every layer, in frames of a region every rank of the host maps.
 
@@ -127,10 +131,13 @@ class ExpertSlots:
         hidden = as_int("shape.hidden", shape.hidden)
         inter = as_int("shape.intermediate", shape.intermediate)
         spare = per_rank if spare_frames is None else as_int("spare_frames", spare_frames, minimum=1)
+        joined = peer_regions.joined_state(buffer, KIND)  # a replacement takes the members' placement
+        if joined is not None:
+            phy2log = np.asarray(joined["phy2log"], dtype=np.int64)
         self.shape = SlotShape(num_layers, num_logical, per_rank, hidden, inter)
         self.rank = buffer.rank
         self.num_ranks = buffer.num_ranks
-        self.group = buffer.group
+        self.group = peer_regions.group_of(buffer)
         self.num_slots = self.num_ranks * per_rank
         if self.num_slots < num_logical:
             raise ValueError(f"shape.slots_per_rank: {per_rank} slots on {self.num_ranks} ranks cannot hold "
@@ -140,7 +147,7 @@ class ExpertSlots:
         self.num_primary = 0
         # Chunk epochs used on these slots by every OnlineRebalancer (their votes and decision
         # words are per slots, so the numbering must be too), and the rebalancer now moving them.
-        self.chunk_epoch = 0
+        self.chunk_epoch = 0 if joined is None else joined["chunk_epoch"]
         self.active_rebalancer = None  # weakref.ref of an OnlineRebalancer, or None
         if primaries is not None:
             from mooncake_ep_switch.switch.umm import UnifiedWeights
@@ -167,10 +174,12 @@ class ExpertSlots:
         self.down_offset = self.frames_offset + self.num_frames * self.gate_up_bytes
         nbytes = self.down_offset + self.num_frames * self.down_bytes
         self.region = SharedRegion(self.group, self.rank, self.num_ranks, nbytes)
-        self.region.connect()
+        self._registry = getattr(buffer, "peer_regions", None)
+        peer_regions.register(buffer, self, KIND)
         if prefault:
             for peer in range(self.num_ranks):
-                _native.prefault(self.region.peer_bases[peer], nbytes)
+                if self.region.peer_bases[peer]:
+                    _native.prefault(self.region.peer_bases[peer], nbytes)
         local = self.region.local
         self._gate_up = local[self.frames_offset:self.down_offset].view(torch.bfloat16).view(
             self.num_frames, 2 * inter, hidden)
@@ -178,7 +187,7 @@ class ExpertSlots:
         self.frame_of = np.full((num_layers, per_rank), -1, dtype=np.int64)  # -1: a primary (not in a frame)
         self.frame_of[:, self.num_primary:] = np.arange(num_layers * self.num_redundant).reshape(num_layers, -1)
         self.free_frames: List[int] = list(range(num_layers * self.num_redundant, self.num_frames))
-        self.version = 0  # advanced at every committed change of the placement
+        self.version = 0 if joined is None else joined["version"]  # advanced at every committed placement change
         self.publish_table()
 
     # ------------------------------------------------------------------ placement
@@ -377,8 +386,32 @@ class ExpertSlots:
         """
         return self.region.peer_bases[rank] + offset
 
+    # ------------------------------------------------------------------ membership (peer_regions.Participant)
+    def shared_regions(self) -> list:
+        """The region peers read slot tables and frames from and vote in.
+
+        Returns:
+            regions: `[region]` (empty once destroyed).
+        """
+        return [] if self.region is None else [self.region]
+
+    def peer_state(self) -> dict:
+        """What a replacement of this rank takes over.
+
+        Returns:
+            state: dict with `"phy2log"` (`[L, num_slots]` nested list of int, the current
+                placement), `"chunk_epoch"` and `"version"` (int).
+        """
+        return {"phy2log": self.phy2log.tolist(), "chunk_epoch": self.chunk_epoch, "version": self.version}
+
+    def readmitted(self, ranks) -> None:
+        """Nothing to forget: the replacement's table is published from the members' placement."""
+
     def destroy(self) -> None:
-        """Unmap the region; views of the frames become invalid."""
+        """Unmap the region; views of the frames become invalid; idempotent."""
+        if getattr(self, "_registry", None) is not None:
+            self._registry.remove(self)
+            self._registry = None
         self._gate_up = self._down = None
         if self.region is not None:
             self.region.destroy()

@@ -93,7 +93,7 @@ def rank_setup(ctx, config: ServeConfig) -> str:
         transport: str, the Buffer's transport.
     """
     from mooncake_ep_switch import Buffer
-    from mooncake_ep_switch.expert_memory import ExpertMemory, GroupHandle, initial_placement
+    from mooncake_ep_switch.expert_memory import ExpertMemory, initial_placement
     from mooncake_ep_switch.models.runtime import ModelRuntime
     from mooncake_ep_switch.models.tiny import build_model, expert_layers
     from mooncake_ep_switch.switch import WeightShape
@@ -106,11 +106,10 @@ def rank_setup(ctx, config: ServeConfig) -> str:
     physical = ctx.num_ranks * (num_experts // ctx.num_ranks + config.redundant_per_rank)
     buffer = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(tokens, hidden, ctx.num_ranks, physical),
                     transport=config.transport)
-    handle = GroupHandle(ctx.group, ctx.rank, ctx.num_ranks, buffer.transport)
     phy2log = None
     if config.redundant_per_rank:
         phy2log = initial_placement(len(layers), num_experts, ctx.num_ranks, config.redundant_per_rank)
-    memory = ExpertMemory(handle, WeightShape(num_experts, hidden, intermediate), layers, layout=EP_LAYOUT,
+    memory = ExpertMemory(buffer, WeightShape(num_experts, hidden, intermediate), layers, layout=EP_LAYOUT,
                           max_tp_tokens=ctx.num_ranks * tokens, phy2log=phy2log,
                           redundant_per_rank=config.redundant_per_rank, timeout_us=config.timeout_us)
     runtime = ModelRuntime(buffer, memory, tokens, buffer.active_mask(), config.timeout_us)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.switch.umm import _check_int
 
@@ -201,6 +202,9 @@ def alloc_group(free: np.ndarray, group: int) -> int:
 # The cache
 # ------------------------------------------------------------------------------------------------
 
+KIND = "paged_kv_cache"  # participant kind in the Buffer's peer regions
+
+
 class PagedKVCache:
     """A paged K/V cache per layer whose pages can be redistributed between the EP and TP layouts.
 
@@ -229,12 +233,13 @@ class PagedKVCache:
             raise ValueError(f"config.num_units: expected a multiple of num_ranks={ranks}, got {units}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        joined = peer_regions.joined_state(buffer, KIND)  # a replacement starts empty in the members' layout
         self.config = config
-        self.group = buffer.group
+        self.group = peer_regions.group_of(buffer)
         self.rank = buffer.rank
         self.num_ranks = ranks
         self.transport = buffer.transport
-        self.layout = layout
+        self.layout = layout if joined is None else joined["layout"]
         self.heads_per_unit = heads // ranks
         self.unit_bytes = self.heads_per_unit * config.page_size * config.head_dim * 2
         meta = config.metadata_bytes or 65536 + 40 * units
@@ -248,14 +253,16 @@ class PagedKVCache:
         self._private: Optional[torch.Tensor] = None
         if self.transport == "shm":
             self.region = SharedRegion(self.group, self.rank, ranks, self.region_bytes)
-            self.region.connect()
             self.local = self.region.local
-            if prefault:
-                for peer in range(ranks):
-                    _native.prefault(self.region.peer_bases[peer], self.region_bytes)
         else:
             self._private = torch.zeros(self.region_bytes, dtype=torch.uint8)
             self.local = self._private
+        self._registry = getattr(buffer, "peer_regions", None)
+        peer_regions.register(buffer, self, KIND)
+        if self.region is not None and prefault:
+            for peer in range(ranks):
+                if self.region.peer_bases[peer]:
+                    _native.prefault(self.region.peer_bases[peer], self.region_bytes)
         self.pool = self.local[self.meta_bytes:].view(torch.bfloat16).view(
             config.num_layers, 2, units, self.heads_per_unit, config.page_size, config.head_dim)
 
@@ -908,8 +915,31 @@ class PagedKVCache:
         """
         return self.region_bytes
 
+    # ------------------------------------------------------------------ membership (peer_regions.Participant)
+    def shared_regions(self) -> list:
+        """The region peers move pages into (none on the collective transport).
+
+        Returns:
+            regions: list of `SharedRegion`.
+        """
+        return [] if self.region is None else [self.region]
+
+    def peer_state(self) -> dict:
+        """What a replacement of this rank takes over (its cache starts empty).
+
+        Returns:
+            state: dict with `"layout"` (str).
+        """
+        return {"layout": self.layout}
+
+    def readmitted(self, ranks) -> None:
+        """Nothing to forget here: requests whose pages lived on `ranks` are the caller's to free."""
+
     def destroy(self) -> None:
-        """Unmap the region; the pool becomes invalid."""
+        """Unmap the region; the pool becomes invalid; idempotent."""
+        if getattr(self, "_registry", None) is not None:
+            self._registry.remove(self)
+            self._registry = None
         self.pool = None
         self.local = None
         if self.region is not None:

@@ -20,10 +20,14 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 
 _TAG_SPACE = (1 << 32) - 1
 _SIGNALS_BYTES = 4096
+
+
+KIND = "tp_all_reduce"  # participant kind in the Buffer's peer regions
 
 
 class TPAllReduce:
@@ -41,13 +45,14 @@ class TPAllReduce:
         for name, value in (("max_tokens", max_tokens), ("hidden", hidden)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-        self.group = buffer.group
+        joined = peer_regions.joined_state(buffer, KIND)  # a replacement takes the members' call counter
+        self.group = peer_regions.group_of(buffer)
         self.rank = buffer.rank
         self.num_ranks = buffer.num_ranks
         self.transport = buffer.transport
         self.max_tokens = max_tokens
         self.hidden = hidden
-        self.call = 0
+        self.call = 0 if joined is None else joined["call"]
         self.slot_bytes = max_tokens * hidden * 4
         self.half_bytes = self.num_ranks * self.slot_bytes
         self.region: Optional[SharedRegion] = None
@@ -55,7 +60,8 @@ class TPAllReduce:
             nbytes = _SIGNALS_BYTES + ((16 * self.num_ranks + 4095) // 4096) * 4096 + 2 * self.half_bytes
             self.data_offset = nbytes - 2 * self.half_bytes
             self.region = SharedRegion(self.group, self.rank, self.num_ranks, nbytes)
-            self.region.connect()
+        self._registry = getattr(buffer, "peer_regions", None)
+        peer_regions.register(buffer, self, KIND)
 
     def _signal_addr(self, rank: int, half: int, source: int) -> int:
         return self.region.peer_bases[rank] + 8 * (half * self.num_ranks + source)
@@ -132,8 +138,31 @@ class TPAllReduce:
                 out += self._slot(self.rank, half, s, nbytes).view(torch.float32).view(rows, self.hidden)
         return out if float32_result else out.to(torch.bfloat16)
 
+    # ------------------------------------------------------------------ membership (peer_regions.Participant)
+    def shared_regions(self) -> list:
+        """The region peers write their partials into (none on the collective transport).
+
+        Returns:
+            regions: list of `SharedRegion`.
+        """
+        return [] if self.region is None else [self.region]
+
+    def peer_state(self) -> dict:
+        """What a replacement of this rank takes over.
+
+        Returns:
+            state: dict with `"call"` (int, the call counter that tags every signal).
+        """
+        return {"call": self.call}
+
+    def readmitted(self, ranks) -> None:
+        """Nothing to forget: signals are tagged by the call counter the replacement takes over."""
+
     def destroy(self) -> None:
-        """Unmap the region."""
+        """Unmap the region; idempotent."""
+        if getattr(self, "_registry", None) is not None:
+            self._registry.remove(self)
+            self._registry = None
         if self.region is not None:
             self.region.destroy()
             self.region = None

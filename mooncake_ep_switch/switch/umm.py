@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 
 EP = "ep"
@@ -112,6 +113,9 @@ def layer_bytes(shape: WeightShape, num_ranks: int) -> int:
     return shape.num_experts // num_ranks * 3 * shape.intermediate * shape.hidden * 2
 
 
+KIND = "unified_weights"  # participant kind in the Buffer's peer regions
+
+
 class UnifiedWeights:
     """All MoE layers' expert weights of this rank in L+1 slots, with fixed EP and TP views.
 
@@ -140,16 +144,17 @@ class UnifiedWeights:
         self.num_layers = _check_int("num_layers", num_layers, 1)
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        joined = peer_regions.joined_state(buffer, KIND)  # a replacement takes the members' layout and seq
         self.shape = shape
-        self.group = buffer.group
+        self.group = peer_regions.group_of(buffer)
         self.rank = buffer.rank
         self.num_ranks = num_ranks
         self.transport = buffer.transport
-        self.layout = layout
+        self.layout = layout if joined is None else joined["layout"]
         self.layer_bytes = layer_bytes(shape, num_ranks)
         self.slot_bytes = self.layer_bytes
         self.region_bytes = (self.num_layers + 1) * self.slot_bytes
-        self.seq = 0                    # switch sequence number, advanced in step by every rank
+        self.seq = 0 if joined is None else joined["seq"]  # switch sequence number, advanced in step by every rank
         self.dead_ranks: List[int] = []  # ranks found dead by a switch (need membership recovery)
         self.one_sided = self.transport == "shm"
         self.region: Optional[SharedRegion] = None
@@ -158,16 +163,17 @@ class UnifiedWeights:
         if self.one_sided:
             self.region = SharedRegion(self.group, self.rank, num_ranks, self.region_bytes)
             self.control = SharedRegion(self.group, self.rank, num_ranks, self.control_bytes_for(num_ranks))
-            self.region.connect()
-            self.control.connect()
             self.local = self.region.local
-            if prefault:
-                for peer in range(num_ranks):
-                    _native.prefault(self.region.peer_bases[peer], self.region_bytes)
-                    _native.prefault(self.control.peer_bases[peer], self.control.nbytes)
         else:
             self._private = torch.zeros(self.region_bytes, dtype=torch.uint8)
             self.local = self._private
+        self._registry = getattr(buffer, "peer_regions", None)
+        peer_regions.register(buffer, self, KIND)
+        if self.one_sided and prefault:
+            for region in (self.region, self.control):
+                for peer in range(num_ranks):
+                    if region.peer_bases[peer]:
+                        _native.prefault(region.peer_bases[peer], region.nbytes)
         self.base = self.local.data_ptr()
         self._views: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(self.num_layers):
@@ -343,6 +349,31 @@ class UnifiedWeights:
         return MemoryReport(region, self.layer_bytes, self.slot_bytes, weights, region - static,
                             (region - static) / static, control)
 
+    # ------------------------------------------------------------------ membership (peer_regions.Participant)
+    def shared_regions(self) -> list:
+        """The regions peers map: `[region, control]` on `"shm"`, none otherwise.
+
+        Returns:
+            regions: list of `SharedRegion`.
+        """
+        return [region for region in (self.region, self.control) if region is not None]
+
+    def peer_state(self) -> dict:
+        """What a replacement of this rank takes over.
+
+        Returns:
+            state: dict with `"layout"` (str) and `"seq"` (int, the switch sequence number).
+        """
+        return {"layout": self.layout, "seq": self.seq}
+
+    def readmitted(self, ranks) -> None:
+        """`ranks` were replaced and re-admitted: a switch no longer refuses because they died in one.
+
+        Arguments:
+            ranks: iterable of int ranks.
+        """
+        self.dead_ranks = [rank for rank in self.dead_ranks if rank not in set(ranks)]
+
     def destroy(self) -> None:
         """Release the regions; idempotent.
 
@@ -350,6 +381,9 @@ class UnifiedWeights:
         of it goes, so `view()` tensors a caller still holds stay valid (private) memory instead of
         faulting.
         """
+        if getattr(self, "_registry", None) is not None:
+            self._registry.remove(self)
+            self._registry = None
         self._views.clear()
         self.local = None
         for region in (self.region, self.control):

@@ -1,0 +1,514 @@
+"""The PyTorch-collective transport: all_to_all_single of exact records, no all-gather of tokens.
+
+Wire format. Every (token, destination rank) pair travels once, as one fixed-size *record*:
+
+    [payload | int32 token index | L bytes: 1 if local expert l of the destination selected it | pad]
+
+(payload = the bf16 row, or with FP8 the e4m3fn row followed by its float32 scales), padded to a
+multiple of 16 bytes. A destination's records are sorted by token, so the receiver packs in one
+pass per local expert over the records in arrival order (source rank, then token).
+
+Exchanges per round:
+
+* dispatch, exact mode: a count exchange (`[R, 2]` int64: records to that rank, and whether this
+  rank accepts that rank as a source, i.e. sees it active) and then the records, exact sizes;
+* dispatch, fixed mode (small calls, where one more collective costs more than the padding): a
+  single exchange of fixed blocks of `T + 1` record slots per destination, slot 0 holding the same
+  two counts as a header;
+* combine: one exchange of the expert outputs back to their token owners. Its sizes are known on
+  both sides from the dispatch (the owner returns what it received; the token owner expects what it
+  sent to owners that accepted it), so it needs no count exchange; a peer whose view of the mask
+  differed returns nothing and that is known in advance.
+
+Runs on any process group with all_to_all_single (gloo here) and honours `active_ranks`: nothing
+is sent to, or accepted from, an inactive rank. CPU tensors only: the packing and reduction
+kernels are host code reading raw pointers, so `Buffer` rejects a CUDA (or any non-CPU) tensor
+argument before the call starts, with an error naming it (buffer/validation.py); a GPU engine
+copies to and from the host itself. (Making this path take CUDA tensors would need device packing
+kernels or staging through host memory, and an nccl group; none of it exists or was run here.) Routing, record packing and
+unpacking, FP8 quantisation and the weighted combine reduction are native (csrc/kernels.cpp,
+shared with the one-sided transports); the Python here only sizes buffers and runs the exchanges.
+"""
+import threading
+import time
+from typing import Callable, List, NamedTuple, Tuple
+
+import torch
+import torch.distributed as dist
+
+from mooncake_ep_switch.buffer import kernels
+from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
+from mooncake_ep_switch.buffer.membership import view_group
+
+# Fixed mode (one dispatch exchange instead of two) when a rank's padded send is at most this many
+# bytes: below it the extra padding costs less than one more collective round trip.
+FIXED_MODE_MAX_BYTES = 2 << 20
+
+
+class CollectivePlan(NamedTuple):
+    """What a dispatch sent and received, kept on the handle so that combine needs no count exchange.
+
+    Fields:
+        rows_from_rank: `[R]` list of int, expert-output rows this rank gets back from each owner rank in
+            combine (the (token, expert) pairs it sent there), if that owner accepted it.
+        accepted_by: `[R]` list of bool, whether each owner accepted this rank as a source.
+        row_index: `[N, K]` torch.int64, row of the combine receive buffer holding
+            `y(topk_idx[t, k], t)` when every owner returns its rows, -1 where nothing was sent.
+        layout_range: `[L, R]` torch.int64 copy of the layout this rank produced as an owner.
+        rows_to_rank: `[R]` list of int, rows this rank returns to each source rank.
+    """
+
+    rows_from_rank: List[int]
+    accepted_by: List[bool]
+    row_index: torch.Tensor
+    layout_range: torch.Tensor
+    rows_to_rank: List[int]
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because a peer of the group is gone (gloo: connection reset)."""
+
+
+class _GuardedWork:
+    """Wraps a Work so that a failure in wait() surfaces as PeerLost."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self):
+        try:
+            return self._work.wait()
+        except RuntimeError as error:
+            raise PeerLost(str(error)) from error
+
+
+class _Finisher:
+    """A Work-like object whose wait() runs a completion function once."""
+
+    def __init__(self, finish):
+        self._finish, self._done = finish, False
+
+    def wait(self):
+        if not self._done:
+            self._done = True
+            self._finish()
+        return True
+
+
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(counts, 0) - counts
+
+
+class CollectiveTransport:
+    """Dispatch/combine over `torch.distributed.all_to_all_single`.
+
+    Arguments:
+        group: the process group (any backend with all_to_all_single).
+        rank: this process's rank in `group`.
+        num_ranks: the group size.
+    """
+
+    name = "collective"
+
+    def __init__(self, group, rank: int, num_ranks: int, view_change=None):
+        self.group = group
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self._combine_buffers = {}
+        self._staging = _StagingPool()
+        self.failed_sources = []  # evidence for membership (ranks a call found dead)
+        self.members = tuple(range(num_ranks))  # EP ranks in the group, in group-rank order
+        # The Buffer's: agrees on a survivors' view (and rebuilds our group) before a deadline.
+        self.view_change = view_change
+
+    def endpoint(self) -> dict:
+        """Nothing to publish: collectives need no peer metadata. See `OneSidedTransport.endpoint`.
+
+        Returns:
+            endpoint: an empty dict.
+        """
+        return {}
+
+    def connect_members(self, view, membership, deadline: float) -> None:
+        """Run on the group of `view`: the constructor's group in epoch 0, else one built from the
+        store with the epoch in its prefix (a gloo group cannot lose or regain a member).
+
+        Arguments:
+            view: the membership `View` (epoch, ranks) to run on.
+            membership: the `Membership` whose store builds the group; may be None only in epoch 0
+                with a constructor group.
+            deadline: `time.monotonic()` deadline in seconds.
+
+        Raises:
+            RuntimeError: a new view but no `membership` (no store).
+            MembershipError: a member missed the store barrier before `deadline`.
+        """
+        if view.epoch == 0 and self.group is not None:
+            return
+        if membership is None:
+            raise RuntimeError("connect: a new view needs the group's store; pass store= to Buffer")
+        # Meet in the store first: a member that died after the view was sealed is named (and the
+        # Buffer agrees again without it) instead of stalling the group's rendezvous.
+        membership.barrier(f"connect/{view.epoch}", view.ranks, deadline)
+        self.group = view_group(membership.store, view, self.rank, max(1.0, deadline - time.monotonic()))
+        self.members = tuple(view.ranks)
+        self._staging.clear()
+
+    def destroy(self) -> None:
+        """Drop cached buffers."""
+        self._combine_buffers.clear()
+        self._staging.clear()
+
+    # ------------------------------------------------------------------ helpers
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits, input_splits, async_op=False):
+        """all_to_all_single with blocks in EP-rank order, on the current view's group.
+
+        The group's own `alltoall_base` is used, so it also works for the unregistered per-epoch
+        groups membership builds. When the view lacks some ranks, their (empty, never accepted)
+        blocks are left out of the exchange and arrive as zeros.
+        """
+        R = self.num_ranks
+        if len(self.members) == R:
+            try:
+                work = _GuardedWork(self.group.alltoall_base(output, input, list(output_splits or []),
+                                                             list(input_splits or []), dist.AllToAllOptions()))
+            except RuntimeError as error:
+                raise PeerLost(str(error)) from error
+            return work if async_op else work.wait()
+        in_splits = list(input_splits) if input_splits else [input.size(0) // R] * R
+        out_splits = list(output_splits) if output_splits else [output.size(0) // R] * R
+        in_offsets = [sum(in_splits[:r]) for r in range(R)]
+        out_offsets = [sum(out_splits[:r]) for r in range(R)]
+        compact_in = torch.cat([input.narrow(0, in_offsets[r], in_splits[r]) for r in self.members])
+        compact_out = output.new_empty((sum(out_splits[r] for r in self.members),) + tuple(output.shape[1:]))
+        try:
+            work = _GuardedWork(self.group.alltoall_base(compact_out, compact_in, [out_splits[r] for r in self.members],
+                                                         [in_splits[r] for r in self.members], dist.AllToAllOptions()))
+        except RuntimeError as error:
+            raise PeerLost(str(error)) from error
+
+        def finish():
+            work.wait()
+            output.zero_()
+            start = 0
+            for r in self.members:
+                output.narrow(0, out_offsets[r], out_splits[r]).copy_(compact_out.narrow(0, start, out_splits[r]))
+                start += out_splits[r]
+            return True
+
+        if async_op:
+            return _Finisher(finish)
+        return finish()
+
+    def combine_buffer(self, call: int, shape, device) -> torch.Tensor:
+        """Persistent zero-copy combine buffer for the half of `call` and this shape.
+
+        Arguments:
+            call: call number of the dispatch (its parity selects one of two buffers).
+            shape: (L, R*T, hidden).
+            device: torch device of the buffer.
+
+        Returns:
+            buffer: `[L, R*T, hidden]` torch.bfloat16, allocated once per (parity, shape, device)
+                and reused (contents unspecified).
+        """
+        key = (call % 2, tuple(shape), str(device))
+        buffer = self._combine_buffers.get(key)
+        if buffer is None:
+            buffer = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            self._combine_buffers[key] = buffer
+        return buffer
+
+    # ------------------------------------------------------------------ failures
+    def _recover(self, active_ranks: torch.Tensor, timeout_us: int, error: PeerLost) -> None:
+        """A peer died during a collective: move to the survivors' view within the call's deadline.
+
+        The survivors agree on the next epoch through the store (the dead never answer), get a group
+        over themselves, and the caller's `active_ranks` loses the ranks that are gone.
+        """
+        if self.view_change is None:
+            raise error
+        import time
+
+        before = set(self.members)
+        budget = timeout_us / 1e6 if timeout_us >= 0 else 30.0
+        view = self.view_change(time.monotonic() + max(0.5, budget))
+        gone = sorted(before - set(view.ranks))
+        for rank in range(self.num_ranks):
+            if rank not in view.ranks:
+                active_ranks[rank] = 0
+        self.failed_sources.extend(gone)
+
+    def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple["_LazyPlan", Callable[[], None]]:
+        """Run the send phase; return (the plan for combine, the receive phase that fills `outputs`).
+
+        If a peer dies during the exchange, the survivors move to a group over themselves (within
+        the call's deadline) and the dispatch runs again there, without the dead.
+
+        Arguments:
+            call: the validated `DispatchCall` (`x` must be on the CPU).
+            outputs: the `DispatchOutputs` the receive phase fills.
+
+        Returns:
+            plan: the dispatch's plan (resolves to a `CollectivePlan` once the receive phase ran),
+                kept on the handle for combine.
+            receive: callable with no arguments that waits for the exchange and fills `outputs`.
+
+        Raises:
+            ValueError: `x` is not a CPU tensor (the Buffer has checked it already).
+            RuntimeError: a source announced a token count outside `[0, T]`.
+            PeerLost: a peer died and no view change is configured.
+        """
+        try:
+            plan, receive = self._dispatch_once(call, outputs)
+        except PeerLost as error:
+            self._recover(call.active_ranks, call.timeout_us, error)
+            plan, receive = self._dispatch_once(call, outputs)
+
+        def guarded() -> None:
+            try:
+                receive()
+            except PeerLost as error:
+                self._recover(call.active_ranks, call.timeout_us, error)
+                again, receive_again = self._dispatch_once(call, outputs)
+                receive_again()
+                plan.rows_from_rank, plan.row_index, plan.state = again.rows_from_rank, again.row_index, again.state
+
+        return plan, guarded
+
+    def dispatch_sync(self, call: DispatchCall, outputs: DispatchOutputs) -> "_LazyPlan":
+        """`dispatch` followed at once by its receive phase (a synchronous call).
+
+        Arguments:
+            call: the validated `DispatchCall`.
+            outputs: the `DispatchOutputs`, filled here.
+
+        Returns:
+            plan: as `dispatch`.
+        """
+        plan, receive = self.dispatch(call, outputs)
+        receive()
+        return plan
+
+    def _dispatch_once(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple["_LazyPlan", Callable[[], None]]:
+        x, topk = call.x, call.topk_idx
+        if x.device.type != "cpu":
+            raise ValueError(f"x: the collective transport packs on the CPU, expected a CPU tensor, got {x.device}")
+        R, E, T = self.num_ranks, call.num_experts, call.num_max_dispatch_tokens_per_rank
+        L = E // R
+        N, K = topk.shape
+        hidden = x.size(1)
+        device = x.device
+        record = kernels.record_layout(hidden, L, call.use_fp8)
+        size = record[2]
+        accept = call.active_ranks.clone()  # the sources this rank accepts: its view at dispatch time
+        info = torch.empty((5, R), dtype=torch.int64)
+        tokens_to, pairs_to, recv_tokens, accepted_by_t, rows_to_rank = info.unbind(0)
+        row_index = torch.empty((N, K), dtype=torch.int64, device=device)
+        fixed = R * (T + 1) * size <= FIXED_MODE_MAX_BYTES
+        lease = self._staging.lease(("dispatch", call.call % 2), device)
+        send = lease.get(0, R * (T + 1) * size if fixed else N * min(R, K) * size)
+        records = kernels.coll_dispatch_pack(x, topk, E, R, T, accept, call.use_fp8, fixed, record, send, tokens_to,
+                                             pairs_to, row_index)
+        if fixed:
+            recv = lease.get(1, send.numel())
+            work = self._all_to_all(recv, send, None, None, async_op=True)
+            accepted_by = None
+        else:
+            counts_send = torch.stack([tokens_to, accept.to(torch.int64)], 1)
+            counts_recv = torch.empty_like(counts_send)
+            self._all_to_all(counts_recv, counts_send, None, None)
+            recv_tokens.copy_(counts_recv[:, 0])
+            recv_list, accepted = counts_recv.t().tolist()
+            accepted_by = [bool(a) for a in accepted]
+            for src, count in enumerate(recv_list):
+                if count < 0 or count > T:
+                    raise RuntimeError(f"collective dispatch: rank {src} announced {count} tokens, outside [0, {T}]")
+            recv = lease.get(1, sum(recv_list) * size)
+            send = send[:records * size]
+            work = self._all_to_all(recv, send, [c * size for c in recv_list],
+                                    [c * size for c in tokens_to.tolist()], async_op=True)
+
+        state = {}
+
+        def receive() -> None:
+            try:
+                work.wait()
+                kernels.coll_dispatch_unpack(recv, R, T, hidden, L, record, fixed, recv_tokens, accepted_by_t,
+                                             accept, call.use_fp8, outputs, rows_to_rank)
+            finally:
+                lease.release()
+            state["accepted_by"] = [bool(a) for a in accepted_by_t.tolist()] if fixed else accepted_by
+            state["owner"] = (outputs.layout_range.clone(), rows_to_rank.tolist())
+
+        return _LazyPlan(pairs_to.tolist(), row_index, state), receive
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, call: CombineCall) -> Callable[[], None]:
+        """Run the send phase of combine; return the receive phase, which fills `call.out`.
+
+        A peer that dies during the exchange: survivors move to their own group and run the
+        combine again there; the dead owner's experts are skipped (no renormalisation).
+
+        Arguments:
+            call: the validated `CombineCall`; `plan_private` must be the plan `dispatch` returned.
+
+        Returns:
+            receive: callable with no arguments that waits for the exchange and writes the
+                weighted sum `[N, hidden]` torch.bfloat16 into `call.out`.
+
+        Raises:
+            ValueError: the handle carries no plan (a rebuilt tuple).
+            RuntimeError: the dispatch's receive phase has not run, or the handle's layout_range
+                is not the one its dispatch produced.
+            PeerLost: a peer died and no view change is configured.
+        """
+        try:
+            receive = self._combine_once(call)
+        except PeerLost as error:
+            self._recover(call.active_ranks, call.timeout_us, error)
+            receive = self._combine_once(call)
+
+        def guarded() -> None:
+            try:
+                receive()
+            except PeerLost as error:
+                self._recover(call.active_ranks, call.timeout_us, error)
+                self._combine_once(call)()
+
+        return guarded
+
+    def combine_sync(self, call: CombineCall) -> None:
+        """`combine` followed at once by its receive phase (a synchronous call).
+
+        Arguments:
+            call: the validated `CombineCall`; `call.out` is filled here.
+        """
+        self.combine(call)()
+
+    def _combine_once(self, call: CombineCall) -> Callable[[], None]:
+        R = self.num_ranks
+        L = call.num_experts // R
+        hidden = call.hidden
+        device = call.x.device
+        plan = call.plan_private
+        if plan is None:
+            raise ValueError("handle: the collective transport needs the handle returned by dispatch() "
+                             "(a rebuilt tuple carries no record of what was sent)")
+        plan = plan.resolve()
+        if not torch.equal(call.layout_range, plan.layout_range):
+            raise RuntimeError("collective combine: the handle's layout_range is not the one its dispatch produced "
+                               "(mismatched handle or dispatch)")
+
+        # Send back exactly what each source sent us, by source, local expert, token.
+        lease = self._staging.lease(("combine", call.call % 2), device)
+        row = 2 * hidden
+        send = lease.get(0, sum(plan.rows_to_rank) * row).view(torch.bfloat16).view(-1, hidden)
+        kernels.coll_combine_pack(call.x, call.layout_range, call.num_max_dispatch_tokens_per_rank, send)
+        # Receive what we sent to every owner that accepted us (one that did not returns nothing).
+        output_splits = [n if ok else 0 for n, ok in zip(plan.rows_from_rank, plan.accepted_by)]
+        recv = lease.get(1, sum(output_splits) * row).view(torch.bfloat16).view(-1, hidden)
+        try:
+            work = self._all_to_all(recv, send, output_splits, plan.rows_to_rank, async_op=True)
+        except BaseException:
+            lease.release()
+            raise
+        active_now = [bool(v) for v in call.active_ranks.tolist()]
+
+        def receive() -> None:
+            try:
+                work.wait()
+                self._reduce(call, plan, recv, output_splits, active_now, L)
+            finally:
+                lease.release()
+
+        return receive
+
+    @staticmethod
+    def _reduce(call: CombineCall, plan: CollectivePlan, recv: torch.Tensor, output_splits, active_now, L) -> None:
+        """Weighted top-k reduction of the returned rows into `call.out`."""
+        device = recv.device
+        keep = [a and b for a, b in zip(active_now, plan.accepted_by)]
+        row_index = plan.row_index
+        if not all(keep) or output_splits != plan.rows_from_rank:
+            # Owners that returned nothing or went inactive: skip their pairs, shift the rest.
+            shift = (_exclusive_cumsum(torch.tensor(output_splits)) -
+                     _exclusive_cumsum(torch.tensor(plan.rows_from_rank))).to(device)
+            keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
+            owner = torch.div(call.topk_idx, L, rounding_mode="floor").clamp_(min=0)
+            row_index = torch.where(keep_t[owner] & (row_index >= 0), row_index + shift[owner], -1).contiguous()
+        kernels.combine_reduce(call.out, row_index, call.topk_weights, recv)
+
+
+class _Lease:
+    """Byte buffers of one call, reused from the pool when free, fresh otherwise.
+
+    A lease that is never released (its call failed before the exchange) just drops its buffers.
+    """
+
+    __slots__ = ("pool", "key", "buffers", "pooled", "device")
+
+    def __init__(self, pool: "_StagingPool", key, buffers, pooled: bool, device):
+        self.pool, self.key, self.buffers, self.pooled, self.device = pool, key, buffers, pooled, device
+
+    def get(self, index: int, nbytes: int) -> torch.Tensor:
+        """A torch.uint8 view of `nbytes` bytes of buffer `index`."""
+        buffer = self.buffers.get(index)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+            self.buffers[index] = buffer
+        return buffer[:nbytes]
+
+    def release(self) -> None:
+        """The call is done with its buffers (idempotent)."""
+        if self.pooled:
+            self.pooled = False
+            self.pool.give_back(self.key, self.buffers)
+
+
+class _StagingPool:
+    """Send/receive staging buffers kept across calls, one set per (phase, call parity).
+
+    Allocating them per call costs a page fault per 4 KiB touched (glibc returns large blocks to
+    the kernel). A set is lent to one call at a time; a call that finds its set still lent (a
+    previous call's receive phase has not run yet) gets fresh buffers instead.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free = {}
+
+    def lease(self, key, device) -> _Lease:
+        """The free set for `key` (or a new, empty one), lent until `_Lease.release()`."""
+        key = (key, str(device))
+        with self._lock:
+            buffers = self._free.pop(key, None)
+        return _Lease(self, key, {} if buffers is None else buffers, True, device)
+
+    def give_back(self, key, buffers) -> None:
+        with self._lock:
+            self._free[key] = buffers
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+class _LazyPlan:
+    """The dispatch's `CollectivePlan`, completed by its receive phase (which must have run)."""
+
+    __slots__ = ("rows_from_rank", "row_index", "state")
+
+    def __init__(self, rows_from_rank, row_index, state):
+        self.rows_from_rank = rows_from_rank
+        self.row_index = row_index
+        self.state = state
+
+    def resolve(self) -> CollectivePlan:
+        owner = self.state.get("owner")
+        if owner is None:
+            raise RuntimeError("combine: the dispatch's receive phase has not completed (call its hook or wait "
+                               "for its event first)")
+        layout_range, rows_to_rank = owner
+        return CollectivePlan(self.rows_from_rank, self.state["accepted_by"], self.row_index, layout_range,
+                              rows_to_rank)

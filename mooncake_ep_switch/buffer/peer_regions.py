@@ -1,0 +1,287 @@
+"""Every shared region peers map, owned by the Buffer's membership: registered, re-mapped, rebuilt.
+
+Structures built on a `Buffer` that own regions peers write into (the switch's unified weights and
+their control words, the TP all-reduce, the paged KV cache, the EPLB expert slots) register as
+*participants* of the Buffer's `PeerRegions` at construction, in construction order (the same on
+every rank: construction is collective). Participant `i` of every rank publishes its regions'
+endpoints in the membership store (`regions/<i>/<rank>/<incarnation>`), so that:
+
+- at construction, every member maps every other member's regions of participant `i` (over the
+  constructor's group in epoch 0, through the store after a membership change);
+- when `update_ep_member()` admits a replacement, the members publish what it must take over from
+  each participant (`peer_state()`: switch sequence, layout, call counters, placement), then wait,
+  participant by participant in that one agreed order, for the replacement's regions and map them;
+  they also forget the replaced rank's failure (`readmitted()`) and, on the collective transport,
+  move each participant onto the new view's group;
+- the replacement, once admitted, rebuilds its participants with the same constructors in the same
+  order: each constructor takes its state over (`joined_state()`), loads its weights from the
+  caller's loader, and maps the members' regions of the same participant.
+
+A participant is any object with `shared_regions() -> list of SharedRegion`, `peer_state() -> dict`
+(JSON) and `readmitted(ranks) -> None` (see `Participant`); the registry holds it weakly, and
+its `destroy()` calls `PeerRegions.remove`.
+"""
+import time
+import weakref
+from typing import Dict, List, NamedTuple, Optional, Protocol, Sequence
+
+from mooncake_ep_switch.buffer.membership import MembershipError, View
+from mooncake_ep_switch.buffer.shared_region import RegionEndpoint
+
+
+class Participant(Protocol):
+    """What a structure registered with `PeerRegions` provides."""
+
+    group: object
+
+    def shared_regions(self) -> list:
+        """The `SharedRegion`s peers map (empty on the collective transport), in a fixed order."""
+
+    def peer_state(self) -> dict:
+        """JSON dict a replacement of this rank takes over (passed back by `joined_state()`)."""
+
+    def readmitted(self, ranks: Sequence[int]) -> None:
+        """`ranks` were replaced and re-admitted (their new regions are mapped)."""
+
+
+class _Entry(NamedTuple):
+    index: int
+    kind: str
+    owner: weakref.ref
+
+
+class PeerRegions:
+    """The participants of one Buffer (see the module docstring).
+
+    Arguments:
+        buffer: the `Buffer` (its membership, rank, members, epoch, group and transport are used).
+    """
+
+    def __init__(self, buffer):
+        self._buffer = weakref.ref(buffer)
+        self._entries: List[_Entry] = []
+        self._next_index = 0
+        self._expected: List[dict] = []  # a replacement's participants still to rebuild (from the members)
+        self._known: Dict[int, int] = {}  # member -> incarnation whose regions are mapped here
+
+    def snapshot(self, ranks: Sequence[int]) -> None:
+        """Remember the incarnations of `ranks` (the members now mapped); a later one is a joiner.
+
+        Arguments:
+            ranks: iterable of int EP ranks.
+        """
+        membership = self._buffer().membership
+        if membership is not None:
+            self._known = {rank: membership.incarnation_of(rank) for rank in ranks}
+
+    # ------------------------------------------------------------------ construction
+    def joined_state(self, kind: str) -> Optional[dict]:
+        """The members' state for this rank's next participant, while a replacement rebuilds.
+
+        Arguments:
+            kind: the participant's kind (e.g. `"unified_weights"`); must be the kind the members
+                registered at this position.
+
+        Returns:
+            state: the JSON dict the members' participant returned from `peer_state()`, or None
+                when this rank is not rebuilding (an ordinary collective construction).
+
+        Raises:
+            ValueError: the members' participant at this position is of another kind (the
+                replacement builds its structures in another order than the members did).
+        """
+        if not self._expected:
+            return None
+        head = self._expected[0]
+        if head["kind"] != kind:
+            raise ValueError(f"kind: the members' next participant is a {head['kind']!r} (participant {head['index']}); "
+                             f"a replacement rebuilds in the members' construction order, got a {kind!r}")
+        return head["state"]
+
+    def add(self, owner, kind: str) -> int:
+        """Register `owner` and map its regions with every member's regions of the same participant.
+
+        Collective over the members, except while this rank rebuilds after its admission (then
+        only the members' published regions are mapped; the members map this rank's regions in
+        their `update_ep_member()`).
+
+        Arguments:
+            owner: a `Participant`.
+            kind: its kind (the same on every rank for this position).
+
+        Returns:
+            index: the participant index.
+
+        Raises:
+            MembershipError: a member's regions were not published before the connect timeout.
+            ValueError: a member's region has another size or kind.
+        """
+        buffer = self._buffer()
+        if buffer.joining:
+            raise RuntimeError(f"{kind}: rank {buffer.rank} is not a member yet; build it after update_ep_member() "
+                               "admits this rank (it then takes the members' state over)")
+        rebuilding = bool(self._expected)
+        if rebuilding:
+            index = self._expected.pop(0)["index"]
+            self._next_index = max(self._next_index, index + 1)
+        else:
+            index = self._next_index
+            self._next_index += 1
+        regions = owner.shared_regions()
+        membership = buffer.membership
+        self._entries.append(_Entry(index, kind, weakref.ref(owner)))
+        if membership is not None:
+            membership.publish_region_record(index, {"kind": kind, "regions": [list(r.endpoint) for r in regions]})
+        if not regions:
+            return index
+        peers = [r for r in buffer.members if r != buffer.rank]
+        deadline = time.monotonic() + buffer.settings.connect_timeout_s
+        if not rebuilding and buffer.epoch == 0 and buffer.group is not None:
+            for region in regions:  # the constructor's group: one all-gather per region
+                region.group = buffer.group
+                region.connect()
+            return index
+        if membership is None:
+            raise RuntimeError(f"{kind}: mapping peers after a membership change needs the group's store")
+        for peer in peers:
+            self._map(membership, index, kind, peer, regions, deadline)
+        if not rebuilding:  # nobody returns (and could close an fd a slower peer opens) before all mapped
+            membership.barrier(f"regions/{index}/{buffer.epoch}", buffer.members, deadline)
+        return index
+
+    def remove(self, owner) -> None:
+        """Forget `owner` (its `destroy()`); a replacement no longer rebuilds it.
+
+        Arguments:
+            owner: a registered participant (others are ignored).
+        """
+        self._entries = [e for e in self._entries if e.owner() is not None and e.owner() is not owner]
+
+    def participants(self) -> list:
+        """(index, kind, owner) of the live participants, in construction order."""
+        found = []
+        for entry in self._entries:
+            owner = entry.owner()
+            if owner is not None:
+                found.append((entry.index, entry.kind, owner))
+        return found
+
+    def clear(self) -> None:
+        """Forget every participant (the Buffer is destroyed)."""
+        self._entries, self._expected = [], []
+
+    # ------------------------------------------------------------------ re-admission
+    def admitted(self, view: View, deadline: float) -> None:
+        """This rank was admitted into `view` as a joiner: learn what to rebuild, or re-map what it has.
+
+        A fresh replacement (no participants) reads the members' participant list and state; a
+        rank that was left out and rejoins keeps its participants, republishes them for its new
+        incarnation and maps the members' regions.
+
+        Arguments:
+            view: the view that admitted this rank.
+            deadline: `time.monotonic()` deadline.
+
+        Raises:
+            MembershipError: the members published no state before `deadline`.
+        """
+        buffer = self._buffer()
+        membership = buffer.membership
+        states = membership.wait_for(lambda: membership.peer_state(view.epoch), deadline,
+                                     f"the members' participant state of epoch {view.epoch}")
+        self.snapshot(view.ranks)
+        live = self.participants()
+        if not live:
+            self._expected = list(states)
+            return
+        peers = [r for r in view.ranks if r != buffer.rank]
+        for index, kind, owner in live:
+            regions = owner.shared_regions()
+            membership.publish_region_record(index, {"kind": kind, "regions": [list(r.endpoint) for r in regions]})
+            for peer in peers:
+                if regions:
+                    self._map(membership, index, kind, peer, regions, deadline)
+
+    def readmit(self, view: View, deadline: float) -> None:
+        """A member's half of a re-admission: hand the joiners their state, then map their regions.
+
+        Joiners are the ranks of `view` whose incarnation is not the one mapped here (a
+        replacement process, or a rank that was left out and rejoined).
+
+        Arguments:
+            view: the newly agreed view.
+            deadline: `time.monotonic()` deadline; the joiners must have rebuilt every participant by then.
+
+        Raises:
+            MembershipError: a joiner did not publish a participant's regions before `deadline`
+                (`missing` names the joiners).
+        """
+        buffer = self._buffer()
+        membership = buffer.membership
+        live = self.participants()
+        if buffer.transport == "collective":
+            for _, _, owner in live:
+                owner.group = buffer.process_group
+        incarnations = {rank: membership.incarnation_of(rank) for rank in view.ranks}
+        joiners = [r for r in view.ranks if r != buffer.rank and incarnations[r] != self._known.get(r)]
+        if not joiners:
+            self._known = incarnations
+            return
+        publisher = min(r for r in view.ranks if r not in joiners)
+        if buffer.rank == publisher:
+            membership.publish_peer_state(view.epoch, [{"index": index, "kind": kind, "state": owner.peer_state()}
+                                                       for index, kind, owner in live])
+        for index, kind, owner in live:
+            regions = owner.shared_regions()
+            for joiner in joiners:
+                if regions:
+                    try:
+                        self._map(membership, index, kind, joiner, regions, deadline)
+                    except MembershipError as error:
+                        raise MembershipError(f"{error} (the replacement must rebuild every participant, in the "
+                                              "members' order, before the members' update_ep_member() times out)",
+                                              [joiner]) from None
+        for _, _, owner in live:
+            owner.readmitted(joiners)
+        self._known = incarnations
+
+    @staticmethod
+    def _map(membership, index: int, kind: str, peer: int, regions: list, deadline: float) -> None:
+        record = membership.wait_for(lambda: membership.region_record(index, peer), deadline,
+                                     f"rank {peer}'s regions of participant {index} ({kind})")
+        if record["kind"] != kind or len(record["regions"]) != len(regions):
+            raise ValueError(f"rank {peer}'s participant {index} is a {record['kind']!r} with "
+                             f"{len(record['regions'])} regions, expected a {kind!r} with {len(regions)}")
+        for region, endpoint in zip(regions, record["regions"]):
+            region.map_peer(peer, RegionEndpoint(*endpoint))
+
+
+def register(buffer, owner, kind: str) -> None:
+    """Map `owner`'s regions with its peers': through the Buffer's `PeerRegions`, or over `buffer.group`.
+
+    Arguments:
+        buffer: a `Buffer`, or any object with `group`, `rank` and `num_ranks` (regions are then
+            connected over `group` and never re-mapped for a replacement).
+        owner: a `Participant`.
+        kind: the participant's kind.
+    """
+    registry = getattr(buffer, "peer_regions", None)
+    if registry is not None:
+        registry.add(owner, kind)
+        return
+    for region in owner.shared_regions():
+        region.connect()
+
+
+def joined_state(buffer, kind: str) -> Optional[dict]:
+    """`buffer.peer_regions.joined_state(kind)`, or None for a Buffer without one."""
+    registry = getattr(buffer, "peer_regions", None)
+    return None if registry is None else registry.joined_state(kind)
+
+
+def group_of(buffer):
+    """The process group structures on `buffer` use for collectives: its current view's group."""
+    return getattr(buffer, "process_group", None) or getattr(buffer, "group", None)
+
+
+__all__ = ["Participant", "PeerRegions", "register", "joined_state", "group_of"]

@@ -1,0 +1,52 @@
+"""The contract every transport under a `Buffer` keeps (one-sided shm / Transfer Engine, collective).
+
+`Buffer` resolves the transport once (`Buffer._make_transport`, rules in docs/transports.md) and
+then calls only what `Transport` declares; nothing is probed with `hasattr`. The implementations:
+`buffer.one_sided.OneSidedTransport` (`"shm"`, `"mooncake"`) and
+`buffer.collective.CollectiveTransport` (`"collective"`).
+"""
+from typing import Callable, List, Protocol, Tuple
+
+import torch
+
+from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
+
+
+class Transport(Protocol):
+    """What a `Buffer` calls on its transport.
+
+    Attributes:
+        name: `"shm"`, `"mooncake"` or `"collective"` (`Buffer.transport`).
+        abort_ptr: address of the Buffer's abort word (set by the Buffer; native waits stop once
+            it is raised), 0 for none.
+        failed_sources: ranks calls found dead since the last view (evidence for membership; the
+            Buffer clears it when a view is agreed).
+    """
+
+    name: str
+    abort_ptr: int
+    failed_sources: List[int]
+
+    def endpoint(self) -> dict:
+        """What peers need to reach this rank (published in the membership store)."""
+
+    def connect_members(self, view, membership, deadline: float) -> None:
+        """Reach every member of `view` (and drop everything else) before `deadline`."""
+
+    def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple[object, Callable[[], None]]:
+        """Send phase; returns (the transport's private plan for combine, the receive phase)."""
+
+    def dispatch_sync(self, call: DispatchCall, outputs: DispatchOutputs) -> object:
+        """Send and receive phases at once (a synchronous call); returns the private plan."""
+
+    def combine(self, call: CombineCall) -> Callable[[], None]:
+        """Send phase of a combine; returns the receive phase (which fills `call.out`)."""
+
+    def combine_sync(self, call: CombineCall) -> None:
+        """Send and receive phases of a combine at once (fills `call.out`)."""
+
+    def combine_buffer(self, call: int, shape, device) -> torch.Tensor:
+        """The zero-copy combine buffer `[L, R*T, hidden]` torch.bfloat16 of dispatch `call`."""
+
+    def destroy(self) -> None:
+        """Release every resource (idempotent)."""
