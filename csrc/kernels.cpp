@@ -333,13 +333,11 @@ void combine_reduce(uintptr_t out_ptr, int64_t num_tokens, int64_t hidden, int64
 // tokens ascending); in fixed mode destination d owns slots [d*(T+1), (d+1)*(T+1)) of `rec_size`
 // bytes, slot 0 holding the header int64 {records, accepted}, records from slot 1 on.
 //
-// These entry points are plain C (called through ctypes by mooncake_ep_switch/buffer/kernels.py):
-// they return a count >= 0, or -1 with the reason in mep_last_error(); nothing throws across.
+// The entry points (mep_api.h, bound in module.cpp) return a count >= 0 and throw ValueError /
+// RuntimeError (through pybind11) with the reason on malformed input.
 
 namespace mep {
 namespace {
-
-thread_local std::string g_last_error;
 
 struct CollRecords {
     int64_t hidden, local, rec_size, meta, payload;
@@ -356,18 +354,6 @@ CollRecords coll_records(int64_t hidden, int64_t local, int64_t rec_size, int64_
                           std::to_string(local) + " flags");
     }
     return {hidden, local, rec_size, meta, payload, use_fp8};
-}
-
-template <class F>
-int64_t guarded(F&& body) {
-    try {
-        return body();
-    } catch (const std::exception& error) {
-        g_last_error = error.what();
-    } catch (...) {
-        g_last_error = "unknown native error";
-    }
-    return -1;
 }
 
 int64_t coll_dispatch_pack(const uint16_t* x, int64_t N, int64_t H, const int64_t* topk, int64_t K, int64_t E,
@@ -577,47 +563,37 @@ int64_t coll_combine_pack(const uint8_t* x, int64_t H, int64_t L, int64_t R, int
 }  // namespace
 }  // namespace mep
 
-#define MEP_C_API extern "C" __attribute__((visibility("default")))
+namespace mep {
 
-MEP_C_API const char* mep_last_error() { return mep::g_last_error.c_str(); }
-
-MEP_C_API int64_t mep_coll_dispatch_pack(uintptr_t x, int64_t num_tokens, int64_t hidden, uintptr_t topk,
-                                         int64_t top_k, int64_t num_experts, int64_t num_ranks, int64_t max_tokens,
-                                         uintptr_t active, int32_t use_fp8, int32_t fixed, int64_t rec_size,
-                                         int64_t meta, uintptr_t send, int64_t send_bytes, uintptr_t tokens_to,
-                                         uintptr_t pairs_to, uintptr_t row_index) {
-    return mep::guarded([&] {
-        return mep::coll_dispatch_pack(
-            reinterpret_cast<const uint16_t*>(x), num_tokens, hidden, reinterpret_cast<const int64_t*>(topk), top_k,
-            num_experts, num_ranks, max_tokens, reinterpret_cast<const int32_t*>(active), use_fp8 != 0, fixed != 0,
-            rec_size, meta, reinterpret_cast<uint8_t*>(send), send_bytes, reinterpret_cast<int64_t*>(tokens_to),
-            reinterpret_cast<int64_t*>(pairs_to), reinterpret_cast<int64_t*>(row_index));
-    });
+int64_t coll_dispatch_pack(uintptr_t x, int64_t num_tokens, int64_t hidden, uintptr_t topk, int64_t top_k,
+                           int64_t num_experts, int64_t num_ranks, int64_t max_tokens, uintptr_t active, bool use_fp8,
+                           bool fixed, int64_t rec_size, int64_t meta, uintptr_t send, int64_t send_bytes,
+                           uintptr_t tokens_to, uintptr_t pairs_to, uintptr_t row_index) {
+    return coll_dispatch_pack(reinterpret_cast<const uint16_t*>(x), num_tokens, hidden,
+                              reinterpret_cast<const int64_t*>(topk), top_k, num_experts, num_ranks, max_tokens,
+                              reinterpret_cast<const int32_t*>(active), use_fp8, fixed, rec_size, meta,
+                              reinterpret_cast<uint8_t*>(send), send_bytes, reinterpret_cast<int64_t*>(tokens_to),
+                              reinterpret_cast<int64_t*>(pairs_to), reinterpret_cast<int64_t*>(row_index));
 }
 
-MEP_C_API int64_t mep_coll_dispatch_unpack(uintptr_t recv, int64_t recv_bytes, int64_t num_ranks, int64_t max_tokens,
-                                           int64_t hidden, int64_t num_local, int64_t rec_size, int64_t meta,
-                                           int32_t fixed, uintptr_t recv_tokens, uintptr_t accepted_by,
-                                           uintptr_t accept, int32_t use_fp8, uintptr_t recv_x,
-                                           uintptr_t recv_scales, uintptr_t src_info, uintptr_t layout_range,
-                                           uintptr_t recv_count, uintptr_t rows_to_rank) {
-    return mep::guarded([&] {
-        return mep::coll_dispatch_unpack(
-            reinterpret_cast<const uint8_t*>(recv), recv_bytes, num_ranks, max_tokens, hidden, num_local, rec_size,
-            meta, fixed != 0, reinterpret_cast<int64_t*>(recv_tokens), reinterpret_cast<int64_t*>(accepted_by),
-            reinterpret_cast<const int32_t*>(accept), use_fp8 != 0, reinterpret_cast<uint8_t*>(recv_x),
-            reinterpret_cast<float*>(recv_scales), reinterpret_cast<int32_t*>(src_info),
-            reinterpret_cast<int64_t*>(layout_range), reinterpret_cast<int32_t*>(recv_count),
-            reinterpret_cast<int64_t*>(rows_to_rank));
-    });
+int64_t coll_dispatch_unpack(uintptr_t recv, int64_t recv_bytes, int64_t num_ranks, int64_t max_tokens, int64_t hidden,
+                             int64_t num_local, int64_t rec_size, int64_t meta, bool fixed, uintptr_t recv_tokens,
+                             uintptr_t accepted_by, uintptr_t accept, bool use_fp8, uintptr_t recv_x,
+                             uintptr_t recv_scales, uintptr_t src_info, uintptr_t layout_range, uintptr_t recv_count,
+                             uintptr_t rows_to_rank) {
+    return coll_dispatch_unpack(reinterpret_cast<const uint8_t*>(recv), recv_bytes, num_ranks, max_tokens, hidden,
+                                num_local, rec_size, meta, fixed, reinterpret_cast<int64_t*>(recv_tokens),
+                                reinterpret_cast<int64_t*>(accepted_by), reinterpret_cast<const int32_t*>(accept),
+                                use_fp8, reinterpret_cast<uint8_t*>(recv_x), reinterpret_cast<float*>(recv_scales),
+                                reinterpret_cast<int32_t*>(src_info), reinterpret_cast<int64_t*>(layout_range),
+                                reinterpret_cast<int32_t*>(recv_count), reinterpret_cast<int64_t*>(rows_to_rank));
 }
 
-MEP_C_API int64_t mep_coll_combine_pack(uintptr_t x, int64_t hidden, int64_t num_local, int64_t num_ranks,
-                                        int64_t max_tokens, uintptr_t layout_range, uintptr_t send,
-                                        int64_t send_rows) {
-    return mep::guarded([&] {
-        return mep::coll_combine_pack(reinterpret_cast<const uint8_t*>(x), hidden, num_local, num_ranks, max_tokens,
-                                      reinterpret_cast<const int64_t*>(layout_range),
-                                      reinterpret_cast<uint8_t*>(send), send_rows);
-    });
+int64_t coll_combine_pack(uintptr_t x, int64_t hidden, int64_t num_local, int64_t num_ranks, int64_t max_tokens,
+                          uintptr_t layout_range, uintptr_t send, int64_t send_rows) {
+    return coll_combine_pack(reinterpret_cast<const uint8_t*>(x), hidden, num_local, num_ranks, max_tokens,
+                             reinterpret_cast<const int64_t*>(layout_range), reinterpret_cast<uint8_t*>(send),
+                             send_rows);
 }
+
+}  // namespace mep

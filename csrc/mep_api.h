@@ -11,16 +11,14 @@
 namespace mep {
 
 // ---- shared memory (shm.cpp) ----
-std::pair<std::string, uintptr_t> shm_create(int64_t nbytes);
-uintptr_t shm_open_peer(const std::string& name, int64_t nbytes);
-void shm_unlink(const std::string& name);
-void shm_unmap(uintptr_t base, int64_t nbytes);
-bool shm_name_is_valid(const std::string& name);
 // Anonymous regions (memfd 'mep_region', mode 0600, sealed against resizing): never named, so nothing can be
 // left in /dev/shm; region_map_peer maps only such regions.
 std::pair<int, uintptr_t> region_create(int64_t nbytes);
 uintptr_t region_map_peer(int64_t pid, int64_t fd, int64_t nbytes);
 void region_close_fd(int64_t fd);
+void region_unmap(uintptr_t base, int64_t nbytes);
+// prctl(PR_SET_PDEATHSIG, signal): this process gets `signal` when its parent thread exits (0 = none).
+void set_parent_death_signal(int64_t signal);
 
 // ---- one-sided data plane (dataplane.cpp) ----
 void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
@@ -71,6 +69,19 @@ void scatter_fp8_rows(uintptr_t data_ptr, uintptr_t scales_ptr, int64_t n, int64
                       uintptr_t recv_x_ptr, uintptr_t recv_scales_ptr, int64_t rows_per_expert);
 void combine_reduce(uintptr_t out_ptr, int64_t num_tokens, int64_t hidden, int64_t top_k, uintptr_t row_index_ptr,
                     uintptr_t weights_ptr, uintptr_t rows_base_ptr, int64_t row_stride);
+
+// ---- collective transport records (kernels.cpp); record format at coll_dispatch_pack there ----
+int64_t coll_dispatch_pack(uintptr_t x, int64_t num_tokens, int64_t hidden, uintptr_t topk, int64_t top_k,
+                           int64_t num_experts, int64_t num_ranks, int64_t max_tokens, uintptr_t active, bool use_fp8,
+                           bool fixed, int64_t rec_size, int64_t meta, uintptr_t send, int64_t send_bytes,
+                           uintptr_t tokens_to, uintptr_t pairs_to, uintptr_t row_index);
+int64_t coll_dispatch_unpack(uintptr_t recv, int64_t recv_bytes, int64_t num_ranks, int64_t max_tokens, int64_t hidden,
+                             int64_t num_local, int64_t rec_size, int64_t meta, bool fixed, uintptr_t recv_tokens,
+                             uintptr_t accepted_by, uintptr_t accept, bool use_fp8, uintptr_t recv_x,
+                             uintptr_t recv_scales, uintptr_t src_info, uintptr_t layout_range, uintptr_t recv_count,
+                             uintptr_t rows_to_rank);
+int64_t coll_combine_pack(uintptr_t x, int64_t hidden, int64_t num_local, int64_t num_ranks, int64_t max_tokens,
+                          uintptr_t layout_range, uintptr_t send, int64_t send_rows);
 
 // ---- argument value checks (validate.cpp); empty string = valid ----
 std::string check_topk_values(uintptr_t topk_ptr, int64_t num_tokens, int64_t top_k, int64_t num_experts);

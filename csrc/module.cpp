@@ -58,11 +58,6 @@ PYBIND11_MODULE(_native, m) {
           "Byte layout of an EP region for a call shape (offsets relative to a half), as a dict of ints.");
 
     // ---- shared memory ----
-    m.def("shm_create", &mep::shm_create, "nbytes"_a,
-          "Create a zeroed 0600 POSIX shared-memory segment with a random /mep_<32 hex> name; "
-          "returns (name, base address).");
-    m.def("shm_open_peer", &mep::shm_open_peer, "name"_a, "nbytes"_a,
-          "Map a peer's segment (name validated, size must equal nbytes); returns the base address.");
     m.def("region_create", &mep::region_create, "nbytes"_a,
           "Create an anonymous 0600 shared region (memfd 'mep_region', sealed against shrinking and growing) "
           "of nbytes, mapped; returns (fd, base).");
@@ -71,8 +66,10 @@ PYBIND11_MODULE(_native, m) {
           "region_create (a memfd 'mep_region' sealed against resizing) of exactly nbytes is mapped: anything "
           "else raises ValueError naming the path and what was found; a missing pid/fd raises FileNotFoundError.");
     m.def("region_close_fd", &mep::region_close_fd, "fd"_a, "Close a region's file descriptor.");
-    m.def("shm_unlink", &mep::shm_unlink, "name"_a, "Unlink a segment name; a missing name is not an error.");
-    m.def("shm_unmap", &mep::shm_unmap, "base"_a, "nbytes"_a, "Unmap a mapping made by shm_create/shm_open_peer.");
+    m.def("region_unmap", &mep::region_unmap, "base"_a, "nbytes"_a,
+          "Unmap a mapping made by region_create/region_map_peer.");
+    m.def("set_parent_death_signal", &mep::set_parent_death_signal, "signal"_a,
+          "prctl(PR_SET_PDEATHSIG, signal): this process gets the signal when its parent exits (0 = none).");
 
     // ---- signals ----
     m.def("signal_store", &signal_store, "addr"_a, "value"_a, "Release-store a uint64 at an 8-aligned address.");
@@ -144,6 +141,19 @@ PYBIND11_MODULE(_native, m) {
     m.def("combine_reduce", &mep::combine_reduce, release(), "out_ptr"_a, "num_tokens"_a, "hidden"_a, "top_k"_a,
           "row_index_ptr"_a, "weights_ptr"_a, "rows_base_ptr"_a, "row_stride"_a,
           "out[t] = bf16(sum_k in order of w[t,k] * row(row_index[t,k])), -1 skipped, fp32, no FMA.");
+    // ---- collective transport records (kernels.cpp) ----
+    m.def("coll_dispatch_pack", &mep::coll_dispatch_pack, release(), "x"_a, "num_tokens"_a, "hidden"_a, "topk"_a,
+          "top_k"_a, "num_experts"_a, "num_ranks"_a, "max_tokens"_a, "active"_a, "use_fp8"_a, "fixed"_a,
+          "rec_size"_a, "meta"_a, "send"_a, "send_bytes"_a, "tokens_to"_a, "pairs_to"_a, "row_index"_a,
+          "Write this rank's dispatch records into send; returns the number of records.");
+    m.def("coll_dispatch_unpack", &mep::coll_dispatch_unpack, release(), "recv"_a, "recv_bytes"_a, "num_ranks"_a,
+          "max_tokens"_a, "hidden"_a, "num_local"_a, "rec_size"_a, "meta"_a, "fixed"_a, "recv_tokens"_a,
+          "accepted_by"_a, "accept"_a, "use_fp8"_a, "recv_x"_a, "recv_scales"_a, "src_info"_a, "layout_range"_a,
+          "recv_count"_a, "rows_to_rank"_a,
+          "Validate received records and pack them into the dispatch outputs; returns the rows packed.");
+    m.def("coll_combine_pack", &mep::coll_combine_pack, release(), "x"_a, "hidden"_a, "num_local"_a, "num_ranks"_a,
+          "max_tokens"_a, "layout_range"_a, "send"_a, "send_rows"_a,
+          "Copy the expert outputs each source gets back into send (by source, local expert, token).");
     // ---- switch helpers (switch_ops.cpp) ----
     m.def("copy_blocks", &mep::copy_blocks, release(), "desc_ptr"_a, "n"_a, "dst_lo"_a, "dst_hi"_a, "src_lo"_a,
           "src_hi"_a,

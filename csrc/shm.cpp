@@ -1,11 +1,11 @@
 // Shared memory for the same-host transport: anonymous regions (memfd, 0600, sealed against
-// resizing) that peers map through /proc/<pid>/fd/<fd> after checking they are regions of ours,
-// and named POSIX segments (0600, unguessable names). Errors raise OSError (with errno and
-// strerror) or ValueError.
+// resizing) that peers map through /proc/<pid>/fd/<fd> after checking they are regions of ours;
+// and the one process setting a rank needs (its parent-death signal). Errors raise OSError (with
+// errno and strerror) or ValueError.
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/random.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -24,8 +24,6 @@ namespace mep {
 
 namespace {
 
-constexpr const char* kPrefix = "/mep_";
-constexpr size_t kHexChars = 32;
 // The memfd name of every region (shown by the kernel as "/memfd:mep_region (deleted)").
 constexpr const char* kRegionName = "mep_region";
 
@@ -35,26 +33,6 @@ constexpr const char* kRegionName = "mep_region";
     const std::string msg = what + ": " + std::strerror(err);
     PyErr_SetObject(PyExc_OSError, py::make_tuple(err, msg, name).ptr());
     throw py::error_already_set();
-}
-
-std::string random_name() {
-    unsigned char bytes[kHexChars / 2];
-    size_t got = 0;
-    while (got < sizeof(bytes)) {
-        const ssize_t r = getrandom(bytes + got, sizeof(bytes) - got, 0);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            raise_os_error(errno, "getrandom", "");
-        }
-        got += size_t(r);
-    }
-    static const char hex[] = "0123456789abcdef";
-    std::string name(kPrefix);
-    for (unsigned char b : bytes) {
-        name.push_back(hex[b >> 4]);
-        name.push_back(hex[b & 15]);
-    }
-    return name;
 }
 
 void check_size(int64_t nbytes) {
@@ -79,67 +57,6 @@ const char* file_kind(mode_t mode) {
 }
 
 }  // namespace
-
-bool shm_name_is_valid(const std::string& name) {
-    const size_t prefix_len = std::strlen(kPrefix);
-    if (name.size() != prefix_len + kHexChars || name.compare(0, prefix_len, kPrefix) != 0) return false;
-    for (size_t i = prefix_len; i < name.size(); ++i) {
-        const char c = name[i];
-        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
-    }
-    return true;
-}
-
-std::pair<std::string, uintptr_t> shm_create(int64_t nbytes) {
-    check_size(nbytes);
-    for (int attempt = 0;; ++attempt) {
-        const std::string name = random_name();
-        const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd < 0) {
-            if (errno == EEXIST && attempt < 8) continue;  // 128-bit name collision: practically never
-            raise_os_error(errno, "shm_open", name);
-        }
-        // On any failure from here on, undo the creation so nothing is left in /dev/shm.
-        auto fail = [&](const char* what) {
-            const int err = errno;
-            ::close(fd);
-            ::shm_unlink(name.c_str());
-            raise_os_error(err, what, name);
-        };
-        if (::fchmod(fd, 0600) != 0) fail("fchmod");  // independent of the umask
-        if (::ftruncate(fd, off_t(nbytes)) != 0) fail("ftruncate");
-        void* base = map_shared(fd, nbytes);
-        if (!base) fail("mmap");
-        ::close(fd);  // the mapping keeps the segment alive
-        return {name, reinterpret_cast<uintptr_t>(base)};
-    }
-}
-
-uintptr_t shm_open_peer(const std::string& name, int64_t nbytes) {
-    // The name comes from a peer: never let it address anything but our own segments.
-    if (!shm_name_is_valid(name)) {
-        throw_value_error("invalid shared-memory name '" + name + "': expected /mep_ followed by 32 lowercase hex digits");
-    }
-    check_size(nbytes);
-    const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
-    if (fd < 0) raise_os_error(errno, "shm_open", name);
-    struct stat st;
-    if (::fstat(fd, &st) != 0) {
-        const int err = errno;
-        ::close(fd);
-        raise_os_error(err, "fstat", name);
-    }
-    if (int64_t(st.st_size) != nbytes) {
-        ::close(fd);
-        throw_value_error("shared-memory segment " + name + " has " + std::to_string(int64_t(st.st_size)) +
-                          " bytes, expected nbytes = " + std::to_string(nbytes));
-    }
-    void* base = map_shared(fd, nbytes);
-    const int err = errno;
-    ::close(fd);
-    if (!base) raise_os_error(err, "mmap", name);
-    return reinterpret_cast<uintptr_t>(base);
-}
 
 // ---- anonymous regions (memfd): no name ever exists, peers map them through /proc/<pid>/fd/<fd> ----
 
@@ -233,15 +150,15 @@ void region_close_fd(int64_t fd) {
     if (fd >= 0) ::close(int(fd));
 }
 
-void shm_unlink(const std::string& name) {
-    if (!shm_name_is_valid(name)) throw_value_error("invalid shared-memory name '" + name + "'");
-    if (::shm_unlink(name.c_str()) != 0 && errno != ENOENT) raise_os_error(errno, "shm_unlink", name);
-}
-
-void shm_unmap(uintptr_t base, int64_t nbytes) {
+void region_unmap(uintptr_t base, int64_t nbytes) {
     check_nonnull(base, "base");
     check_size(nbytes);
     if (::munmap(reinterpret_cast<void*>(base), size_t(nbytes)) != 0) raise_os_error(errno, "munmap", "");
+}
+
+void set_parent_death_signal(int64_t signal) {
+    if (signal < 0 || signal > 64) throw_value_error("signal must be in [0, 64], got " + std::to_string(signal));
+    if (::prctl(PR_SET_PDEATHSIG, static_cast<unsigned long>(signal)) != 0) raise_os_error(errno, "prctl", "");
 }
 
 }  // namespace mep

@@ -7,7 +7,6 @@ so it must be importable) to every rank and collects each rank's return value, e
 before a deadline. A rank that dies is reported, never waited for past the deadline; `close()` (or
 leaving the `with` block) ends every rank, and each rank also dies with its parent (PDEATHSIG).
 """
-import ctypes
 import multiprocessing as mp
 import os
 import signal
@@ -111,11 +110,9 @@ def host_store(host: str = "127.0.0.1", port: int = 0, world_size: Optional[int]
 
 
 def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    from mooncake_ep_switch import _native
+
+    _native.set_parent_death_signal(int(signal.SIGKILL))
 
 
 def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, str], threads: int, conn,

@@ -3,8 +3,6 @@ references: region layout, shared memory, signals, packing kernels, and a single
 simulation of the one-sided dispatch/combine protocol of docs/protocol.md over R shm regions.
 """
 import ctypes
-import os
-import stat
 import sys
 import threading
 import time
@@ -24,20 +22,9 @@ except ImportError:  # running from another directory without an installed packa
 # Helpers
 # ---------------------------------------------------------------------------------------------
 
-_CREATED = []  # every segment name this module creates; checked at the end
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_segments_left_behind():
-    yield
-    left = [name for name in _CREATED if os.path.exists("/dev/shm/" + name.lstrip("/"))]
-    assert not left, f"segments left in /dev/shm: {left}"
-
-
 def create_segment(nbytes):
-    name, base = N.shm_create(nbytes)
-    _CREATED.append(name)
-    return name, base
+    """A zeroed memfd region of this process: (fd, base address)."""
+    return N.region_create(nbytes)
 
 
 def view(addr, nbytes, dtype=torch.uint8):
@@ -251,52 +238,8 @@ def test_combine_reduce_matches_sequential_fp32(hidden, top_k):
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared memory and signals
+# Signals
 # ---------------------------------------------------------------------------------------------
-
-def test_shm_create_open_unlink():
-    nbytes = 3 * 4096 + 100
-    old_umask = os.umask(0)  # mode must not depend on the umask
-    try:
-        name, base = create_segment(nbytes)
-        name2, base2 = create_segment(4096)
-    finally:
-        os.umask(old_umask)
-    try:
-        assert name != name2 and base != base2
-        for nm in (name, name2):
-            assert nm.startswith("/mep_") and len(nm) == 37
-            assert all(c in "0123456789abcdef" for c in nm[5:])
-            st = os.stat("/dev/shm/" + nm[1:])
-            assert stat.S_IMODE(st.st_mode) == 0o600
-        assert os.stat("/dev/shm/" + name[1:]).st_size == nbytes
-        mine = view(base, nbytes)
-        assert not mine.any()  # starts zeroed
-
-        peer = N.shm_open_peer(name, nbytes)
-        try:
-            assert peer != base
-            mine[17] = 42
-            assert view(peer, nbytes)[17] == 42  # same memory, second mapping
-        finally:
-            N.shm_unmap(peer, nbytes)
-
-        with pytest.raises(ValueError, match=str(nbytes)):
-            N.shm_open_peer(name, nbytes + 1)
-        for bad in ["/mep_" + "0" * 31, "/mep_" + "A" * 32, "mep_" + "0" * 32, "/mep_../" + "0" * 27,
-                    "/dev/shm/x", "", "/mep_" + "0" * 32 + "0"]:
-            with pytest.raises(ValueError):
-                N.shm_open_peer(bad, nbytes)
-        with pytest.raises(FileNotFoundError):
-            N.shm_open_peer("/mep_" + "f" * 32, nbytes)
-    finally:
-        N.shm_unmap(base, nbytes)
-        N.shm_unmap(base2, 4096)
-        N.shm_unlink(name)
-        N.shm_unlink(name2)
-    assert not os.path.exists("/dev/shm/" + name[1:])
-    N.shm_unlink(name)  # a second unlink is not an error
-
 
 def test_signal_store_load():
     word = torch.zeros(4, dtype=torch.int64)
@@ -327,9 +270,9 @@ class Cluster:
         self.active = [torch.ones(R, dtype=torch.int32) for _ in range(R)]
 
     def close(self):
-        for name, base in self.regions:
-            N.shm_unmap(base, self.lay["total_bytes"])
-            N.shm_unlink(name)
+        for fd, base in self.regions:
+            N.region_unmap(base, self.lay["total_bytes"])
+            N.region_close_fd(fd)
 
     def half(self, rank, tag):
         return self.regions[rank][1] + self.lay["control_bytes"] + (tag % 2) * self.lay["half_bytes"]

@@ -144,7 +144,7 @@ def test_region_map_peer_refuses_a_dead_pid_and_a_wrong_size():
                 region_tensor(base, 4096)[7] = 99
                 assert int(region.local[7]) == 99
             finally:
-                _native.shm_unmap(base, 4096)
+                _native.region_unmap(base, 4096)
         finally:
             holder.kill()
             holder.wait(10)

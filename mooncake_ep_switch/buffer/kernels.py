@@ -34,34 +34,14 @@ def combine_reduce(out: torch.Tensor, row_index: torch.Tensor, weights: torch.Te
 
 
 # ------------------------------------------------------------------ collective fallback records
-# Plain-C entry points of the native library (csrc/kernels.cpp, "Collective fallback packing"),
-# reached through ctypes; they return a count >= 0, or -1 with the reason in mep_last_error().
+# The collective transport's record packers (csrc/kernels.cpp, bound by pybind11 like every native call).
 
-def _c_library():
-    import ctypes
-
-    library = ctypes.CDLL(_native.__file__)
-    i64, ptr = ctypes.c_int64, ctypes.c_size_t
-    library.mep_last_error.restype = ctypes.c_char_p
-    library.mep_last_error.argtypes = []
-    library.mep_coll_dispatch_pack.restype = i64
-    library.mep_coll_dispatch_pack.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ctypes.c_int32,
-                                               ctypes.c_int32, i64, i64, ptr, i64, ptr, ptr, ptr]
-    library.mep_coll_dispatch_unpack.restype = i64
-    library.mep_coll_dispatch_unpack.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int32, ptr, ptr,
-                                                 ptr, ctypes.c_int32, ptr, ptr, ptr, ptr, ptr, ptr]
-    library.mep_coll_combine_pack.restype = i64
-    library.mep_coll_combine_pack.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64]
-    return library
-
-
-_C = _c_library()
-
-
-def _checked(result: int, what: str) -> int:
-    if result < 0:
-        raise RuntimeError(f"{what}: {_C.mep_last_error().decode(errors='replace')}")
-    return result
+def _checked(what: str, call, *args) -> int:
+    """Run a native record packer; its ValueError / RuntimeError comes back as RuntimeError naming `what`."""
+    try:
+        return call(*args)
+    except (ValueError, RuntimeError) as error:
+        raise RuntimeError(f"{what}: {error}") from None
 
 
 def record_layout(hidden: int, num_local_experts: int, use_fp8: bool):
@@ -109,10 +89,10 @@ def coll_dispatch_pack(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
         RuntimeError: the native packer refused (the message says why).
     """
     _, meta, size = record
-    return _checked(_C.mep_coll_dispatch_pack(
-        x.data_ptr(), x.size(0), x.size(1), topk_idx.data_ptr(), topk_idx.size(1), num_experts, num_ranks,
-        max_tokens, active.data_ptr(), int(use_fp8), int(fixed), size, meta, send.data_ptr(), send.numel(),
-        tokens_to.data_ptr(), pairs_to.data_ptr(), row_index.data_ptr()), "collective dispatch")
+    return _checked("collective dispatch", _native.coll_dispatch_pack,
+                    x.data_ptr(), x.size(0), x.size(1), topk_idx.data_ptr(), topk_idx.size(1), num_experts, num_ranks,
+                    max_tokens, active.data_ptr(), bool(use_fp8), bool(fixed), size, meta, send.data_ptr(),
+                    send.numel(), tokens_to.data_ptr(), pairs_to.data_ptr(), row_index.data_ptr())
 
 
 def coll_dispatch_unpack(recv: torch.Tensor, num_ranks: int, max_tokens: int, hidden: int, num_local: int,
@@ -144,11 +124,11 @@ def coll_dispatch_unpack(recv: torch.Tensor, num_ranks: int, max_tokens: int, hi
     """
     _, meta, size = record
     scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
-    return _checked(_C.mep_coll_dispatch_unpack(
-        recv.data_ptr(), recv.numel(), num_ranks, max_tokens, hidden, num_local, size, meta, int(fixed),
-        recv_tokens.data_ptr(), accepted_by.data_ptr(), accept.data_ptr(), int(use_fp8), outputs.recv_x.data_ptr(),
-        scales, outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr(),
-        rows_to_rank.data_ptr()), "collective dispatch")
+    return _checked("collective dispatch", _native.coll_dispatch_unpack,
+                    recv.data_ptr(), recv.numel(), num_ranks, max_tokens, hidden, num_local, size, meta, bool(fixed),
+                    recv_tokens.data_ptr(), accepted_by.data_ptr(), accept.data_ptr(), bool(use_fp8),
+                    outputs.recv_x.data_ptr(), scales, outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
+                    outputs.recv_count.data_ptr(), rows_to_rank.data_ptr())
 
 
 def coll_combine_pack(x: torch.Tensor, layout_range: torch.Tensor, max_tokens: int, send: torch.Tensor) -> int:
@@ -167,6 +147,5 @@ def coll_combine_pack(x: torch.Tensor, layout_range: torch.Tensor, max_tokens: i
         RuntimeError: the layout does not fit `send` (the message says why).
     """
     num_local, num_ranks = layout_range.shape
-    return _checked(_C.mep_coll_combine_pack(x.data_ptr(), x.size(2), num_local, num_ranks, max_tokens,
-                                             layout_range.data_ptr(), send.data_ptr(), send.size(0)),
-                    "collective combine")
+    return _checked("collective combine", _native.coll_combine_pack, x.data_ptr(), x.size(2), num_local, num_ranks,
+                    max_tokens, layout_range.data_ptr(), send.data_ptr(), send.size(0))

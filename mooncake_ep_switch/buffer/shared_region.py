@@ -45,7 +45,7 @@ class Mapping:
         base, self.base = self.base, 0
         if base:
             try:
-                _native.shm_unmap(base, self.nbytes)
+                _native.region_unmap(base, self.nbytes)
             except Exception:  # interpreter shutdown (module gone) or an already unmapped range
                 pass
 
