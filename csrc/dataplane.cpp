@@ -80,6 +80,11 @@ std::vector<int64_t> destination_order(int64_t num_ranks, int64_t rank, int64_t 
     return order;
 }
 
+// High bit of a combine signal's count: the expert owner wrote this rank's rows compactly (the
+// Transfer Engine path, so that only routed rows cross the wire): rows of its local expert l start
+// after the rows of its experts 0..l-1, in the order the token owner dispatched them (ascending t).
+constexpr uint32_t kCompactFlag = 0x80000000u;
+
 // How a data-plane wait spends the time between polls. Ranks usually outnumber idle cores (4 or 8
 // ranks on 2 cores, or 2 ranks beside other work), and then the peer we wait for often needs this
 // very core: spinning only delays it, and every handoff costs a spin phase. So for the first
@@ -125,11 +130,15 @@ private:
 // `dead` (nullable): int32 [P] flags of the caller's (a peer watcher sets them when a peer process
 // is gone); a peer whose flag is non-zero and whose signals are not all there is marked inactive at
 // once, exactly as at the deadline, instead of being waited for until then.
+// `compact` (nullable, combine only): per peer, whether its signals carry kCompactFlag (its rows for
+// this rank sit behind each other, see combine_to_destination); a peer whose L signals disagree on
+// the flag is marked inactive. With `compact` null a flagged count is out of range (dispatch).
 void wait_for_signals(const uint8_t* words, int64_t num_peers, int64_t L, uint32_t tag, int64_t max_tokens,
                       Waiter& waiter, ActiveMask& active, std::vector<uint32_t>& counts, const void* abort_word,
-                      const int32_t* dead) {
+                      const int32_t* dead, std::vector<uint8_t>* compact = nullptr) {
     DataplaneWait wait(waiter);
     counts.assign(size_t(num_peers * L), 0);
+    if (compact != nullptr) compact->assign(size_t(num_peers), 0);
     std::vector<int64_t> next(size_t(num_peers), 0);  // signals of p confirmed so far (in order)
     for (;;) {
         bool complete = true;
@@ -138,7 +147,17 @@ void wait_for_signals(const uint8_t* words, int64_t num_peers, int64_t L, uint32
             while (active.alive(p) && l < L) {
                 const uint64_t v = load_acquire(words + (p * L + l) * 8);
                 if (signal_tag(v) != tag) break;  // not yet written for this call (or stale)
-                const uint32_t c = signal_count(v);
+                uint32_t c = signal_count(v);
+                if (compact != nullptr) {
+                    const uint8_t flagged = (c & kCompactFlag) != 0 ? 1 : 0;
+                    c &= ~kCompactFlag;
+                    if (l == 0) {
+                        (*compact)[size_t(p)] = flagged;
+                    } else if ((*compact)[size_t(p)] != flagged) {
+                        active.fail(p);  // protocol error: mixed layouts from one owner
+                        break;
+                    }
+                }
                 if (int64_t(c) > max_tokens) {
                     active.fail(p);  // protocol error: a corrupted or hostile peer
                     break;
@@ -389,15 +408,27 @@ void decode_range(const int64_t* layout_range, const int32_t* src_info, const La
 // Returns each expert output row to its token's slot in rank s's combine_data, then signals.
 // `column` picks the expert block written: this rank's (combine_data[rank*L + l]) in a peer's half,
 // s's own in a staging copy that holds every destination at once (see send_to_destination).
+// With `compact`, the rows go behind each other instead (row i of local expert l at combine_data
+// row column*L*T + count(0..l-1) + i, in the order received = the owner's ascending token order)
+// and every signal carries kCompactFlag: the owner's rows are one contiguous range of exactly the
+// routed rows, which the Transfer Engine path ships in one write.
 void combine_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64_t s, const uint16_t* x,
-                            const int32_t* src_info, const int64_t* layout_range, uint32_t tag, bool write_signals) {
+                            const int32_t* src_info, const int64_t* layout_range, uint32_t tag, bool write_signals,
+                            bool compact) {
     const int64_t rank = column;
     const int64_t R = lay.num_ranks, T = lay.max_tokens, H = lay.hidden, L = lay.num_local_experts, RT = R * T;
     std::vector<uint32_t> counts(static_cast<size_t>(L));
+    int64_t packed = 0;  // compact rows written so far
     for (int64_t l = 0; l < L; ++l) {
         int64_t begin, count;
         decode_range(layout_range, src_info, lay, l, s, begin, count);
         counts[size_t(l)] = uint32_t(count);
+        if (compact) {
+            uint8_t* rows = half + lay.combine_data + (rank * L * T + packed) * lay.row_bytes;
+            std::memcpy(rows, x + (l * RT + begin) * H, size_t(count * lay.row_bytes));
+            packed += count;
+            continue;
+        }
         const int64_t e = rank * L + l;
         uint8_t* rows = half + lay.combine_data + e * T * lay.row_bytes;  // combine_data[e][0]
         for (int64_t i = 0; i < count; ++i) {
@@ -407,8 +438,9 @@ void combine_to_destination(uint8_t* half, const Layout& lay, int64_t column, in
     }
     if (!write_signals) return;
     // All rows for s are written; now publish them (release).
+    const uint32_t flag = compact ? kCompactFlag : 0u;
     for (int64_t l = 0; l < L; ++l) {
-        store_release(half + lay.combine_signals + (rank * L + l) * 8, make_signal(tag, counts[size_t(l)]));
+        store_release(half + lay.combine_signals + (rank * L + l) * 8, make_signal(tag, counts[size_t(l)] | flag));
     }
     wake_signal_waiters(half + lay.combine_signals + (rank * L + L - 1) * 8);
 }
@@ -510,7 +542,7 @@ std::vector<int> dispatch_recv(uintptr_t local_half_base, int64_t num_ranks, int
 void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t num_ranks, int64_t rank,
                   int64_t max_tokens, uintptr_t src_info_ptr, uintptr_t layout_range_ptr, uintptr_t active_ptr,
                   const std::vector<uintptr_t>& peer_half_bases, int64_t tag, int64_t dest, bool write_signals,
-                  bool by_destination) {
+                  bool by_destination, bool compact) {
     const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
     check_call(lay, rank, active_ptr);
     const uint32_t tag32 = check_tag(tag);
@@ -535,7 +567,7 @@ void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t 
     }
     for (int64_t s : dests) {
         combine_to_destination(reinterpret_cast<uint8_t*>(peer_half_bases[size_t(s)]), lay, by_destination ? s : rank,
-                               s, x, src_info, layout_range, tag32, write_signals);
+                               s, x, src_info, layout_range, tag32, write_signals, compact);
     }
 }
 
@@ -567,8 +599,50 @@ std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int6
     const int64_t L = lay.num_local_experts, T = max_tokens, H = hidden;
     ActiveMask active(active_ptr, num_ranks);
     std::vector<uint32_t> counts;
+    std::vector<uint8_t> compact;
     wait_for_signals(half + lay.combine_signals, num_ranks, L, tag32, max_tokens, waiter, active, counts,
-                     reinterpret_cast<const void*>(abort_ptr), reinterpret_cast<const int32_t*>(dead_ptr));
+                     reinterpret_cast<const void*>(abort_ptr), reinterpret_cast<const int32_t*>(dead_ptr), &compact);
+
+    // Compact owners: token t's row for expert e is e's (ascending, duplicates in a top-k row skipped
+    // as dispatch_send's routing does) selection number behind the rows of the owner's earlier
+    // experts. An owner whose counts differ from what this rank dispatched would make us read rows
+    // of other tokens: it is failed instead.
+    const int64_t E = num_experts;
+    bool any_compact = false;
+    for (int64_t p = 0; p < num_ranks; ++p) any_compact = any_compact || (active.alive(p) && compact[size_t(p)]);
+    thread_local std::vector<int64_t> compact_row;  // [num_tokens * top_k], row within the owner's block
+    if (any_compact) {
+        std::vector<int64_t> selected(size_t(E), 0);
+        compact_row.assign(size_t(num_tokens * top_k), -1);
+        for (int64_t t = 0; t < num_tokens; ++t) {
+            const int64_t* row = topk + t * top_k;
+            for (int64_t k = 0; k < top_k; ++k) {
+                const int64_t e = row[k];
+                if (e < 0 || !compact[size_t(e / L)]) continue;
+                int64_t j = 0;
+                while (j < k && row[j] != e) ++j;
+                compact_row[size_t(t * top_k + k)] =
+                    j < k ? compact_row[size_t(t * top_k + j)] : selected[size_t(e)]++;
+            }
+        }
+        for (int64_t p = 0; p < num_ranks; ++p) {
+            if (!active.alive(p) || !compact[size_t(p)]) continue;
+            int64_t before = 0;
+            for (int64_t l = 0; l < L; ++l) {
+                if (selected[size_t(p * L + l)] != int64_t(counts[size_t(p * L + l)])) {
+                    active.fail(p);
+                    break;
+                }
+                selected[size_t(p * L + l)] = before;  // now: the first row of expert p*L+l in p's block
+                before += counts[size_t(p * L + l)];
+            }
+            if (!active.alive(p)) continue;
+            for (int64_t i = 0; i < num_tokens * top_k; ++i) {
+                const int64_t e = topk[i];
+                if (e >= 0 && e / L == p) compact_row[size_t(i)] += p * L * T + selected[size_t(e)];
+            }
+        }
+    }
 
     // Reduce in top-k order, skipping -1 and experts whose owner is inactive.
     auto* out = reinterpret_cast<uint16_t*>(out_ptr);
@@ -580,7 +654,8 @@ std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int6
         for (int64_t k = 0; k < top_k; ++k) {
             const int64_t e = topk[t * top_k + k];
             if (e < 0 || !active.alive(e / L)) continue;
-            rows[size_t(n)] = reinterpret_cast<const uint16_t*>(rows_base + (e * T + t) * lay.row_bytes);
+            const int64_t slot = compact[size_t(e / L)] ? compact_row[size_t(t * top_k + k)] : e * T + t;
+            rows[size_t(n)] = reinterpret_cast<const uint16_t*>(rows_base + slot * lay.row_bytes);
             w[size_t(n)] = weights[t * top_k + k];
             ++n;
         }
@@ -611,7 +686,7 @@ std::vector<int> combine_round(uintptr_t x_ptr, int64_t hidden, int64_t num_expe
                                uintptr_t weights_ptr, int64_t num_tokens, int64_t top_k, uintptr_t out_ptr,
                                uintptr_t abort_ptr, uintptr_t dead_ptr) {
     combine_send(x_ptr, hidden, num_experts, num_ranks, rank, max_tokens, src_info_ptr, layout_range_ptr, active_ptr,
-                 peer_half_bases, tag, -1, true, false);
+                 peer_half_bases, tag, -1, true, false, false);
     return combine_recv(local_half_base, num_ranks, rank, max_tokens, hidden, num_experts, tag, active_ptr, timeout_us,
                         topk_ptr, weights_ptr, num_tokens, top_k, out_ptr, abort_ptr, dead_ptr);
 }

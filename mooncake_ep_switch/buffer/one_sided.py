@@ -10,7 +10,8 @@ whatever carried the bytes. Each peer gets a route:
 * `te`: a peer elsewhere (or any peer when `disable_p2p=True`), reached with Mooncake Transfer
   Engine writes: the native kernels pack the rows for that peer into a local staging copy of the
   region at the same offsets, a batch write carries the data ranges, and only after it completed a
-  second write carries the signals (TE does not order writes inside a batch).
+  second write carries the signals (TE does not order writes inside a batch). Combine rows for a TE
+  owner are packed compactly (only the routed rows, one range per owner; docs/protocol.md).
 
 A failed or timed-out write marks the destination inactive in the caller's `active_ranks` (and
 as evidence for membership) instead of raising or hanging.
@@ -462,21 +463,22 @@ class OneSidedTransport:
         return receive
 
     def _combine_te(self, call: CombineCall, layout: RegionLayout, offset: int, tag: int, args) -> None:
-        """Return every Transfer Engine token owner's rows into its own expert block of the staging copy
-        (one native call), then write each owner's block and signals into this rank's experts' block
-        of its region."""
+        """Pack every Transfer Engine token owner's rows compactly (only the rows routed to it, behind each
+        other in local-expert order) into its own expert block of the staging copy (one native call), then
+        write each owner those rows as ONE range into this rank's experts' block of its region, and its
+        signals (flagged compact, docs/protocol.md) after them."""
         targets = self._te_targets(call.active_ranks)
         if not targets:
             return
         L, block = layout.num_local_experts, layout.num_local_experts * call.num_max_dispatch_tokens_per_rank
         row_bytes = call.hidden * 2
-        _native.combine_send(*args, self._staging_bases(offset, targets), tag, -1, True, True)
+        _native.combine_send(*args, self._staging_bases(offset, targets), tag, -1, True, True, True)
+        signal_words = self.staging[offset + layout.combine_signals:].view(torch.int64)  # [R*L] words
 
         def ranges(dest: int) -> List[Tuple[int, int, int]]:
-            # Rows of tokens that did not select an expert carry stale bytes, but a token owner reads
-            # combine_data[e][t] only for the experts token t selected: one write of the block suffices.
+            rows = int((signal_words[dest * L:(dest + 1) * L] & 0x7FFFFFFF).sum())
             return [(offset + layout.combine_data + dest * block * row_bytes,
-                     offset + layout.combine_data + self.rank * block * row_bytes, block * row_bytes)]
+                     offset + layout.combine_data + self.rank * block * row_bytes, rows * row_bytes)]
 
         def signals(dest: int) -> Tuple[int, int, int]:
             return (offset + layout.combine_signals + dest * L * 8, offset + layout.combine_signals + self.rank * L * 8,
