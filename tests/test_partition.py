@@ -1,7 +1,8 @@
 """A real network partition over the Transfer Engine: a rank's link goes down, then comes back.
 
-The test builds its own network in Linux network namespaces (one per rank, each with a veth to a
-bridge in a hub namespace) and deletes it afterwards. The ranks are spawned by `LocalCluster` in
+The test builds its own network with the shared multi-host fixture (tests/netns.py: one network
+namespace per host, here one rank per host, each with a veth to a bridge in a hub namespace) and
+deletes it afterwards. The ranks are spawned by `LocalCluster` in
 the root namespace, where they reach the launcher's store and their gloo group over loopback;
 before building its Buffer each rank moves its calling thread into its own namespace (setns) and
 advertises its namespace address (`MEP_BIND_HOST`), so the Transfer Engine (its listening sockets,
@@ -9,18 +10,14 @@ its I/O threads and every put) lives in the namespace and only the veth carries 
 Downing one veth cuts that rank off the data plane while the store stays reachable: exactly the
 outage seen in production (a link flap between hosts), with real TCP underneath.
 """
-import ctypes
-import os
-import re
-import subprocess
 import time
 
-import pytest
 import torch
 
 from mooncake_ep_switch import Buffer
 from tests import harness
 from tests.harness import RANK_STATE, outcome_value, rank_teardown
+from tests.netns import enter_host, make_network  # noqa: F401 - make_network is a fixture
 from tests.reference import expected_combine, expected_routing, structured_inputs, token_count
 from tests.test_faults import _mock_expert
 
@@ -28,95 +25,9 @@ NUM_RANKS = 3
 HIDDEN, TOKENS, EXPERTS, TOP_K = 256, 32, 12, 4  # 12 experts: 4 per rank
 TIMEOUT_US = harness.FAULT_TIMEOUT_US_TE
 OUTAGE_S = 4.0
-PREFIX = "mep"  # namespaces are named mep<pid>r<rank> and mep<pid>hub
-SUBNET = "10.251.0"
-CLONE_NEWNET = 0x40000000
-
-
-# ---------------------------------------------------------------------- the network
-def _ip(*args, check=True):
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
-    return done.stdout
-
-
-def _namespaces():
-    return [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
-
-
-def _remove_stale():
-    """Namespaces of this prefix left behind by an earlier run that was killed before its cleanup."""
-    for name in _namespaces():
-        found = re.fullmatch(rf"{PREFIX}(\d+)(?:r\d+|hub)", name)
-        if found and int(found.group(1)) != os.getpid() and not os.path.exists(f"/proc/{found.group(1)}"):
-            _ip("netns", "delete", name, check=False)
-
-
-class Network:
-    """One namespace per rank, each with a veth (10.251.0.<1+rank>/24) to a bridge in a hub namespace."""
-
-    def __init__(self, num_ranks):
-        tag = f"{PREFIX}{os.getpid()}"
-        self.hub = f"{tag}hub"
-        self.names = [f"{tag}r{r}" for r in range(num_ranks)]
-        self.devices = [f"{tag}v{r}" for r in range(num_ranks)]  # at most 15 characters
-        self.addresses = [f"{SUBNET}.{1 + r}" for r in range(num_ranks)]
-        self.made = []
-
-    def create(self):
-        for name in [self.hub] + self.names:
-            _ip("netns", "add", name)
-            self.made.append(name)
-            _ip("-n", name, "link", "set", "lo", "up")
-        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.hub, "link", "set", "br0", "up")
-        for r, (name, device, address) in enumerate(zip(self.names, self.devices, self.addresses)):
-            _ip("-n", name, "link", "add", device, "type", "veth", "peer", "name", f"p{r}", "netns", self.hub)
-            _ip("-n", self.hub, "link", "set", f"p{r}", "master", "br0", "up")
-            _ip("-n", name, "addr", "add", f"{address}/24", "dev", device)
-            _ip("-n", name, "link", "set", device, "up")
-
-    def set_link(self, rank, up):
-        _ip("-n", self.names[rank], "link", "set", self.devices[rank], "up" if up else "down")
-
-    def delete(self):
-        for name in reversed(self.made):  # deleting a namespace deletes its veth ends and the bridge
-            _ip("netns", "delete", name, check=False)
-        self.made.clear()
-
-
-@pytest.fixture()
-def network():
-    """The namespaces of this test; always deleted, even when the test fails. No skip: a machine
-    where namespaces cannot be made fails the test with the reason."""
-    _remove_stale()
-    made = Network(NUM_RANKS)
-    try:
-        try:
-            made.create()
-        except (RuntimeError, OSError, subprocess.SubprocessError) as error:
-            pytest.fail(f"cannot build the test network in network namespaces (needs root and iproute2): {error}")
-        yield made
-    finally:
-        made.delete()
-        left = [n for n in _namespaces() if n.startswith(f"{PREFIX}{os.getpid()}")]
-        assert not left, f"namespaces left behind: {left}"
 
 
 # ---------------------------------------------------------------------- rank functions
-def _enter(namespace):
-    """Move the calling thread (the rank's main thread, which runs every function) into `namespace`.
-    Sockets opened before (store, gloo) stay in the root namespace; threads started later inherit it."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns({namespace})")
-    finally:
-        os.close(fd)
-
-
 def _inputs(rank, seed):
     return structured_inputs(rank, token_count(rank, NUM_RANKS, TOKENS), HIDDEN, EXPERTS, TOP_K, seed=seed,
                              random_values=True)
@@ -146,8 +57,7 @@ def _round(ctx, buffer, seed, active):
 
 
 def rank_start(ctx, namespaces, addresses):
-    _enter(namespaces[ctx.rank])
-    os.environ["MEP_BIND_HOST"] = addresses[ctx.rank]  # read by config.settings() when the Buffer is made
+    enter_host(namespaces[ctx.rank], addresses[ctx.rank])
     size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, NUM_RANKS, EXPERTS)
     buffer = RANK_STATE["buffer"] = Buffer(ctx.group, size, disable_p2p=True, transport="mooncake")
     published = buffer.membership.endpoint(ctx.rank)["te_session"]
@@ -185,11 +95,12 @@ def rank_refused(ctx):
     return None
 
 
-def test_left_out_rank_rejoins_after_link_outage(network):
+def test_left_out_rank_rejoins_after_link_outage(make_network):
     """Rank 2's link goes down for ~4 s. Ranks 0 and 1 mask it within timeout_us, keep serving exact
     rows and seal a view without it. Link back up: rank 2's update_ep_member() rejoins it as a new
     incarnation through the joining path, the members admit it, and full rounds are exact again."""
     everyone = list(range(NUM_RANKS))
+    network = make_network(NUM_RANKS)  # one host per rank
     with harness.fresh_cluster(NUM_RANKS) as cluster:
         started = [outcome_value(o) for o in cluster.run(rank_start, network.names, network.addresses, timeout_s=90)]
         for rank, value in enumerate(started):
