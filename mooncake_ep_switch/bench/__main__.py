@@ -12,6 +12,9 @@ Rows:
     (`switch_bench`; the small shapes with `--quick`).
 `python -m mooncake_ep_switch.bench soak [...]` runs the soak benchmark instead (`bench.soak`: 10^4
 dispatch + combine rounds over shm and 10^3 over the Transfer Engine, resources sampled; `soak --help`).
+`python -m mooncake_ep_switch.bench hosts [...]` runs the cross-host benchmark (`bench.hosts`: two
+network namespaces, Transfer Engine vs the gloo collective over the same veths vs shm on one host,
+bytes on the wire against the routed bytes; needs root).
 Timing of the transport rows: per rank, the median over 5 barrier-separated batches of the batch's mean time per round; the
 slowest rank counts. Every ratio uses numbers from this run.
 """
@@ -115,7 +118,8 @@ def main(argv=None) -> int:
 
     Arguments:
         argv: command-line arguments (`--quick`, `--out FILE`), or None for `sys.argv[1:]`; when the
-            first is `soak`, the rest go to the soak benchmark (`bench.soak.main`).
+            first is `soak` (or `hosts`), the rest go to the soak (cross-host) benchmark (`bench.soak.main`,
+            `bench.hosts.main`).
 
     Returns:
         status: int, 0 (failures raise); for `soak`, its status (1 when a check or the flatness
@@ -126,6 +130,10 @@ def main(argv=None) -> int:
         from mooncake_ep_switch.bench import soak
 
         return soak.main(argv[1:])
+    if argv[:1] == ["hosts"]:
+        from mooncake_ep_switch.bench import hosts
+
+        return hosts.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
