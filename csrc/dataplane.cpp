@@ -272,15 +272,47 @@ struct SendRows {
 // with acquire also sees every row it counts. `column` is the source column written: this rank's
 // in a peer's half; d itself in a staging copy that holds every destination at once (the
 // Transfer Engine path then copies column d of the staging into column `rank` of peer d).
+//
+// With `compact` (the Transfer Engine route: each token crosses the wire once per destination, as
+// in docs/protocol.md) the rows of every token that selected any expert of d go once each, in
+// ascending token order, to dispatch_data[0][column][0..m); the per-expert token lists (int32,
+// ascending, local expert 0 first) go behind each other to the start of dispatch_data[1][column];
+// FP8 scales of the m rows to dispatch_scales[0][column]; every signal carries kCompactFlag.
 void send_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64_t d, const Routing& rt,
-                         const SendRows& src, bool use_fp8, uint32_t tag, bool write_signals) {
+                         const SendRows& src, bool use_fp8, uint32_t tag, bool write_signals, bool compact) {
     const int64_t R = lay.num_ranks, T = lay.max_tokens, H = lay.hidden, L = lay.num_local_experts;
     const int64_t G = lay.num_scale_groups;
     const int64_t rank = column;
     uint8_t* data = half + lay.dispatch_data;
     auto* scales = reinterpret_cast<float*>(half + lay.dispatch_scales);
     auto* srcidx = reinterpret_cast<int32_t*>(half + lay.dispatch_src);
-    for (int64_t l = 0; l < L; ++l) {
+    if (compact) {
+        thread_local std::vector<uint8_t> chosen;
+        chosen.assign(rt.used.size(), 0);
+        auto* meta = reinterpret_cast<int32_t*>(data + (1 * R + rank) * T * lay.row_bytes);
+        int64_t at = 0;
+        for (int64_t l = 0; l < L; ++l) {
+            const int64_t e = d * L + l;
+            for (int64_t i = rt.offset[size_t(e)]; i < rt.offset[size_t(e + 1)]; ++i) {
+                const int32_t t = rt.tokens[size_t(i)];
+                meta[at++] = t;
+                chosen[size_t(t)] = 1;
+            }
+        }
+        int64_t m = 0;
+        const int64_t slot0 = (0 * R + rank) * T;
+        for (size_t t = 0; t < chosen.size(); ++t) {
+            if (!chosen[t]) continue;
+            const int64_t slot = slot0 + m++;
+            if (use_fp8) {
+                std::memcpy(data + slot * lay.row_bytes, src.q + int64_t(t) * H, size_t(H));
+                std::memcpy(scales + slot * G, src.scales + int64_t(t) * G, size_t(G) * sizeof(float));
+            } else {
+                std::memcpy(data + slot * lay.row_bytes, src.x + int64_t(t) * H, size_t(lay.row_bytes));
+            }
+        }
+    }
+    for (int64_t l = 0; l < L && !compact; ++l) {
         const int64_t e = d * L + l;
         const int64_t slot0 = (l * R + rank) * T;  // dispatch_*[l][column][0]
         const int64_t begin = rt.offset[size_t(e)], count = rt.offset[size_t(e + 1)] - begin;
@@ -297,10 +329,11 @@ void send_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64
         }
     }
     if (!write_signals) return;
+    const uint32_t flag = compact ? kCompactFlag : 0u;
     for (int64_t l = 0; l < L; ++l) {
         const int64_t e = d * L + l;
         const auto count = uint32_t(rt.offset[size_t(e + 1)] - rt.offset[size_t(e)]);
-        store_release(half + lay.dispatch_signals + (rank * L + l) * 8, make_signal(tag, count));
+        store_release(half + lay.dispatch_signals + (rank * L + l) * 8, make_signal(tag, count | flag));
     }
     wake_signal_waiters(half + lay.dispatch_signals + (rank * L + L - 1) * 8);
 }
@@ -309,12 +342,50 @@ void send_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64
 // Dispatch receive
 // ---------------------------------------------------------------------------------------------
 
-// Every token index a live source wrote must lie in [0, T); otherwise the source is failed.
+// Whether a compact dispatch fits: its token lists (at most L*T int32) sit in one T-row block.
+bool compact_dispatch_fits(const Layout& lay) {
+    return lay.num_local_experts >= 2 && 4 * lay.num_local_experts <= lay.row_bytes;
+}
+
+// Every token index a live source wrote must lie in [0, T); otherwise the source is failed. For a
+// compact source the lists must also be strictly ascending; `unions[s]` then maps each token to its
+// row among the source's m compact rows (-1: not sent).
 void validate_dispatch_sources(const uint8_t* half, const Layout& lay, const std::vector<uint32_t>& counts,
-                               ActiveMask& active) {
+                               const std::vector<uint8_t>& compact, ActiveMask& active,
+                               std::vector<std::vector<int32_t>>& unions) {
     const int64_t R = lay.num_ranks, T = lay.max_tokens, L = lay.num_local_experts;
     const auto* srcidx = reinterpret_cast<const int32_t*>(half + lay.dispatch_src);
+    unions.assign(size_t(R), {});
     for (int64_t s = 0; s < R; ++s) {
+        if (!active.alive(s)) continue;
+        if (compact[size_t(s)]) {
+            if (!compact_dispatch_fits(lay)) {
+                active.fail(s);  // protocol error: this layout has no room for compact lists
+                continue;
+            }
+            const auto* meta =
+                reinterpret_cast<const int32_t*>(half + lay.dispatch_data + (1 * R + s) * T * lay.row_bytes);
+            std::vector<int32_t>& row_of = unions[size_t(s)];
+            row_of.assign(size_t(T), -1);
+            int64_t at = 0;
+            for (int64_t l = 0; l < L && active.alive(s); ++l) {
+                const int64_t c = counts[size_t(s * L + l)];
+                for (int64_t i = 0; i < c; ++i) {
+                    const int32_t t = meta[at + i];
+                    if (t < 0 || t >= T || (i > 0 && t <= meta[at + i - 1])) {
+                        active.fail(s);
+                        break;
+                    }
+                    row_of[size_t(t)] = 0;
+                }
+                at += c;
+            }
+            int32_t m = 0;
+            for (int64_t t = 0; t < T; ++t) {
+                if (row_of[size_t(t)] == 0) row_of[size_t(t)] = m++;
+            }
+            continue;
+        }
         for (int64_t l = 0; l < L && active.alive(s); ++l) {
             const int32_t* idx = srcidx + (l * R + s) * T;
             const int64_t c = counts[size_t(s * L + l)];
@@ -338,7 +409,8 @@ struct RecvOutputs {
 
 // Packs the counted rows of every live source (ascending) behind each other per local expert.
 void pack_dispatch(const uint8_t* half, const Layout& lay, const std::vector<uint32_t>& counts,
-                   const ActiveMask& active, bool use_fp8, const RecvOutputs& out) {
+                   const ActiveMask& active, bool use_fp8, const RecvOutputs& out,
+                   const std::vector<std::vector<int32_t>>& unions) {
     const int64_t R = lay.num_ranks, T = lay.max_tokens, H = lay.hidden, L = lay.num_local_experts;
     const int64_t G = lay.num_scale_groups, RT = R * T;
     const uint8_t* data = half + lay.dispatch_data;
@@ -355,6 +427,29 @@ void pack_dispatch(const uint8_t* half, const Layout& lay, const std::vector<uin
             const int64_t c = counts[size_t(s * L + l)];
             const int64_t slot0 = (l * R + s) * T;
             const int64_t row0 = l * RT + begin;  // first packed row of this block
+            if (!unions[size_t(s)].empty()) {  // compact source: rows by token from its m rows
+                const std::vector<int32_t>& row_of = unions[size_t(s)];
+                const auto* meta =
+                    reinterpret_cast<const int32_t*>(data + (1 * R + s) * T * lay.row_bytes);
+                int64_t at = 0;
+                for (int64_t k = 0; k < l; ++k) at += counts[size_t(s * L + k)];
+                const int64_t base = (0 * R + s) * T;
+                for (int64_t i = 0; i < c; ++i) {
+                    const int32_t t = meta[at + i];
+                    const int64_t slot = base + row_of[size_t(t)];
+                    if (use_fp8) {
+                        std::memcpy(out.x + (row0 + i) * H, data + slot * lay.row_bytes, size_t(H));
+                        for (int64_t g = 0; g < G; ++g) out.scales[(l * G + g) * RT + begin + i] = scales[slot * G + g];
+                    } else {
+                        std::memcpy(out.x + (row0 + i) * lay.row_bytes, data + slot * lay.row_bytes,
+                                    size_t(lay.row_bytes));
+                    }
+                    out.src_info[row0 + i] = t;
+                }
+                range = (begin << 32) | c;
+                begin += c;
+                continue;
+            }
             if (use_fp8) {
                 // FP8 rows sit in the first H bytes of 2H-byte slots: one copy per row.
                 for (int64_t i = 0; i < c; ++i) {
@@ -460,7 +555,7 @@ void check_call(const Layout& lay, int64_t rank, uintptr_t active_ptr) {
 void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
                    int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t max_tokens, uintptr_t active_ptr,
                    const std::vector<uintptr_t>& peer_half_bases, int64_t tag, bool use_fp8, int64_t dest,
-                   bool write_signals, bool by_destination) {
+                   bool write_signals, bool by_destination, bool compact) {
     const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
     check_call(lay, rank, active_ptr);
     const uint32_t tag32 = check_tag(tag);
@@ -479,6 +574,10 @@ void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_
     const auto* topk = reinterpret_cast<const int64_t*>(topk_ptr);
     if (num_tokens > 0 && top_k > 0) check_topk(topk, num_tokens * top_k, num_experts);
 
+    if (compact && !compact_dispatch_fits(lay)) {
+        throw_value_error("compact: a compact dispatch needs at least 2 local experts and 4 * L <= 2 * hidden, got L = " +
+                          std::to_string(lay.num_local_experts) + ", hidden = " + std::to_string(hidden));
+    }
     const ActiveMask active(active_ptr, num_ranks);
     const std::vector<int64_t> dests = destination_order(num_ranks, rank, dest, active, peer_half_bases);
     std::vector<uint8_t> targeted(size_t(num_ranks), 0);
@@ -504,7 +603,7 @@ void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_
     }
     for (int64_t d : dests) {
         send_to_destination(reinterpret_cast<uint8_t*>(peer_half_bases[size_t(d)]), lay, by_destination ? d : rank, d,
-                            rt, rows, use_fp8, tag32, write_signals);
+                            rt, rows, use_fp8, tag32, write_signals, compact);
     }
 }
 
@@ -527,15 +626,18 @@ std::vector<int> dispatch_recv(uintptr_t local_half_base, int64_t num_ranks, int
     const auto* half = reinterpret_cast<const uint8_t*>(local_half_base);
     ActiveMask active(active_ptr, num_ranks);
     std::vector<uint32_t> counts;
+    std::vector<uint8_t> compact;
     wait_for_signals(half + lay.dispatch_signals, num_ranks, lay.num_local_experts, tag32, max_tokens, waiter, active,
-                     counts, reinterpret_cast<const void*>(abort_ptr), reinterpret_cast<const int32_t*>(dead_ptr));
-    validate_dispatch_sources(half, lay, counts, active);
+                     counts, reinterpret_cast<const void*>(abort_ptr), reinterpret_cast<const int32_t*>(dead_ptr),
+                     &compact);
+    thread_local std::vector<std::vector<int32_t>> unions;
+    validate_dispatch_sources(half, lay, counts, compact, active, unions);
 
     RecvOutputs out{reinterpret_cast<uint8_t*>(recv_x_ptr), reinterpret_cast<float*>(recv_scales_ptr),
                     reinterpret_cast<int32_t*>(src_info_ptr), reinterpret_cast<int64_t*>(layout_range_ptr),
                     reinterpret_cast<int32_t*>(recv_count_ptr)};
     advise_huge_pages(out.x, lay.num_local_experts * num_ranks * max_tokens * (use_fp8 ? hidden : lay.row_bytes));
-    pack_dispatch(half, lay, counts, active, use_fp8, out);
+    pack_dispatch(half, lay, counts, active, use_fp8, out, unions);
     return active.newly_inactive();
 }
 
@@ -673,7 +775,7 @@ std::vector<int> dispatch_round(uintptr_t x_ptr, int64_t num_tokens, int64_t hid
                                 uintptr_t recv_scales_ptr, uintptr_t src_info_ptr, uintptr_t layout_range_ptr,
                                 uintptr_t recv_count_ptr, uintptr_t abort_ptr, uintptr_t dead_ptr) {
     dispatch_send(x_ptr, num_tokens, hidden, topk_ptr, top_k, num_experts, num_ranks, rank, max_tokens, active_ptr,
-                  peer_half_bases, tag, use_fp8, -1, true, false);
+                  peer_half_bases, tag, use_fp8, -1, true, false, false);
     return dispatch_recv(local_half_base, num_ranks, rank, max_tokens, hidden, num_experts, tag, active_ptr, timeout_us,
                          use_fp8, recv_x_ptr, recv_scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr, abort_ptr,
                          dead_ptr);
