@@ -145,7 +145,7 @@ def run(quick: bool = False) -> List[dict]:
                  f"({wire_coll / routed:.3f}x)"),
     }]
     per_rank = max(v["selections"] for v in values) * SHAPE.hidden * 2 * 2
-    memcpy = tb.memcpy_seconds(per_rank)
+    memcpy = tb.memcpy_rank_seconds(per_rank)
     for name, seconds in (("TE across hosts", te), ("gloo collective across hosts", coll),
                           ("shm one host", shm["seconds"])):
         rows.append({"benchmark": f"{name}: per-rank dispatch+combine bandwidth (bf16)",
