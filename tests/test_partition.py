@@ -1,14 +1,15 @@
-"""A real network partition over the Transfer Engine: a rank's link goes down, then comes back.
+"""A real network partition over the Transfer Engine: a host's link goes down, then comes back.
 
 The test builds its own network with the shared multi-host fixture (tests/netns.py: one network
-namespace per host, here one rank per host, each with a veth to a bridge in a hub namespace) and
-deletes it afterwards. The ranks are spawned by `LocalCluster` in
-the root namespace, where they reach the launcher's store and their gloo group over loopback;
-before building its Buffer each rank moves its calling thread into its own namespace (setns) and
-advertises its namespace address (`MEP_BIND_HOST`), so the Transfer Engine (its listening sockets,
-its I/O threads and every put) lives in the namespace and only the veth carries its traffic.
-Downing one veth cuts that rank off the data plane while the store stays reachable: exactly the
-outage seen in production (a link flap between hosts), with real TCP underneath.
+namespace per host, each with a veth to a bridge in a hub namespace), 2 hosts x 2 ranks, and
+deletes it afterwards. The ranks are spawned by `LocalCluster` in the root namespace, where they
+reach the launcher's store and their gloo group over loopback; before building its Buffer each rank
+moves its calling thread into its host's namespace (setns), names its host (`MEP_HOST_ID`: shm
+between the two ranks of a host) and advertises the host's address (`MEP_BIND_HOST`), so the
+Transfer Engine (its listening sockets, its I/O threads and every put) lives in the namespace and
+only the veths carry traffic between hosts. Downing host 1's veth cuts ranks 2 and 3 off the data
+plane while the store stays reachable: exactly the outage seen in production (a link flap between
+hosts), with real TCP underneath.
 """
 import time
 
@@ -21,8 +22,10 @@ from tests.netns import enter_host, make_network  # noqa: F401 - make_network is
 from tests.reference import expected_combine, expected_routing, structured_inputs, token_count
 from tests.test_faults import _mock_expert
 
-NUM_RANKS = 3
-HIDDEN, TOKENS, EXPERTS, TOP_K = 256, 32, 12, 4  # 12 experts: 4 per rank
+NUM_HOSTS, RANKS_PER_HOST = 2, 2
+NUM_RANKS = NUM_HOSTS * RANKS_PER_HOST  # ranks 0, 1 on host 0; ranks 2, 3 on host 1 (cut off)
+CUT = [2, 3]
+HIDDEN, TOKENS, EXPERTS, TOP_K = 256, 32, 16, 4  # 16 experts: 4 per rank
 TIMEOUT_US = harness.FAULT_TIMEOUT_US_TE
 OUTAGE_S = 4.0
 
@@ -57,9 +60,10 @@ def _round(ctx, buffer, seed, active):
 
 
 def rank_start(ctx, namespaces, addresses):
-    enter_host(namespaces[ctx.rank], addresses[ctx.rank])
+    host = ctx.rank // RANKS_PER_HOST
+    enter_host(namespaces[host], addresses[host], host_id=namespaces[host])
     size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, NUM_RANKS, EXPERTS)
-    buffer = RANK_STATE["buffer"] = Buffer(ctx.group, size, disable_p2p=True, transport="mooncake")
+    buffer = RANK_STATE["buffer"] = Buffer(ctx.group, size, transport="mooncake")  # shm inside a host
     published = buffer.membership.endpoint(ctx.rank)["te_session"]
     return {"transport": buffer.transport, "session": published, "incarnation": buffer.membership.incarnation,
             "routes": [buffer._impl.routes[r] for r in range(NUM_RANKS) if r != ctx.rank],
@@ -95,37 +99,41 @@ def rank_refused(ctx):
     return None
 
 
-def test_left_out_rank_rejoins_after_link_outage(make_network):
-    """Rank 2's link goes down for ~4 s. Ranks 0 and 1 mask it within timeout_us, keep serving exact
-    rows and seal a view without it. Link back up: rank 2's update_ep_member() rejoins it as a new
-    incarnation through the joining path, the members admit it, and full rounds are exact again."""
+def test_left_out_host_rejoins_after_link_outage(make_network):
+    """Host 1's link goes down for ~4 s. Ranks 0 and 1 (host 0) mask ranks 2 and 3 within timeout_us
+    and keep serving exact rows (shm between them), as do 2 and 3 on their side; 0 and 1 seal a view
+    without host 1. Link back up: ranks 2 and 3 rejoin as new incarnations through the joining path,
+    the members admit them, and three full rounds are exact again."""
     everyone = list(range(NUM_RANKS))
-    network = make_network(NUM_RANKS)  # one host per rank
+    network = make_network(NUM_HOSTS)
     with harness.fresh_cluster(NUM_RANKS) as cluster:
         started = [outcome_value(o) for o in cluster.run(rank_start, network.names, network.addresses, timeout_s=90)]
         for rank, value in enumerate(started):
-            # The Transfer Engine advertises the namespace address: its puts go over the veth.
-            assert value["transport"] == "mooncake" and value["session"].startswith(f"{network.addresses[rank]}:")
-            assert value["routes"] == ["te"] * (NUM_RANKS - 1), value
+            # The Transfer Engine advertises the host's namespace address: its puts go over the veth.
+            host = rank // RANKS_PER_HOST
+            assert value["transport"] == "mooncake" and value["session"].startswith(f"{network.addresses[host]}:")
+            assert value["routes"] == [["shm", "te", "te"], ["shm", "te", "te"], ["te", "te", "shm"],
+                                       ["te", "te", "shm"]][rank], value
             assert value["round"]["mask"] == [1] * NUM_RANKS
-        network.set_link(2, up=False)
+        network.set_link(1, up=False)
         down_at = time.monotonic()
         cut = [outcome_value(o) for o in cluster.run(rank_round, 2, full_mask=True, timeout_s=60)]
-        for rank in (0, 1):  # the members mask rank 2 within the deadline and serve exact rows
-            assert cut[rank]["mask"] == [1, 1, 0], cut
+        for rank in everyone:  # each side masks the other within the deadline and serves exact rows
+            assert cut[rank]["mask"] == ([1, 1, 0, 0] if rank < 2 else [0, 0, 1, 1]), cut
             assert cut[rank]["seconds"] < TIMEOUT_US / 1e6 + harness.FAULT_SLACK_S, cut
-        assert cut[2]["mask"] == [0, 0, 1], cut  # rank 2 is cut off from both
         # Only the members agree (a cut-off rank that also called it could race them for the seal).
         members = [outcome_value(o) for o in cluster.run(rank_update, 20.0, ranks=[0, 1], timeout_s=60)]
         assert [m["view"] for m in members] == [[0, 1]] * 2 and members[0]["epoch"] == 1, members
         masks = [outcome_value(o)["mask"] for o in cluster.run(rank_round, 3, ranks=[0, 1], timeout_s=60)]
-        assert masks == [[1, 1, 0]] * 2, masks
+        assert masks == [[1, 1, 0, 0]] * 2, masks
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_at)))
-        network.set_link(2, up=True)
-        # Rank 2 finds itself left out, rejoins as a new incarnation; the members admit it.
-        back = [outcome_value(o) for o in cluster.run(rank_update, 30.0, wait_for_joiners=(2,), timeout_s=90)]
-        assert [b["view"] for b in back] == [everyone] * NUM_RANKS and back[0]["epoch"] == 2, back
-        assert back[2]["incarnation"] > started[2].get("incarnation", 0)
+        network.set_link(1, up=True)
+        # Ranks 2 and 3 find themselves left out, rejoin as new incarnations; the members admit them.
+        back = [outcome_value(o) for o in cluster.run(rank_update, 30.0, wait_for_joiners=tuple(CUT),
+                                                       timeout_s=90)]
+        assert [b["view"] for b in back] == [everyone] * NUM_RANKS, back
+        for rank in CUT:
+            assert back[rank]["incarnation"] > started[rank].get("incarnation", 0)
         for seed in (4, 5, 6):
             rounds = [outcome_value(o) for o in cluster.run(rank_round, seed, timeout_s=60)]
             assert [r["mask"] for r in rounds] == [[1] * NUM_RANKS] * NUM_RANKS, rounds
