@@ -9,6 +9,7 @@ launcher's store and the default gloo group stay on loopback (opened before the 
 import signal
 
 import pytest
+import torch
 
 from tests import harness, test_buffer, test_faults
 from tests.harness import outcome_value
@@ -76,3 +77,26 @@ def test_rank_dies_across_hosts(make_network, kill_point):
         budget = test_faults.TIMEOUT_US / 1e6 + test_faults.SLACK_S
         assert outcome.value["dispatch"] + outcome.value["combine"] < budget, outcome.value
     assert not any(process.is_alive() for process in processes), "leftover rank processes"
+
+
+def test_te_sends_only_routed_bytes_across_hosts(make_network):
+    """One rank per host: what a host's veth sends per Transfer Engine round is at most 1.25x the
+    bytes its rank owes the other (rows per (token, expert) pair), and at least the compact floor
+    (each token once per destination in dispatch, every pair's row in combine): the bytes did cross."""
+    from mooncake_ep_switch.bench import hosts
+    from mooncake_ep_switch.bench.transport import TransportShape, _inputs
+
+    network = make_network(2)
+    shape = TransportShape(2, 32, 1024, 8, 4)
+    with harness.fresh_cluster(2) as cluster:
+        values = [outcome_value(o) for o in cluster.run(hosts.rank_hosts, network.names, network.devices,
+                                                         network.addresses, 5, 4, shape, timeout_s=120)]
+    topks = [_inputs(rank, shape)[1] for rank in range(2)]
+    local = shape.experts // 2
+    for rank, value in enumerate(values):
+        assert value["routed"] == hosts.routed_bytes(rank, topks, shape) > 0
+        peer = 1 - rank
+        owners = torch.div(topks[rank], local, rounding_mode="floor")
+        floor = (int((owners == peer).any(1).sum()) + int((torch.div(topks[peer], local, rounding_mode="floor")
+                                                           == rank).sum())) * shape.hidden * 2
+        assert floor <= value["te"]["wire"] <= 1.25 * value["routed"], (rank, floor, value)

@@ -17,7 +17,6 @@ Timing: per rank, the median of 5 barrier-separated batch means (as `bench.trans
 rank counts. The barriers run on the launcher's loopback group, outside the veths.
 """
 import os
-import subprocess
 import time
 from typing import List
 
@@ -30,14 +29,6 @@ from mooncake_ep_switch.launch import LocalCluster, check_outcomes
 
 SHAPE = tb.TransportShape(2, 128, 7168, 32, 8)
 TIMEOUT_US = 60_000_000
-
-
-def _tx_bytes(namespace: str, device: str) -> int:
-    import json
-
-    found = json.loads(subprocess.run(["ip", "-n", namespace, "-s", "-j", "link", "show", "dev", device],
-                                      capture_output=True, text=True, timeout=20, check=True).stdout)
-    return int(found[0]["stats64"]["tx"]["bytes"])
 
 
 def routed_bytes(rank: int, topks: List[torch.Tensor], shape: tb.TransportShape) -> int:
@@ -65,8 +56,20 @@ def routed_bytes(rank: int, topks: List[torch.Tensor], shape: tb.TransportShape)
     return rows * shape.hidden * 2
 
 
-def rank_hosts(ctx, names, devices, addresses, iters: int, wire_rounds: int):
-    """On rank r (host r): TE and collective rounds over the veths, wire bytes per round of each."""
+def rank_hosts(ctx, names, devices, addresses, iters: int, wire_rounds: int, shape: tb.TransportShape = SHAPE):
+    """On rank r (host r): TE and collective rounds over the veths, wire bytes per round of each.
+
+    Arguments:
+        ctx: the `launch.RankContext` (rank r runs in namespace `names[r]`).
+        names, devices, addresses: the `netns.Network` attributes.
+        iters: timed rounds per transport (5 batches).
+        wire_rounds: rounds counted for the bytes on the wire.
+        shape: the `TransportShape` (R = one rank per host).
+
+    Returns:
+        result: dict with `"routed"` (int, this rank's routed bytes per round), `"selections"` (int)
+            and per transport (`"te"`, `"collective"`) `{"seconds": float, "wire": float}`.
+    """
     from mooncake_ep_switch import Buffer
 
     torch.set_num_threads(1)
@@ -75,14 +78,14 @@ def rank_hosts(ctx, names, devices, addresses, iters: int, wire_rounds: int):
     os.environ["MEP_HOST_ID"] = names[ctx.rank]
     os.environ["GLOO_SOCKET_IFNAME"] = devices[ctx.rank]
     veth_group = dist.new_group(list(range(ctx.num_ranks)), backend="gloo")  # sockets on the veth
-    x, topk, weights = tb._inputs(ctx.rank, SHAPE)
+    x, topk, weights = tb._inputs(ctx.rank, shape)
     topks = [None] * ctx.num_ranks
     dist.all_gather_object(topks, topk, group=ctx.group)
-    size = Buffer.get_ep_buffer_size_hint(SHAPE.tokens, SHAPE.hidden, ctx.num_ranks, SHAPE.experts)
+    size = Buffer.get_ep_buffer_size_hint(shape.tokens, shape.hidden, ctx.num_ranks, shape.experts)
     active = torch.ones(ctx.num_ranks, dtype=torch.int32)
-    local = SHAPE.experts // ctx.num_ranks
-    y = torch.randn((local, ctx.num_ranks * SHAPE.tokens, SHAPE.hidden)).to(torch.bfloat16)
-    result = {"routed": routed_bytes(ctx.rank, topks, SHAPE), "selections": int((topk >= 0).sum())}
+    local = shape.experts // ctx.num_ranks
+    y = torch.randn((local, ctx.num_ranks * shape.tokens, shape.hidden)).to(torch.bfloat16)
+    result = {"routed": routed_bytes(ctx.rank, topks, shape), "selections": int((topk >= 0).sum())}
     for name, group in (("te", ctx.group), ("collective", veth_group)):
         with Buffer(group, size, transport="mooncake" if name == "te" else "collective") as buffer:
             if name == "te":
@@ -90,17 +93,17 @@ def rank_hosts(ctx, names, devices, addresses, iters: int, wire_rounds: int):
                 assert routes.count("te") == ctx.num_ranks - 1, routes
 
             def body():
-                _, _, handle, _, _ = buffer.dispatch(x, topk, active, SHAPE.tokens, SHAPE.experts, TIMEOUT_US)
+                _, _, handle, _, _ = buffer.dispatch(x, topk, active, shape.tokens, shape.experts, TIMEOUT_US)
                 buffer.combine(y, topk, weights, active, TIMEOUT_US, handle)
 
             seconds = tb._timed(ctx, body, iters, warmup=3)
             dist.barrier(group=ctx.group)
-            before = _tx_bytes(names[ctx.rank], devices[ctx.rank])
+            before = netns.tx_bytes(names[ctx.rank], devices[ctx.rank])
             for _ in range(wire_rounds):
                 body()
             dist.barrier(group=ctx.group)
             time.sleep(0.2)  # the last acks
-            wire = (_tx_bytes(names[ctx.rank], devices[ctx.rank]) - before) / wire_rounds
+            wire = (netns.tx_bytes(names[ctx.rank], devices[ctx.rank]) - before) / wire_rounds
             assert int(active.sum()) == ctx.num_ranks, f"{name}: a peer was lost during the benchmark"
             result[name] = {"seconds": seconds, "wire": wire}
     dist.destroy_process_group(veth_group)

@@ -49,6 +49,12 @@ def remove_stale(prefix: str = DEFAULT_PREFIX) -> None:
             ip("netns", "delete", name, check=False)
 
 
+def tx_bytes(namespace: str, device: str) -> int:
+    """Bytes `device` in `namespace` has sent so far (headers included: bytes on the wire)."""
+    found = json.loads(ip("-n", namespace, "-s", "-j", "link", "show", "dev", device))
+    return int(found[0]["stats64"]["tx"]["bytes"])
+
+
 def enter(namespace: str) -> None:
     """Move the calling thread into network namespace `namespace` (setns).
 
@@ -121,8 +127,7 @@ class Network:
 
     def tx_bytes(self, host: int) -> int:
         """Bytes host `host` has sent on its veth so far (headers included: bytes on the wire)."""
-        found = json.loads(ip("-n", self.names[host], "-s", "-j", "link", "show", "dev", self.devices[host]))
-        return int(found[0]["stats64"]["tx"]["bytes"])
+        return tx_bytes(self.names[host], self.devices[host])
 
     def delete(self) -> None:
         """Delete every namespace made (their veths and the bridge go with them). Idempotent."""
