@@ -80,6 +80,11 @@ std::vector<int64_t> destination_order(int64_t num_ranks, int64_t rank, int64_t 
     return order;
 }
 
+// High bit of a combine signal's count: the expert owner wrote this rank's rows compactly (the
+// Transfer Engine path, so that only routed rows cross the wire): rows of its local expert l start
+// after the rows of its experts 0..l-1, in the order the token owner dispatched them (ascending t).
+constexpr uint32_t kCompactFlag = 0x80000000u;
+
 // How a data-plane wait spends the time between polls. Ranks usually outnumber idle cores (4 or 8
 // ranks on 2 cores, or 2 ranks beside other work), and then the peer we wait for often needs this
 // very core: spinning only delays it, and every handoff costs a spin phase. So for the first
@@ -125,11 +130,15 @@ private:
 // `dead` (nullable): int32 [P] flags of the caller's (a peer watcher sets them when a peer process
 // is gone); a peer whose flag is non-zero and whose signals are not all there is marked inactive at
 // once, exactly as at the deadline, instead of being waited for until then.
+// `compact` (nullable, combine only): per peer, whether its signals carry kCompactFlag (its rows for
+// this rank sit behind each other, see combine_to_destination); a peer whose L signals disagree on
+// the flag is marked inactive. With `compact` null a flagged count is out of range (dispatch).
 void wait_for_signals(const uint8_t* words, int64_t num_peers, int64_t L, uint32_t tag, int64_t max_tokens,
                       Waiter& waiter, ActiveMask& active, std::vector<uint32_t>& counts, const void* abort_word,
-                      const int32_t* dead) {
+                      const int32_t* dead, std::vector<uint8_t>* compact = nullptr) {
     DataplaneWait wait(waiter);
     counts.assign(size_t(num_peers * L), 0);
+    if (compact != nullptr) compact->assign(size_t(num_peers), 0);
     std::vector<int64_t> next(size_t(num_peers), 0);  // signals of p confirmed so far (in order)
     for (;;) {
         bool complete = true;
@@ -138,7 +147,17 @@ void wait_for_signals(const uint8_t* words, int64_t num_peers, int64_t L, uint32
             while (active.alive(p) && l < L) {
                 const uint64_t v = load_acquire(words + (p * L + l) * 8);
                 if (signal_tag(v) != tag) break;  // not yet written for this call (or stale)
-                const uint32_t c = signal_count(v);
+                uint32_t c = signal_count(v);
+                if (compact != nullptr) {
+                    const uint8_t flagged = (c & kCompactFlag) != 0 ? 1 : 0;
+                    c &= ~kCompactFlag;
+                    if (l == 0) {
+                        (*compact)[size_t(p)] = flagged;
+                    } else if ((*compact)[size_t(p)] != flagged) {
+                        active.fail(p);  // protocol error: mixed layouts from one owner
+                        break;
+                    }
+                }
                 if (int64_t(c) > max_tokens) {
                     active.fail(p);  // protocol error: a corrupted or hostile peer
                     break;
@@ -253,15 +272,47 @@ struct SendRows {
 // with acquire also sees every row it counts. `column` is the source column written: this rank's
 // in a peer's half; d itself in a staging copy that holds every destination at once (the
 // Transfer Engine path then copies column d of the staging into column `rank` of peer d).
+//
+// With `compact` (the Transfer Engine route: each token crosses the wire once per destination, as
+// in docs/protocol.md) the rows of every token that selected any expert of d go once each, in
+// ascending token order, to dispatch_data[0][column][0..m); the per-expert token lists (int32,
+// ascending, local expert 0 first) go behind each other to the start of dispatch_data[1][column];
+// FP8 scales of the m rows to dispatch_scales[0][column]; every signal carries kCompactFlag.
 void send_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64_t d, const Routing& rt,
-                         const SendRows& src, bool use_fp8, uint32_t tag, bool write_signals) {
+                         const SendRows& src, bool use_fp8, uint32_t tag, bool write_signals, bool compact) {
     const int64_t R = lay.num_ranks, T = lay.max_tokens, H = lay.hidden, L = lay.num_local_experts;
     const int64_t G = lay.num_scale_groups;
     const int64_t rank = column;
     uint8_t* data = half + lay.dispatch_data;
     auto* scales = reinterpret_cast<float*>(half + lay.dispatch_scales);
     auto* srcidx = reinterpret_cast<int32_t*>(half + lay.dispatch_src);
-    for (int64_t l = 0; l < L; ++l) {
+    if (compact) {
+        thread_local std::vector<uint8_t> chosen;
+        chosen.assign(rt.used.size(), 0);
+        auto* meta = reinterpret_cast<int32_t*>(data + (1 * R + rank) * T * lay.row_bytes);
+        int64_t at = 0;
+        for (int64_t l = 0; l < L; ++l) {
+            const int64_t e = d * L + l;
+            for (int64_t i = rt.offset[size_t(e)]; i < rt.offset[size_t(e + 1)]; ++i) {
+                const int32_t t = rt.tokens[size_t(i)];
+                meta[at++] = t;
+                chosen[size_t(t)] = 1;
+            }
+        }
+        int64_t m = 0;
+        const int64_t slot0 = (0 * R + rank) * T;
+        for (size_t t = 0; t < chosen.size(); ++t) {
+            if (!chosen[t]) continue;
+            const int64_t slot = slot0 + m++;
+            if (use_fp8) {
+                std::memcpy(data + slot * lay.row_bytes, src.q + int64_t(t) * H, size_t(H));
+                std::memcpy(scales + slot * G, src.scales + int64_t(t) * G, size_t(G) * sizeof(float));
+            } else {
+                std::memcpy(data + slot * lay.row_bytes, src.x + int64_t(t) * H, size_t(lay.row_bytes));
+            }
+        }
+    }
+    for (int64_t l = 0; l < L && !compact; ++l) {
         const int64_t e = d * L + l;
         const int64_t slot0 = (l * R + rank) * T;  // dispatch_*[l][column][0]
         const int64_t begin = rt.offset[size_t(e)], count = rt.offset[size_t(e + 1)] - begin;
@@ -278,10 +329,11 @@ void send_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64
         }
     }
     if (!write_signals) return;
+    const uint32_t flag = compact ? kCompactFlag : 0u;
     for (int64_t l = 0; l < L; ++l) {
         const int64_t e = d * L + l;
         const auto count = uint32_t(rt.offset[size_t(e + 1)] - rt.offset[size_t(e)]);
-        store_release(half + lay.dispatch_signals + (rank * L + l) * 8, make_signal(tag, count));
+        store_release(half + lay.dispatch_signals + (rank * L + l) * 8, make_signal(tag, count | flag));
     }
     wake_signal_waiters(half + lay.dispatch_signals + (rank * L + L - 1) * 8);
 }
@@ -290,12 +342,50 @@ void send_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64
 // Dispatch receive
 // ---------------------------------------------------------------------------------------------
 
-// Every token index a live source wrote must lie in [0, T); otherwise the source is failed.
+// Whether a compact dispatch fits: its token lists (at most L*T int32) sit in one T-row block.
+bool compact_dispatch_fits(const Layout& lay) {
+    return lay.num_local_experts >= 2 && 4 * lay.num_local_experts <= lay.row_bytes;
+}
+
+// Every token index a live source wrote must lie in [0, T); otherwise the source is failed. For a
+// compact source the lists must also be strictly ascending; `unions[s]` then maps each token to its
+// row among the source's m compact rows (-1: not sent).
 void validate_dispatch_sources(const uint8_t* half, const Layout& lay, const std::vector<uint32_t>& counts,
-                               ActiveMask& active) {
+                               const std::vector<uint8_t>& compact, ActiveMask& active,
+                               std::vector<std::vector<int32_t>>& unions) {
     const int64_t R = lay.num_ranks, T = lay.max_tokens, L = lay.num_local_experts;
     const auto* srcidx = reinterpret_cast<const int32_t*>(half + lay.dispatch_src);
+    unions.assign(size_t(R), {});
     for (int64_t s = 0; s < R; ++s) {
+        if (!active.alive(s)) continue;
+        if (compact[size_t(s)]) {
+            if (!compact_dispatch_fits(lay)) {
+                active.fail(s);  // protocol error: this layout has no room for compact lists
+                continue;
+            }
+            const auto* meta =
+                reinterpret_cast<const int32_t*>(half + lay.dispatch_data + (1 * R + s) * T * lay.row_bytes);
+            std::vector<int32_t>& row_of = unions[size_t(s)];
+            row_of.assign(size_t(T), -1);
+            int64_t at = 0;
+            for (int64_t l = 0; l < L && active.alive(s); ++l) {
+                const int64_t c = counts[size_t(s * L + l)];
+                for (int64_t i = 0; i < c; ++i) {
+                    const int32_t t = meta[at + i];
+                    if (t < 0 || t >= T || (i > 0 && t <= meta[at + i - 1])) {
+                        active.fail(s);
+                        break;
+                    }
+                    row_of[size_t(t)] = 0;
+                }
+                at += c;
+            }
+            int32_t m = 0;
+            for (int64_t t = 0; t < T; ++t) {
+                if (row_of[size_t(t)] == 0) row_of[size_t(t)] = m++;
+            }
+            continue;
+        }
         for (int64_t l = 0; l < L && active.alive(s); ++l) {
             const int32_t* idx = srcidx + (l * R + s) * T;
             const int64_t c = counts[size_t(s * L + l)];
@@ -319,7 +409,8 @@ struct RecvOutputs {
 
 // Packs the counted rows of every live source (ascending) behind each other per local expert.
 void pack_dispatch(const uint8_t* half, const Layout& lay, const std::vector<uint32_t>& counts,
-                   const ActiveMask& active, bool use_fp8, const RecvOutputs& out) {
+                   const ActiveMask& active, bool use_fp8, const RecvOutputs& out,
+                   const std::vector<std::vector<int32_t>>& unions) {
     const int64_t R = lay.num_ranks, T = lay.max_tokens, H = lay.hidden, L = lay.num_local_experts;
     const int64_t G = lay.num_scale_groups, RT = R * T;
     const uint8_t* data = half + lay.dispatch_data;
@@ -336,6 +427,29 @@ void pack_dispatch(const uint8_t* half, const Layout& lay, const std::vector<uin
             const int64_t c = counts[size_t(s * L + l)];
             const int64_t slot0 = (l * R + s) * T;
             const int64_t row0 = l * RT + begin;  // first packed row of this block
+            if (!unions[size_t(s)].empty()) {  // compact source: rows by token from its m rows
+                const std::vector<int32_t>& row_of = unions[size_t(s)];
+                const auto* meta =
+                    reinterpret_cast<const int32_t*>(data + (1 * R + s) * T * lay.row_bytes);
+                int64_t at = 0;
+                for (int64_t k = 0; k < l; ++k) at += counts[size_t(s * L + k)];
+                const int64_t base = (0 * R + s) * T;
+                for (int64_t i = 0; i < c; ++i) {
+                    const int32_t t = meta[at + i];
+                    const int64_t slot = base + row_of[size_t(t)];
+                    if (use_fp8) {
+                        std::memcpy(out.x + (row0 + i) * H, data + slot * lay.row_bytes, size_t(H));
+                        for (int64_t g = 0; g < G; ++g) out.scales[(l * G + g) * RT + begin + i] = scales[slot * G + g];
+                    } else {
+                        std::memcpy(out.x + (row0 + i) * lay.row_bytes, data + slot * lay.row_bytes,
+                                    size_t(lay.row_bytes));
+                    }
+                    out.src_info[row0 + i] = t;
+                }
+                range = (begin << 32) | c;
+                begin += c;
+                continue;
+            }
             if (use_fp8) {
                 // FP8 rows sit in the first H bytes of 2H-byte slots: one copy per row.
                 for (int64_t i = 0; i < c; ++i) {
@@ -389,15 +503,27 @@ void decode_range(const int64_t* layout_range, const int32_t* src_info, const La
 // Returns each expert output row to its token's slot in rank s's combine_data, then signals.
 // `column` picks the expert block written: this rank's (combine_data[rank*L + l]) in a peer's half,
 // s's own in a staging copy that holds every destination at once (see send_to_destination).
+// With `compact`, the rows go behind each other instead (row i of local expert l at combine_data
+// row column*L*T + count(0..l-1) + i, in the order received = the owner's ascending token order)
+// and every signal carries kCompactFlag: the owner's rows are one contiguous range of exactly the
+// routed rows, which the Transfer Engine path ships in one write.
 void combine_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64_t s, const uint16_t* x,
-                            const int32_t* src_info, const int64_t* layout_range, uint32_t tag, bool write_signals) {
+                            const int32_t* src_info, const int64_t* layout_range, uint32_t tag, bool write_signals,
+                            bool compact) {
     const int64_t rank = column;
     const int64_t R = lay.num_ranks, T = lay.max_tokens, H = lay.hidden, L = lay.num_local_experts, RT = R * T;
     std::vector<uint32_t> counts(static_cast<size_t>(L));
+    int64_t packed = 0;  // compact rows written so far
     for (int64_t l = 0; l < L; ++l) {
         int64_t begin, count;
         decode_range(layout_range, src_info, lay, l, s, begin, count);
         counts[size_t(l)] = uint32_t(count);
+        if (compact) {
+            uint8_t* rows = half + lay.combine_data + (rank * L * T + packed) * lay.row_bytes;
+            std::memcpy(rows, x + (l * RT + begin) * H, size_t(count * lay.row_bytes));
+            packed += count;
+            continue;
+        }
         const int64_t e = rank * L + l;
         uint8_t* rows = half + lay.combine_data + e * T * lay.row_bytes;  // combine_data[e][0]
         for (int64_t i = 0; i < count; ++i) {
@@ -407,8 +533,9 @@ void combine_to_destination(uint8_t* half, const Layout& lay, int64_t column, in
     }
     if (!write_signals) return;
     // All rows for s are written; now publish them (release).
+    const uint32_t flag = compact ? kCompactFlag : 0u;
     for (int64_t l = 0; l < L; ++l) {
-        store_release(half + lay.combine_signals + (rank * L + l) * 8, make_signal(tag, counts[size_t(l)]));
+        store_release(half + lay.combine_signals + (rank * L + l) * 8, make_signal(tag, counts[size_t(l)] | flag));
     }
     wake_signal_waiters(half + lay.combine_signals + (rank * L + L - 1) * 8);
 }
@@ -428,7 +555,7 @@ void check_call(const Layout& lay, int64_t rank, uintptr_t active_ptr) {
 void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
                    int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t max_tokens, uintptr_t active_ptr,
                    const std::vector<uintptr_t>& peer_half_bases, int64_t tag, bool use_fp8, int64_t dest,
-                   bool write_signals, bool by_destination) {
+                   bool write_signals, bool by_destination, bool compact) {
     const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
     check_call(lay, rank, active_ptr);
     const uint32_t tag32 = check_tag(tag);
@@ -447,6 +574,10 @@ void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_
     const auto* topk = reinterpret_cast<const int64_t*>(topk_ptr);
     if (num_tokens > 0 && top_k > 0) check_topk(topk, num_tokens * top_k, num_experts);
 
+    if (compact && !compact_dispatch_fits(lay)) {
+        throw_value_error("compact: a compact dispatch needs at least 2 local experts and 4 * L <= 2 * hidden, got L = " +
+                          std::to_string(lay.num_local_experts) + ", hidden = " + std::to_string(hidden));
+    }
     const ActiveMask active(active_ptr, num_ranks);
     const std::vector<int64_t> dests = destination_order(num_ranks, rank, dest, active, peer_half_bases);
     std::vector<uint8_t> targeted(size_t(num_ranks), 0);
@@ -472,7 +603,7 @@ void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_
     }
     for (int64_t d : dests) {
         send_to_destination(reinterpret_cast<uint8_t*>(peer_half_bases[size_t(d)]), lay, by_destination ? d : rank, d,
-                            rt, rows, use_fp8, tag32, write_signals);
+                            rt, rows, use_fp8, tag32, write_signals, compact);
     }
 }
 
@@ -495,22 +626,25 @@ std::vector<int> dispatch_recv(uintptr_t local_half_base, int64_t num_ranks, int
     const auto* half = reinterpret_cast<const uint8_t*>(local_half_base);
     ActiveMask active(active_ptr, num_ranks);
     std::vector<uint32_t> counts;
+    std::vector<uint8_t> compact;
     wait_for_signals(half + lay.dispatch_signals, num_ranks, lay.num_local_experts, tag32, max_tokens, waiter, active,
-                     counts, reinterpret_cast<const void*>(abort_ptr), reinterpret_cast<const int32_t*>(dead_ptr));
-    validate_dispatch_sources(half, lay, counts, active);
+                     counts, reinterpret_cast<const void*>(abort_ptr), reinterpret_cast<const int32_t*>(dead_ptr),
+                     &compact);
+    thread_local std::vector<std::vector<int32_t>> unions;
+    validate_dispatch_sources(half, lay, counts, compact, active, unions);
 
     RecvOutputs out{reinterpret_cast<uint8_t*>(recv_x_ptr), reinterpret_cast<float*>(recv_scales_ptr),
                     reinterpret_cast<int32_t*>(src_info_ptr), reinterpret_cast<int64_t*>(layout_range_ptr),
                     reinterpret_cast<int32_t*>(recv_count_ptr)};
     advise_huge_pages(out.x, lay.num_local_experts * num_ranks * max_tokens * (use_fp8 ? hidden : lay.row_bytes));
-    pack_dispatch(half, lay, counts, active, use_fp8, out);
+    pack_dispatch(half, lay, counts, active, use_fp8, out, unions);
     return active.newly_inactive();
 }
 
 void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t num_ranks, int64_t rank,
                   int64_t max_tokens, uintptr_t src_info_ptr, uintptr_t layout_range_ptr, uintptr_t active_ptr,
                   const std::vector<uintptr_t>& peer_half_bases, int64_t tag, int64_t dest, bool write_signals,
-                  bool by_destination) {
+                  bool by_destination, bool compact) {
     const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
     check_call(lay, rank, active_ptr);
     const uint32_t tag32 = check_tag(tag);
@@ -535,7 +669,7 @@ void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t 
     }
     for (int64_t s : dests) {
         combine_to_destination(reinterpret_cast<uint8_t*>(peer_half_bases[size_t(s)]), lay, by_destination ? s : rank,
-                               s, x, src_info, layout_range, tag32, write_signals);
+                               s, x, src_info, layout_range, tag32, write_signals, compact);
     }
 }
 
@@ -567,8 +701,50 @@ std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int6
     const int64_t L = lay.num_local_experts, T = max_tokens, H = hidden;
     ActiveMask active(active_ptr, num_ranks);
     std::vector<uint32_t> counts;
+    std::vector<uint8_t> compact;
     wait_for_signals(half + lay.combine_signals, num_ranks, L, tag32, max_tokens, waiter, active, counts,
-                     reinterpret_cast<const void*>(abort_ptr), reinterpret_cast<const int32_t*>(dead_ptr));
+                     reinterpret_cast<const void*>(abort_ptr), reinterpret_cast<const int32_t*>(dead_ptr), &compact);
+
+    // Compact owners: token t's row for expert e is e's (ascending, duplicates in a top-k row skipped
+    // as dispatch_send's routing does) selection number behind the rows of the owner's earlier
+    // experts. An owner whose counts differ from what this rank dispatched would make us read rows
+    // of other tokens: it is failed instead.
+    const int64_t E = num_experts;
+    bool any_compact = false;
+    for (int64_t p = 0; p < num_ranks; ++p) any_compact = any_compact || (active.alive(p) && compact[size_t(p)]);
+    thread_local std::vector<int64_t> compact_row;  // [num_tokens * top_k], row within the owner's block
+    if (any_compact) {
+        std::vector<int64_t> selected(size_t(E), 0);
+        compact_row.assign(size_t(num_tokens * top_k), -1);
+        for (int64_t t = 0; t < num_tokens; ++t) {
+            const int64_t* row = topk + t * top_k;
+            for (int64_t k = 0; k < top_k; ++k) {
+                const int64_t e = row[k];
+                if (e < 0 || !compact[size_t(e / L)]) continue;
+                int64_t j = 0;
+                while (j < k && row[j] != e) ++j;
+                compact_row[size_t(t * top_k + k)] =
+                    j < k ? compact_row[size_t(t * top_k + j)] : selected[size_t(e)]++;
+            }
+        }
+        for (int64_t p = 0; p < num_ranks; ++p) {
+            if (!active.alive(p) || !compact[size_t(p)]) continue;
+            int64_t before = 0;
+            for (int64_t l = 0; l < L; ++l) {
+                if (selected[size_t(p * L + l)] != int64_t(counts[size_t(p * L + l)])) {
+                    active.fail(p);
+                    break;
+                }
+                selected[size_t(p * L + l)] = before;  // now: the first row of expert p*L+l in p's block
+                before += counts[size_t(p * L + l)];
+            }
+            if (!active.alive(p)) continue;
+            for (int64_t i = 0; i < num_tokens * top_k; ++i) {
+                const int64_t e = topk[i];
+                if (e >= 0 && e / L == p) compact_row[size_t(i)] += p * L * T + selected[size_t(e)];
+            }
+        }
+    }
 
     // Reduce in top-k order, skipping -1 and experts whose owner is inactive.
     auto* out = reinterpret_cast<uint16_t*>(out_ptr);
@@ -580,7 +756,8 @@ std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int6
         for (int64_t k = 0; k < top_k; ++k) {
             const int64_t e = topk[t * top_k + k];
             if (e < 0 || !active.alive(e / L)) continue;
-            rows[size_t(n)] = reinterpret_cast<const uint16_t*>(rows_base + (e * T + t) * lay.row_bytes);
+            const int64_t slot = compact[size_t(e / L)] ? compact_row[size_t(t * top_k + k)] : e * T + t;
+            rows[size_t(n)] = reinterpret_cast<const uint16_t*>(rows_base + slot * lay.row_bytes);
             w[size_t(n)] = weights[t * top_k + k];
             ++n;
         }
@@ -598,7 +775,7 @@ std::vector<int> dispatch_round(uintptr_t x_ptr, int64_t num_tokens, int64_t hid
                                 uintptr_t recv_scales_ptr, uintptr_t src_info_ptr, uintptr_t layout_range_ptr,
                                 uintptr_t recv_count_ptr, uintptr_t abort_ptr, uintptr_t dead_ptr) {
     dispatch_send(x_ptr, num_tokens, hidden, topk_ptr, top_k, num_experts, num_ranks, rank, max_tokens, active_ptr,
-                  peer_half_bases, tag, use_fp8, -1, true, false);
+                  peer_half_bases, tag, use_fp8, -1, true, false, false);
     return dispatch_recv(local_half_base, num_ranks, rank, max_tokens, hidden, num_experts, tag, active_ptr, timeout_us,
                          use_fp8, recv_x_ptr, recv_scales_ptr, src_info_ptr, layout_range_ptr, recv_count_ptr, abort_ptr,
                          dead_ptr);
@@ -611,7 +788,7 @@ std::vector<int> combine_round(uintptr_t x_ptr, int64_t hidden, int64_t num_expe
                                uintptr_t weights_ptr, int64_t num_tokens, int64_t top_k, uintptr_t out_ptr,
                                uintptr_t abort_ptr, uintptr_t dead_ptr) {
     combine_send(x_ptr, hidden, num_experts, num_ranks, rank, max_tokens, src_info_ptr, layout_range_ptr, active_ptr,
-                 peer_half_bases, tag, -1, true, false);
+                 peer_half_bases, tag, -1, true, false, false);
     return combine_recv(local_half_base, num_ranks, rank, max_tokens, hidden, num_experts, tag, active_ptr, timeout_us,
                         topk_ptr, weights_ptr, num_tokens, top_k, out_ptr, abort_ptr, dead_ptr);
 }

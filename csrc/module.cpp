@@ -88,9 +88,11 @@ PYBIND11_MODULE(_native, m) {
     m.def("dispatch_send", &mep::dispatch_send, release(), "x_ptr"_a, "num_tokens"_a, "hidden"_a, "topk_ptr"_a,
           "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "active_ptr"_a,
           "peer_half_bases"_a, "tag"_a, "use_fp8"_a, "dest"_a = -1, "write_signals"_a = true, "by_destination"_a = false,
+          "compact"_a = false,
           "Write this rank's tokens into every active destination's half, then its dispatch signals. With "
           "by_destination, destination d's rows and signals go to source column d instead of this rank's "
-          "(a staging copy holding every destination at once).");
+          "(a staging copy holding every destination at once). With compact, each token goes once per "
+          "destination with its per-expert token lists beside it, and the signals say so (protocol.md).");
     m.def("dispatch_recv", &mep::dispatch_recv, release(), "local_half_base"_a, "num_ranks"_a, "rank"_a,
           "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a, "tag"_a, "active_ptr"_a,
           "timeout_us"_a, "use_fp8"_a, "recv_x_ptr"_a, "recv_scales_ptr"_a, "src_info_ptr"_a, "layout_range_ptr"_a,
@@ -102,9 +104,11 @@ PYBIND11_MODULE(_native, m) {
     m.def("combine_send", &mep::combine_send, release(), "x_ptr"_a, "hidden"_a, "num_experts"_a, "num_ranks"_a,
           "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "src_info_ptr"_a, "layout_range_ptr"_a, "active_ptr"_a,
           "peer_half_bases"_a, "tag"_a, "dest"_a = -1, "write_signals"_a = true, "by_destination"_a = false,
+          "compact"_a = false,
           "Return expert outputs to the token owners' combine_data, then their combine signals. With "
           "by_destination, owner s's rows and signals go to expert block s instead of this rank's (a "
-          "staging copy holding every owner at once).");
+          "staging copy holding every owner at once). With compact, each owner's rows go behind each "
+          "other (only the routed rows, one contiguous range) and the signals say so (protocol.md).");
     m.def("combine_recv", &mep::combine_recv, release(), "local_half_base"_a, "num_ranks"_a, "rank"_a,
           "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a, "tag"_a, "active_ptr"_a,
           "timeout_us"_a, "topk_ptr"_a, "weights_ptr"_a, "num_tokens"_a, "top_k"_a, "out_ptr"_a, "abort_ptr"_a = 0,

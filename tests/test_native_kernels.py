@@ -649,3 +649,161 @@ def test_waits_release_the_gil(make_cluster):
     assert not th.is_alive()
     assert result["failed"] == []
     check_dispatch(c, 0, result, expected_dispatch(c, 0, xs, topks, {0, 1}, False), False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compact combine (the Transfer Engine layout: only routed rows, one range per token owner)
+# ---------------------------------------------------------------------------------------------
+
+def _with_duplicates(topks):
+    """Repeat entry 0 in entry 1 of every third row (a token selects that expert once)."""
+    out = []
+    for topk in topks:
+        topk = topk.clone()
+        topk[::3, 1] = topk[::3, 0]
+        out.append(topk.contiguous())
+    return out
+
+
+@pytest.mark.parametrize("R,compact_senders", [(2, {0, 1}), (2, {1}), (4, {0, 2, 3})])
+def test_compact_combine_matches_reference(make_cluster, R, compact_senders):
+    """Senders in `compact_senders` write compactly (as a TE peer's rows arrive), the others
+    directly: every owner's combine equals the reference, duplicates in a top-k row included, and a
+    compact sender writes exactly its routed rows, behind each other, and nothing beyond."""
+    c = make_cluster(R, 12, 128, 4 * R)
+    tag = 5
+    xs, topks, weights = random_inputs(R, c.T, c.H, c.E, 3, seed=40 + R, full=True)
+    topks = _with_duplicates(topks)
+    for r in range(R):
+        c.dispatch_send(r, xs[r], topks[r], tag, False)
+    recvs = [c.dispatch_recv(r, tag, False) for r in range(R)]
+    outs = make_expert_outputs(c, 77 + R)
+    row_bytes = c.H * 2
+    for s in range(R):  # poison every combine_data row: a row read but never written shows up
+        view(c.half(s, tag) + c.lay["combine_data"], c.E * c.T * row_bytes).fill_(0x7F)
+    for r in range(R):
+        c.combine_send(r, outs[r], recvs[r], tag, compact=r in compact_senders)
+    for r in compact_senders:
+        for s in range(R):
+            counts = (recvs[r]["layout_range"][:, s] & 0xFFFFFFFF).tolist()
+            block = view(c.half(s, tag) + c.lay["combine_data"] + r * c.L * c.T * row_bytes,
+                         c.L * c.T * row_bytes, torch.bfloat16).view(c.L * c.T, c.H)
+            packed = []
+            for l, count in enumerate(counts):
+                begin = int(recvs[r]["layout_range"][l, s]) >> 32
+                packed.append(outs[r][l, begin:begin + count])
+            rows = sum(counts)
+            assert torch.equal(bits(block[:rows]), bits(torch.cat(packed)))
+            assert (block[rows:].view(torch.uint8) == 0x7F).all(), "a compact sender wrote past its rows"
+    for s in range(R):
+        got, failed = c.combine_recv(s, topks[s], weights[s], tag)
+        assert failed == []
+        assert torch.equal(bits(got), bits(expected_combine(c, recvs, outs, topks, weights, s, set(range(R)))))
+
+
+def test_compact_combine_count_mismatch_fails_that_owner(make_cluster):
+    """An owner whose compact counts differ from what the token owner dispatched (here the token
+    owner combines with another top-k than it dispatched) is failed, never read at the wrong rows;
+    the other owner's rows still combine exactly."""
+    c = make_cluster(2, 8, 128, 4)
+    tag = 6
+    xs, topks, weights = random_inputs(2, 8, 128, 4, 2, seed=21, full=True)
+    for r in range(2):
+        c.dispatch_send(r, xs[r], topks[r], tag, False)
+    recvs = [c.dispatch_recv(r, tag, False) for r in range(2)]
+    outs = make_expert_outputs(c, 31)
+    for r in range(2):
+        c.combine_send(r, outs[r], recvs[r], tag, compact=True)
+    changed = topks[0].clone()
+    row = int((changed[:, 0] == 2).nonzero()[0]) if (changed[:, 0] == 2).any() else 0
+    changed[row] = torch.tensor([2, -1]) if int(changed[row, 0]) != 2 else torch.tensor([3, -1])
+    assert not torch.equal(changed, topks[0])
+    before = time.monotonic()
+    got, failed = c.combine_recv(0, changed, weights[0], tag, timeout_us=5_000_000)
+    assert time.monotonic() - before < 1.0
+    assert failed == [1] and c.active[0].tolist() == [1, 0]
+    assert torch.equal(bits(got), bits(expected_combine(c, recvs, outs, [changed], [weights[0]], 0, {0})))
+
+
+def test_mixed_compact_flags_fail_the_owner(make_cluster):
+    """One owner's signals that disagree on the compact flag are a protocol error: failed at once."""
+    c = make_cluster(2, 8, 128, 4)
+    tag = 8
+    xs, topks, weights = random_inputs(2, 8, 128, 4, 2, seed=22, full=True)
+    for r in range(2):
+        c.dispatch_send(r, xs[r], topks[r], tag, False)
+    recvs = [c.dispatch_recv(r, tag, False) for r in range(2)]
+    outs = make_expert_outputs(c, 32)
+    for r in range(2):
+        c.combine_send(r, outs[r], recvs[r], tag, compact=True)
+    word = c.signal_addr(0, tag, "combine_signals", 1 * c.L + 1)
+    N.signal_store(word, N.signal_load(word) & ~0x80000000)
+    got, failed = c.combine_recv(0, topks[0], weights[0], tag, timeout_us=5_000_000)
+    assert failed == [1] and c.active[0].tolist() == [1, 0]
+    assert torch.equal(bits(got), bits(expected_combine(c, recvs, outs, topks, weights, 0, {0})))
+
+
+# ---------------------------------------------------------------------------------------------
+# Compact dispatch (the Transfer Engine layout: each token once per destination)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("R,compact_senders", [(2, {0, 1}), (4, {1, 3})])
+def test_compact_dispatch_matches_reference(make_cluster, R, compact_senders, fp8):
+    """Senders in `compact_senders` dispatch compactly, the others directly; every receiver's packed
+    rows, scales, src_info and ranges equal the reference (duplicates in a top-k row included), a
+    compact sender wrote each token once per destination, and the compact combine back is exact."""
+    c = make_cluster(R, 12, 256, 4 * R)
+    tag = 3
+    xs, topks, weights = random_inputs(R, c.T, c.H, c.E, 3, seed=50 + R, full=True)
+    topks = _with_duplicates(topks)
+    for r in range(R):
+        c.dispatch_send(r, xs[r], topks[r], tag, fp8, compact=r in compact_senders)
+    for r in compact_senders:
+        for d in range(R):
+            owners = torch.div(topks[r], c.L, rounding_mode="floor")
+            tokens = (owners == d).any(1).nonzero().flatten()
+            rows = view(c.half(d, tag) + c.lay["dispatch_data"] + r * c.T * c.H * 2, tokens.numel() * c.H * 2,
+                        torch.uint8).view(tokens.numel(), c.H * 2)
+            if not fp8:
+                assert torch.equal(rows.view(torch.bfloat16), xs[r][tokens]), "compact rows: each token once, ascending"
+    recvs = [c.dispatch_recv(r, tag, fp8) for r in range(R)]
+    for r in range(R):
+        assert recvs[r]["failed"] == []
+        check_dispatch(c, r, recvs[r], expected_dispatch(c, r, xs, topks, set(range(R)), fp8), fp8)
+    if fp8:
+        return
+    outs = make_expert_outputs(c, 90 + R)
+    for r in range(R):
+        c.combine_send(r, outs[r], recvs[r], tag, compact=r in compact_senders)
+    for s in range(R):
+        got, failed = c.combine_recv(s, topks[s], weights[s], tag)
+        assert failed == []
+        assert torch.equal(bits(got), bits(expected_combine(c, recvs, outs, topks, weights, s, set(range(R)))))
+
+
+def test_compact_dispatch_bad_token_list_fails_that_source(make_cluster):
+    """A compact source whose token list is not strictly ascending (corrupted) is failed at once;
+    the other source's rows are still exact."""
+    c = make_cluster(2, 8, 128, 4)
+    tag = 5
+    xs, topks, _ = random_inputs(2, 8, 128, 4, 2, seed=23, full=True)
+    for r in range(2):
+        c.dispatch_send(r, xs[r], topks[r], tag, False, compact=True)
+    meta = view(c.half(0, tag) + c.lay["dispatch_data"] + (1 * 2 + 1) * c.T * c.H * 2, 8, torch.int32)
+    counts = [int(N.signal_load(c.signal_addr(0, tag, "dispatch_signals", 1 * c.L + l))) & 0x7FFFFFFF
+              for l in range(c.L)]
+    assert counts[0] >= 2
+    meta[1] = meta[0]  # a repeated token in local expert 0's list: not strictly ascending
+    before = time.monotonic()
+    got = c.dispatch_recv(0, tag, False, timeout_us=5_000_000)
+    assert time.monotonic() - before < 1.0
+    assert got["failed"] == [1] and c.active[0].tolist() == [1, 0]
+    check_dispatch(c, 0, got, expected_dispatch(c, 0, xs, topks, {0}, False), False)
+
+
+def test_compact_dispatch_needs_two_local_experts(make_cluster):
+    c = make_cluster(2, 8, 128, 2)  # L = 1
+    xs, topks, _ = random_inputs(2, 8, 128, 2, 1, seed=24, full=True)
+    with pytest.raises(ValueError, match="compact"):
+        c.dispatch_send(0, xs[0], topks[0], 1, False, compact=True)

@@ -1,122 +1,36 @@
-"""A real network partition over the Transfer Engine: a rank's link goes down, then comes back.
+"""A real network partition over the Transfer Engine: a host's link goes down, then comes back.
 
-The test builds its own network in Linux network namespaces (one per rank, each with a veth to a
-bridge in a hub namespace) and deletes it afterwards. The ranks are spawned by `LocalCluster` in
-the root namespace, where they reach the launcher's store and their gloo group over loopback;
-before building its Buffer each rank moves its calling thread into its own namespace (setns) and
-advertises its namespace address (`MEP_BIND_HOST`), so the Transfer Engine (its listening sockets,
-its I/O threads and every put) lives in the namespace and only the veth carries its traffic.
-Downing one veth cuts that rank off the data plane while the store stays reachable: exactly the
-outage seen in production (a link flap between hosts), with real TCP underneath.
+The test builds its own network with the shared multi-host fixture (tests/netns.py: one network
+namespace per host, each with a veth to a bridge in a hub namespace), 2 hosts x 2 ranks, and
+deletes it afterwards. The ranks are spawned by `LocalCluster` in the root namespace, where they
+reach the launcher's store and their gloo group over loopback; before building its Buffer each rank
+moves its calling thread into its host's namespace (setns), names its host (`MEP_HOST_ID`: shm
+between the two ranks of a host) and advertises the host's address (`MEP_BIND_HOST`), so the
+Transfer Engine (its listening sockets, its I/O threads and every put) lives in the namespace and
+only the veths carry traffic between hosts. Downing host 1's veth cuts ranks 2 and 3 off the data
+plane while the store stays reachable: exactly the outage seen in production (a link flap between
+hosts), with real TCP underneath.
 """
-import ctypes
-import os
-import re
-import subprocess
 import time
 
-import pytest
 import torch
 
 from mooncake_ep_switch import Buffer
 from tests import harness
 from tests.harness import RANK_STATE, outcome_value, rank_teardown
+from tests.netns import enter_host, make_network  # noqa: F401 - make_network is a fixture
 from tests.reference import expected_combine, expected_routing, structured_inputs, token_count
 from tests.test_faults import _mock_expert
 
-NUM_RANKS = 3
-HIDDEN, TOKENS, EXPERTS, TOP_K = 256, 32, 12, 4  # 12 experts: 4 per rank
+NUM_HOSTS, RANKS_PER_HOST = 2, 2
+NUM_RANKS = NUM_HOSTS * RANKS_PER_HOST  # ranks 0, 1 on host 0; ranks 2, 3 on host 1 (cut off)
+CUT = [2, 3]
+HIDDEN, TOKENS, EXPERTS, TOP_K = 256, 32, 16, 4  # 16 experts: 4 per rank
 TIMEOUT_US = harness.FAULT_TIMEOUT_US_TE
 OUTAGE_S = 4.0
-PREFIX = "mep"  # namespaces are named mep<pid>r<rank> and mep<pid>hub
-SUBNET = "10.251.0"
-CLONE_NEWNET = 0x40000000
-
-
-# ---------------------------------------------------------------------- the network
-def _ip(*args, check=True):
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
-    return done.stdout
-
-
-def _namespaces():
-    return [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
-
-
-def _remove_stale():
-    """Namespaces of this prefix left behind by an earlier run that was killed before its cleanup."""
-    for name in _namespaces():
-        found = re.fullmatch(rf"{PREFIX}(\d+)(?:r\d+|hub)", name)
-        if found and int(found.group(1)) != os.getpid() and not os.path.exists(f"/proc/{found.group(1)}"):
-            _ip("netns", "delete", name, check=False)
-
-
-class Network:
-    """One namespace per rank, each with a veth (10.251.0.<1+rank>/24) to a bridge in a hub namespace."""
-
-    def __init__(self, num_ranks):
-        tag = f"{PREFIX}{os.getpid()}"
-        self.hub = f"{tag}hub"
-        self.names = [f"{tag}r{r}" for r in range(num_ranks)]
-        self.devices = [f"{tag}v{r}" for r in range(num_ranks)]  # at most 15 characters
-        self.addresses = [f"{SUBNET}.{1 + r}" for r in range(num_ranks)]
-        self.made = []
-
-    def create(self):
-        for name in [self.hub] + self.names:
-            _ip("netns", "add", name)
-            self.made.append(name)
-            _ip("-n", name, "link", "set", "lo", "up")
-        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.hub, "link", "set", "br0", "up")
-        for r, (name, device, address) in enumerate(zip(self.names, self.devices, self.addresses)):
-            _ip("-n", name, "link", "add", device, "type", "veth", "peer", "name", f"p{r}", "netns", self.hub)
-            _ip("-n", self.hub, "link", "set", f"p{r}", "master", "br0", "up")
-            _ip("-n", name, "addr", "add", f"{address}/24", "dev", device)
-            _ip("-n", name, "link", "set", device, "up")
-
-    def set_link(self, rank, up):
-        _ip("-n", self.names[rank], "link", "set", self.devices[rank], "up" if up else "down")
-
-    def delete(self):
-        for name in reversed(self.made):  # deleting a namespace deletes its veth ends and the bridge
-            _ip("netns", "delete", name, check=False)
-        self.made.clear()
-
-
-@pytest.fixture()
-def network():
-    """The namespaces of this test; always deleted, even when the test fails. No skip: a machine
-    where namespaces cannot be made fails the test with the reason."""
-    _remove_stale()
-    made = Network(NUM_RANKS)
-    try:
-        try:
-            made.create()
-        except (RuntimeError, OSError, subprocess.SubprocessError) as error:
-            pytest.fail(f"cannot build the test network in network namespaces (needs root and iproute2): {error}")
-        yield made
-    finally:
-        made.delete()
-        left = [n for n in _namespaces() if n.startswith(f"{PREFIX}{os.getpid()}")]
-        assert not left, f"namespaces left behind: {left}"
 
 
 # ---------------------------------------------------------------------- rank functions
-def _enter(namespace):
-    """Move the calling thread (the rank's main thread, which runs every function) into `namespace`.
-    Sockets opened before (store, gloo) stay in the root namespace; threads started later inherit it."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns({namespace})")
-    finally:
-        os.close(fd)
-
-
 def _inputs(rank, seed):
     return structured_inputs(rank, token_count(rank, NUM_RANKS, TOKENS), HIDDEN, EXPERTS, TOP_K, seed=seed,
                              random_values=True)
@@ -146,10 +60,10 @@ def _round(ctx, buffer, seed, active):
 
 
 def rank_start(ctx, namespaces, addresses):
-    _enter(namespaces[ctx.rank])
-    os.environ["MEP_BIND_HOST"] = addresses[ctx.rank]  # read by config.settings() when the Buffer is made
+    host = ctx.rank // RANKS_PER_HOST
+    enter_host(namespaces[host], addresses[host], host_id=namespaces[host])
     size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, NUM_RANKS, EXPERTS)
-    buffer = RANK_STATE["buffer"] = Buffer(ctx.group, size, disable_p2p=True, transport="mooncake")
+    buffer = RANK_STATE["buffer"] = Buffer(ctx.group, size, transport="mooncake")  # shm inside a host
     published = buffer.membership.endpoint(ctx.rank)["te_session"]
     return {"transport": buffer.transport, "session": published, "incarnation": buffer.membership.incarnation,
             "routes": [buffer._impl.routes[r] for r in range(NUM_RANKS) if r != ctx.rank],
@@ -185,36 +99,41 @@ def rank_refused(ctx):
     return None
 
 
-def test_left_out_rank_rejoins_after_link_outage(network):
-    """Rank 2's link goes down for ~4 s. Ranks 0 and 1 mask it within timeout_us, keep serving exact
-    rows and seal a view without it. Link back up: rank 2's update_ep_member() rejoins it as a new
-    incarnation through the joining path, the members admit it, and full rounds are exact again."""
+def test_left_out_host_rejoins_after_link_outage(make_network):
+    """Host 1's link goes down for ~4 s. Ranks 0 and 1 (host 0) mask ranks 2 and 3 within timeout_us
+    and keep serving exact rows (shm between them), as do 2 and 3 on their side; 0 and 1 seal a view
+    without host 1. Link back up: ranks 2 and 3 rejoin as new incarnations through the joining path,
+    the members admit them, and three full rounds are exact again."""
     everyone = list(range(NUM_RANKS))
+    network = make_network(NUM_HOSTS)
     with harness.fresh_cluster(NUM_RANKS) as cluster:
         started = [outcome_value(o) for o in cluster.run(rank_start, network.names, network.addresses, timeout_s=90)]
         for rank, value in enumerate(started):
-            # The Transfer Engine advertises the namespace address: its puts go over the veth.
-            assert value["transport"] == "mooncake" and value["session"].startswith(f"{network.addresses[rank]}:")
-            assert value["routes"] == ["te"] * (NUM_RANKS - 1), value
+            # The Transfer Engine advertises the host's namespace address: its puts go over the veth.
+            host = rank // RANKS_PER_HOST
+            assert value["transport"] == "mooncake" and value["session"].startswith(f"{network.addresses[host]}:")
+            assert value["routes"] == [["shm", "te", "te"], ["shm", "te", "te"], ["te", "te", "shm"],
+                                       ["te", "te", "shm"]][rank], value
             assert value["round"]["mask"] == [1] * NUM_RANKS
-        network.set_link(2, up=False)
+        network.set_link(1, up=False)
         down_at = time.monotonic()
         cut = [outcome_value(o) for o in cluster.run(rank_round, 2, full_mask=True, timeout_s=60)]
-        for rank in (0, 1):  # the members mask rank 2 within the deadline and serve exact rows
-            assert cut[rank]["mask"] == [1, 1, 0], cut
+        for rank in everyone:  # each side masks the other within the deadline and serves exact rows
+            assert cut[rank]["mask"] == ([1, 1, 0, 0] if rank < 2 else [0, 0, 1, 1]), cut
             assert cut[rank]["seconds"] < TIMEOUT_US / 1e6 + harness.FAULT_SLACK_S, cut
-        assert cut[2]["mask"] == [0, 0, 1], cut  # rank 2 is cut off from both
         # Only the members agree (a cut-off rank that also called it could race them for the seal).
         members = [outcome_value(o) for o in cluster.run(rank_update, 20.0, ranks=[0, 1], timeout_s=60)]
         assert [m["view"] for m in members] == [[0, 1]] * 2 and members[0]["epoch"] == 1, members
         masks = [outcome_value(o)["mask"] for o in cluster.run(rank_round, 3, ranks=[0, 1], timeout_s=60)]
-        assert masks == [[1, 1, 0]] * 2, masks
+        assert masks == [[1, 1, 0, 0]] * 2, masks
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_at)))
-        network.set_link(2, up=True)
-        # Rank 2 finds itself left out, rejoins as a new incarnation; the members admit it.
-        back = [outcome_value(o) for o in cluster.run(rank_update, 30.0, wait_for_joiners=(2,), timeout_s=90)]
-        assert [b["view"] for b in back] == [everyone] * NUM_RANKS and back[0]["epoch"] == 2, back
-        assert back[2]["incarnation"] > started[2].get("incarnation", 0)
+        network.set_link(1, up=True)
+        # Ranks 2 and 3 find themselves left out, rejoin as new incarnations; the members admit them.
+        back = [outcome_value(o) for o in cluster.run(rank_update, 30.0, wait_for_joiners=tuple(CUT),
+                                                       timeout_s=90)]
+        assert [b["view"] for b in back] == [everyone] * NUM_RANKS, back
+        for rank in CUT:
+            assert back[rank]["incarnation"] > started[rank].get("incarnation", 0)
         for seed in (4, 5, 6):
             rounds = [outcome_value(o) for o in cluster.run(rank_round, seed, timeout_s=60)]
             assert [r["mask"] for r in rounds] == [[1] * NUM_RANKS] * NUM_RANKS, rounds

@@ -3,7 +3,8 @@
 Rows:
   * collective fallback vs an all-gather + all-reduce implementation (R=4 T=128 H=1024 E=32 K=8),
     and the floor: the fallback's exchanges alone with the same bytes;
-  * shm vs collective vs single-core memcpy of the same logical bytes (R=2 T=128 H=7168 E=32 K=8);
+  * shm vs collective vs TE per-rank bandwidth against a single-core memcpy of one rank's bytes
+    (R=2 T=128 H=7168 E=32 K=8; DeepEP's convention: never summed over ranks);
   * shm vs collective speed (R=4 T=128 H=1024 E=32 K=8), and the floor: the round's logical bytes
     copied once on all cores;
   * small-message round trip (dispatch + combine) at T=1 H=1024, R=2;
@@ -12,6 +13,9 @@ Rows:
     (`switch_bench`; the small shapes with `--quick`).
 `python -m mooncake_ep_switch.bench soak [...]` runs the soak benchmark instead (`bench.soak`: 10^4
 dispatch + combine rounds over shm and 10^3 over the Transfer Engine, resources sampled; `soak --help`).
+`python -m mooncake_ep_switch.bench hosts [...]` runs the cross-host benchmark (`bench.hosts`: two
+network namespaces, Transfer Engine vs the gloo collective over the same veths vs shm on one host,
+bytes on the wire against the routed bytes; needs root).
 Timing of the transport rows: per rank, the median over 5 barrier-separated batches of the batch's mean time per round; the
 slowest rank counts. Every ratio uses numbers from this run.
 """
@@ -51,15 +55,15 @@ def run_transport_rows(quick: bool = False) -> list:
         shm = tb.measure(cluster, "shm", shape, iters)
         coll = tb.measure(cluster, "collective", shape, max(3, iters // 4))
         te = tb.measure(cluster, "mooncake", shape, max(3, iters // 4))
-    logical = shm["selections"] * shape.hidden * 2 * 2  # dispatch + combine
-    memcpy = tb.memcpy_seconds(logical)
-    label = f"R=2 T=128 hidden=7168 E=32 K=8 ({logical / 1e6:.1f} MB logical)"
+    per_rank = shm["rank_selections"] * shape.hidden * 2 * 2  # one rank's dispatch + combine bytes
+    memcpy = tb.memcpy_rank_seconds(per_rank)
+    label = f"R=2 T=128 hidden=7168 E=32 K=8 ({per_rank / 1e6:.1f} MB per rank)"
     for name, result in (("shm", shm), ("collective", coll), ("mooncake TE (tcp, disable_p2p)", te)):
-        gbps = logical / result["seconds"] / 1e9
-        rows.append({"benchmark": f"{name} dispatch+combine bandwidth (bf16)", "shape": label,
-                     "ours_ms": result["seconds"] * 1e3, "baseline": "1-core memcpy of the logical bytes",
+        gbps = per_rank / result["seconds"] / 1e9
+        rows.append({"benchmark": f"{name} dispatch+combine bandwidth per rank (bf16)", "shape": label,
+                     "ours_ms": result["seconds"] * 1e3, "baseline": "1-core memcpy of one rank's bytes",
                      "baseline_ms": memcpy * 1e3, "speedup": memcpy / result["seconds"],
-                     "note": f"{gbps:.2f} GB/s logical, memcpy {logical / memcpy / 1e9:.2f} GB/s"})
+                     "note": f"{gbps:.2f} GB/s per rank, memcpy {per_rank / memcpy / 1e9:.2f} GB/s"})
 
     rows.append({"benchmark": "mooncake TE dispatch+combine (bf16, tcp loopback)", "shape": label,
                  "ours_ms": te["seconds"] * 1e3, "baseline": "shm (same shape, same run)",
@@ -115,7 +119,8 @@ def main(argv=None) -> int:
 
     Arguments:
         argv: command-line arguments (`--quick`, `--out FILE`), or None for `sys.argv[1:]`; when the
-            first is `soak`, the rest go to the soak benchmark (`bench.soak.main`).
+            first is `soak` (or `hosts`), the rest go to the soak (cross-host) benchmark (`bench.soak.main`,
+            `bench.hosts.main`).
 
     Returns:
         status: int, 0 (failures raise); for `soak`, its status (1 when a check or the flatness
@@ -126,6 +131,10 @@ def main(argv=None) -> int:
         from mooncake_ep_switch.bench import soak
 
         return soak.main(argv[1:])
+    if argv[:1] == ["hosts"]:
+        from mooncake_ep_switch.bench import hosts
+
+        return hosts.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer iterations")

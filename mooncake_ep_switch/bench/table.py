@@ -4,7 +4,7 @@ from typing import List
 
 def format_rows(rows: List[dict]) -> str:
     """Markdown table of benchmark rows (keys: benchmark, shape, ours_ms, baseline, baseline_ms,
-    speedup = baseline / ours, and an optional note).
+    speedup = baseline / ours, and an optional note); a None time or ratio prints as "-".
 
     Arguments:
         rows: list of dict with those keys (times in milliseconds).
@@ -14,7 +14,10 @@ def format_rows(rows: List[dict]) -> str:
     """
     lines = ["| benchmark | shape | ours (ms) | baseline | baseline (ms) | ratio (baseline/ours) | note |",
              "| --- | --- | ---: | --- | ---: | ---: | --- |"]
+    def number(value, form):
+        return "-" if value is None else format(value, form)
+
     for row in rows:
-        lines.append(f"| {row['benchmark']} | {row['shape']} | {row['ours_ms']:.3f} | {row['baseline']} | "
-                     f"{row['baseline_ms']:.3f} | {row['speedup']:.2f}x | {row.get('note', '')} |")
+        lines.append(f"| {row['benchmark']} | {row['shape']} | {number(row['ours_ms'], '.3f')} | {row['baseline']} | "
+                     f"{number(row['baseline_ms'], '.3f')} | {number(row['speedup'], '.2f')}x | {row.get('note', '')} |")
     return "\n".join(lines)

@@ -2,8 +2,9 @@
 
 Baselines measured in the same run: a single-core memcpy of the same logical bytes, and an
 all-gather + all-reduce implementation of the same semantics (the design of Mooncake's fallback).
-Logical bytes of a round = selections x hidden x 2 (dispatch) + the same again (combine), where
-selections = valid (token, expert) pairs over all ranks.
+Bandwidth is per rank, as DeepEP reports it: the bytes ONE rank dispatches and combines (its valid
+(token, expert) pairs x hidden x 2, twice) over its round time, against one core's memcpy of those
+bytes (never summed over ranks).
 """
 import statistics
 import time
@@ -150,6 +151,24 @@ def memcpy_seconds(num_bytes: int, repeats: int = 20) -> float:
         torch.set_num_threads(threads)
 
 
+OUT_OF_CACHE_BYTES = 64 << 20  # memcpy baselines copy at least this much: a rate from memory, not from L3
+
+
+def memcpy_rank_seconds(num_bytes: int) -> float:
+    """One core's memcpy time for `num_bytes`, at the rate of a copy of at least `OUT_OF_CACHE_BYTES`
+    (a smaller copy repeated back to back would run from the last-level cache, which one rank's
+    round data never does).
+
+    Arguments:
+        num_bytes: bytes one rank moves per round, >= 1.
+
+    Returns:
+        seconds: float.
+    """
+    copied = max(int(num_bytes), OUT_OF_CACHE_BYTES)
+    return memcpy_seconds(copied) * num_bytes / copied
+
+
 def measure(cluster: LocalCluster, transport: str, shape: TransportShape, iters: int, warmup: int = 3,
             use_fp8=False) -> dict:
     """Run the buffer round on a cluster; the slowest rank's time counts.
@@ -164,7 +183,8 @@ def measure(cluster: LocalCluster, transport: str, shape: TransportShape, iters:
 
     Returns:
         result: dict with `"seconds"` (float, the slowest rank's per-round time), `"selections"`
-            (int, summed over ranks) and `"transport"` (str, rank 0's path).
+            (int, summed over ranks), `"rank_selections"` (int, the most of one rank) and `"transport"`
+            (str, rank 0's path).
 
     Raises:
         RuntimeError: a rank failed (see `launch.check_outcomes`).
@@ -172,7 +192,7 @@ def measure(cluster: LocalCluster, transport: str, shape: TransportShape, iters:
     values = check_outcomes(cluster.run(rank_buffer_round, transport, shape, iters, warmup, use_fp8,
                                         timeout_s=600))
     return {"seconds": max(v["seconds"] for v in values), "selections": sum(v["selections"] for v in values),
-            "transport": values[0]["transport"]}
+            "rank_selections": max(v["selections"] for v in values), "transport": values[0]["transport"]}
 
 
 def measure_allgather(cluster: LocalCluster, shape: TransportShape, iters: int, warmup: int = 2) -> float:

@@ -10,7 +10,8 @@ whatever carried the bytes. Each peer gets a route:
 * `te`: a peer elsewhere (or any peer when `disable_p2p=True`), reached with Mooncake Transfer
   Engine writes: the native kernels pack the rows for that peer into a local staging copy of the
   region at the same offsets, a batch write carries the data ranges, and only after it completed a
-  second write carries the signals (TE does not order writes inside a batch).
+  second write carries the signals (TE does not order writes inside a batch). Combine rows for a TE
+  owner are packed compactly (only the routed rows, one range per owner; docs/protocol.md).
 
 A failed or timed-out write marks the destination inactive in the caller's `active_ranks` (and
 as evidence for membership) instead of raising or hanging.
@@ -393,23 +394,37 @@ class OneSidedTransport:
 
     def _dispatch_te(self, call: DispatchCall, layout: RegionLayout, offset: int, tag: int, args) -> None:
         """Pack every Transfer Engine destination's rows into its own column of the staging copy (one
-        native call), then write each destination's counted rows and signals into column `rank` of
-        its region."""
+        native call), then write each destination its rows and signals into column `rank` of its region.
+
+        Compact (whenever the layout has room: at least 2 local experts, docs/protocol.md): each token
+        crosses once per destination however many of its experts it selected, so a destination gets
+        one range of rows, one of per-expert token lists (and one of FP8 scales), then its signals."""
         targets = self._te_targets(call.active_ranks)
         if not targets:
             return
         R, rank = self.num_ranks, self.rank
         L, T, G = layout.num_local_experts, call.num_max_dispatch_tokens_per_rank, layout.num_scale_groups
-        _native.dispatch_send(*args, self._staging_bases(offset, targets), tag, call.use_fp8, -1, True, True)
+        compact = L >= 2 and 4 * L <= layout.row_bytes
+        _native.dispatch_send(*args, self._staging_bases(offset, targets), tag, call.use_fp8, -1, True, True, compact)
         signal_words = self.staging[offset + layout.dispatch_signals:].view(torch.int64)  # [R][L] words
+        data, rb = offset + layout.dispatch_data, layout.row_bytes
+        if compact:
+            owners = torch.div(call.topk_idx, L, rounding_mode="floor")
+            sent = [int((owners == dest).any(1).sum()) for dest in range(R)]  # tokens once per destination
 
         def ranges(dest: int) -> List[Tuple[int, int, int]]:
-            counts = (signal_words[dest * L:(dest + 1) * L] & 0xFFFFFFFF).tolist()
+            counts = (signal_words[dest * L:(dest + 1) * L] & 0x7FFFFFFF).tolist()
             found = []
+            if compact:
+                found.append((data + dest * T * rb, data + rank * T * rb, sent[dest] * rb))  # [0][column]
+                found.append((data + (R + dest) * T * rb, data + (R + rank) * T * rb, sum(counts) * 4))  # [1][column]
+                if call.use_fp8:
+                    found.append((offset + layout.dispatch_scales + dest * T * G * 4,
+                                  offset + layout.dispatch_scales + rank * T * G * 4, sent[dest] * G * 4))
+                return found
             for local, count in enumerate(counts):
                 packed, placed = (local * R + dest) * T, (local * R + rank) * T  # [local][column][0]
-                found.append((offset + layout.dispatch_data + packed * layout.row_bytes,
-                              offset + layout.dispatch_data + placed * layout.row_bytes, count * layout.row_bytes))
+                found.append((data + packed * rb, data + placed * rb, count * rb))
                 found.append((offset + layout.dispatch_src + packed * 4, offset + layout.dispatch_src + placed * 4,
                               count * 4))
                 if call.use_fp8:
@@ -462,21 +477,22 @@ class OneSidedTransport:
         return receive
 
     def _combine_te(self, call: CombineCall, layout: RegionLayout, offset: int, tag: int, args) -> None:
-        """Return every Transfer Engine token owner's rows into its own expert block of the staging copy
-        (one native call), then write each owner's block and signals into this rank's experts' block
-        of its region."""
+        """Pack every Transfer Engine token owner's rows compactly (only the rows routed to it, behind each
+        other in local-expert order) into its own expert block of the staging copy (one native call), then
+        write each owner those rows as ONE range into this rank's experts' block of its region, and its
+        signals (flagged compact, docs/protocol.md) after them."""
         targets = self._te_targets(call.active_ranks)
         if not targets:
             return
         L, block = layout.num_local_experts, layout.num_local_experts * call.num_max_dispatch_tokens_per_rank
         row_bytes = call.hidden * 2
-        _native.combine_send(*args, self._staging_bases(offset, targets), tag, -1, True, True)
+        _native.combine_send(*args, self._staging_bases(offset, targets), tag, -1, True, True, True)
+        signal_words = self.staging[offset + layout.combine_signals:].view(torch.int64)  # [R*L] words
 
         def ranges(dest: int) -> List[Tuple[int, int, int]]:
-            # Rows of tokens that did not select an expert carry stale bytes, but a token owner reads
-            # combine_data[e][t] only for the experts token t selected: one write of the block suffices.
+            rows = int((signal_words[dest * L:(dest + 1) * L] & 0x7FFFFFFF).sum())
             return [(offset + layout.combine_data + dest * block * row_bytes,
-                     offset + layout.combine_data + self.rank * block * row_bytes, block * row_bytes)]
+                     offset + layout.combine_data + self.rank * block * row_bytes, rows * row_bytes)]
 
         def signals(dest: int) -> Tuple[int, int, int]:
             return (offset + layout.combine_signals + dest * L * 8, offset + layout.combine_signals + self.rank * L * 8,

@@ -1,0 +1,186 @@
+"""Cross-host benchmark: dispatch+combine over the Transfer Engine between two host namespaces.
+
+`python -m mooncake_ep_switch bench hosts [--quick] [--out FILE]` (root and iproute2 needed). Two
+network namespaces joined by veths to a bridge (`bench.netns`), one rank per host, R=2 T=128 H=7168
+K=8 E=32 bf16, all rows from one run:
+
+* the Transfer Engine round against the gloo collective fallback over the same veths (a gloo group
+  made inside the namespaces, bound to the veth with GLOO_SOCKET_IFNAME) and shm with both ranks on
+  one host;
+* bytes on the wire per round (what the host's veth sent, headers and acks included) against the
+  routed bytes (the rows this rank owes the other host: its dispatched rows for the peer's experts
+  plus the combine rows of the peer's tokens, H*2 bytes each);
+* per-rank bandwidth as DeepEP reports it: the bytes ONE rank dispatches and combines (its
+  selections x H x 2, twice) over its round time, against one core's memcpy of those bytes.
+
+Timing: per rank, the median of 5 barrier-separated batch means (as `bench.transport`); the slower
+rank counts. The barriers run on the launcher's loopback group, outside the veths.
+"""
+import os
+import time
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from mooncake_ep_switch.bench import netns
+from mooncake_ep_switch.bench import transport as tb
+from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+
+SHAPE = tb.TransportShape(2, 128, 7168, 32, 8)
+TIMEOUT_US = 60_000_000
+
+
+def routed_bytes(rank: int, topks: List[torch.Tensor], shape: tb.TransportShape) -> int:
+    """Bytes rank `rank` must send to other ranks per bf16 round: a row per (token, expert) pair of its
+    own tokens whose expert lives elsewhere (dispatch), and a row per pair of other ranks' tokens on
+    its experts (combine).
+
+    Arguments:
+        rank: the sending rank.
+        topks: every rank's `[T, K]` torch.int64 top-k (-1 = none).
+        shape: the `TransportShape`.
+
+    Returns:
+        nbytes: int.
+    """
+    local = shape.experts // shape.num_ranks
+    rows = 0
+    for source, topk in enumerate(topks):
+        owners = torch.div(topk, local, rounding_mode="floor")
+        valid = topk >= 0
+        if source == rank:
+            rows += int((valid & (owners != rank)).sum())
+        else:
+            rows += int((valid & (owners == rank)).sum())
+    return rows * shape.hidden * 2
+
+
+def rank_hosts(ctx, names, devices, addresses, iters: int, wire_rounds: int, shape: tb.TransportShape = SHAPE):
+    """On rank r (host r): TE and collective rounds over the veths, wire bytes per round of each.
+
+    Arguments:
+        ctx: the `launch.RankContext` (rank r runs in namespace `names[r]`).
+        names, devices, addresses: the `netns.Network` attributes.
+        iters: timed rounds per transport (5 batches).
+        wire_rounds: rounds counted for the bytes on the wire.
+        shape: the `TransportShape` (R = one rank per host).
+
+    Returns:
+        result: dict with `"routed"` (int, this rank's routed bytes per round), `"selections"` (int)
+            and per transport (`"te"`, `"collective"`) `{"seconds": float, "wire": float}`.
+    """
+    from mooncake_ep_switch import Buffer
+
+    torch.set_num_threads(1)
+    netns.enter(names[ctx.rank])
+    os.environ["MEP_BIND_HOST"] = addresses[ctx.rank]
+    os.environ["MEP_HOST_ID"] = names[ctx.rank]
+    os.environ["GLOO_SOCKET_IFNAME"] = devices[ctx.rank]
+    veth_group = dist.new_group(list(range(ctx.num_ranks)), backend="gloo")  # sockets on the veth
+    x, topk, weights = tb._inputs(ctx.rank, shape)
+    topks = [None] * ctx.num_ranks
+    dist.all_gather_object(topks, topk, group=ctx.group)
+    size = Buffer.get_ep_buffer_size_hint(shape.tokens, shape.hidden, ctx.num_ranks, shape.experts)
+    active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+    local = shape.experts // ctx.num_ranks
+    y = torch.randn((local, ctx.num_ranks * shape.tokens, shape.hidden)).to(torch.bfloat16)
+    result = {"routed": routed_bytes(ctx.rank, topks, shape), "selections": int((topk >= 0).sum())}
+    for name, group in (("te", ctx.group), ("collective", veth_group)):
+        with Buffer(group, size, transport="mooncake" if name == "te" else "collective") as buffer:
+            if name == "te":
+                routes = list(buffer._impl.routes)
+                assert routes.count("te") == ctx.num_ranks - 1, routes
+
+            def body():
+                _, _, handle, _, _ = buffer.dispatch(x, topk, active, shape.tokens, shape.experts, TIMEOUT_US)
+                buffer.combine(y, topk, weights, active, TIMEOUT_US, handle)
+
+            seconds = tb._timed(ctx, body, iters, warmup=3)
+            dist.barrier(group=ctx.group)
+            before = netns.tx_bytes(names[ctx.rank], devices[ctx.rank])
+            for _ in range(wire_rounds):
+                body()
+            dist.barrier(group=ctx.group)
+            time.sleep(0.2)  # the last acks
+            wire = (netns.tx_bytes(names[ctx.rank], devices[ctx.rank]) - before) / wire_rounds
+            assert int(active.sum()) == ctx.num_ranks, f"{name}: a peer was lost during the benchmark"
+            result[name] = {"seconds": seconds, "wire": wire}
+    dist.destroy_process_group(veth_group)
+    return result
+
+
+def run(quick: bool = False) -> List[dict]:
+    """Measure every cross-host row; returns rows in the `table.format_rows` shape.
+
+    Arguments:
+        quick: fewer iterations.
+
+    Returns:
+        rows: list of dict rows.
+
+    Raises:
+        RuntimeError: the namespaces cannot be made (needs root and iproute2), or a rank failed.
+    """
+    iters = 10 if quick else 20
+    netns.remove_stale()
+    with netns.Network(SHAPE.num_ranks) as network:
+        with LocalCluster(SHAPE.num_ranks) as cluster:
+            values = check_outcomes(cluster.run(rank_hosts, network.names, network.devices, network.addresses,
+                                                iters, 5, timeout_s=600))
+    with LocalCluster(SHAPE.num_ranks) as cluster:
+        shm = tb.measure(cluster, "shm", SHAPE, iters)
+    te = max(v["te"]["seconds"] for v in values)
+    coll = max(v["collective"]["seconds"] for v in values)
+    wire_te = max(v["te"]["wire"] for v in values)
+    wire_coll = max(v["collective"]["wire"] for v in values)
+    routed = max(v["routed"] for v in values)
+    label = "R=2 (one rank per host namespace) T=128 hidden=7168 E=32 K=8"
+    rows = [{
+        "benchmark": "TE dispatch+combine across host namespaces (bf16, tcp over veth)", "shape": label,
+        "ours_ms": te * 1e3, "baseline": "gloo collective over the same veths", "baseline_ms": coll * 1e3,
+        "speedup": coll / te, "note": f"shm on one host {shm['seconds'] * 1e3:.2f} ms (same run)",
+    }, {
+        "benchmark": "TE bytes on the wire per round per rank", "shape": label, "ours_ms": None,
+        "baseline": "routed bytes per rank", "baseline_ms": None, "speedup": routed / wire_te,
+        "note": (f"wire / routed = {wire_te / routed:.3f} (target <= 1.25): {wire_te / 1e6:.2f} MB sent on the veth "
+                 f"per round vs {routed / 1e6:.2f} MB routed; the collective sent {wire_coll / 1e6:.2f} MB "
+                 f"({wire_coll / routed:.3f}x)"),
+    }]
+    per_rank = max(v["selections"] for v in values) * SHAPE.hidden * 2 * 2
+    memcpy = tb.memcpy_rank_seconds(per_rank)
+    for name, seconds in (("TE across hosts", te), ("gloo collective across hosts", coll),
+                          ("shm one host", shm["seconds"])):
+        rows.append({"benchmark": f"{name}: per-rank dispatch+combine bandwidth (bf16)",
+                     "shape": f"{label} ({per_rank / 1e6:.1f} MB per rank)", "ours_ms": seconds * 1e3,
+                     "baseline": "1-core memcpy of one rank's bytes", "baseline_ms": memcpy * 1e3,
+                     "speedup": memcpy / seconds,
+                     "note": f"{per_rank / seconds / 1e9:.2f} GB/s per rank, memcpy {per_rank / memcpy / 1e9:.2f} GB/s"})
+    return rows
+
+
+def main(argv=None) -> int:
+    """`bench hosts`: print the cross-host rows (markdown table).
+
+    Arguments:
+        argv: `--quick`, `--out FILE`.
+
+    Returns:
+        status: int, 0.
+    """
+    import argparse
+
+    from mooncake_ep_switch.bench.table import format_rows
+
+    parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch bench hosts", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    table = format_rows(run(quick=args.quick))
+    print(table)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            handle.write(table + "\n")
+    return 0

@@ -1,0 +1,146 @@
+"""Pretend hosts made real: Linux network namespaces joined by veth pairs to a bridge.
+
+One namespace per host (`<prefix><pid>h<host>`), each with one veth (address `<subnet>.<1+host>/24`)
+whose peer end sits on a bridge in a hub namespace (`<prefix><pid>hub`). A rank process moves its
+main thread into its host's namespace with `enter` before it builds its Buffer and advertises the
+host address (`MEP_BIND_HOST`): the Transfer Engine's listeners, I/O threads and puts, and any
+socket opened afterwards, live in that namespace, so only the veth carries traffic between hosts.
+Sockets opened before (the launcher's store, the default gloo group) stay where they were.
+Downing a host's veth (`set_link`) is a real link outage with real TCP underneath.
+
+Needs root and iproute2. Used by the multi-host tests (tests/netns.py) and the cross-host benchmark
+(`bench.hosts`). `Network.delete` removes everything it made; `remove_stale` removes what a killed
+earlier run of this prefix left behind.
+"""
+import ctypes
+import json
+import os
+import re
+import subprocess
+from typing import List
+
+CLONE_NEWNET = 0x40000000
+DEFAULT_PREFIX = "mep"
+DEFAULT_SUBNET = "10.251.0"
+
+
+def ip(*args: str, check: bool = True) -> str:
+    """Run `ip ARGS` (20 s deadline); returns stdout.
+
+    Raises:
+        RuntimeError: the command failed (with its stderr) and `check` is set.
+    """
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def namespaces() -> List[str]:
+    """Names of every network namespace (`ip netns list`)."""
+    return [line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()]
+
+
+def remove_stale(prefix: str = DEFAULT_PREFIX) -> None:
+    """Delete namespaces of `prefix` whose creating process is gone (a run killed before its cleanup)."""
+    for name in namespaces():
+        found = re.fullmatch(rf"{prefix}(\d+)(?:h\d+|r\d+|hub)", name)
+        if found and int(found.group(1)) != os.getpid() and not os.path.exists(f"/proc/{found.group(1)}"):
+            ip("netns", "delete", name, check=False)
+
+
+def tx_bytes(namespace: str, device: str) -> int:
+    """Bytes `device` in `namespace` has sent so far (headers included: bytes on the wire)."""
+    found = json.loads(ip("-n", namespace, "-s", "-j", "link", "show", "dev", device))
+    return int(found[0]["stats64"]["tx"]["bytes"])
+
+
+def enter(namespace: str) -> None:
+    """Move the calling thread into network namespace `namespace` (setns).
+
+    Arguments:
+        namespace: a name from `Network.names`.
+
+    Raises:
+        OSError: the namespace does not exist or setns failed (needs CAP_SYS_ADMIN).
+    """
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns({namespace})")
+    finally:
+        os.close(fd)
+
+
+class Network:
+    """`num_hosts` host namespaces on one bridge; a context manager that always deletes them.
+
+    Arguments:
+        num_hosts: hosts to make (1..200).
+        prefix: namespace name prefix (the creating pid follows it).
+        subnet: first three octets of the /24 the hosts get addresses in.
+
+    Attributes:
+        names: namespace of each host.
+        devices: the veth device of each host (inside its namespace).
+        addresses: the IPv4 address of each host.
+    """
+
+    def __init__(self, num_hosts: int, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET):
+        if not isinstance(num_hosts, int) or not 1 <= num_hosts <= 200:
+            raise ValueError(f"num_hosts: expected an int in [1, 200], got {num_hosts!r}")
+        tag = f"{prefix}{os.getpid()}"
+        self.tag = tag
+        self.hub = f"{tag}hub"
+        self.names = [f"{tag}h{h}" for h in range(num_hosts)]
+        self.devices = [f"{tag}v{h}"[-15:] for h in range(num_hosts)]  # device names: at most 15 characters
+        self.addresses = [f"{subnet}.{1 + h}" for h in range(num_hosts)]
+        self.made: List[str] = []
+
+    def create(self) -> "Network":
+        """Make the hub with its bridge and every host with its veth; undoes itself on failure.
+
+        Raises:
+            RuntimeError / OSError / subprocess.SubprocessError: a step failed (everything made is deleted).
+        """
+        try:
+            for name in [self.hub] + self.names:
+                ip("netns", "add", name)
+                self.made.append(name)
+                ip("-n", name, "link", "set", "lo", "up")
+            ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            ip("-n", self.hub, "link", "set", "br0", "up")
+            for h, (name, device, address) in enumerate(zip(self.names, self.devices, self.addresses)):
+                ip("-n", name, "link", "add", device, "type", "veth", "peer", "name", f"p{h}", "netns", self.hub)
+                ip("-n", self.hub, "link", "set", f"p{h}", "master", "br0", "up")
+                ip("-n", name, "addr", "add", f"{address}/24", "dev", device)
+                ip("-n", name, "link", "set", device, "up")
+        except BaseException:
+            self.delete()
+            raise
+        return self
+
+    def set_link(self, host: int, up: bool) -> None:
+        """Bring host `host`'s veth down (a link outage) or up again."""
+        ip("-n", self.names[host], "link", "set", self.devices[host], "up" if up else "down")
+
+    def tx_bytes(self, host: int) -> int:
+        """Bytes host `host` has sent on its veth so far (headers included: bytes on the wire)."""
+        return tx_bytes(self.names[host], self.devices[host])
+
+    def delete(self) -> None:
+        """Delete every namespace made (their veths and the bridge go with them). Idempotent."""
+        for name in reversed(self.made):
+            ip("netns", "delete", name, check=False)
+        self.made.clear()
+
+    def left_behind(self) -> List[str]:
+        """Namespaces of this network that still exist (empty after `delete`)."""
+        return [n for n in namespaces() if n.startswith(self.tag + "h") or n == self.hub]
+
+    def __enter__(self) -> "Network":
+        return self.create()
+
+    def __exit__(self, *exc) -> None:
+        self.delete()
