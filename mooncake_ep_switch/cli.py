@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in ("demo", "bench", "simulate") and argv[0] not in ("-h", "--help")):
         argv = ["demo"] + argv  # flags without a subcommand are the demo's
+    if argv[0] == "bench" and not {"-h", "--help"} & set(argv[1:2]):
+        # Everything after `bench` is the benchmark's own (argparse's REMAINDER drops a leading --flag).
+        return _bench(argparse.Namespace(rest=argv[1:]))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)

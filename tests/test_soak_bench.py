@@ -129,3 +129,14 @@ def test_soak_check_detects_a_wrong_row_count_row_or_sum():
     wrong_sum[1, 0] += 64  # |sums| <= 16: always a different bf16
     assert "combined: token 1" in check(recv_x, recv_count, wrong_sum)
     assert "marked inactive" in check(recv_x, recv_count, combined, torch.zeros(1, dtype=torch.int32))
+
+
+def test_bench_cli_passes_leading_flags_to_the_benchmark(capsys):
+    """`mooncake-ep bench --quick` reaches the benchmark's own parser (argparse's REMAINDER dropped a
+    leading flag: "unrecognized arguments", exit 2)."""
+    from mooncake_ep_switch.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--quick", "--help"])
+    assert stop.value.code == 0
+    assert "usage: python -m mooncake_ep_switch.bench [-h] [--quick]" in capsys.readouterr().out
