@@ -2,7 +2,6 @@
 import subprocess
 import sys
 
-import pytest
 
 
 def test_model_demo_command():
