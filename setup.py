@@ -3,7 +3,7 @@
 The native extension (csrc/) is plain C++17 + pybind11 with no torch linkage: it receives raw
 pointers and sizes from the Python layer and moves bytes; it also holds the EPLB placement search and
 swap refinement (csrc/eplb_*.cpp), compute loops over arrays the Python layer validated. The PyTorch-collective transport lives
-in mooncake_ep_switch/buffer/collective.py; the top-level fallback/ folder, installed as the subpackage
+in mooncake_ep_switch/buffer/transport/collective.py; the top-level fallback/ folder, installed as the subpackage
 mooncake_ep_switch.fallback, is its thin entry point (a re-export).
 """
 import glob
@@ -29,6 +29,7 @@ setup(
         "mooncake_ep_switch",
         "mooncake_ep_switch.bench",
         "mooncake_ep_switch.buffer",
+        "mooncake_ep_switch.buffer.transport",
         "mooncake_ep_switch.switch",
         "mooncake_ep_switch.eplb",
         "mooncake_ep_switch.fallback",

@@ -1,2 +1,2 @@
 """The collective transport's entry point, installed as mooncake_ep_switch.fallback (a re-export of
-`mooncake_ep_switch.buffer.collective`, where the transport lives)."""
+`mooncake_ep_switch.buffer.transport.collective`, where the transport lives)."""

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mooncake_ep_switch.buffer.peer_watch import PeerWatch
+from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 
 _CTX = multiprocessing.get_context("spawn")
 FLAG_DEADLINE_S = 3.0  # a flag must rise within this after the peer died (typically a few ms)

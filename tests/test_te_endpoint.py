@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from mooncake_ep_switch.buffer.te_endpoint import PeerWrite, TeEndpoint, load_transfer_engine
+from mooncake_ep_switch.buffer.transport.te_endpoint import PeerWrite, TeEndpoint, load_transfer_engine
 
 _CTX = multiprocessing.get_context("spawn")
 AGENT_DEADLINE_S = 40.0  # hard cap on an agent's life (the watchdog calls os._exit)

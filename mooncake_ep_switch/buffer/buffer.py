@@ -17,14 +17,14 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
-from mooncake_ep_switch.buffer.collective import CollectiveTransport
+from mooncake_ep_switch.buffer.transport.collective import CollectiveTransport
 from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt
 from mooncake_ep_switch.buffer.layout import region_layout
 from mooncake_ep_switch.buffer.membership import (LeftOut, Membership, MembershipError, View, check_seconds,
                                                   generation_prefix, group_prefix, root_store)
-from mooncake_ep_switch.buffer.one_sided import OneSidedTransport
+from mooncake_ep_switch.buffer.transport.one_sided import OneSidedTransport
 from mooncake_ep_switch.buffer.peer_regions import PeerRegions
-from mooncake_ep_switch.buffer.transport import Transport
+from mooncake_ep_switch.buffer.transport.contract import Transport
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
 

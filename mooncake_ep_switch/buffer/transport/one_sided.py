@@ -25,8 +25,8 @@ from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.layout import RegionLayout, region_layout
 from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, SharedRegion
-from mooncake_ep_switch.buffer.peer_watch import PeerWatch
-from mooncake_ep_switch.buffer.te_endpoint import PeerWrite
+from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
+from mooncake_ep_switch.buffer.transport.te_endpoint import PeerWrite
 from mooncake_ep_switch.faults import FaultPoint
 
 _TAG_SPACE = (1 << 32) - 1
@@ -110,7 +110,7 @@ class OneSidedTransport:
         # Fails a dead peer's receive waits at once (a listener only where peers may be on other hosts).
         self.watch = PeerWatch(num_ranks, rank, settings.bind_host if name == "mooncake" else None)
         if name == "mooncake":
-            from mooncake_ep_switch.buffer.te_endpoint import TeEndpoint
+            from mooncake_ep_switch.buffer.transport.te_endpoint import TeEndpoint
 
             self.te = TeEndpoint(settings.bind_host, settings.te_protocol, log_level="ERROR")
             self.te.register(self.base, self.nbytes)

@@ -2,8 +2,8 @@
 
 `Buffer` resolves the transport once (`Buffer._make_transport`, rules in docs/transports.md) and
 then calls only what `Transport` declares; nothing is probed with `hasattr`. The implementations:
-`buffer.one_sided.OneSidedTransport` (`"shm"`, `"mooncake"`) and
-`buffer.collective.CollectiveTransport` (`"collective"`).
+`buffer.transport.one_sided.OneSidedTransport` (`"shm"`, `"mooncake"`) and
+`buffer.transport.collective.CollectiveTransport` (`"collective"`).
 """
 from typing import Callable, List, Protocol, Tuple
 
