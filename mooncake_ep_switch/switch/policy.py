@@ -27,10 +27,8 @@ from collections import deque
 from typing import Callable, Iterable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
+from mooncake_ep_switch.switch.layouts import EP, LAYOUTS, TP  # noqa: F401  (re-exported)
 
-TP = "tp"
-EP = "ep"
-LAYOUTS = (TP, EP)
 
 #: Threshold meaning "never enter EP" (what ``calibrate()`` returns when TP always wins).
 NEVER = math.inf

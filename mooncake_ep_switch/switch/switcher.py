@@ -52,7 +52,8 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.peer_words import wait_peer_words
 from mooncake_ep_switch.switch import reshard
-from mooncake_ep_switch.switch.kv_cache import KVPlan, PagedKVCache
+from mooncake_ep_switch.switch.kv_cache import PagedKVCache
+from mooncake_ep_switch.switch.kv_plan import KVPlan
 from mooncake_ep_switch.switch.umm import EP, INVALID, LAYOUTS, TP, UnifiedWeights
 
 # Progress steps (low 32 bits of the progress word).

@@ -30,10 +30,8 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
+from mooncake_ep_switch.switch.layouts import EP, LAYOUTS, TP  # noqa: F401  (re-exported)
 
-EP = "ep"
-TP = "tp"
-LAYOUTS = (EP, TP)
 #: Layout of a rank whose switch failed in a way it cannot repair (collective fallback, fenced rank).
 INVALID = "invalid"
 
