@@ -437,15 +437,7 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ plans
     def plan(self, metas: Sequence[RankMeta], target: str) -> KVPlan:
-        """The redistribution from every rank's published state to `target` (same result on every rank).
-
-        Arguments:
-            metas: every rank's `RankMeta`, indexed by rank.
-            target: `"ep"` or `"tp"`, different from the current layout.
-
-        Returns:
-            plan: a `KVPlan`; `plan.refused` says why it does not fit (then nothing may be touched).
-        """
+        """This rank's `kv_plan.Planner.plan(metas, target)` (arguments and result documented there)."""
         return Planner(self.config, self.num_ranks, self.rank, self.layout).plan(metas, target)
 
     def move_blocks(self, moves: np.ndarray, src_base: int, dst_base: int) -> np.ndarray:
