@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.transport.te_endpoint import _listening, _socket_inodes
+from mooncake_ep_switch.buffer.transport.sockets import _listening, _socket_inodes
 from mooncake_ep_switch.launch import LocalCluster
 
 
