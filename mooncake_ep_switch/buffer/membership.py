@@ -39,42 +39,25 @@ Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; 
    (refused if another process took the rank over), republishes its endpoint and waits as a joiner.
    If every member of the current view is gone nobody can seal any more: the job must restart.
 
-Records are validated when read (types, ranges, distinct ranks, sizes); with a per-job secret
-(`MEP_JOB_SECRET`, see `config.py`) every record is also authenticated (HMAC-SHA256 over the key
-and the value) and a record that fails the check is refused with a `MembershipError`. Counters are
-read with get() and bumped with compare-and-set, never with the store's add(), which closes the
-connection of a client whose counter key holds a non-number.
+Records are validated when read and, with a per-job secret, authenticated; counters are bumped
+with compare-and-set. That record layer (codec, `_valid_*` checks, HMAC) is `membership_records.py`;
+this module is the epoch/view protocol on top of it.
 """
 import hashlib
-import hmac
-import json
 import math
 import numbers
-import secrets
 import time
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence
 
-ACTIVE, INACTIVE, JOINING = "active", "inactive", "joining"
-STATES = (ACTIVE, INACTIVE, JOINING)
-MAX_RECORD_BYTES = 1 << 16  # no honest record comes near this; bigger ones are refused unparsed
-MAX_COUNTER = 1 << 53
-MAX_STATE_BYTES = 1 << 24  # peer state of every registered participant (a placement table is the big part)
+# The record layer; names other modules import from here are re-exported.
+from mooncake_ep_switch.buffer.membership_records import (ACTIVE, INACTIVE, JOINING, MAX_COUNTER,  # noqa: F401
+                                                          MAX_RECORD_BYTES, MAX_STATE_BYTES, STATES, MembershipError,
+                                                          RecordStore, _rank_list, _valid_endpoint, _valid_peer_state,
+                                                          _valid_ready, _valid_region_record, _valid_state)
+
 JOINER_BEAT_S = 0.02  # a waiting joiner refreshes alive/<rank> this often
 JOINER_PROOF_S = 1.0  # a sealer admits only joiners whose heartbeat moved within this long
-_MAC = "mac1:"
 _MAX_EPOCH_SKIP = 1 << 12  # sealed views past the epoch counter that epoch() walks over
-
-
-class MembershipError(RuntimeError):
-    """Raised when this rank is not part of the agreed view, a deadline passed, or a record is bad.
-
-    Attributes:
-        missing: ranks that did not arrive where they were waited for (may be empty).
-    """
-
-    def __init__(self, message: str, missing=()):
-        super().__init__(message)
-        self.missing = tuple(missing)
 
 
 class LeftOut(MembershipError):
@@ -128,60 +111,7 @@ def check_seconds(name: str, value, allow_none: bool = False) -> Optional[float]
     return seconds
 
 
-def _is_int(value, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
-
-
-def _rank_list(value, num_ranks: int, allow_empty: bool = False) -> Optional[tuple]:
-    """`value` as an ascending tuple of distinct ranks in [0, num_ranks), or None if it is not one."""
-    if not isinstance(value, list) or len(value) > num_ranks or (not value and not allow_empty):
-        return None
-    if not all(_is_int(r, 0, num_ranks) for r in value) or len(set(value)) != len(value):
-        return None
-    if list(value) != sorted(value):
-        return None
-    return tuple(value)
-
-
-def _valid_ready(value) -> bool:
-    return (isinstance(value, dict) and _is_int(value.get("incarnation"), 1, MAX_COUNTER)
-            and _is_int(value.get("call"), 0, 1 << 62))
-
-
-def _valid_state(value) -> bool:
-    return (isinstance(value, dict) and value.get("state") in STATES
-            and _is_int(value.get("incarnation"), 0, MAX_COUNTER) and _is_int(value.get("epoch"), 0, MAX_COUNTER))
-
-
-def _valid_endpoint(value) -> bool:
-    if not isinstance(value, dict) or not isinstance(value.get("host_id", ""), str):
-        return False
-    region = value.get("region")
-    if region is not None and not (isinstance(region, list) and len(region) == 3
-                                   and _is_int(region[0], 1, 1 << 31) and _is_int(region[1], 0, 1 << 31)
-                                   and _is_int(region[2], 0, 1 << 62)):
-        return False
-    if "te_session" in value and not isinstance(value["te_session"], str):
-        return False
-    return "te_base" not in value or _is_int(value["te_base"], 1, 1 << 64)
-
-
-def _valid_region_record(value) -> bool:
-    if not isinstance(value, dict) or not isinstance(value.get("kind"), str):
-        return False
-    regions = value.get("regions")
-    return isinstance(regions, list) and len(regions) <= 64 and all(
-        isinstance(r, list) and len(r) == 3 and _is_int(r[0], 1, 1 << 31) and _is_int(r[1], 0, 1 << 31)
-        and _is_int(r[2], 1, 1 << 62) for r in regions)
-
-
-def _valid_peer_state(value) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(item, dict) and _is_int(item.get("index"), 0, MAX_COUNTER) and isinstance(item.get("kind"), str)
-        and isinstance(item.get("state"), dict) for item in value)
-
-
-class Membership:
+class Membership(RecordStore):
     """Read and change the EP membership kept in a store.
 
     Arguments:
@@ -197,99 +127,11 @@ class Membership:
     def __init__(self, store, rank: int, num_ranks: int, prefix: str = "mep", secret=None):
         import torch.distributed as dist
 
-        self.store = dist.PrefixStore(prefix, store)
-        self.prefix = prefix
+        super().__init__(dist.PrefixStore(prefix, store), prefix, secret)
         self.rank = rank
         self.num_ranks = num_ranks
-        self.secret = secret.encode() if isinstance(secret, str) else secret
         self.incarnation = self._bump(f"incarnation/{rank}")
 
-    # ------------------------------------------------------------------ records
-    def _mac(self, key: str, text: str) -> str:
-        message = f"{self.prefix}\0{key}\0{text}".encode()
-        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
-
-    def _encode(self, key: str, value: Any) -> str:
-        text = json.dumps(value, separators=(",", ":"))
-        return text if self.secret is None else f"{_MAC}{self._mac(key, text)}:{text}"
-
-    def _decode(self, key: str, raw: bytes, limit: int = MAX_RECORD_BYTES) -> Any:
-        """Parse (and authenticate) one record; MembershipError if it is malformed or forged."""
-        if len(raw) > limit:
-            raise MembershipError(f"store record {self.prefix}/{key} is {len(raw)} bytes (at most "
-                                  f"{limit}): not written by this job's ranks; refused")
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError:
-            raise MembershipError(f"store record {self.prefix}/{key} is not UTF-8 text; refused") from None
-        if text.startswith(_MAC):
-            if self.secret is None:
-                raise MembershipError(f"store record {self.prefix}/{key} is authenticated but this process "
-                                      "has no MEP_JOB_SECRET: every rank and replacement must share the job's "
-                                      "secret")
-            tag, _, text = text[len(_MAC):].partition(":")
-            if not hmac.compare_digest(tag, self._mac(key, text)):
-                raise MembershipError(f"store record {self.prefix}/{key} fails authentication with this job's "
-                                      "secret (forged, copied from another key, or another job's); refused")
-        elif self.secret is not None:
-            raise MembershipError(f"store record {self.prefix}/{key} carries no authentication tag although "
-                                  "MEP_JOB_SECRET is set (written without the job's secret); refused")
-        try:
-            return json.loads(text)
-        except ValueError:
-            raise MembershipError(f"store record {self.prefix}/{key} is not JSON: {text[:80]!r}; refused") from None
-
-    def _raw(self, key: str) -> Optional[bytes]:
-        if not self.store.check([key]):
-            return None
-        return self.store.get(key)
-
-    def _read(self, key: str, valid: Callable[[Any], Any], what: str, limit: int = MAX_RECORD_BYTES) -> Any:
-        """The record at `key` (None when absent); MembershipError when malformed, forged or invalid."""
-        raw = self._raw(key)
-        if raw is None:
-            return None
-        value = self._decode(key, raw, limit)
-        if not valid(value):
-            raise MembershipError(f"store record {self.prefix}/{key} is not a valid {what}: {str(value)[:120]!r}; "
-                                  "refused (this job's ranks never write such a record)")
-        return value
-
-    def _put(self, key: str, value: Any) -> None:
-        self.store.set(key, self._encode(key, value))
-
-    def _counter_raw(self, key: str):
-        """(value, raw text) of a counter; (0, None) when absent. Values are `"<n>"` or `"<n>:<nonce>"`."""
-        raw = self._raw(key)
-        if raw is None:
-            return 0, None
-        try:
-            text = raw.decode()
-            value = int(text.split(":", 1)[0])
-        except (UnicodeDecodeError, ValueError):
-            text, value = None, -1
-        if not 0 <= value < MAX_COUNTER:
-            raise MembershipError(f"store counter {self.prefix}/{key} holds {raw[:40]!r}, not a count; refused")
-        return value, text
-
-    def _counter(self, key: str) -> int:
-        return self._counter_raw(key)[0]
-
-    def _bump(self, key: str, expected: Optional[int] = None) -> int:
-        """Add 1 to a counter with compare-and-set (never add(): see the module docstring).
-
-        The new value carries a random nonce, so two writers that raced from one value never both
-        believe they won. With `expected`, only when the counter still holds it; returns the new
-        value, or -1 when the counter moved on.
-        """
-        for _ in range(1000):  # bounded: each failed CAS means another writer succeeded
-            old, text = self._counter_raw(key)
-            if expected is not None and old != expected:
-                return -1
-            new = f"{old + 1}:{secrets.token_hex(8)}"
-            if self.store.compare_set(key, "" if text is None else text, new).decode(errors="replace") == new:
-                return old + 1
-        raise MembershipError(f"store counter {self.prefix}/{key} kept changing under 1000 attempts")
 
     # ------------------------------------------------------------------ reads
     def epoch(self) -> int:
@@ -855,8 +697,7 @@ def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joini
     """
     import torch.distributed as dist
 
-    counters = Membership.__new__(Membership)  # only the counter helpers, no incarnation taken
-    counters.store, counters.prefix = dist.PrefixStore(f"{base}/generation", store), f"{base}/generation"
+    counters = RecordStore(dist.PrefixStore(f"{base}/generation", store), f"{base}/generation")  # no incarnation
     if joining:
         newest = max(counters._counter(str(r)) for r in range(num_ranks))
         counters.store.set(str(rank), str(newest))
