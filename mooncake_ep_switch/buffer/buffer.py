@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.buffer import validation
+from mooncake_ep_switch.buffer import elastic_view, validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
 from mooncake_ep_switch.buffer.transport.collective import CollectiveTransport
 from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt
 from mooncake_ep_switch.buffer.layout import region_layout
-from mooncake_ep_switch.buffer.membership import (LeftOut, Membership, MembershipError, View, check_seconds,
-                                                  generation_prefix, group_prefix, root_store)
+from mooncake_ep_switch.buffer.membership import (Membership, MembershipError, View, generation_prefix, group_prefix,
+                                                  root_store)
 from mooncake_ep_switch.buffer.transport.one_sided import OneSidedTransport
 from mooncake_ep_switch.buffer.peer_regions import PeerRegions
 from mooncake_ep_switch.buffer.transport.contract import Transport
@@ -381,93 +381,11 @@ class Buffer:
                 waiting), this rank was taken over by another process, members could not be
                 reached before the deadline, or a store record is malformed or forged.
         """
-        self._check_alive()
-        timeout_s = check_seconds("timeout_s", timeout_s, allow_none=True)
-        membership = self._require_membership("update_ep_member")
-        deadline = time.monotonic() + (self.settings.connect_timeout_s if timeout_s is None else timeout_s)
-        failed = set(self._impl.failed_sources)
-        while True:
-            try:
-                if self.joining:
-                    if self._rejoin:  # a left-out rank comes back as a new incarnation of itself
-                        membership.reincarnate()
-                        membership.publish_endpoint(dict(self._impl.endpoint(), host_id=self.settings.host_id))
-                        self._rejoin = False
-                    self.epoch = membership.epoch()
-                    for _ in range(64):  # a view sealed before the epoch counter moved: skip it
-                        if not membership.sealed(self.epoch + 1):
-                            break
-                        self.epoch += 1
-                    # Most of the budget to be admitted, the rest to connect once admitted.
-                    admit_by = time.monotonic() + 0.75 * (deadline - time.monotonic())
-                    view = membership.agree_next_view(self.epoch, (), admit_by, call=self._call, joining=True)
-                else:
-                    membership.report_failures(failed)
-                    expected = set(self.members) - failed
-                    # Half the remaining budget to agree (a dead member is waited for until then), the
-                    # rest to connect, so a dead expected rank cannot eat the time the live ones need.
-                    agree_by = time.monotonic() + (deadline - time.monotonic()) / 2
-                    view = membership.agree_next_view(self.epoch, expected, agree_by, call=self._call)
-            except LeftOut as error:
-                self._left_out(error)
-                if time.monotonic() >= deadline:
-                    raise
-                continue  # sealed without this rank: (re)register as joining within this call's deadline
-            if self._fault is not None:
-                self._fault.hit("update_after_ready", self.rank)
-            # Every member starts its call counter at one agreed value above every tag used so far.
-            self._call = membership.max_call(view.epoch, view.ranks) + 2
-            admitted = self.joining
-            self.epoch, self.members, self.joining = view.epoch, view.ranks, False
-            self._impl.failed_sources.clear()
-            try:
-                # Half the remaining budget per attempt: a member that died after the view was
-                # sealed is found missing in time to agree again without it.
-                attempt = time.monotonic() + max(2.0, (deadline - time.monotonic()) / 2)
-                self._impl.connect_members(view, membership, min(attempt, deadline))
-            except MembershipError as error:
-                if not error.missing or time.monotonic() >= deadline:
-                    raise
-                failed = set(error.missing)  # a member died after the view was sealed: agree again
-                continue
-            if membership.sealed(view.epoch + 1):
-                failed = set()  # the others moved on without this rank meanwhile: it finds out and rejoins
-                continue
-            if admitted:  # learn what to rebuild (or re-map what this rank still has)
-                self.peer_regions.admitted(view, deadline)
-            else:  # hand the joiners their state and map their regions as they rebuild them
-                try:
-                    self.peer_regions.readmit(view, deadline)
-                except MembershipError as error:
-                    self._impl.failed_sources.extend(error.missing)  # the next update_ep_member() drops them
-                    raise
-            return view
-
-    def _left_out(self, error: LeftOut) -> None:
-        """This rank is no member any more (a view was sealed without it): dispatch and combine
-        refuse until `update_ep_member()` admits it again as a new incarnation."""
-        if not self.joining:
-            self.joining, self._rejoin, self.members = True, True, ()
+        return elastic_view.update_ep_member(self, timeout_s)
 
     def _survivors_view(self, deadline: float) -> View:
-        """Agree with the other survivors on the next view and reconnect (a collective lost a peer).
-
-        Every current member that is still alive posts readiness; the dead never do, so the view
-        is sealed at `deadline` without them. A rank left out of it raises `LeftOut` (its message
-        says to call `update_ep_member()` to rejoin).
-        """
-        membership = self._require_membership("the collective fallback's failure recovery")
-        if self.joining:
-            raise MembershipError(f"rank {self.rank} is not a member of the group (joining or left out); call "
-                                  "update_ep_member() to be admitted")
-        try:
-            view = membership.agree_next_view(self.epoch, set(self.members), deadline, call=self._call)
-        except LeftOut as error:
-            self._left_out(error)
-            raise
-        self.epoch, self.members = view.epoch, view.ranks
-        self._impl.connect_members(view, membership, max(deadline, time.monotonic() + 5.0))
-        return view
+        """The collective fallback's recovery from a lost peer (`elastic_view.survivors_view`)."""
+        return elastic_view.survivors_view(self, deadline)
 
     @property
     def process_group(self):
