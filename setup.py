@@ -1,8 +1,11 @@
 """Build and install mooncake_ep_switch.
 
-The native extension (csrc/) is plain C++17 + pybind11 with no torch linkage: it receives raw
-pointers and sizes from the Python layer and moves bytes; it also holds the EPLB placement search and
-swap refinement (csrc/eplb_*.cpp), compute loops over arrays the Python layer validated. The PyTorch-collective transport lives
+The native extension (csrc/) is plain C++17 + pybind11 with no torch linkage, split by domain:
+csrc/dataplane/ (memfd regions, the one-sided dispatch/combine, packing kernels, value checks) receives raw
+pointers and sizes from the Python layer and moves bytes; csrc/switch/ holds the TP<->EP switch copies and
+signal waits; csrc/eplb/ the EPLB placement search and swap refinement, compute loops over arrays the Python
+layer validated; csrc/common/ the shared number formats, region layout and backoff; csrc/module.cpp the
+pybind11 bindings. Each domain declares its entry points in its own api.h. The PyTorch-collective transport lives
 in mooncake_ep_switch/buffer/transport/collective.py; the top-level fallback/ folder, installed as the subpackage
 mooncake_ep_switch.fallback, is its thin entry point (a re-export).
 """
@@ -13,7 +16,7 @@ from setuptools import setup
 
 native = Pybind11Extension(
     "mooncake_ep_switch._native",
-    sorted(glob.glob("csrc/*.cpp")),
+    sorted(glob.glob("csrc/**/*.cpp", recursive=True)),
     include_dirs=["csrc"],
     cxx_std=17,
     extra_compile_args=["-O3", "-ffp-contract=off", "-fno-strict-aliasing"],

@@ -6,8 +6,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "mep_api.h"
-#include "mep_common.h"
+#include "dataplane/api.h"
+#include "eplb/api.h"
+#include "switch/api.h"
+#include "common/mep_common.h"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -145,7 +147,7 @@ PYBIND11_MODULE(_native, m) {
     m.def("combine_reduce", &mep::combine_reduce, release(), "out_ptr"_a, "num_tokens"_a, "hidden"_a, "top_k"_a,
           "row_index_ptr"_a, "weights_ptr"_a, "rows_base_ptr"_a, "row_stride"_a,
           "out[t] = bf16(sum_k in order of w[t,k] * row(row_index[t,k])), -1 skipped, fp32, no FMA.");
-    // ---- collective transport records (kernels.cpp) ----
+    // ---- collective transport records (dataplane/kernels.cpp) ----
     m.def("coll_dispatch_pack", &mep::coll_dispatch_pack, release(), "x"_a, "num_tokens"_a, "hidden"_a, "topk"_a,
           "top_k"_a, "num_experts"_a, "num_ranks"_a, "max_tokens"_a, "active"_a, "use_fp8"_a, "fixed"_a,
           "rec_size"_a, "meta"_a, "send"_a, "send_bytes"_a, "tokens_to"_a, "pairs_to"_a, "row_index"_a,
@@ -158,7 +160,7 @@ PYBIND11_MODULE(_native, m) {
     m.def("coll_combine_pack", &mep::coll_combine_pack, release(), "x"_a, "hidden"_a, "num_local"_a, "num_ranks"_a,
           "max_tokens"_a, "layout_range"_a, "send"_a, "send_rows"_a,
           "Copy the expert outputs each source gets back into send (by source, local expert, token).");
-    // ---- switch helpers (switch_ops.cpp) ----
+    // ---- switch helpers (switch/switch_ops.cpp) ----
     m.def("copy_blocks", &mep::copy_blocks, release(), "desc_ptr"_a, "n"_a, "dst_lo"_a, "dst_hi"_a, "src_lo"_a,
           "src_hi"_a,
           "Copy int64 [n][6] blocks (dst, src, rows, row_bytes, dst_stride, src_stride), each checked to lie in "
@@ -168,7 +170,7 @@ PYBIND11_MODULE(_native, m) {
           "with one deadline (-1 = none); returns the indices still unmatched.");
     m.def("prefault", &mep::prefault, release(), "base"_a, "nbytes"_a,
           "Populate the page tables of a mapped range for writing.");
-    // ---- EPLB placement search (eplb_search.cpp) ----
+    // ---- EPLB placement search and refinement (eplb/search.cpp, eplb/refine.cpp) ----
     m.def(
         "eplb_search",
         [](int64_t num_logical, int64_t num_replicas, int64_t num_gpus, int64_t gpus_per_node, bool hierarchical,

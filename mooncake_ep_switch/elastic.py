@@ -21,7 +21,7 @@ removed, so any client of the server will do.
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional, Sequence
 
-from mooncake_ep_switch.buffer.validation import check_int
+from mooncake_ep_switch.checks import check_int
 
 
 class JoinTicket(NamedTuple):

@@ -62,8 +62,8 @@ def test_from_calibration_round_trip():
      r"tp_decode_seconds\[i\] must be finite and > 0.0, got -0.1"),
     (dict(switch_min_seconds=1.0, switch_max_seconds=0.5), ValueError,
      r"switch_max_seconds must be >= switch_min_seconds \(1.0\), got 0.5"),
-    (dict(tp_max_running=0), ValueError, "tp_max_running must be an integer >= 1, got 0"),
-    (dict(max_prefill_tokens=1.5), TypeError, "max_prefill_tokens must be an integer >= 1, got float 1.5"),
+    (dict(tp_max_running=0), ValueError, "tp_max_running: expected an int >= 1, got 0"),
+    (dict(max_prefill_tokens=1.5), TypeError, "max_prefill_tokens: expected an int >= 1, got float 1.5"),
 ])
 def test_bad_cost_model_arguments(change, error, message):
     with pytest.raises(error, match=message):
@@ -224,6 +224,6 @@ def test_traces_shape():
     assert roll.output_tokens.max() == 32768 and np.median(roll.output_tokens) < 5000  # heavy tail, capped
     with pytest.raises(ValueError, match=r"phases\[0\].duration_seconds must be a finite number > 0, got 0.0"):
         bursty_trace(phases=(PhaseSpec("x", 0, 1.0),))
-    with pytest.raises(ValueError, match="num_sequences must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_sequences: expected an int >= 1, got 0"):
         rollout_trace(num_sequences=0)
     assert math.isinf(roll.phases[0].end)

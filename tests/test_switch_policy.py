@@ -237,11 +237,11 @@ def test_never_threshold_never_enters_ep():
     (dict(threshold_high=float("nan")), ValueError, "threshold_high must be > 0 .*got nan"),
     (dict(threshold_high=True), TypeError, "threshold_high must be a number > 0, got bool True"),
     (dict(threshold_high="256"), TypeError, "threshold_high must be a number > 0, got str '256'"),
-    (dict(threshold_high=256, window=0), ValueError, "window must be an integer >= 1, got 0"),
-    (dict(threshold_high=256, window=2.5), TypeError, "window must be an integer >= 1, got float 2.5"),
+    (dict(threshold_high=256, window=0), ValueError, "window: expected an int >= 1, got 0"),
+    (dict(threshold_high=256, window=2.5), TypeError, "window: expected an int >= 1, got float 2.5"),
     (dict(threshold_high=256, low_ratio=0.0), ValueError, r"low_ratio must be in \(0, 1\], got 0.0"),
     (dict(threshold_high=256, low_ratio=1.5), ValueError, r"low_ratio must be in \(0, 1\], got 1.5"),
-    (dict(threshold_high=256, cooldown_steps=-1), ValueError, "cooldown_steps must be an integer >= 0, got -1"),
+    (dict(threshold_high=256, cooldown_steps=-1), ValueError, "cooldown_steps: expected an int >= 0, got -1"),
     (dict(threshold_high=256, rollout_mode=1), TypeError, "rollout_mode must be a bool, got int 1"),
     (dict(threshold_high=256, capacity_check=3), TypeError, "capacity_check must be callable.*got int"),
     (dict(threshold_high=256, initial_layout="dp"), ValueError, r"initial_layout must be one of \('tp', 'ep'\), got 'dp'"),
@@ -256,11 +256,11 @@ def test_bad_observe_arguments():
     policy.observe(5, 10)
     with pytest.raises(ValueError, match="step must be strictly increasing: got 5 after 5"):
         policy.observe(5, 10)
-    with pytest.raises(ValueError, match="num_requests must be an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match="num_requests: expected an int >= 0, got -1"):
         policy.observe(6, -1)
-    with pytest.raises(TypeError, match="num_requests must be an integer >= 0, got float 3.0"):
+    with pytest.raises(TypeError, match="num_requests: expected an int >= 0, got float 3.0"):
         policy.observe(6, 3.0)
-    with pytest.raises(ValueError, match="step must be an integer >= 0, got -2"):
+    with pytest.raises(ValueError, match="step: expected an int >= 0, got -2"):
         SwitchPolicy(256).observe(-2, 1)
     with pytest.raises(ValueError, match="layout must be one of"):
         policy.set_layout("both")
@@ -346,9 +346,9 @@ def test_calibrate_repeats_use_median():
     ((42, [1, 2]), {}, TypeError, "measure_step_latency must be callable"),
     ((lambda l, b: 1.0, [8]), {}, ValueError, r"batch_sizes needs at least 2 sizes .*got \[8\]"),
     ((lambda l, b: 1.0, [8, 8]), {}, ValueError, r"batch_sizes must be distinct, got \[8, 8\]"),
-    ((lambda l, b: 1.0, [0, 8]), {}, ValueError, r"batch_sizes\[i\] must be an integer >= 1, got 0"),
+    ((lambda l, b: 1.0, [0, 8]), {}, ValueError, r"batch_sizes\[i\]: expected an int >= 1, got 0"),
     ((lambda l, b: 1.0, 8), {}, TypeError, "batch_sizes must be an iterable of positive integers, got int"),
-    ((lambda l, b: 1.0, [1, 2]), {"repeats": 0}, ValueError, "repeats must be an integer >= 1, got 0"),
+    ((lambda l, b: 1.0, [1, 2]), {"repeats": 0}, ValueError, "repeats: expected an int >= 1, got 0"),
     ((lambda l, b: -1.0, [1, 2]), {}, ValueError, r"measure_step_latency\('tp', 1\) must return finite seconds > 0, got -1.0"),
     ((lambda l, b: float("nan"), [1, 2]), {}, ValueError, "must return finite seconds > 0, got nan"),
     ((lambda l, b: "fast", [1, 2]), {}, TypeError, "must return seconds as a number, got str 'fast'"),

@@ -481,7 +481,7 @@ def test_write_each_bad_arguments_submit_nothing():
             endpoint.write_each([(me, [], [])])
         with pytest.raises(ValueError, match="appears twice"):
             endpoint.write_each([good, good])
-        with pytest.raises(ValueError, match=r"writes\[0\].data\[0\] nbytes must be >= 1"):
+        with pytest.raises(ValueError, match=r"writes\[0\].data\[0\] nbytes: expected an int >= 1"):
             endpoint.write_each([PeerWrite(me, [(base, dest, 0)], [])])
         with pytest.raises(ValueError, match=r"writes\[0\].signal\[0\] must be"):
             endpoint.write_each([PeerWrite(me, [], [(base, dest)])])

@@ -34,7 +34,7 @@ def combine_reduce(out: torch.Tensor, row_index: torch.Tensor, weights: torch.Te
 
 
 # ------------------------------------------------------------------ collective fallback records
-# The collective transport's record packers (csrc/kernels.cpp, bound by pybind11 like every native call).
+# The collective transport's record packers (csrc/dataplane/kernels.cpp, bound by pybind11 like every native call).
 
 def _checked(what: str, call, *args) -> int:
     """Run a native record packer; its ValueError / RuntimeError comes back as RuntimeError naming `what`."""

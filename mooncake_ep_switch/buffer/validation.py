@@ -8,38 +8,14 @@ Every tensor argument must be a CPU tensor: the transports here (shared memory, 
 Engine, gloo collectives) move host memory, and native code reads raw pointers. A CUDA, meta or
 other non-CPU tensor is rejected with an error naming the argument and its device.
 """
-from typing import Optional
-
 import torch
 
 from mooncake_ep_switch import _native
+from mooncake_ep_switch.checks import check_int  # noqa: F401  (used here and re-exported)
 
 
 def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
-
-
-def check_int(name: str, value, minimum: Optional[int] = None) -> int:
-    """Check that `value` is a Python/NumPy integer (not bool) at least `minimum`.
-
-    Arguments:
-        name: argument name used in error messages.
-        value: the value to check (anything with `__index__`, bool refused).
-        minimum: smallest allowed value, or None for no bound.
-
-    Returns:
-        value: the value as a Python int.
-
-    Raises:
-        TypeError: not an integer, or a bool.
-        ValueError: below `minimum`.
-    """
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    value = int(value.__index__())
-    if minimum is not None and value < minimum:
-        _fail(name, f">= {minimum}", value)
-    return value
 
 
 def check_tensor(name: str, tensor, dtype: torch.dtype, dim: int, shape=None) -> torch.Tensor:

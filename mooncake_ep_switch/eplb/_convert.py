@@ -106,24 +106,6 @@ def as_indices(name: str, value, ndim: int, upper: Optional[int] = None, allow_n
     return indices
 
 
-def as_int(name: str, value, minimum: int = 1) -> int:
-    """Check that a value is a Python or numpy integer (not bool) of at least `minimum`.
-
-    Arguments:
-        name: the argument's name, for error messages.
-        value: the value to check.
-        minimum: the smallest accepted value.
-
-    Returns:
-        value: the value as a Python int.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {describe(value)}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {int(value)}")
-    return int(value)
-
-
 def as_float(name: str, value, minimum: float = 0.0, maximum: Optional[float] = None) -> float:
     """Check that a value is a finite real number in `[minimum, maximum]`.
 

@@ -18,7 +18,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from mooncake_ep_switch.eplb._convert import as_float, as_int, as_loads, to_numpy
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.eplb._convert import as_float, as_loads, to_numpy
 from mooncake_ep_switch.eplb.metrics import layer_balancedness
 from mooncake_ep_switch.eplb.placement import rebalance_experts
 
@@ -88,7 +89,7 @@ def suggest_redundancy(
         raise ValueError(f"expert_load: expected [E] or [L, E], got {load.ndim} dimensions")
     load = as_loads("expert_load", load.reshape(-1, load.shape[-1]), 2)
     num_logical = load.shape[1]
-    num_gpus = as_int("num_gpus", num_gpus)
+    num_gpus = check_int("num_gpus", num_gpus, 1)
     replica_bytes = as_float("replica_bytes", replica_bytes)
     free_bytes = as_float("free_bytes_per_gpu", free_bytes_per_gpu)
     kv_bytes_per_token = as_float("kv_bytes_per_token", kv_bytes_per_token)
@@ -98,7 +99,7 @@ def suggest_redundancy(
     min_kv_tokens = as_float("min_kv_tokens", min_kv_tokens)
     base = -(-num_logical // num_gpus)
     limit = num_logical - base  # at most num_gpus copies of each expert
-    limit = min(limit, 16) if max_redundant_per_gpu is None else min(limit, as_int("max_redundant_per_gpu", max_redundant_per_gpu, 0))
+    limit = min(limit, 16) if max_redundant_per_gpu is None else min(limit, check_int("max_redundant_per_gpu", max_redundant_per_gpu, 0))
     if replica_bytes > 0:
         limit = min(limit, int(np.floor((free_bytes - min_kv_tokens * kv_bytes_per_token) / replica_bytes)))
     if free_bytes / kv_bytes_per_token < min_kv_tokens or limit < 0:

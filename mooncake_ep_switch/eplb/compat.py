@@ -29,7 +29,8 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from mooncake_ep_switch.eplb._convert import as_int, as_loads, describe, to_numpy
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.eplb._convert import as_loads, describe, to_numpy
 from mooncake_ep_switch.eplb.greedy import _hierarchical
 from mooncake_ep_switch.eplb.placement import rebalance_experts as _placement
 
@@ -137,10 +138,10 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
     if isinstance(weight, torch.Tensor):
         weight = weight.detach().float().cpu()  # like theirs: float32 on the CPU
     loads = as_loads("weight", weight, 2)
-    num_replicas = as_int("num_replicas", num_replicas)
-    num_groups = as_int("num_groups", num_groups)
-    num_nodes = as_int("num_nodes", num_nodes)
-    num_gpus = as_int("num_gpus", num_gpus)
+    num_replicas = check_int("num_replicas", num_replicas, 1)
+    num_groups = check_int("num_groups", num_groups, 1)
+    num_nodes = check_int("num_nodes", num_nodes, 1)
+    num_gpus = check_int("num_gpus", num_gpus, 1)
     if mode is None:
         mode = "balanced" if old_global_expert_indices is None else "movement"
     if mode not in MODES:

@@ -20,7 +20,8 @@ Like the original, replication is vectorised over layers and packing loops over 
 import numpy as np
 import torch
 
-from mooncake_ep_switch.eplb._convert import as_int, as_loads
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.eplb._convert import as_loads
 from mooncake_ep_switch.eplb.layout import Placement, replica_tables
 
 
@@ -146,10 +147,10 @@ def greedy_rebalance_experts(weight, num_replicas: int, num_groups: int, num_nod
     """
     loads = as_loads("weight", weight, 2)
     num_layers, num_logical = loads.shape
-    num_replicas = as_int("num_replicas", num_replicas)
-    num_groups = as_int("num_groups", num_groups)
-    num_nodes = as_int("num_nodes", num_nodes)
-    num_gpus = as_int("num_gpus", num_gpus)
+    num_replicas = check_int("num_replicas", num_replicas, 1)
+    num_groups = check_int("num_groups", num_groups, 1)
+    num_nodes = check_int("num_nodes", num_nodes, 1)
+    num_gpus = check_int("num_gpus", num_gpus, 1)
     if num_logical % num_groups:
         raise ValueError(f"num_groups: expected a divisor of the {num_logical} logical experts, got {num_groups}")
     if num_gpus % num_nodes:

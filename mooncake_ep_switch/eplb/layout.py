@@ -9,7 +9,8 @@ from typing import NamedTuple, Tuple
 import numpy as np
 import torch
 
-from mooncake_ep_switch.eplb._convert import as_indices, as_int
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.eplb._convert import as_indices
 
 
 class Placement(NamedTuple):
@@ -101,8 +102,8 @@ def placement_from_phy2log(phy2log, num_logical: int, num_gpus: int) -> Placemen
             `replica_width(E, num_replicas, num_gpus)`, or the largest replica count if a table
             gives some expert more copies than that (the classic greedy can).
     """
-    num_logical = as_int("num_logical", num_logical)
-    num_gpus = as_int("num_gpus", num_gpus)
+    num_logical = check_int("num_logical", num_logical, 1)
+    num_gpus = check_int("num_gpus", num_gpus, 1)
     table = as_indices("phy2log", phy2log, 2, upper=num_logical)
     if table.shape[1] % num_gpus:
         raise ValueError(f"phy2log: expected a slot count divisible by num_gpus={num_gpus}, got {table.shape[1]}")

@@ -1,6 +1,6 @@
 """Local search for the movement-aware rebalance: lower the heavy GPUs per moved copy.
 
-The search runs in native code (csrc/eplb_search.cpp), one layer at a time (layers on up to four
+The search runs in native code (csrc/eplb/search.cpp), one layer at a time (layers on up to four
 threads; the result does not depend on how many) and one move at a time. Per layer, in order:
 
 1. split large copies: while some expert's copy load exceeds `item_limit`, give it one more copy

@@ -29,7 +29,8 @@ from typing import Union
 import numpy as np
 import torch
 
-from mooncake_ep_switch.eplb._convert import as_indices, as_int, describe, to_numpy
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.eplb._convert import as_indices, describe, to_numpy
 from mooncake_ep_switch.eplb.layout import Placement, expert_counts, replica_tables
 
 
@@ -102,8 +103,8 @@ def build_dispatch_map(phy2log: Union[Placement, torch.Tensor, np.ndarray], num_
             anything is allocated.
     """
     table, num_logical = _slot_table(phy2log)
-    num_gpus = as_int("num_gpus", num_gpus)
-    ranks_per_host = as_int("ranks_per_host", ranks_per_host)
+    num_gpus = check_int("num_gpus", num_gpus, 1)
+    ranks_per_host = check_int("ranks_per_host", ranks_per_host, 1)
     if num_gpus % ranks_per_host:
         raise ValueError(f"ranks_per_host: expected a divisor of num_gpus={num_gpus}, got {ranks_per_host}")
     num_layers, num_slots = table.shape
@@ -184,8 +185,8 @@ def spread_to_physical(topk_idx, log2phy_row, logcnt_row, *, source_rank: int = 
         raise ValueError(f"log2phy_row: expected {copies.shape[0]} rows like logcnt_row, got {table.shape[0]}")
     if (copies < 1).any() or (copies > table.shape[1]).any():
         raise ValueError(f"logcnt_row: expected counts in [1, {table.shape[1]}], got {copies.min()}..{copies.max()}")
-    source_rank = as_int("source_rank", source_rank, minimum=0)
-    token_offset = as_int("token_offset", token_offset, minimum=0)
+    source_rank = check_int("source_rank", source_rank, 0)
+    token_offset = check_int("token_offset", token_offset, 0)
     index = _index_like("topk_idx", topk_idx, copies.shape[0])
     safe = np.maximum(index, 0)
     token = np.arange(index.shape[0], dtype=np.int64)[:, None] + token_offset + source_rank

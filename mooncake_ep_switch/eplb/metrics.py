@@ -5,7 +5,8 @@ expert's load is split evenly across its physical copies. A layer with no load c
 """
 import numpy as np
 
-from mooncake_ep_switch.eplb._convert import as_indices, as_int, as_loads
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.eplb._convert import as_indices, as_loads
 from mooncake_ep_switch.eplb.layout import Placement, expert_counts
 
 
@@ -44,7 +45,7 @@ def gpu_loads(weight, phy2log, num_gpus: int) -> np.ndarray:
     """
     loads = as_loads("weight", weight, 2)
     table = _slot_table("phy2log", phy2log)
-    num_gpus = as_int("num_gpus", num_gpus)
+    num_gpus = check_int("num_gpus", num_gpus, 1)
     if table.shape[0] != loads.shape[0]:
         raise ValueError(f"phy2log: expected {loads.shape[0]} layers like weight, got {table.shape[0]}")
     if table.shape[1] % num_gpus:

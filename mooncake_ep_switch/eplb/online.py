@@ -48,7 +48,7 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.peer_words import wait_peer_words
 from mooncake_ep_switch.config import settings
-from mooncake_ep_switch.eplb._convert import as_int
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb.slots import ExpertSlots, check_phy2log
 from mooncake_ep_switch.faults import FaultPoint
 
@@ -144,8 +144,8 @@ class OnlineRebalancer:
             raise ValueError(f"timeout_us: expected -1 (no deadline) or an int >= 0, got {timeout_us!r}")
         self.slots = slots
         self.timeout_us = timeout_us
-        self.frames_per_step = as_int("frames_per_step", frames_per_step)
-        slots.chunk_epoch = max(slots.chunk_epoch, as_int("epoch", epoch, minimum=0))
+        self.frames_per_step = check_int("frames_per_step", frames_per_step, 1)
+        slots.chunk_epoch = max(slots.chunk_epoch, check_int("epoch", epoch, 0))
         self._queue: Deque[RebalanceChunk] = deque()
         self._staging: Optional[_Staging] = None
         self._holder_use = np.zeros(slots.num_ranks, dtype=np.int64)
@@ -202,8 +202,8 @@ class OnlineRebalancer:
         target = check_phy2log("new_phy2log", new_phy2log, shape.num_layers, slots.num_slots,
                                shape.num_logical_experts, shape.slots_per_rank)
         slots.check_primaries("new_phy2log", target)
-        commit_step = as_int("commit_step", commit_step, minimum=0)
-        steps_per_chunk = as_int("steps_per_chunk", steps_per_chunk)
+        commit_step = check_int("commit_step", commit_step, 0)
+        steps_per_chunk = check_int("steps_per_chunk", steps_per_chunk, 1)
         per_rank = shape.slots_per_rank
         changed = target != slots.phy2log  # [L, S]
         per_rank_changes = changed.reshape(shape.num_layers, slots.num_ranks, per_rank).sum(axis=2)  # [L, R]

@@ -2,7 +2,7 @@
 
 All routines work on a batch of B independent problems at once (one per layer, or per layer and
 node): LPT is vectorised over the batch (the Python loop runs over items, never over layers);
-the swap refinement is compiled (csrc/eplb_refine.cpp) and runs the rows on up to 4 threads.
+the swap refinement is compiled (csrc/eplb/refine.cpp) and runs the rows on up to 4 threads.
 
 A packed state is three arrays of shape `[B, num_bins, slots_per_bin]`:
 `experts` (int64, the logical expert in each slot), `sizes` (float64, the load of that copy) and
@@ -229,7 +229,7 @@ def repair_duplicates(experts, sizes, pinned, bin_node, rows=None) -> int:
 
 def refine_swaps(experts, sizes, pinned, bin_node, *, sweeps: bool = True, descend_steps: int = 0, near: int = 12,
                  threads=None) -> None:
-    """Swap-refine packed rows in place (compiled: csrc/eplb_refine.cpp).
+    """Swap-refine packed rows in place (compiled: csrc/eplb/refine.cpp).
 
     Per row: group sweeps with 1, 3, 7, ... partners per heavy bin, up to 3 sweeps each (the
     i-th heaviest of the `N // (partners + 1)` heaviest bins gets the light bins of rank i,

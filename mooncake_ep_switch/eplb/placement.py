@@ -25,7 +25,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_int, as_loads, describe
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_loads, describe
 from mooncake_ep_switch.eplb.construct import Topology, fresh_placement
 from mooncake_ep_switch.eplb.incremental import movement_aware_placement
 from mooncake_ep_switch.eplb.layout import Placement, replica_tables, replica_width
@@ -56,10 +57,10 @@ def resolve_topology(
     Returns:
         topology: the validated problem shape.
     """
-    num_replicas = as_int("num_replicas", num_replicas)
-    num_groups = as_int("num_groups", num_groups)
-    num_nodes = as_int("num_nodes", num_nodes)
-    num_gpus = as_int("num_gpus", num_gpus)
+    num_replicas = check_int("num_replicas", num_replicas, 1)
+    num_groups = check_int("num_groups", num_groups, 1)
+    num_nodes = check_int("num_nodes", num_nodes, 1)
+    num_gpus = check_int("num_gpus", num_gpus, 1)
     if num_logical < 1:
         raise ValueError(f"weight: expected at least one logical expert, got {num_logical}")
     if num_logical % num_groups:

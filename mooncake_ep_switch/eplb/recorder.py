@@ -14,7 +14,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_int, as_loads, to_numpy
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_loads, to_numpy
 from mooncake_ep_switch.eplb.layout import Placement, expert_counts
 from mooncake_ep_switch.eplb.metrics import balance_of_loads
 
@@ -49,7 +50,7 @@ def counts_from_topk(topk_idx, num_physical: int) -> np.ndarray:
         counts: `[num_physical]` (for `[N, K]` input) or `[L, num_physical]` (for `[L, N, K]`)
             int64 numpy array.
     """
-    num_physical = as_int("num_physical", num_physical)
+    num_physical = check_int("num_physical", num_physical, 1)
     array = to_numpy("topk_idx", topk_idx)
     if array.ndim not in (2, 3):
         raise ValueError(f"topk_idx: expected [N, K] or [L, N, K], got {array.ndim} dimensions")
@@ -86,15 +87,15 @@ class ExpertLoadRecorder:
         mode: str = "window",
         ema_decay: float = 0.999,
     ):
-        self.num_layers = as_int("num_layers", num_layers)
-        self.num_physical_experts = as_int("num_physical_experts", num_physical_experts)
-        self.num_gpus = as_int("num_gpus", num_gpus)
+        self.num_layers = check_int("num_layers", num_layers, 1)
+        self.num_physical_experts = check_int("num_physical_experts", num_physical_experts, 1)
+        self.num_gpus = check_int("num_gpus", num_gpus, 1)
         if self.num_physical_experts % self.num_gpus:
             raise ValueError(
                 f"num_physical_experts: expected a multiple of num_gpus={self.num_gpus}, got {self.num_physical_experts}"
             )
-        self.window_size = as_int("window_size", window_size)
-        self.rebalance_interval = as_int("rebalance_interval", rebalance_interval)
+        self.window_size = check_int("window_size", window_size, 1)
+        self.rebalance_interval = check_int("rebalance_interval", rebalance_interval, 1)
         if mode not in _MODES:
             raise ValueError(f"mode: expected one of {_MODES}, got {mode!r}")
         self.mode = mode
@@ -149,7 +150,7 @@ class ExpertLoadRecorder:
             layer: the MoE layer, in [0, L).
             topk_idx: `[N, K]` integer torch tensor or numpy array of physical slot ids, -1 for none.
         """
-        layer = as_int("layer", layer, minimum=0)
+        layer = check_int("layer", layer, 0)
         if layer >= self.num_layers:
             raise ValueError(f"layer: expected < {self.num_layers}, got {layer}")
         self._pending[layer] += counts_from_topk(topk_idx, self.num_physical_experts)
@@ -198,7 +199,7 @@ class ExpertLoadRecorder:
         """
         if isinstance(phy2log, Placement):
             phy2log = phy2log.phy2log
-        num_logical = as_int("num_logical", num_logical)
+        num_logical = check_int("num_logical", num_logical, 1)
         table = as_indices("phy2log", phy2log, 2, upper=num_logical)
         if table.shape != (self.num_layers, self.num_physical_experts):
             raise ValueError(
@@ -236,7 +237,7 @@ class ExpertLoadRecorder:
         Returns:
             due: True when `step > 0` and `step % rebalance_interval == 0`.
         """
-        step = self.step if step is None else as_int("step", step, minimum=0)
+        step = self.step if step is None else check_int("step", step, 0)
         return step > 0 and step % self.rebalance_interval == 0
 
     # After a rebalance ------------------------------------------------------------------------

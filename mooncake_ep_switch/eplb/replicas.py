@@ -35,7 +35,8 @@ with each GPU's redundant experts kept at their previous positions when they sta
 import numpy as np
 import torch
 
-from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_int, as_loads
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_loads
 from mooncake_ep_switch.eplb.construct import Topology, sorted_items
 from mooncake_ep_switch.eplb.layout import expert_counts
 from mooncake_ep_switch.eplb.local_search import search
@@ -82,11 +83,11 @@ def place_redundant_experts(
     num_layers, num_logical = loads.shape
     if num_layers == 0 or num_logical == 0:
         raise ValueError(f"weight: expected at least one layer and one logical expert, got shape {list(loads.shape)}")
-    num_gpus = as_int("num_gpus", num_gpus)
+    num_gpus = check_int("num_gpus", num_gpus, 1)
     if num_logical % num_gpus:
         raise ValueError(f"num_gpus: expected a divisor of the {num_logical} logical experts, got {num_gpus}")
     primaries = num_logical // num_gpus
-    redundant_per_gpu = as_int("redundant_per_gpu", redundant_per_gpu, minimum=0)
+    redundant_per_gpu = check_int("redundant_per_gpu", redundant_per_gpu, 0)
     if redundant_per_gpu > num_logical - primaries:
         raise ValueError(
             f"redundant_per_gpu: expected <= {num_logical - primaries} (a GPU holds at most one copy of each of "

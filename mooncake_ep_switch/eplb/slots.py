@@ -33,7 +33,8 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
-from mooncake_ep_switch.eplb._convert import as_indices, as_int
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.eplb._convert import as_indices
 from mooncake_ep_switch.eplb.layout import expert_counts
 
 CONTROL_BYTES = 4096
@@ -125,12 +126,12 @@ class ExpertSlots:
         if buffer.transport != "shm":
             raise ValueError("buffer: expert slots are moved one-sided through shared memory; expected a Buffer on "
                              f"transport 'shm', got {buffer.transport!r}")
-        num_layers = as_int("shape.num_layers", shape.num_layers)
-        num_logical = as_int("shape.num_logical_experts", shape.num_logical_experts)
-        per_rank = as_int("shape.slots_per_rank", shape.slots_per_rank)
-        hidden = as_int("shape.hidden", shape.hidden)
-        inter = as_int("shape.intermediate", shape.intermediate)
-        spare = per_rank if spare_frames is None else as_int("spare_frames", spare_frames, minimum=1)
+        num_layers = check_int("shape.num_layers", shape.num_layers, 1)
+        num_logical = check_int("shape.num_logical_experts", shape.num_logical_experts, 1)
+        per_rank = check_int("shape.slots_per_rank", shape.slots_per_rank, 1)
+        hidden = check_int("shape.hidden", shape.hidden, 1)
+        inter = check_int("shape.intermediate", shape.intermediate, 1)
+        spare = per_rank if spare_frames is None else check_int("spare_frames", spare_frames, 1)
         joined = peer_regions.joined_state(buffer, KIND)  # a replacement takes the members' placement
         if joined is not None:
             phy2log = np.asarray(joined["phy2log"], dtype=np.int64)

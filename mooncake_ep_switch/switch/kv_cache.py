@@ -40,11 +40,11 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.switch.kv_alloc import _cdiv, alloc_group, alloc_unit
 from mooncake_ep_switch.switch.kv_meta import KVRequest, RankMeta, decode_meta, encode_meta
 from mooncake_ep_switch.switch.kv_plan import KVPlan, Planner
 from mooncake_ep_switch.switch.layouts import EP, LAYOUTS
-from mooncake_ep_switch.switch.umm import _check_int
 
 _META_HEADER = 64           # bytes before the metadata payload (length word + padding)
 
@@ -90,12 +90,12 @@ class PagedKVCache:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config: expected a KVCacheConfig, got {type(config).__name__}")
         ranks = buffer.num_ranks
-        _check_int("config.num_layers", config.num_layers, 1)
-        heads = _check_int("config.num_kv_heads", config.num_kv_heads, 1)
-        _check_int("config.head_dim", config.head_dim, 1)
-        _check_int("config.page_size", config.page_size, 1)
-        units = _check_int("config.num_units", config.num_units, 1)
-        _check_int("config.metadata_bytes", config.metadata_bytes, 0)
+        check_int("config.num_layers", config.num_layers, 1)
+        heads = check_int("config.num_kv_heads", config.num_kv_heads, 1)
+        check_int("config.head_dim", config.head_dim, 1)
+        check_int("config.page_size", config.page_size, 1)
+        units = check_int("config.num_units", config.num_units, 1)
+        check_int("config.metadata_bytes", config.metadata_bytes, 0)
         if heads % ranks:
             raise ValueError(f"config.num_kv_heads: expected a multiple of num_ranks={ranks}, got {heads}")
         if units % ranks:
@@ -229,8 +229,8 @@ class PagedKVCache:
             rid: request id, unique in the group.
             prompt_len: prompt length in tokens (>= 0).
         """
-        rid = _check_int("rid", rid, 0)
-        prompt_len = _check_int("prompt_len", prompt_len, 0)
+        rid = check_int("rid", rid, 0)
+        prompt_len = check_int("prompt_len", prompt_len, 0)
         if rid in self.requests:
             raise ValueError(f"rid: request {rid} already exists on rank {self.rank}")
         self.requests[rid] = KVRequest(0, prompt_len, ())
@@ -246,7 +246,7 @@ class PagedKVCache:
         """
         req = self._request(parent)
         page_size = self.config.page_size
-        num_tokens = _check_int("num_tokens", num_tokens, 0)
+        num_tokens = check_int("num_tokens", num_tokens, 0)
         if num_tokens % page_size or num_tokens > req.num_tokens:
             raise ValueError(f"num_tokens: expected a multiple of page_size={page_size} and <= "
                              f"{req.num_tokens} (the parent's tokens), got {num_tokens}")
@@ -270,7 +270,7 @@ class PagedKVCache:
             start: position of the first new token.
         """
         req = self._request(rid)
-        num_new = _check_int("num_new", num_new, 0)
+        num_new = check_int("num_new", num_new, 0)
         start = req.num_tokens
         total = start + num_new
         pages = list(req.pages)

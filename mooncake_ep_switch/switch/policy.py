@@ -22,11 +22,11 @@ happens; if it fails, tell the policy with ``set_layout()``.
 
 import math
 import numbers
-import operator
 from collections import deque
 from typing import Callable, Iterable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.switch.layouts import EP, LAYOUTS, TP  # noqa: F401  (re-exported)
 
 
@@ -48,18 +48,6 @@ def _check_layout(name: str, value) -> str:
     if value not in LAYOUTS:
         raise ValueError(f"{name} must be one of {LAYOUTS}, got {value!r}")
     return value
-
-
-def _as_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer >= {minimum}, got bool {value!r}")
-    try:
-        result = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}") from None
-    if result < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {result}")
-    return result
 
 
 class PolicySettings(NamedTuple):
@@ -110,13 +98,13 @@ class PolicySettings(NamedTuple):
         t = float(t)
         if not t > 0:  # also rejects NaN
             raise ValueError(f"threshold_high must be > 0 (math.inf allowed), got {t}")
-        window = _as_int("window", self.window, 1)
+        window = check_int("window", self.window, 1)
         r = self.low_ratio
         if isinstance(r, bool) or not isinstance(r, numbers.Real):
             raise TypeError(f"low_ratio must be a number in (0, 1], got {type(r).__name__} {r!r}")
         if not 0.0 < float(r) <= 1.0:
             raise ValueError(f"low_ratio must be in (0, 1], got {r}")
-        cooldown = _as_int("cooldown_steps", self.cooldown_steps, 0)
+        cooldown = check_int("cooldown_steps", self.cooldown_steps, 0)
         if not isinstance(self.rollout_mode, bool):
             raise TypeError(f"rollout_mode must be a bool, got {type(self.rollout_mode).__name__} "
                             f"{self.rollout_mode!r}")
@@ -248,7 +236,7 @@ class SwitchPolicy:
             self._layout = layout
             self._window.clear()
         if step is not None:
-            self._last_switch_step = _as_int("step", step, 0)
+            self._last_switch_step = check_int("step", step, 0)
 
     def observe(self, step: int, num_requests: int) -> Decision:
         """Record the in-flight request count of one step and decide whether to switch.
@@ -261,8 +249,8 @@ class SwitchPolicy:
             decision: a `Decision`; when ``decision.target`` is not ``None`` the policy assumes
             the caller switches now (call ``set_layout()`` if the switch fails).
         """
-        step = _as_int("step", step, 0)
-        count = _as_int("num_requests", num_requests, 0)
+        step = check_int("step", step, 0)
+        count = check_int("num_requests", num_requests, 0)
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step must be strictly increasing: got {step} after {self._last_step}")
         self._last_step = step
@@ -377,12 +365,12 @@ def calibrate(measure_step_latency: Callable[[str, int], float], batch_sizes: It
                         f"got {type(measure_step_latency).__name__}")
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Iterable):
         raise TypeError(f"batch_sizes must be an iterable of positive integers, got {type(batch_sizes).__name__}")
-    sizes = [_as_int("batch_sizes[i]", b, 1) for b in batch_sizes]
+    sizes = [check_int("batch_sizes[i]", b, 1) for b in batch_sizes]
     if len(set(sizes)) != len(sizes):
         raise ValueError(f"batch_sizes must be distinct, got {sizes}")
     if len(sizes) < 2:
         raise ValueError(f"batch_sizes needs at least 2 sizes to find a crossover, got {sizes}")
-    repeats = _as_int("repeats", repeats, 1)
+    repeats = check_int("repeats", repeats, 1)
     sizes.sort()
     tp = [_measure(measure_step_latency, TP, b, repeats) for b in sizes]
     ep = [_measure(measure_step_latency, EP, b, repeats) for b in sizes]

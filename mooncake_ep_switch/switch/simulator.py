@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from mooncake_ep_switch.checks import check_int
 from .policy import EP, LAYOUTS, TP, Calibration, PolicySettings, SwitchPolicy, calibrate
 from .traces import ROLLOUT, Trace
 
@@ -53,14 +54,6 @@ def _real(name: str, value, minimum: float = 0.0, strict: bool = False) -> float
     if not (ok and math.isfinite(value)):
         raise ValueError(f"{name} must be finite and {'>' if strict else '>='} {minimum}, got {value}")
     return value
-
-
-def _integer(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
-    return int(value)
 
 
 def _layout(name: str, value) -> str:
@@ -105,7 +98,7 @@ class CostModel:
     max_prefill_tokens: int = 8192
 
     def __post_init__(self):
-        sizes = tuple(_integer("batch_sizes[i]", b, 1) for b in self.batch_sizes)
+        sizes = tuple(check_int("batch_sizes[i]", b, 1) for b in self.batch_sizes)
         if len(sizes) < 2 or any(b >= c for b, c in zip(sizes, sizes[1:])):
             raise ValueError(f"batch_sizes must hold >= 2 strictly ascending sizes, got {sizes}")
         for name in ("tp_decode_seconds", "ep_decode_seconds"):
@@ -121,7 +114,7 @@ class CostModel:
             raise ValueError(f"switch_max_seconds must be >= switch_min_seconds ({self.switch_min_seconds}), "
                              f"got {self.switch_max_seconds}")
         for name in ("switch_full_load_requests", "tp_max_running", "ep_max_running", "max_prefill_tokens"):
-            object.__setattr__(self, name, _integer(name, getattr(self, name), 1))
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
 
     @classmethod
     def from_paper(cls) -> "CostModel":
@@ -198,7 +191,7 @@ class CostModel:
         Returns:
             seconds: float64 array of length ``max_batch + 1``.
         """
-        return np.array([self.decode_seconds(layout, b) for b in range(_integer("max_batch", max_batch, 0) + 1)])
+        return np.array([self.decode_seconds(layout, b) for b in range(check_int("max_batch", max_batch, 0) + 1)])
 
     def prefill_seconds(self, layout: str, tokens: int) -> float:
         """Latency of prefilling ``tokens`` prompt tokens in one step.

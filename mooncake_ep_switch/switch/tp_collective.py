@@ -22,6 +22,7 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
+from mooncake_ep_switch.checks import check_int
 
 _TAG_SPACE = (1 << 32) - 1
 _SIGNALS_BYTES = 4096
@@ -42,9 +43,8 @@ class TPAllReduce:
     """
 
     def __init__(self, buffer, max_tokens: int, hidden: int):
-        for name, value in (("max_tokens", max_tokens), ("hidden", hidden)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        max_tokens = check_int("max_tokens", max_tokens, 1)
+        hidden = check_int("hidden", hidden, 1)
         joined = peer_regions.joined_state(buffer, KIND)  # a replacement takes the members' call counter
         self.group = peer_regions.group_of(buffer)
         self.rank = buffer.rank

@@ -15,6 +15,8 @@ from typing import NamedTuple, Sequence, Tuple
 
 import numpy as np
 
+from mooncake_ep_switch.checks import check_int
+
 SERVING = "serving"
 ROLLOUT = "rollout"
 
@@ -177,8 +179,7 @@ def rollout_trace(seed: int = 0, num_sequences: int = 2048, prompt_median: float
     Returns:
         trace: a ``"rollout"`` `Trace` with one phase ``"rollout"``.
     """
-    if isinstance(num_sequences, bool) or not isinstance(num_sequences, (int, np.integer)) or num_sequences < 1:
-        raise ValueError(f"num_sequences must be an integer >= 1, got {num_sequences!r}")
+    num_sequences = check_int("num_sequences", num_sequences, 1)
     for name, v in (("prompt_median", prompt_median), ("prompt_sigma", prompt_sigma),
                     ("output_median", output_median), ("output_sigma", output_sigma)):
         _check_positive(name, v, allow_zero=name.endswith("sigma"))

@@ -24,12 +24,12 @@ fallback it is private memory. A second, small shared region holds the switch's 
 import os
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.switch.layouts import EP, LAYOUTS, TP  # noqa: F401  (re-exported)
 
 #: Layout of a rank whose switch failed in a way it cannot repair (collective fallback, fenced rank).
@@ -74,15 +74,6 @@ class MemoryReport(NamedTuple):
     overhead_bytes: int
     overhead_ratio: float
     control_bytes: int
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    """`value` as an int >= `minimum` (Python or NumPy integer, not bool), else a clear error."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return int(value)
 
 
 def _mapping_bytes(address: int) -> int:
@@ -132,14 +123,14 @@ class UnifiedWeights:
         if not isinstance(shape, WeightShape):
             raise TypeError(f"shape: expected a WeightShape, got {type(shape).__name__}")
         num_ranks = buffer.num_ranks
-        experts = _check_int("shape.num_experts", shape.num_experts, 1)
-        _check_int("shape.hidden", shape.hidden, 1)
-        inter = _check_int("shape.intermediate", shape.intermediate, 1)
+        experts = check_int("shape.num_experts", shape.num_experts, 1)
+        check_int("shape.hidden", shape.hidden, 1)
+        inter = check_int("shape.intermediate", shape.intermediate, 1)
         if experts % num_ranks:
             raise ValueError(f"shape.num_experts: expected a multiple of num_ranks={num_ranks}, got {experts}")
         if inter % num_ranks:
             raise ValueError(f"shape.intermediate: expected a multiple of num_ranks={num_ranks}, got {inter}")
-        self.num_layers = _check_int("num_layers", num_layers, 1)
+        self.num_layers = check_int("num_layers", num_layers, 1)
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         joined = peer_regions.joined_state(buffer, KIND)  # a replacement takes the members' layout and seq

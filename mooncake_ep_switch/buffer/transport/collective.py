@@ -26,7 +26,7 @@ kernels are host code reading raw pointers, so `Buffer` rejects a CUDA (or any n
 argument before the call starts, with an error naming it (buffer/validation.py); a GPU engine
 copies to and from the host itself. (Making this path take CUDA tensors would need device packing
 kernels or staging through host memory, and an nccl group; none of it exists or was run here.) Routing, record packing and
-unpacking, FP8 quantisation and the weighted combine reduction are native (csrc/kernels.cpp,
+unpacking, FP8 quantisation and the weighted combine reduction are native (csrc/dataplane/kernels.cpp,
 shared with the one-sided transports); the Python here only sizes buffers and runs the exchanges.
 """
 import threading

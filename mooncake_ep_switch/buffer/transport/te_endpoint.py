@@ -51,6 +51,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from mooncake_ep_switch.buffer.transport.sockets import (_abort_connections, _listening, _parse_session,
                                                         _socket_inodes)
+from mooncake_ep_switch.checks import check_int
 
 __all__ = ["PeerWrite", "TeEndpoint", "load_transfer_engine"]
 
@@ -103,17 +104,6 @@ def load_transfer_engine():
     return TransferEngine
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            value = int(value.__index__())  # numpy / torch integer scalars
-        except Exception:
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 class TeEndpoint:
     """One Transfer Engine: register local memory, write synchronously into peers' memory.
 
@@ -163,7 +153,7 @@ class TeEndpoint:
         self.require_registered_source = bool(require_registered_source)
         self.spin_s = float(spin_s)
         if tcp_stall_timeout_s is not None:
-            stall = str(_check_int("tcp_stall_timeout_s", tcp_stall_timeout_s, 1))
+            stall = str(check_int("tcp_stall_timeout_s", tcp_stall_timeout_s, 1))
             os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", stall)
             os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", stall)
         if log_level is not None:
@@ -244,8 +234,8 @@ class TeEndpoint:
             ValueError: a bad value, or an overlap with a registered region.
             RuntimeError: the endpoint is closed, or TE refused the registration.
         """
-        base = _check_int("base", base, 1)
-        nbytes = _check_int("nbytes", nbytes, 1)
+        base = check_int("base", base, 1)
+        nbytes = check_int("nbytes", nbytes, 1)
         with self._lock:
             self._check_open()
             for other, size in self._regions.items():
@@ -269,7 +259,7 @@ class TeEndpoint:
             RuntimeError: the endpoint is closed, or TE reported a failure (the region is
                 forgotten anyway).
         """
-        base = _check_int("base", base, 1)
+        base = check_int("base", base, 1)
         with self._lock:
             self._check_open()
             if base not in self._regions:
@@ -368,9 +358,9 @@ class TeEndpoint:
             raise ValueError("write_batch needs at least one range")
         entries = []
         for i, (src, dst, size) in enumerate(zip(local_addrs, remote_addrs, lengths)):
-            src = _check_int(f"local_addrs[{i}]", src, 1)
-            dst = _check_int(f"remote_addrs[{i}]", dst, 1)
-            size = _check_int(f"lengths[{i}]", size, 1)
+            src = check_int(f"local_addrs[{i}]", src, 1)
+            dst = check_int(f"remote_addrs[{i}]", dst, 1)
+            size = check_int(f"lengths[{i}]", size, 1)
             entries.append((src, dst, size))
         with self._lock:
             self._check_open()
@@ -430,9 +420,9 @@ class TeEndpoint:
                 for j, entry in enumerate(getattr(write, part)):
                     if len(entry) != 3:
                         raise ValueError(f"writes[{index}].{part}[{j}] must be (local_addr, remote_addr, nbytes)")
-                    ranges.append((_check_int(f"writes[{index}].{part}[{j}] local_addr", entry[0], 1),
-                                   _check_int(f"writes[{index}].{part}[{j}] remote_addr", entry[1], 1),
-                                   _check_int(f"writes[{index}].{part}[{j}] nbytes", entry[2], 1)))
+                    ranges.append((check_int(f"writes[{index}].{part}[{j}] local_addr", entry[0], 1),
+                                   check_int(f"writes[{index}].{part}[{j}] remote_addr", entry[1], 1),
+                                   check_int(f"writes[{index}].{part}[{j}] nbytes", entry[2], 1)))
                 checked.append(ranges)
             phases.append(checked)
         with self._lock:

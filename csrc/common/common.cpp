@@ -1,5 +1,5 @@
 // Region layout, deadlines/backoff and argument checks.
-#include "mep_common.h"
+#include "common/mep_common.h"
 
 #include <linux/futex.h>
 #include <sched.h>

@@ -1,6 +1,8 @@
-// The functions module.cpp exposes as mooncake_ep_switch._native. Pointers arrive as integers
-// (uintptr_t) from torch's data_ptr(); sizes and strides are in elements unless named *_bytes or
-// *_stride (bytes). See docs/protocol.md for the region layout and the ordering rules.
+// The data-plane functions module.cpp exposes as mooncake_ep_switch._native: shared-memory regions,
+// the one-sided dispatch/combine, the packing kernels (with the collective transport's record
+// packers) and the argument value checks. Pointers arrive as integers (uintptr_t) from torch's
+// data_ptr(); sizes and strides are in elements unless named *_bytes or *_stride (bytes). See
+// docs/protocol.md for the region layout and the ordering rules.
 #pragma once
 
 #include <cstdint>
@@ -90,62 +92,5 @@ std::string check_mask_values(uintptr_t mask_ptr, int64_t n);
 // message starting with the argument's name ("topk_idx: expected ..." or "active_ranks: expected ...").
 std::string check_call_values(uintptr_t topk_ptr, int64_t num_tokens, int64_t top_k, int64_t num_experts,
                               uintptr_t mask_ptr, int64_t num_ranks);
-
-}  // namespace mep
-
-namespace mep {
-
-// ---- switch helpers (switch_ops.cpp) ----
-// Copy blocks described by int64 [n][6] = (dst, src, rows, row_bytes, dst_stride, src_stride):
-// row r of a block goes from src + r*src_stride to dst + r*dst_stride. Every block is checked to lie
-// inside [dst_lo, dst_hi) and [src_lo, src_hi) before anything is written (ValueError otherwise).
-void copy_blocks(uintptr_t desc_ptr, int64_t n, uintptr_t dst_lo, uintptr_t dst_hi, uintptr_t src_lo,
-                 uintptr_t src_hi);
-// Wait until every word satisfies its expectation (mode 0: same tag, i.e. high 32 bits equal;
-// mode 1: value >= expected), with one deadline (-1 = none) and the shared backoff. Returns the
-// indices still unsatisfied at the deadline (empty when all arrived).
-std::vector<int64_t> wait_words(const std::vector<uintptr_t>& addrs, const std::vector<uint64_t>& expected,
-                                int64_t mode, int64_t timeout_us);
-// Populate the page tables of a mapped range for writing (MADV_POPULATE_WRITE, or touching pages).
-void prefault(uintptr_t base, int64_t nbytes);
-// Release-store a signal word and wake every wait_words() sleeping on it (any process).
-void signal_publish(uintptr_t addr, uint64_t value);
-// Compare-and-set a signal word (sequentially consistent, works across processes on a shared
-// mapping): store `desired` only if the word equals `expected`; wake its waiters on success.
-// Returns the value the word held before (== expected iff this call stored).
-uint64_t signal_cas(uintptr_t addr, uint64_t expected, uint64_t desired);
-
-// ---- EPLB placement search (eplb_search.cpp) ----
-// One placement problem's shape: slot s on GPU s / (num_replicas / num_gpus), GPU g on node
-// g / gpus_per_node (node 0 for all when not hierarchical).
-struct EplbShape {
-    int64_t num_logical, num_replicas, num_gpus, gpus_per_node;
-    bool hierarchical;
-};
-// Arrays (validated by the Python layer): weight [L, E] float64, experts [L, R] int64,
-// counts [L, E] int64, pinned [L, R] uint8 (all three modified), start [L, R] int64 or 0,
-// rows [num_rows] int64, peak_limit / item_limit [L] float64, budget [L] int64 or 0.
-struct EplbArrays {
-    uintptr_t weight, experts, counts, pinned, start, rows;
-    int64_t num_rows;
-    uintptr_t peak_limit, item_limit, budget;
-};
-// Which phases run: split large copies, relieve nodes, revert unneeded moves (with a start
-// table); node relief (hierarchical) aims at node_margin of the node
-// target, `retries` more rounds 0.5 % lower each), and the local search (`max_steps` moves,
-// `near` light partner GPUs, swaps only at slot positions >= swap_from, the `heavy` heaviest GPUs
-// tried in turn when the heaviest has no move), on up to `threads` threads
-// (layers are independent: the result does not depend on the thread count).
-struct EplbSearchParams {
-    bool split, relieve, revert;
-    double node_margin;
-    int64_t retries, max_steps, near, swap_from, heavy, threads;
-};
-// The movement-aware search of eplb/local_search.py for every layer in rows, in place.
-void eplb_search(const EplbShape& shape, const EplbArrays& arrays, const EplbSearchParams& params);
-// Swap refinement of packed rows (eplb_refine.cpp; eplb/packing.py): experts [B, N, S] int64,
-// sizes [B, N, S] float64, pinned [B, N, S] uint8 (all modified), bin_node [N] int64.
-void eplb_refine(uintptr_t experts, uintptr_t sizes, uintptr_t pinned, int64_t num_rows, int64_t num_bins,
-                 int64_t slots, uintptr_t bin_node, bool sweeps, int64_t descend_steps, int64_t near, int64_t threads);
 
 }  // namespace mep

@@ -12,8 +12,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "mep_api.h"
-#include "mep_common.h"
+#include "dataplane/api.h"
+#include "common/mep_common.h"
+#include "dataplane/rows.h"
 
 namespace mep {
 

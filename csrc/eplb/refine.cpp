@@ -15,8 +15,8 @@
 #include <numeric>
 #include <vector>
 
-#include "eplb_common.h"
-#include "mep_api.h"
+#include "eplb/eplb_common.h"
+#include "eplb/api.h"
 
 namespace mep {
 namespace {

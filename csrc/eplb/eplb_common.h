@@ -1,4 +1,4 @@
-// Shared by the EPLB placement code (eplb_search.cpp, eplb_refine.cpp).
+// Shared by the EPLB placement code (eplb/search.cpp, eplb/refine.cpp).
 #pragma once
 
 #include <algorithm>

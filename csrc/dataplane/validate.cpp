@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "mep_api.h"
+#include "dataplane/api.h"
 
 namespace mep {
 

@@ -10,8 +10,9 @@
 #include <immintrin.h>
 #endif
 
-#include "mep_api.h"
-#include "mep_common.h"
+#include "dataplane/api.h"
+#include "common/mep_common.h"
+#include "dataplane/rows.h"
 
 namespace mep {
 
@@ -333,7 +334,7 @@ void combine_reduce(uintptr_t out_ptr, int64_t num_tokens, int64_t hidden, int64
 // tokens ascending); in fixed mode destination d owns slots [d*(T+1), (d+1)*(T+1)) of `rec_size`
 // bytes, slot 0 holding the header int64 {records, accepted}, records from slot 1 on.
 //
-// The entry points (mep_api.h, bound in module.cpp) return a count >= 0 and throw ValueError /
+// The entry points (dataplane/api.h, bound in module.cpp) return a count >= 0 and throw ValueError /
 // RuntimeError (through pybind11) with the reason on malformed input.
 
 namespace mep {

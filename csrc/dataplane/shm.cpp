@@ -15,8 +15,8 @@
 
 #include <pybind11/pybind11.h>
 
-#include "mep_api.h"
-#include "mep_common.h"
+#include "dataplane/api.h"
+#include "common/mep_common.h"
 
 namespace py = pybind11;
 

@@ -17,8 +17,8 @@
 #include <thread>
 #include <vector>
 
-#include "eplb_common.h"
-#include "mep_api.h"
+#include "eplb/eplb_common.h"
+#include "eplb/api.h"
 
 namespace mep {
 namespace {

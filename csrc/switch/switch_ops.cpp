@@ -20,8 +20,8 @@
 #include <emmintrin.h>
 #endif
 
-#include "mep_api.h"
-#include "mep_common.h"
+#include "switch/api.h"
+#include "common/mep_common.h"
 
 namespace mep {
 

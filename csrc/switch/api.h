@@ -1,0 +1,30 @@
+// The switch functions module.cpp exposes as mooncake_ep_switch._native (runtime TP<->EP switching,
+// mooncake_ep_switch/switch/). Pointers arrive as integers (uintptr_t).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace mep {
+
+// ---- switch helpers (switch_ops.cpp) ----
+// Copy blocks described by int64 [n][6] = (dst, src, rows, row_bytes, dst_stride, src_stride):
+// row r of a block goes from src + r*src_stride to dst + r*dst_stride. Every block is checked to lie
+// inside [dst_lo, dst_hi) and [src_lo, src_hi) before anything is written (ValueError otherwise).
+void copy_blocks(uintptr_t desc_ptr, int64_t n, uintptr_t dst_lo, uintptr_t dst_hi, uintptr_t src_lo,
+                 uintptr_t src_hi);
+// Wait until every word satisfies its expectation (mode 0: same tag, i.e. high 32 bits equal;
+// mode 1: value >= expected), with one deadline (-1 = none) and the shared backoff. Returns the
+// indices still unsatisfied at the deadline (empty when all arrived).
+std::vector<int64_t> wait_words(const std::vector<uintptr_t>& addrs, const std::vector<uint64_t>& expected,
+                                int64_t mode, int64_t timeout_us);
+// Populate the page tables of a mapped range for writing (MADV_POPULATE_WRITE, or touching pages).
+void prefault(uintptr_t base, int64_t nbytes);
+// Release-store a signal word and wake every wait_words() sleeping on it (any process).
+void signal_publish(uintptr_t addr, uint64_t value);
+// Compare-and-set a signal word (sequentially consistent, works across processes on a shared
+// mapping): store `desired` only if the word equals `expected`; wake its waiters on success.
+// Returns the value the word held before (== expected iff this call stored).
+uint64_t signal_cas(uintptr_t addr, uint64_t expected, uint64_t desired);
+
+}  // namespace mep

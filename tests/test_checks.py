@@ -1,0 +1,43 @@
+"""The shared integer checker (mooncake_ep_switch/checks.py): what it accepts, and its one message style."""
+import numpy as np
+import pytest
+import torch
+
+from mooncake_ep_switch.checks import check_int
+
+
+@pytest.mark.parametrize("value, minimum, expected", [
+    (0, None, 0),
+    (-7, None, -7),
+    (5, 5, 5),
+    (np.int64(9), 1, 9),
+    (np.uint8(3), 0, 3),
+    (torch.tensor(4), 1, 4),
+    (2**70, 1, 2**70),
+])
+def test_accepts_integers(value, minimum, expected):
+    result = check_int("n", value, minimum)
+    assert result == expected and type(result) is int
+
+
+@pytest.mark.parametrize("value, minimum, error, message", [
+    (0, 1, ValueError, "n: expected an int >= 1, got 0"),
+    (np.int32(-3), 0, ValueError, "n: expected an int >= 0, got -3"),
+    (True, 0, TypeError, "n: expected an int >= 0, got bool True"),
+    (2.0, None, TypeError, "n: expected an int, got float 2.0"),
+    ("3", 1, TypeError, "n: expected an int >= 1, got str '3'"),
+    (None, 1, TypeError, "n: expected an int >= 1, got NoneType None"),
+    (np.float64(1.0), 1, TypeError, f"n: expected an int >= 1, got float64 {np.float64(1.0)!r}"),
+    (torch.tensor([1, 2]), 1, TypeError, "n: expected an int >= 1, got Tensor tensor([1, 2])"),
+])
+def test_rejects_with_one_message_style(value, minimum, error, message):
+    with pytest.raises(error) as caught:
+        check_int("n", value, minimum)
+    assert str(caught.value) == message
+
+
+def test_long_values_are_shortened():
+    with pytest.raises(TypeError) as caught:
+        check_int("n", "x" * 200, 1)
+    text = str(caught.value)
+    assert text.startswith("n: expected an int >= 1, got str 'xxx") and text.endswith("...") and len(text) < 120
