@@ -89,7 +89,7 @@ def test_closed_connection_of_a_live_peer_is_not_a_death():
     watch = PeerWatch(2, 0, None)
     try:
         assert conn.poll(20)
-        watch.watch_address(1, "127.0.0.1", conn.recv())
+        assert watch.watch_address(1, "127.0.0.1", conn.recv()) is False  # taken, dropped unanswered
         assert _wait_flag(watch, 1, 1.0) is None, "a closed connection of a live peer raised its flag"
         assert not watch.is_watched(1)
     finally:
@@ -142,6 +142,20 @@ def test_already_dead_pid_is_flagged_and_bad_arguments_are_refused():
     watch.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         watch.watch_process(1, os.getpid())
+
+
+def test_listener_holds_the_connection_when_watch_address_returns():
+    """A watcher returns only after the listener accepted it, so the listener's descriptor count is
+    final at once (a soak that samples descriptors after set-up sees no late accept)."""
+    listener = PeerWatch(3, 1, "127.0.0.1")
+    watchers = [PeerWatch(3, rank, None) for rank in (0, 2)]
+    try:
+        for watcher in watchers:
+            assert watcher.watch_address(1, "127.0.0.1", listener.port) is True
+        assert len(listener._accepted) == 2
+    finally:
+        for watch in watchers + [listener]:
+            watch.close()
 
 
 def test_close_leaves_no_thread_or_descriptor():

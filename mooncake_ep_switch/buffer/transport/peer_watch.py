@@ -37,7 +37,8 @@ __all__ = ["PeerWatch"]
 _PROBE_TIMEOUT_S = 0.5  # confirming a closed watch connection: connect() to the peer's listener
 
 
-_SETTLE_S = 0.1  # how long a fresh probe connection must stay open to count as an answer
+_ANSWER = b"\x01"  # what a listener sends a watcher it accepted
+_SETTLE_S = 0.1  # pause before probing again a listener that dropped a connection unanswered
 _PROBES = 4  # probe connections before a peer that keeps dropping them is given up on
 _MIN_CONNECTION_S = 1.0  # a watch connection closed younger than this is not reopened (no reconnect storm)
 
@@ -111,14 +112,21 @@ class PeerWatch:
             return
         self._replace(peer, _Watched("pid", fd, fd))
 
-    def watch_address(self, peer: int, host: str, port: int, timeout_s: float = _PROBE_TIMEOUT_S) -> None:
-        """Watch `peer` through a connection to its watch listener (a peer on another host); clears its flag.
+    def watch_address(self, peer: int, host: str, port: int, timeout_s: float = _PROBE_TIMEOUT_S) -> bool:
+        """Watch `peer` through a connection to its watch listener (a TE peer); clears its flag.
+
+        Returns once the peer's listener has accepted the connection (it answers one byte), so after
+        a barrier every member holds the connections of its watchers (a fixed descriptor count).
 
         Arguments:
             peer: the peer's rank.
             host: the peer's address.
             port: its watch listener's port, in (0, 65536).
-            timeout_s: connect timeout in seconds.
+            timeout_s: connect and answer timeout in seconds.
+
+        Returns:
+            watched: bool, False when the listener took the connection but dropped it unanswered (its
+                cap): then the peer is not watched and its deadline decides, as without a watcher.
 
         Raises:
             ConnectionError / OSError: the listener cannot be reached (the caller treats the peer
@@ -127,9 +135,13 @@ class PeerWatch:
         self._check_peer(peer)
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"port: expected an int in (0, 65536), got {port!r}")
-        sock = socket.create_connection((host.strip("[]"), port), timeout=timeout_s)
-        sock.setblocking(False)
-        self._replace(peer, _Watched("socket", sock.fileno(), sock, (host.strip("[]"), port)))
+        address = (host.strip("[]"), port)
+        sock = _open(address, timeout_s)
+        if sock is None:
+            self._replace(peer, None)
+            return False
+        self._replace(peer, _Watched("socket", sock.fileno(), sock, address))
+        return True
 
     def forget(self, peer: int) -> None:
         """Stop watching `peer` and clear its flag (it left the view)."""
@@ -249,7 +261,12 @@ class PeerWatch:
                     sock.close()
                     continue
                 sock.setblocking(False)
-                self._accepted[sock.fileno()] = sock
+                self._accepted[sock.fileno()] = sock  # held before the watcher hears the answer
+                try:
+                    sock.send(_ANSWER)  # the watcher waits for it (a few bytes always fit the buffer)
+                except OSError:
+                    del self._accepted[sock.fileno()]
+                    sock.close()
 
     def _drain_accepted(self, fd: int, sock: socket.socket) -> None:
         """A watcher of this rank went away or sent data (watchers never send): close the connection."""
@@ -294,26 +311,23 @@ class PeerWatch:
         """After the watch connection ended: "gone" if the peer's listener refuses (its process is
         gone), "alive" (and watched again) if it answers, "unknown" if it cannot be reached or keeps
         dropping connections. A process being torn down can still complete a connect() into its
-        listener's queue and then reset it, so a connection that ends within _SETTLE_S is retried.
+        listener's queue and then reset it, so a connection dropped unanswered is retried.
         A watch connection closed younger than _MIN_CONNECTION_S is not reopened (a live listener
         dropping it: its cap, or a stranger's listener): watching stops, the deadline decides."""
         young = time.monotonic() - watched.opened < _MIN_CONNECTION_S
         for _ in range(_PROBES):
             try:
-                sock = socket.create_connection(watched.address, timeout=_PROBE_TIMEOUT_S)
+                sock = _open(watched.address, _PROBE_TIMEOUT_S)
             except ConnectionRefusedError:
                 return "gone"
             except OSError:
                 return "unknown"
-            readable, _, _ = select.select([sock], [], [], _SETTLE_S)
-            if readable:  # reset or closed at once: look again
-                sock.close()
+            if sock is None:  # taken and dropped (a dying listener resets its queue): look again
                 time.sleep(_SETTLE_S / 2)
                 continue
             if young:
                 sock.close()
                 return "unknown"
-            sock.setblocking(False)
             fresh = _Watched("socket", sock.fileno(), sock, watched.address)
             with self._lock:
                 if self._watched.get(peer) is not watched:
@@ -323,6 +337,25 @@ class PeerWatch:
             _close(watched)
             return "alive"
         return "unknown"
+
+
+def _open(address: Tuple[str, int], timeout_s: float) -> Optional[socket.socket]:
+    """A watch connection to `address` once its listener answered (non-blocking), or None if the
+    connection was taken but closed or reset unanswered within `timeout_s`.
+
+    Raises:
+        ConnectionRefusedError: nothing listens there; OSError: unreachable.
+    """
+    sock = socket.create_connection(address, timeout=timeout_s)
+    try:
+        answer = sock.recv(len(_ANSWER))
+    except OSError:  # reset, or no answer within the timeout
+        answer = b""
+    if answer != _ANSWER:
+        sock.close()
+        return None
+    sock.setblocking(False)
+    return sock
 
 
 def _close(watched: _Watched) -> None:
