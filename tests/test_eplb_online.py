@@ -193,6 +193,7 @@ def rank_kill_mid_rebalance(ctx, use_mask):
         exact.append(_close(out, ref))
     result = {
         "reports": [(r.outcome, r.reason, r.commit_step) for r in reports],
+        "stall_ms": max((r.stall_ms for r in reports), default=0.0),
         "aborted": bool(reports) and all(r.outcome == ABORTED for r in reports),
         "old_placement": bool(np.array_equal(slots.phy2log, old)),
         "frames_ok": _frames_match_checkpoint(slots, weights),
@@ -220,7 +221,11 @@ def test_rank_killed_mid_rebalance_keeps_old_placement(use_mask):
         assert all(result["exact"]), f"rank {outcome.rank}: outputs differ from the reference without rank {DEAD}"
         assert result["active"][DEAD] == 0
         reason = result["reports"][0][1]
-        assert ("inactive" in reason) if use_mask else ("did not vote" in reason), reason
+        # Without the mask the vote wait ends as soon as the peer watcher saw the process end, not
+        # at the vote's deadline (this rank saw it, or a peer that did decided ABORT first).
+        assert ("inactive" in reason) if use_mask else ("process is gone" in reason
+                                                        or "before a peer decided it" in reason), reason
+        assert result["stall_ms"] < TIMEOUT_US / 1e3 / 2, result["stall_ms"]
 
 
 def _wait_stopped(pid, timeout_s=60.0):

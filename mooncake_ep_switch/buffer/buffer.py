@@ -302,6 +302,17 @@ class Buffer:
         mask[list(self.members)] = 1
         return mask
 
+    def dead_peers(self) -> list:
+        """Ranks whose process is known to have ended (seen by the one-sided transports' peer watcher:
+        a pidfd on this host, the watch connection across hosts); a stalled or cut-off rank is never
+        listed. Cleared for a rank when it is re-admitted. Waits of the caller's own (votes, barriers)
+        can stop early for these ranks instead of running to their deadline.
+
+        Returns:
+            ranks: list of int, ascending ([] on the collective transport).
+        """
+        return self._impl.dead_peers()
+
     def pending_joiners(self) -> list:
         """Ranks waiting inside their `update_ep_member()` to be admitted into the next epoch.
 

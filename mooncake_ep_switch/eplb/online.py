@@ -409,9 +409,15 @@ class OnlineRebalancer:
         peers = [p for p in range(slots.num_ranks) if p != slots.rank]
         decided: List[List[int]] = []
 
+        gone: List[List[int]] = []
+
         def stop_if_decided(pending: List[int]) -> List[int]:
             if pending and self._decided(chunk.epoch) is not None:
                 decided.append(pending)
+                return []
+            dead = sorted(set(pending) & set(slots.dead_peers()))
+            if dead:  # a rank whose process ended will never vote: abort now, not at the deadline
+                gone.append(dead)
                 return []
             return pending
 
@@ -419,6 +425,8 @@ class OnlineRebalancer:
                                   self.timeout_us, stop_if_decided)
         if pending:
             return f"ranks {pending} did not vote on epoch {chunk.epoch} within timeout_us={self.timeout_us}"
+        if gone:
+            return f"ranks {gone[0]} ended (their process is gone) before voting on epoch {chunk.epoch}"
         if decided:
             return f"ranks {decided[0]} did not vote on epoch {chunk.epoch} before a peer decided it (ABORT)"
         for peer in peers:

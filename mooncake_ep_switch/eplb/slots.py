@@ -139,6 +139,7 @@ class ExpertSlots:
         self.rank = buffer.rank
         self.num_ranks = buffer.num_ranks
         self.group = peer_regions.group_of(buffer)
+        self.dead_peers = buffer.dead_peers  # ranks whose process ended: votes are not waited for
         self.num_slots = self.num_ranks * per_rank
         if self.num_slots < num_logical:
             raise ValueError(f"shape.slots_per_rank: {per_rank} slots on {self.num_ranks} ranks cannot hold "

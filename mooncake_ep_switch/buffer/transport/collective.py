@@ -154,6 +154,10 @@ class CollectiveTransport:
         self.members = tuple(view.ranks)
         self._staging.clear()
 
+    def dead_peers(self) -> List[int]:
+        """[]: this transport learns of a dead peer only when a call meets it (gloo reports the reset)."""
+        return []
+
     def destroy(self) -> None:
         """Drop cached buffers."""
         self._combine_buffers.clear()

@@ -48,5 +48,8 @@ class Transport(Protocol):
     def combine_buffer(self, call: int, shape, device) -> torch.Tensor:
         """The zero-copy combine buffer `[L, R*T, hidden]` torch.bfloat16 of dispatch `call`."""
 
+    def dead_peers(self) -> List[int]:
+        """Ranks whose process this transport saw end (never a live rank; [] where it cannot tell)."""
+
     def destroy(self) -> None:
         """Release every resource (idempotent)."""

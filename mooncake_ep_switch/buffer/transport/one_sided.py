@@ -222,6 +222,14 @@ class OneSidedTransport:
         self.te_peers.pop(peer, None)
         self.routes[peer] = None
 
+    def dead_peers(self) -> List[int]:
+        """Ranks whose process the peer watcher saw end since they were last connected.
+
+        Returns:
+            ranks: list of int, ascending.
+        """
+        return [int(r) for r in torch.nonzero(self.watch.dead).flatten().tolist()]
+
     def destroy(self) -> None:
         """Close the Transfer Engine (if any) and release the region and every mapping."""
         self.watch.close()
