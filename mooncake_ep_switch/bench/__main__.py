@@ -19,12 +19,11 @@ bytes on the wire against the routed bytes; needs root).
 Timing of the transport rows: per rank, the median over 5 barrier-separated batches of the batch's mean time per round; the
 slowest rank counts. Every ratio uses numbers from this run.
 """
-import argparse
 import sys
 
 from mooncake_ep_switch.bench import transport as tb
 from mooncake_ep_switch.launch import LocalCluster
-from mooncake_ep_switch.bench.table import format_rows
+from mooncake_ep_switch.bench.table import run_table_cli
 
 
 def _progress(index: int, total: int, label: str) -> None:
@@ -135,25 +134,15 @@ def main(argv=None) -> int:
         from mooncake_ep_switch.bench import hosts
 
         return hosts.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer iterations")
-    parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
-    args = parser.parse_args(argv)
-    import torch
 
-    torch.set_num_threads(1)
-    rows = run_transport_rows(quick=args.quick)
-    from mooncake_ep_switch.bench import switch_bench
+    def rows_of(quick: bool) -> list:
+        rows = run_transport_rows(quick=quick)
+        from mooncake_ep_switch.bench import switch_bench
 
-    _progress(6, 6, "TP<->EP switch: weights and KV vs memcpy")
-    rows += switch_bench.run(quick=args.quick)
-    table = format_rows(rows)
-    print(table)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(table + "\n")
-    return 0
+        _progress(6, 6, "TP<->EP switch: weights and KV vs memcpy")
+        return rows + switch_bench.run(quick=quick)
+
+    return run_table_cli("python -m mooncake_ep_switch.bench", __doc__, rows_of, argv)
 
 
 if __name__ == "__main__":

@@ -168,19 +168,6 @@ def main(argv=None) -> int:
     Returns:
         status: int, 0.
     """
-    import argparse
+    from mooncake_ep_switch.bench.table import run_table_cli
 
-    from mooncake_ep_switch.bench.table import format_rows
-
-    parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch bench hosts", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer iterations")
-    parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    table = format_rows(run(quick=args.quick))
-    print(table)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(table + "\n")
-    return 0
+    return run_table_cli("python -m mooncake_ep_switch bench hosts", __doc__, lambda quick: run(quick=quick), argv)
