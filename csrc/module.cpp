@@ -16,6 +16,13 @@ using namespace pybind11::literals;
 
 namespace {
 
+// Memory mapped by the package (a region or a peer's), lent to Python objects through the buffer protocol.
+struct MappedBytes {
+    uintptr_t address;
+    int64_t nbytes;
+    py::object owner;
+};
+
 py::dict region_layout_dict(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts) {
     const mep::Layout lay = mep::compute_layout(num_ranks, max_tokens, hidden, num_experts);
     py::dict d;
@@ -72,6 +79,26 @@ PYBIND11_MODULE(_native, m) {
           "Unmap a mapping made by region_create/region_map_peer.");
     m.def("set_parent_death_signal", &mep::set_parent_death_signal, "signal"_a,
           "prctl(PR_SET_PDEATHSIG, signal): this process gets the signal when its parent exits (0 = none).");
+    m.def("enter_net_namespace", &mep::enter_net_namespace, "fd"_a,
+          "setns(fd, CLONE_NEWNET): move the calling thread into the network namespace an open fd names.");
+    m.def("copy_bytes", &mep::copy_bytes, py::call_guard<py::gil_scoped_release>(), "dst"_a, "src"_a, "nbytes"_a,
+          "std::memcpy(dst, src, nbytes) between non-overlapping addresses of this process.");
+    m.def("malloc_bytes", &mep::malloc_bytes,
+          "glibc malloc of this process: (bytes in use, mmapped chunks included; bytes free inside the arenas).");
+    py::class_<MappedBytes>(m, "MappedBytes", py::buffer_protocol(),
+                            "nbytes of writable memory at an address, exposed through the buffer protocol (no copy); "
+                            "holds `owner` (the object that keeps the memory mapped) as long as it lives.")
+        .def(py::init([](uintptr_t address, int64_t nbytes, py::object owner) {
+                 if (address == 0) throw std::invalid_argument("address must be nonzero");
+                 if (nbytes <= 0) throw std::invalid_argument("nbytes must be > 0, got " + std::to_string(nbytes));
+                 return MappedBytes{address, nbytes, std::move(owner)};
+             }),
+             "address"_a, "nbytes"_a, "owner"_a = py::none())
+        .def_readonly("owner", &MappedBytes::owner)
+        .def_buffer([](MappedBytes& b) {
+            return py::buffer_info(reinterpret_cast<void*>(b.address), 1, py::format_descriptor<uint8_t>::format(), 1,
+                                   {static_cast<py::ssize_t>(b.nbytes)}, {static_cast<py::ssize_t>(1)}, false);
+        });
 
     // ---- signals ----
     m.def("signal_store", &signal_store, "addr"_a, "value"_a, "Release-store a uint64 at an 8-aligned address.");

@@ -19,31 +19,10 @@ Without `store=` the members used the default group's store, whose torch-interna
 removed, so any client of the server will do.
 """
 from datetime import timedelta
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
+from mooncake_ep_switch.buffer.join_ticket import JoinTicket  # noqa: F401  (re-exported: the public name)
 from mooncake_ep_switch.checks import check_int
-
-
-class JoinTicket(NamedTuple):
-    """What a replacement rank passes to `Buffer(...)` in place of a process group.
-
-    Fields:
-        store: client of the group's store.
-        rank: the EP rank id this process takes over.
-        num_ranks: EP group size.
-        prefix: membership key prefix of the EP group.
-        group_ranks: global ranks of the EP group in group-rank order, or None for
-            `range(num_ranks)` (the members' group was the whole world).
-        keep_prefix: `store` is the store the members passed as `store=` (prefixes kept), not a
-            client of the default group's store (prefixes removed).
-    """
-
-    store: Any
-    rank: int
-    num_ranks: int
-    prefix: str = "mep"
-    group_ranks: Optional[tuple] = None
-    keep_prefix: bool = False
 
 
 def connect_store(host: str, port: int, timeout_s: float = 60.0):

@@ -21,6 +21,12 @@ void region_close_fd(int64_t fd);
 void region_unmap(uintptr_t base, int64_t nbytes);
 // prctl(PR_SET_PDEATHSIG, signal): this process gets `signal` when its parent thread exits (0 = none).
 void set_parent_death_signal(int64_t signal);
+// setns(fd, CLONE_NEWNET): move the calling thread into the network namespace `fd` names.
+void enter_net_namespace(int64_t fd);
+// std::memcpy of nbytes between non-overlapping addresses (the memcpy baseline of the benchmarks).
+void copy_bytes(uintptr_t dst, uintptr_t src, int64_t nbytes);
+// glibc mallinfo2(): (bytes in use, mmapped chunks included; bytes free inside the arenas).
+std::pair<int64_t, int64_t> malloc_bytes();
 
 // ---- one-sided data plane (dataplane.cpp) ----
 void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,

@@ -4,6 +4,8 @@
 // errno and strerror) or ValueError.
 #include <errno.h>
 #include <fcntl.h>
+#include <malloc.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -159,6 +161,23 @@ void region_unmap(uintptr_t base, int64_t nbytes) {
 void set_parent_death_signal(int64_t signal) {
     if (signal < 0 || signal > 64) throw_value_error("signal must be in [0, 64], got " + std::to_string(signal));
     if (::prctl(PR_SET_PDEATHSIG, static_cast<unsigned long>(signal)) != 0) raise_os_error(errno, "prctl", "");
+}
+
+void enter_net_namespace(int64_t fd) {
+    if (fd < 0 || fd > INT32_MAX) throw_value_error("fd must be an open file descriptor, got " + std::to_string(fd));
+    if (::setns(int(fd), CLONE_NEWNET) != 0) raise_os_error(errno, "setns", "");
+}
+
+void copy_bytes(uintptr_t dst, uintptr_t src, int64_t nbytes) {
+    check_nonnull(dst, "dst");
+    check_nonnull(src, "src");
+    check_size(nbytes);
+    std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), size_t(nbytes));
+}
+
+std::pair<int64_t, int64_t> malloc_bytes() {
+    const struct mallinfo2 info = ::mallinfo2();
+    return {int64_t(info.uordblks + info.hblkhd), int64_t(info.fordblks)};
 }
 
 }  // namespace mep

@@ -12,14 +12,14 @@ Needs root and iproute2. Used by the multi-host tests (tests/netns.py) and the c
 (`bench.hosts`). `Network.delete` removes everything it made; `remove_stale` removes what a killed
 earlier run of this prefix left behind.
 """
-import ctypes
 import json
 import os
 import re
 import subprocess
 from typing import List
 
-CLONE_NEWNET = 0x40000000
+from mooncake_ep_switch import _native
+
 DEFAULT_PREFIX = "mep"
 DEFAULT_SUBNET = "10.251.0"
 
@@ -64,11 +64,9 @@ def enter(namespace: str) -> None:
     Raises:
         OSError: the namespace does not exist or setns failed (needs CAP_SYS_ADMIN).
     """
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
     fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
     try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns({namespace})")
+        _native.enter_net_namespace(fd)
     finally:
         os.close(fd)
 

@@ -34,7 +34,6 @@ status is 1 when any of that fails.
 import argparse
 import array
 import collections
-import ctypes
 import gc
 import json
 import os
@@ -43,6 +42,8 @@ import threading
 import time
 import tracemalloc
 from typing import List, NamedTuple, Optional
+
+from mooncake_ep_switch import _native
 
 TIMEOUT_US = 60_000_000  # per call; a live peer never misses it, even on a loaded machine
 X_POOL = 4  # distinct token tensors per rank, cycled
@@ -172,20 +173,9 @@ def _status_fields() -> dict:
     return fields
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
 def _malloc_bytes() -> tuple:
-    """glibc malloc: (bytes in use, incl. mmapped chunks; bytes free inside the arenas), or (-1, -1)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        info = libc.mallinfo2()
-    except (OSError, AttributeError):
-        return -1, -1
-    return info.uordblks + info.hblkhd, info.fordblks
+    """glibc malloc: (bytes in use, incl. mmapped chunks; bytes free inside the arenas)."""
+    return tuple(_native.malloc_bytes())
 
 
 def _shm_handles() -> int:

@@ -58,8 +58,6 @@ def _copy_seconds(ctx, nbytes: int, iters: int, scratch: torch.Tensor, streaming
     `streaming=False`: glibc memcpy (the memcpy roofline). `streaming=True`: the native
     `copy_blocks` (non-temporal stores), i.e. the best this machine's copy can do.
     """
-    import ctypes
-
     from mooncake_ep_switch import _native
 
     src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
@@ -71,7 +69,7 @@ def _copy_seconds(ctx, nbytes: int, iters: int, scratch: torch.Tensor, streaming
         if streaming:
             _native.copy_blocks(block.ctypes.data, 1, lo_d, lo_d + dst.numel(), lo_s, lo_s + src.numel())
         else:
-            ctypes.memmove(lo_d, lo_s, nbytes)
+            _native.copy_bytes(lo_d, lo_s, nbytes)
 
     copy()
     times = []

@@ -19,6 +19,7 @@ from mooncake_ep_switch.buffer import elastic_view, validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
 from mooncake_ep_switch.buffer.transport.collective import CollectiveTransport
 from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap
+from mooncake_ep_switch.buffer.join_ticket import JoinTicket
 from mooncake_ep_switch.buffer.layout import region_layout
 from mooncake_ep_switch.buffer.lifetime import DESTROY_WAIT_S, _guarded, _Lifetime, _once, _with_receipt
 from mooncake_ep_switch.buffer.membership import (Membership, MembershipError, View, generation_prefix, group_prefix,
@@ -30,6 +31,26 @@ from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
 
 TRANSPORTS = ("auto", "shm", "mooncake", "collective")
+_LAYOUT_SWITCH: Optional[Callable] = None  # set by mooncake_ep_switch.switch (register_layout_switch)
+
+
+def register_layout_switch(function: Callable) -> None:
+    """Name the function `Buffer.switch_layout` calls (the switch package registers its own on import).
+
+    The buffer package never imports the switch package (which builds on it); the switch package
+    registers `switch_layout(buffer, target, **kwargs)` here instead, so neither depends on the other
+    both ways.
+
+    Arguments:
+        function: callable `(buffer, target, **kwargs) -> SwitchReport`.
+
+    Raises:
+        TypeError: `function` is not callable.
+    """
+    global _LAYOUT_SWITCH
+    if not callable(function):
+        raise TypeError(f"function: expected a callable, got {type(function).__name__}")
+    _LAYOUT_SWITCH = function
 _Tensor = torch.Tensor
 _BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 
@@ -116,8 +137,6 @@ class Buffer:
 
     def __init__(self, group, num_ep_buffer_bytes: int = 0, disable_p2p: bool = False, *, transport: str = "auto",
                  store=None):
-        from mooncake_ep_switch.elastic import JoinTicket
-
         num_ep_buffer_bytes = validation.check_int("num_ep_buffer_bytes", num_ep_buffer_bytes, 0)
         if not isinstance(disable_p2p, bool):
             raise TypeError(f"disable_p2p: expected a bool, got {type(disable_p2p).__name__}")
@@ -341,10 +360,11 @@ class Buffer:
         Returns:
             report: a `SwitchReport` (outcome, bytes and milliseconds for weights and KV, total).
         """
-        from mooncake_ep_switch.switch.switcher import switch_layout
-
         self._check_alive()
-        return switch_layout(self, target, **kwargs)
+        if _LAYOUT_SWITCH is None:
+            raise RuntimeError("switch_layout: no layout switch is registered; import mooncake_ep_switch.switch "
+                               "(it registers one, and makes the UnifiedWeights this call needs)")
+        return _LAYOUT_SWITCH(self, target, **kwargs)
 
     @staticmethod
     def get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

@@ -15,7 +15,6 @@ through its storage. `destroy()` and `unmap_peer()` drop the region's own refere
 is unmapped when the last view goes, so a tensor a caller still holds stays readable and writable
 (it then aliases memory nobody else uses) instead of faulting.
 """
-import ctypes
 import os
 from typing import List, NamedTuple, Optional
 
@@ -62,10 +61,8 @@ def region_tensor(base: int, nbytes: int, owner: Optional[Mapping] = None) -> to
     Returns:
         view: `[nbytes]` torch.uint8 CPU tensor aliasing the memory (no copy).
     """
-    array = (ctypes.c_char * nbytes).from_address(base)
-    if owner is not None:
-        array._mapping = owner  # torch.frombuffer keeps `array` (and with it `owner`) alive
-    return torch.frombuffer(array, dtype=torch.uint8)
+    # torch.frombuffer keeps the MappedBytes (and with it `owner`) alive as long as the storage lives
+    return torch.frombuffer(_native.MappedBytes(base, nbytes, owner), dtype=torch.uint8)
 
 
 class RegionEndpoint(NamedTuple):

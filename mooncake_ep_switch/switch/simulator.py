@@ -33,8 +33,8 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 import numpy as np
 
 from mooncake_ep_switch.checks import check_int
-from .policy import EP, LAYOUTS, TP, Calibration, PolicySettings, SwitchPolicy, calibrate
-from .traces import ROLLOUT, Trace
+from mooncake_ep_switch.switch.policy import EP, LAYOUTS, TP, Calibration, PolicySettings, SwitchPolicy, calibrate
+from mooncake_ep_switch.switch.traces import ROLLOUT, Trace
 
 STATIC_TP = "static_tp"
 STATIC_EP = "static_ep"

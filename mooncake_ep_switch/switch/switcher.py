@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer.buffer import register_layout_switch
 from mooncake_ep_switch.buffer.peer_words import wait_peer_words
 from mooncake_ep_switch.switch import reshard
 from mooncake_ep_switch.switch.kv_cache import PagedKVCache
@@ -571,3 +572,6 @@ def _kv_collective(kv: PagedKVCache, plan: KVPlan) -> Tuple[int, int, float]:
         at += size
     remote = sum(s for d, s in enumerate(send_sizes) if d != me)
     return remote, send_sizes[me], (time.perf_counter() - started) * 1e3
+
+
+register_layout_switch(switch_layout)  # Buffer.switch_layout(target, ...) calls switch_layout(buffer, target, ...)

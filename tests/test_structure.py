@@ -1,0 +1,131 @@
+"""The package's structure: packages import each other in one direction only, and nothing uses ctypes.
+
+Every `import` and `from ... import` in every module of `mooncake_ep_switch` is read with `ast`,
+including the ones inside functions (a lazy import is still a dependency). A module belongs to its
+top-level package or module (`mooncake_ep_switch.buffer.transport.te_endpoint` -> `buffer`); the
+package graph built from those imports must have no cycle. The native module `_native` is a leaf.
+"""
+import ast
+import pathlib
+from collections import defaultdict
+from typing import Dict, List, Set, Tuple
+
+import pytest
+
+import mooncake_ep_switch
+
+PACKAGE_DIR = pathlib.Path(mooncake_ep_switch.__file__).resolve().parent
+PACKAGE = "mooncake_ep_switch"
+
+
+def _modules() -> Dict[str, pathlib.Path]:
+    found = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        relative = path.relative_to(PACKAGE_DIR)
+        if relative.parts[0] == "fallback":  # the design card's thin entry point (a link to ../fallback)
+            continue
+        parts = (PACKAGE,) + relative.with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(path: pathlib.Path, modules) -> List[Tuple[str, int]]:
+    """(imported module, line) for every import of the package's own modules in `path`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PACKAGE):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                out.append((full if full in modules or alias.name == "_native" else node.module, node.lineno))
+        elif isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names if alias.name.startswith(PACKAGE)]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path}:{node.lineno}: relative import; the package uses absolute imports")
+    return out
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "<root>"
+
+
+def package_graph() -> Dict[str, Dict[str, List[str]]]:
+    """room -> {room it imports: ['file:line', ...]} over every module of the package."""
+    modules = _modules()
+    graph: Dict[str, Dict[str, List[str]]] = defaultdict(lambda: defaultdict(list))
+    for module, path in modules.items():
+        for target, line in _imports(path, modules):
+            source_room, target_room = _room(module), _room(target)
+            if source_room != target_room:
+                graph[source_room][target_room].append(f"{path.relative_to(PACKAGE_DIR)}:{line}")
+    return graph
+
+
+def _cycles(graph) -> List[List[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    components = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, {}):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in list(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_the_graph_reader_finds_a_cycle():
+    """The checker itself: a two-room loop and a three-room loop are found, a chain is not."""
+    assert _cycles({"a": {"b": []}, "b": {"a": []}}) == [["a", "b"]]
+    assert _cycles({"a": {"b": []}, "b": {"c": []}, "c": {"a": []}, "d": {"a": []}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b": []}, "b": {"c": []}}) == []
+
+
+def test_no_import_cycle_between_packages():
+    graph = package_graph()
+    assert "switch" in graph["eplb"] and "buffer" in graph["switch"], "the reader lost the known edges"
+    cycles = _cycles(graph)
+    where = {tuple(c): {a: {b: graph[a][b] for b in c if b in graph[a]} for a in c} for c in cycles}
+    assert not cycles, f"import cycles between packages: {where}"
+
+
+@pytest.mark.parametrize("room", ["buffer", "checks", "config", "faults"])
+def test_the_core_imports_no_feature_package(room):
+    """buffer (the data plane) and the vocabulary modules import none of switch, eplb, models, bench."""
+    graph = package_graph()
+    assert not {"switch", "eplb", "models", "bench", "demo", "elastic"} & set(graph.get(room, {})), dict(graph[room])
+
+
+def test_no_ctypes_in_the_package():
+    """One native binding path (pybind11): no module imports ctypes (numpy's `.ctypes.data` is not ctypes)."""
+    users = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            users += [f"{module}:{node.lineno}" for name in names if name.split(".")[0] == "ctypes"]
+    assert not users, f"ctypes imported in {users}"
