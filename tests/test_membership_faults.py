@@ -229,7 +229,7 @@ def test_left_out_rank_rejoins_after_sigstop(transport):
 
 
 def rank_bad_timeouts(ctx):
-    from mooncake_ep_switch.buffer.membership import view_group
+    from mooncake_ep_switch.buffer.group_keys import view_group
     from mooncake_ep_switch.elastic import connect_store
 
     buffer = Buffer(ctx.group, _size2(), transport="shm")

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from mooncake_ep_switch.bench import soak
-from mooncake_ep_switch.buffer.buffer import _transfer_engine_available
+from mooncake_ep_switch.buffer.transport.select import transfer_engine_available as _transfer_engine_available
 
 SAMPLE_KEYS = {"round", "rss_kib", "anon_kib", "file_kib", "shmem_kib", "malloc_used_kib", "malloc_free_kib", "fds",
                "py_threads", "threads", "shm_handles", "pool_bytes", "py_objects", "dev_shm", "traced_kib"}

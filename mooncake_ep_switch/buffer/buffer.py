@@ -5,11 +5,8 @@ moves the bytes: `"shm"` (one host, native one-sided writes), `"mooncake"` (Tran
 `"collective"` (torch.distributed all_to_all_single). The signatures, return values and packed
 layouts are Mooncake EP's, so engines written for it work unchanged.
 """
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,20 +14,19 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import elastic_view, validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
-from mooncake_ep_switch.buffer.transport.collective import CollectiveTransport
 from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap
-from mooncake_ep_switch.buffer.join_ticket import JoinTicket
 from mooncake_ep_switch.buffer.layout import region_layout
-from mooncake_ep_switch.buffer.lifetime import DESTROY_WAIT_S, _guarded, _Lifetime, _once, _with_receipt
-from mooncake_ep_switch.buffer.membership import (Membership, MembershipError, View, generation_prefix, group_prefix,
-                                                  root_store)
-from mooncake_ep_switch.buffer.transport.one_sided import OneSidedTransport
+from mooncake_ep_switch.buffer.call_spec import CallSpecs
+from mooncake_ep_switch.buffer.completion import Completions
+from mooncake_ep_switch.buffer.lifetime import DESTROY_WAIT_S, _Lifetime, _with_receipt
+from mooncake_ep_switch.buffer.group_keys import generation_prefix, resolve_group
+from mooncake_ep_switch.buffer.membership import Membership, MembershipError, View
 from mooncake_ep_switch.buffer.peer_regions import PeerRegions
 from mooncake_ep_switch.buffer.transport.contract import Transport
+from mooncake_ep_switch.buffer.transport.select import TRANSPORTS, make_transport
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
 
-TRANSPORTS = ("auto", "shm", "mooncake", "collective")
 _LAYOUT_SWITCH: Optional[Callable] = None  # set by mooncake_ep_switch.switch (register_layout_switch)
 
 
@@ -53,45 +49,6 @@ def register_layout_switch(function: Callable) -> None:
     _LAYOUT_SWITCH = function
 _Tensor = torch.Tensor
 _BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
-
-
-class _CallSpec:
-    """A validated call shape of one Buffer (T, E, hidden, FP8), with what its calls derive from it.
-
-    Built once per shape after the full validation (capacity included) passed; the hot path of
-    dispatch() looks it up, and combine() trusts a handle whose plan carries this Buffer's spec.
-    `owner` is the Buffer's token (not the Buffer: a handle must not keep a Buffer alive).
-    """
-
-    __slots__ = ("owner", "tokens", "experts", "hidden", "use_fp8", "local", "rows", "y_shape", "src_shape",
-                 "range_shape")
-
-    def __init__(self, owner: object, tokens: int, experts: int, hidden: int, use_fp8: bool, num_ranks: int):
-        self.owner, self.tokens, self.experts, self.hidden, self.use_fp8 = owner, tokens, experts, hidden, use_fp8
-        self.local = experts // num_ranks
-        self.rows = num_ranks * tokens
-        self.y_shape = torch.Size((self.local, self.rows, hidden))
-        self.src_shape = torch.Size((self.local, self.rows))
-        self.range_shape = torch.Size((self.local, num_ranks))
-
-
-def _default_store():
-    """The default group's store (the launcher's TCPStore), or None if there is none."""
-    try:
-        from torch.distributed import distributed_c10d
-
-        return distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):
-        return None
-
-
-def _transfer_engine_available() -> bool:
-    """Whether the Mooncake Transfer Engine imports here (it needs Debian's libibverbs1)."""
-    try:
-        from mooncake.engine import TransferEngine  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return True
 
 
 class Buffer:
@@ -142,34 +99,10 @@ class Buffer:
             raise TypeError(f"disable_p2p: expected a bool, got {type(disable_p2p).__name__}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
-        self.joining = isinstance(group, JoinTicket)
-        if self.joining:
-            self.group, self.rank, self.num_ranks = None, group.rank, group.num_ranks
-            group_ranks = group.group_ranks if group.group_ranks is not None else range(self.num_ranks)
-            prefix = group_prefix(group_ranks, group.prefix)
-            store = group.store if group.keep_prefix else root_store(group.store)
-        else:
-            if group is None:
-                if not dist.is_initialized():
-                    raise ValueError("group: expected a process group (torch.distributed is not initialized), "
-                                     "got None")
-                group = dist.group.WORLD
-            self.group = group
-            self.rank = dist.get_rank(group)
-            self.num_ranks = dist.get_world_size(group)
-            if self.rank < 0:
-                raise ValueError("group: this process is not a member of the group it passed")
-            try:
-                group_ranks = dist.get_process_group_ranks(group)
-            except (RuntimeError, ValueError, KeyError, AttributeError):
-                group_ranks = range(self.num_ranks)
-            # The group's identity keys its membership: several groups (attention DP, EP, several
-            # models) share one store without meeting. A store the caller passes keeps its own
-            # prefixes; the default group's store loses torch's, which a replacement's client lacks.
-            prefix = group_prefix(group_ranks, "mep")
-            if store is None:
-                default = _default_store()
-                store = None if default is None else root_store(default)
+        identity = resolve_group(group, store)
+        self.joining = identity.joining
+        self.group, self.rank, self.num_ranks = identity.group, identity.rank, identity.num_ranks
+        prefix, store = identity.prefix, identity.store
         self.num_ep_buffer_bytes = num_ep_buffer_bytes
         self.disable_p2p = disable_p2p
         self.settings = settings()
@@ -184,19 +117,23 @@ class Buffer:
         self._rejoin = False  # left out: take a new incarnation before registering as joining
         self._call = 0
         self._last_plan: Optional[DispatchPlan] = None
-        self._specs = {}  # (T, E, hidden, use_fp8) -> _CallSpec, validated shapes
         self._token = object()  # identifies this Buffer's specs on handles
         self._mask_shape = torch.Size((self.num_ranks,))
         self._outputs = OutputPool()
-        self._worker: Optional[ThreadPoolExecutor] = None
         self._destroyed = False
         self._life = _Lifetime()
         self._prev_plan: Optional[DispatchPlan] = None
         # Every region peers map beyond the EP region (switch, KV, EPLB): re-mapped on re-admission.
         self.peer_regions = PeerRegions(self)
-        self._impl: Transport = self._make_transport(transport)
+        self._impl: Transport = make_transport(
+            transport, group=self.group, rank=self.rank, num_ranks=self.num_ranks,
+            num_ep_buffer_bytes=num_ep_buffer_bytes, settings=self.settings, disable_p2p=disable_p2p,
+            host_ids=self._host_ids, view_change=self._survivors_view)
         self._impl.abort_ptr = self._life.abort_ptr  # native waits stop once destroy() raises it
         self.transport = self._impl.name
+        self._specs = CallSpecs(self._token, self.num_ranks, num_ep_buffer_bytes,  # validated call shapes
+                                needs_region=bool(num_ep_buffer_bytes) or self.transport != "collective")
+        self._completions = Completions(self._life)
         if self.membership is not None:
             self.membership.publish_endpoint(dict(self._impl.endpoint(), host_id=self.settings.host_id))
         if not self.joining:  # a joiner registers as joining in update_ep_member(), when it waits
@@ -223,30 +160,6 @@ class Buffer:
             raise RuntimeError(f"{what}: needs the group's store (pass store= to Buffer, or initialise "
                                "torch.distributed with a store)")
         return self.membership
-
-    def _make_transport(self, requested: str):
-        """Resolve `transport` and build it (rules in docs/transports.md)."""
-        if requested == "auto":
-            same_host = len(set(self._host_ids())) == 1
-            if self.num_ep_buffer_bytes == 0:
-                requested = "collective"  # no region to write into: only collectives can run
-            elif same_host and not self.disable_p2p:
-                requested = "shm"
-            elif _transfer_engine_available():
-                requested = "mooncake"
-            else:
-                requested = "collective"
-        if requested == "collective":
-            # The fallback survives a peer lost mid-collective: it agrees on the survivors' view.
-            return CollectiveTransport(self.group, self.rank, self.num_ranks, view_change=self._survivors_view)
-        if requested == "shm":
-            if self.disable_p2p:
-                raise ValueError("transport: 'shm' uses peer-to-peer shared memory, which disable_p2p=True forbids")
-            host_ids = self._host_ids()
-            if len(set(host_ids)) != 1:
-                raise ValueError(f"transport: 'shm' needs every rank on this host, got host ids {sorted(set(host_ids))}")
-        return OneSidedTransport(requested, self.rank, self.num_ranks, self.num_ep_buffer_bytes, self.settings,
-                                 allow_shm=not self.disable_p2p)
 
     def connect(self) -> None:
         """Exchange peer metadata and map peers (Mooncake's `connect`); idempotent.
@@ -412,7 +325,6 @@ class Buffer:
             return
         self._destroyed = True
         self.peer_regions.clear()
-        worker, self._worker = self._worker, None
         impl, outputs = self._impl, self._outputs
 
         def release() -> None:
@@ -421,14 +333,9 @@ class Buffer:
 
         deadline = time.monotonic() + wait_s
         life.end(release, wait_s)
-        if worker is not None:
-            # Queued receive phases refuse at once (the Buffer is destroyed), a running one was told
-            # to stop: the thread ends within the bound, and a later wait never blocks here.
-            threads = list(getattr(worker, "_threads", ()))
-            worker.shutdown(wait=False)
-            for thread in threads:
-                if thread is not threading.current_thread():
-                    thread.join(max(0.0, deadline - time.monotonic()))
+        completions = getattr(self, "_completions", None)
+        if completions is not None:
+            completions.shutdown(deadline)
 
     def __enter__(self):
         return self
@@ -447,14 +354,6 @@ class Buffer:
         if self._destroyed:
             raise RuntimeError("Buffer: this buffer was destroyed")
 
-    def _check_capacity(self, tokens: int, hidden: int, experts: int) -> None:
-        needed = region_layout(self.num_ranks, tokens, hidden, experts).total_bytes
-        if (self.num_ep_buffer_bytes or self.transport != "collective") and needed > self.num_ep_buffer_bytes:
-            raise ValueError(
-                f"num_ep_buffer_bytes: this call (num_max_dispatch_tokens_per_rank={tokens}, hidden={hidden}, "
-                f"num_ranks={self.num_ranks}, num_experts={experts}) needs {needed} bytes "
-                f"(Buffer.get_ep_buffer_size_hint), the buffer has {self.num_ep_buffer_bytes}")
-
     def _check_members(self, active_ranks: torch.Tensor) -> None:
         if self.rank not in self.members:
             raise MembershipError(f"rank {self.rank} is not a member of the current view (a joiner not yet "
@@ -465,57 +364,6 @@ class Buffer:
             if outside:
                 raise ValueError(f"active_ranks: expected 0 for ranks outside epoch {self.epoch} (members "
                                  f"{list(self.members)}), got 1 for {outside}; reset it to buffer.active_mask()")
-
-    def _background(self) -> ThreadPoolExecutor:
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mep-recv")
-        return self._worker
-
-    def _completion(self, receive: Callable[[], None], async_finish: bool, return_recv_hook: bool,
-                    keep_alive) -> Tuple[EventOverlap, Optional[Callable[[], None]]]:
-        """Turn a receive phase into (event, hook) according to the call's mode.
-
-        The hook, the event and a background receive refuse to run (RuntimeError) once the Buffer
-        is destroyed; one that is waiting then is stopped by destroy() with RuntimeError.
-        """
-        if not (return_recv_hook or async_finish):
-            receive()  # synchronous: runs exactly once, here (the caller holds the Buffer's lifetime)
-            return EventOverlap(None, keep_alive), None
-        receive = _once(_guarded(self._life, receive))
-        if return_recv_hook:
-            return EventOverlap(receive, keep_alive), receive
-        future = self._background().submit(receive)
-        life = self._life
-
-        def finish() -> None:
-            while True:
-                try:
-                    return future.result(timeout=0.05)
-                except FutureTimeout:
-                    # destroy() stopped what it could (native waits); a collective the process group
-                    # has not finished cannot be stopped, and its event must not block for it.
-                    if life.destroyed and not future.done():
-                        raise RuntimeError("aborted: the Buffer was destroyed while this call was in flight") \
-                            from None
-
-        return EventOverlap(finish, keep_alive), None
-
-    def _dispatch_spec_slow(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
-                            timeout_us, use_fp8):
-        """Full dispatch validation (every error names its argument); returns (spec, timeout_us)."""
-        tokens, experts, timeout_us, use_fp8 = validation.check_dispatch(
-            x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
-            self.num_ranks)
-        hidden = x.size(1)
-        key = (tokens, experts, hidden, use_fp8)
-        spec = self._specs.get(key)
-        if spec is None:
-            self._check_capacity(tokens, hidden, experts)
-            spec = _CallSpec(self._token, tokens, experts, hidden, use_fp8, self.num_ranks)
-            if len(self._specs) >= 64:
-                self._specs.clear()
-            self._specs[key] = spec
-        return spec, timeout_us
 
     # ------------------------------------------------------------------ dispatch / combine
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, active_ranks: torch.Tensor,
@@ -576,7 +424,7 @@ class Buffer:
                 if problem:
                     raise ValueError(problem)
         if spec is None:
-            spec, timeout_us = self._dispatch_spec_slow(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+            spec, timeout_us = self._specs.validate_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                         num_experts, timeout_us, use_fp8)
         if len(self.members) < self.num_ranks:
             self._check_members(active_ranks)
@@ -606,7 +454,7 @@ class Buffer:
             if receive is None:
                 event, hook = EventOverlap(None, (x, topk_idx, outputs)), None
             else:
-                event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, outputs))
+                event, hook = self._completions.complete(receive, async_finish, return_recv_hook, (x, topk_idx, outputs))
                 if async_finish:
                     receipt.wait = event.current_stream_wait
         finally:
@@ -634,7 +482,7 @@ class Buffer:
         _, _, tokens, hidden, experts = validation.check_handle(handle, self.num_ranks)
         plan = self._plan_of(handle)
         shape = (experts // self.num_ranks, self.num_ranks * tokens, hidden)
-        self._check_capacity(tokens, hidden, experts)
+        self._specs.check_capacity(tokens, hidden, experts)
         return self._impl.combine_buffer(plan.call, shape, handle[0].device)
 
     def _plan_of(self, handle) -> DispatchPlan:
@@ -757,7 +605,7 @@ class Buffer:
                 self._impl.combine_sync(call)  # send and receive in one native call
                 return out, EventOverlap(None, (x, topk_idx, topk_weights)), None
             receive = self._impl.combine(call)
-            event, hook = self._completion(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights))
+            event, hook = self._completions.complete(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights))
         finally:
             life.leave()
         return out, event, hook

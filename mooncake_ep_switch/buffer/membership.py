@@ -40,10 +40,10 @@ Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; 
    If every member of the current view is gone nobody can seal any more: the job must restart.
 
 Records are validated when read and, with a per-job secret, authenticated; counters are bumped
-with compare-and-set. That record layer (codec, `_valid_*` checks, HMAC) is `membership_records.py`;
-this module is the epoch/view protocol on top of it.
+with compare-and-set. That record layer (codec, `_valid_*` checks, HMAC) is `membership_records.py`,
+the per-rank records on it (state, incarnation, endpoint, regions) `member_records.py`; this module
+is the epoch/view protocol on top of them.
 """
-import hashlib
 import math
 import numbers
 import time
@@ -52,8 +52,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence
 # The record layer; names other modules import from here are re-exported.
 from mooncake_ep_switch.buffer.membership_records import (ACTIVE, INACTIVE, JOINING, MAX_COUNTER,  # noqa: F401
                                                           MAX_RECORD_BYTES, MAX_STATE_BYTES, STATES, MembershipError,
-                                                          RecordStore, _rank_list, _valid_endpoint, _valid_peer_state,
-                                                          _valid_ready, _valid_region_record, _valid_state)
+                                                          RecordStore, _rank_list, _valid_ready, _valid_state)
+from mooncake_ep_switch.buffer.member_records import MemberRecords
 
 JOINER_BEAT_S = 0.02  # a waiting joiner refreshes alive/<rank> this often
 JOINER_PROOF_S = 1.0  # a sealer admits only joiners whose heartbeat moved within this long
@@ -111,7 +111,7 @@ def check_seconds(name: str, value, allow_none: bool = False) -> Optional[float]
     return seconds
 
 
-class Membership(RecordStore):
+class Membership(MemberRecords):
     """Read and change the EP membership kept in a store.
 
     Arguments:
@@ -123,15 +123,6 @@ class Membership(RecordStore):
         secret: per-job secret (bytes or str) that authenticates every record, or None (records
             are then only validated).
     """
-
-    def __init__(self, store, rank: int, num_ranks: int, prefix: str = "mep", secret=None):
-        import torch.distributed as dist
-
-        super().__init__(dist.PrefixStore(prefix, store), prefix, secret)
-        self.rank = rank
-        self.num_ranks = num_ranks
-        self.incarnation = self._bump(f"incarnation/{rank}")
-
 
     # ------------------------------------------------------------------ reads
     def epoch(self) -> int:
@@ -188,24 +179,6 @@ class Membership(RecordStore):
         found = self._view_record(epoch)
         return View(epoch, tuple(range(self.num_ranks)) if found is None else tuple(found))
 
-    def _state_record(self, rank: int) -> Optional[dict]:
-        return self._read(f"state/{rank}", _valid_state, "state record")
-
-    def state(self, rank: int) -> str:
-        """State of `rank`: active, inactive or joining.
-
-        Arguments:
-            rank: EP rank in `[0, num_ranks)`.
-
-        Returns:
-            state: `"active"` (also when never set), `"inactive"` or `"joining"`.
-
-        Raises:
-            MembershipError: the state record is malformed or fails authentication.
-        """
-        found = self._state_record(rank)
-        return ACTIVE if found is None else found["state"]
-
     def joining(self, epoch: Optional[int] = None) -> List[int]:
         """Ranks waiting to be admitted into `epoch` (default: the one after the current epoch).
 
@@ -239,72 +212,6 @@ class Membership(RecordStore):
             return None
         return record
 
-    def endpoint(self, rank: int) -> dict:
-        """The published endpoint of `rank`'s current incarnation.
-
-        Arguments:
-            rank: EP rank in `[0, num_ranks)`.
-
-        Returns:
-            endpoint: dict as published (see `publish_endpoint`) plus `"incarnation"` (int).
-
-        Raises:
-            MembershipError: that incarnation has published no endpoint yet, or the record is
-                malformed or fails authentication.
-        """
-        incarnation = self._counter(f"incarnation/{rank}")
-        found = self._read(f"endpoint/{rank}/{incarnation}", _valid_endpoint,
-                           "endpoint (dict: region [pid, fd, nbytes], host_id str, te_session str, te_base int)")
-        if found is None:
-            raise MembershipError(f"rank {rank} (incarnation {incarnation}) has published no endpoint")
-        return dict(found, incarnation=incarnation)
-
-    def incarnation_of(self, rank: int) -> int:
-        """The current incarnation number of `rank` (bumped by every process taking the rank id).
-
-        Arguments:
-            rank: EP rank in `[0, num_ranks)`.
-
-        Returns:
-            incarnation: int, 0 when no process took the rank yet.
-
-        Raises:
-            MembershipError: the counter holds something other than a count.
-        """
-        return self._counter(f"incarnation/{rank}")
-
-    def region_record(self, index: int, rank: int) -> Optional[dict]:
-        """The shared regions `rank`'s current incarnation published for participant `index`.
-
-        Arguments:
-            index: participant index (see `buffer/peer_regions.py`), >= 0.
-            rank: EP rank in `[0, num_ranks)`.
-
-        Returns:
-            record: dict with `"kind"` (str) and `"regions"` (list of `[pid, fd, nbytes]`), or
-                None when that incarnation has published none (yet).
-
-        Raises:
-            MembershipError: the record is malformed or fails authentication.
-        """
-        incarnation = self._counter(f"incarnation/{rank}")
-        return self._read(f"regions/{index}/{rank}/{incarnation}", _valid_region_record,
-                          "region record (dict: kind str, regions list of [pid, fd, nbytes])")
-
-    def peer_state(self, epoch: int) -> Optional[list]:
-        """What the members published for the replacements admitted into `epoch` (see `publish_peer_state`).
-
-        Arguments:
-            epoch: the epoch that admitted the replacement.
-
-        Returns:
-            states: list of dicts (`"index"`, `"kind"`, `"state"`), or None when not published (yet).
-
-        Raises:
-            MembershipError: the record is malformed or fails authentication.
-        """
-        return self._read(f"regions/state/{epoch}", _valid_peer_state, "peer state list", limit=MAX_STATE_BYTES)
-
     def evidence(self, epoch: Optional[int] = None) -> Dict[int, List[int]]:
         """Failures reported in `epoch`: reporter -> ranks it saw fail.
 
@@ -328,88 +235,6 @@ class Membership(RecordStore):
         return found
 
     # ------------------------------------------------------------------ writes
-    def publish_endpoint(self, endpoint: dict) -> None:
-        """Publish this incarnation's endpoint (region pid/fd, TE session, host identity).
-
-        Arguments:
-            endpoint: JSON-serialisable dict (the transport's `endpoint()` plus `"host_id"`).
-
-        Raises:
-            ValueError: `endpoint` is not a valid endpoint record.
-        """
-        if not _valid_endpoint(endpoint):
-            raise ValueError(f"endpoint: expected a dict with region [pid, fd, nbytes], host_id str, te_session "
-                             f"str, te_base int, got {endpoint!r}")
-        self._put(f"endpoint/{self.rank}/{self.incarnation}", endpoint)
-
-    def publish_region_record(self, index: int, record: dict) -> None:
-        """Publish this incarnation's shared regions of participant `index` (see `region_record`).
-
-        Arguments:
-            index: participant index, >= 0.
-            record: dict with `"kind"` (str) and `"regions"` (list of `[pid, fd, nbytes]`).
-
-        Raises:
-            ValueError: `record` is not a valid region record.
-        """
-        if not _valid_region_record(record):
-            raise ValueError(f"record: expected a dict with kind str and regions list of [pid, fd, nbytes], got "
-                             f"{str(record)[:120]!r}")
-        self._put(f"regions/{index}/{self.rank}/{self.incarnation}", record)
-
-    def publish_peer_state(self, epoch: int, states: list) -> None:
-        """Publish, once per epoch, what replacements admitted into `epoch` take over (see `peer_state`).
-
-        Arguments:
-            epoch: the epoch that admits the replacements.
-            states: list of dicts with `"index"` (int), `"kind"` (str) and `"state"` (JSON dict).
-
-        Raises:
-            ValueError: `states` is not a valid list or is larger than `MAX_STATE_BYTES`.
-        """
-        if not _valid_peer_state(states):
-            raise ValueError(f"states: expected a list of dicts with index int, kind str and state dict, got "
-                             f"{str(states)[:120]!r}")
-        key = f"regions/state/{epoch}"
-        text = self._encode(key, states)
-        if len(text) > MAX_STATE_BYTES:
-            raise ValueError(f"states: {len(text)} bytes encoded, at most {MAX_STATE_BYTES}")
-        self.store.set(key, text)
-
-    def reincarnate(self) -> int:
-        """Take a new incarnation of this rank (a left-out rank that rejoins).
-
-        Returns:
-            incarnation: the new incarnation number.
-
-        Raises:
-            MembershipError: another process took this rank over (its incarnation is newer).
-        """
-        new = self._bump(f"incarnation/{self.rank}", expected=self.incarnation)
-        if new < 0:
-            raise MembershipError(f"rank {self.rank} was taken over by another process (incarnation "
-                                  f"{self._counter(f'incarnation/{self.rank}')}, this one {self.incarnation}): "
-                                  "this Buffer cannot rejoin; destroy it")
-        self.incarnation = new
-        return new
-
-    def set_state(self, state: str, rank: Optional[int] = None, epoch: int = 0) -> None:
-        """Set `rank`'s (default this rank's) state.
-
-        Arguments:
-            state: `"active"`, `"inactive"` or `"joining"`.
-            rank: EP rank, or None for this rank.
-            epoch: the epoch the state refers to (for joining: the epoch it asks to enter).
-
-        Raises:
-            ValueError: an unknown state.
-        """
-        if state not in STATES:
-            raise ValueError(f"state: expected one of active, inactive, joining, got {state!r}")
-        rank = self.rank if rank is None else rank
-        incarnation = self.incarnation if rank == self.rank else self._counter(f"incarnation/{rank}")
-        self._put(f"state/{rank}", {"state": state, "incarnation": incarnation, "epoch": epoch})
-
     def report_failures(self, ranks: Iterable[int]) -> None:
         """Publish the ranks this rank saw fail in the current epoch (data-plane evidence).
 
@@ -421,15 +246,6 @@ class Membership(RecordStore):
         ranks = sorted(set(int(r) for r in ranks))
         if ranks:
             self._put(f"evidence/{self.epoch()}/{self.rank}", ranks)
-
-    def deactivate(self, ranks: Iterable[int]) -> None:
-        """Mark ranks inactive (an operator's or a survivor's decision after evidence).
-
-        Arguments:
-            ranks: iterable of int EP ranks.
-        """
-        for rank in ranks:
-            self.set_state(INACTIVE, rank)
 
     # ------------------------------------------------------------------ agreement
     def agree_next_view(self, current: int, expected: Iterable[int], deadline: float, call: int = 0,
@@ -636,98 +452,3 @@ class Membership(RecordStore):
                 raise MembershipError(f"deadline passed while waiting for {what}")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
-
-
-def root_store(store):
-    """The store under any PrefixStore wrappers: every handle to one server gives the same keys.
-
-    The default group's store arrives wrapped by torch.distributed's own prefixes, a replacement
-    rank's store client does not; membership keys of a group on the default store must not depend
-    on which handle a rank holds. (A store the caller passes explicitly keeps its prefixes.)
-
-    Arguments:
-        store: a torch.distributed Store, possibly wrapped in PrefixStores.
-
-    Returns:
-        store: the innermost Store (the argument itself when not a PrefixStore).
-    """
-    import torch.distributed as dist
-
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
-
-
-def group_prefix(group_ranks: Sequence[int], base: str = "mep") -> str:
-    """Key prefix of one EP group: its identity is the global ranks it was built from, in group order.
-
-    Two groups of one job (attention DP and EP, several models) never share membership keys, even
-    on one store; a replacement names its group by the same ranks (`elastic.join(group_ranks=...)`).
-
-    Arguments:
-        group_ranks: the group's global ranks in group-rank order (`dist.get_process_group_ranks`).
-        base: the caller's key prefix.
-
-    Returns:
-        prefix: str, `"<base>/grp-<16 hex digits>"`.
-    """
-    text = ",".join(str(int(r)) for r in group_ranks)
-    return f"{base}/grp-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
-
-
-def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joining: bool = False) -> str:
-    """Key prefix of the Buffer being built: one membership record per Buffer generation.
-
-    Every rank constructs its Buffers of one group in the same order, so the n-th Buffer of every
-    rank gets generation n and never reads an endpoint a previous Buffer left in the store. A
-    joining rank adopts the newest generation any rank has reached.
-
-    Arguments:
-        store: a torch.distributed Store, used as given.
-        rank: this EP rank.
-        num_ranks: EP group size.
-        base: key prefix of the EP group (see `group_prefix`).
-        joining: a replacement rank: adopt the newest generation instead of advancing its own counter.
-
-    Returns:
-        prefix: str, `"<base>/g<n>"` for generation `n`.
-
-    Raises:
-        MembershipError: a generation counter in the store holds something other than a count.
-    """
-    import torch.distributed as dist
-
-    counters = RecordStore(dist.PrefixStore(f"{base}/generation", store), f"{base}/generation")  # no incarnation
-    if joining:
-        newest = max(counters._counter(str(r)) for r in range(num_ranks))
-        counters.store.set(str(rank), str(newest))
-        return f"{base}/g{newest}"
-    return f"{base}/g{counters._bump(str(rank))}"
-
-
-def view_group(store, view: View, rank: int, timeout_s: float, prefix: str = "mep"):
-    """A gloo process group over the members of `view` (group rank = position in `view.ranks`).
-
-    Built from the store with the epoch in its key prefix, so it never meets a previous epoch's
-    group. Collective over the members.
-
-    Arguments:
-        store: the torch.distributed Store shared by the members.
-        view: the `View` whose members form the group; `rank` must be one of them.
-        rank: this EP rank.
-        timeout_s: the group's timeout in seconds (finite, > 0).
-        prefix: key prefix of the EP group.
-
-    Returns:
-        group: a `torch.distributed.ProcessGroupGloo`.
-
-    Raises:
-        TypeError, ValueError: `timeout_s` is not a finite number of seconds > 0.
-    """
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    timeout_s = check_seconds("timeout_s", timeout_s)
-    prefixed = dist.PrefixStore(f"{prefix}/group/{view.epoch}", store)
-    return dist.ProcessGroupGloo(prefixed, view.ranks.index(rank), len(view.ranks), timedelta(seconds=timeout_s))

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.buffer import kernels
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
-from mooncake_ep_switch.buffer.membership import view_group
+from mooncake_ep_switch.buffer.group_keys import view_group
 
 # Fixed mode (one dispatch exchange instead of two) when a rank's padded send is at most this many
 # bytes: below it the extra padding costs less than one more collective round trip.

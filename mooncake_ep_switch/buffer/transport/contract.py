@@ -1,6 +1,6 @@
 """The contract every transport under a `Buffer` keeps (one-sided shm / Transfer Engine, collective).
 
-`Buffer` resolves the transport once (`Buffer._make_transport`, rules in docs/transports.md) and
+`Buffer` resolves the transport once (`transport/select.py make_transport`, rules in docs/transports.md) and
 then calls only what `Transport` declares; nothing is probed with `hasattr`. The implementations:
 `buffer.transport.one_sided.OneSidedTransport` (`"shm"`, `"mooncake"`) and
 `buffer.transport.collective.CollectiveTransport` (`"collective"`).

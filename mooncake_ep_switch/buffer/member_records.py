@@ -1,0 +1,206 @@
+"""The records one rank keeps about itself and reads about its peers: state, incarnation, endpoint, regions.
+
+`MemberRecords` is the typed layer between the record codec (`membership_records.RecordStore`:
+validation, authentication, counters) and the epoch/view protocol (`membership.Membership`, which
+builds on it). Every read is validated; a record that fails is refused with `MembershipError`.
+"""
+from typing import Iterable, Optional
+
+from mooncake_ep_switch.buffer.membership_records import (ACTIVE, INACTIVE, JOINING, MAX_STATE_BYTES, STATES,  # noqa: F401
+                                                          MembershipError, RecordStore, _valid_endpoint,
+                                                          _valid_peer_state, _valid_region_record, _valid_state)
+
+
+class MemberRecords(RecordStore):
+    """Per-rank records of one EP group generation (keys listed in membership.py).
+
+    Arguments:
+        store: a torch.distributed Store shared by every rank (and replacements); used as given.
+        rank: this process's EP rank.
+        num_ranks: EP group size.
+        prefix: key prefix (one EP group generation per prefix).
+        secret: per-job secret (bytes or str) that authenticates every record, or None.
+    """
+
+    def __init__(self, store, rank: int, num_ranks: int, prefix: str = "mep", secret=None):
+        import torch.distributed as dist
+
+        super().__init__(dist.PrefixStore(prefix, store), prefix, secret)
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.incarnation = self._bump(f"incarnation/{rank}")
+
+    def _state_record(self, rank: int) -> Optional[dict]:
+        return self._read(f"state/{rank}", _valid_state, "state record")
+
+    def state(self, rank: int) -> str:
+        """State of `rank`: active, inactive or joining.
+
+        Arguments:
+            rank: EP rank in `[0, num_ranks)`.
+
+        Returns:
+            state: `"active"` (also when never set), `"inactive"` or `"joining"`.
+
+        Raises:
+            MembershipError: the state record is malformed or fails authentication.
+        """
+        found = self._state_record(rank)
+        return ACTIVE if found is None else found["state"]
+
+    def endpoint(self, rank: int) -> dict:
+        """The published endpoint of `rank`'s current incarnation.
+
+        Arguments:
+            rank: EP rank in `[0, num_ranks)`.
+
+        Returns:
+            endpoint: dict as published (see `publish_endpoint`) plus `"incarnation"` (int).
+
+        Raises:
+            MembershipError: that incarnation has published no endpoint yet, or the record is
+                malformed or fails authentication.
+        """
+        incarnation = self._counter(f"incarnation/{rank}")
+        found = self._read(f"endpoint/{rank}/{incarnation}", _valid_endpoint,
+                           "endpoint (dict: region [pid, fd, nbytes], host_id str, te_session str, te_base int)")
+        if found is None:
+            raise MembershipError(f"rank {rank} (incarnation {incarnation}) has published no endpoint")
+        return dict(found, incarnation=incarnation)
+
+    def incarnation_of(self, rank: int) -> int:
+        """The current incarnation number of `rank` (bumped by every process taking the rank id).
+
+        Arguments:
+            rank: EP rank in `[0, num_ranks)`.
+
+        Returns:
+            incarnation: int, 0 when no process took the rank yet.
+
+        Raises:
+            MembershipError: the counter holds something other than a count.
+        """
+        return self._counter(f"incarnation/{rank}")
+
+    def region_record(self, index: int, rank: int) -> Optional[dict]:
+        """The shared regions `rank`'s current incarnation published for participant `index`.
+
+        Arguments:
+            index: participant index (see `buffer/peer_regions.py`), >= 0.
+            rank: EP rank in `[0, num_ranks)`.
+
+        Returns:
+            record: dict with `"kind"` (str) and `"regions"` (list of `[pid, fd, nbytes]`), or
+                None when that incarnation has published none (yet).
+
+        Raises:
+            MembershipError: the record is malformed or fails authentication.
+        """
+        incarnation = self._counter(f"incarnation/{rank}")
+        return self._read(f"regions/{index}/{rank}/{incarnation}", _valid_region_record,
+                          "region record (dict: kind str, regions list of [pid, fd, nbytes])")
+
+    def peer_state(self, epoch: int) -> Optional[list]:
+        """What the members published for the replacements admitted into `epoch` (see `publish_peer_state`).
+
+        Arguments:
+            epoch: the epoch that admitted the replacement.
+
+        Returns:
+            states: list of dicts (`"index"`, `"kind"`, `"state"`), or None when not published (yet).
+
+        Raises:
+            MembershipError: the record is malformed or fails authentication.
+        """
+        return self._read(f"regions/state/{epoch}", _valid_peer_state, "peer state list", limit=MAX_STATE_BYTES)
+
+    def publish_endpoint(self, endpoint: dict) -> None:
+        """Publish this incarnation's endpoint (region pid/fd, TE session, host identity).
+
+        Arguments:
+            endpoint: JSON-serialisable dict (the transport's `endpoint()` plus `"host_id"`).
+
+        Raises:
+            ValueError: `endpoint` is not a valid endpoint record.
+        """
+        if not _valid_endpoint(endpoint):
+            raise ValueError(f"endpoint: expected a dict with region [pid, fd, nbytes], host_id str, te_session "
+                             f"str, te_base int, got {endpoint!r}")
+        self._put(f"endpoint/{self.rank}/{self.incarnation}", endpoint)
+
+    def publish_region_record(self, index: int, record: dict) -> None:
+        """Publish this incarnation's shared regions of participant `index` (see `region_record`).
+
+        Arguments:
+            index: participant index, >= 0.
+            record: dict with `"kind"` (str) and `"regions"` (list of `[pid, fd, nbytes]`).
+
+        Raises:
+            ValueError: `record` is not a valid region record.
+        """
+        if not _valid_region_record(record):
+            raise ValueError(f"record: expected a dict with kind str and regions list of [pid, fd, nbytes], got "
+                             f"{str(record)[:120]!r}")
+        self._put(f"regions/{index}/{self.rank}/{self.incarnation}", record)
+
+    def publish_peer_state(self, epoch: int, states: list) -> None:
+        """Publish, once per epoch, what replacements admitted into `epoch` take over (see `peer_state`).
+
+        Arguments:
+            epoch: the epoch that admits the replacements.
+            states: list of dicts with `"index"` (int), `"kind"` (str) and `"state"` (JSON dict).
+
+        Raises:
+            ValueError: `states` is not a valid list or is larger than `MAX_STATE_BYTES`.
+        """
+        if not _valid_peer_state(states):
+            raise ValueError(f"states: expected a list of dicts with index int, kind str and state dict, got "
+                             f"{str(states)[:120]!r}")
+        key = f"regions/state/{epoch}"
+        text = self._encode(key, states)
+        if len(text) > MAX_STATE_BYTES:
+            raise ValueError(f"states: {len(text)} bytes encoded, at most {MAX_STATE_BYTES}")
+        self.store.set(key, text)
+
+    def reincarnate(self) -> int:
+        """Take a new incarnation of this rank (a left-out rank that rejoins).
+
+        Returns:
+            incarnation: the new incarnation number.
+
+        Raises:
+            MembershipError: another process took this rank over (its incarnation is newer).
+        """
+        new = self._bump(f"incarnation/{self.rank}", expected=self.incarnation)
+        if new < 0:
+            raise MembershipError(f"rank {self.rank} was taken over by another process (incarnation "
+                                  f"{self._counter(f'incarnation/{self.rank}')}, this one {self.incarnation}): "
+                                  "this Buffer cannot rejoin; destroy it")
+        self.incarnation = new
+        return new
+
+    def set_state(self, state: str, rank: Optional[int] = None, epoch: int = 0) -> None:
+        """Set `rank`'s (default this rank's) state.
+
+        Arguments:
+            state: `"active"`, `"inactive"` or `"joining"`.
+            rank: EP rank, or None for this rank.
+            epoch: the epoch the state refers to (for joining: the epoch it asks to enter).
+
+        Raises:
+            ValueError: an unknown state.
+        """
+        if state not in STATES:
+            raise ValueError(f"state: expected one of active, inactive, joining, got {state!r}")
+        rank = self.rank if rank is None else rank
+        incarnation = self.incarnation if rank == self.rank else self._counter(f"incarnation/{rank}")
+        self._put(f"state/{rank}", {"state": state, "incarnation": incarnation, "epoch": epoch})
+
+    def deactivate(self, ranks: Iterable[int]) -> None:
+        """Mark ranks inactive (an operator's or a survivor's decision after evidence).
+
+        Arguments:
+            ranks: iterable of int EP ranks.
+        """
+        for rank in ranks:
+            self.set_state(INACTIVE, rank)
