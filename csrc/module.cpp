@@ -212,11 +212,11 @@ PYBIND11_MODULE(_native, m) {
         "experts"_a, "counts"_a, "pinned"_a, "start"_a, "rows"_a, "num_rows"_a, "peak_limit"_a, "item_limit"_a,
         "budget"_a, "split"_a, "relieve"_a, "revert"_a, "node_margin"_a, "retries"_a, "max_steps"_a, "near"_a, "swap_from"_a, "heavy"_a, "threads"_a,
         "The EPLB movement-aware search for the layers in rows, in place (arrays validated by "
-        "eplb/local_search.py; start and budget may be 0 for none).");
+        "eplb/policy/local_search.py; start and budget may be 0 for none).");
     m.def("eplb_refine", &mep::eplb_refine, release(), "experts"_a, "sizes"_a, "pinned"_a, "num_rows"_a,
           "num_bins"_a, "slots"_a, "bin_node"_a, "sweeps"_a, "descend_steps"_a, "near"_a, "threads"_a,
           "Swap-refine packed rows in place: group sweeps (if sweeps), then descent of the heaviest bin "
-          "(arrays validated by eplb/packing.py).");
+          "(arrays validated by eplb/policy/packing.py).");
     m.def("signal_publish", &mep::signal_publish, "addr"_a, "value"_a,
           "Release-store a uint64 signal word and wake every wait_words() sleeping on it.");
     m.def("signal_cas", &mep::signal_cas, "addr"_a, "expected"_a, "desired"_a,

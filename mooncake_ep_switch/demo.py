@@ -113,7 +113,7 @@ def initial_placement(config: DemoConfig) -> np.ndarray:
 
 
 def _weights(config: DemoConfig):
-    from mooncake_ep_switch.switch.moe_block import MoEWeights, random_weights
+    from mooncake_ep_switch.reference.moe_block import MoEWeights, random_weights
 
     layers = []
     for layer in range(config.layers):
@@ -223,7 +223,7 @@ def rank_switch(ctx, target: str):
 def _ep_forward(ctx, x):
     """Every layer in EP; returns (output, per-layer slot counts or None, per-layer dispatch rows or None)."""
     from mooncake_ep_switch.eplb.serving import physical_ep_forward
-    from mooncake_ep_switch.switch.moe_block import ep_forward_local
+    from mooncake_ep_switch.reference.moe_block import ep_forward_local
 
     state = _RANK_STATE
     config, buffer, slots, active = state["config"], state["buffer"], state["slots"], state["active"]
@@ -247,7 +247,7 @@ def _ep_forward(ctx, x):
 
 def _ep_reference(ctx, x, rows, dead):
     """The single-process forward without the experts this rank's tokens sent to dead ranks."""
-    from mooncake_ep_switch.switch.moe_block import reference_forward
+    from mooncake_ep_switch.reference.moe_block import reference_forward
 
     state = _RANK_STATE
     config = state["config"]
@@ -284,7 +284,7 @@ def rank_step(ctx, step: int, command: dict):
     """
     import signal
 
-    from mooncake_ep_switch.switch.moe_block import reference_forward, tp_forward
+    from mooncake_ep_switch.reference.moe_block import reference_forward, tp_forward
 
     state = _RANK_STATE
     config, umm = state["config"], state["umm"]
@@ -380,7 +380,7 @@ class _Controller:
 
     def plan(self, step: int):
         """A rebalance to begin at `step` (commit two steps later), or None."""
-        from mooncake_ep_switch.eplb.replicas import place_redundant_experts
+        from mooncake_ep_switch.eplb.policy.redundant import place_redundant_experts
 
         config = self.config
         if (self.layout != LAYOUT_EP or step <= self.rebalance_until or self.ep_steps_recorded < config.rebalance_after

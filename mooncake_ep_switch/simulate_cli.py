@@ -1,6 +1,6 @@
 """`mooncake-ep simulate`: replay a bursty serving trace and an RL-rollout trace through the switch policy.
 
-Both traces (``switch/traces.py``) run under the step-latency cost model (``switch/simulator.py``)
+Both traces (``switch/planning/traces.py``) run under the step-latency cost model (``switch/planning/simulator.py``)
 in every mode: static TP, static EP, the switch policy and the oracle (plus ``oracle_free``, the
 switches-are-free bound). The cost model is either the Moebius paper's (``CostModel.from_paper()``:
 Qwen3-235B-A22B on 8xH200) or, with ``--calibrate``, measured on this machine: a single-process CPU
@@ -26,11 +26,11 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, TextIO, Tuple
 
 import numpy as np
 
-from mooncake_ep_switch.switch.policy import EP, NEVER, TP, Calibration, PolicySettings, calibrate
-from mooncake_ep_switch.switch.simulator import (ORACLE, POLICY, STATIC_EP, STATIC_TP,
+from mooncake_ep_switch.switch.planning.policy import EP, NEVER, TP, Calibration, PolicySettings, calibrate
+from mooncake_ep_switch.switch.planning.simulator import (ORACLE, POLICY, STATIC_EP, STATIC_TP,
                                                  ComparisonRow, CostModel, compare,
                                                  default_policy_settings, format_table, plot_timeline)
-from mooncake_ep_switch.switch.traces import PAPER_BURSTY_PHASES, PhaseSpec, Trace, bursty_trace, rollout_trace
+from mooncake_ep_switch.switch.planning.traces import PAPER_BURSTY_PHASES, PhaseSpec, Trace, bursty_trace, rollout_trace
 
 #: The Moebius paper's results (seed 000, section 9), for the side-by-side table. ``None``: not given.
 PAPER_RESULTS = {
@@ -135,7 +135,7 @@ def cpu_calibration(batch_sizes: Sequence[int] = CPU_BATCH_SIZES, trials: int = 
     """
     import torch
 
-    from mooncake_ep_switch.switch.moe_block import expert_forward, random_weights, route, shard_tp
+    from mooncake_ep_switch.reference.moe_block import expert_forward, random_weights, route, shard_tp
 
     shape = dict(CPU_LAYER if layer is None else layer)
     num_experts, hidden, inter = shape["num_experts"], shape["hidden"], shape["intermediate"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mooncake_ep_switch.eplb.compat import rebalance_experts
+from mooncake_ep_switch.eplb.policy.compat import rebalance_experts
 
 EXAMPLE = torch.tensor([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
                         [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])

@@ -33,7 +33,7 @@ def _setup(ctx, spare_frames=SLOTS_PER_RANK):
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.eplb.online import OnlineRebalancer
     from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
-    from mooncake_ep_switch.switch.moe_block import random_weights
+    from mooncake_ep_switch.reference.moe_block import random_weights
 
     size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, ctx.num_ranks, R * SLOTS_PER_RANK)
     buffer = Buffer(ctx.group, size, transport="shm")
@@ -56,7 +56,7 @@ def _forward(ctx, buffer, weights, slots, active, x, skip_dead=()):
     """Both layers on physical experts; returns (output, reference, per-layer recv counts)."""
     from mooncake_ep_switch.eplb.maps import build_dispatch_map
     from mooncake_ep_switch.eplb.serving import physical_ep_forward
-    from mooncake_ep_switch.switch.moe_block import reference_forward
+    from mooncake_ep_switch.reference.moe_block import reference_forward
 
     dispatch_map = build_dispatch_map(slots.phy2log, R, R)
     out, reference, counts = x, x, []

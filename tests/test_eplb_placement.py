@@ -332,7 +332,7 @@ def _reference_refine(ex, sz, pn, node, descend_steps, near):
 @pytest.mark.parametrize("seed", range(3))
 def test_swap_refinement_matches_a_plain_loop(bins, slots, near, seed):
     """`packing.refine_swaps` (compiled, rows on threads) against the same rule written as loops."""
-    from mooncake_ep_switch.eplb.packing import refine_swaps
+    from mooncake_ep_switch.eplb.policy.packing import refine_swaps
 
     rng = np.random.default_rng(seed)
     rows = 5
@@ -387,7 +387,7 @@ def test_eight_experts_on_100k_gpus_is_placed_quickly():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_lpt_heap_path_matches_the_vectorised_scan(seed, monkeypatch):
-    from mooncake_ep_switch.eplb import packing
+    from mooncake_ep_switch.eplb.policy import packing
 
     rng = np.random.default_rng(seed)
     for _ in range(60):

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_ep_switch.eplb import greedy_rebalance_experts, layer_balancedness
-from mooncake_ep_switch.eplb.replicas import place_redundant_experts
+from mooncake_ep_switch.eplb.policy.redundant import place_redundant_experts
 
 SETTINGS = settings(
     max_examples=int(os.environ.get("EPLB_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow],

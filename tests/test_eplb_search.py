@@ -3,10 +3,10 @@ one move, independence of the thread count, and argument checks."""
 import numpy as np
 import pytest
 
-from mooncake_ep_switch.eplb.construct import Topology
-from mooncake_ep_switch.eplb.layout import expert_counts
-from mooncake_ep_switch.eplb.local_search import search
-from mooncake_ep_switch.eplb.placement import rebalance_experts
+from mooncake_ep_switch.eplb.policy.construct import Topology
+from mooncake_ep_switch.eplb.policy.tables import expert_counts
+from mooncake_ep_switch.eplb.policy.local_search import search
+from mooncake_ep_switch.eplb.policy.placement import rebalance_experts
 
 
 def problem(seed: int, hierarchical: bool, layers: int = 4, nodes: int = 2, gpus_per_node: int = 4,
@@ -235,7 +235,7 @@ def test_more_bad_arguments_are_refused_before_anything_moves():
 
 
 def test_refinement_refuses_negative_counts():
-    from mooncake_ep_switch.eplb.packing import refine_swaps
+    from mooncake_ep_switch.eplb.policy.packing import refine_swaps
 
     ex = np.arange(12, dtype=np.int64).reshape(1, 4, 3)
     sz = np.linspace(0.1, 1.2, 12).reshape(1, 4, 3)

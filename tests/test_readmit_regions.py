@@ -31,7 +31,7 @@ DEAD = 0
 
 def _load():
     """The checkpoint loader: the full weights of every layer (seeded, the same on every call)."""
-    from mooncake_ep_switch.switch.moe_block import random_weights
+    from mooncake_ep_switch.reference.moe_block import random_weights
 
     return [random_weights(EXPERTS, HIDDEN, INTER, seed=300 + layer) for layer in range(LAYERS)]
 
@@ -75,7 +75,7 @@ def rank_setup(ctx):
 def _ep_step(ctx, step, dead=()):
     """One EP step on physical experts (the rebalancer advanced first); True if equal to the reference."""
     from mooncake_ep_switch.eplb.serving import physical_ep_forward
-    from mooncake_ep_switch.switch.moe_block import reference_forward
+    from mooncake_ep_switch.reference.moe_block import reference_forward
 
     state = harness.RANK_STATE
     memory, active = state["memory"], state["active"]
@@ -93,7 +93,7 @@ def _ep_step(ctx, step, dead=()):
 
 def _tp_step(step):
     """One TP step (the same tokens on every rank); True if equal to the single-process reference."""
-    from mooncake_ep_switch.switch.moe_block import reference_forward, tp_forward
+    from mooncake_ep_switch.reference.moe_block import reference_forward, tp_forward
 
     state = harness.RANK_STATE
     memory = state["memory"]
@@ -159,7 +159,7 @@ def rank_readmit(ctx):
 
 def rank_after_readmission(ctx):
     """Switch EP -> TP (views and forward exact), back to EP, then rebalance online to a new placement."""
-    from mooncake_ep_switch.switch.moe_block import shard_tp
+    from mooncake_ep_switch.reference.moe_block import shard_tp
 
     memory = harness.RANK_STATE["memory"]
     taken_over = {"seq": memory.umm.seq, "epoch": memory.rebalancer.epoch, "placement": memory.slots.phy2log.tolist()}

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from mooncake_ep_switch import cli, simulate_cli
-from mooncake_ep_switch.switch.policy import EP, TP, calibrate
-from mooncake_ep_switch.switch.simulator import POLICY, STATIC_EP, STATIC_TP, CostModel, compare
+from mooncake_ep_switch.switch.planning.policy import EP, TP, calibrate
+from mooncake_ep_switch.switch.planning.simulator import POLICY, STATIC_EP, STATIC_TP, CostModel, compare
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,12 +6,12 @@ import math
 import numpy as np
 import pytest
 
-from mooncake_ep_switch.switch.policy import EP, TP, PolicySettings, calibrate
-from mooncake_ep_switch.switch.simulator import (MODES, ORACLE, ORACLE_FREE, POLICY, STATIC_EP, STATIC_TP,
+from mooncake_ep_switch.switch.planning.policy import EP, TP, PolicySettings, calibrate
+from mooncake_ep_switch.switch.planning.simulator import (MODES, ORACLE, ORACLE_FREE, POLICY, STATIC_EP, STATIC_TP,
                                                  ComparisonRow, CostModel, Metrics, compare,
                                                  default_policy_settings, format_table, plot_timeline,
                                                  simulate)
-from mooncake_ep_switch.switch.traces import (PhaseSpec, Trace, bursty_trace, rollout_trace)
+from mooncake_ep_switch.switch.planning.traces import (PhaseSpec, Trace, bursty_trace, rollout_trace)
 
 PAPER = CostModel.from_paper()
 

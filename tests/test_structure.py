@@ -113,7 +113,7 @@ def test_no_import_cycle_between_packages():
     assert not cycles, f"import cycles between packages: {where}"
 
 
-@pytest.mark.parametrize("room", ["buffer", "checks", "config", "faults"])
+@pytest.mark.parametrize("room", ["buffer", "vocabulary", "config", "faults"])
 def test_the_core_imports_no_feature_package(room):
     """buffer (the data plane) and the vocabulary modules import none of switch, eplb, models, bench."""
     graph = package_graph()
@@ -129,3 +129,27 @@ def test_no_ctypes_in_the_package():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             users += [f"{module}:{node.lineno}" for name in names if name.split(".")[0] == "ctypes"]
     assert not users, f"ctypes imported in {users}"
+
+
+POLICY_ROOMS = {
+    # pure policy: decides from numbers, never touches a Buffer, a region or the runtime beside it
+    "mooncake_ep_switch.eplb.policy": ("mooncake_ep_switch.buffer", "mooncake_ep_switch.switch",
+                                       "mooncake_ep_switch.eplb.recorder", "mooncake_ep_switch.eplb.maps",
+                                       "mooncake_ep_switch.eplb.slots", "mooncake_ep_switch.eplb.online",
+                                       "mooncake_ep_switch.eplb.serving"),
+    "mooncake_ep_switch.switch.planning": ("mooncake_ep_switch.buffer", "mooncake_ep_switch.eplb",
+                                           "mooncake_ep_switch.switch.umm", "mooncake_ep_switch.switch.reshard",
+                                           "mooncake_ep_switch.switch.switcher", "mooncake_ep_switch.switch.kv",
+                                           "mooncake_ep_switch.switch.tp_collective"),
+}
+
+
+@pytest.mark.parametrize("room", sorted(POLICY_ROOMS))
+def test_policy_is_apart_from_the_runtime(room):
+    """eplb.policy (placement) and switch.planning (when to switch) import no runtime module."""
+    modules = _modules()
+    inside = [m for m in modules if m == room or m.startswith(room + ".")]
+    assert len(inside) > 3, f"{room}: expected its modules, found {inside}"
+    bad = [(m, target, line) for m in inside for target, line in _imports(modules[m], modules)
+           if target.startswith(POLICY_ROOMS[room])]
+    assert not bad, f"{room} imports the runtime: {bad}"

@@ -28,7 +28,7 @@ def _die(how):
 
 
 def rank_killed_mid_switch(ctx, target, phase, index, how):
-    from mooncake_ep_switch.switch.moe_block import random_weights
+    from mooncake_ep_switch.reference.moe_block import random_weights
     from mooncake_ep_switch.switch.switcher import switch_layout
 
     full = [random_weights(8, 128, 64, seed=layer) for layer in range(MOE_LAYERS)]

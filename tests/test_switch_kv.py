@@ -99,7 +99,7 @@ def _populate(kv, rank, num_ranks, layout):
 
 def _attention_here(kv, step):
     """{(rid, layer): {query head: output row}} for every request here."""
-    from mooncake_ep_switch.switch.attention import decode_attention
+    from mooncake_ep_switch.reference.attention import decode_attention
 
     rids = sorted(kv.requests)
     heads = _heads(kv)
@@ -137,7 +137,7 @@ def _check_sharing(kv):
 def _setup(ctx, transport, num_units):
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, PagedKVCache
-    from mooncake_ep_switch.switch.moe_block import random_weights
+    from mooncake_ep_switch.reference.moe_block import random_weights
     from mooncake_ep_switch.switch.umm import UnifiedWeights, WeightShape
 
     buffer = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(8, H, ctx.num_ranks, E), transport=transport)

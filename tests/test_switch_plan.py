@@ -9,7 +9,7 @@ import torch
 from mooncake_ep_switch.switch import reshard
 from mooncake_ep_switch.switch.kv_alloc import unit_order
 from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, KVRequest, PagedKVCache, RankMeta
-from mooncake_ep_switch.switch.moe_block import random_weights, shard_ep, shard_tp
+from mooncake_ep_switch.reference.moe_block import random_weights, shard_ep, shard_tp
 from mooncake_ep_switch.switch.umm import WeightShape
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake_ep_switch.switch.policy import (COOLDOWN, ENTER_EP, EP, NEVER, REFUSED, RETURN_TP, TP,
+from mooncake_ep_switch.switch.planning.policy import (COOLDOWN, ENTER_EP, EP, NEVER, REFUSED, RETURN_TP, TP,
                                               WARMUP, Calibration, Decision, PolicySettings, SwitchPolicy,
                                               calibrate)
 

@@ -32,7 +32,7 @@ def _tokens(rank, seed):
 
 def _setup(ctx, transport, num_layers, layout="ep"):
     from mooncake_ep_switch import Buffer
-    from mooncake_ep_switch.switch.moe_block import random_weights
+    from mooncake_ep_switch.reference.moe_block import random_weights
     from mooncake_ep_switch.switch.tp_collective import TPAllReduce
     from mooncake_ep_switch.switch.umm import UnifiedWeights, WeightShape
 
@@ -46,7 +46,7 @@ def _setup(ctx, transport, num_layers, layout="ep"):
 
 def _forward(ctx, buffer, umm, all_reduce, full, seed):
     """Run every layer's MoE block in the current layout on this rank's tokens; returns output per layer."""
-    from mooncake_ep_switch.switch.moe_block import ep_forward_local, tp_forward
+    from mooncake_ep_switch.reference.moe_block import ep_forward_local, tp_forward
 
     active = torch.ones(ctx.num_ranks, dtype=torch.int32)
     outs = []
@@ -75,7 +75,7 @@ def _check_views(ctx, umm, full):
 
 def rank_switch_sequence(ctx, transport, sequence, num_layers):
     """Switch through `sequence`; after every switch check the views and both forwards."""
-    from mooncake_ep_switch.switch.moe_block import reference_forward
+    from mooncake_ep_switch.reference.moe_block import reference_forward
     from mooncake_ep_switch.switch.switcher import switch_layout
 
     buffer, full, umm, all_reduce = _setup(ctx, transport, num_layers)

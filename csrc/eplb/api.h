@@ -1,5 +1,5 @@
 // The EPLB placement functions module.cpp exposes as mooncake_ep_switch._native (the compute loops
-// of mooncake_ep_switch/eplb/local_search.py and packing.py). Arrays arrive as integer addresses
+// of mooncake_ep_switch/eplb/policy/local_search.py and packing.py). Arrays arrive as integer addresses
 // (uintptr_t), already validated by the Python layer.
 #pragma once
 
@@ -33,9 +33,9 @@ struct EplbSearchParams {
     double node_margin;
     int64_t retries, max_steps, near, swap_from, heavy, threads;
 };
-// The movement-aware search of eplb/local_search.py for every layer in rows, in place.
+// The movement-aware search of eplb/policy/local_search.py for every layer in rows, in place.
 void eplb_search(const EplbShape& shape, const EplbArrays& arrays, const EplbSearchParams& params);
-// Swap refinement of packed rows (eplb/refine.cpp; eplb/packing.py): experts [B, N, S] int64,
+// Swap refinement of packed rows (eplb/refine.cpp; eplb/policy/packing.py): experts [B, N, S] int64,
 // sizes [B, N, S] float64, pinned [B, N, S] uint8 (all modified), bin_node [N] int64.
 void eplb_refine(uintptr_t experts, uintptr_t sizes, uintptr_t pinned, int64_t num_rows, int64_t num_bins,
                  int64_t slots, uintptr_t bin_node, bool sweeps, int64_t descend_steps, int64_t near, int64_t threads);

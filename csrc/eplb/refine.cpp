@@ -1,4 +1,4 @@
-// Swap refinement of a packed placement (mooncake_ep_switch/eplb/packing.py documents it): bins
+// Swap refinement of a packed placement (mooncake_ep_switch/eplb/policy/packing.py documents it): bins
 // (GPUs, or nodes when packing groups) of `slots` items each, items = (expert, size, pinned).
 // Per row, independently (rows on up to `threads` threads; the result does not depend on it):
 //   group sweeps: the i-th of the `heavy` heaviest bins gets the light bins of rank i, i + heavy,

@@ -1,4 +1,4 @@
-// The EPLB movement-aware local search (mooncake_ep_switch/eplb/local_search.py documents the
+// The EPLB movement-aware local search (mooncake_ep_switch/eplb/policy/local_search.py documents the
 // moves and how they are ranked). One layer at a time, one move at a time: the heaviest GPU's
 // best move by drop of its load per moved copy, evaluated exactly on every GPU the move changes.
 //

@@ -35,7 +35,7 @@ from mooncake_ep_switch.eplb import (
     rebalance_experts,
 )
 from mooncake_ep_switch.eplb._convert import native_threads
-from mooncake_ep_switch.eplb.replicas import place_redundant_experts
+from mooncake_ep_switch.eplb.policy.redundant import place_redundant_experts
 
 SEED = 20240607
 TOKENS = 65536

@@ -11,7 +11,7 @@ other non-CPU tensor is rejected with an error naming the argument and its devic
 import torch
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.checks import check_int  # noqa: F401  (used here and re-exported)
+from mooncake_ep_switch.vocabulary import check_int  # noqa: F401  (used here and re-exported)
 
 
 def _fail(name: str, expected: str, got) -> None:

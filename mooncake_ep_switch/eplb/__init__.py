@@ -1,14 +1,14 @@
 """Expert-parallel load balancing: placement, load recorder, dispatch maps, online rebalance."""
-from mooncake_ep_switch.eplb.budget import RedundancyAdvice, suggest_redundancy
-from mooncake_ep_switch.eplb.greedy import greedy_rebalance_experts
-from mooncake_ep_switch.eplb.layout import Placement, placement_from_phy2log
+from mooncake_ep_switch.eplb.policy.budget import RedundancyAdvice, suggest_redundancy
+from mooncake_ep_switch.eplb.policy.greedy import greedy_rebalance_experts
+from mooncake_ep_switch.eplb.policy.tables import Placement, placement_from_phy2log
 from mooncake_ep_switch.eplb.maps import build_dispatch_map, logical_to_physical, spread_to_physical
 from mooncake_ep_switch.eplb.online import OnlineRebalancer, RebalanceChunk, RebalanceReport
 from mooncake_ep_switch.eplb.serving import physical_ep_forward
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
-from mooncake_ep_switch.eplb.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
-from mooncake_ep_switch.eplb.placement import rebalance_experts
-from mooncake_ep_switch.eplb.replicas import place_redundant_experts
+from mooncake_ep_switch.eplb.policy.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
+from mooncake_ep_switch.eplb.policy.placement import rebalance_experts
+from mooncake_ep_switch.eplb.policy.redundant import place_redundant_experts
 from mooncake_ep_switch.eplb.recorder import ExpertLoadRecorder, LoadBalance, counts_from_topk
 
 __all__ = [

@@ -29,9 +29,9 @@ from typing import Union
 import numpy as np
 import torch
 
-from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.vocabulary import check_int
 from mooncake_ep_switch.eplb._convert import as_indices, describe, to_numpy
-from mooncake_ep_switch.eplb.layout import Placement, expert_counts, replica_tables
+from mooncake_ep_switch.eplb.policy.tables import Placement, expert_counts, replica_tables
 
 
 def _slot_table(phy2log):

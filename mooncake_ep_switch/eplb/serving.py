@@ -5,7 +5,7 @@ import torch
 
 from mooncake_ep_switch.eplb.maps import logical_to_physical
 from mooncake_ep_switch.eplb.slots import ExpertSlots
-from mooncake_ep_switch.switch.moe_block import ep_round, route
+from mooncake_ep_switch.reference.moe_block import ep_round, route
 
 
 def physical_ep_forward(buffer, x: torch.Tensor, router: torch.Tensor, slots: ExpertSlots, layer: int, top_k: int,

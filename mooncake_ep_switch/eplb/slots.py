@@ -22,7 +22,7 @@ Primaries in the unified weight memory. With `primaries=UnifiedWeights` (the mem
 moves between EP and TP), the first `E/R` local slots of every rank are the rank's EP experts in
 that memory (logical expert `rank * E/R + j` at local slot `j`, fixed), and only the remaining
 slots, the redundant experts, live in frames. A rebalance then moves redundant experts only
-(`eplb.replicas.place_redundant_experts` plans for this), and reads a primary copy from the peer's
+(`eplb.policy.redundant.place_redundant_experts` plans for this), and reads a primary copy from the peer's
 unified memory, which must be in the EP layout while serving and staging.
 """
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -33,9 +33,9 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
-from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.vocabulary import check_int
 from mooncake_ep_switch.eplb._convert import as_indices
-from mooncake_ep_switch.eplb.layout import expert_counts
+from mooncake_ep_switch.eplb.policy.tables import expert_counts
 
 CONTROL_BYTES = 4096
 _PAGE = 4096

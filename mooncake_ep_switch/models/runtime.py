@@ -155,7 +155,7 @@ class ModelRuntime:
 
     def _ep(self, experts: ServedExperts, x, idx, weights) -> torch.Tensor:
         from mooncake_ep_switch.eplb.serving import physical_ep_round
-        from mooncake_ep_switch.switch.moe_block import ep_round
+        from mooncake_ep_switch.reference.moe_block import ep_round
 
         memory, layer = self.memory, experts.layer
         if memory.slots is None:  # primaries only: the unified memory's EP view

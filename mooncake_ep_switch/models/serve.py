@@ -227,7 +227,7 @@ class _Loads:
 
     def plan(self, step: int) -> Optional[dict]:
         """The rebalance to begin at `step` (committing at `step + 2`), or None if nothing moves."""
-        from mooncake_ep_switch.eplb.replicas import place_redundant_experts
+        from mooncake_ep_switch.eplb.policy.redundant import place_redundant_experts
 
         target = place_redundant_experts(self.loads, self.config.num_ranks, self.config.redundant_per_rank,
                                          previous=self.phy2log).numpy()

@@ -29,8 +29,8 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
-from mooncake_ep_switch.checks import check_int
-from mooncake_ep_switch.switch.layouts import EP, LAYOUTS, TP  # noqa: F401  (re-exported)
+from mooncake_ep_switch.switch.shards import shard_ep, shard_tp
+from mooncake_ep_switch.vocabulary import EP, LAYOUTS, TP, check_int  # noqa: F401  (layout names re-exported)
 
 #: Layout of a rank whose switch failed in a way it cannot repair (collective fallback, fenced rank).
 INVALID = "invalid"
@@ -296,8 +296,6 @@ class UnifiedWeights:
             layers: L objects with `gate_up` `[E, 2I, H]` and `down` `[E, H, I]` torch.bfloat16
                 (e.g. `moe_block.MoEWeights`).
         """
-        from mooncake_ep_switch.switch.moe_block import shard_ep, shard_tp
-
         if len(layers) != self.num_layers:
             raise ValueError(f"layers: expected {self.num_layers} layers, got {len(layers)}")
         shard = shard_ep if self.layout == EP else shard_tp

@@ -51,7 +51,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from mooncake_ep_switch.buffer.transport.sockets import (_abort_connections, _listening, _parse_session,
                                                         _socket_inodes)
-from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.vocabulary import check_int
 
 __all__ = ["PeerWrite", "TeEndpoint", "load_transfer_engine"]
 

@@ -24,8 +24,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from mooncake_ep_switch.eplb.packing import group_by_bin, lpt_assign, refine_swaps, repair_duplicates
-from mooncake_ep_switch.eplb.replication import relieve_pinned_nodes, replica_counts
+from mooncake_ep_switch.eplb.policy.packing import group_by_bin, lpt_assign, refine_swaps, repair_duplicates
+from mooncake_ep_switch.eplb.policy.replication import relieve_pinned_nodes, replica_counts
 
 
 class Topology(NamedTuple):

@@ -5,7 +5,7 @@ share, then every expert that stays on its GPU keeps its slot.
 """
 import numpy as np
 
-from mooncake_ep_switch.eplb.construct import Topology
+from mooncake_ep_switch.eplb.policy.construct import Topology
 
 
 def _match(overlap: np.ndarray) -> np.ndarray:

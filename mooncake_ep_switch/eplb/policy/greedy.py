@@ -20,9 +20,9 @@ Like the original, replication is vectorised over layers and packing loops over 
 import numpy as np
 import torch
 
-from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.vocabulary import check_int
 from mooncake_ep_switch.eplb._convert import as_loads
-from mooncake_ep_switch.eplb.layout import Placement, replica_tables
+from mooncake_ep_switch.eplb.policy.tables import Placement, replica_tables
 
 
 def balanced_packing(weight: np.ndarray, num_packs: int):

@@ -35,15 +35,15 @@ with each GPU's redundant experts kept at their previous positions when they sta
 import numpy as np
 import torch
 
-from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.vocabulary import check_int
 from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_loads
-from mooncake_ep_switch.eplb.construct import Topology, sorted_items
-from mooncake_ep_switch.eplb.layout import expert_counts
-from mooncake_ep_switch.eplb.local_search import search
-from mooncake_ep_switch.eplb.metrics import balance_of_loads
-from mooncake_ep_switch.eplb.packing import group_by_bin, lpt_assign
-from mooncake_ep_switch.eplb.placement import normalized_loads
-from mooncake_ep_switch.eplb.replication import replica_counts
+from mooncake_ep_switch.eplb.policy.construct import Topology, sorted_items
+from mooncake_ep_switch.eplb.policy.tables import expert_counts
+from mooncake_ep_switch.eplb.policy.local_search import search
+from mooncake_ep_switch.eplb.policy.metrics import balance_of_loads
+from mooncake_ep_switch.eplb.policy.packing import group_by_bin, lpt_assign
+from mooncake_ep_switch.eplb.policy.placement import normalized_loads
+from mooncake_ep_switch.eplb.policy.replication import replica_counts
 
 __all__ = ["place_redundant_experts"]
 

@@ -35,13 +35,13 @@ from typing import Optional
 
 import numpy as np
 
-from mooncake_ep_switch.eplb.alignment import align_to_previous
-from mooncake_ep_switch.eplb.construct import Topology, fresh_placement, lpt_balance
-from mooncake_ep_switch.eplb.layout import expert_counts
-from mooncake_ep_switch.eplb.local_search import search
-from mooncake_ep_switch.eplb.metrics import balance_of_loads
-from mooncake_ep_switch.eplb.previous import infer_group_nodes, pinned_flags, repair_previous
-from mooncake_ep_switch.eplb.replication import replica_counts
+from mooncake_ep_switch.eplb.policy.alignment import align_to_previous
+from mooncake_ep_switch.eplb.policy.construct import Topology, fresh_placement, lpt_balance
+from mooncake_ep_switch.eplb.policy.tables import expert_counts
+from mooncake_ep_switch.eplb.policy.local_search import search
+from mooncake_ep_switch.eplb.policy.metrics import balance_of_loads
+from mooncake_ep_switch.eplb.policy.previous import infer_group_nodes, pinned_flags, repair_previous
+from mooncake_ep_switch.eplb.policy.replication import replica_counts
 
 NODE_MARGIN = 0.995  # node relief aims each node at this share of its GPUs' target load
 RETRIES = 3  # hierarchical: more rounds of node relief (0.5 % lower each) and search for layers that miss

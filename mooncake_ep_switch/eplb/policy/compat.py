@@ -29,10 +29,10 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.vocabulary import check_int
 from mooncake_ep_switch.eplb._convert import as_loads, describe, to_numpy
-from mooncake_ep_switch.eplb.greedy import _hierarchical
-from mooncake_ep_switch.eplb.placement import rebalance_experts as _placement
+from mooncake_ep_switch.eplb.policy.greedy import _hierarchical
+from mooncake_ep_switch.eplb.policy.placement import rebalance_experts as _placement
 
 MODES = ("classic", "balanced", "movement")
 

@@ -35,8 +35,8 @@ import numpy as np
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.eplb._convert import inplace_array, native_threads
-from mooncake_ep_switch.eplb.construct import Topology
-from mooncake_ep_switch.eplb.layout import expert_counts
+from mooncake_ep_switch.eplb.policy.construct import Topology
+from mooncake_ep_switch.eplb.policy.tables import expert_counts
 
 NEAR = 16  # light partner GPUs per heavy GPU in the local search (hierarchical mode)
 NEAR_GLOBAL = 4  # the same in global mode (no primaries pinned to nodes: fewer suffice)

@@ -32,9 +32,9 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from mooncake_ep_switch.checks import check_int
-from mooncake_ep_switch.switch.policy import EP, LAYOUTS, TP, Calibration, PolicySettings, SwitchPolicy, calibrate
-from mooncake_ep_switch.switch.traces import ROLLOUT, Trace
+from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.switch.planning.policy import EP, LAYOUTS, TP, Calibration, PolicySettings, SwitchPolicy, calibrate
+from mooncake_ep_switch.switch.planning.traces import ROLLOUT, Trace
 
 STATIC_TP = "static_tp"
 STATIC_EP = "static_ep"

@@ -25,12 +25,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.vocabulary import check_int
 from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_loads, describe
-from mooncake_ep_switch.eplb.construct import Topology, fresh_placement
-from mooncake_ep_switch.eplb.incremental import movement_aware_placement
-from mooncake_ep_switch.eplb.layout import Placement, replica_tables, replica_width
-from mooncake_ep_switch.eplb.metrics import balancedness, layer_balancedness, moved_copies
+from mooncake_ep_switch.eplb.policy.construct import Topology, fresh_placement
+from mooncake_ep_switch.eplb.policy.incremental import movement_aware_placement
+from mooncake_ep_switch.eplb.policy.tables import Placement, replica_tables, replica_width
+from mooncake_ep_switch.eplb.policy.metrics import balancedness, layer_balancedness, moved_copies
 
 __all__ = ["rebalance_experts", "resolve_topology", "balancedness", "layer_balancedness", "moved_copies", "Placement"]
 

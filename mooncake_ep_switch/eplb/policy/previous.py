@@ -5,8 +5,8 @@ hand-written table): `repair_previous` makes it valid before the movement-aware 
 """
 import numpy as np
 
-from mooncake_ep_switch.eplb.construct import Topology
-from mooncake_ep_switch.eplb.layout import expert_counts
+from mooncake_ep_switch.eplb.policy.construct import Topology
+from mooncake_ep_switch.eplb.policy.tables import expert_counts
 
 
 def infer_group_nodes(previous: np.ndarray, topo: Topology) -> np.ndarray:
