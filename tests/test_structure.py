@@ -153,3 +153,18 @@ def test_policy_is_apart_from_the_runtime(room):
     bad = [(m, target, line) for m in inside for target, line in _imports(modules[m], modules)
            if target.startswith(POLICY_ROOMS[room])]
     assert not bad, f"{room} imports the runtime: {bad}"
+
+
+def test_setup_lists_every_package():
+    """setup.py's `packages` names every package directory (a missing one installs without its modules)."""
+    setup_py = PACKAGE_DIR.parent / "setup.py"
+    if not setup_py.exists():
+        pytest.fail(f"setup.py not found beside the package ({setup_py}); run the tests from a checkout")
+    listed = None
+    for node in ast.walk(ast.parse(setup_py.read_text())):
+        if isinstance(node, ast.keyword) and node.arg == "packages":
+            listed = {element.value for element in node.value.elts}
+    found = {".".join((PACKAGE,) + path.parent.relative_to(PACKAGE_DIR).parts)
+             for path in PACKAGE_DIR.rglob("__init__.py") if "fallback" not in path.relative_to(PACKAGE_DIR).parts}
+    assert listed is not None, "setup.py has no packages=[...]"
+    assert found <= listed, f"packages missing from setup.py: {sorted(found - listed)}"
