@@ -106,3 +106,20 @@ def new_job_secret() -> str:
         secret: str, 64 hex digits (256 random bits).
     """
     return secrets.token_hex(32)
+
+
+def set_transfer_engine_defaults(tcp_stall_timeout_s: Optional[int] = None, log_level: Optional[str] = None) -> None:
+    """Set the Mooncake Transfer Engine's own environment variables before an engine starts (the one place they are written).
+
+    The engine reads `MC_*` variables when it starts; a value the user already set wins.
+
+    Arguments:
+        tcp_stall_timeout_s: seconds after which the engine's TCP transport fails a stalled
+            transfer (`MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_TCP_STATUS_TIMEOUT_SEC`), or None.
+        log_level: the engine's log level (`MC_LOG_LEVEL`: "INFO", "WARNING", "ERROR"), or None.
+    """
+    if tcp_stall_timeout_s is not None:
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(tcp_stall_timeout_s))
+        os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", str(tcp_stall_timeout_s))
+    if log_level is not None:
+        os.environ.setdefault("MC_LOG_LEVEL", str(log_level))

@@ -168,3 +168,23 @@ def test_setup_lists_every_package():
              for path in PACKAGE_DIR.rglob("__init__.py") if "fallback" not in path.relative_to(PACKAGE_DIR).parts}
     assert listed is not None, "setup.py has no packages=[...]"
     assert found <= listed, f"packages missing from setup.py: {sorted(found - listed)}"
+
+
+def test_environment_read_only_in_config():
+    """Environment variables are read (and the engine's written) only in config.py; a launcher or a
+    benchmark may set variables for the ranks it starts, which read them through config.py."""
+    readers = []
+    for module, path in _modules().items():
+        if module == f"{PACKAGE}.config":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                named = (isinstance(owner, ast.Attribute) and owner.attr == "environ") or \
+                    (isinstance(owner, ast.Name) and owner.id == "os" and node.func.attr == "getenv")
+                if named and node.func.attr in ("get", "getenv", "setdefault", "pop", "__getitem__"):
+                    readers.append(f"{module}:{node.lineno}")
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and \
+                    isinstance(node.value, ast.Attribute) and node.value.attr == "environ":
+                readers.append(f"{module}:{node.lineno}")
+    assert not readers, f"environment read outside config.py: {readers}"

@@ -42,7 +42,6 @@ and why this class looks the way it does:
 from __future__ import annotations
 
 import atexit
-import os
 import socket
 import threading
 import time
@@ -51,6 +50,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from mooncake_ep_switch.buffer.transport.sockets import (_abort_connections, _listening, _parse_session,
                                                         _socket_inodes)
+from mooncake_ep_switch.config import set_transfer_engine_defaults
 from mooncake_ep_switch.vocabulary import check_int
 
 __all__ = ["PeerWrite", "TeEndpoint", "load_transfer_engine"]
@@ -153,11 +153,8 @@ class TeEndpoint:
         self.require_registered_source = bool(require_registered_source)
         self.spin_s = float(spin_s)
         if tcp_stall_timeout_s is not None:
-            stall = str(check_int("tcp_stall_timeout_s", tcp_stall_timeout_s, 1))
-            os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", stall)
-            os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", stall)
-        if log_level is not None:
-            os.environ.setdefault("MC_LOG_LEVEL", str(log_level))
+            tcp_stall_timeout_s = check_int("tcp_stall_timeout_s", tcp_stall_timeout_s, 1)
+        set_transfer_engine_defaults(tcp_stall_timeout_s, log_level)
 
         self._engine = None
         self._closed = True  # until the engine is up
