@@ -11,10 +11,12 @@ One object per rank that the demo and the transformers integration share:
   them to a new placement while serving continues, and the per-rank dispatch map
   (`eplb.build_dispatch_map`) rebuilt whenever a rebalance commits.
 """
-from typing import Callable, Sequence, Union
+from typing import Callable, List, Sequence, Union
 
 import numpy as np
 import torch
+
+from mooncake_ep_switch.expert_restore import RestoreReport, load_missing, restore_from_peers
 
 
 def initial_placement(num_layers: int, num_experts: int, num_ranks: int, redundant_per_rank: int) -> np.ndarray:
@@ -47,44 +49,92 @@ class ExpertMemory:
     builds its own with the same call alone while the members wait in theirs. It then takes the
     members' state over through the Buffer's `peer_regions` (the weights' layout and switch
     sequence, the all-reduce's call counter, the current placement and rebalance epochs), ignoring
-    `layout` and `phy2log`, and loads its weights from `layers` (a checkpoint loader in a real engine).
+    `layout` and `phy2log`. Its weights: in the EP layout with expert slots, every physical expert
+    (slot) a live member holds a copy of is copied from that member (`expert_restore.py`), and
+    `layers` (a checkpoint loader in a real engine) is called only for the rest, not at all when the
+    members hold everything; otherwise from `layers`. `restored` says which.
 
     Arguments:
         buffer: the `Buffer` (its members, rank, transport and membership are used).
         shape: the `switch.WeightShape` of every layer (`E` and `I` multiples of `R`).
         layers: L objects with `gate_up` `[E, 2I, H]` and `down` `[E, H, I]` torch.bfloat16 (the full
             weights; this rank loads its shards and slots), or a callable with no arguments that
-            returns them (called once, here).
+            returns them (called at most once, here, and only when needed), or None for a
+            replacement whose members hold a copy of every slot it needs.
         layout: `"ep"` or `"tp"`, the layout the weights start in.
         max_tp_tokens: the most rows one TP all-reduce sums.
         phy2log: `[L, R * (E/R + redundant_per_rank)]` initial placement (see `initial_placement`),
             or None for primaries only; used on the `"shm"` transport only.
         redundant_per_rank: redundant experts per rank (slots beyond the primaries).
         timeout_us: vote deadline of the rebalancer's commits.
+        weights_from_peers: a replacement copies what live members hold (default True); False loads
+            everything from `layers`.
+
+    Attributes:
+        restored: a `RestoreReport` (slots from peers, slots from the loader, whether it was called).
+
+    Raises:
+        TypeError: `layers` is none of the accepted kinds.
+        ValueError: `layers` is None but some slot has no live copy (or this is no replacement).
     """
 
-    def __init__(self, buffer, shape, layers: Union[Sequence, Callable[[], Sequence]], *, layout: str,
-                 max_tp_tokens: int, phy2log=None, redundant_per_rank: int = 0, timeout_us: int = 30_000_000):
+    def __init__(self, buffer, shape, layers: Union[None, Sequence, Callable[[], Sequence]], *, layout: str,
+                 max_tp_tokens: int, phy2log=None, redundant_per_rank: int = 0, timeout_us: int = 30_000_000,
+                 weights_from_peers: bool = True):
+        from mooncake_ep_switch.buffer import peer_regions
         from mooncake_ep_switch.eplb.online import OnlineRebalancer
         from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
         from mooncake_ep_switch.switch import TPAllReduce, UnifiedWeights
+        from mooncake_ep_switch.switch.umm import KIND as UMM_KIND
 
-        if callable(layers):
-            layers = layers()
+        if layers is not None and not callable(layers) and not isinstance(layers, Sequence):
+            raise TypeError(f"layers: expected a sequence of layers, a callable returning one, or None, got "
+                            f"{type(layers).__name__}")
+        replacement = peer_regions.joined_state(buffer, UMM_KIND) is not None
+        with_slots = buffer.transport == "shm" and phy2log is not None
+        loaded: List[Sequence] = []
+
+        def full_layers() -> Sequence:  # the caller's weights, read at most once and only when needed
+            if not loaded:
+                if layers is None:
+                    raise ValueError("layers: expected the full weights (or a loader): this rank holds slots no "
+                                     "live peer has a copy of, got None")
+                loaded.append(layers() if callable(layers) else layers)
+            return loaded[0]
+
         self.rank, self.num_ranks = buffer.rank, buffer.num_ranks
         self.umm = self.all_reduce = self.slots = self.rebalancer = None
         try:
-            self.umm = UnifiedWeights(buffer, shape, len(layers), layout=layout)
-            self.umm.load_full(layers)
+            if phy2log is not None:  # L from the placement, so that a loader need not run
+                num_layers = int(np.asarray(phy2log).shape[0])
+            else:
+                num_layers = len(full_layers())
+            self.umm = UnifiedWeights(buffer, shape, num_layers, layout=layout)
+            from_peers = replacement and weights_from_peers and with_slots and self.umm.layout == "ep"
+            if not from_peers:
+                self.umm.load_full(full_layers())
             self.all_reduce = TPAllReduce(buffer, max_tp_tokens, shape.hidden)
-            if buffer.transport == "shm" and phy2log is not None:
+            counts = (0, 0)
+            if with_slots:
                 local = shape.num_experts // buffer.num_ranks
                 slot_shape = SlotShape(self.umm.num_layers, shape.num_experts, local + redundant_per_rank,
                                        shape.hidden, shape.intermediate)
                 self.slots = ExpertSlots(buffer, slot_shape, phy2log, primaries=self.umm,
                                          spare_frames=max(1, redundant_per_rank))
-                self.slots.load(layers)
+                if from_peers:
+                    live = [rank for rank in buffer.members if rank not in buffer.dead_peers()]
+                    missing = restore_from_peers(self.umm, self.slots, live)
+                    if missing:
+                        load_missing(self.slots, full_layers(), missing)
+                    total = self.umm.num_layers * slot_shape.slots_per_rank
+                    counts = (total - len(missing), len(missing))
+                else:
+                    self.slots.load(full_layers())
                 self.rebalancer = OnlineRebalancer(self.slots, timeout_us=timeout_us, frames_per_step=1)
+            if not from_peers:  # every physical expert of this rank from the caller's weights
+                per_rank = self.slots.shape.slots_per_rank if self.slots else shape.num_experts // buffer.num_ranks
+                counts = (0, self.umm.num_layers * per_rank)
+            self.restored = RestoreReport(counts[0], counts[1], bool(loaded))
         except BaseException:
             self.destroy()
             raise

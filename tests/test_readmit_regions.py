@@ -7,7 +7,10 @@ rebalance epochs and the placement a replacement must take over are not the init
 (the arbiter of the rebalance votes) is SIGKILLed during an EP step; the survivors serve that step
 without it. Its replacement is admitted with public calls only: `elastic.join()`, `Buffer`,
 `update_ep_member()` on every rank, then one `ExpertMemory(...)` on the replacement, whose weights
-come from the caller's loader. No region is touched by hand. Then every rank switches EP -> TP
+are copied from the members' copies where they exist (`ExpertMemory` on a replacement), the
+caller's checkpoint loader read only for slots no member holds: with placement "covered" the
+members hold a copy of every slot of rank 0 and the loader is never called, with "partial" it is
+called once and provides exactly the one slot per layer nobody else has. No region is touched by hand. Then every rank switches EP -> TP
 (checked: the TP views equal the TP shards of the checkpoint bit for bit, the TP forward equals the
 single-process reference), back to EP, and rebalances online to a new placement (committed on
 every rank at the agreed step, frames equal to the checkpoint bit for bit, every step's output
@@ -17,6 +20,7 @@ import os
 import signal
 
 import numpy as np
+import pytest
 import torch
 
 from tests import harness
@@ -44,17 +48,31 @@ def _placement(shift):
     return np.asarray([rows] * LAYERS, dtype=np.int64)
 
 
+# Rank 0's slots [0, 1 | 2]: rank 1 holds copies of 2 (primary) and 0, rank 2 of 1: all from peers.
+COVERED = np.asarray([[0, 1, 2, 2, 3, 0, 4, 5, 1]] * LAYERS, dtype=np.int64)
+BEFORE_FAILURE = {"covered": COVERED, "partial": _placement(2)}
+# What the replacement of rank 0 copies from peers and loads, (from_peers, from_loader), per case:
+# partial: rank 0 holds [0, 1 | 4]; 0 is a frame on rank 1, 4 rank 2's primary, 1 only on rank 0.
+RESTORED = {"covered": (LAYERS * PER_RANK, 0, False), "partial": (LAYERS * 2, LAYERS * 1, True)}
+
+
 def _close(out, ref):
     """calc_diff as DeepEP's tests (float32 summation order inside the GEMMs differs)."""
     x, y = out.double() + 1, ref.double() + 1
     return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum()) < 1e-6
 
 
-def _memory(buffer):
+def _counted_load():
+    """The loader a replacement gets: counts its calls."""
+    harness.RANK_STATE["loads"] = harness.RANK_STATE.get("loads", 0) + 1
+    return _load()
+
+
+def _memory(buffer, loader=_load):
     from mooncake_ep_switch.expert_memory import ExpertMemory
     from mooncake_ep_switch.switch import WeightShape
 
-    return ExpertMemory(buffer, WeightShape(EXPERTS, HIDDEN, INTER), _load, layout="ep",
+    return ExpertMemory(buffer, WeightShape(EXPERTS, HIDDEN, INTER), loader, layout="ep",
                         max_tp_tokens=R * TOKENS, phy2log=_placement(1), redundant_per_rank=REDUNDANT,
                         timeout_us=TIMEOUT_US)
 
@@ -129,10 +147,10 @@ def _rebalance(ctx, target, first_step):
             "placement": bool(np.array_equal(memory.slots.phy2log, target))}
 
 
-def rank_before_failure(ctx):
-    """Serve, rebalance once, switch EP -> TP -> EP; then rank DEAD dies during an EP step."""
+def rank_before_failure(ctx, case):
+    """Serve, rebalance once (to BEFORE_FAILURE[case]), switch EP -> TP -> EP; then rank DEAD dies during an EP step."""
     first, _ = _ep_step(ctx, 0)
-    rebalanced = _rebalance(ctx, _placement(2), 1)
+    rebalanced = _rebalance(ctx, BEFORE_FAILURE[case], 1)
     switched = [_switch("tp"), _tp_step(5), _switch("ep")]
     if ctx.rank == DEAD:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -151,10 +169,12 @@ def rank_readmit(ctx):
         assert time.monotonic() < deadline, "the replacement never asked to join"
         time.sleep(0.01)
     view = buffer.update_ep_member(timeout_s=60)
+    restored = None
     if ctx.rank == DEAD:
-        harness.RANK_STATE["memory"] = _memory(buffer)
+        memory = harness.RANK_STATE["memory"] = _memory(buffer, _counted_load)
+        restored = tuple(memory.restored) + (harness.RANK_STATE.get("loads", 0),)
     harness.RANK_STATE["active"] = buffer.active_mask()
-    return list(view.ranks)
+    return {"view": list(view.ranks), "restored": restored}
 
 
 def rank_after_readmission(ctx):
@@ -181,10 +201,11 @@ def _check_rebalance(result, first_step):
     assert result["reports"][0][2] == first_step + 2
 
 
-def test_replacement_joins_mid_serve_then_switch_and_rebalance():
+@pytest.mark.parametrize("case", ["covered", "partial"])
+def test_replacement_joins_mid_serve_then_switch_and_rebalance(case):
     with harness.fresh_cluster(R) as cluster:
         harness.check_outcomes(cluster.run(rank_setup, timeout_s=60))
-        outcomes = cluster.run(rank_before_failure, timeout_s=90, failure_grace_s=30)
+        outcomes = cluster.run(rank_before_failure, case, timeout_s=90, failure_grace_s=30)
         assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -9
         for outcome in outcomes:
             if outcome.rank != DEAD:
@@ -195,8 +216,10 @@ def test_replacement_joins_mid_serve_then_switch_and_rebalance():
                 assert value["active"][DEAD] == 0, "the survivors should have seen the dead rank"
         cluster.respawn(DEAD)
         harness.check_outcomes(cluster.run(rank_setup, ranks=[DEAD], timeout_s=60))
-        views = harness.check_outcomes(cluster.run(rank_readmit, timeout_s=90))
-        assert views == [list(range(R))] * R
+        readmitted = harness.check_outcomes(cluster.run(rank_readmit, timeout_s=90))
+        assert [value["view"] for value in readmitted] == [list(range(R))] * R
+        from_peers, from_loader, loader_called = RESTORED[case]
+        assert readmitted[DEAD]["restored"] == (from_peers, from_loader, loader_called, int(loader_called)), readmitted
         after = harness.check_outcomes(cluster.run(rank_after_readmission, timeout_s=90))
         for rank, result in enumerate(after):
             assert result["taken_over"] == after[1]["taken_over"], f"rank {rank} did not take the members' state over"
@@ -204,5 +227,5 @@ def test_replacement_joins_mid_serve_then_switch_and_rebalance():
             assert result["tp_views"] and result["tp_exact"], (rank, result)
             _check_rebalance(result["rebalanced"], 8)
         assert after[DEAD]["taken_over"]["seq"] == 2 and after[DEAD]["taken_over"]["epoch"] > 0
-        assert after[DEAD]["taken_over"]["placement"] == _placement(2).tolist()
+        assert after[DEAD]["taken_over"]["placement"] == BEFORE_FAILURE[case].tolist()
         harness.check_outcomes(cluster.run(harness.rank_teardown, timeout_s=60))
