@@ -241,12 +241,17 @@ def _wait_stopped(pid, timeout_s=60.0):
     raise TimeoutError(f"rank process {pid} did not stop within {timeout_s} s")
 
 
-def rank_fault_at_commit(ctx, faulty, how, transport="shm", timeout_us=TIMEOUT_US):
+def rank_fault_at_commit(ctx, faulty, how, transport="shm", timeout_us=TIMEOUT_US, corrupt_table=None):
     """Every redundant copy moves (one chunk, epoch 1, commit step 3); rank `faulty` freezes
     (SIGSTOP, resumed by a peer once that peer has decided) or dies at the fault point set in
-    MEP_FAULT_POINT (none: `how="none"`). Returns the placement and whether every step's output
-    matched the reference."""
+    MEP_FAULT_POINT (none: `how="none"`). With `corrupt_table=(rank, layer, local_slot, value)` that
+    rank first publishes a bad frame id in its frame table (bad peer data). Returns the placement
+    and whether every step's output matched the reference."""
     buffer, weights, slots, rebalancer = _setup(ctx, transport=transport, timeout_us=timeout_us)
+    if corrupt_table is not None and ctx.rank == corrupt_table[0]:
+        _, layer, local_slot, value = corrupt_table
+        at = slots.table_offset + 4 * (layer * SLOTS_PER_RANK + local_slot)
+        slots.region.local[at:at + 4].view(torch.int32)[0] = value  # serving here reads frame_of, not the table
     active = buffer.active_mask()
     pids = [None] * ctx.num_ranks
     dist.all_gather_object(pids, os.getpid(), group=ctx.group)

@@ -22,17 +22,19 @@ TIMEOUT_US = harness.FAULT_TIMEOUT_US_TE  # dispatch/combine and the vote over t
 ACROSS = (1, 3)  # ranks whose new expert is held only on the other host
 
 
-def rank_rebalance_across_hosts(ctx, names, addresses, faulty, how):
+def rank_rebalance_across_hosts(ctx, names, addresses, faulty, how, corrupt_table):
     host = ctx.rank // RANKS_PER_HOST
     enter_host(names[host], addresses[host], host_id=names[host])
-    return test_eplb_online.rank_fault_at_commit(ctx, faulty, how, transport="auto", timeout_us=TIMEOUT_US)
+    return test_eplb_online.rank_fault_at_commit(ctx, faulty, how, transport="auto", timeout_us=TIMEOUT_US,
+                                                 corrupt_table=corrupt_table)
 
 
-def _run(network, env=None):
+def _run(network, env=None, corrupt_table=None):
     assert test_eplb_online.R == NUM_RANKS
     with harness.fresh_cluster(NUM_RANKS, env=env) as cluster:
         outcomes = cluster.run(rank_rebalance_across_hosts, network.names, network.addresses,
-                               *((-1, "none") if env is None else (2, "kill")), timeout_s=120, failure_grace_s=30)
+                               *((-1, "none") if env is None else (2, "kill")), corrupt_table, timeout_s=120,
+                               failure_grace_s=30)
         processes = list(cluster.processes)
     assert not any(process.is_alive() for process in processes), "leftover rank processes"
     return outcomes
@@ -76,3 +78,15 @@ def test_rank_killed_before_voting_across_hosts_aborts_everywhere(make_network):
         assert "process is gone" in reason or "before a peer decided it" in reason, reason
         assert result["stall_ms"][0] < TIMEOUT_US / 1e3, result["stall_ms"]
     assert time.monotonic() - began < 120
+
+
+def test_bad_frame_id_from_another_host_aborts_with_a_clear_reason(make_network):
+    """Rank 2 publishes frame 10**6 for the slot rank 1 stages from (over the Transfer Engine): rank 1
+    refuses it before it becomes an address (a clear staging error, its vote ABORT), every rank aborts
+    and keeps serving the old placement with exact rows."""
+    network = make_network(NUM_HOSTS)
+    values = [outcome_value(o) for o in _run(network, corrupt_table=(2, 0, 1, 10 ** 6))]
+    for rank, result in enumerate(values):
+        _check_common(result, rank, "aborted")
+    reason = values[1]["reports"][0][2]
+    assert "staging failed on rank 1: rank 2's frame table names frame 1000000 for layer 0 slot 1" in reason, reason
