@@ -128,7 +128,8 @@ class OnlineRebalancer:
         timeout_us: deadline of the vote wait at a commit step, in microseconds (-1: none); a peer
             that has not voted by then makes this rank propose ABORT. Every rank adopts the one
             decision stored for the chunk (see the module docstring), so a rank that is merely late
-            follows what the others decided.
+            follows what the others decided. Also the deadline of each Transfer Engine read while
+            staging from a holder on another host (30 s when -1).
         frames_per_step: slots staged per `step()` before the commit step (bounds the per-step work).
         epoch: chunk epochs already used (a replacement rank passes the survivors'
             `rebalancer.epoch`). The count lives on `slots`, shared by every rebalancer of them,
