@@ -90,3 +90,127 @@ def test_bad_frame_id_from_another_host_aborts_with_a_clear_reason(make_network)
         _check_common(result, rank, "aborted")
     reason = values[1]["reports"][0][2]
     assert "staging failed on rank 1: rank 2's frame table names frame 1000000 for layer 0 slot 1" in reason, reason
+
+
+# ---------------------------------------------------------------- a replacement on the other host
+
+DEAD = 3  # host 1; after its replacement joins, rank 0 stages from it and it stages from rank 1
+
+
+def _readmit_target():
+    """Rank 0's redundant copy becomes expert 7 (held only by rank 3), rank 3's becomes expert 3
+    (held only by rank 1): both cross hosts, one of them from the replacement's region."""
+    target = test_eplb_online._initial_phy2log()
+    per_rank = test_eplb_online.SLOTS_PER_RANK
+    target[:, 0 * per_rank + 2] = 7
+    target[:, DEAD * per_rank + 2] = 3
+    return target
+
+
+def rank_readmit_setup(ctx, names, addresses):
+    """A member (or, with no group, the replacement) enters its host and builds its Buffer; members
+    also build their slots (the replacement builds them once admitted)."""
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.elastic import join
+    from mooncake_ep_switch.switch.moe_block import random_weights
+
+    host = ctx.rank // RANKS_PER_HOST
+    enter_host(names[host], addresses[host], host_id=names[host])
+    e = test_eplb_online
+    size = Buffer.get_ep_buffer_size_hint(e.TOKENS, e.HIDDEN, NUM_RANKS, NUM_RANKS * e.SLOTS_PER_RANK)
+    replacement = ctx.group is None
+    buffer = Buffer(join(ctx.store, ctx.rank, NUM_RANKS) if replacement else ctx.group, size)
+    weights = [random_weights(e.EXPERTS, e.HIDDEN, e.INTER, seed=100 + layer) for layer in range(e.LAYERS)]
+    harness.RANK_STATE.update(buffer=buffer, weights=weights, active=buffer.active_mask())
+    if not replacement:
+        _build_slots()
+    return buffer.transport
+
+
+def _build_slots():
+    from mooncake_ep_switch.eplb.online import OnlineRebalancer
+    from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+
+    e, state = test_eplb_online, harness.RANK_STATE
+    slots = ExpertSlots(state["buffer"], SlotShape(e.LAYERS, e.EXPERTS, e.SLOTS_PER_RANK, e.HIDDEN, e.INTER),
+                        e._initial_phy2log())
+    slots.load(state["weights"])
+    state["slots"] = slots
+    state["rebalancer"] = OnlineRebalancer(slots, timeout_us=TIMEOUT_US, frames_per_step=1)
+
+
+def rank_readmit_kill(ctx):
+    """Rank DEAD is SIGKILLed; the survivors serve one step without it (exact rows)."""
+    import os
+
+    state = harness.RANK_STATE
+    if ctx.rank == DEAD:
+        os.kill(os.getpid(), signal.SIGKILL)
+    out, ref, _ = test_eplb_online._forward(ctx, state["buffer"], state["weights"], state["slots"], state["active"],
+                                            test_eplb_online._inputs(ctx.rank, 0), skip_dead=(DEAD,),
+                                            timeout_us=TIMEOUT_US)
+    return test_eplb_online._close(out, ref)
+
+
+def rank_readmit_join(ctx):
+    """Every rank: update_ep_member() (members wait for the replacement to ask); the replacement then
+    builds its slots, taking the members' placement over and mapping/reading their regions."""
+    state = harness.RANK_STATE
+    buffer = state["buffer"]
+    deadline = time.monotonic() + 60
+    while ctx.rank != DEAD and DEAD not in buffer.pending_joiners():
+        assert time.monotonic() < deadline, "the replacement never asked to join"
+        time.sleep(0.01)
+    view = buffer.update_ep_member(timeout_s=60)
+    if ctx.rank == DEAD:
+        _build_slots()
+    state["active"] = buffer.active_mask()
+    return list(view.ranks)
+
+
+def rank_readmit_rebalance(ctx):
+    """Rebalance to `_readmit_target()` (commit at step 3) while serving; then tear down."""
+    e, state = test_eplb_online, harness.RANK_STATE
+    buffer, slots, rebalancer, active = state["buffer"], state["slots"], state["rebalancer"], state["active"]
+    target = _readmit_target()
+    rebalancer.begin(target, commit_step=3)
+    reports, exact = [], []
+    for step in range(1, 5):
+        reports += rebalancer.step(step, active)
+        out, ref, _ = e._forward(ctx, buffer, state["weights"], slots, active, e._inputs(ctx.rank, step),
+                                 timeout_us=TIMEOUT_US)
+        exact.append(e._close(out, ref))
+    result = {"reports": [(r.epoch, r.outcome, r.reason, r.commit_step) for r in reports], "exact": exact,
+              "placement": slots.phy2log.tolist() == target.tolist(), "frames_ok": e._frames_match_checkpoint(
+                  slots, state["weights"]), "te_reads": slots.te_reads, "remote": [r is not None for r in
+                                                                                 slots.region.remote]}
+    slots.destroy()
+    harness.rank_teardown(ctx)
+    return result
+
+
+def test_replacement_on_the_other_host_is_read_over_the_transfer_engine(make_network):
+    """Rank 3 (host 1) dies and a replacement joins on host 1: re-admission refreshes every member's
+    remote address of its slots (a new process, a new engine), so a rebalance that stages from the
+    replacement (rank 0) and into it (from rank 1) commits everywhere, frames and rows exact."""
+    network = make_network(NUM_HOSTS)
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        assert harness.check_outcomes(cluster.run(rank_readmit_setup, network.names, network.addresses,
+                                                  timeout_s=60)) == ["mooncake"] * NUM_RANKS
+        outcomes = cluster.run(rank_readmit_kill, timeout_s=60, failure_grace_s=30)
+        assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
+        assert all(outcome_value(o) for o in outcomes if o.rank != DEAD)
+        cluster.respawn(DEAD)
+        harness.check_outcomes(cluster.run(rank_readmit_setup, network.names, network.addresses, ranks=[DEAD],
+                                           timeout_s=60))
+        views = harness.check_outcomes(cluster.run(rank_readmit_join, timeout_s=90))
+        assert views == [list(range(NUM_RANKS))] * NUM_RANKS
+        results = harness.check_outcomes(cluster.run(rank_readmit_rebalance, timeout_s=90))
+        processes = list(cluster.processes)
+    assert not any(process.is_alive() for process in processes), "leftover rank processes"
+    layers = test_eplb_online.LAYERS
+    for rank, result in enumerate(results):
+        assert [(r[0], r[1], r[3]) for r in result["reports"]] == [(1, "committed", 3)], (rank, result["reports"])
+        assert result["placement"] and result["frames_ok"] and all(result["exact"]), (rank, result)
+        assert result["te_reads"] == (layers if rank in (0, DEAD) else 0), (rank, result)
+        assert result["remote"] == [r // RANKS_PER_HOST != rank // RANKS_PER_HOST for r in range(NUM_RANKS)]

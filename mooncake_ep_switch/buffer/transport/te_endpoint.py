@@ -428,7 +428,7 @@ class TeEndpoint:
         try:
             for dst, src, size in entries:
                 pending.append(self._submit(peer_session, dst, src, size, deadline, read=True))
-            self._wait(peer_session, pending, deadline)
+            self._wait(peer_session, pending, deadline, "read")
         except BaseException:
             with self._lock:
                 self._orphans.extend(pending)
@@ -719,7 +719,7 @@ class TeEndpoint:
             return batch_id
         self._raise_failure(peer, f"TE could not submit a write of {size} bytes to {dst:#x} on {peer}")
 
-    def _wait(self, peer: str, pending: List[int], deadline: float) -> None:
+    def _wait(self, peer: str, pending: List[int], deadline: float, what: str = "write") -> None:
         """Poll `pending` until all completed; removes finished ids from the list in place."""
         started = time.monotonic()
         spin_until = started + self.spin_s
@@ -731,16 +731,18 @@ class TeEndpoint:
                     pending.pop(index)
                 elif status == -1:  # failed (TE freed the batch)
                     pending.pop(index)
-                    self._raise_failure(peer, f"a TE write to {peer} failed")
+                    self._raise_failure(peer, f"a TE {what} {'from' if what == 'read' else 'to'} {peer} failed")
                 elif status != 0:  # -2: TE-level timeout; TE keeps the batch, nothing to reap
                     pending.pop(index)
-                    self._raise_failure(peer, f"a TE write to {peer} timed out inside TE ({status})")
+                    self._raise_failure(peer, f"a TE {what} {'from' if what == 'read' else 'to'} {peer} timed out "
+                                              f"inside TE ({status})")
             if not pending:
                 return
             now = time.monotonic()
             if now >= deadline:
                 raise TimeoutError(
-                    f"{len(pending)} TE write(s) to {peer} did not complete before the deadline "
+                    f"{len(pending)} TE {what}(s) {'from' if what == 'read' else 'to'} {peer} did not complete "
+                    "before the deadline "
                     "(peer hung or overloaded); they may still land later")
             # Spin briefly (a small loopback write completes in ~50 us), then sleep so that an
             # oversubscribed CPU is left to the engine's I/O threads; sleeping ~10% of the time
@@ -766,5 +768,5 @@ class TeEndpoint:
         except OSError as exc:
             return ConnectionError(f"{what}: the peer is unreachable ({exc})")
         return ConnectionError(
-            f"{what}: the peer is up, so the write was most likely rejected: is every remote range "
+            f"{what}: the peer is up, so the transfer was most likely rejected: is every remote range "
             "inside memory the peer registered (and not unregistered since)?")
