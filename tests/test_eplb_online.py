@@ -29,19 +29,19 @@ def _initial_phy2log():
     return np.asarray([rows] * LAYERS, dtype=np.int64)
 
 
-def _setup(ctx, spare_frames=SLOTS_PER_RANK):
+def _setup(ctx, spare_frames=SLOTS_PER_RANK, transport="shm", timeout_us=TIMEOUT_US):
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.eplb.online import OnlineRebalancer
     from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
     from mooncake_ep_switch.reference.moe_block import random_weights
 
     size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, ctx.num_ranks, R * SLOTS_PER_RANK)
-    buffer = Buffer(ctx.group, size, transport="shm")
+    buffer = Buffer(ctx.group, size, transport=transport)
     weights = [random_weights(EXPERTS, HIDDEN, INTER, seed=100 + layer) for layer in range(LAYERS)]
     slots = ExpertSlots(buffer, SlotShape(LAYERS, EXPERTS, SLOTS_PER_RANK, HIDDEN, INTER), _initial_phy2log(),
                         spare_frames=spare_frames)
     slots.load(weights)
-    rebalancer = OnlineRebalancer(slots, timeout_us=TIMEOUT_US, frames_per_step=1)
+    rebalancer = OnlineRebalancer(slots, timeout_us=timeout_us, frames_per_step=1)
     return buffer, weights, slots, rebalancer
 
 
@@ -52,7 +52,7 @@ def _inputs(rank, step):
     return (torch.randn((TOKENS, HIDDEN), generator=generator) + bias).to(torch.bfloat16)
 
 
-def _forward(ctx, buffer, weights, slots, active, x, skip_dead=()):
+def _forward(ctx, buffer, weights, slots, active, x, skip_dead=(), timeout_us=TIMEOUT_US):
     """Both layers on physical experts; returns (output, reference, per-layer recv counts)."""
     from mooncake_ep_switch.eplb.maps import build_dispatch_map
     from mooncake_ep_switch.eplb.serving import physical_ep_forward
@@ -63,7 +63,7 @@ def _forward(ctx, buffer, weights, slots, active, x, skip_dead=()):
     for layer in range(LAYERS):
         row = dispatch_map[ctx.rank, layer]
         out, count = physical_ep_forward(buffer, out, weights[layer].router, slots, layer, TOP_K, TOKENS, active, row,
-                                         timeout_us=TIMEOUT_US)
+                                         timeout_us=timeout_us)
         counts.append(count)
         skip = {e for e in range(EXPERTS) if int(row[e]) // SLOTS_PER_RANK in skip_dead}
         reference = reference_forward(reference, weights[layer], TOP_K, skip_experts=skip)
@@ -241,11 +241,17 @@ def _wait_stopped(pid, timeout_s=60.0):
     raise TimeoutError(f"rank process {pid} did not stop within {timeout_s} s")
 
 
-def rank_fault_at_commit(ctx, faulty, how):
+def rank_fault_at_commit(ctx, faulty, how, transport="shm", timeout_us=TIMEOUT_US, corrupt_table=None):
     """Every redundant copy moves (one chunk, epoch 1, commit step 3); rank `faulty` freezes
     (SIGSTOP, resumed by a peer once that peer has decided) or dies at the fault point set in
-    MEP_FAULT_POINT. Returns the placement and whether every step's output matched the reference."""
-    buffer, weights, slots, rebalancer = _setup(ctx)
+    MEP_FAULT_POINT (none: `how="none"`). With `corrupt_table=(rank, layer, local_slot, value)` that
+    rank first publishes a bad frame id in its frame table (bad peer data). Returns the placement
+    and whether every step's output matched the reference."""
+    buffer, weights, slots, rebalancer = _setup(ctx, transport=transport, timeout_us=timeout_us)
+    if corrupt_table is not None and ctx.rank == corrupt_table[0]:
+        _, layer, local_slot, value = corrupt_table
+        at = slots.table_offset + 4 * (layer * SLOTS_PER_RANK + local_slot)
+        slots.region.local[at:at + 4].view(torch.int32)[0] = value  # serving here reads frame_of, not the table
     active = buffer.active_mask()
     pids = [None] * ctx.num_ranks
     dist.all_gather_object(pids, os.getpid(), group=ctx.group)
@@ -265,10 +271,13 @@ def rank_fault_at_commit(ctx, faulty, how):
                 os.kill(pids[faulty], signal.SIGCONT)
             dist.barrier(group=ctx.group)  # the frozen rank catches up before anyone serves again
         dead = (faulty,) if how == "kill" and step >= 3 else ()
-        out, ref, _ = _forward(ctx, buffer, weights, slots, active, _inputs(ctx.rank, step), skip_dead=dead)
+        out, ref, _ = _forward(ctx, buffer, weights, slots, active, _inputs(ctx.rank, step), skip_dead=dead,
+                               timeout_us=timeout_us)
         exact.append(_close(out, ref))
     result = {
         "reports": [(r.epoch, r.outcome, r.reason, r.commit_step) for r in reports],
+        "stall_ms": [r.stall_ms for r in reports], "remote_bytes": sum(r.remote_bytes for r in reports),
+        "te_bytes": sum(r.te_bytes for r in reports), "te_reads": slots.te_reads, "transport": buffer.transport,
         "phy2log": slots.phy2log.tolist(), "old": old.tolist(), "target": target.tolist(),
         "frames_ok": _frames_match_checkpoint(slots, weights), "free_frames": len(slots.free_frames),
         "exact": exact, "in_progress": rebalancer.in_progress,

@@ -4,7 +4,7 @@ R=3 ranks serve two MoE layers on physical experts (`ExpertMemory`: unified weig
 all-reduce, expert slots with one redundant copy per rank, online rebalancer) over shared memory.
 Before the failure they rebalance once and switch EP -> TP -> EP, so the switch sequence, the
 rebalance epochs and the placement a replacement must take over are not the initial ones. Rank 0
-(the arbiter of the rebalance votes) is SIGKILLed during an EP step; the survivors serve that step
+is SIGKILLed during an EP step; the survivors serve that step
 without it. Its replacement is admitted with public calls only: `elastic.join()`, `Buffer`,
 `update_ep_member()` on every rank, then one `ExpertMemory(...)` on the replacement, whose weights
 are copied from the members' copies where they exist (`ExpertMemory` on a replacement), the

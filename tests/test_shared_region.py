@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, SharedRegion, region_tensor
+from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, RemoteRegion, SharedRegion, region_tensor
 from tests import harness
 
 
@@ -54,6 +54,48 @@ def test_bad_peer_endpoints_are_rejected():
         assert int(region.local[0]) == 42
     finally:
         region.destroy()
+
+
+def test_remote_peer_reads_are_bounds_checked_and_registration_ends_with_the_region():
+    """A peer on another host is read over the Transfer Engine (here: this process's own engine
+    serving a second region); every peer-provided value and every range is checked first."""
+    from mooncake_ep_switch.buffer.transport.te_endpoint import TeEndpoint
+
+    mine, peer = SharedRegion(None, 0, 2, 8192), SharedRegion(None, 1, 2, 8192)
+    with TeEndpoint(timeout_s=3, log_level="ERROR") as te:
+        try:
+            with pytest.raises(RuntimeError, match="not registered with a Transfer Engine"):
+                mine.set_remote(1, RemoteRegion(te.session_id, peer.base, 8192))
+            mine.register_te(te)
+            peer.register_te(te)
+            mine.register_te(te)  # idempotent
+            for bad, match in [(RemoteRegion("nohost", peer.base, 8192), "session"),
+                               (RemoteRegion(te.session_id, 0, 8192), "base"),
+                               (RemoteRegion(te.session_id, (1 << 64) - 4096, 8192), "base"),
+                               (RemoteRegion(te.session_id, peer.base, 4096), "nbytes")]:
+                with pytest.raises(ValueError, match=match):
+                    mine.set_remote(1, bad)
+            with pytest.raises(ValueError, match="rank"):
+                mine.set_remote(0, RemoteRegion(te.session_id, peer.base, 8192))
+            with pytest.raises(RuntimeError, match="not reached over the Transfer Engine"):
+                mine.read_peer(1, [(0, 0, 8)], 1.0)
+            mine.set_remote(1, RemoteRegion(te.session_id, peer.base, 8192))
+            peer.local[:] = torch.arange(8192, dtype=torch.int64).to(torch.uint8)
+            mine.read_peer(1, [(100, 4000, 1000), (0, 8191, 1)], 3.0)
+            assert torch.equal(mine.local[100:1100], peer.local[4000:5000]) and int(mine.local[0]) == 8191 % 256
+            before = mine.local.clone()
+            for ranges in ([(0, 8000, 193)], [(8000, 0, 193)], [(-1, 0, 8)], [(0, 0, 0)], [(0, 0, True)]):
+                with pytest.raises(ValueError, match="outside the region"):
+                    mine.read_peer(1, ranges, 1.0)
+            assert torch.equal(mine.local, before)  # nothing was read
+            mine.unmap_peer(1)
+            assert mine.remote[1] is None
+            assert set(te.registered) == {mine.base, peer.base}
+            mine.destroy()
+            assert set(te.registered) == {peer.base}  # unregistered before its memory went
+        finally:
+            mine.destroy()
+    peer.destroy()  # after the endpoint closed (it unregistered everything): no error
 
 
 # ---- region_map_peer maps only sealed memfd regions created by region_create ----

@@ -98,6 +98,8 @@ def _agent_main(conn, options):
         "write_batch": lambda peer, src_offs, dsts, lens, timeout: endpoint.write_batch(
             peer, [base + o for o in src_offs], dsts, lens, timeout_s=timeout),
         "write_each": lambda writes, timeout: _write_each(endpoint, base, writes, timeout),
+        "read_batch": lambda peer, dst_offs, srcs, lens, timeout: endpoint.read_batch(
+            peer, [base + o for o in dst_offs], srcs, lens, timeout_s=timeout),
         "num_abandoned": lambda: endpoint.num_abandoned,
         "close": lambda: endpoint.close(),
     }
@@ -524,6 +526,45 @@ def test_write_to_sigkilled_peer_fails_within_deadline(agents):
     _, elapsed = writer.call("write", healthy.session, 0, healthy.addr, 4096, timeout_s)
     assert elapsed < 1.0
     assert healthy.call("read", 0, 4096)[0] == _pattern(2, 4096)
+
+
+def test_read_batch_in_process_exact_bytes_and_bad_ranges():
+    """Reads land exactly; a remote range outside the peer's registered memory is refused by TE (a
+    ConnectionError, nothing read); a local range outside registered memory is refused before
+    anything is submitted."""
+    _engine_or_fail()
+    local, remote, outside = mmap.mmap(-1, 1 << 16), mmap.mmap(-1, 1 << 16), mmap.mmap(-1, 4096)
+    with TeEndpoint(timeout_s=3, log_level="ERROR") as endpoint:
+        me = endpoint.session_id
+        endpoint.register(_address(local), len(local))
+        endpoint.register(_address(remote), len(remote))
+        remote[0:len(remote)] = _pattern(9, len(remote))
+        endpoint.read_batch(me, [_address(local) + 5, _address(local) + 40000], [_address(remote) + 100,
+                                                                              _address(remote) + 1],
+                            [30000, 4096 + 3])
+        assert local[5:30005] == remote[100:30100] and local[40000:44099] == remote[1:4100]
+        assert local[0:5] == bytes(5) and local[30005:40000] == bytes(9995)
+        local[0:len(local)] = bytes(len(local))
+        with pytest.raises(ConnectionError, match="registered"):
+            endpoint.read_batch(me, [_address(local)], [_address(remote) + len(remote) - 10], [64])
+        with pytest.raises(ValueError, match="not inside memory registered"):
+            endpoint.read_batch(me, [_address(outside)], [_address(remote)], [64])
+        with pytest.raises(ValueError, match="lengths"):
+            endpoint.read_batch(me, [_address(local)], [_address(remote)], [])
+        assert local[0:len(local)] == bytes(len(local))
+
+
+def test_read_from_peer_then_from_sigkilled_peer_fails_within_deadline(agents):
+    reader, holder = agents(2, nbytes=1 << 20)
+    holder.call("fill", 1000, _pattern(4, 70000))
+    reader.call("read_batch", holder.session, [0, 80000], [holder.addr + 1000, holder.addr + 60000],
+                [60000, 10000], 5.0)
+    assert reader.call("read", 0, 60000)[0] == _pattern(4, 70000)[:60000]
+    assert reader.call("read", 80000, 10000)[0] == _pattern(4, 70000)[59000:69000]
+    os.kill(holder.proc.pid, signal.SIGKILL)
+    holder.proc.join(5)
+    assert not holder.proc.is_alive()
+    _expect_failure(reader, "read_batch", holder.session, [0], [holder.addr], [4096], 2.0, timeout_s=2.0)
 
 
 def test_write_to_stopped_peer_times_out(agents):

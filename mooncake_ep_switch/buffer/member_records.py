@@ -90,15 +90,16 @@ class MemberRecords(RecordStore):
             rank: EP rank in `[0, num_ranks)`.
 
         Returns:
-            record: dict with `"kind"` (str) and `"regions"` (list of `[pid, fd, nbytes]`), or
-                None when that incarnation has published none (yet).
+            record: dict with `"kind"` (str), `"regions"` (list of `[pid, fd, nbytes]`) and, on the
+                `"mooncake"` transport, `"te_bases"` (list of int, each region's Transfer Engine
+                address), or None when that incarnation has published none (yet).
 
         Raises:
             MembershipError: the record is malformed or fails authentication.
         """
         incarnation = self._counter(f"incarnation/{rank}")
         return self._read(f"regions/{index}/{rank}/{incarnation}", _valid_region_record,
-                          "region record (dict: kind str, regions list of [pid, fd, nbytes])")
+                          "region record (dict: kind str, regions list of [pid, fd, nbytes], te_bases list of int)")
 
     def peer_state(self, epoch: int) -> Optional[list]:
         """What the members published for the replacements admitted into `epoch` (see `publish_peer_state`).
@@ -133,7 +134,8 @@ class MemberRecords(RecordStore):
 
         Arguments:
             index: participant index, >= 0.
-            record: dict with `"kind"` (str) and `"regions"` (list of `[pid, fd, nbytes]`).
+            record: dict with `"kind"` (str), `"regions"` (list of `[pid, fd, nbytes]`) and optionally
+                `"te_bases"` (one int address >= 1 per region, the region inside 64 bits).
 
         Raises:
             ValueError: `record` is not a valid region record.

@@ -82,9 +82,13 @@ def _valid_region_record(value) -> bool:
     if not isinstance(value, dict) or not isinstance(value.get("kind"), str):
         return False
     regions = value.get("regions")
-    return isinstance(regions, list) and len(regions) <= 64 and all(
-        isinstance(r, list) and len(r) == 3 and _is_int(r[0], 1, 1 << 31) and _is_int(r[1], 0, 1 << 31)
-        and _is_int(r[2], 1, 1 << 62) for r in regions)
+    if not (isinstance(regions, list) and len(regions) <= 64 and all(
+            isinstance(r, list) and len(r) == 3 and _is_int(r[0], 1, 1 << 31) and _is_int(r[1], 0, 1 << 31)
+            and _is_int(r[2], 1, 1 << 62) for r in regions)):
+        return False
+    bases = value.get("te_bases")  # Transfer Engine addresses, one per region (a Buffer on "mooncake")
+    return bases is None or (isinstance(bases, list) and len(bases) == len(regions) and all(
+        _is_int(b, 1, 1 << 64) and b + r[2] <= 1 << 64 for b, r in zip(bases, regions)))
 
 
 def _valid_peer_state(value) -> bool:

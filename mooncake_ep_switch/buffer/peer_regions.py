@@ -17,6 +17,15 @@ endpoints in the membership store (`regions/<i>/<rank>/<incarnation>`), so that:
   order: each constructor takes its state over (`joined_state()`), loads its weights from the
   caller's loader, and maps the members' regions of the same participant.
 
+Across hosts (a Buffer on the `"mooncake"` transport): every participant region is registered
+with the Buffer's Transfer Engine and its registered address is published in the record
+(`"te_bases"`, one per region). A member the transport reaches over shared memory is mapped as
+above; one it reaches over the Transfer Engine (another host) is set *remote* in each region
+(`SharedRegion.set_remote`: the session the transport connected, the published address), so the
+participant reads it one-sided over the engine. Records are exchanged through the store on this
+transport (no group collective), and re-admission refreshes a replacement's remote addresses the
+same way it re-maps a same-host replacement.
+
 A participant is any object with `shared_regions() -> list of SharedRegion`, `peer_state() -> dict`
 (JSON) and `readmitted(ranks) -> None` (see `Participant`); the registry holds it weakly, and
 its `destroy()` calls `PeerRegions.remove`.
@@ -26,7 +35,7 @@ import weakref
 from typing import Dict, List, NamedTuple, Optional, Protocol, Sequence
 
 from mooncake_ep_switch.buffer.membership import MembershipError, View
-from mooncake_ep_switch.buffer.shared_region import RegionEndpoint
+from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, RemoteRegion
 
 
 class Participant(Protocol):
@@ -131,12 +140,12 @@ class PeerRegions:
         membership = buffer.membership
         self._entries.append(_Entry(index, kind, weakref.ref(owner)))
         if membership is not None:
-            membership.publish_region_record(index, {"kind": kind, "regions": [list(r.endpoint) for r in regions]})
+            membership.publish_region_record(index, self._record(kind, regions))
         if not regions:
             return index
         peers = [r for r in buffer.members if r != buffer.rank]
         deadline = time.monotonic() + buffer.settings.connect_timeout_s
-        if not rebuilding and buffer.epoch == 0 and buffer.group is not None:
+        if not rebuilding and buffer.epoch == 0 and buffer.group is not None and buffer.transport == "shm":
             for region in regions:  # the constructor's group: one all-gather per region
                 region.group = buffer.group
                 region.connect()
@@ -197,7 +206,7 @@ class PeerRegions:
         peers = [r for r in view.ranks if r != buffer.rank]
         for index, kind, owner in live:
             regions = owner.shared_regions()
-            membership.publish_region_record(index, {"kind": kind, "regions": [list(r.endpoint) for r in regions]})
+            membership.publish_region_record(index, self._record(kind, regions))
             for peer in peers:
                 if regions:
                     self._map(membership, index, kind, peer, regions, deadline)
@@ -245,18 +254,44 @@ class PeerRegions:
             owner.readmitted(joiners)
         self._known = incarnations
 
-    @staticmethod
-    def _map(membership, index: int, kind: str, peer: int, regions: list, deadline: float) -> None:
+    def transfer_engine(self):
+        """The Buffer's Transfer Engine endpoint (`TeEndpoint`), or None when it has none."""
+        buffer = self._buffer()
+        return None if buffer is None else getattr(getattr(buffer, "_impl", None), "te", None)
+
+    def _record(self, kind: str, regions: list) -> dict:
+        """The region record of a participant; regions are registered with the Transfer Engine first."""
+        record = {"kind": kind, "regions": [list(r.endpoint) for r in regions]}
+        te = self.transfer_engine()
+        if te is not None and regions:
+            for region in regions:
+                region.register_te(te)
+            record["te_bases"] = [region.base for region in regions]
+        return record
+
+    def _map(self, membership, index: int, kind: str, peer: int, regions: list, deadline: float) -> None:
+        """Map `peer`'s regions of participant `index` (shared memory), or set them remote when the
+        transport reaches `peer` over the Transfer Engine (another host)."""
         record = membership.wait_for(lambda: membership.region_record(index, peer), deadline,
                                      f"rank {peer}'s regions of participant {index} ({kind})")
         if record["kind"] != kind or len(record["regions"]) != len(regions):
             raise ValueError(f"rank {peer}'s participant {index} is a {record['kind']!r} with "
                              f"{len(record['regions'])} regions, expected a {kind!r} with {len(regions)}")
-        for region, endpoint in zip(regions, record["regions"]):
-            region.map_peer(peer, RegionEndpoint(*endpoint))
+        buffer = self._buffer()
+        route = getattr(getattr(buffer, "_impl", None), "te_peers", {}).get(peer)
+        if route is None:
+            for region, endpoint in zip(regions, record["regions"]):
+                region.map_peer(peer, RegionEndpoint(*endpoint))
+            return
+        bases = record.get("te_bases")
+        if bases is None:
+            raise ValueError(f"rank {peer}'s participant {index} ({kind}) published no Transfer Engine addresses, "
+                             "but it is reached over the Transfer Engine (another host)")
+        for region, endpoint, base in zip(regions, record["regions"], bases):
+            region.set_remote(peer, RemoteRegion(route.session, base, endpoint[2]))
 
 
-def register(buffer, owner, kind: str) -> None:
+def register(buffer, owner, kind: str) -> Optional[int]:
     """Map `owner`'s regions with its peers': through the Buffer's `PeerRegions`, or over `buffer.group`.
 
     Arguments:
@@ -264,13 +299,17 @@ def register(buffer, owner, kind: str) -> None:
             connected over `group` and never re-mapped for a replacement).
         owner: a `Participant`.
         kind: the participant's kind.
+
+    Returns:
+        index: the participant index (the same on every rank and for a replacement), or None
+            without a `PeerRegions`.
     """
     registry = getattr(buffer, "peer_regions", None)
     if registry is not None:
-        registry.add(owner, kind)
-        return
+        return registry.add(owner, kind)
     for region in owner.shared_regions():
         region.connect()
+    return None
 
 
 def joined_state(buffer, kind: str) -> Optional[dict]:

@@ -8,6 +8,12 @@ read access; the (pid, fd) endpoint is exchanged through the group (`connect`) o
 (re-admission of a replacement rank). The memory lives as long as some process maps it. Addresses
 never change while the region lives.
 
+Peers on other hosts. Across hosts nothing is mapped: on a Buffer with a Transfer Engine, the
+region is registered with the engine (`register_te`), its address is published with its endpoint
+(buffer/peer_regions.py), and a peer on another host is *remote* (`set_remote`: the peer engine's
+session, the registered address and the size). `read_peer` reads a remote peer's bytes one-sided
+over the engine into this rank's region, every range checked against both regions' bounds first.
+
 Mapping lifetime: every mapping (this rank's region, each peer's) is owned by a `Mapping` object,
 and every tensor view of it (`local`, `peer(rank)` and anything sliced or viewed from them, such
 as `Buffer.get_next_combine_buffer()` or `UnifiedWeights.view()`) holds a reference to that owner
@@ -79,6 +85,20 @@ class RegionEndpoint(NamedTuple):
     nbytes: int
 
 
+class RemoteRegion(NamedTuple):
+    """How a peer on another host is reached: Transfer Engine reads of its registered region.
+
+    Fields:
+        session: the peer engine's session id ("host:port").
+        base: the region's registered address in the peer's address space.
+        nbytes: region size.
+    """
+
+    session: str
+    base: int
+    nbytes: int
+
+
 class SharedRegion:
     """This rank's region plus mappings of every peer's region of the same size.
 
@@ -108,6 +128,8 @@ class SharedRegion:
         self.peer_endpoints[rank] = self.endpoint
         self._peer_tensors: List[Optional[torch.Tensor]] = [None] * num_ranks
         self._peer_tensors[rank] = self.local
+        self.remote: List[Optional[RemoteRegion]] = [None] * num_ranks  # peers reached over the TE
+        self.te = None  # the TeEndpoint this region is registered with (peers on other hosts read it)
 
     def connect(self, ranks: Optional[List[int]] = None) -> None:
         """Exchange endpoints over `group` and map every peer (or only `ranks`).
@@ -159,6 +181,86 @@ class SharedRegion:
         self.peer_bases[rank] = base
         self.peer_endpoints[rank] = endpoint
 
+    def register_te(self, te) -> None:
+        """Register this region with a Transfer Engine endpoint, so peers on other hosts can read it.
+
+        Idempotent for the same endpoint; `destroy()` unregisters it before the memory goes.
+
+        Arguments:
+            te: a `TeEndpoint` (the Buffer's, `OneSidedTransport.te`).
+
+        Raises:
+            RuntimeError: the region is destroyed, or already registered with another endpoint.
+        """
+        if not self.base:
+            raise RuntimeError("register_te: the region is destroyed")
+        if self.te is te:
+            return
+        if self.te is not None:
+            raise RuntimeError("register_te: the region is registered with another Transfer Engine endpoint")
+        te.register(self.base, self.nbytes)
+        self.te = te
+
+    def set_remote(self, rank: int, remote: RemoteRegion) -> None:
+        """Reach `rank`'s region over the Transfer Engine at `remote` (a peer on another host).
+
+        Drops a shared-memory mapping of `rank` if there is one (a replacement on another host).
+
+        Arguments:
+            rank: the peer's rank (not this rank).
+            remote: the peer's `RemoteRegion` (validated here: a session str, an address >= 1 with
+                `address + nbytes` inside 64 bits, this region's size).
+
+        Raises:
+            ValueError: a bad rank or `remote`, naming what was expected.
+            RuntimeError: this region is not registered with a Transfer Engine (`register_te`).
+        """
+        if not isinstance(rank, int) or not 0 <= rank < self.num_ranks or rank == self.rank:
+            raise ValueError(f"rank: expected a peer rank in [0, {self.num_ranks}) other than {self.rank}, got {rank!r}")
+        if self.te is None:
+            raise RuntimeError(f"set_remote: rank {rank} is on another host, but this region is not registered with "
+                               "a Transfer Engine (a Buffer on the 'mooncake' transport registers it)")
+        session, base, nbytes = remote
+        if not isinstance(session, str) or not session.rpartition(":")[0]:
+            raise ValueError(f"remote.session: expected 'host:port', got {session!r} for rank {rank}")
+        if isinstance(base, bool) or not isinstance(base, int) or not 1 <= base or base + self.nbytes > 1 << 64:
+            raise ValueError(f"remote.base: expected an address >= 1 with {self.nbytes} bytes after it inside 64 "
+                             f"bits, got {base!r} for rank {rank}")
+        if nbytes != self.nbytes:
+            raise ValueError(f"remote.nbytes: expected a region of {self.nbytes} bytes for rank {rank}, got {nbytes!r}")
+        self.unmap_peer(rank)
+        self.remote[rank] = RemoteRegion(session, base, nbytes)
+
+    def read_peer(self, rank: int, ranges, timeout_s: float) -> None:
+        """Copy ranges of a remote peer's region into this region, one-sided over the Transfer Engine.
+
+        Arguments:
+            rank: a peer set with `set_remote`.
+            ranges: (local_offset, remote_offset, nbytes) int tuples, offsets into this region and
+                the peer's; every range must lie inside both regions (nbytes >= 1).
+            timeout_s: deadline in seconds for all of them, > 0.
+
+        Raises:
+            ValueError: a range outside either region (nothing is read).
+            RuntimeError: `rank` is not reached over the Transfer Engine, or the region is destroyed.
+            ConnectionError / TimeoutError: the read failed or missed the deadline (the local
+                ranges may be partly written).
+        """
+        remote = self.remote[rank] if isinstance(rank, int) and 0 <= rank < self.num_ranks else None
+        if remote is None or self.te is None or not self.base:
+            raise RuntimeError(f"read_peer: rank {rank!r} is not reached over the Transfer Engine from rank {self.rank}")
+        locals_, remotes, lengths = [], [], []
+        for index, (local_offset, remote_offset, nbytes) in enumerate(ranges):
+            for name, offset in (("local_offset", local_offset), ("remote_offset", remote_offset)):
+                if (isinstance(offset, bool) or not isinstance(offset, int) or isinstance(nbytes, bool)
+                        or not isinstance(nbytes, int) or nbytes < 1 or offset < 0 or offset + nbytes > self.nbytes):
+                    raise ValueError(f"ranges[{index}]: {name}={offset!r} with nbytes={nbytes!r} is outside the "
+                                     f"region of {self.nbytes} bytes")
+            locals_.append(self.base + local_offset)
+            remotes.append(remote.base + remote_offset)
+            lengths.append(nbytes)
+        self.te.read_batch(remote.session, locals_, remotes, lengths, timeout_s=timeout_s)
+
     def peer(self, rank: int) -> torch.Tensor:
         """torch.uint8 `[nbytes]` view of `rank`'s region as mapped here (writes land in the peer).
 
@@ -187,6 +289,8 @@ class SharedRegion:
         Arguments:
             rank: the peer's rank.
         """
+        if rank != self.rank:
+            self.remote[rank] = None
         if rank != self.rank and self.peer_bases[rank]:
             self._peer_tensors[rank] = None
             self._mappings[rank] = None  # munmap now, or when the last view goes
@@ -200,6 +304,12 @@ class SharedRegion:
         is unmapped when the last tensor viewing it goes (at once if there is none), so a view a
         caller still holds stays valid memory.
         """
+        te, self.te = self.te, None
+        if te is not None and self.base:  # peers stop reading it before the memory can go
+            try:
+                te.unregister(self.base)
+            except (KeyError, RuntimeError):  # the endpoint closed first (it unregistered everything)
+                pass
         for peer in range(self.num_ranks):
             self.unmap_peer(peer)
         self._peer_tensors = [None] * self.num_ranks

@@ -8,33 +8,32 @@ step `commit_step + c * steps_per_chunk`.
 
 Staging. Between begin and a chunk's commit step, each `step()` pulls at most `frames_per_step`
 changed slots of this rank: the new logical expert's weights are copied from a rank that holds a
-copy in the *old* placement (this rank first, then the least-used holder) into one of this rank's
-free frames. Nothing that serves is written: dispatch/combine keep running on the old placement.
+copy in the *old* placement into one of this rank's free frames. The holder is this rank if it
+has a copy, else the least-used holder of this host (a copy through the shared mapping), else the
+least-used holder on another host (one-sided Transfer Engine reads of its frame-table entry and
+frame, `ExpertSlots.read_remote_frame`; ranks of several hosts, the `"mooncake"` transport).
+Nothing that serves is written: dispatch/combine keep running on the old placement.
 
 Commit (at the chunk's commit step, before the step's forward). A rank finishes its staging (the
-only stall, bounded by `frames_per_step` having done most of it), writes the chunk's plan digest,
-then its vote (GO, or ABORT when staging failed or `active_ranks` shows a dead rank). The outcome
-is then decided once for every rank by a *decision word* per epoch, set by compare-and-set from
-"undecided" (a ring of words in the control page of the arbiter, rank 0): a rank that voted GO
-waits for every peer's vote with the deadline `timeout_us` and proposes COMMIT only if every rank
-voted GO with the same digest, ABORT otherwise (a vote missing at its deadline, an ABORT vote, a
-different digest); a rank that voted ABORT proposes ABORT at once. The first proposal stored wins;
-every rank, the proposer included, adopts the word's value, never its own view of the votes. On
-COMMIT it points the changed slots' frame-table entries at the staged frames and frees the old ones
-(no copy); on ABORT the staged frames are freed, the old placement stays in force, and the rest of
-the rebalance is dropped. So all ranks end on the same placement whatever is slow or dead: a rank
-frozen past its peers' deadline (before or after voting) adopts, when it wakes, what they decided
-without it; a rank that dies before voting makes every survivor abort, one that dies after voting
-GO lets the chunk commit everywhere (its slots are lost either way, as they were in the old
-placement). The arbiter's region stays mapped in every survivor after the arbiter dies (the memfd
-lives as long as a mapping does), so its decision words keep working without it. Limits: the words
-live in host shared memory (one host, the `"shm"` transport the slots need anyway); a rank that
-falls 256 epochs behind (its ring slot reused) raises instead of guessing.
-
-Control words (64-bit, `(epoch << 32) | value`, epoch numbering the chunks of every rebalance):
-offset 0: vote (1 = GO, 2 = ABORT); offset 8: the chunk's plan digest; on rank 0 only, offsets
-2048 + 8 * (epoch % 256): the decision of the epoch (1 = COMMIT, 2 = ABORT; an older epoch's word:
-undecided).
+only stall, bounded by `frames_per_step` having done most of it), then publishes its vote with the
+chunk's plan digest (GO, or ABORT when staging failed or `active_ranks` shows a dead rank). The
+outcome is then decided once for every rank by a *decision record* per epoch, set by
+compare-and-set from "undecided" (`eplb.ballot`: votes and decisions live in the job's store,
+which the launcher hosts and which outlives every rank; one protocol on one host and across
+hosts): a rank that voted GO waits for every peer's vote with the deadline `timeout_us` and
+proposes COMMIT only if every rank voted GO with the same digest, ABORT otherwise (a vote missing
+at its deadline, a peer whose process the Buffer saw end (`Buffer.dead_peers()`, it will never
+vote), an ABORT vote, a different digest); a rank that voted ABORT proposes ABORT at once. The
+first proposal stored wins; every rank, the proposer included, adopts the stored value, never its
+own view of the votes. On COMMIT it points the changed slots' frame-table entries at the staged
+frames and frees the old ones (no copy); on ABORT the staged frames are freed, the old placement
+stays in force, and the rest of the rebalance is dropped. So all ranks end on the same placement
+whatever is slow or dead: a rank frozen past its peers' deadline (before or after voting) adopts,
+when it wakes, what they decided without it; a rank that dies before voting makes every survivor
+abort, one that dies after voting GO lets the chunk commit everywhere (its slots are lost either
+way, as they were in the old placement). No rank holds the decision, so any rank may die. Limits:
+a rank that falls 256 epochs behind (its decision slot reused) raises instead of guessing; the
+rebalance needs the Buffer's store (`ExpertSlots.ballot`).
 """
 import time
 import weakref
@@ -46,14 +45,11 @@ import numpy as np
 import torch
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.buffer.peer_words import wait_peer_words
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.vocabulary import check_int
 from mooncake_ep_switch.eplb.slots import ExpertSlots, check_phy2log
 from mooncake_ep_switch.faults import FaultPoint
 
-_VOTE, _DIGEST = 0, 8
-_DECISIONS, _DECISION_SLOTS, _ARBITER = 2048, 256, 0  # ring of decision words on the arbiter's control page
 GO, ABORT = 1, 2
 DECIDE_COMMIT, DECIDE_ABORT = 1, 2
 COMMITTED = "committed"
@@ -91,6 +87,7 @@ class RebalanceReport(NamedTuple):
         moved_slots: slots of this rank that changed their logical expert (staged).
         moved_bytes: weight bytes this rank copied into its frames (from peers or itself).
         remote_bytes: the part of `moved_bytes` read from other ranks.
+        te_bytes: the part of `remote_bytes` read over the Transfer Engine (from another host).
         stage_ms: staging time spent in `step()` calls before and at the commit step.
         stall_ms: time of the commit step's own work (finishing staging, vote, wait, commit).
         commit_step: the step at which it committed or aborted.
@@ -103,6 +100,7 @@ class RebalanceReport(NamedTuple):
     moved_slots: int
     moved_bytes: int
     remote_bytes: int
+    te_bytes: int
     stage_ms: float
     stall_ms: float
     commit_step: int
@@ -117,6 +115,7 @@ class _Staging:
         self.frames: List[int] = []  # staged frame of each move done so far
         self.moved_bytes = 0
         self.remote_bytes = 0
+        self.te_bytes = 0
         self.stage_ms = 0.0
         self.error = ""
 
@@ -129,7 +128,8 @@ class OnlineRebalancer:
         timeout_us: deadline of the vote wait at a commit step, in microseconds (-1: none); a peer
             that has not voted by then makes this rank propose ABORT. Every rank adopts the one
             decision stored for the chunk (see the module docstring), so a rank that is merely late
-            follows what the others decided.
+            follows what the others decided. Also the deadline of each Transfer Engine read while
+            staging from a holder on another host (30 s when -1).
         frames_per_step: slots staged per `step()` before the commit step (bounds the per-step work).
         epoch: chunk epochs already used (a replacement rank passes the survivors'
             `rebalancer.epoch`). The count lives on `slots`, shared by every rebalancer of them,
@@ -140,6 +140,10 @@ class OnlineRebalancer:
                  epoch: int = 0):
         if not isinstance(slots, ExpertSlots):
             raise TypeError(f"slots: expected an ExpertSlots, got {type(slots).__name__}")
+        if slots.ballot is None:
+            raise ValueError("slots: the online rebalance keeps its votes and decisions in the group's store; "
+                             "expected ExpertSlots on a Buffer with a store (pass store= to Buffer, or initialise "
+                             "torch.distributed with a store)")
         if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or timeout_us < -1:
             raise ValueError(f"timeout_us: expected -1 (no deadline) or an int >= 0, got {timeout_us!r}")
         self.slots = slots
@@ -240,6 +244,7 @@ class OnlineRebalancer:
             layers.append(layer)
             load += per_rank_changes[layer]
         close()
+        slots.ballot.prepare(c.epoch for c in chunks)  # every key the commit steps read exists
         slots.chunk_epoch += len(chunks)
         slots.active_rebalancer = weakref.ref(self)
         self._queue.extend(chunks)
@@ -274,7 +279,7 @@ class OnlineRebalancer:
             if report.outcome == ABORTED:
                 for dropped in self._queue:
                     reports.append(RebalanceReport(dropped.epoch, dropped.layers, ABORTED,
-                                                   f"dropped after epoch {head.epoch} aborted", 0, 0, 0, 0.0, 0.0,
+                                                   f"dropped after epoch {head.epoch} aborted", 0, 0, 0, 0, 0.0, 0.0,
                                                    step))
                 self._queue.clear()
                 break
@@ -284,7 +289,8 @@ class OnlineRebalancer:
 
     # ------------------------------------------------------------------ internals
     def _source(self, layer: int, expert: int, active: Optional[np.ndarray]) -> Tuple[int, int]:
-        """(rank, local slot) holding `expert` of `layer` in the current placement."""
+        """(rank, local slot) holding `expert` of `layer` in the current placement: this rank, else the
+        least-used reachable holder of this host (mapped), else the least-used one of another host."""
         slots = self.slots
         per_rank = slots.shape.slots_per_rank
         holders = np.nonzero(slots.phy2log[layer] == expert)[0]
@@ -292,12 +298,20 @@ class OnlineRebalancer:
         mine = holders[ranks == slots.rank]
         if mine.size:
             return slots.rank, int(mine[0] % per_rank)
+        reachable = [int(s) for s in holders if slots.is_reachable(int(s) // per_rank)]
+        if not reachable:
+            raise RuntimeError(f"no holder of logical expert {expert} of layer {layer} is reachable (holders: ranks "
+                               f"{sorted(set(ranks.tolist()))})")
         if active is not None:
-            alive = holders[active[ranks] != 0]
-            holders = alive if alive.size else holders
-        best = min(holders.tolist(), key=lambda s: (self._holder_use[s // per_rank], s))
+            alive = [s for s in reachable if active[s // per_rank] != 0]
+            reachable = alive or reachable
+        local = [s for s in reachable if slots.is_mapped(s // per_rank)]
+        best = min(local or reachable, key=lambda s: (self._holder_use[s // per_rank], s))
         self._holder_use[best // per_rank] += 1
         return best // per_rank, best % per_rank
+
+    def _read_timeout_s(self) -> float:
+        return 30.0 if self.timeout_us < 0 else max(0.05, self.timeout_us / 1e6)
 
     def _stage(self, staging: _Staging, budget: int, active: Optional[np.ndarray] = None) -> None:
         if staging.error:
@@ -313,8 +327,13 @@ class OnlineRebalancer:
                     raise RuntimeError("no free frame left for staging")
                 frame = slots.free_frames.pop()
                 staging.frames.append(frame)
-                blocks, src_range = slots.source_blocks(frame, src_rank, layer, src_slot)
-                _native.copy_blocks(blocks.ctypes.data, blocks.shape[0], *slots.region_range(slots.rank), *src_range)
+                if slots.is_mapped(src_rank):
+                    blocks, src_range = slots.source_blocks(frame, src_rank, layer, src_slot)
+                    _native.copy_blocks(blocks.ctypes.data, blocks.shape[0], *slots.region_range(slots.rank),
+                                        *src_range)
+                else:  # a holder on another host: one-sided Transfer Engine reads
+                    slots.read_remote_frame(frame, src_rank, layer, src_slot, self._read_timeout_s())
+                    staging.te_bytes += slots.frame_bytes
                 staging.moved_bytes += slots.frame_bytes
                 if src_rank != slots.rank:
                     staging.remote_bytes += slots.frame_bytes
@@ -323,9 +342,6 @@ class OnlineRebalancer:
         except Exception as error:  # a staging failure votes ABORT; nothing that serves was touched
             staging.error = f"staging failed on rank {slots.rank}: {error}"
         staging.stage_ms += (time.perf_counter() - started) * 1e3
-
-    def _word(self, epoch: int, value: int) -> int:
-        return (epoch << 32) | value
 
     def _commit(self, staging: _Staging, step: int, active_ranks: Optional[torch.Tensor]) -> RebalanceReport:
         slots = self.slots
@@ -346,13 +362,12 @@ class OnlineRebalancer:
         me = slots.rank
         if self._fault is not None:
             self._fault.hit("eplb_before_vote", me, chunk.epoch)
-        _native.signal_publish(slots.control_addr(me, _DIGEST), self._word(chunk.epoch, chunk.digest))
-        _native.signal_publish(slots.control_addr(me, _VOTE), self._word(chunk.epoch, vote))
+        slots.ballot.vote(chunk.epoch, vote, chunk.digest)
         if self._fault is not None:
             self._fault.hit("eplb_after_vote", me, chunk.epoch)
         if vote == GO:
             reason = self._collect_votes(chunk)
-        decision = self._decide(chunk.epoch, DECIDE_ABORT if reason else DECIDE_COMMIT)
+        decision = slots.ballot.propose(chunk.epoch, DECIDE_ABORT if reason else DECIDE_COMMIT)
         if decision == DECIDE_COMMIT and vote != GO:  # impossible: a COMMIT needs this rank's GO
             raise RuntimeError(f"online EPLB: epoch {chunk.epoch} was decided COMMIT although rank {me} voted ABORT")
         if decision == DECIDE_ABORT and not reason:
@@ -371,70 +386,33 @@ class OnlineRebalancer:
             slots.version += 1
             outcome = COMMITTED
         return RebalanceReport(chunk.epoch, chunk.layers, outcome, reason, int(chunk.moves.shape[0]),
-                               staging.moved_bytes, staging.remote_bytes, staging.stage_ms,
+                               staging.moved_bytes, staging.remote_bytes, staging.te_bytes, staging.stage_ms,
                                (time.perf_counter() - started) * 1e3, step)
-
-    def _decision_addr(self, epoch: int) -> int:
-        return self.slots.control_addr(_ARBITER, _DECISIONS + 8 * (epoch % _DECISION_SLOTS))
-
-    def _decided(self, epoch: int) -> Optional[int]:
-        """The decision of `epoch` if one was stored (DECIDE_COMMIT / DECIDE_ABORT), else None."""
-        word = _native.signal_load(self._decision_addr(epoch))
-        if word >> 32 == epoch:
-            return word & 0xFFFFFFFF
-        if word >> 32 > epoch:
-            raise RuntimeError(f"online EPLB: rank {self.slots.rank} is {(word >> 32) - epoch} epochs behind "
-                               f"(epoch {epoch}'s decision word was reused by epoch {word >> 32}); its placement "
-                               "is unknown, replace this rank")
-        return None
-
-    def _decide(self, epoch: int, proposal: int) -> int:
-        """Store `proposal` as `epoch`'s decision unless one is stored already; returns the decision."""
-        addr = self._decision_addr(epoch)
-        while True:
-            decided = self._decided(epoch)
-            if decided is not None:
-                return decided
-            seen = _native.signal_load(addr)
-            if seen >> 32 >= epoch:
-                continue  # a peer decided in between: read it
-            if _native.signal_cas(addr, seen, self._word(epoch, proposal)) == seen:
-                return proposal
 
     def _collect_votes(self, chunk: RebalanceChunk) -> str:
         """Wait for every peer's vote on `chunk`; "" when all voted GO with our digest, else why not.
 
-        The wait ends early when a peer has already decided the epoch (it can only be ABORT then)."""
+        The wait ends early when the epoch is already decided (it can only be ABORT then), when a
+        peer votes ABORT, or when a peer's process is seen to end (`Buffer.dead_peers()`)."""
         slots = self.slots
         peers = [p for p in range(slots.num_ranks) if p != slots.rank]
-        decided: List[List[int]] = []
 
-        gone: List[List[int]] = []
+        def ended(pending: List[int]) -> List[int]:
+            return sorted(set(pending) & set(slots.dead_peers()))
 
-        def stop_if_decided(pending: List[int]) -> List[int]:
-            if pending and self._decided(chunk.epoch) is not None:
-                decided.append(pending)
-                return []
-            dead = sorted(set(pending) & set(slots.dead_peers()))
-            if dead:  # a rank whose process ended will never vote: abort now, not at the deadline
-                gone.append(dead)
-                return []
-            return pending
-
-        pending = wait_peer_words(peers, lambda p: slots.control_addr(p, _VOTE), self._word(chunk.epoch, GO), 1,
-                                  self.timeout_us, stop_if_decided)
+        votes, gone, decided = slots.ballot.wait_votes(peers, chunk.epoch, self.timeout_us, ended)
+        for peer in peers:
+            if peer in votes and votes[peer][0] != GO:
+                return f"rank {peer} voted to abort epoch {chunk.epoch}"
+        pending = [p for p in peers if p not in votes]
+        if gone:
+            return f"ranks {gone} ended (their process is gone) before voting on epoch {chunk.epoch}"
+        if decided is not None and pending:
+            return f"ranks {pending} did not vote on epoch {chunk.epoch} before a peer decided it (ABORT)"
         if pending:
             return f"ranks {pending} did not vote on epoch {chunk.epoch} within timeout_us={self.timeout_us}"
-        if gone:
-            return f"ranks {gone[0]} ended (their process is gone) before voting on epoch {chunk.epoch}"
-        if decided:
-            return f"ranks {decided[0]} did not vote on epoch {chunk.epoch} before a peer decided it (ABORT)"
         for peer in peers:
-            vote = _native.signal_load(slots.control_addr(peer, _VOTE))
-            if vote != self._word(chunk.epoch, GO):
-                return f"rank {peer} voted to abort epoch {chunk.epoch}"
-            digest = _native.signal_load(slots.control_addr(peer, _DIGEST))
-            if digest != self._word(chunk.epoch, chunk.digest):
-                return f"rank {peer} planned epoch {chunk.epoch} differently (digest {digest & 0xFFFFFFFF:#x} vs " \
-                       f"{chunk.digest:#x})"
+            digest = votes[peer][1]
+            if digest != chunk.digest:
+                return f"rank {peer} planned epoch {chunk.epoch} differently (digest {digest:#x} vs {chunk.digest:#x})"
         return ""

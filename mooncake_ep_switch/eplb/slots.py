@@ -10,13 +10,21 @@ running step uses ever changes under it.
 
 Region layout (a `SharedRegion`, mapped by every rank of the host):
 
-    [0, 4096)                     control words of the rebalance (64-bit, see online.py)
+    [0, 4096)                     control page: [0, 8) receives a peer's frame-table entry read
+                                  over the Transfer Engine; the rest is unused
     [4096, 4096 + table_bytes)    frame table, int32 `[L, slots_per_rank]` (read by peers)
     gate/up of every frame        `[num_frames, 2I, H]` bf16
     down of every frame           `[num_frames, H, I]` bf16
 
-Peers read this rank's frame table and frames directly; every frame id read from a peer is
-checked against the frame count before it becomes an address.
+Peers of this host read this rank's frame table and frames directly through the mapping. On a
+Buffer whose ranks span hosts (the `"mooncake"` transport) the region is also registered with the
+Buffer's Transfer Engine and its address published with the peer regions (buffer/peer_regions.py):
+a peer on another host reads the table entry and then the frame one-sided over the engine
+(`read_remote_frame`). Every frame id read from a peer is checked against the frame count before
+it becomes an address, and every range against both regions' bounds.
+
+The votes and decisions of the online rebalance live in the job's store (`eplb.ballot`), one
+`Ballot` per slots, created here because its keys are named by the slots' participant index.
 
 Primaries in the unified weight memory. With `primaries=UnifiedWeights` (the memory `switch_layout`
 moves between EP and TP), the first `E/R` local slots of every rank are the rank's EP experts in
@@ -35,9 +43,11 @@ from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.vocabulary import check_int
 from mooncake_ep_switch.eplb._convert import as_indices
+from mooncake_ep_switch.eplb.ballot import Ballot
 from mooncake_ep_switch.eplb.policy.tables import expert_counts
 
 CONTROL_BYTES = 4096
+_TE_SCRATCH = 0  # control-page offset where a table entry read over the Transfer Engine lands
 _PAGE = 4096
 
 
@@ -108,7 +118,9 @@ class ExpertSlots:
     Collective at construction over `buffer.group` (every rank builds one with the same arguments).
 
     Arguments:
-        buffer: a `mooncake_ep_switch.Buffer` on the `"shm"` transport (its group, rank and size are used).
+        buffer: a `mooncake_ep_switch.Buffer` on a one-sided transport: `"shm"` (one host), or
+            `"mooncake"` (ranks of several hosts: peers of another host are read over the Transfer
+            Engine; primaries then are not supported). Its group, rank, size and store are used.
         shape: the `SlotShape`.
         phy2log: `[L, R * slots_per_rank]` integer torch tensor or numpy array, the initial placement
             (logical expert of every physical slot).
@@ -123,9 +135,10 @@ class ExpertSlots:
                  prefault: bool = True, primaries=None):
         if not isinstance(shape, SlotShape):
             raise TypeError(f"shape: expected a SlotShape, got {type(shape).__name__}")
-        if buffer.transport != "shm":
-            raise ValueError("buffer: expert slots are moved one-sided through shared memory; expected a Buffer on "
-                             f"transport 'shm', got {buffer.transport!r}")
+        if buffer.transport not in ("shm", "mooncake"):
+            raise ValueError("buffer: expert slots are moved one-sided (shared memory, or Transfer Engine reads "
+                             f"across hosts); expected a Buffer on transport 'shm' or 'mooncake', got "
+                             f"{buffer.transport!r}")
         num_layers = check_int("shape.num_layers", shape.num_layers, 1)
         num_logical = check_int("shape.num_logical_experts", shape.num_logical_experts, 1)
         per_rank = check_int("shape.slots_per_rank", shape.slots_per_rank, 1)
@@ -177,7 +190,13 @@ class ExpertSlots:
         nbytes = self.down_offset + self.num_frames * self.down_bytes
         self.region = SharedRegion(self.group, self.rank, self.num_ranks, nbytes)
         self._registry = getattr(buffer, "peer_regions", None)
-        peer_regions.register(buffer, self, KIND)
+        self.te_reads = 0  # frames staged from another host over the Transfer Engine
+        self.te_read_bytes = 0
+        index = peer_regions.register(buffer, self, KIND)
+        membership = getattr(buffer, "membership", None)
+        # Votes and decisions of online rebalances (None without a store: a rebalance then refuses).
+        self.ballot = None if membership is None or index is None else Ballot(membership, index, self.rank,
+                                                                               self.num_ranks)
         if prefault:
             for peer in range(self.num_ranks):
                 if self.region.peer_bases[peer]:
@@ -287,13 +306,16 @@ class ExpertSlots:
         view = self.region.local[self.table_offset:self.table_offset + 4 * count].view(torch.int32)
         view.copy_(torch.from_numpy(self.frame_of.reshape(-1).astype(np.int32)))
 
-    def peer_frame(self, rank: int, layer: int, local_slot: int) -> int:
+    def peer_frame(self, rank: int, layer: int, local_slot: int, timeout_s: float = 30.0) -> int:
         """Frame of `rank`'s slot (`layer`, `local_slot`), read from its table and bounds-checked.
 
         Arguments:
-            rank: owner rank of the physical expert (slot); this rank reads its own table in memory.
+            rank: owner rank of the physical expert (slot); this rank reads its own table in memory,
+                a peer of this host through the mapping, a peer of another host over the Transfer
+                Engine.
             layer: MoE layer in `[0, L)`.
             local_slot: local slot index in `[num_primary, slots_per_rank)` (a redundant expert's slot).
+            timeout_s: deadline of a Transfer Engine read in seconds, > 0.
 
         Returns:
             frame: frame id in `[0, num_frames)` on `rank`.
@@ -301,6 +323,8 @@ class ExpertSlots:
         Raises:
             ValueError: `local_slot` is a primary (lives in the unified weights, not a frame), or the
                 peer's table names a frame outside `[0, num_frames)`.
+            RuntimeError: `rank` is neither mapped nor reached over the Transfer Engine.
+            ConnectionError / TimeoutError: the Transfer Engine read failed or missed its deadline.
         """
         if local_slot < self.num_primary:
             raise ValueError(f"local_slot: {local_slot} is a primary (in the unified weights), not a frame")
@@ -308,11 +332,72 @@ class ExpertSlots:
             return int(self.frame_of[layer, local_slot])
         index = layer * self.shape.slots_per_rank + local_slot
         at = self.table_offset + 4 * index
-        value = int(self.region.peer(rank)[at:at + 4].view(torch.int32)[0])
+        if self.region.peer_bases[rank]:
+            value = int(self.region.peer(rank)[at:at + 4].view(torch.int32)[0])
+        else:
+            scratch = self.region.local[_TE_SCRATCH:_TE_SCRATCH + 4]
+            scratch.view(torch.int32)[0] = -1
+            self.region.read_peer(rank, [(_TE_SCRATCH, at, 4)], timeout_s)
+            value = int(scratch.view(torch.int32)[0])
         if not 0 <= value < self.num_frames:
             raise ValueError(f"rank {rank}'s frame table names frame {value} for layer {layer} slot {local_slot}; "
                              f"expected a frame in [0, {self.num_frames})")
         return value
+
+    def is_mapped(self, rank: int) -> bool:
+        """Whether `rank`'s region is mapped here (this rank, or a peer of this host).
+
+        Arguments:
+            rank: rank in `[0, R)`.
+
+        Returns:
+            mapped: bool.
+        """
+        return bool(self.region.peer_bases[rank])
+
+    def is_reachable(self, rank: int) -> bool:
+        """Whether `rank`'s slots can be read from here: mapped, or over the Transfer Engine.
+
+        Arguments:
+            rank: rank in `[0, R)`.
+
+        Returns:
+            reachable: bool.
+        """
+        return bool(self.region.peer_bases[rank]) or self.region.remote[rank] is not None
+
+    def read_remote_frame(self, dst_frame: int, src_rank: int, layer: int, src_slot: int, timeout_s: float) -> int:
+        """Copy the weights of `src_rank`'s slot (`layer`, `src_slot`) into this rank's `dst_frame`
+        with one-sided Transfer Engine reads (a peer on another host).
+
+        Arguments:
+            dst_frame: destination frame id on this rank, in `[0, num_frames)`.
+            src_rank: a rank reached over the Transfer Engine.
+            layer: MoE layer in `[0, L)`.
+            src_slot: local slot index on `src_rank`, a redundant expert's (`>= num_primary`).
+            timeout_s: deadline of each read in seconds, > 0.
+
+        Returns:
+            nbytes: int, the weight bytes read (`frame_bytes`).
+
+        Raises:
+            ValueError: a bad frame id (`dst_frame`, or one in `src_rank`'s table).
+            RuntimeError: `src_rank` is not reached over the Transfer Engine.
+            ConnectionError / TimeoutError: a read failed or missed the deadline (the frame is then
+                partly written: it is a free frame, nothing serves from it).
+        """
+        if not 0 <= dst_frame < self.num_frames:
+            raise ValueError(f"dst_frame: expected a frame in [0, {self.num_frames}), got {dst_frame}")
+        if self.region.remote[src_rank] is None:
+            raise RuntimeError(f"rank {src_rank}'s expert slots are not reached over the Transfer Engine")
+        src_frame = self.peer_frame(src_rank, layer, src_slot, timeout_s)
+        gate_up, down = self.gate_up_bytes, self.down_bytes
+        self.region.read_peer(src_rank, [
+            (self.frames_offset + dst_frame * gate_up, self.frames_offset + src_frame * gate_up, gate_up),
+            (self.down_offset + dst_frame * down, self.down_offset + src_frame * down, down)], timeout_s)
+        self.te_reads += 1
+        self.te_read_bytes += self.frame_bytes
+        return self.frame_bytes
 
     def source_blocks(self, dst_frame: int, src_rank: int, layer: int, src_slot: int) -> Tuple[np.ndarray, Tuple[int, int]]:
         """`copy_blocks` descriptors copying `src_rank`'s slot (`layer`, `src_slot`) into this rank's `dst_frame`.
@@ -375,22 +460,9 @@ class ExpertSlots:
             raise RuntimeError(f"rank {rank}'s expert slots are not mapped")
         return base, base + self.region.nbytes
 
-    def control_addr(self, rank: int, offset: int) -> int:
-        """Address of a control word of `rank` (offset < 4096, 8-aligned).
-
-        Arguments:
-            rank: rank in `[0, R)`.
-            offset: byte offset into the control words (not checked here).
-
-        Returns:
-            addr: int address of the word in `rank`'s region as mapped here (meaningless if that
-                region is not mapped: nothing is checked).
-        """
-        return self.region.peer_bases[rank] + offset
-
     # ------------------------------------------------------------------ membership (peer_regions.Participant)
     def shared_regions(self) -> list:
-        """The region peers read slot tables and frames from and vote in.
+        """The region peers read slot tables and frames from.
 
         Returns:
             regions: `[region]` (empty once destroyed).

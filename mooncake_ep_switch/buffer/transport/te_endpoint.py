@@ -1,4 +1,4 @@
-"""One-sided writes into peers' registered memory over the Mooncake Transfer Engine (TE).
+"""One-sided writes into (and reads from) peers' registered memory over the Mooncake Transfer Engine (TE).
 
 `TeEndpoint` is the put primitive of the `mooncake` transport (docs/protocol.md): it owns one
 `mooncake.engine.TransferEngine` in P2PHANDSHAKE mode (no etcd; peers are addressed by the
@@ -36,6 +36,10 @@ and why this class looks the way it does:
   its data was seen before the data in 10-36 of 40 rounds, TE's own batch calls included); a
   write that completed before the next one was submitted is always visible first (0 of 40).
   So the protocol's "data, then signal" is two calls: `write_batch(data...)`, then the signal.
+* Reads (`read_batch`, used to stage expert weights from another host) are
+  `batch_transfer_async_read` + `transfer_check_status`, polled like writes. The peer's data server
+  refuses a range outside its registered memory (status -1, nothing read), and memory the peer
+  registers after the handshake is readable without a new one (TCP).
 * `get_first_buffer_address` also handshakes but keeps the GIL (a hung peer freezes every
   Python thread for ~60 s), which is why the handshake goes through a zero-length write.
 """
@@ -376,6 +380,57 @@ class TeEndpoint:
                 self._orphans.extend(pending)
             raise
 
+    def read_batch(self, peer_session: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
+                   lengths: Sequence[int], timeout_s: Optional[float] = None) -> None:
+        """Copy the peer's [remote_addr, +nbytes) ranges into local memory; all finished on return.
+
+        A one-sided read (the peer's process does nothing): the peer must have registered the
+        remote ranges, and the local ranges must lie in memory registered here. Handshakes first
+        if the peer was never contacted (`connect`). Errors as `write`: ConnectionRefusedError
+        (the peer's engine is gone), ConnectionError (typically a remote range outside the
+        peer's registered memory: TE refuses it, nothing is read), TimeoutError (the reads may
+        still land later: do not use the local ranges as complete).
+
+        Arguments:
+            peer_session: the peer engine's session id, "host:port".
+            local_addrs: int destination addresses here, >= 1 each, inside registered memory.
+            remote_addrs: int source addresses in the peer's address space, one per destination.
+            lengths: int bytes per range, >= 1 each; the three sequences have one equal, non-zero length.
+            timeout_s: deadline in seconds for the whole batch (> 0), or None for the endpoint's `timeout_s`.
+        """
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not (timeout > 0):
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        deadline = time.monotonic() + timeout
+        _parse_session(peer_session)
+        local_addrs, remote_addrs, lengths = list(local_addrs), list(remote_addrs), list(lengths)
+        if not (len(local_addrs) == len(remote_addrs) == len(lengths)):
+            raise ValueError(
+                f"local_addrs, remote_addrs and lengths differ in length "
+                f"({len(local_addrs)}, {len(remote_addrs)}, {len(lengths)})")
+        if not lengths:
+            raise ValueError("read_batch needs at least one range")
+        entries = []
+        for i, (dst, src, size) in enumerate(zip(local_addrs, remote_addrs, lengths)):
+            entries.append((check_int(f"local_addrs[{i}]", dst, 1), check_int(f"remote_addrs[{i}]", src, 1),
+                            check_int(f"lengths[{i}]", size, 1)))
+        with self._lock:
+            self._check_open()
+            for dst, _, size in entries:  # TE writes what it reads here: never outside registered memory
+                self._check_local(dst, size)
+            self._reap()
+        if not self.is_connected(peer_session):
+            self.connect(peer_session, max(0.001, deadline - time.monotonic()))
+        pending: List[int] = []
+        try:
+            for dst, src, size in entries:
+                pending.append(self._submit(peer_session, dst, src, size, deadline, read=True))
+            self._wait(peer_session, pending, deadline, "read")
+        except BaseException:
+            with self._lock:
+                self._orphans.extend(pending)
+            raise
+
     def write_each(self, writes: Sequence[PeerWrite], timeout_s: Optional[float] = None) -> Dict[int, Exception]:
         """Write to several peers at once, each its data then its signal; one peer's failure or
         slowness never delays the others beyond the shared deadline.
@@ -586,20 +641,27 @@ class TeEndpoint:
         if self._orphans:
             self._orphans = [bid for bid in self._orphans if self._engine.transfer_check_status(bid) == 0]
 
-    def _submit(self, peer: str, src: int, dst: int, size: int, deadline: float) -> int:
-        """Submit one write, return its batch id. Never blocks past `deadline`.
+    def _submit(self, peer: str, src: int, dst: int, size: int, deadline: float, read: bool = False) -> int:
+        """Submit one write (a read with `read`: `src` is then the local destination and `dst` the
+        peer's source), return its batch id. Never blocks past `deadline`.
 
         TE handshakes on the first write to a peer while holding an engine-wide lock, so: with
         no handshake in progress and the peer known, submit directly (it does not block);
-        otherwise wait for the handshake in progress, or start one in a helper thread.
+        otherwise wait for the handshake in progress, or start one in a helper thread (writes
+        only: a read is submitted to a peer whose handshake is done, see `read_batch`).
         """
         while True:
             with self._lock:
                 self._check_open()
                 if not self._opening:
                     if peer in self._opened:
-                        batch_id = self._engine.transfer_submit_write(peer, src, dst, size)
+                        if read:
+                            batch_id = self._engine.batch_transfer_async_read(peer, [src], [dst], [size])
+                        else:
+                            batch_id = self._engine.transfer_submit_write(peer, src, dst, size)
                         return self._checked_id(peer, batch_id, dst, size)
+                    if read:
+                        raise ConnectionError(f"TE read from {peer}: no handshake with that peer (connect first)")
                     done, result = self._start_handshake(peer, src, dst, size)
                     break
                 busy_peer, busy = next(iter(self._opening.items()))
@@ -654,7 +716,7 @@ class TeEndpoint:
             return batch_id
         self._raise_failure(peer, f"TE could not submit a write of {size} bytes to {dst:#x} on {peer}")
 
-    def _wait(self, peer: str, pending: List[int], deadline: float) -> None:
+    def _wait(self, peer: str, pending: List[int], deadline: float, what: str = "write") -> None:
         """Poll `pending` until all completed; removes finished ids from the list in place."""
         started = time.monotonic()
         spin_until = started + self.spin_s
@@ -666,16 +728,18 @@ class TeEndpoint:
                     pending.pop(index)
                 elif status == -1:  # failed (TE freed the batch)
                     pending.pop(index)
-                    self._raise_failure(peer, f"a TE write to {peer} failed")
+                    self._raise_failure(peer, f"a TE {what} {'from' if what == 'read' else 'to'} {peer} failed")
                 elif status != 0:  # -2: TE-level timeout; TE keeps the batch, nothing to reap
                     pending.pop(index)
-                    self._raise_failure(peer, f"a TE write to {peer} timed out inside TE ({status})")
+                    self._raise_failure(peer, f"a TE {what} {'from' if what == 'read' else 'to'} {peer} timed out "
+                                              f"inside TE ({status})")
             if not pending:
                 return
             now = time.monotonic()
             if now >= deadline:
                 raise TimeoutError(
-                    f"{len(pending)} TE write(s) to {peer} did not complete before the deadline "
+                    f"{len(pending)} TE {what}(s) {'from' if what == 'read' else 'to'} {peer} did not complete "
+                    "before the deadline "
                     "(peer hung or overloaded); they may still land later")
             # Spin briefly (a small loopback write completes in ~50 us), then sleep so that an
             # oversubscribed CPU is left to the engine's I/O threads; sleeping ~10% of the time
@@ -701,5 +765,5 @@ class TeEndpoint:
         except OSError as exc:
             return ConnectionError(f"{what}: the peer is unreachable ({exc})")
         return ConnectionError(
-            f"{what}: the peer is up, so the write was most likely rejected: is every remote range "
+            f"{what}: the peer is up, so the transfer was most likely rejected: is every remote range "
             "inside memory the peer registered (and not unregistered since)?")

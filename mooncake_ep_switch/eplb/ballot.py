@@ -1,0 +1,222 @@
+"""Votes and one decision per chunk of an online rebalance, kept in the job's store.
+
+The online rebalance (`eplb.online`) needs, at every chunk's commit step, every rank's vote and
+plan digest, and then exactly one outcome that every rank adopts, also when a rank is frozen or
+dead. Both live in the torch.distributed store the Buffer's membership uses (the launcher hosts it,
+so it outlives any rank): the same protocol for ranks of one host and across hosts, and the
+decision survives the death of any rank (there is no arbiter whose memory could vanish).
+
+Keys, under the membership's prefix and `eplb/<participant index>/` (the slots' index in the
+Buffer's peer regions, the same on every rank and for a replacement):
+
+    vote/<rank>          [epoch, vote, digest]   this rank's latest vote (GO 1 / ABORT 2) and digest
+    decision/<e % 256>   [epoch, decision]       the decision of chunk epoch `e` (COMMIT 1 / ABORT 2);
+                                                 an older epoch's record means "undecided"
+
+A decision is stored by compare-and-set over the exact text read (the store's `compare_set`), so
+the first proposal of an epoch wins and every later one reads it back. A rank that finds a
+decision slot already holding a later epoch is 256 or more epochs behind and raises. Records are
+JSON and, with a job secret, authenticated like every membership record (`membership_records.py`);
+a malformed or forged vote counts as no GO, a malformed decision slot as undecided (a proposal
+replaces it).
+"""
+import time
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from mooncake_ep_switch.buffer.membership import MembershipError
+from mooncake_ep_switch.buffer.membership_records import RecordStore
+
+DECISION_SLOTS = 256
+_CAS_ATTEMPTS = 1000  # each failed compare-and-set means another rank stored something: bounded
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+
+
+class Ballot:
+    """The votes and decisions of one `ExpertSlots`' rebalances (see the module docstring).
+
+    Arguments:
+        membership: the Buffer's `Membership` (its store, prefix and secret are used).
+        index: the slots' participant index (names the keys).
+        rank: this rank.
+        num_ranks: ranks of the group.
+    """
+
+    def __init__(self, membership, index: int, rank: int, num_ranks: int):
+        name = f"eplb/{index}"
+        self._records = RecordStore(dist.PrefixStore(name, membership.store), f"{membership.prefix}/{name}",
+                                    membership.secret)
+        self.store = self._records.store
+        self.rank = rank
+        self.num_ranks = num_ranks
+
+    @staticmethod
+    def _vote_key(rank: int) -> str:
+        return f"vote/{rank}"
+
+    @staticmethod
+    def _decision_key(epoch: int) -> str:
+        return f"decision/{epoch % DECISION_SLOTS}"
+
+    def _decode(self, key: str, raw: bytes, length: int) -> Optional[list]:
+        try:
+            value = self._records._decode(key, raw)
+        except MembershipError:
+            return None
+        if isinstance(value, list) and len(value) == length and all(_is_int(v) for v in value):
+            return value
+        return None
+
+    # ------------------------------------------------------------------ set-up
+    def prepare(self, epochs: Iterable[int]) -> None:
+        """Create, where absent, every rank's vote key and the decision slots of `epochs`.
+
+        Called by every rank when it plans a rebalance; creating is compare-and-set from "absent",
+        so it never overwrites a vote or a decision. Afterwards every key the commit step reads
+        exists (the store's reads of an absent key would block).
+
+        Arguments:
+            epochs: the chunk epochs about to be voted on.
+        """
+        keys = [self._vote_key(r) for r in range(self.num_ranks)]
+        keys += sorted({self._decision_key(e) for e in epochs})
+        for key in keys:
+            initial = [0, 0, 0] if key.startswith("vote/") else [0, 0]
+            self.store.compare_set(key, "", self._records._encode(key, initial))
+
+    # ------------------------------------------------------------------ votes
+    def vote(self, epoch: int, vote: int, digest: int) -> None:
+        """Publish this rank's vote and plan digest for `epoch` (one record, replaced per epoch).
+
+        Arguments:
+            epoch: the chunk epoch.
+            vote: 1 (GO) or 2 (ABORT).
+            digest: the chunk's 31-bit plan digest.
+        """
+        key = self._vote_key(self.rank)
+        self.store.set(key, self._records._encode(key, [epoch, vote, digest]))
+
+    def read(self, ranks: List[int], epoch: int) -> Tuple[Dict[int, Tuple[int, int]], Optional[int]]:
+        """The votes of `ranks` on `epoch` and its decision, in one store round trip.
+
+        Arguments:
+            ranks: ranks whose votes to read (their keys exist: `prepare`).
+            epoch: the chunk epoch.
+
+        Returns:
+            votes: rank -> (vote, digest) for the ranks whose record is of `epoch` or later (a later
+                epoch's record reads as vote 0: not a GO on this one); a malformed record reads as
+                (0, 0). Ranks still on an earlier epoch are absent.
+            decided: the stored decision of `epoch`, or None.
+
+        Raises:
+            RuntimeError: this rank is 256 or more epochs behind (see `decided`).
+        """
+        keys = [self._vote_key(r) for r in ranks] + [self._decision_key(epoch)]
+        raws = self.store.multi_get(keys)
+        votes = {}
+        for rank, key, raw in zip(ranks, keys, raws):
+            record = self._decode(key, raw, 3)
+            if record is None:
+                votes[rank] = (0, 0)
+            elif record[0] == epoch:
+                votes[rank] = (record[1], record[2])
+            elif record[0] > epoch:
+                votes[rank] = (0, 0)
+        return votes, self._decision_of(epoch, raws[-1])
+
+    # ------------------------------------------------------------------ decisions
+    def _decision_of(self, epoch: int, raw: bytes) -> Optional[int]:
+        record = self._decode(self._decision_key(epoch), raw, 2)
+        if record is None or record[0] < epoch:
+            return None
+        if record[0] > epoch:
+            raise RuntimeError(f"online EPLB: rank {self.rank} is {record[0] - epoch} epochs behind (epoch {epoch}'s "
+                               f"decision slot was reused by epoch {record[0]}); its placement is unknown, replace "
+                               "this rank")
+        return record[1]
+
+    def decided(self, epoch: int) -> Optional[int]:
+        """The decision stored for `epoch` (1 COMMIT, 2 ABORT), or None while undecided.
+
+        Arguments:
+            epoch: the chunk epoch (its slot exists: `prepare`).
+
+        Returns:
+            decision: int or None.
+
+        Raises:
+            RuntimeError: the slot holds an epoch 256 or more later (this rank fell behind:
+                replace it).
+        """
+        return self._decision_of(epoch, self.store.get(self._decision_key(epoch)))
+
+    def propose(self, epoch: int, decision: int) -> int:
+        """Store `decision` for `epoch` unless one is stored; return the stored one (every rank's).
+
+        Arguments:
+            epoch: the chunk epoch (its slot exists: `prepare`).
+            decision: 1 (COMMIT) or 2 (ABORT).
+
+        Returns:
+            decision: the decision that won (this proposal or an earlier one).
+
+        Raises:
+            RuntimeError: this rank fell 256 epochs behind, or the slot kept changing under
+                `_CAS_ATTEMPTS` attempts (something other than this job's ranks writes it).
+        """
+        key = self._decision_key(epoch)
+        raw = self.store.get(key)
+        desired = self._records._encode(key, [epoch, decision])
+        for _ in range(_CAS_ATTEMPTS):
+            stored = self._decision_of(epoch, raw)
+            if stored is not None:
+                return stored
+            try:
+                expected = raw.decode()
+            except UnicodeDecodeError:
+                expected = None
+            if expected is None:
+                break
+            raw = self.store.compare_set(key, expected, desired)
+        raise RuntimeError(f"online EPLB: the decision slot {self._records.prefix}/{key} of epoch {epoch} holds "
+                           f"{bytes(raw[:40])!r} and could not be replaced: something other than this job's ranks "
+                           "writes it")
+
+    def wait_votes(self, ranks: List[int], epoch: int, timeout_us: int, stop=None) -> Tuple[
+            Dict[int, Tuple[int, int]], List[int], Optional[int]]:
+        """Poll the store until every rank of `ranks` voted on `epoch`, it was decided, or the deadline.
+
+        Arguments:
+            ranks: ranks to wait for.
+            epoch: the chunk epoch.
+            timeout_us: deadline in microseconds from now, -1 for none.
+            stop: optional callable(pending ranks) -> ranks to stop waiting for (e.g. dead
+                processes); when it returns any, the wait ends.
+
+        Returns:
+            votes: rank -> (vote, digest) of the ranks that voted.
+            gone: the ranks `stop` named (empty unless it ended the wait).
+            decided: the stored decision of `epoch` if one was seen, else None.
+        """
+        deadline = None if timeout_us < 0 else time.monotonic() + timeout_us / 1e6
+        pause = 0.00005
+        while True:
+            votes, decided = self.read(ranks, epoch)
+            pending = [r for r in ranks if r not in votes]
+            if decided is not None or not pending:
+                return votes, [], decided
+            if any(vote != 1 for vote, _ in votes.values()):
+                return votes, [], None  # an ABORT (or foreign) vote: no need to wait for the rest
+            gone = list(stop(pending)) if stop is not None else []
+            if gone:
+                return votes, gone, None
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return votes, [], None
+            time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
+            pause = min(pause * 2, 0.002)

@@ -1,0 +1,100 @@
+"""The online rebalance's votes and decisions in the store (eplb/ballot.py), and the Transfer Engine
+addresses a participant publishes with its regions: one decision per epoch, bad records refused."""
+import json
+import threading
+
+import pytest
+
+from mooncake_ep_switch.buffer.membership import Membership, MembershipError
+from mooncake_ep_switch.eplb.ballot import DECISION_SLOTS, Ballot
+from mooncake_ep_switch.launch import host_store
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture()
+def store():
+    return host_store("127.0.0.1", 0, 1, timeout_s=30)
+
+
+def _ballots(store, num_ranks=3, secret=None):
+    return [Ballot(Membership(store, r, num_ranks, prefix="p", secret=secret), 4, r, num_ranks)
+            for r in range(num_ranks)]
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "authenticated"])
+def test_votes_and_the_first_proposal_win_for_every_rank(store, secret):
+    ballots = _ballots(store, secret=secret)
+    for ballot in ballots:
+        ballot.prepare([1, 2])
+    assert ballots[0].read([1, 2], 1) == ({}, None)  # nobody voted on epoch 1 yet
+    ballots[1].vote(1, 1, 0x1234)
+    ballots[2].vote(1, 2, 0x1234)
+    assert ballots[0].read([1, 2], 1) == ({1: (1, 0x1234), 2: (2, 0x1234)}, None)
+    # Racing proposals: exactly one value is stored and every proposer gets it back.
+    results = {}
+    threads = [threading.Thread(target=lambda b=b, v=v: results.__setitem__(b.rank, b.propose(1, v)))
+               for b, v in zip(ballots, (1, 2, 1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(set(results.values())) == 1 and len(results) == 3, results
+    assert all(b.decided(1) == results[0] for b in ballots)
+    assert ballots[0].decided(2) is None  # the next epoch is its own
+    assert ballots[0].propose(2, 2) == 2 and ballots[1].propose(2, 1) == 2
+    # A later epoch's vote is no GO on this one; the wait returns at once once decided.
+    ballots[1].vote(3, 1, 7)
+    assert ballots[0].read([1], 2)[0] == {1: (0, 0)}
+    votes, gone, decided = ballots[0].wait_votes([1, 2], 2, 5_000_000)
+    assert decided == 2 and gone == []
+
+
+def test_wait_votes_deadline_stop_and_abort_vote(store):
+    ballots = _ballots(store)
+    for ballot in ballots:
+        ballot.prepare([1])
+    votes, gone, decided = ballots[0].wait_votes([1, 2], 1, 50_000)  # nobody votes: deadline
+    assert (votes, gone, decided) == ({}, [], None)
+    votes, gone, decided = ballots[0].wait_votes([1, 2], 1, -1, stop=lambda pending: [2])  # a dead process
+    assert gone == [2] and decided is None
+    ballots[1].vote(1, 2, 5)  # an ABORT vote ends the wait without the other rank's
+    votes, gone, decided = ballots[0].wait_votes([1, 2], 1, -1)
+    assert votes == {1: (2, 5)} and gone == [] and decided is None
+
+
+def test_behind_by_a_whole_ring_raises_and_garbage_is_not_a_decision(store):
+    ballots = _ballots(store, 2)
+    ballots[0].prepare([1])
+    assert ballots[0].propose(1 + DECISION_SLOTS, 1) == 1  # the ring slot of epoch 1 reused
+    with pytest.raises(RuntimeError, match="epochs behind"):
+        ballots[1].decided(1)
+    with pytest.raises(RuntimeError, match="epochs behind"):
+        ballots[1].propose(1, 2)
+    store.set("p/eplb/4/decision/2", "not json")  # malformed: undecided, a proposal replaces it
+    assert ballots[1].decided(2) is None and ballots[1].propose(2, 2) == 2 and ballots[0].decided(2) == 2
+    ballots[1].prepare([3])
+    store.set("p/eplb/4/vote/0", json.dumps([3, "go", 1]))  # malformed vote: counts as no GO
+    assert ballots[1].read([0], 3)[0] == {0: (0, 0)}
+
+
+def test_forged_votes_and_decisions_do_not_count_with_a_secret(store):
+    ballots = _ballots(store, 2, secret=SECRET)
+    ballots[0].prepare([1])
+    store.set("p/eplb/4/vote/1", json.dumps([1, 1, 9]))  # untagged GO
+    store.set("p/eplb/4/decision/1", json.dumps([1, 1]))  # untagged COMMIT
+    assert ballots[0].read([1], 1) == ({1: (0, 0)}, None)
+    assert ballots[0].propose(1, 2) == 2 and ballots[1].decided(1) == 2
+
+
+def test_region_records_with_bad_transfer_engine_addresses_are_refused(store):
+    owner, reader = Membership(store, 1, 2, prefix="p"), Membership(store, 0, 2, prefix="p")
+    good = {"kind": "expert_slots", "regions": [[123, 4, 8192]], "te_bases": [1 << 40]}
+    owner.publish_region_record(0, good)
+    assert reader.region_record(0, 1) == good
+    for bad in ([0], [1 << 40, 1 << 41], [(1 << 64) - 4096], ["0x10"], 5):
+        with pytest.raises(ValueError, match="record"):
+            owner.publish_region_record(0, dict(good, te_bases=bad))
+        store.set(f"p/regions/0/1/{owner.incarnation}", json.dumps(dict(good, te_bases=bad)))
+        with pytest.raises(MembershipError, match="not a valid region record"):
+            reader.region_record(0, 1)

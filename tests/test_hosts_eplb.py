@@ -1,0 +1,216 @@
+"""Online EPLB across hosts for real: 2 hosts x 2 ranks in network namespaces (tests/netns.py).
+
+Ranks 0, 1 live on host 0 and ranks 2, 3 on host 1 (`transport="auto"` -> "mooncake": shared memory
+inside a host, the Transfer Engine across). Every rank's redundant copy moves (the chunk of
+tests/test_eplb_online.py `rank_fault_at_commit`): ranks 0 and 2 stage their new expert from their
+host mate (shared memory), ranks 1 and 3 from the other host, read one-sided over the Transfer
+Engine. Votes and the decision live in the launcher's store. Every step's rows are checked against
+the single-process reference and the moved frames against the checkpoint, bit for bit.
+"""
+import signal
+import time
+
+import pytest
+
+from tests import harness, test_eplb_online
+from tests.harness import outcome_value
+from tests.netns import enter_host, make_network  # noqa: F401 - make_network is a fixture
+
+NUM_HOSTS, RANKS_PER_HOST = 2, 2
+NUM_RANKS = NUM_HOSTS * RANKS_PER_HOST
+TIMEOUT_US = harness.FAULT_TIMEOUT_US_TE  # dispatch/combine and the vote over the Transfer Engine
+ACROSS = (1, 3)  # ranks whose new expert is held only on the other host
+
+
+def rank_rebalance_across_hosts(ctx, names, addresses, faulty, how, corrupt_table):
+    host = ctx.rank // RANKS_PER_HOST
+    enter_host(names[host], addresses[host], host_id=names[host])
+    return test_eplb_online.rank_fault_at_commit(ctx, faulty, how, transport="auto", timeout_us=TIMEOUT_US,
+                                                 corrupt_table=corrupt_table)
+
+
+def _run(network, env=None, corrupt_table=None):
+    assert test_eplb_online.R == NUM_RANKS
+    with harness.fresh_cluster(NUM_RANKS, env=env) as cluster:
+        outcomes = cluster.run(rank_rebalance_across_hosts, network.names, network.addresses,
+                               *((-1, "none") if env is None else (2, "kill")), corrupt_table, timeout_s=120,
+                               failure_grace_s=30)
+        processes = list(cluster.processes)
+    assert not any(process.is_alive() for process in processes), "leftover rank processes"
+    return outcomes
+
+
+def _check_common(result, rank, expected):
+    assert result["transport"] == "mooncake", result["transport"]
+    assert [(r[0], r[1], r[3]) for r in result["reports"]] == [(1, expected, 3)], (rank, result["reports"])
+    assert result["phy2log"] == (result["target"] if expected == "committed" else result["old"]), f"rank {rank}"
+    assert result["frames_ok"] and result["free_frames"] == test_eplb_online.SLOTS_PER_RANK, f"rank {rank}"
+    assert not result["in_progress"]
+    assert all(result["exact"]), f"rank {rank}: rows differ from the reference {result['exact']}"
+
+
+def test_online_rebalance_stages_across_hosts_and_commits(make_network):
+    network = make_network(NUM_HOSTS)
+    values = [outcome_value(o) for o in _run(network)]
+    frame_bytes = 2 * (3 * test_eplb_online.INTER * test_eplb_online.HIDDEN)  # gate/up + down, bf16
+    layers = test_eplb_online.LAYERS
+    for rank, result in enumerate(values):
+        _check_common(result, rank, "committed")
+        assert result["remote_bytes"] == layers * frame_bytes, (rank, result)  # one slot per layer, from a peer
+        # The copies came over the Transfer Engine exactly where no host mate held the expert.
+        assert result["te_reads"] == (layers if rank in ACROSS else 0), (rank, result)
+        assert result["te_bytes"] == (layers * frame_bytes if rank in ACROSS else 0), (rank, result)
+
+
+def test_rank_killed_before_voting_across_hosts_aborts_everywhere(make_network):
+    """Rank 2 (host 1) is SIGKILLed at the commit step before voting: ranks 0, 1 (the other host)
+    and 3 (its host mate) all abort within the deadline, keep the old placement and serve exact rows."""
+    network = make_network(NUM_HOSTS)
+    began = time.monotonic()
+    outcomes = _run(network, env={"MEP_FAULT_POINT": "eplb_before_vote:2:1:kill"})
+    assert not outcomes[2].ok and outcomes[2].exitcode == -signal.SIGKILL, outcomes[2]
+    for outcome in outcomes:
+        if outcome.rank == 2:
+            continue
+        result = outcome_value(outcome)
+        _check_common(result, outcome.rank, "aborted")
+        reason = result["reports"][0][2]
+        assert "process is gone" in reason or "before a peer decided it" in reason, reason
+        assert result["stall_ms"][0] < TIMEOUT_US / 1e3, result["stall_ms"]
+    assert time.monotonic() - began < 120
+
+
+def test_bad_frame_id_from_another_host_aborts_with_a_clear_reason(make_network):
+    """Rank 2 publishes frame 10**6 for the slot rank 1 stages from (over the Transfer Engine): rank 1
+    refuses it before it becomes an address (a clear staging error, its vote ABORT), every rank aborts
+    and keeps serving the old placement with exact rows."""
+    network = make_network(NUM_HOSTS)
+    values = [outcome_value(o) for o in _run(network, corrupt_table=(2, 0, 1, 10 ** 6))]
+    for rank, result in enumerate(values):
+        _check_common(result, rank, "aborted")
+    reason = values[1]["reports"][0][2]
+    assert "staging failed on rank 1: rank 2's frame table names frame 1000000 for layer 0 slot 1" in reason, reason
+
+
+# ---------------------------------------------------------------- a replacement on the other host
+
+DEAD = 3  # host 1; after its replacement joins, rank 0 stages from it and it stages from rank 1
+
+
+def _readmit_target():
+    """Rank 0's redundant copy becomes expert 7 (held only by rank 3), rank 3's becomes expert 3
+    (held only by rank 1): both cross hosts, one of them from the replacement's region."""
+    target = test_eplb_online._initial_phy2log()
+    per_rank = test_eplb_online.SLOTS_PER_RANK
+    target[:, 0 * per_rank + 2] = 7
+    target[:, DEAD * per_rank + 2] = 3
+    return target
+
+
+def rank_readmit_setup(ctx, names, addresses):
+    """A member (or, with no group, the replacement) enters its host and builds its Buffer; members
+    also build their slots (the replacement builds them once admitted)."""
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.elastic import join
+    from mooncake_ep_switch.reference.moe_block import random_weights
+
+    host = ctx.rank // RANKS_PER_HOST
+    enter_host(names[host], addresses[host], host_id=names[host])
+    e = test_eplb_online
+    size = Buffer.get_ep_buffer_size_hint(e.TOKENS, e.HIDDEN, NUM_RANKS, NUM_RANKS * e.SLOTS_PER_RANK)
+    replacement = ctx.group is None
+    buffer = Buffer(join(ctx.store, ctx.rank, NUM_RANKS) if replacement else ctx.group, size)
+    weights = [random_weights(e.EXPERTS, e.HIDDEN, e.INTER, seed=100 + layer) for layer in range(e.LAYERS)]
+    harness.RANK_STATE.update(buffer=buffer, weights=weights, active=buffer.active_mask())
+    if not replacement:
+        _build_slots()
+    return buffer.transport
+
+
+def _build_slots():
+    from mooncake_ep_switch.eplb.online import OnlineRebalancer
+    from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+
+    e, state = test_eplb_online, harness.RANK_STATE
+    slots = ExpertSlots(state["buffer"], SlotShape(e.LAYERS, e.EXPERTS, e.SLOTS_PER_RANK, e.HIDDEN, e.INTER),
+                        e._initial_phy2log())
+    slots.load(state["weights"])
+    state["slots"] = slots
+    state["rebalancer"] = OnlineRebalancer(slots, timeout_us=TIMEOUT_US, frames_per_step=1)
+
+
+def rank_readmit_kill(ctx):
+    """Rank DEAD is SIGKILLed; the survivors serve one step without it (exact rows)."""
+    import os
+
+    state = harness.RANK_STATE
+    if ctx.rank == DEAD:
+        os.kill(os.getpid(), signal.SIGKILL)
+    out, ref, _ = test_eplb_online._forward(ctx, state["buffer"], state["weights"], state["slots"], state["active"],
+                                            test_eplb_online._inputs(ctx.rank, 0), skip_dead=(DEAD,),
+                                            timeout_us=TIMEOUT_US)
+    return test_eplb_online._close(out, ref)
+
+
+def rank_readmit_join(ctx):
+    """Every rank: update_ep_member() (members wait for the replacement to ask); the replacement then
+    builds its slots, taking the members' placement over and mapping/reading their regions."""
+    state = harness.RANK_STATE
+    buffer = state["buffer"]
+    deadline = time.monotonic() + 60
+    while ctx.rank != DEAD and DEAD not in buffer.pending_joiners():
+        assert time.monotonic() < deadline, "the replacement never asked to join"
+        time.sleep(0.01)
+    view = buffer.update_ep_member(timeout_s=60)
+    if ctx.rank == DEAD:
+        _build_slots()
+    state["active"] = buffer.active_mask()
+    return list(view.ranks)
+
+
+def rank_readmit_rebalance(ctx):
+    """Rebalance to `_readmit_target()` (commit at step 3) while serving; then tear down."""
+    e, state = test_eplb_online, harness.RANK_STATE
+    buffer, slots, rebalancer, active = state["buffer"], state["slots"], state["rebalancer"], state["active"]
+    target = _readmit_target()
+    rebalancer.begin(target, commit_step=3)
+    reports, exact = [], []
+    for step in range(1, 5):
+        reports += rebalancer.step(step, active)
+        out, ref, _ = e._forward(ctx, buffer, state["weights"], slots, active, e._inputs(ctx.rank, step),
+                                 timeout_us=TIMEOUT_US)
+        exact.append(e._close(out, ref))
+    result = {"reports": [(r.epoch, r.outcome, r.reason, r.commit_step) for r in reports], "exact": exact,
+              "placement": slots.phy2log.tolist() == target.tolist(), "frames_ok": e._frames_match_checkpoint(
+                  slots, state["weights"]), "te_reads": slots.te_reads, "remote": [r is not None for r in
+                                                                                 slots.region.remote]}
+    slots.destroy()
+    harness.rank_teardown(ctx)
+    return result
+
+
+def test_replacement_on_the_other_host_is_read_over_the_transfer_engine(make_network):
+    """Rank 3 (host 1) dies and a replacement joins on host 1: re-admission refreshes every member's
+    remote address of its slots (a new process, a new engine), so a rebalance that stages from the
+    replacement (rank 0) and into it (from rank 1) commits everywhere, frames and rows exact."""
+    network = make_network(NUM_HOSTS)
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        assert harness.check_outcomes(cluster.run(rank_readmit_setup, network.names, network.addresses,
+                                                  timeout_s=60)) == ["mooncake"] * NUM_RANKS
+        outcomes = cluster.run(rank_readmit_kill, timeout_s=60, failure_grace_s=30)
+        assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
+        assert all(outcome_value(o) for o in outcomes if o.rank != DEAD)
+        cluster.respawn(DEAD)
+        harness.check_outcomes(cluster.run(rank_readmit_setup, network.names, network.addresses, ranks=[DEAD],
+                                           timeout_s=60))
+        views = harness.check_outcomes(cluster.run(rank_readmit_join, timeout_s=90))
+        assert views == [list(range(NUM_RANKS))] * NUM_RANKS
+        results = harness.check_outcomes(cluster.run(rank_readmit_rebalance, timeout_s=90))
+        processes = list(cluster.processes)
+    assert not any(process.is_alive() for process in processes), "leftover rank processes"
+    layers = test_eplb_online.LAYERS
+    for rank, result in enumerate(results):
+        assert [(r[0], r[1], r[3]) for r in result["reports"]] == [(1, "committed", 3)], (rank, result["reports"])
+        assert result["placement"] and result["frames_ok"] and all(result["exact"]), (rank, result)
+        assert result["te_reads"] == (layers if rank in (0, DEAD) else 0), (rank, result)
+        assert result["remote"] == [r // RANKS_PER_HOST != rank // RANKS_PER_HOST for r in range(NUM_RANKS)]
