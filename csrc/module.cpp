@@ -219,7 +219,4 @@ PYBIND11_MODULE(_native, m) {
           "(arrays validated by eplb/policy/packing.py).");
     m.def("signal_publish", &mep::signal_publish, "addr"_a, "value"_a,
           "Release-store a uint64 signal word and wake every wait_words() sleeping on it.");
-    m.def("signal_cas", &mep::signal_cas, "addr"_a, "expected"_a, "desired"_a,
-          "Atomically store desired into a uint64 signal word if it equals expected (waking its "
-          "waiters); returns the previous value (== expected iff stored).");
 }

@@ -316,17 +316,6 @@ def test_slow_or_dead_rank_at_commit_step_all_ranks_agree(faulty, point, how, ou
         assert all(result["exact"]), f"rank {o.rank}: outputs differ from the reference {result['exact']}"
 
 
-def test_signal_cas_stores_only_over_the_expected_value():
-    from mooncake_ep_switch import _native
-
-    word = torch.zeros(2, dtype=torch.int64)
-    addr = word.data_ptr()
-    assert _native.signal_cas(addr, 0, (1 << 32) | 2) == 0 and int(word[0]) == (1 << 32) | 2
-    assert _native.signal_cas(addr, 0, (1 << 32) | 1) == (1 << 32) | 2 and int(word[0]) == (1 << 32) | 2
-    with pytest.raises(ValueError, match="8-aligned"):
-        _native.signal_cas(addr + 4, 0, 1)
-
-
 def rank_second_rebalancer(ctx):
     """A second OnlineRebalancer of the same slots (another layer group's, or a rebuilt one, with
     the default epoch) continues the slots' chunk epochs: it never reads the first one's votes or

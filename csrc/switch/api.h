@@ -22,9 +22,5 @@ std::vector<int64_t> wait_words(const std::vector<uintptr_t>& addrs, const std::
 void prefault(uintptr_t base, int64_t nbytes);
 // Release-store a signal word and wake every wait_words() sleeping on it (any process).
 void signal_publish(uintptr_t addr, uint64_t value);
-// Compare-and-set a signal word (sequentially consistent, works across processes on a shared
-// mapping): store `desired` only if the word equals `expected`; wake its waiters on success.
-// Returns the value the word held before (== expected iff this call stored).
-uint64_t signal_cas(uintptr_t addr, uint64_t expected, uint64_t desired);
 
 }  // namespace mep

@@ -168,20 +168,6 @@ void signal_publish(uintptr_t addr, uint64_t value) {
     futex_wake_all(reinterpret_cast<const uint32_t*>(addr) + 1);  // tag waiters (high half)
 }
 
-uint64_t signal_cas(uintptr_t addr, uint64_t expected, uint64_t desired) {
-    if (addr == 0 || addr % 8 != 0) {
-        throw_value_error("signal_cas: address " + std::to_string(addr) + " must be nonzero and 8-aligned");
-    }
-    uint64_t seen = expected;
-    if (__atomic_compare_exchange_n(reinterpret_cast<uint64_t*>(addr), &seen, desired, false, __ATOMIC_SEQ_CST,
-                                    __ATOMIC_SEQ_CST)) {
-        futex_wake_all(reinterpret_cast<const uint32_t*>(addr));
-        futex_wake_all(reinterpret_cast<const uint32_t*>(addr) + 1);
-        return expected;
-    }
-    return seen;
-}
-
 std::vector<int64_t> wait_words(const std::vector<uintptr_t>& addrs, const std::vector<uint64_t>& expected,
                                 int64_t mode, int64_t timeout_us) {
     if (addrs.size() != expected.size()) {
