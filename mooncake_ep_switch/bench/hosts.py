@@ -1,12 +1,12 @@
 """Cross-host benchmark: dispatch+combine over the Transfer Engine between two host namespaces.
 
 `python -m mooncake_ep_switch bench hosts [--quick] [--out FILE]` (root and iproute2 needed). Two
-network namespaces joined by veths to a bridge (`bench.netns`), one rank per host, R=2 T=128 H=7168
-K=8 E=32 bf16, all rows from one run:
+network namespaces joined by veths to a bridge (`bench.netns`), one rank per host, started in its
+namespace (`Network.placement`: the store on the bridge, the ranks' gloo group on their veths),
+R=2 T=128 H=7168 K=8 E=32 bf16, all rows from one run:
 
-* the Transfer Engine round against the gloo collective fallback over the same veths (a gloo group
-  made inside the namespaces, bound to the veth with GLOO_SOCKET_IFNAME) and shm with both ranks on
-  one host;
+* the Transfer Engine round against the gloo collective fallback over the same veths (the ranks'
+  default group) and shm with both ranks on one host;
 * bytes on the wire per round (what the host's veth sent, headers and acks included) against the
   routed bytes (the rows this rank owes the other host: its dispatched rows for the peer's experts
   plus the combine rows of the peer's tokens, H*2 bytes each);
@@ -14,9 +14,9 @@ K=8 E=32 bf16, all rows from one run:
   selections x H x 2, twice) over its round time, against one core's memcpy of those bytes.
 
 Timing: per rank, the median of 5 barrier-separated batch means (as `bench.transport`); the slower
-rank counts. The barriers run on the launcher's loopback group, outside the veths.
+rank counts. The barriers run on the same veths, between batches (outside the timed spans); the
+wire counts include one barrier per `wire_rounds` rounds (~0.1 KB against MBs).
 """
-import os
 import time
 from typing import List
 
@@ -56,12 +56,13 @@ def routed_bytes(rank: int, topks: List[torch.Tensor], shape: tb.TransportShape)
     return rows * shape.hidden * 2
 
 
-def rank_hosts(ctx, names, devices, addresses, iters: int, wire_rounds: int, shape: tb.TransportShape = SHAPE):
+def rank_hosts(ctx, names, devices, iters: int, wire_rounds: int, shape: tb.TransportShape = SHAPE):
     """On rank r (host r): TE and collective rounds over the veths, wire bytes per round of each.
 
     Arguments:
-        ctx: the `launch.RankContext` (rank r runs in namespace `names[r]`).
-        names, devices, addresses: the `netns.Network` attributes.
+        ctx: the `launch.RankContext` of a cluster started with `Network.placement([0, 1, ...])`
+            (rank r lives in namespace `names[r]`, its default gloo group on the veths).
+        names, devices: the `netns.Network` attributes.
         iters: timed rounds per transport (5 batches).
         wire_rounds: rounds counted for the bytes on the wire.
         shape: the `TransportShape` (R = one rank per host).
@@ -73,11 +74,6 @@ def rank_hosts(ctx, names, devices, addresses, iters: int, wire_rounds: int, sha
     from mooncake_ep_switch import Buffer
 
     torch.set_num_threads(1)
-    netns.enter(names[ctx.rank])
-    os.environ["MEP_BIND_HOST"] = addresses[ctx.rank]
-    os.environ["MEP_HOST_ID"] = names[ctx.rank]
-    os.environ["GLOO_SOCKET_IFNAME"] = devices[ctx.rank]
-    veth_group = dist.new_group(list(range(ctx.num_ranks)), backend="gloo")  # sockets on the veth
     x, topk, weights = tb._inputs(ctx.rank, shape)
     topks = [None] * ctx.num_ranks
     dist.all_gather_object(topks, topk, group=ctx.group)
@@ -86,8 +82,8 @@ def rank_hosts(ctx, names, devices, addresses, iters: int, wire_rounds: int, sha
     local = shape.experts // ctx.num_ranks
     y = torch.randn((local, ctx.num_ranks * shape.tokens, shape.hidden)).to(torch.bfloat16)
     result = {"routed": routed_bytes(ctx.rank, topks, shape), "selections": int((topk >= 0).sum())}
-    for name, group in (("te", ctx.group), ("collective", veth_group)):
-        with Buffer(group, size, transport="mooncake" if name == "te" else "collective") as buffer:
+    for name in ("te", "collective"):
+        with Buffer(ctx.group, size, transport="mooncake" if name == "te" else "collective") as buffer:
             if name == "te":
                 routes = list(buffer._impl.routes)
                 assert routes.count("te") == ctx.num_ranks - 1, routes
@@ -106,7 +102,6 @@ def rank_hosts(ctx, names, devices, addresses, iters: int, wire_rounds: int, sha
             wire = (netns.tx_bytes(names[ctx.rank], devices[ctx.rank]) - before) / wire_rounds
             assert int(active.sum()) == ctx.num_ranks, f"{name}: a peer was lost during the benchmark"
             result[name] = {"seconds": seconds, "wire": wire}
-    dist.destroy_process_group(veth_group)
     return result
 
 
@@ -125,9 +120,9 @@ def run(quick: bool = False) -> List[dict]:
     iters = 10 if quick else 20
     netns.remove_stale()
     with netns.Network(SHAPE.num_ranks) as network:
-        with LocalCluster(SHAPE.num_ranks) as cluster:
-            values = check_outcomes(cluster.run(rank_hosts, network.names, network.devices, network.addresses,
-                                                iters, 5, timeout_s=600))
+        with LocalCluster(SHAPE.num_ranks, network=network.placement(list(range(SHAPE.num_ranks)))) as cluster:
+            values = check_outcomes(cluster.run(rank_hosts, network.names, network.devices, iters, 5,
+                                                timeout_s=600))
     with LocalCluster(SHAPE.num_ranks) as cluster:
         shm = tb.measure(cluster, "shm", SHAPE, iters)
     te = max(v["te"]["seconds"] for v in values)
