@@ -89,7 +89,8 @@ def rank_hosts(ctx, names, devices, iters: int, wire_rounds: int, shape: tb.Tran
                 assert routes.count("te") == ctx.num_ranks - 1, routes
 
             def body():
-                _, _, handle, _, _ = buffer.dispatch(x, topk, active, shape.tokens, shape.experts, TIMEOUT_US)
+                _, _, handle, _, _ = buffer.dispatch(x, topk, active, shape.tokens, shape.experts, TIMEOUT_US,
+                                                     use_fp8=False)
                 buffer.combine(y, topk, weights, active, TIMEOUT_US, handle)
 
             seconds = tb._timed(ctx, body, iters, warmup=3)
