@@ -47,7 +47,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from mooncake_ep_switch.buffer.transport.sockets import (_abort_connections, _listening, _parse_session,
                                                         _socket_inodes)
@@ -380,7 +380,8 @@ class TeEndpoint:
                 self._orphans.extend(pending)
             raise
 
-    def write_each(self, writes: Sequence[PeerWrite], timeout_s: Optional[float] = None) -> Dict[int, Exception]:
+    def write_each(self, writes: Sequence[PeerWrite], timeout_s: Optional[float] = None,
+                   in_flight: Optional[Callable[[], None]] = None) -> Dict[int, Exception]:
         """Write to several peers at once, each its data then its signal; one peer's failure or
         slowness never delays the others beyond the shared deadline.
 
@@ -394,6 +395,9 @@ class TeEndpoint:
                 remote_addr >= 1, nbytes >= 1), local ranges inside registered memory when
                 `require_registered_source`.
             timeout_s: deadline in seconds for all of them (> 0), or None for the endpoint's `timeout_s`.
+            in_flight: work to overlap with the transfers: called once, after every peer's data ranges
+                were submitted and before any completion is awaited (an exception from it propagates;
+                what was submitted is left to TE and reaped later, like a write abandoned at a deadline).
 
         Returns:
             failures: dict index into `writes` -> the exception `write` would have raised for that
@@ -462,6 +466,8 @@ class TeEndpoint:
         try:
             for index in order:
                 submit(index, 0)
+            if in_flight is not None:
+                in_flight()
             started = progress = time.monotonic()
             # Spinning only pays for writes that can finish within it: a large one leaves the core to
             # the engine's I/O thread, which has the bytes to move (2 cores: the spin slowed it down).
