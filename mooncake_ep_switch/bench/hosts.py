@@ -13,10 +13,12 @@ R=2 T=128 H=7168 K=8 E=32 bf16, all rows from one run:
 * per-rank bandwidth as DeepEP reports it: the bytes ONE rank dispatches and combines (its
   selections x H x 2, twice) over its round time, against one core's memcpy of those bytes.
 
-Timing: per rank, the median of 5 barrier-separated batch means (as `bench.transport`); the slower
-rank counts. The barriers run on the same veths, between batches (outside the timed spans); the
-wire counts include one barrier per `wire_rounds` rounds (~0.1 KB against MBs).
+Timing: per rank, the TE and collective batches alternate (10 each, a barrier before each batch) and
+each transport's time is the median of its batch means; the slower rank counts. The barriers run on
+the same veths, between batches (outside the timed spans); the wire counts include one barrier per
+`wire_rounds` rounds (~0.1 KB against MBs).
 """
+import statistics
 import time
 from typing import List
 
@@ -56,14 +58,21 @@ def routed_bytes(rank: int, topks: List[torch.Tensor], shape: tb.TransportShape)
     return rows * shape.hidden * 2
 
 
+BATCHES = 10
+
+
 def rank_hosts(ctx, names, devices, iters: int, wire_rounds: int, shape: tb.TransportShape = SHAPE):
     """On rank r (host r): TE and collective rounds over the veths, wire bytes per round of each.
+
+    Both Buffers exist at once and their timed batches alternate (a barrier before each), so a burst
+    of foreign load on a shared machine hits both transports alike; each transport's time is the
+    median of its batch means.
 
     Arguments:
         ctx: the `launch.RankContext` of a cluster started with `Network.placement([0, 1, ...])`
             (rank r lives in namespace `names[r]`, its default gloo group on the veths).
         names, devices: the `netns.Network` attributes.
-        iters: timed rounds per transport (5 batches).
+        iters: timed rounds per transport (over `BATCHES` batches, at least one round each).
         wire_rounds: rounds counted for the bytes on the wire.
         shape: the `TransportShape` (R = one rank per host).
 
@@ -82,27 +91,43 @@ def rank_hosts(ctx, names, devices, iters: int, wire_rounds: int, shape: tb.Tran
     local = shape.experts // ctx.num_ranks
     y = torch.randn((local, ctx.num_ranks * shape.tokens, shape.hidden)).to(torch.bfloat16)
     result = {"routed": routed_bytes(ctx.rank, topks, shape), "selections": int((topk >= 0).sum())}
-    for name in ("te", "collective"):
-        with Buffer(ctx.group, size, transport="mooncake" if name == "te" else "collective") as buffer:
-            if name == "te":
-                routes = list(buffer._impl.routes)
-                assert routes.count("te") == ctx.num_ranks - 1, routes
+    buffers = {}
+    try:
+        for name, transport in (("te", "mooncake"), ("collective", "collective")):
+            buffers[name] = Buffer(ctx.group, size, transport=transport)
+        routes = list(buffers["te"]._impl.routes)
+        assert routes.count("te") == ctx.num_ranks - 1, routes
 
-            def body():
-                _, _, handle, _, _ = buffer.dispatch(x, topk, active, shape.tokens, shape.experts, TIMEOUT_US,
-                                                     use_fp8=False)
-                buffer.combine(y, topk, weights, active, TIMEOUT_US, handle)
+        def body(buffer):
+            _, _, handle, _, _ = buffer.dispatch(x, topk, active, shape.tokens, shape.experts, TIMEOUT_US,
+                                                 use_fp8=False)
+            buffer.combine(y, topk, weights, active, TIMEOUT_US, handle)
 
-            seconds = tb._timed(ctx, body, iters, warmup=3)
+        for buffer in buffers.values():
+            for _ in range(3):
+                body(buffer)
+        per_batch = max(1, iters // BATCHES)
+        means = {name: [] for name in buffers}
+        for _ in range(BATCHES):
+            for name, buffer in buffers.items():
+                dist.barrier(group=ctx.group)
+                start = time.perf_counter()
+                for _ in range(per_batch):
+                    body(buffer)
+                means[name].append((time.perf_counter() - start) / per_batch)
+        for name, buffer in buffers.items():
             dist.barrier(group=ctx.group)
             before = netns.tx_bytes(names[ctx.rank], devices[ctx.rank])
             for _ in range(wire_rounds):
-                body()
+                body(buffer)
             dist.barrier(group=ctx.group)
             time.sleep(0.2)  # the last acks
             wire = (netns.tx_bytes(names[ctx.rank], devices[ctx.rank]) - before) / wire_rounds
             assert int(active.sum()) == ctx.num_ranks, f"{name}: a peer was lost during the benchmark"
-            result[name] = {"seconds": seconds, "wire": wire}
+            result[name] = {"seconds": statistics.median(means[name]), "wire": wire}
+    finally:
+        for buffer in buffers.values():
+            buffer.destroy()
     return result
 
 
@@ -118,7 +143,7 @@ def run(quick: bool = False) -> List[dict]:
     Raises:
         RuntimeError: the namespaces cannot be made (needs root and iproute2), or a rank failed.
     """
-    iters = 10 if quick else 20
+    iters = 20 if quick else 100
     netns.remove_stale()
     with netns.Network(SHAPE.num_ranks) as network:
         with LocalCluster(SHAPE.num_ranks, network=network.placement(list(range(SHAPE.num_ranks)))) as cluster:
