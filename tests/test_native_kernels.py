@@ -763,9 +763,12 @@ def test_compact_dispatch_matches_reference(make_cluster, R, compact_senders, fp
         for d in range(R):
             owners = torch.div(topks[r], c.L, rounding_mode="floor")
             tokens = (owners == d).any(1).nonzero().flatten()
-            rows = view(c.half(d, tag) + c.lay["dispatch_data"] + r * c.T * c.H * 2, tokens.numel() * c.H * 2,
-                        torch.uint8).view(tokens.numel(), c.H * 2)
-            if not fp8:
+            start = c.half(d, tag) + c.lay["dispatch_data"] + r * c.T * c.H * 2
+            if fp8:  # dense at H bytes (only those cross the wire), each token once, ascending
+                rows = view(start, tokens.numel() * c.H, torch.uint8).view(tokens.numel(), c.H)
+                assert torch.equal(rows, ref_quantize(xs[r][tokens])[0]), "compact FP8 rows: dense, each token once"
+            else:
+                rows = view(start, tokens.numel() * c.H * 2, torch.uint8).view(tokens.numel(), c.H * 2)
                 assert torch.equal(rows.view(torch.bfloat16), xs[r][tokens]), "compact rows: each token once, ascending"
     recvs = [c.dispatch_recv(r, tag, fp8) for r in range(R)]
     for r in range(R):

@@ -276,7 +276,8 @@ struct SendRows {
 //
 // With `compact` (the Transfer Engine route: each token crosses the wire once per destination, as
 // in docs/protocol.md) the rows of every token that selected any expert of d go once each, in
-// ascending token order, to dispatch_data[0][column][0..m); the per-expert token lists (int32,
+// ascending token order, to dispatch_data[0][column][0..m) (FP8 rows dense at H bytes from the start
+// of that block, so that only m*H bytes cross the wire); the per-expert token lists (int32,
 // ascending, local expert 0 first) go behind each other to the start of dispatch_data[1][column];
 // FP8 scales of the m rows to dispatch_scales[0][column]; every signal carries kCompactFlag.
 void send_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64_t d, const Routing& rt,
@@ -302,11 +303,13 @@ void send_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64
         }
         int64_t m = 0;
         const int64_t slot0 = (0 * R + rank) * T;
+        uint8_t* rows = data + slot0 * lay.row_bytes;  // FP8 rows dense at H bytes: half the bytes to send
         for (size_t t = 0; t < chosen.size(); ++t) {
             if (!chosen[t]) continue;
-            const int64_t slot = slot0 + m++;
+            const int64_t row = m++;
+            const int64_t slot = slot0 + row;
             if (use_fp8) {
-                std::memcpy(data + slot * lay.row_bytes, src.q + int64_t(t) * H, size_t(H));
+                std::memcpy(rows + row * H, src.q + int64_t(t) * H, size_t(H));
                 std::memcpy(scales + slot * G, src.scales + int64_t(t) * G, size_t(G) * sizeof(float));
             } else {
                 std::memcpy(data + slot * lay.row_bytes, src.x + int64_t(t) * H, size_t(lay.row_bytes));
@@ -438,8 +441,9 @@ void pack_dispatch(const uint8_t* half, const Layout& lay, const std::vector<uin
                 for (int64_t i = 0; i < c; ++i) {
                     const int32_t t = meta[at + i];
                     const int64_t slot = base + row_of[size_t(t)];
-                    if (use_fp8) {
-                        std::memcpy(out.x + (row0 + i) * H, data + slot * lay.row_bytes, size_t(H));
+                    if (use_fp8) {  // compact FP8 rows are dense at H bytes
+                        std::memcpy(out.x + (row0 + i) * H, data + base * lay.row_bytes + row_of[size_t(t)] * H,
+                                    size_t(H));
                         for (int64_t g = 0; g < G; ++g) out.scales[(l * G + g) * RT + begin + i] = scales[slot * G + g];
                     } else {
                         std::memcpy(out.x + (row0 + i) * lay.row_bytes, data + slot * lay.row_bytes,

@@ -444,7 +444,8 @@ class OneSidedTransport:
             counts = (signal_words[dest * L:(dest + 1) * L] & 0x7FFFFFFF).tolist()
             found = []
             if compact:
-                found.append((data + dest * T * rb, data + rank * T * rb, sent[dest] * rb))  # [0][column]
+                row_bytes = call.x.size(1) if call.use_fp8 else rb  # compact FP8 rows are dense at H bytes
+                found.append((data + dest * T * rb, data + rank * T * rb, sent[dest] * row_bytes))  # [0][column]
                 found.append((data + (R + dest) * T * rb, data + (R + rank) * T * rb, sum(counts) * 4))  # [1][column]
                 if call.use_fp8:
                     found.append((offset + layout.dispatch_scales + dest * T * G * 4,
