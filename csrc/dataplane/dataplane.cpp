@@ -560,7 +560,8 @@ void check_call(const Layout& lay, int64_t rank, uintptr_t active_ptr) {
 void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
                    int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t max_tokens, uintptr_t active_ptr,
                    const std::vector<uintptr_t>& peer_half_bases, int64_t tag, bool use_fp8, int64_t dest,
-                   bool write_signals, bool by_destination, bool compact) {
+                   bool write_signals, bool by_destination, bool compact, uintptr_t fp8_rows_ptr,
+                   uintptr_t fp8_scales_ptr) {
     const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
     check_call(lay, rank, active_ptr);
     const uint32_t tag32 = check_tag(tag);
@@ -579,6 +580,10 @@ void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_
     const auto* topk = reinterpret_cast<const int64_t*>(topk_ptr);
     if (num_tokens > 0 && top_k > 0) check_topk(topk, num_tokens * top_k, num_experts);
 
+    if ((fp8_rows_ptr == 0) != (fp8_scales_ptr == 0)) {
+        throw_value_error("fp8_rows_ptr and fp8_scales_ptr: expected both or neither, got " +
+                          std::to_string(fp8_rows_ptr) + " and " + std::to_string(fp8_scales_ptr));
+    }
     if (compact && !compact_dispatch_fits(lay)) {
         throw_value_error("compact: a compact dispatch needs at least 2 local experts and 4 * L <= 2 * hidden, got L = " +
                           std::to_string(lay.num_local_experts) + ", hidden = " + std::to_string(hidden));
@@ -593,7 +598,10 @@ void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_
 
     SendRows rows;
     rows.x = reinterpret_cast<const uint16_t*>(x_ptr);
-    if (use_fp8) {
+    if (use_fp8 && fp8_rows_ptr != 0) {  // quantized by the caller (once for several sends)
+        rows.q = reinterpret_cast<const uint8_t*>(fp8_rows_ptr);
+        rows.scales = reinterpret_cast<const float*>(fp8_scales_ptr);
+    } else if (use_fp8) {
         // Quantize every routed token once; each destination then copies the same bytes.
         thread_local std::vector<uint8_t> q;
         thread_local std::vector<float> scales;

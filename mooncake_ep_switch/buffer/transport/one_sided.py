@@ -114,6 +114,10 @@ class OneSidedTransport:
         self.latest_dispatch = 0  # call number of the latest dispatch (its half is no earlier call's)
         self.te = None
         self.staging: Optional[torch.Tensor] = None
+        # FP8 rows and scales of the current dispatch, quantized once for the staging pack and the
+        # direct writes (both native sends read them; neither needs them after dispatch returns).
+        self._fp8_rows: Optional[torch.Tensor] = None
+        self._fp8_scales: Optional[torch.Tensor] = None
         # Fails a dead peer's receive waits at once (a listener only where peers may be on other hosts).
         self.watch = PeerWatch(num_ranks, rank, settings.bind_host if name == "mooncake" else None)
         if name == "mooncake":
@@ -362,12 +366,15 @@ class OneSidedTransport:
         # as over the wire; the receiver expands either form): this rank's own rows are then copied
         # 1.25x instead of twice at K=8 with 2 ranks. The shm transport keeps its fused per-pair path.
         compact = self.te is not None and _compact_fits(layout)
+        remote = self.te is not None and bool(self._te_targets(call.active_ranks))
+        # Two native sends (staging pack, direct writes) read the same FP8 rows: quantize them once.
+        fp8 = self._quantize(call.x) if remote and call.use_fp8 else (0, 0)
 
         def direct() -> None:
-            _native.dispatch_send(*args, self._direct_halves(offset), tag, call.use_fp8, -1, True, False, compact)
+            _native.dispatch_send(*args, self._direct_halves(offset), tag, call.use_fp8, -1, True, False, compact, *fp8)
 
-        if self.te is not None and self._te_targets(call.active_ranks):
-            self._dispatch_te(call, layout, offset, tag, args, direct)  # runs `direct` with its data in flight
+        if remote:
+            self._dispatch_te(call, layout, offset, tag, args, direct, fp8)  # runs `direct` with its data in flight
         else:
             direct()
 
@@ -420,8 +427,19 @@ class OneSidedTransport:
             self.failed_sources.extend(newly)
         return None
 
+    def _quantize(self, x: torch.Tensor) -> Tuple[int, int]:
+        """Quantize every row of `x` ([N, H] bf16, contiguous) to FP8 into this transport's scratch
+        (grown as needed); returns the (rows, scales) addresses `dispatch_send` takes."""
+        n, hidden = x.shape
+        if self._fp8_rows is None or self._fp8_rows.numel() < n * hidden:
+            self._fp8_rows = torch.empty(n * hidden, dtype=torch.uint8)
+            self._fp8_scales = torch.empty(n * hidden // 128, dtype=torch.float32)
+        rows, scales = self._fp8_rows.data_ptr(), self._fp8_scales.data_ptr()
+        _native.quantize_fp8_rows(x.data_ptr(), hidden * 2, 0, n, hidden, rows, scales)
+        return rows, scales
+
     def _dispatch_te(self, call: DispatchCall, layout: RegionLayout, offset: int, tag: int, args,
-                     direct: Callable[[], None]) -> None:
+                     direct: Callable[[], None], fp8: Tuple[int, int] = (0, 0)) -> None:
         """Pack every Transfer Engine destination's rows into its own column of the staging copy (one
         native call), then write each destination its rows and signals into column `rank` of its region;
         `direct` (the self and shm writes) runs while those rows are on the wire.
@@ -433,7 +451,8 @@ class OneSidedTransport:
         R, rank = self.num_ranks, self.rank
         L, T, G = layout.num_local_experts, call.num_max_dispatch_tokens_per_rank, layout.num_scale_groups
         compact = _compact_fits(layout)
-        _native.dispatch_send(*args, self._staging_bases(offset, targets), tag, call.use_fp8, -1, True, True, compact)
+        _native.dispatch_send(*args, self._staging_bases(offset, targets), tag, call.use_fp8, -1, True, True, compact,
+                              *fp8)
         signal_words = self.staging[offset + layout.dispatch_signals:].view(torch.int64)  # [R][L] words
         data, rb = offset + layout.dispatch_data, layout.row_bytes
         if compact:
