@@ -3,18 +3,19 @@
 `python -m mooncake_ep_switch bench hosts [--quick] [--out FILE]` (root and iproute2 needed). Two
 network namespaces joined by veths to a bridge (`bench.netns`), one rank per host, started in its
 namespace (`Network.placement`: the store on the bridge, the ranks' gloo group on their veths),
-R=2 T=128 H=7168 K=8 E=32 bf16, all rows from one run:
+R=2 T=128 H=7168 K=8 E=32, all rows from one run:
 
 * the Transfer Engine round against the gloo collective fallback over the same veths (the ranks'
-  default group) and shm with both ranks on one host;
+  default group) and shm with both ranks on one host; bf16, and again with FP8 dispatch (Mooncake's
+  default);
 * bytes on the wire per round (what the host's veth sent, headers and acks included) against the
   routed bytes (the rows this rank owes the other host: its dispatched rows for the peer's experts
   plus the combine rows of the peer's tokens, H*2 bytes each);
 * per-rank bandwidth as DeepEP reports it: the bytes ONE rank dispatches and combines (its
   selections x H x 2, twice) over its round time, against one core's memcpy of those bytes.
 
-Timing: per rank, the TE and collective batches alternate (10 each, a barrier before each batch) and
-each transport's time is the median of its batch means; the slower rank counts. The barriers run on
+Timing: per rank, the batches of TE and collective, bf16 and FP8 dispatch, alternate (10 each, a
+barrier before each) and each one's time is the median of its batch means; the slower rank counts. The barriers run on
 the same veths, between batches (outside the timed spans); the wire counts include one barrier per
 `wire_rounds` rounds (~0.1 KB against MBs).
 """
@@ -78,7 +79,8 @@ def rank_hosts(ctx, names, devices, iters: int, wire_rounds: int, shape: tb.Tran
 
     Returns:
         result: dict with `"routed"` (int, this rank's routed bytes per round), `"selections"` (int)
-            and per transport (`"te"`, `"collective"`) `{"seconds": float, "wire": float}`.
+            and per transport (`"te"`, `"collective"`) `{"seconds": float, "wire": float, "fp8_seconds":
+            float}` (bf16 rounds, their bytes on the wire, and rounds with FP8 dispatch).
     """
     from mooncake_ep_switch import Buffer
 
@@ -98,23 +100,24 @@ def rank_hosts(ctx, names, devices, iters: int, wire_rounds: int, shape: tb.Tran
         routes = list(buffers["te"]._impl.routes)
         assert routes.count("te") == ctx.num_ranks - 1, routes
 
-        def body(buffer):
+        def body(buffer, use_fp8=False):
             _, _, handle, _, _ = buffer.dispatch(x, topk, active, shape.tokens, shape.experts, TIMEOUT_US,
-                                                 use_fp8=False)
+                                                 use_fp8=use_fp8)
             buffer.combine(y, topk, weights, active, TIMEOUT_US, handle)
 
-        for buffer in buffers.values():
+        variants = [(name, buffer, use_fp8) for use_fp8 in (False, True) for name, buffer in buffers.items()]
+        for _, buffer, use_fp8 in variants:
             for _ in range(3):
-                body(buffer)
+                body(buffer, use_fp8)
         per_batch = max(1, iters // BATCHES)
-        means = {name: [] for name in buffers}
+        means = {(name, use_fp8): [] for name, _, use_fp8 in variants}
         for _ in range(BATCHES):
-            for name, buffer in buffers.items():
+            for name, buffer, use_fp8 in variants:
                 dist.barrier(group=ctx.group)
                 start = time.perf_counter()
                 for _ in range(per_batch):
-                    body(buffer)
-                means[name].append((time.perf_counter() - start) / per_batch)
+                    body(buffer, use_fp8)
+                means[name, use_fp8].append((time.perf_counter() - start) / per_batch)
         for name, buffer in buffers.items():
             dist.barrier(group=ctx.group)
             before = netns.tx_bytes(names[ctx.rank], devices[ctx.rank])
@@ -124,7 +127,8 @@ def rank_hosts(ctx, names, devices, iters: int, wire_rounds: int, shape: tb.Tran
             time.sleep(0.2)  # the last acks
             wire = (netns.tx_bytes(names[ctx.rank], devices[ctx.rank]) - before) / wire_rounds
             assert int(active.sum()) == ctx.num_ranks, f"{name}: a peer was lost during the benchmark"
-            result[name] = {"seconds": statistics.median(means[name]), "wire": wire}
+            result[name] = {"seconds": statistics.median(means[name, False]), "wire": wire,
+                            "fp8_seconds": statistics.median(means[name, True])}
     finally:
         for buffer in buffers.values():
             buffer.destroy()
@@ -153,6 +157,8 @@ def run(quick: bool = False) -> List[dict]:
         shm = tb.measure(cluster, "shm", SHAPE, iters)
     te = max(v["te"]["seconds"] for v in values)
     coll = max(v["collective"]["seconds"] for v in values)
+    te8 = max(v["te"]["fp8_seconds"] for v in values)
+    coll8 = max(v["collective"]["fp8_seconds"] for v in values)
     wire_te = max(v["te"]["wire"] for v in values)
     wire_coll = max(v["collective"]["wire"] for v in values)
     routed = max(v["routed"] for v in values)
@@ -161,6 +167,10 @@ def run(quick: bool = False) -> List[dict]:
         "benchmark": "TE dispatch+combine across host namespaces (bf16, tcp over veth)", "shape": label,
         "ours_ms": te * 1e3, "baseline": "gloo collective over the same veths", "baseline_ms": coll * 1e3,
         "speedup": coll / te, "note": f"shm on one host {shm['seconds'] * 1e3:.2f} ms (same run)",
+    }, {
+        "benchmark": "TE dispatch+combine across host namespaces (FP8 dispatch, bf16 combine)", "shape": label,
+        "ours_ms": te8 * 1e3, "baseline": "gloo collective over the same veths", "baseline_ms": coll8 * 1e3,
+        "speedup": coll8 / te8, "note": "Mooncake's default dispatch (use_fp8=True), same batches interleaved",
     }, {
         "benchmark": "TE bytes on the wire per round per rank", "shape": label, "ours_ms": None,
         "baseline": "routed bytes per rank", "baseline_ms": None, "speedup": routed / wire_te,
