@@ -117,11 +117,14 @@ PYBIND11_MODULE(_native, m) {
     m.def("dispatch_send", &mep::dispatch_send, release(), "x_ptr"_a, "num_tokens"_a, "hidden"_a, "topk_ptr"_a,
           "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "active_ptr"_a,
           "peer_half_bases"_a, "tag"_a, "use_fp8"_a, "dest"_a = -1, "write_signals"_a = true, "by_destination"_a = false,
-          "compact"_a = false,
+          "compact"_a = false, "fp8_rows_ptr"_a = 0, "fp8_scales_ptr"_a = 0,
           "Write this rank's tokens into every active destination's half, then its dispatch signals. With "
           "by_destination, destination d's rows and signals go to source column d instead of this rank's "
           "(a staging copy holding every destination at once). With compact, each token goes once per "
-          "destination with its per-expert token lists beside it, and the signals say so (protocol.md).");
+          "destination with its per-expert token lists beside it, and the signals say so (protocol.md). "
+          "With use_fp8 and fp8_rows_ptr / fp8_scales_ptr ([num_tokens, H] e4m3fn, [num_tokens, H/128] "
+          "float32, as quantize_fp8_rows writes them), the rows are taken from there instead of being "
+          "quantized again (one quantization for several sends of one dispatch).");
     m.def("dispatch_recv", &mep::dispatch_recv, release(), "local_half_base"_a, "num_ranks"_a, "rank"_a,
           "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a, "tag"_a, "active_ptr"_a,
           "timeout_us"_a, "use_fp8"_a, "recv_x_ptr"_a, "recv_scales_ptr"_a, "src_info_ptr"_a, "layout_range_ptr"_a,

@@ -97,6 +97,13 @@ def settings() -> Settings:
 
 
 JOB_SECRET_ENV = "MEP_JOB_SECRET"
+# Names a launcher writes into a rank's environment before the rank reads its settings.
+HOST_ID_ENV = "MEP_HOST_ID"
+BIND_HOST_ENV = "MEP_BIND_HOST"
+# Read by torch's gloo (never by this package): the interface gloo's sockets bind to. Without it
+# gloo binds the address the hostname resolves to, or loopback when that address is not local (as in
+# a network namespace), and peers in other namespaces could not reach it.
+GLOO_SOCKET_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
 
 def new_job_secret() -> str:

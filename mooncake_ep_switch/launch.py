@@ -1,11 +1,18 @@
 """Local multi-rank launcher: spawned CPU ranks with a gloo group, every wait bounded.
 
 The launching process hosts the TCPStore, so the store (and with it the membership record) outlives
-any rank, including rank 0. The store listens on 127.0.0.1 only (`host_store`): it is not
-authenticated, so it must never be reachable from the network. Ranks are persistent workers: `run()` sends a function (by reference,
-so it must be importable) to every rank and collects each rank's return value, error or exit code
-before a deadline. A rank that dies is reported, never waited for past the deadline; `close()` (or
-leaving the `with` block) ends every rank, and each rank also dies with its parent (PDEATHSIG).
+any rank, including rank 0. The store listens on one address only (`host_store`): 127.0.0.1 by
+default, or the address a `ClusterNetwork` names, inside that network's namespace. It is not
+authenticated, so it must never be reachable from a network you do not trust. Ranks are persistent
+workers: `run()` sends a function (by reference, so it must be importable) to every rank and
+collects each rank's return value, error or exit code before a deadline. A rank that dies is
+reported, never waited for past the deadline; `close()` (or leaving the `with` block) ends every
+rank, and each rank also dies with its parent (PDEATHSIG).
+
+With a `ClusterNetwork` (multi-host tests and benchmarks on Linux network namespaces,
+`bench/netns.py`) each rank first moves into its host's network namespace and only then connects to
+the store and joins the gloo group, so the store traffic and gloo cross the namespaces' links like
+any other traffic between hosts.
 """
 import multiprocessing as mp
 import os
@@ -14,9 +21,10 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-from mooncake_ep_switch.config import JOB_SECRET_ENV, new_job_secret
+from mooncake_ep_switch.config import (BIND_HOST_ENV, GLOO_SOCKET_IFNAME_ENV, HOST_ID_ENV, JOB_SECRET_ENV,
+                                       new_job_secret)
 
 
 class RankContext(NamedTuple):
@@ -36,6 +44,75 @@ class RankContext(NamedTuple):
     group: Any
     store: Any
     store_addr: tuple
+
+
+class RankPlace(NamedTuple):
+    """Where one rank of a `ClusterNetwork` lives.
+
+    Fields:
+        namespace: the network namespace (a name under /var/run/netns) the rank enters first, before
+            it connects to the store or builds its gloo group.
+        bind_host: its host's address: `MEP_BIND_HOST` (what the Transfer Engine advertises, where
+            the peer watcher listens).
+        interface: the device gloo binds to (`GLOO_SOCKET_IFNAME`), e.g. the host's veth.
+        host_id: `MEP_HOST_ID` (ranks with the same one share memory); "" keeps the rank's default.
+    """
+
+    namespace: str
+    bind_host: str
+    interface: str
+    host_id: str = ""
+
+
+class ClusterNetwork(NamedTuple):
+    """A `LocalCluster` spread over network namespaces (`bench.netns.Network.placement` builds one).
+
+    Fields:
+        store_host: the address the launcher's store listens on (only there), reachable from every
+            rank's namespace.
+        store_namespace: the network namespace the store's listening socket is made in (the
+            launcher's thread enters it for that moment only); None: the launcher's own.
+        ranks: one `RankPlace` per rank, in rank order.
+    """
+
+    store_host: str
+    store_namespace: Optional[str]
+    ranks: Tuple[RankPlace, ...]
+
+
+def _check_network(network: Optional[ClusterNetwork], num_ranks: int) -> None:
+    if network is None:
+        return
+    if not isinstance(network, ClusterNetwork):
+        raise TypeError(f"network: expected a ClusterNetwork or None, got {type(network).__name__}")
+    if not isinstance(network.store_host, str) or not network.store_host:
+        raise ValueError(f"network.store_host: expected a non-empty address, got {network.store_host!r}")
+    if network.store_namespace is not None and (not isinstance(network.store_namespace, str)
+                                                or not network.store_namespace):
+        raise ValueError(f"network.store_namespace: expected a namespace name or None, got "
+                         f"{network.store_namespace!r}")
+    if len(network.ranks) != num_ranks:
+        raise ValueError(f"network.ranks: expected one RankPlace per rank ({num_ranks}), got {len(network.ranks)}")
+    for rank, place in enumerate(network.ranks):
+        if not isinstance(place, RankPlace):
+            raise TypeError(f"network.ranks[{rank}]: expected a RankPlace, got {type(place).__name__}")
+        for field in ("namespace", "bind_host", "interface"):
+            if not isinstance(getattr(place, field), str) or not getattr(place, field):
+                raise ValueError(f"network.ranks[{rank}].{field}: expected a non-empty str, got "
+                                 f"{getattr(place, field)!r}")
+        if not isinstance(place.host_id, str):
+            raise ValueError(f"network.ranks[{rank}].host_id: expected a str, got {place.host_id!r}")
+
+
+def _enter_place(place: RankPlace) -> None:
+    """Rank side, first thing: move into the rank's namespace and set what its settings read."""
+    from mooncake_ep_switch.namespaces import enter
+
+    enter(place.namespace)  # the main thread, before any socket or thread exists
+    os.environ[BIND_HOST_ENV] = place.bind_host
+    os.environ[GLOO_SOCKET_IFNAME_ENV] = place.interface
+    if place.host_id:
+        os.environ[HOST_ID_ENV] = place.host_id
 
 
 class RankOutcome(NamedTuple):
@@ -116,9 +193,11 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, str], threads: int, conn,
-                 replacement: bool = False) -> None:
+                 replacement: bool = False, place: Optional[RankPlace] = None) -> None:
     _die_with_parent()
     os.environ.update(env)
+    if place is not None:
+        _enter_place(place)
     import torch
     import torch.distributed as dist
 
@@ -166,19 +245,37 @@ class LocalCluster:
             `MEP_JOB_SECRET` is added unless given: replacements get the same one).
         threads: torch intra-op threads per rank.
         start_timeout_s: deadline for spawning and joining the process group.
+        network: None (default): every rank in the launcher's network namespace, the store on
+            127.0.0.1. A `ClusterNetwork`: the store listens on its `store_host` only (made inside
+            `store_namespace`), and rank r (and any replacement of it) enters
+            `network.ranks[r].namespace` before it connects to the store and joins the gloo group
+            (bound to the place's interface), with `MEP_BIND_HOST` / `MEP_HOST_ID` from the place.
+
+    Raises:
+        ValueError / TypeError: a bad argument (named in the message).
+        OSError: the store cannot listen on `network.store_host`, or a namespace cannot be entered.
+        TimeoutError: a rank did not start (or join the group) within `start_timeout_s`.
     """
 
     def __init__(self, num_ranks: int, env: Optional[Dict[str, str]] = None, threads: int = 1,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, network: Optional[ClusterNetwork] = None):
         if num_ranks < 1:
             raise ValueError(f"num_ranks: expected >= 1, got {num_ranks}")
+        _check_network(network, num_ranks)
         self.num_ranks = num_ranks
+        self.network = network
         self.env = dict(env or {})
         # Every rank and replacement authenticates its membership records with this job's secret.
         self.env.setdefault(JOB_SECRET_ENV, new_job_secret())
-        # Listens on loopback only (torch's own server would listen on every interface).
-        self.store = host_store("127.0.0.1", 0, num_ranks, timeout_s=60)
-        self.store_addr = ("127.0.0.1", self.store.port)
+        # Listens on one address only (torch's own server would listen on every interface).
+        if network is None:
+            self.store = host_store("127.0.0.1", 0, num_ranks, timeout_s=60)
+        else:
+            from mooncake_ep_switch.namespaces import inside
+
+            with inside(network.store_namespace):  # the socket stays in that namespace
+                self.store = host_store(network.store_host, 0, num_ranks, timeout_s=60)
+        self.store_addr = ("127.0.0.1" if network is None else network.store_host, self.store.port)
         self._ctx = mp.get_context("spawn")
         self.processes: List[Any] = []
         self.conns: List[Any] = []
@@ -194,8 +291,9 @@ class LocalCluster:
 
     def _spawn(self, rank: int, threads: int, replacement: bool = False) -> None:
         parent, child = self._ctx.Pipe()
+        place = None if self.network is None else self.network.ranks[rank]
         process = self._ctx.Process(target=_worker_main, args=(rank, self.num_ranks, self.store_addr, self.env,
-                                                               threads, child, replacement), daemon=True)
+                                                               threads, child, replacement, place), daemon=True)
         process.start()
         child.close()
         if replacement:
@@ -205,7 +303,7 @@ class LocalCluster:
             self.conns.append(parent)
 
     def respawn(self, rank: int, threads: int = 1, timeout_s: float = 60.0) -> None:
-        """Start a replacement process for a dead `rank` (same rank id, no world group).
+        """Start a replacement process for a dead `rank` (same rank id and `RankPlace`, no world group).
 
         Its functions get a context whose `group` is None and whose `store` reaches the launcher's
         store, which is how a replacement joins (`mooncake_ep_switch.elastic.join`). On success the

@@ -43,9 +43,10 @@ def run(num_ranks: int, function, *args, env=None, timeout_s: float = DEFAULT_TI
     return check_outcomes(cluster(num_ranks, env).run(function, *args, timeout_s=timeout_s, **kwargs))
 
 
-def fresh_cluster(num_ranks: int, env: Optional[Dict[str, str]] = None) -> LocalCluster:
-    """A new cluster for a test that kills ranks; use it in a `with` block."""
-    return LocalCluster(num_ranks, env=env)
+def fresh_cluster(num_ranks: int, env: Optional[Dict[str, str]] = None, network=None) -> LocalCluster:
+    """A new cluster for a test that kills ranks (or spreads its ranks over the network namespaces of
+    a `launch.ClusterNetwork`, tests/netns.py); use it in a `with` block."""
+    return LocalCluster(num_ranks, env=env, network=network)
 
 
 def close_all() -> None:

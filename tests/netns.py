@@ -2,7 +2,13 @@
 
 `make_network(num_hosts)` (a pytest fixture returning a factory) builds the namespaces and always
 deletes them, also when the test fails, and then checks none is left. No skip: a machine where
-namespaces cannot be made fails the test with the reason. Rank functions call `enter_host` first.
+namespaces cannot be made fails the test with the reason.
+
+Start the ranks in their hosts: `harness.fresh_cluster(n, network=network.placement([0, 0, 1, 1]))`
+puts the launcher's store on the hub's bridge and has every rank enter its host's namespace before
+it reaches the store and builds its gloo group (both then cross the veths). `enter_host` is the
+older way, for ranks of a cluster started in the root namespace: it moves a rank in later, so only
+what the rank opens afterwards (its Buffer) uses the namespace; its store and gloo stay on loopback.
 """
 import os
 
@@ -38,7 +44,8 @@ def make_network():
 
 def enter_host(namespace: str, address: str, host_id: str = "") -> None:
     """Rank side: move this rank into its host's namespace and advertise the host's address; with
-    `host_id`, also name its host (ranks of one namespace then reach each other over shm)."""
+    `host_id`, also name its host (ranks of one namespace then reach each other over shm). Needless
+    (and harmless) for ranks a cluster started with `Network.placement`."""
     netns.enter(namespace)
     os.environ["MEP_BIND_HOST"] = address  # read by config.settings() when the Buffer is made
     if host_id:

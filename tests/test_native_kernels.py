@@ -763,9 +763,12 @@ def test_compact_dispatch_matches_reference(make_cluster, R, compact_senders, fp
         for d in range(R):
             owners = torch.div(topks[r], c.L, rounding_mode="floor")
             tokens = (owners == d).any(1).nonzero().flatten()
-            rows = view(c.half(d, tag) + c.lay["dispatch_data"] + r * c.T * c.H * 2, tokens.numel() * c.H * 2,
-                        torch.uint8).view(tokens.numel(), c.H * 2)
-            if not fp8:
+            start = c.half(d, tag) + c.lay["dispatch_data"] + r * c.T * c.H * 2
+            if fp8:  # dense at H bytes (only those cross the wire), each token once, ascending
+                rows = view(start, tokens.numel() * c.H, torch.uint8).view(tokens.numel(), c.H)
+                assert torch.equal(rows, ref_quantize(xs[r][tokens])[0]), "compact FP8 rows: dense, each token once"
+            else:
+                rows = view(start, tokens.numel() * c.H * 2, torch.uint8).view(tokens.numel(), c.H * 2)
                 assert torch.equal(rows.view(torch.bfloat16), xs[r][tokens]), "compact rows: each token once, ascending"
     recvs = [c.dispatch_recv(r, tag, fp8) for r in range(R)]
     for r in range(R):
@@ -780,6 +783,34 @@ def test_compact_dispatch_matches_reference(make_cluster, R, compact_senders, fp
         got, failed = c.combine_recv(s, topks[s], weights[s], tag)
         assert failed == []
         assert torch.equal(bits(got), bits(expected_combine(c, recvs, outs, topks, weights, s, set(range(R)))))
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_dispatch_send_takes_rows_quantized_once(make_cluster, compact):
+    """FP8 rows quantized by the caller (quantize_fp8_rows, once for several sends) give every
+    receiver exactly what dispatch_send's own quantization gives; rows without scales are refused."""
+    c = make_cluster(2, 12, 256, 8)
+    xs, topks, _ = random_inputs(2, c.T, c.H, c.E, 3, seed=71, full=True)
+    sent = {}
+    for tag, given in ((3, False), (4, True)):
+        for r in range(2):
+            extra = {}
+            if given:
+                q = torch.full((c.T, c.H), 0x55, dtype=torch.uint8)
+                sc = torch.full((c.T, c.H // 128), -1.0, dtype=torch.float32)
+                N.quantize_fp8_rows(xs[r].data_ptr(), c.H * 2, 0, c.T, c.H, q.data_ptr(), sc.data_ptr())
+                extra = {"fp8_rows_ptr": q.data_ptr(), "fp8_scales_ptr": sc.data_ptr()}
+                sent[r] = (q, sc)  # alive until the sends are done
+            c.dispatch_send(r, xs[r], topks[r], tag, True, compact=compact, **extra)
+        sent[tag] = [c.dispatch_recv(r, tag, True) for r in range(2)]
+    for r in range(2):
+        assert sent[3][r]["failed"] == [] and sent[4][r]["failed"] == []
+        check_dispatch(c, r, sent[4][r], expected_dispatch(c, r, xs, topks, {0, 1}, True), True)
+        for key in ("x", "scales", "src_info", "layout_range", "recv_count"):
+            assert torch.equal(bits(sent[3][r][key]), bits(sent[4][r][key])), key
+    q = torch.zeros((c.T, c.H), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="fp8_rows_ptr and fp8_scales_ptr: expected both or neither"):
+        c.dispatch_send(0, xs[0], topks[0], 5, True, fp8_rows_ptr=q.data_ptr())
 
 
 def test_compact_dispatch_bad_token_list_fails_that_source(make_cluster):

@@ -2,15 +2,19 @@
 
 The test builds its own network with the shared multi-host fixture (tests/netns.py: one network
 namespace per host, each with a veth to a bridge in a hub namespace), 2 hosts x 2 ranks, and
-deletes it afterwards. The ranks are spawned by `LocalCluster` in the root namespace, where they
-reach the launcher's store and their gloo group over loopback; before building its Buffer each rank
-moves its calling thread into its host's namespace (setns), names its host (`MEP_HOST_ID`: shm
-between the two ranks of a host) and advertises the host's address (`MEP_BIND_HOST`), so the
-Transfer Engine (its listening sockets, its I/O threads and every put) lives in the namespace and
-only the veths carry traffic between hosts. Downing host 1's veth cuts ranks 2 and 3 off the data
-plane while the store stays reachable: exactly the outage seen in production (a link flap between
-hosts), with real TCP underneath.
+deletes it afterwards. `LocalCluster` starts every rank inside its host's namespace
+(`Network.placement`): the rank reaches the launcher's store (listening on the bridge's address in
+the hub namespace) and builds its gloo group over its host's veth, names its host (`MEP_HOST_ID`:
+shm between the two ranks of a host) and advertises the host's address (`MEP_BIND_HOST`), so the
+Transfer Engine, the store traffic and gloo all cross the veths. Downing host 1's veth cuts ranks 2
+and 3 off their peers AND the store: a link flap between hosts with real TCP underneath. What that
+does to the store: a new connection from host 1 fails at once (no route: the test shows it), while
+the ranks' established store connections stay open (TCP only retransmits; nothing is sent on them
+during the outage) and carry the rejoin after the link is back. No data-path call touches the store
+or gloo, so the outage is seen only as peers that stop answering.
 """
+import errno
+import socket
 import time
 
 import torch
@@ -18,7 +22,7 @@ import torch
 from mooncake_ep_switch import Buffer
 from tests import harness
 from tests.harness import RANK_STATE, outcome_value, rank_teardown
-from tests.netns import enter_host, make_network  # noqa: F401 - make_network is a fixture
+from tests.netns import make_network  # noqa: F401 - make_network is a fixture
 from tests.reference import expected_combine, expected_routing, structured_inputs, token_count
 from tests.test_faults import _mock_expert
 
@@ -59,9 +63,7 @@ def _round(ctx, buffer, seed, active):
     return {"mask": active.tolist(), "dispatch_mask": in_dispatch, "seconds": seconds}
 
 
-def rank_start(ctx, namespaces, addresses):
-    host = ctx.rank // RANKS_PER_HOST
-    enter_host(namespaces[host], addresses[host], host_id=namespaces[host])
+def rank_start(ctx):
     size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, NUM_RANKS, EXPERTS)
     buffer = RANK_STATE["buffer"] = Buffer(ctx.group, size, transport="mooncake")  # shm inside a host
     published = buffer.membership.endpoint(ctx.rank)["te_session"]
@@ -70,9 +72,18 @@ def rank_start(ctx, namespaces, addresses):
             "round": _round(ctx, buffer, 1, torch.ones(NUM_RANKS, dtype=torch.int32))}
 
 
-def rank_round(ctx, seed, full_mask=False):
+def rank_round(ctx, seed, full_mask=False, probe_store=False):
+    """One round; with `probe_store`, first try a new connection to the store: "reached", or the errno name."""
+    probe = None
+    if probe_store:
+        try:
+            socket.create_connection(ctx.store_addr, timeout=2.0).close()
+            probe = "reached"
+        except OSError as error:
+            probe = errno.errorcode.get(error.errno, str(error))
     buffer = RANK_STATE["buffer"]
-    return _round(ctx, buffer, seed, torch.ones(NUM_RANKS, dtype=torch.int32) if full_mask else buffer.active_mask())
+    result = _round(ctx, buffer, seed, torch.ones(NUM_RANKS, dtype=torch.int32) if full_mask else buffer.active_mask())
+    return dict(result, store=probe)
 
 
 def rank_update(ctx, timeout_s, wait_for_joiners=(), wait_s=30.0):
@@ -103,11 +114,14 @@ def test_left_out_host_rejoins_after_link_outage(make_network):
     """Host 1's link goes down for ~4 s. Ranks 0 and 1 (host 0) mask ranks 2 and 3 within timeout_us
     and keep serving exact rows (shm between them), as do 2 and 3 on their side; 0 and 1 seal a view
     without host 1. Link back up: ranks 2 and 3 rejoin as new incarnations through the joining path,
-    the members admit them, and three full rounds are exact again."""
+    the members admit them, and three full rounds are exact again. During the outage host 1 cannot
+    reach the store (a new connection fails); its ranks' store connections carry their rejoin after."""
     everyone = list(range(NUM_RANKS))
     network = make_network(NUM_HOSTS)
-    with harness.fresh_cluster(NUM_RANKS) as cluster:
-        started = [outcome_value(o) for o in cluster.run(rank_start, network.names, network.addresses, timeout_s=90)]
+    placement = network.placement([r // RANKS_PER_HOST for r in everyone])
+    with harness.fresh_cluster(NUM_RANKS, network=placement) as cluster:
+        assert cluster.store_addr[0] == network.store_address
+        started = [outcome_value(o) for o in cluster.run(rank_start, timeout_s=90)]
         for rank, value in enumerate(started):
             # The Transfer Engine advertises the host's namespace address: its puts go over the veth.
             host = rank // RANKS_PER_HOST
@@ -117,10 +131,12 @@ def test_left_out_host_rejoins_after_link_outage(make_network):
             assert value["round"]["mask"] == [1] * NUM_RANKS
         network.set_link(1, up=False)
         down_at = time.monotonic()
-        cut = [outcome_value(o) for o in cluster.run(rank_round, 2, full_mask=True, timeout_s=60)]
+        cut = [outcome_value(o) for o in cluster.run(rank_round, 2, full_mask=True, probe_store=True, timeout_s=60)]
         for rank in everyone:  # each side masks the other within the deadline and serves exact rows
             assert cut[rank]["mask"] == ([1, 1, 0, 0] if rank < 2 else [0, 0, 1, 1]), cut
             assert cut[rank]["seconds"] < TIMEOUT_US / 1e6 + harness.FAULT_SLACK_S, cut
+            # The store is reached over the veths: host 1 has no route to it while its link is down.
+            assert cut[rank]["store"] == ("reached" if rank < 2 else "ENETUNREACH"), cut
         # Only the members agree (a cut-off rank that also called it could race them for the seal).
         members = [outcome_value(o) for o in cluster.run(rank_update, 20.0, ranks=[0, 1], timeout_s=60)]
         assert [m["view"] for m in members] == [[0, 1]] * 2 and members[0]["epoch"] == 1, members

@@ -502,6 +502,43 @@ def test_write_each_bad_arguments_submit_nothing():
         endpoint.write_each([good])
 
 
+@pytest.mark.parametrize("nbytes", [4096, 4 << 20], ids=["small", "large"])
+def test_write_each_in_flight_runs_once_between_submit_and_wait(nbytes):
+    """`in_flight` runs once, after the data was submitted and before the signal (which follows the
+    completed data); its writes and the engine's both land; an exception from it propagates and
+    leaves the endpoint usable. Small writes spin first, large ones do not (both paths)."""
+    _engine_or_fail()
+    buffer = mmap.mmap(-1, nbytes + 64)
+    target = mmap.mmap(-1, nbytes + 64)
+    side = mmap.mmap(-1, 64)
+    base, dest = _address(buffer), _address(target)
+    with TeEndpoint(timeout_s=10, log_level="ERROR") as endpoint:
+        me = endpoint.session_id
+        endpoint.register(base, len(buffer))
+        endpoint.register(dest, len(target))
+        buffer[0:nbytes] = _pattern(3, nbytes)
+        buffer[nbytes:nbytes + 8] = _pattern(4, 8)
+        write = PeerWrite(me, [(base, dest, nbytes)], [(base + nbytes, dest + nbytes, 8)])
+        seen = []
+
+        def in_flight():
+            seen.append(bytes(target[nbytes:nbytes + 8]))  # the signal is not submitted yet
+            side[0:8] = _pattern(5, 8)
+
+        assert endpoint.write_each([write], in_flight=in_flight) == {}
+        assert seen == [bytes(8)]
+        assert target[0:nbytes + 8] == _pattern(3, nbytes) + _pattern(4, 8) and side[0:8] == _pattern(5, 8)
+
+        def broken():
+            raise KeyError("in_flight failed")
+
+        target[0:nbytes + 8] = bytes(nbytes + 8)
+        with pytest.raises(KeyError, match="in_flight failed"):
+            endpoint.write_each([write], in_flight=broken)
+        assert endpoint.write_each([write]) == {}  # still usable
+        assert target[0:nbytes + 8] == _pattern(3, nbytes) + _pattern(4, 8)
+
+
 def test_write_to_sigkilled_peer_fails_within_deadline(agents):
     writer, victim, healthy, never_contacted = agents(4, nbytes=1 << 20)
     timeout_s = 2.0

@@ -32,7 +32,8 @@ std::pair<int64_t, int64_t> malloc_bytes();
 void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
                    int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t max_tokens, uintptr_t active_ptr,
                    const std::vector<uintptr_t>& peer_half_bases, int64_t tag, bool use_fp8, int64_t dest,
-                   bool write_signals, bool by_destination = false, bool compact = false);
+                   bool write_signals, bool by_destination = false, bool compact = false,
+                   uintptr_t fp8_rows_ptr = 0, uintptr_t fp8_scales_ptr = 0);
 
 std::vector<int> dispatch_recv(uintptr_t local_half_base, int64_t num_ranks, int64_t rank, int64_t max_tokens,
                                int64_t hidden, int64_t num_experts, int64_t tag, uintptr_t active_ptr,

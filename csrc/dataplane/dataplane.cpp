@@ -276,7 +276,8 @@ struct SendRows {
 //
 // With `compact` (the Transfer Engine route: each token crosses the wire once per destination, as
 // in docs/protocol.md) the rows of every token that selected any expert of d go once each, in
-// ascending token order, to dispatch_data[0][column][0..m); the per-expert token lists (int32,
+// ascending token order, to dispatch_data[0][column][0..m) (FP8 rows dense at H bytes from the start
+// of that block, so that only m*H bytes cross the wire); the per-expert token lists (int32,
 // ascending, local expert 0 first) go behind each other to the start of dispatch_data[1][column];
 // FP8 scales of the m rows to dispatch_scales[0][column]; every signal carries kCompactFlag.
 void send_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64_t d, const Routing& rt,
@@ -302,11 +303,13 @@ void send_to_destination(uint8_t* half, const Layout& lay, int64_t column, int64
         }
         int64_t m = 0;
         const int64_t slot0 = (0 * R + rank) * T;
+        uint8_t* rows = data + slot0 * lay.row_bytes;  // FP8 rows dense at H bytes: half the bytes to send
         for (size_t t = 0; t < chosen.size(); ++t) {
             if (!chosen[t]) continue;
-            const int64_t slot = slot0 + m++;
+            const int64_t row = m++;
+            const int64_t slot = slot0 + row;
             if (use_fp8) {
-                std::memcpy(data + slot * lay.row_bytes, src.q + int64_t(t) * H, size_t(H));
+                std::memcpy(rows + row * H, src.q + int64_t(t) * H, size_t(H));
                 std::memcpy(scales + slot * G, src.scales + int64_t(t) * G, size_t(G) * sizeof(float));
             } else {
                 std::memcpy(data + slot * lay.row_bytes, src.x + int64_t(t) * H, size_t(lay.row_bytes));
@@ -438,8 +441,9 @@ void pack_dispatch(const uint8_t* half, const Layout& lay, const std::vector<uin
                 for (int64_t i = 0; i < c; ++i) {
                     const int32_t t = meta[at + i];
                     const int64_t slot = base + row_of[size_t(t)];
-                    if (use_fp8) {
-                        std::memcpy(out.x + (row0 + i) * H, data + slot * lay.row_bytes, size_t(H));
+                    if (use_fp8) {  // compact FP8 rows are dense at H bytes
+                        std::memcpy(out.x + (row0 + i) * H, data + base * lay.row_bytes + row_of[size_t(t)] * H,
+                                    size_t(H));
                         for (int64_t g = 0; g < G; ++g) out.scales[(l * G + g) * RT + begin + i] = scales[slot * G + g];
                     } else {
                         std::memcpy(out.x + (row0 + i) * lay.row_bytes, data + slot * lay.row_bytes,
@@ -556,7 +560,8 @@ void check_call(const Layout& lay, int64_t rank, uintptr_t active_ptr) {
 void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
                    int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t max_tokens, uintptr_t active_ptr,
                    const std::vector<uintptr_t>& peer_half_bases, int64_t tag, bool use_fp8, int64_t dest,
-                   bool write_signals, bool by_destination, bool compact) {
+                   bool write_signals, bool by_destination, bool compact, uintptr_t fp8_rows_ptr,
+                   uintptr_t fp8_scales_ptr) {
     const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
     check_call(lay, rank, active_ptr);
     const uint32_t tag32 = check_tag(tag);
@@ -575,6 +580,10 @@ void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_
     const auto* topk = reinterpret_cast<const int64_t*>(topk_ptr);
     if (num_tokens > 0 && top_k > 0) check_topk(topk, num_tokens * top_k, num_experts);
 
+    if ((fp8_rows_ptr == 0) != (fp8_scales_ptr == 0)) {
+        throw_value_error("fp8_rows_ptr and fp8_scales_ptr: expected both or neither, got " +
+                          std::to_string(fp8_rows_ptr) + " and " + std::to_string(fp8_scales_ptr));
+    }
     if (compact && !compact_dispatch_fits(lay)) {
         throw_value_error("compact: a compact dispatch needs at least 2 local experts and 4 * L <= 2 * hidden, got L = " +
                           std::to_string(lay.num_local_experts) + ", hidden = " + std::to_string(hidden));
@@ -589,7 +598,10 @@ void dispatch_send(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_
 
     SendRows rows;
     rows.x = reinterpret_cast<const uint16_t*>(x_ptr);
-    if (use_fp8) {
+    if (use_fp8 && fp8_rows_ptr != 0) {  // quantized by the caller (once for several sends)
+        rows.q = reinterpret_cast<const uint8_t*>(fp8_rows_ptr);
+        rows.scales = reinterpret_cast<const float*>(fp8_scales_ptr);
+    } else if (use_fp8) {
         // Quantize every routed token once; each destination then copies the same bytes.
         thread_local std::vector<uint8_t> q;
         thread_local std::vector<float> scales;

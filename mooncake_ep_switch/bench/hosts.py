@@ -1,22 +1,25 @@
 """Cross-host benchmark: dispatch+combine over the Transfer Engine between two host namespaces.
 
 `python -m mooncake_ep_switch bench hosts [--quick] [--out FILE]` (root and iproute2 needed). Two
-network namespaces joined by veths to a bridge (`bench.netns`), one rank per host, R=2 T=128 H=7168
-K=8 E=32 bf16, all rows from one run:
+network namespaces joined by veths to a bridge (`bench.netns`), one rank per host, started in its
+namespace (`Network.placement`: the store on the bridge, the ranks' gloo group on their veths),
+R=2 T=128 H=7168 K=8 E=32, all rows from one run:
 
-* the Transfer Engine round against the gloo collective fallback over the same veths (a gloo group
-  made inside the namespaces, bound to the veth with GLOO_SOCKET_IFNAME) and shm with both ranks on
-  one host;
+* the Transfer Engine round against the gloo collective fallback over the same veths (the ranks'
+  default group) and shm with both ranks on one host; bf16, and again with FP8 dispatch (Mooncake's
+  default);
 * bytes on the wire per round (what the host's veth sent, headers and acks included) against the
   routed bytes (the rows this rank owes the other host: its dispatched rows for the peer's experts
   plus the combine rows of the peer's tokens, H*2 bytes each);
 * per-rank bandwidth as DeepEP reports it: the bytes ONE rank dispatches and combines (its
   selections x H x 2, twice) over its round time, against one core's memcpy of those bytes.
 
-Timing: per rank, the median of 5 barrier-separated batch means (as `bench.transport`); the slower
-rank counts. The barriers run on the launcher's loopback group, outside the veths.
+Timing: per rank, the batches of TE and collective, bf16 and FP8 dispatch, alternate (10 each, a
+barrier before each) and each one's time is the median of its batch means; the slower rank counts. The barriers run on
+the same veths, between batches (outside the timed spans); the wire counts include one barrier per
+`wire_rounds` rounds (~0.1 KB against MBs).
 """
-import os
+import statistics
 import time
 from typing import List
 
@@ -56,28 +59,32 @@ def routed_bytes(rank: int, topks: List[torch.Tensor], shape: tb.TransportShape)
     return rows * shape.hidden * 2
 
 
-def rank_hosts(ctx, names, devices, addresses, iters: int, wire_rounds: int, shape: tb.TransportShape = SHAPE):
+BATCHES = 10
+
+
+def rank_hosts(ctx, names, devices, iters: int, wire_rounds: int, shape: tb.TransportShape = SHAPE):
     """On rank r (host r): TE and collective rounds over the veths, wire bytes per round of each.
 
+    Both Buffers exist at once and their timed batches alternate (a barrier before each), so a burst
+    of foreign load on a shared machine hits both transports alike; each transport's time is the
+    median of its batch means.
+
     Arguments:
-        ctx: the `launch.RankContext` (rank r runs in namespace `names[r]`).
-        names, devices, addresses: the `netns.Network` attributes.
-        iters: timed rounds per transport (5 batches).
+        ctx: the `launch.RankContext` of a cluster started with `Network.placement([0, 1, ...])`
+            (rank r lives in namespace `names[r]`, its default gloo group on the veths).
+        names, devices: the `netns.Network` attributes.
+        iters: timed rounds per transport (over `BATCHES` batches, at least one round each).
         wire_rounds: rounds counted for the bytes on the wire.
         shape: the `TransportShape` (R = one rank per host).
 
     Returns:
         result: dict with `"routed"` (int, this rank's routed bytes per round), `"selections"` (int)
-            and per transport (`"te"`, `"collective"`) `{"seconds": float, "wire": float}`.
+            and per transport (`"te"`, `"collective"`) `{"seconds": float, "wire": float, "fp8_seconds":
+            float}` (bf16 rounds, their bytes on the wire, and rounds with FP8 dispatch).
     """
     from mooncake_ep_switch import Buffer
 
     torch.set_num_threads(1)
-    netns.enter(names[ctx.rank])
-    os.environ["MEP_BIND_HOST"] = addresses[ctx.rank]
-    os.environ["MEP_HOST_ID"] = names[ctx.rank]
-    os.environ["GLOO_SOCKET_IFNAME"] = devices[ctx.rank]
-    veth_group = dist.new_group(list(range(ctx.num_ranks)), backend="gloo")  # sockets on the veth
     x, topk, weights = tb._inputs(ctx.rank, shape)
     topks = [None] * ctx.num_ranks
     dist.all_gather_object(topks, topk, group=ctx.group)
@@ -86,27 +93,45 @@ def rank_hosts(ctx, names, devices, addresses, iters: int, wire_rounds: int, sha
     local = shape.experts // ctx.num_ranks
     y = torch.randn((local, ctx.num_ranks * shape.tokens, shape.hidden)).to(torch.bfloat16)
     result = {"routed": routed_bytes(ctx.rank, topks, shape), "selections": int((topk >= 0).sum())}
-    for name, group in (("te", ctx.group), ("collective", veth_group)):
-        with Buffer(group, size, transport="mooncake" if name == "te" else "collective") as buffer:
-            if name == "te":
-                routes = list(buffer._impl.routes)
-                assert routes.count("te") == ctx.num_ranks - 1, routes
+    buffers = {}
+    try:
+        for name, transport in (("te", "mooncake"), ("collective", "collective")):
+            buffers[name] = Buffer(ctx.group, size, transport=transport)
+        routes = list(buffers["te"]._impl.routes)
+        assert routes.count("te") == ctx.num_ranks - 1, routes
 
-            def body():
-                _, _, handle, _, _ = buffer.dispatch(x, topk, active, shape.tokens, shape.experts, TIMEOUT_US)
-                buffer.combine(y, topk, weights, active, TIMEOUT_US, handle)
+        def body(buffer, use_fp8=False):
+            _, _, handle, _, _ = buffer.dispatch(x, topk, active, shape.tokens, shape.experts, TIMEOUT_US,
+                                                 use_fp8=use_fp8)
+            buffer.combine(y, topk, weights, active, TIMEOUT_US, handle)
 
-            seconds = tb._timed(ctx, body, iters, warmup=3)
+        variants = [(name, buffer, use_fp8) for use_fp8 in (False, True) for name, buffer in buffers.items()]
+        for _, buffer, use_fp8 in variants:
+            for _ in range(3):
+                body(buffer, use_fp8)
+        per_batch = max(1, iters // BATCHES)
+        means = {(name, use_fp8): [] for name, _, use_fp8 in variants}
+        for _ in range(BATCHES):
+            for name, buffer, use_fp8 in variants:
+                dist.barrier(group=ctx.group)
+                start = time.perf_counter()
+                for _ in range(per_batch):
+                    body(buffer, use_fp8)
+                means[name, use_fp8].append((time.perf_counter() - start) / per_batch)
+        for name, buffer in buffers.items():
             dist.barrier(group=ctx.group)
             before = netns.tx_bytes(names[ctx.rank], devices[ctx.rank])
             for _ in range(wire_rounds):
-                body()
+                body(buffer)
             dist.barrier(group=ctx.group)
             time.sleep(0.2)  # the last acks
             wire = (netns.tx_bytes(names[ctx.rank], devices[ctx.rank]) - before) / wire_rounds
             assert int(active.sum()) == ctx.num_ranks, f"{name}: a peer was lost during the benchmark"
-            result[name] = {"seconds": seconds, "wire": wire}
-    dist.destroy_process_group(veth_group)
+            result[name] = {"seconds": statistics.median(means[name, False]), "wire": wire,
+                            "fp8_seconds": statistics.median(means[name, True])}
+    finally:
+        for buffer in buffers.values():
+            buffer.destroy()
     return result
 
 
@@ -122,16 +147,18 @@ def run(quick: bool = False) -> List[dict]:
     Raises:
         RuntimeError: the namespaces cannot be made (needs root and iproute2), or a rank failed.
     """
-    iters = 10 if quick else 20
+    iters = 20 if quick else 100
     netns.remove_stale()
     with netns.Network(SHAPE.num_ranks) as network:
-        with LocalCluster(SHAPE.num_ranks) as cluster:
-            values = check_outcomes(cluster.run(rank_hosts, network.names, network.devices, network.addresses,
-                                                iters, 5, timeout_s=600))
+        with LocalCluster(SHAPE.num_ranks, network=network.placement(list(range(SHAPE.num_ranks)))) as cluster:
+            values = check_outcomes(cluster.run(rank_hosts, network.names, network.devices, iters, 5,
+                                                timeout_s=600))
     with LocalCluster(SHAPE.num_ranks) as cluster:
         shm = tb.measure(cluster, "shm", SHAPE, iters)
     te = max(v["te"]["seconds"] for v in values)
     coll = max(v["collective"]["seconds"] for v in values)
+    te8 = max(v["te"]["fp8_seconds"] for v in values)
+    coll8 = max(v["collective"]["fp8_seconds"] for v in values)
     wire_te = max(v["te"]["wire"] for v in values)
     wire_coll = max(v["collective"]["wire"] for v in values)
     routed = max(v["routed"] for v in values)
@@ -140,6 +167,10 @@ def run(quick: bool = False) -> List[dict]:
         "benchmark": "TE dispatch+combine across host namespaces (bf16, tcp over veth)", "shape": label,
         "ours_ms": te * 1e3, "baseline": "gloo collective over the same veths", "baseline_ms": coll * 1e3,
         "speedup": coll / te, "note": f"shm on one host {shm['seconds'] * 1e3:.2f} ms (same run)",
+    }, {
+        "benchmark": "TE dispatch+combine across host namespaces (FP8 dispatch, bf16 combine)", "shape": label,
+        "ours_ms": te8 * 1e3, "baseline": "gloo collective over the same veths", "baseline_ms": coll8 * 1e3,
+        "speedup": coll8 / te8, "note": "Mooncake's default dispatch (use_fp8=True), same batches interleaved",
     }, {
         "benchmark": "TE bytes on the wire per round per rank", "shape": label, "ours_ms": None,
         "baseline": "routed bytes per rank", "baseline_ms": None, "speedup": routed / wire_te,

@@ -1,12 +1,20 @@
 """Pretend hosts made real: Linux network namespaces joined by veth pairs to a bridge.
 
 One namespace per host (`<prefix><pid>h<host>`), each with one veth (address `<subnet>.<1+host>/24`)
-whose peer end sits on a bridge in a hub namespace (`<prefix><pid>hub`). A rank process moves its
-main thread into its host's namespace with `enter` before it builds its Buffer and advertises the
-host address (`MEP_BIND_HOST`): the Transfer Engine's listeners, I/O threads and puts, and any
-socket opened afterwards, live in that namespace, so only the veth carries traffic between hosts.
-Sockets opened before (the launcher's store, the default gloo group) stay where they were.
-Downing a host's veth (`set_link`) is a real link outage with real TCP underneath.
+whose peer end sits on a bridge in a hub namespace (`<prefix><pid>hub`). The bridge itself has an
+address too (`<subnet>.254`, `Network.store_address`): the launcher's store listens there, inside the
+hub namespace, so ranks reach it over their host's veth like any host reaches a store on another
+machine, and nothing is added to the root namespace (no device, route or address there; networks of
+concurrent runs that use the same subnet never meet).
+
+`Network.placement` gives `launch.LocalCluster` the store address and, per rank, its host's
+namespace, address and veth: each rank enters its namespace (setns, `enter`) before it connects to
+the store and builds its gloo group (bound to the veth with GLOO_SOCKET_IFNAME), so the store
+traffic, gloo, the Transfer Engine (listeners, I/O threads, puts) and every other socket of the rank
+live in that namespace, and only the veths carry traffic between hosts. Downing a host's veth
+(`set_link`) is a real link outage with real TCP underneath: the host loses its peers and the store
+at once (its established connections stay open and carry on when the link comes back; a new
+connection fails at once, no route).
 
 Needs root and iproute2. Used by the multi-host tests (tests/netns.py) and the cross-host benchmark
 (`bench.hosts`). `Network.delete` removes everything it made; `remove_stale` removes what a killed
@@ -16,9 +24,9 @@ import json
 import os
 import re
 import subprocess
-from typing import List
+from typing import List, Sequence
 
-from mooncake_ep_switch import _native
+from mooncake_ep_switch.namespaces import enter, inside  # noqa: F401  (re-exported: rank functions use netns.enter)
 
 DEFAULT_PREFIX = "mep"
 DEFAULT_SUBNET = "10.251.0"
@@ -55,22 +63,6 @@ def tx_bytes(namespace: str, device: str) -> int:
     return int(found[0]["stats64"]["tx"]["bytes"])
 
 
-def enter(namespace: str) -> None:
-    """Move the calling thread into network namespace `namespace` (setns).
-
-    Arguments:
-        namespace: a name from `Network.names`.
-
-    Raises:
-        OSError: the namespace does not exist or setns failed (needs CAP_SYS_ADMIN).
-    """
-    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
-    try:
-        _native.enter_net_namespace(fd)
-    finally:
-        os.close(fd)
-
-
 class Network:
     """`num_hosts` host namespaces on one bridge; a context manager that always deletes them.
 
@@ -83,6 +75,8 @@ class Network:
         names: namespace of each host.
         devices: the veth device of each host (inside its namespace).
         addresses: the IPv4 address of each host.
+        store_address: the bridge's address in the hub namespace (`<subnet>.254`), where the
+            launcher's store listens (`placement`).
     """
 
     def __init__(self, num_hosts: int, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET):
@@ -94,6 +88,7 @@ class Network:
         self.names = [f"{tag}h{h}" for h in range(num_hosts)]
         self.devices = [f"{tag}v{h}"[-15:] for h in range(num_hosts)]  # device names: at most 15 characters
         self.addresses = [f"{subnet}.{1 + h}" for h in range(num_hosts)]
+        self.store_address = f"{subnet}.254"
         self.made: List[str] = []
 
     def create(self) -> "Network":
@@ -108,6 +103,7 @@ class Network:
                 self.made.append(name)
                 ip("-n", name, "link", "set", "lo", "up")
             ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            ip("-n", self.hub, "addr", "add", f"{self.store_address}/24", "dev", "br0")
             ip("-n", self.hub, "link", "set", "br0", "up")
             for h, (name, device, address) in enumerate(zip(self.names, self.devices, self.addresses)):
                 ip("-n", name, "link", "add", device, "type", "veth", "peer", "name", f"p{h}", "netns", self.hub)
@@ -119,8 +115,33 @@ class Network:
             raise
         return self
 
+    def placement(self, rank_hosts: Sequence[int], name_hosts: bool = True):
+        """Where a `launch.LocalCluster` on this network puts its store and its ranks.
+
+        Arguments:
+            rank_hosts: the host of each rank, in rank order (e.g. `[0, 0, 1, 1]`).
+            name_hosts: give each rank its host's namespace name as `MEP_HOST_ID` (ranks of one
+                host then reach each other over shared memory); False keeps the default identity.
+
+        Returns:
+            network: a `launch.ClusterNetwork`: the store on `store_address` in the hub namespace,
+                rank r in `names[rank_hosts[r]]` advertising that host's address, gloo on its veth.
+
+        Raises:
+            ValueError: a host index outside `[0, num_hosts)`.
+        """
+        from mooncake_ep_switch.launch import ClusterNetwork, RankPlace
+
+        places = []
+        for rank, host in enumerate(rank_hosts):
+            if isinstance(host, bool) or not isinstance(host, int) or not 0 <= host < len(self.names):
+                raise ValueError(f"rank_hosts[{rank}]: expected a host in [0, {len(self.names)}), got {host!r}")
+            places.append(RankPlace(self.names[host], self.addresses[host], self.devices[host],
+                                    self.names[host] if name_hosts else ""))
+        return ClusterNetwork(self.store_address, self.hub, tuple(places))
+
     def set_link(self, host: int, up: bool) -> None:
-        """Bring host `host`'s veth down (a link outage) or up again."""
+        """Bring host `host`'s veth down (a link outage: its peers and the store) or up again."""
         ip("-n", self.names[host], "link", "set", self.devices[host], "up" if up else "down")
 
     def tx_bytes(self, host: int) -> int:

@@ -5,43 +5,8 @@
 "host:port" session id of their engine), registers local memory so that peers can write into it,
 and performs synchronous writes that always return within a deadline.
 
-What the Transfer Engine does underneath (mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP)
-and why this class looks the way it does:
-
-* `initialize(host, "P2PHANDSHAKE", protocol, device)`: `host` is what the engine advertises;
-  the port in "host:port" is ignored in P2P mode and a free port is drawn at random from
-  MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (default 15000-17000); `get_rpc_port()` returns it. The engine
-  opens two listening sockets: the handshake/RPC port on 0.0.0.0 and the TCP data port on [::]
-  (dual stack). This TE version has no setting that binds them to one address (the wildcard is
-  hard-coded; MC_TCP_BIND_ADDRESS only changes the advertised address in non-P2P mode), so only
-  the *advertised* address follows `bind_host`; `listen_addresses` reports what is really bound.
-  The data server only accepts writes that fall inside memory the target registered.
-* The source of a write need not be registered over TCP (RDMA needs it, as a memory region);
-  this class requires it by default so code written against TCP keeps working on RDMA.
-* The first write to a peer performs a handshake while holding an engine-wide lock. To a dead
-  peer it fails at once (connection refused); to a peer that accepts connections but does not
-  answer (e.g. SIGSTOPped) it blocks for about 60 s (a fixed socket read timeout) and blocks
-  every other write of the engine meanwhile. So the first contact runs in a helper thread, the
-  caller waits with its deadline, and at the deadline the handshake socket is shut down, which
-  ends TE's read at once (`connect()` does this handshake ahead of time).
-* `transfer_sync_write` busy-polls a core until the transfer ends or MC_TRANSFER_TIMEOUT (30 s)
-  passes; `get_batch_transfer_status` does the same. Writes therefore use
-  `transfer_submit_write` + `transfer_check_status` (non-blocking) polled with back-off against
-  the caller's deadline. A write abandoned at the deadline stays in flight inside TE (it may
-  still land) until TE fails it: after MC_TCP_PROGRESS_TIMEOUT_SEC / MC_TCP_STATUS_TIMEOUT_SEC
-  (30 s each by default, see `tcp_stall_timeout_s`); it is reaped later.
-* A SIGKILLed peer: writes fail in ~1 ms (first) and ~1 s (later ones, TE waits 1 s between
-  reconnect rounds); a peer killed in the middle of a 60 MB write fails it in ~30 ms.
-* Order: the ranges of one batch are not written in order (a signal put in the same batch as
-  its data was seen before the data in 10-36 of 40 rounds, TE's own batch calls included); a
-  write that completed before the next one was submitted is always visible first (0 of 40).
-  So the protocol's "data, then signal" is two calls: `write_batch(data...)`, then the signal.
-* Reads (`read_batch`, used to stage expert weights from another host) are
-  `batch_transfer_async_read` + `transfer_check_status`, polled like writes. The peer's data server
-  refuses a range outside its registered memory (status -1, nothing read), and memory the peer
-  registers after the handshake is readable without a new one (TCP).
-* `get_first_buffer_address` also handshakes but keeps the GIL (a hung peer freezes every
-  Python thread for ~60 s), which is why the handshake goes through a zero-length write.
+What the Transfer Engine does underneath (handshakes, busy-polling, ordering, reads, failures) and
+why this class looks the way it does: docs/transports.md, "How the Transfer Engine behaves".
 """
 from __future__ import annotations
 
@@ -50,7 +15,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from mooncake_ep_switch.buffer.transport.sockets import (_abort_connections, _listening, _parse_session,
                                                         _socket_inodes)
@@ -73,6 +38,7 @@ class PeerWrite(NamedTuple):
     signal: Sequence[Tuple[int, int, int]]
 
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]", "*"}
+SPIN_MAX_BYTES = 256 << 10  # write_each spins (spin_s) only when its data is at most this many bytes
 _MAX_BATCH_ID = 1 << 63
 _LIVE: "weakref.WeakSet[TeEndpoint]" = weakref.WeakSet()
 
@@ -345,40 +311,7 @@ class TeEndpoint:
             lengths: int bytes per range, >= 1 each; the three sequences have one equal, non-zero length.
             timeout_s: deadline in seconds for the whole batch (> 0), or None for the endpoint's `timeout_s`.
         """
-        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        if not (timeout > 0):
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        deadline = time.monotonic() + timeout
-        _parse_session(peer_session)
-        local_addrs, remote_addrs, lengths = list(local_addrs), list(remote_addrs), list(lengths)
-        if not (len(local_addrs) == len(remote_addrs) == len(lengths)):
-            raise ValueError(
-                f"local_addrs, remote_addrs and lengths differ in length "
-                f"({len(local_addrs)}, {len(remote_addrs)}, {len(lengths)})")
-        if not lengths:
-            raise ValueError("write_batch needs at least one range")
-        entries = []
-        for i, (src, dst, size) in enumerate(zip(local_addrs, remote_addrs, lengths)):
-            src = check_int(f"local_addrs[{i}]", src, 1)
-            dst = check_int(f"remote_addrs[{i}]", dst, 1)
-            size = check_int(f"lengths[{i}]", size, 1)
-            entries.append((src, dst, size))
-        with self._lock:
-            self._check_open()
-            if self.require_registered_source:
-                for src, _, size in entries:
-                    self._check_local(src, size)
-            self._reap()
-
-        pending: List[int] = []
-        try:
-            for src, dst, size in entries:
-                pending.append(self._submit(peer_session, src, dst, size, deadline))
-            self._wait(peer_session, pending, deadline)
-        except BaseException:
-            with self._lock:
-                self._orphans.extend(pending)
-            raise
+        self._batch(peer_session, local_addrs, remote_addrs, lengths, timeout_s, read=False)
 
     def read_batch(self, peer_session: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
                    lengths: Sequence[int], timeout_s: Optional[float] = None) -> None:
@@ -398,6 +331,12 @@ class TeEndpoint:
             lengths: int bytes per range, >= 1 each; the three sequences have one equal, non-zero length.
             timeout_s: deadline in seconds for the whole batch (> 0), or None for the endpoint's `timeout_s`.
         """
+        self._batch(peer_session, local_addrs, remote_addrs, lengths, timeout_s, read=True)
+
+    def _batch(self, peer_session: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
+               lengths: Sequence[int], timeout_s: Optional[float], read: bool) -> None:
+        """`write_batch` (read=False) or `read_batch` (read=True): checks, submits, waits with one deadline."""
+        what = "read" if read else "write"
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         if not (timeout > 0):
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -409,29 +348,32 @@ class TeEndpoint:
                 f"local_addrs, remote_addrs and lengths differ in length "
                 f"({len(local_addrs)}, {len(remote_addrs)}, {len(lengths)})")
         if not lengths:
-            raise ValueError("read_batch needs at least one range")
-        entries = []
-        for i, (dst, src, size) in enumerate(zip(local_addrs, remote_addrs, lengths)):
-            entries.append((check_int(f"local_addrs[{i}]", dst, 1), check_int(f"remote_addrs[{i}]", src, 1),
-                            check_int(f"lengths[{i}]", size, 1)))
+            raise ValueError(f"{what}_batch needs at least one range")
+        entries = [(check_int(f"local_addrs[{i}]", local, 1), check_int(f"remote_addrs[{i}]", remote, 1),
+                    check_int(f"lengths[{i}]", size, 1))
+                   for i, (local, remote, size) in enumerate(zip(local_addrs, remote_addrs, lengths))]
         with self._lock:
             self._check_open()
-            for dst, _, size in entries:  # TE writes what it reads here: never outside registered memory
-                self._check_local(dst, size)
+            # A read lands here: never outside registered memory. A write's source must be registered
+            # when require_registered_source (RDMA needs it).
+            if read or self.require_registered_source:
+                for local, _, size in entries:
+                    self._check_local(local, size)
             self._reap()
-        if not self.is_connected(peer_session):
+        if read and not self.is_connected(peer_session):
             self.connect(peer_session, max(0.001, deadline - time.monotonic()))
         pending: List[int] = []
         try:
-            for dst, src, size in entries:
-                pending.append(self._submit(peer_session, dst, src, size, deadline, read=True))
-            self._wait(peer_session, pending, deadline, "read")
+            for local, remote, size in entries:
+                pending.append(self._submit(peer_session, local, remote, size, deadline, read=read))
+            self._wait(peer_session, pending, deadline, what)
         except BaseException:
             with self._lock:
                 self._orphans.extend(pending)
             raise
 
-    def write_each(self, writes: Sequence[PeerWrite], timeout_s: Optional[float] = None) -> Dict[int, Exception]:
+    def write_each(self, writes: Sequence[PeerWrite], timeout_s: Optional[float] = None,
+                   in_flight: Optional[Callable[[], None]] = None) -> Dict[int, Exception]:
         """Write to several peers at once, each its data then its signal; one peer's failure or
         slowness never delays the others beyond the shared deadline.
 
@@ -445,6 +387,9 @@ class TeEndpoint:
                 remote_addr >= 1, nbytes >= 1), local ranges inside registered memory when
                 `require_registered_source`.
             timeout_s: deadline in seconds for all of them (> 0), or None for the endpoint's `timeout_s`.
+            in_flight: work to overlap with the transfers: called once, after every peer's data ranges
+                were submitted and before any completion is awaited (an exception from it propagates;
+                what was submitted is left to TE and reaped later, like a write abandoned at a deadline).
 
         Returns:
             failures: dict index into `writes` -> the exception `write` would have raised for that
@@ -513,8 +458,13 @@ class TeEndpoint:
         try:
             for index in order:
                 submit(index, 0)
-            started = time.monotonic()
-            spin_until = started + self.spin_s
+            if in_flight is not None:
+                in_flight()
+            started = progress = time.monotonic()
+            # Spinning only pays for writes that can finish within it: a large one leaves the core to
+            # the engine's I/O thread, which has the bytes to move (2 cores: the spin slowed it down).
+            small = sum(size for data, _ in phases for _, _, size in data) <= SPIN_MAX_BYTES
+            spin_until = started + (self.spin_s if small else 0.0)
             check = self._engine.transfer_check_status
             while stage:
                 for index in list(stage):
@@ -523,6 +473,7 @@ class TeEndpoint:
                         status = check(ids[k])
                         if status == 1:
                             ids.pop(k)
+                            progress = time.monotonic()
                         elif status != 0:  # -1 failed (freed by TE), -2 TE-level timeout (kept by TE)
                             ids.pop(k)
                             peer = writes[index].peer_session
@@ -547,7 +498,9 @@ class TeEndpoint:
                     break
                 if now < spin_until:
                     continue
-                pause = min(0.002, max(0.00005, 0.1 * (now - started)))
+                # Back off relative to the last completion, not the start: the 8-byte signal that follows
+                # a long data write lands in ~0.1 ms and should not wait out a pause sized by the data.
+                pause = min(0.001, max(0.00005, 0.05 * (now - progress)))
                 time.sleep(min(pause, max(0.0, deadline - now)))
         except BaseException:
             with self._lock:
