@@ -97,8 +97,8 @@ class ExpertMemory:
         def full_layers() -> Sequence:  # the caller's weights, read at most once and only when needed
             if not loaded:
                 if layers is None:
-                    raise ValueError("layers: expected the full weights (or a loader): this rank holds slots no "
-                                     "live peer has a copy of, got None")
+                    raise ValueError("layers: expected the full weights or a loader, got None (None is for a replacement "
+                                     "in the EP layout whose live members hold a copy of every slot it needs)")
                 loaded.append(layers() if callable(layers) else layers)
             return loaded[0]
 
