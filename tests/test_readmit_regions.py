@@ -229,3 +229,29 @@ def test_replacement_joins_mid_serve_then_switch_and_rebalance(case):
         assert after[DEAD]["taken_over"]["seq"] == 2 and after[DEAD]["taken_over"]["epoch"] > 0
         assert after[DEAD]["taken_over"]["placement"] == BEFORE_FAILURE[case].tolist()
         harness.check_outcomes(cluster.run(harness.rank_teardown, timeout_s=60))
+
+
+def rank_memory_misuse(ctx):
+    """ExpertMemory without weights, or with weights of the wrong kind, on an ordinary rank: a clear error."""
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.expert_memory import ExpertMemory
+    from mooncake_ep_switch.switch import WeightShape
+
+    errors = []
+    with Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, 1, EXPERTS), transport="shm") as buffer:
+        for layers in (None, 7):
+            try:
+                ExpertMemory(buffer, WeightShape(EXPERTS, HIDDEN, INTER), layers, layout="ep", max_tp_tokens=TOKENS)
+            except (TypeError, ValueError) as error:
+                errors.append(f"{type(error).__name__}: {error}")
+        memory = ExpertMemory(buffer, WeightShape(EXPERTS, HIDDEN, INTER), _load, layout="ep", max_tp_tokens=TOKENS)
+        usable = memory.restored == (0, LAYERS * EXPERTS, True)  # an ordinary rank loads everything
+        memory.destroy()
+    return {"errors": errors, "usable": usable}
+
+
+def test_expert_memory_without_weights_is_refused():
+    value = harness.run(1, rank_memory_misuse, timeout_s=60)[0]
+    assert value["usable"], value
+    assert value["errors"][0].startswith("ValueError: layers: expected the full weights or a loader, got None"), value
+    assert value["errors"][1].startswith("TypeError: layers: expected a sequence of layers"), value
