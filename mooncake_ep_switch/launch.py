@@ -14,6 +14,7 @@ With a `ClusterNetwork` (multi-host tests and benchmarks on Linux network namesp
 the store and joins the gloo group, so the store traffic and gloo cross the namespaces' links like
 any other traffic between hosts.
 """
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
@@ -195,6 +196,8 @@ def _die_with_parent() -> None:
 def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, str], threads: int, conn,
                  replacement: bool = False, place: Optional[RankPlace] = None) -> None:
     _die_with_parent()
+    # A rank the launcher gives up on is sent SIGUSR1 first: every thread's stack goes to stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(env)
     if place is not None:
         _enter_place(place)
@@ -358,6 +361,7 @@ class LocalCluster:
             except (BrokenPipeError, OSError):
                 pass
         deadline = time.monotonic() + timeout_s
+        failed_at: Optional[float] = None  # when a rank first failed (the others then get failure_grace_s)
         outcomes: Dict[int, RankOutcome] = {}
         pending = set(targets)
         while pending and time.monotonic() < deadline:
@@ -382,11 +386,22 @@ class LocalCluster:
                     pending.discard(rank)
                     self.broken = True
                 if rank in outcomes and not outcomes[rank].ok:
+                    if failed_at is None:
+                        failed_at = time.monotonic()
                     deadline = min(deadline, time.monotonic() + failure_grace_s)
+        waited = (f"{timeout_s} s" if failed_at is None or failed_at + failure_grace_s > deadline + 1e-3
+                  else f"{failure_grace_s} s after another rank failed")
         for rank in pending:
-            outcomes[rank] = RankOutcome(rank, False, None, f"no answer within {timeout_s} s", None)
+            outcomes[rank] = RankOutcome(rank, False, None, f"no answer within {waited} (its threads' stacks: "
+                                         "the test's captured stderr)", None)
             self.broken = True
         if pending:
+            for rank in pending:  # faulthandler in the rank prints every thread's stack
+                try:
+                    os.kill(self.processes[rank].pid, signal.SIGUSR1)
+                except (OSError, TypeError):
+                    pass
+            time.sleep(1.0)
             self.kill()
         return [outcomes[rank] for rank in targets]
 

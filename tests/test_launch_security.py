@@ -103,3 +103,22 @@ def test_host_store_bad_arguments_raise_and_leak_nothing():
     assert taken.get("still") == b"usable"
     del taken
     assert sorted(os.listdir("/proc/self/fd")) == before
+
+
+def _hang_in_a_named_function(ctx):
+    import time
+
+    if ctx.rank == 1:
+        raise RuntimeError("rank 1 fails at once")
+    time.sleep(30)  # outlives the run's grace: the launcher gives up on rank 0
+
+
+def test_a_rank_given_up_on_prints_its_stacks(capfd):
+    """A rank that does not answer is named with the deadline that ended it, and its threads' stacks
+    reach stderr (faulthandler on SIGUSR1) before it is killed, so a hang in CI can be diagnosed."""
+    with LocalCluster(2) as cluster:
+        outcomes = cluster.run(_hang_in_a_named_function, timeout_s=20, failure_grace_s=1)
+    assert "rank 1 fails at once" in outcomes[1].error
+    assert outcomes[0].error.startswith("no answer within 1 s after another rank failed"), outcomes[0]
+    err = capfd.readouterr().err
+    assert "_hang_in_a_named_function" in err, err[-2000:]

@@ -97,6 +97,30 @@ def test_closed_connection_of_a_live_peer_is_not_a_death():
         _kill(process)
 
 
+def test_a_starved_listener_is_still_watched_and_its_death_flagged():
+    """A listener whose process cannot answer in time (here SIGSTOPped: on a loaded host its thread
+    may wait seconds for a core) keeps the connection open: it is watched anyway, and when the
+    process dies its flag rises at once (it used to be left to its deadline)."""
+    process, conn = _spawn(_child_listener, None)
+    watch = PeerWatch(2, 0, None)
+    try:
+        assert conn.poll(20)
+        port = conn.recv()
+        os.kill(process.pid, signal.SIGSTOP)
+        assert watch.watch_address(1, "127.0.0.1", port, timeout_s=0.3) is True
+        assert watch.is_watched(1)
+        os.kill(process.pid, signal.SIGCONT)
+        time.sleep(0.3)  # it answers now; the answer is read and ignored
+        assert watch.dead.tolist() == [0, 0] and watch.is_watched(1)
+        killed_at = time.monotonic()
+        os.kill(process.pid, signal.SIGKILL)
+        flagged_at = _wait_flag(watch, 1)
+        assert flagged_at is not None and flagged_at - killed_at < 1.0, "the killed peer was not flagged"
+    finally:
+        watch.close()
+        _kill(process)
+
+
 def test_watch_connections_above_the_cap_are_closed_and_strangers_cannot_flood():
     watch = PeerWatch(2, 0, "127.0.0.1", max_accepted=2)
     clients = []

@@ -224,7 +224,7 @@ class OneSidedTransport:
             port = found.get("watch_port")
             if isinstance(port, int) and 0 < port < 65536:
                 host = session.rpartition(":")[0]
-                self.watch.watch_address(peer, host, port, timeout_s=max(0.1, min(2.0, deadline - time.monotonic())))
+                self.watch.watch_address(peer, host, port, timeout_s=max(0.1, min(10.0, deadline - time.monotonic())))
 
     def _drop(self, peer: int) -> None:
         self.watch.forget(peer)

@@ -116,7 +116,9 @@ class PeerWatch:
         """Watch `peer` through a connection to its watch listener (a TE peer); clears its flag.
 
         Returns once the peer's listener has accepted the connection (it answers one byte), so after
-        a barrier every member holds the connections of its watchers (a fixed descriptor count).
+        a barrier every member holds the connections of its watchers (a fixed descriptor count), or,
+        if no answer came within `timeout_s` but the connection is still open (a starved listener
+        thread), watches it anyway.
 
         Arguments:
             peer: the peer's rank.
@@ -125,8 +127,9 @@ class PeerWatch:
             timeout_s: connect and answer timeout in seconds.
 
         Returns:
-            watched: bool, False when the listener took the connection but dropped it unanswered (its
-                cap): then the peer is not watched and its deadline decides, as without a watcher.
+            watched: bool, False when the listener took the connection but closed or reset it
+                unanswered (its cap): then the peer is not watched and its deadline decides, as
+                without a watcher.
 
         Raises:
             ConnectionError / OSError: the listener cannot be reached (the caller treats the peer
@@ -136,7 +139,7 @@ class PeerWatch:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"port: expected an int in (0, 65536), got {port!r}")
         address = (host.strip("[]"), port)
-        sock = _open(address, timeout_s)
+        sock = _open(address, timeout_s, keep_unanswered=True)
         if sock is None:
             self._replace(peer, None)
             return False
@@ -339,9 +342,13 @@ class PeerWatch:
         return "unknown"
 
 
-def _open(address: Tuple[str, int], timeout_s: float) -> Optional[socket.socket]:
+def _open(address: Tuple[str, int], timeout_s: float, keep_unanswered: bool = False) -> Optional[socket.socket]:
     """A watch connection to `address` once its listener answered (non-blocking), or None if the
     connection was taken but closed or reset unanswered within `timeout_s`.
+
+    With `keep_unanswered`, a connection still open but not answered within `timeout_s` is kept
+    (the listener's thread may be starved on a loaded host; its answer, read later, is ignored):
+    watching it is better than leaving the peer to its deadline.
 
     Raises:
         ConnectionRefusedError: nothing listens there; OSError: unreachable.
@@ -349,13 +356,15 @@ def _open(address: Tuple[str, int], timeout_s: float) -> Optional[socket.socket]
     sock = socket.create_connection(address, timeout=timeout_s)
     try:
         answer = sock.recv(len(_ANSWER))
-    except OSError:  # reset, or no answer within the timeout
+    except socket.timeout:  # open, not answered yet
+        answer = None
+    except OSError:  # reset
         answer = b""
-    if answer != _ANSWER:
-        sock.close()
-        return None
-    sock.setblocking(False)
-    return sock
+    if answer == _ANSWER or (answer is None and keep_unanswered):
+        sock.setblocking(False)
+        return sock
+    sock.close()
+    return None
 
 
 def _close(watched: _Watched) -> None:
