@@ -65,10 +65,9 @@ class CallSpecs:
         self.owner, self.num_ranks = owner, num_ranks
         self.num_ep_buffer_bytes, self.needs_region = num_ep_buffer_bytes, needs_region
         self._specs: Dict[tuple, CallSpec] = {}
-
-    def get(self, key: tuple):
-        """The spec of a validated shape `(T, E, hidden, use_fp8)`, or None."""
-        return self._specs.get(key)
+        # The hot path's lookup: the spec of a validated shape `(T, E, hidden, use_fp8)`, or None
+        # (the dict's own bound method: no extra Python frame per dispatch).
+        self.get = self._specs.get
 
     def check_capacity(self, tokens: int, hidden: int, experts: int) -> None:
         """`check_capacity` for this Buffer's region (ValueError naming num_ep_buffer_bytes)."""

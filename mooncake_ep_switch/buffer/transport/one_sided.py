@@ -324,6 +324,13 @@ class OneSidedTransport:
         order = [(self.rank + step) % self.num_ranks for step in range(1, self.num_ranks)]
         return [peer for peer in order if self.routes[peer] == TE and int(active[peer])]
 
+    def _check_receive(self, what: str, region, base: int, call: int) -> None:
+        """A receive phase may run: the memory it captured at send time is still there (the transport
+        was not destroyed first) and its half was not reused by a later call."""
+        if region is None or not base:
+            raise RuntimeError(f"{what}: the transport was destroyed before this receive phase ran")
+        self._check_half_not_reused(what, call)
+
     def _check_half_not_reused(self, what: str, call: int) -> None:
         """Refuse a receive phase run after the dispatch after next was sent (double buffering, as in
         DeepEP: at most two calls in flight): that dispatch reused this call's region half, so peers
@@ -382,9 +389,7 @@ class OneSidedTransport:
         base = self.base
 
         def receive() -> None:
-            if region is None or not base:
-                raise RuntimeError("dispatch: the transport was destroyed before this receive phase ran")
-            self._check_half_not_reused("dispatch", call.call)
+            self._check_receive("dispatch", region, base, call.call)
             scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
             newly = _native.dispatch_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts,
                                           tag, call.active_ranks.data_ptr(), call.timeout_us, call.use_fp8,
@@ -518,9 +523,7 @@ class OneSidedTransport:
         base = self.base
 
         def receive() -> None:
-            if region is None or not base:
-                raise RuntimeError("combine: the transport was destroyed before this receive phase ran")
-            self._check_half_not_reused("combine", call.call)
+            self._check_receive("combine", region, base, call.call)
             newly = _native.combine_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts, tag,
                                          call.active_ranks.data_ptr(), call.timeout_us, call.topk_idx.data_ptr(),
                                          call.topk_weights.data_ptr(), call.topk_idx.size(0), call.topk_idx.size(1),
