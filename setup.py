@@ -10,18 +10,84 @@ in mooncake_ep_switch/buffer/transport/collective.py; the top-level fallback/ fo
 mooncake_ep_switch.fallback, is its thin entry point (a re-export).
 """
 import glob
+import os
+import re
+import shutil
+import subprocess
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
+# The CUDA data plane (csrc/cuda/, module mooncake_ep_switch._cuda): nvcc objects (kernels and
+# runtime calls) linked with the static CUDA runtime into a pybind11 module, so it needs no torch
+# and no CUDA library at import time. Built whenever nvcc is found; a compile error fails the build.
+CUDA_SOURCES = sorted(glob.glob("csrc/cuda/*.cu"))
+# sm_80 (A100) and sm_90 (H100/H200) machine code, plus compute_90 PTX for newer GPUs.
+CUDA_ARCH_FLAGS = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+                   "-gencode=arch=compute_90,code=compute_90"]
+# IEEE division and no fused multiply-add: the device computes the FP8 codes and the combine sums
+# bit for bit as the CPU kernels do (common/numerics.h, docs/protocol.md).
+NVCC_FLAGS = ["-std=c++17", "-O3", "-fmad=false", "-prec-div=true", "-Xcompiler", "-fPIC", "-Icsrc"]
+
+
+def find_cuda_home(nvcc: str) -> str:
+    """The CUDA toolkit folder of `nvcc` (it may be a wrapper script elsewhere on the PATH)."""
+    real = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if os.path.exists(os.path.join(real, "include", "cuda_runtime.h")):
+        return real
+    # nvcc names its own folder in a dry run ("#$ _HERE_=<toolkit>/bin").
+    dry = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull], capture_output=True,
+                         text=True)
+    found = re.search(r"^#\$ _HERE_=(\S+)", dry.stdout + dry.stderr, re.M)
+    if found and os.path.exists(os.path.join(found.group(1), "..", "include", "cuda_runtime.h")):
+        return os.path.normpath(os.path.join(found.group(1), ".."))
+    raise RuntimeError(f"nvcc at {nvcc}: cannot find its CUDA toolkit (include/cuda_runtime.h)")
+
+
+class BuildWithCuda(build_ext):
+    """build_ext that compiles the CUDA sources with nvcc before linking the `_cuda` module."""
+
+    def build_extension(self, ext):
+        if ext.name.endswith("._cuda"):
+            nvcc = shutil.which("nvcc")
+            home = find_cuda_home(nvcc)
+            objects = []
+            os.makedirs(self.build_temp, exist_ok=True)
+            for source in CUDA_SOURCES:
+                obj = os.path.join(self.build_temp, os.path.basename(source) + ".o")
+                command = [nvcc, *NVCC_FLAGS, *CUDA_ARCH_FLAGS, "-c", source, "-o", obj]
+                print(" ".join(command))
+                subprocess.run(command, check=True)  # a compile error fails the build
+                objects.append(obj)
+            ext.extra_objects = objects
+            ext.library_dirs = [d for d in (os.path.join(home, "lib64"), os.path.join(home, "lib"))
+                                if os.path.isdir(d)]
+        super().build_extension(ext)
+
+
 native = Pybind11Extension(
     "mooncake_ep_switch._native",
-    sorted(glob.glob("csrc/**/*.cpp", recursive=True)),
+    sorted(path for path in glob.glob("csrc/**/*.cpp", recursive=True) if not path.startswith("csrc/cuda/")),
     include_dirs=["csrc"],
     cxx_std=17,
     extra_compile_args=["-O3", "-ffp-contract=off", "-fno-strict-aliasing"],
     libraries=["rt"],
 )
+
+extensions = [native]
+if shutil.which("nvcc"):
+    extensions.append(Pybind11Extension(
+        "mooncake_ep_switch._cuda",
+        ["csrc/cuda/module.cpp"],
+        include_dirs=["csrc"],
+        cxx_std=17,
+        extra_compile_args=["-O3"],
+        libraries=["cudart_static", "rt", "dl", "pthread"],
+        depends=CUDA_SOURCES + glob.glob("csrc/cuda/*.h") + ["csrc/common/numerics.h"],
+    ))
+else:
+    print("mooncake_ep_switch: nvcc not found on the PATH: the CUDA data plane (mooncake_ep_switch._cuda) is "
+          "not built; the 'cuda' transport will be unavailable")
 
 setup(
     name="mooncake_ep_switch",
@@ -42,8 +108,8 @@ setup(
         "mooncake_ep_switch.models",
     ],
     package_dir={"mooncake_ep_switch.fallback": "fallback"},
-    ext_modules=[native],
-    cmdclass={"build_ext": build_ext},
+    ext_modules=extensions,
+    cmdclass={"build_ext": BuildWithCuda},
     # torch is pinned by the install script *before* this package is installed (an open range
     # with no torch present would pull a multi-GB CUDA build); this range only checks it.
     install_requires=["torch>=2.4", "numpy"],

@@ -28,7 +28,7 @@ namespace {
 inline float group_amax(const uint16_t* xg) {
     uint16_t amax_bits = 0;
     for (int64_t j = 0; j < kScaleGroup; ++j) amax_bits = std::max<uint16_t>(amax_bits, xg[j] & 0x7fffu);
-    return amax_bits > 0x7f80u ? bits_float(0x7fc00000u) : bf16_to_float(amax_bits);
+    return bf16_amax_from_bits(amax_bits);
 }
 
 #if defined(__SSE2__)
@@ -91,9 +91,7 @@ void quantize_group(const uint16_t* x, float scale, uint8_t* q) {
 void quantize_row_fp8(const uint16_t* x, int64_t hidden, uint8_t* q, float* scales) {
     const int64_t groups = hidden / kScaleGroup;
     for (int64_t g = 0; g < groups; ++g) {
-        float amax = group_amax(x + g * kScaleGroup);
-        if (amax < 1e-4f) amax = 1e-4f;  // clamp(min=1e-4); NaN stays NaN
-        const float scale = amax / 448.0f;
+        const float scale = fp8_group_scale(group_amax(x + g * kScaleGroup));
         scales[g] = scale;
         quantize_group(x + g * kScaleGroup, scale, q + g * kScaleGroup);
     }

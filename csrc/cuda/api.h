@@ -1,0 +1,86 @@
+// The CUDA data plane that module.cpp exposes as mooncake_ep_switch._cuda: device regions shared
+// between processes through CUDA IPC handles (the NVLink path), and the dispatch/combine kernels
+// of docs/protocol.md on raw device pointers. No torch linkage: pointers and streams arrive as
+// integers, so the module works under any torch build. Every launch is asynchronous on the given
+// stream and never synchronizes the host, so a dispatch/combine pair can be captured in a CUDA graph.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace mep_cuda {
+
+// ---- runtime (runtime.cu) ----
+// Devices the CUDA runtime sees; 0 (never an exception) with no driver or no device.
+int device_count();
+// Why device_count() is 0: the runtime's error string, or "" when devices exist.
+std::string device_status();
+// The calling thread's current device.
+int current_device();
+// cudaMalloc `nbytes` and zero it (synchronously); returns the device address.
+uintptr_t device_alloc(int64_t nbytes);
+void device_free(uintptr_t ptr);
+// Pinned host memory mapped into the device's address space (zeroed); the same address is valid
+// on the host and the device (unified addressing).
+uintptr_t mapped_host_alloc(int64_t nbytes);
+void mapped_host_free(uintptr_t ptr);
+// The 64-byte IPC handle of a cudaMalloc'd allocation, and opening a peer's (another process's).
+std::string ipc_handle(uintptr_t ptr);
+uintptr_t ipc_open(const std::string& handle);
+void ipc_close(uintptr_t ptr);
+// Synchronous copies (membership changes only: never on the dispatch/combine path).
+void copy_to_device(uintptr_t dst, uintptr_t src, int64_t nbytes);
+void copy_to_host(uintptr_t dst, uintptr_t src, int64_t nbytes);
+void stream_synchronize(uintptr_t stream);
+
+// ---- kernels (ep_kernels.cu) ----
+// Offsets of docs/protocol.md's region, from the CPU layout (region_layout): bytes inside a half,
+// the half of a call at control_bytes + half_index * half_bytes.
+struct Region {
+    int64_t control_bytes, half_bytes, dispatch_data, dispatch_scales, dispatch_src, combine_data,
+        dispatch_signals, combine_signals;
+};
+
+// One call of one rank.
+struct Call {
+    int32_t num_ranks;     // R
+    int32_t rank;
+    int32_t max_tokens;    // T
+    int32_t hidden;        // H
+    int32_t num_experts;   // E
+    int32_t half_index;    // 0 or 1: the region half (chosen by the host's call number)
+    int64_t host_call;     // the host's call number; the device tag is max(previous + 1, host_call)
+    uintptr_t peer_bases;  // device array [R] of uint64 region bases as mapped here (0 = unreachable)
+    uintptr_t active;      // device int32 [R], the caller's active_ranks
+    uintptr_t counter;     // device uint64: the last call number this rank's dispatches used
+    uintptr_t call_word;   // device uint64: the call number of this dispatch (its handle's word)
+    uintptr_t control;     // mapped host int32 [1 + R]: [0] abort (destroy), [1 + s] set when s failed
+    int64_t timeout_us;    // per source, -1 = none
+};
+
+// Scratch of one dispatch shape (device memory the caller owns, sized by dispatch_scratch_bytes).
+int64_t dispatch_scratch_bytes(int32_t num_ranks, int32_t max_tokens, int32_t hidden, int32_t num_experts,
+                               int32_t top_k);
+
+// Send phase: advance the call number, rank tokens per expert, quantize (FP8), write rows into
+// every active peer's region, then its signals (release, system scope).
+void dispatch_send(const Call& call, const Region& region, uintptr_t x, int32_t num_tokens, uintptr_t topk_idx,
+                   int32_t top_k, bool use_fp8, uintptr_t scratch, uintptr_t stream);
+// Receive phase: wait per active source (timeout into active_ranks), then pack recv_x, scales,
+// src_info, layout_range and recv_count.
+void dispatch_recv(const Call& call, const Region& region, bool use_fp8, int32_t top_k, uintptr_t scratch,
+                   uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_info, uintptr_t layout_range,
+                   uintptr_t recv_count, uintptr_t stream);
+// Combine send phase: expert output rows to their token owners, then the signals.
+void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t src_info, uintptr_t layout_range,
+                  uintptr_t stream);
+// Combine receive phase: wait per active owner, then the fp32 weighted sum in top-k order -> bf16.
+void combine_recv(const Call& call, const Region& region, uintptr_t topk_idx, uintptr_t topk_weights,
+                  int32_t num_tokens, int32_t top_k, uintptr_t out, uintptr_t stream);
+// One value pass over the call's routing and mask (eager calls only; the host reads the code):
+// writes into `problem` (device int32 [4]) {code, row, column, value}; code 0 = fine, 1 = an id
+// outside [-1, E), 2 = an expert twice in a row, 3 = a mask value other than 0 and 1.
+void check_values(uintptr_t topk_idx, int32_t num_tokens, int32_t top_k, int32_t num_experts, uintptr_t active,
+                  int32_t num_ranks, uintptr_t problem, uintptr_t stream);
+
+}  // namespace mep_cuda
