@@ -4,10 +4,31 @@ import sys
 
 
 def _demo(args) -> int:
+    if args.device == "cuda":
+        from mooncake_ep_switch.cuda_demo import CudaDemoConfig, run_cuda_demo
+
+        if args.model is not None or args.transport not in ("auto", "cuda"):
+            raise SystemExit("demo --device cuda: runs the built-in MoE stack over the 'cuda' transport "
+                             "(no --model, --transport auto or cuda)")
+        defaults = CudaDemoConfig()
+        steps = defaults.steps if args.steps is None else args.steps
+        kill_step = steps // 2 if args.kill_step is None else args.kill_step
+        config = CudaDemoConfig(num_ranks=args.ranks, steps=steps, kill_step=kill_step,
+                                kill_rank=min(2, args.ranks - 1))
+        try:
+            return 0 if run_cuda_demo(config) else 1
+        except RuntimeError as error:
+            if "no CUDA device" not in str(error) and "was not built" not in str(error):
+                raise
+            print(error, file=sys.stderr)
+            return 2
+    if args.transport == "cuda":
+        raise SystemExit("demo: --transport cuda needs --device cuda")
+    transport = _host_transport(args.transport)
     if args.model is not None:
         from mooncake_ep_switch.models.demo import run_model_demo
 
-        return 0 if run_model_demo(args.model, args.ranks, args.transport) else 1
+        return 0 if run_model_demo(args.model, args.ranks, transport) else 1
     from mooncake_ep_switch.demo import DemoConfig, run_demo
 
     defaults = DemoConfig()
@@ -16,10 +37,20 @@ def _demo(args) -> int:
     if kill_step is None:  # a step a little past the middle of the burst
         first, end = (int(round(f * steps)) for f in defaults.burst)
         kill_step = first + (end - first) * 4 // 5
-    config = DemoConfig(num_ranks=args.ranks, steps=steps, transport=args.transport, out_dir=args.out,
+    config = DemoConfig(num_ranks=args.ranks, steps=steps, transport=transport, out_dir=args.out,
                         kill_step=kill_step, kill_rank=min(2, args.ranks - 1))
     metrics = run_demo(config)
     return 0 if metrics["correct"] else 1
+
+
+def _host_transport(requested: str) -> str:
+    """The CPU demos feed CPU tensors: on a host where "auto" would pick the "cuda" transport (which
+    takes CUDA tensors), their local ranks (one host) use "shm" instead."""
+    if requested != "auto":
+        return requested
+    from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason
+
+    return "auto" if cuda_unavailable_reason() else "shm"
 
 
 def _bench(args) -> int:
@@ -50,7 +81,10 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="serve a small MoE model on local CPU ranks (default)")
     demo.add_argument("--ranks", type=int, default=4)
     demo.add_argument("--steps", type=int, default=None, help="decode steps (default 40)")
-    demo.add_argument("--transport", default="auto", choices=["auto", "shm", "mooncake", "collective"])
+    demo.add_argument("--transport", default="auto", choices=["auto", "cuda", "shm", "mooncake", "collective"])
+    demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                      help="cpu: the main demo on CPU ranks; cuda: GPU ranks serve an MoE stack in EP over the "
+                           "'cuda' transport, a rank killed and replaced (mooncake_ep_switch.cuda_demo)")
     demo.add_argument("--out", default="mep_demo_out", help="directory for metrics.json and timeline.png")
     demo.add_argument("--kill-step", type=int, default=None,
                       help="step (inside the burst) at which a rank is SIGKILLed and replaced; -1: none")

@@ -30,6 +30,10 @@ class Settings(NamedTuple):
             store can forge them. The launcher generates one and passes it to every rank and
             replacement; it is never written to the store. `MEP_JOB_SECRET` (at least 16
             characters; unset or empty: None).
+        cuda_check_values: on the `"cuda"` transport, check the values of `topk_idx` and
+            `active_ranks` on the device in eager calls, which costs one host synchronisation
+            per call (never inside CUDA graph capture, where they are not checked). Default on;
+            `MEP_CUDA_CHECK_VALUES=0` turns it off (the kernels still skip out-of-range ids).
     """
 
     host_id: str
@@ -38,6 +42,7 @@ class Settings(NamedTuple):
     connect_timeout_s: float
     fault_point: Optional[str]
     job_secret: Optional[bytes] = None
+    cuda_check_values: bool = True
 
 
 def _read_first_line(path: str) -> str:
@@ -93,7 +98,18 @@ def settings() -> Settings:
         connect_timeout_s=connect_timeout_s,
         fault_point=env.get("MEP_FAULT_POINT") or None,
         job_secret=secret.encode() if secret else None,
+        cuda_check_values=_flag(env, "MEP_CUDA_CHECK_VALUES", True),
     )
+
+
+def _flag(env, name: str, default: bool) -> bool:
+    """A boolean environment setting: "1"/"0" (unset or empty: `default`)."""
+    text = env.get(name, "")
+    if text == "":
+        return default
+    if text not in ("0", "1"):
+        raise ValueError(f"{name}: expected '0' or '1', got {text!r}")
+    return text == "1"
 
 
 JOB_SECRET_ENV = "MEP_JOB_SECRET"

@@ -3,7 +3,7 @@
 Every `import` and `from ... import` in every module of `mooncake_ep_switch` is read with `ast`,
 including the ones inside functions (a lazy import is still a dependency). A module belongs to its
 top-level package or module (`mooncake_ep_switch.buffer.transport.te_endpoint` -> `buffer`); the
-package graph built from those imports must have no cycle. The native module `_native` is a leaf.
+package graph built from those imports must have no cycle. The native modules `_native` and `_cuda` are leaves.
 """
 import ast
 import pathlib
@@ -38,7 +38,7 @@ def _imports(path: pathlib.Path, modules) -> List[Tuple[str, int]]:
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PACKAGE):
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"
-                out.append((full if full in modules or alias.name == "_native" else node.module, node.lineno))
+                out.append((full if full in modules or alias.name in ("_native", "_cuda") else node.module, node.lineno))
         elif isinstance(node, ast.Import):
             out += [(alias.name, node.lineno) for alias in node.names if alias.name.startswith(PACKAGE)]
         elif isinstance(node, ast.ImportFrom) and node.level:

@@ -17,8 +17,8 @@ int device_count();
 std::string device_status();
 // The calling thread's current device.
 int current_device();
-// cudaMalloc `nbytes` and zero it (synchronously); returns the device address.
-uintptr_t device_alloc(int64_t nbytes);
+// cudaMalloc `nbytes` on `device` and zero it (synchronously); returns the device address.
+uintptr_t device_alloc(int64_t nbytes, int device);
 void device_free(uintptr_t ptr);
 // Pinned host memory mapped into the device's address space (zeroed); the same address is valid
 // on the host and the device (unified addressing).
@@ -26,7 +26,7 @@ uintptr_t mapped_host_alloc(int64_t nbytes);
 void mapped_host_free(uintptr_t ptr);
 // The 64-byte IPC handle of a cudaMalloc'd allocation, and opening a peer's (another process's).
 std::string ipc_handle(uintptr_t ptr);
-uintptr_t ipc_open(const std::string& handle);
+uintptr_t ipc_open(const std::string& handle, int device);
 void ipc_close(uintptr_t ptr);
 // Synchronous copies (membership changes only: never on the dispatch/combine path).
 void copy_to_device(uintptr_t dst, uintptr_t src, int64_t nbytes);
@@ -49,13 +49,15 @@ struct Call {
     int32_t hidden;        // H
     int32_t num_experts;   // E
     int32_t half_index;    // 0 or 1: the region half (chosen by the host's call number)
-    int64_t host_call;     // the host's call number; the device tag is max(previous + 1, host_call)
+    int64_t host_call;     // the host's call number (see advance)
     uintptr_t peer_bases;  // device array [R] of uint64 region bases as mapped here (0 = unreachable)
     uintptr_t active;      // device int32 [R], the caller's active_ranks
     uintptr_t counter;     // device uint64: the last call number this rank's dispatches used
     uintptr_t call_word;   // device uint64: the call number of this dispatch (its handle's word)
     uintptr_t control;     // mapped host int32 [1 + R]: [0] abort (destroy), [1 + s] set when s failed
+    uintptr_t dead;        // mapped host int32 [R]: set by the peer watcher when s's process ended (0 = none)
     int64_t timeout_us;    // per source, -1 = none
+    int32_t advance;       // 0: the call number is host_call; 1: max(counter + 1, host_call) (graphs)
 };
 
 // Scratch of one dispatch shape (device memory the caller owns, sized by dispatch_scratch_bytes).

@@ -19,7 +19,9 @@
 // Waits are bounded on the device: each receive waits per source up to timeout_us on the GPU's
 // global timer; on expiry it writes 0 into the caller's active_ranks, flags the source in the
 // mapped control words (the host reads them as failed_sources) and treats the source as having
-// sent nothing. The control block's abort word (raised by destroy()) ends every wait at once.
+// sent nothing. The control block's abort word (raised by destroy()) ends every wait at once, and
+// the peer watcher's dead words (host memory mapped into the device) end a wait on a source whose
+// process is known to have ended.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -153,11 +155,23 @@ Scratch carve(uintptr_t base, int32_t half_index, int32_t R, int32_t T, int32_t 
 // Dispatch, send phase
 // ---------------------------------------------------------------------------------------------
 
+// The call number of this dispatch. Eager calls (advance == 0) use the host's number exactly, so
+// dispatches issued on two streams keep the host's order whatever order their kernels run in;
+// calls that may replay without the host (captured in a CUDA graph, or any call once a graph was
+// captured: advance == 1) take max(counter + 1, host_call), a new number at every replay.
 __global__ void k_advance_call(Call call) {
-    auto* counter = reinterpret_cast<uint64_t*>(call.counter);
-    uint64_t next = *counter + 1;
-    if (uint64_t(call.host_call) > next) next = uint64_t(call.host_call);
-    *counter = next;
+    auto* counter = reinterpret_cast<unsigned long long*>(call.counter);
+    unsigned long long next = (unsigned long long)call.host_call;
+    if (call.advance == 0) {
+        atomicMax(counter, next);
+    } else {
+        unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(counter), old;
+        do {
+            old = seen;
+            next = old + 1 > (unsigned long long)call.host_call ? old + 1 : (unsigned long long)call.host_call;
+            seen = atomicCAS(counter, old, next);
+        } while (seen != old);
+    }
     *reinterpret_cast<uint64_t*>(call.call_word) = next;
 }
 
@@ -174,8 +188,8 @@ __global__ void k_rank_tokens(const int64_t* topk, int32_t num_tokens, int32_t t
         if (t < num_tokens)
             for (int32_t k = 0; k < top_k; ++k)
                 if (topk[int64_t(t) * top_k + k] == expert) {
-                    chosen = k;
-                    break;
+                    if (chosen < 0) chosen = k;
+                    else scratch.slots[int64_t(t) * top_k + k] = -1;  // a repeat: the token goes once
                 }
         const unsigned mask = __ballot_sync(0xffffffffu, chosen >= 0);
         if (lane == 0) warp_totals[warp] = __popc(mask);
@@ -237,7 +251,9 @@ __global__ void k_dispatch_rows(Call call, Region region, const uint8_t* x, cons
         uint8_t* half = half_base(call, region, dest);
         if (half == nullptr) continue;
         const int64_t t = pair / top_k;
-        const int64_t slot = (int64_t(local) * R + call.rank) * T + scratch.slots[pair];
+        const int32_t rank_in_expert = scratch.slots[pair];
+        if (rank_in_expert < 0) continue;  // a repeated entry: sent with its first occurrence
+        const int64_t slot = (int64_t(local) * R + call.rank) * T + rank_in_expert;
         uint8_t* row = half + region.dispatch_data + slot * row_bytes;
         if (use_fp8) {
             warp_copy(row, scratch.fp8_rows + t * H, H, lane);
@@ -273,6 +289,7 @@ __global__ void k_dispatch_signals(Call call, Region region, Scratch scratch) {
 // Block `source` (one warp): wait until `signals[0..L)` all carry the call's tag, each count <= T.
 // On a deadline, an abort or a bad count: the source is cleared in active_ranks, flagged in the
 // control words, and its counts are 0. `counts` (may be null) receives the accepted counts.
+// Launched with one warp per block (blockDim.x == 32).
 __device__ void wait_source(const Call& call, const uint64_t* signals, int32_t source, int32_t L, int32_t* counts) {
     const int lane = threadIdx.x & 31;
     if (!is_active(call, source)) {
@@ -280,28 +297,35 @@ __device__ void wait_source(const Call& call, const uint64_t* signals, int32_t s
             for (int32_t l = lane; l < L; l += 32) counts[l] = 0;
         return;
     }
+    __shared__ volatile int32_t source_failed;  // one lane's verdict ends every lane's wait
+    if (lane == 0) source_failed = 0;
+    __syncwarp();
     const uint32_t tag = call_tag(*reinterpret_cast<const uint64_t*>(call.call_word));
     const uint64_t start = global_timer_ns();
     const uint64_t budget = call.timeout_us < 0 ? 0 : uint64_t(call.timeout_us) * 1000u;
-    bool failed = false;
-    for (int32_t l = lane; l < L && !failed; l += 32) {
+    const auto* dead = reinterpret_cast<const volatile int32_t*>(call.dead);
+    for (int32_t l = lane; l < L && !source_failed; l += 32) {
         for (uint32_t polls = 0;; ++polls) {
             const uint64_t value = load_acquire_sys(signals + l);
             if (signal_tag(value) == tag) {
                 const uint32_t count = signal_count(value);
-                if (count > uint32_t(call.max_tokens)) failed = true;  // a protocol error: the source failed
+                if (count > uint32_t(call.max_tokens)) source_failed = 1;  // a protocol error: the source failed
                 else if (counts) counts[l] = int32_t(count);
                 break;
             }
-            if ((polls & 15) == 15 &&
-                (aborted(call) || (call.timeout_us >= 0 && global_timer_ns() - start > budget))) {
-                failed = true;
+            if (source_failed) break;
+            // Every 16 polls (the mapped host words cross the bus): destroy(), the deadline, or the
+            // peer watcher's verdict that the source's process ended.
+            if ((polls & 15) == 15 && (aborted(call) || (dead != nullptr && dead[source] != 0) ||
+                                       (call.timeout_us >= 0 && global_timer_ns() - start > budget))) {
+                source_failed = 1;
                 break;
             }
             __nanosleep(128);
         }
     }
-    if (__any_sync(0xffffffffu, failed)) {
+    __syncwarp();
+    if (source_failed) {
         if (counts)
             for (int32_t l = lane; l < L; l += 32) counts[l] = 0;
         if (lane == 0) {
@@ -327,7 +351,8 @@ __global__ void k_dispatch_layout(Call call, Scratch scratch, int64_t* layout_ra
         for (int32_t s = 0; s < R; ++s) {
             const int32_t count = scratch.recv_counts[int64_t(s) * L + l];
             scratch.recv_begins[int64_t(s) * L + l] = int32_t(begin);
-            layout_range[int64_t(l) * R + s] = (begin << 32) | int64_t(count);
+            // an inactive (or failed) source has range 0, as on the CPU (dataplane.cpp pack_dispatch)
+            layout_range[int64_t(l) * R + s] = is_active(call, s) ? (begin << 32) | int64_t(count) : 0;
             begin += count;
         }
         recv_count[l] = int32_t(begin);
@@ -499,8 +524,31 @@ int64_t dispatch_scratch_bytes(int32_t num_ranks, int32_t max_tokens, int32_t hi
     return 2 * scratch_sizes(num_ranks, max_tokens, hidden, num_experts, top_k).half;
 }
 
+// Shape limits of the launches (the Python layer checks the call first; these keep a direct
+// caller from launching out of bounds).
+void check_call(const Call& call) {
+    if (call.num_ranks < 1 || call.rank < 0 || call.rank >= call.num_ranks)
+        throw std::invalid_argument("call: rank " + std::to_string(call.rank) + " outside [0, " +
+                                    std::to_string(call.num_ranks) + ")");
+    if (call.hidden <= 0 || call.hidden % kScaleGroup != 0)
+        throw std::invalid_argument("hidden: expected a positive multiple of 128, got " + std::to_string(call.hidden));
+    if (call.num_experts < call.num_ranks || call.num_experts % call.num_ranks != 0 ||
+        call.num_experts / call.num_ranks > 65535)
+        throw std::invalid_argument("num_experts: expected a multiple of num_ranks with at most 65535 local experts, got " +
+                                    std::to_string(call.num_experts));
+    if (call.max_tokens < 1) throw std::invalid_argument("max_tokens: expected >= 1");
+    if (call.half_index != 0 && call.half_index != 1) throw std::invalid_argument("half_index: expected 0 or 1");
+    if (!call.peer_bases || !call.active || !call.counter || !call.call_word || !call.control)
+        throw std::invalid_argument("call: a null device address");
+}
+
 void dispatch_send(const Call& call, const Region& region, uintptr_t x, int32_t num_tokens, uintptr_t topk_idx,
                    int32_t top_k, bool use_fp8, uintptr_t scratch_base, uintptr_t stream) {
+    check_call(call);
+    if (num_tokens < 0 || num_tokens > call.max_tokens)
+        throw std::invalid_argument("num_tokens: expected [0, " + std::to_string(call.max_tokens) + "], got " +
+                                    std::to_string(num_tokens));
+    if (top_k < 1 || top_k > call.num_experts) throw std::invalid_argument("top_k: expected [1, num_experts]");
     const Scratch scratch = carve(scratch_base, call.half_index, call.num_ranks, call.max_tokens, call.hidden,
                                   call.num_experts, top_k);
     const auto* topk = reinterpret_cast<const int64_t*>(topk_idx);
@@ -525,6 +573,7 @@ void dispatch_send(const Call& call, const Region& region, uintptr_t x, int32_t 
 void dispatch_recv(const Call& call, const Region& region, bool use_fp8, int32_t top_k, uintptr_t scratch_base,
                    uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_info, uintptr_t layout_range,
                    uintptr_t recv_count, uintptr_t stream) {
+    check_call(call);
     const Scratch scratch = carve(scratch_base, call.half_index, call.num_ranks, call.max_tokens, call.hidden,
                                   call.num_experts, top_k);
     const cudaStream_t s = as_stream(stream);
@@ -542,6 +591,7 @@ void dispatch_recv(const Call& call, const Region& region, bool use_fp8, int32_t
 
 void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t src_info, uintptr_t layout_range,
                   uintptr_t stream) {
+    check_call(call);
     const cudaStream_t s = as_stream(stream);
     const int32_t L = call.num_experts / call.num_ranks;
     k_combine_rows<<<dim3(call.num_ranks, L), kThreads, 0, s>>>(call, region, reinterpret_cast<const uint8_t*>(x),
@@ -554,6 +604,11 @@ void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t
 
 void combine_recv(const Call& call, const Region& region, uintptr_t topk_idx, uintptr_t topk_weights,
                   int32_t num_tokens, int32_t top_k, uintptr_t out, uintptr_t stream) {
+    check_call(call);
+    if (num_tokens < 0 || num_tokens > call.max_tokens)
+        throw std::invalid_argument("num_tokens: expected [0, " + std::to_string(call.max_tokens) + "], got " +
+                                    std::to_string(num_tokens));
+    if (top_k < 1 || top_k > 4096) throw std::invalid_argument("top_k: expected [1, 4096] (shared memory per token)");
     const cudaStream_t s = as_stream(stream);
     k_combine_wait<<<call.num_ranks, 32, 0, s>>>(call, region);
     check_launch("k_combine_wait");

@@ -17,15 +17,16 @@ PYBIND11_MODULE(_cuda, m) {
     m.def("device_count", &mep_cuda::device_count, "Devices the CUDA runtime sees (0 with no driver or device).");
     m.def("device_status", &mep_cuda::device_status, "Why device_count() is 0 ('' when devices exist).");
     m.def("current_device", &mep_cuda::current_device, "The calling thread's current CUDA device.");
-    m.def("device_alloc", &mep_cuda::device_alloc, "nbytes"_a, "cudaMalloc nbytes, zeroed; returns the address.");
+    m.def("device_alloc", &mep_cuda::device_alloc, "nbytes"_a, "device"_a,
+          "cudaMalloc nbytes on `device`, zeroed; returns the address.");
     m.def("device_free", &mep_cuda::device_free, "ptr"_a, "cudaFree.");
     m.def("mapped_host_alloc", &mep_cuda::mapped_host_alloc, "nbytes"_a,
           "Pinned host memory mapped into the device (zeroed); the address is valid on both.");
     m.def("mapped_host_free", &mep_cuda::mapped_host_free, "ptr"_a, "cudaFreeHost.");
     m.def("ipc_handle", [](uintptr_t ptr) { return py::bytes(mep_cuda::ipc_handle(ptr)); }, "ptr"_a,
           "The 64-byte CUDA IPC handle of a cudaMalloc'd allocation.");
-    m.def("ipc_open", [](py::bytes handle) { return mep_cuda::ipc_open(std::string(handle)); }, "handle"_a,
-          "Map another process's allocation by its IPC handle; returns the address here.");
+    m.def("ipc_open", [](py::bytes handle, int device) { return mep_cuda::ipc_open(std::string(handle), device); },
+          "handle"_a, "device"_a, "Map another process's allocation by its IPC handle; returns the address here.");
     m.def("ipc_close", &mep_cuda::ipc_close, "ptr"_a, "Unmap an allocation opened with ipc_open.");
     m.def("copy_to_device", &mep_cuda::copy_to_device, release(), "dst"_a, "src"_a, "nbytes"_a,
           "Synchronous host-to-device copy.");
@@ -47,12 +48,15 @@ PYBIND11_MODULE(_cuda, m) {
     py::class_<mep_cuda::Call>(m, "Call", "One call of one rank (see csrc/cuda/api.h)")
         .def(py::init([](int32_t num_ranks, int32_t rank, int32_t max_tokens, int32_t hidden, int32_t num_experts,
                          int32_t half_index, int64_t host_call, uintptr_t peer_bases, uintptr_t active,
-                         uintptr_t counter, uintptr_t call_word, uintptr_t control, int64_t timeout_us) {
-                 return mep_cuda::Call{num_ranks, rank,     max_tokens, hidden,    num_experts, half_index, host_call,
-                                       peer_bases, active, counter,    call_word, control,     timeout_us};
+                         uintptr_t counter, uintptr_t call_word, uintptr_t control, uintptr_t dead, int64_t timeout_us,
+                         int32_t advance) {
+                 return mep_cuda::Call{num_ranks, rank,    max_tokens, hidden,    num_experts, half_index, host_call,
+                                       peer_bases, active, counter,    call_word, control,     dead,       timeout_us,
+                                       advance};
              }),
              "num_ranks"_a, "rank"_a, "max_tokens"_a, "hidden"_a, "num_experts"_a, "half_index"_a, "host_call"_a,
-             "peer_bases"_a, "active"_a, "counter"_a, "call_word"_a, "control"_a, "timeout_us"_a);
+             "peer_bases"_a, "active"_a, "counter"_a, "call_word"_a, "control"_a, "dead"_a, "timeout_us"_a,
+             "advance"_a);
 
     m.def("dispatch_scratch_bytes", &mep_cuda::dispatch_scratch_bytes, "num_ranks"_a, "max_tokens"_a, "hidden"_a,
           "num_experts"_a, "top_k"_a, "Device scratch bytes of a dispatch shape (both halves).");

@@ -36,8 +36,9 @@ int current_device() {
     return device;
 }
 
-uintptr_t device_alloc(int64_t nbytes) {
+uintptr_t device_alloc(int64_t nbytes, int device) {
     if (nbytes <= 0) throw std::invalid_argument("nbytes: expected > 0, got " + std::to_string(nbytes));
+    check(cudaSetDevice(device), "cudaSetDevice");
     void* ptr = nullptr;
     check(cudaMalloc(&ptr, size_t(nbytes)), "cudaMalloc");
     const cudaError_t zeroed = cudaMemset(ptr, 0, size_t(nbytes));
@@ -71,12 +72,13 @@ std::string ipc_handle(uintptr_t ptr) {
     return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
-uintptr_t ipc_open(const std::string& bytes) {
+uintptr_t ipc_open(const std::string& bytes, int device) {
     cudaIpcMemHandle_t handle;
     if (bytes.size() != sizeof(handle))
         throw std::invalid_argument("handle: expected " + std::to_string(sizeof(handle)) + " bytes, got " +
                                     std::to_string(bytes.size()));
     std::memcpy(&handle, bytes.data(), sizeof(handle));
+    check(cudaSetDevice(device), "cudaSetDevice");
     void* ptr = nullptr;
     check(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
     return reinterpret_cast<uintptr_t>(ptr);

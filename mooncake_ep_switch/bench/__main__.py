@@ -13,6 +13,8 @@ Rows:
     (`switch_bench`; the small shapes with `--quick`).
 `python -m mooncake_ep_switch.bench soak [...]` runs the soak benchmark instead (`bench.soak`: 10^4
 dispatch + combine rounds over shm and 10^3 over the Transfer Engine, resources sampled; `soak --help`).
+`python -m mooncake_ep_switch.bench --device cuda [...]` runs the GPU rows instead (`bench.cuda_bench`:
+the "cuda" transport against a device-to-device copy, eager and from a CUDA graph, the CPU shm figure beside).
 `python -m mooncake_ep_switch.bench hosts [...]` runs the cross-host benchmark (`bench.hosts`: two
 network namespaces, Transfer Engine vs the gloo collective over the same veths vs shm on one host,
 bytes on the wire against the routed bytes; needs root).
@@ -113,11 +115,24 @@ def _eplb_row(row: dict) -> dict:
             "speedup": row["t_greedy"] / row["t_ours"], "note": note}
 
 
+def _take_device(argv: list) -> str:
+    """Remove `--device cpu|cuda` from `argv`; returns the device ("cpu" when not given)."""
+    for index, value in enumerate(argv):
+        if value == "--device" or value.startswith("--device="):
+            choice = value.partition("=")[2] if "=" in value else (argv[index + 1] if index + 1 < len(argv) else "")
+            if choice not in ("cpu", "cuda"):
+                raise SystemExit(f"--device: expected 'cpu' or 'cuda', got {choice!r}")
+            del argv[index:index + (1 if "=" in value else 2)]
+            return choice
+    return "cpu"
+
+
 def main(argv=None) -> int:
     """Run every benchmark and print the markdown table (`python -m mooncake_ep_switch.bench`).
 
     Arguments:
-        argv: command-line arguments (`--quick`, `--out FILE`), or None for `sys.argv[1:]`; when the
+        argv: command-line arguments (`--quick`, `--out FILE`, `--device cuda` for the GPU rows), or None for
+            `sys.argv[1:]`; when the
             first is `soak` (or `hosts`), the rest go to the soak (cross-host) benchmark (`bench.soak.main`,
             `bench.hosts.main`).
 
@@ -126,6 +141,11 @@ def main(argv=None) -> int:
             verdict failed).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    device = _take_device(argv)
+    if device == "cuda":
+        from mooncake_ep_switch.bench import cuda_bench
+
+        return cuda_bench.main(argv)
     if argv[:1] == ["soak"]:
         from mooncake_ep_switch.bench import soak
 

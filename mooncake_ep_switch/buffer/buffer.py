@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.buffer import elastic_view, validation
+from mooncake_ep_switch.buffer import device_calls, elastic_view, validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
 from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap
 from mooncake_ep_switch.buffer.layout import region_layout
@@ -60,8 +60,11 @@ class Buffer:
             0 is accepted by the `"collective"` transport only (it allocates per call).
         disable_p2p: never use shared memory between ranks of one host (Mooncake's meaning:
             peers are reached through the inter-host path).
-        transport: `"auto"` (shared memory when every rank is on this host, else the Transfer
-            Engine when installed, else collectives), `"shm"`, `"mooncake"` or `"collective"`.
+        transport: `"auto"` (every rank on this host: device kernels over CUDA IPC when a CUDA
+            device is usable, else shared memory; else the Transfer Engine when installed, else
+            collectives), `"cuda"`, `"shm"`, `"mooncake"` or `"collective"`. A `"cuda"` Buffer takes
+            CUDA tensors on the current device (`buffer.device`), never synchronises the host inside
+            a call and can be captured in a CUDA graph; the others take CPU tensors.
         store: the group's torch.distributed store, which must outlive every rank (default: the
             default group's store, torch's own key prefixes removed). Membership (epochs,
             endpoints, joiners) lives there, keyed by the group's identity (its global ranks) under
@@ -131,6 +134,7 @@ class Buffer:
             host_ids=self._host_ids, view_change=self._survivors_view)
         self._impl.abort_ptr = self._life.abort_ptr  # native waits stop once destroy() raises it
         self.transport = self._impl.name
+        self.device = self._impl.device  # the CUDA device of a "cuda" Buffer's tensors; None: CPU tensors
         self._specs = CallSpecs(self._token, self.num_ranks, num_ep_buffer_bytes,  # validated call shapes
                                 needs_region=bool(num_ep_buffer_bytes) or self.transport != "collective")
         self._completions = Completions(self._life)
@@ -228,11 +232,12 @@ class Buffer:
         """A fresh `active_ranks` tensor for the current view.
 
         Returns:
-            active_ranks: `[num_ranks]` torch.int32, 1 for members of the current epoch.
+            active_ranks: `[num_ranks]` torch.int32, 1 for members of the current epoch (on the
+                Buffer's CUDA device for the `"cuda"` transport, else on the CPU).
         """
         mask = torch.zeros(self.num_ranks, dtype=torch.int32)
         mask[list(self.members)] = 1
-        return mask
+        return mask if self.device is None else mask.to(self.device)
 
     def dead_peers(self) -> list:
         """Ranks whose process is known to have ended (seen by the one-sided transports' peer watcher:
@@ -397,6 +402,9 @@ class Buffer:
         """
         if self._destroyed:
             self._check_alive()
+        if self.device is not None:
+            return device_calls.dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+                                         num_experts, timeout_us, use_fp8, async_finish, return_recv_hook)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
         if use_fp8 is None:
@@ -531,6 +539,9 @@ class Buffer:
         """
         if self._destroyed:
             self._check_alive()
+        if self.device is not None:
+            return device_calls.combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy,
+                                        async_finish, return_recv_hook, out)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
         if not isinstance(zero_copy, bool):

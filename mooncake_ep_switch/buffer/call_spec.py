@@ -74,11 +74,12 @@ class CallSpecs:
         check_capacity(self.num_ranks, tokens, hidden, experts, self.num_ep_buffer_bytes, self.needs_region)
 
     def validate_dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
-                          timeout_us, use_fp8) -> Tuple[CallSpec, int]:
-        """Full dispatch validation (every error names its argument); returns (spec, timeout_us)."""
+                          timeout_us, use_fp8, device=None) -> Tuple[CallSpec, int]:
+        """Full dispatch validation (every error names its argument; `device`: the Buffer's CUDA
+        device, or None for CPU tensors); returns (spec, timeout_us)."""
         tokens, experts, timeout_us, use_fp8 = validation.check_dispatch(
             x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
-            self.num_ranks)
+            self.num_ranks, device)
         hidden = x.size(1)
         key = (tokens, experts, hidden, use_fp8)
         spec = self._specs.get(key)

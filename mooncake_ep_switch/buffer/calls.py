@@ -116,7 +116,7 @@ class _OutputSlot:
         device: where the block lives.
     """
 
-    __slots__ = ("storage", "cdata", "baseline", "refs", "views", "nbytes", "ptr", "retired")
+    __slots__ = ("storage", "cdata", "baseline", "refs", "views", "nbytes", "ptr", "retired", "host")
 
     def __init__(self, parts, zeroed, device):
         offsets, total = [], 0
@@ -142,6 +142,7 @@ class _OutputSlot:
         self.storage = block.untyped_storage()
         self.cdata = self.storage._cdata
         self.retired = False
+        self.host = block.device.type == "cpu"  # torch reports every CUDA storage as shared: not a holder
         del block, view
         self.baseline = _storage_use_count(self.cdata)  # the pool's own references, counted once here
         self.refs = _refcount(self.storage)
@@ -151,7 +152,8 @@ class _OutputSlot:
         if _storage_use_count(self.cdata) != self.baseline or _refcount(self.storage) != self.refs or self.retired:
             return False
         storage = self.storage
-        if _is_shared(storage) or _storage_nbytes(storage) != self.nbytes or _storage_ptr(storage) != self.ptr:
+        if (self.host and _is_shared(storage)) or _storage_nbytes(storage) != self.nbytes \
+                or _storage_ptr(storage) != self.ptr:
             self.retired = True  # see the class docstring; the pool drops it
             return False
         return True
@@ -233,10 +235,12 @@ class OutputPool:
             slot = self._free_slot(key)
         return self._new_block(key, parts, zeroed, device) if slot is None else slot.hand_out()
 
-    def _new_block(self, key, parts, zeroed, device) -> list:
-        """Aliases of a new block for `key` (see `acquire`), kept in the pool when `key` has room."""
+    def _new_block(self, key, parts, zeroed, device, keep: bool = True) -> list:
+        """Aliases of a new block for `key` (see `acquire`), kept in the pool when `key` has room (and `keep`)."""
         slot = _OutputSlot(parts, zeroed, device)
         outputs = slot.hand_out()
+        if not keep:
+            return outputs
         with self._lock:
             slots = self._slots.get(key)
             if slots is None:
@@ -248,7 +252,7 @@ class OutputPool:
         return outputs
 
     def dispatch_outputs(self, use_fp8: bool, local: int, rows: int, hidden: int, num_ranks: int,
-                         device) -> DispatchOutputs:
+                         device, pooled: bool = True) -> DispatchOutputs:
         """Outputs of one dispatch of this shape.
 
         Rows of recv_x (and scales) beyond `recv_count` are unspecified (they may hold earlier calls'
@@ -262,6 +266,8 @@ class OutputPool:
             hidden: `H`, a multiple of 128.
             num_ranks: `R`.
             device: torch device of the outputs.
+            pooled: take and keep blocks of the pool; False (CUDA graph capture, whose replays
+                rewrite the same memory) allocates blocks the pool never hands out.
 
         Returns:
             outputs: a `DispatchOutputs` (recv_x `[L, R*T, H]`, recv_scales `[L, H/128, R*T]`
@@ -271,40 +277,44 @@ class OutputPool:
         inference = _inference_mode()
         rows_key = ("dispatch rows", use_fp8, local, rows, hidden, device, inference)
         meta_key = ("dispatch meta", local, rows, num_ranks, device, inference)
-        with self._lock:  # one lock for both blocks
-            rows_slot, meta_slot = self._free_slot(rows_key), self._free_slot(meta_key)
+        rows_slot = meta_slot = None
+        if pooled:
+            with self._lock:  # one lock for both blocks
+                rows_slot, meta_slot = self._free_slot(rows_key), self._free_slot(meta_key)
         if rows_slot is not None:
             recv_x, scales = rows_slot.views
             recv_x, scales = _detach(recv_x), None if scales is None else _detach(scales)
         else:
             parts = ((torch.float8_e4m3fn if use_fp8 else torch.bfloat16, (local, rows, hidden)),
                      (torch.float32, (local, hidden // 128, rows)) if use_fp8 else None)
-            recv_x, scales = self._new_block(rows_key, parts, (), device)
+            recv_x, scales = self._new_block(rows_key, parts, (), device, pooled)
         if meta_slot is not None:
             src_info, layout_range, recv_count = meta_slot.views
             src_info, layout_range, recv_count = _detach(src_info), _detach(layout_range), _detach(recv_count)
         else:
             parts = ((torch.int32, (local, rows)), (torch.int64, (local, num_ranks)), (torch.int32, (local,)))
-            src_info, layout_range, recv_count = self._new_block(meta_key, parts, (0, 1, 2), device)
+            src_info, layout_range, recv_count = self._new_block(meta_key, parts, (0, 1, 2), device, pooled)
         return _new_tuple(DispatchOutputs, (recv_x, scales, src_info, layout_range, recv_count))
 
-    def combine_output(self, num_tokens: int, hidden: int, device) -> torch.Tensor:
+    def combine_output(self, num_tokens: int, hidden: int, device, pooled: bool = True) -> torch.Tensor:
         """The `[num_tokens, hidden]` bf16 result of one combine (every row is written by the call).
 
         Arguments:
             num_tokens: `N`, tokens of this rank.
             hidden: `H`.
             device: torch device of the output.
+            pooled: as for `dispatch_outputs`.
 
         Returns:
             out: `[N, H]` torch.bfloat16, contents unspecified until the combine writes it.
         """
         key = ("combine", num_tokens, hidden, device, _inference_mode())
-        with self._lock:
-            slot = self._free_slot(key)
-        if slot is not None:
-            return _detach(slot.views[0])
-        return self._new_block(key, ((torch.bfloat16, (num_tokens, hidden)),), (), device)[0]
+        if pooled:
+            with self._lock:
+                slot = self._free_slot(key)
+            if slot is not None:
+                return _detach(slot.views[0])
+        return self._new_block(key, ((torch.bfloat16, (num_tokens, hidden)),), (), device, pooled)[0]
 
     def pooled_bytes(self) -> int:
         """Bytes held by the pool (busy and free blocks).

@@ -21,6 +21,8 @@ def update_ep_member(buffer, timeout_s: Optional[float] = None) -> View:
     membership = buffer._require_membership("update_ep_member")
     deadline = time.monotonic() + (buffer.settings.connect_timeout_s if timeout_s is None else timeout_s)
     failed = set(buffer._impl.failed_sources)
+    # Calls that ran without the host (CUDA graph replays) count too: the agreed number is above them.
+    buffer._call = buffer._impl.latest_call(buffer._call)
     while True:
         try:
             if buffer.joining:

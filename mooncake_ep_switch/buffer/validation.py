@@ -4,9 +4,12 @@ Every check raises `ValueError` (or `TypeError` for a wrong Python type) whose m
 argument, what was expected and what came. Checks run before any byte moves (and before the call
 counter advances), so a rejected call leaves the Buffer exactly as it was.
 
-Every tensor argument must be a CPU tensor: the transports here (shared memory, the Transfer
-Engine, gloo collectives) move host memory, and native code reads raw pointers. A CUDA, meta or
-other non-CPU tensor is rejected with an error naming the argument and its device.
+Every tensor argument must be on the Buffer's device: the CPU for the host transports (shared
+memory, the Transfer Engine, gloo collectives), which move host memory through raw pointers, and
+the Buffer's CUDA device for the `"cuda"` transport. A tensor elsewhere (a CPU `active_ranks` with
+CUDA `x`, another GPU, meta) is rejected with an error naming the argument and its device. Values
+(expert ids, mask entries) are checked here for CPU tensors; the `"cuda"` transport checks them on
+the device (`CudaTransport.value_problem`), since reading them here would synchronise.
 """
 import torch
 
@@ -18,8 +21,8 @@ def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def check_tensor(name: str, tensor, dtype: torch.dtype, dim: int, shape=None) -> torch.Tensor:
-    """Check type, device (CPU), dtype, number of dims, contiguity and (where given, -1 = any) the shape.
+def check_tensor(name: str, tensor, dtype: torch.dtype, dim: int, shape=None, device=None) -> torch.Tensor:
+    """Check type, device, dtype, number of dims, contiguity and (where given, -1 = any) the shape.
 
     Arguments:
         name: argument name used in error messages.
@@ -27,19 +30,22 @@ def check_tensor(name: str, tensor, dtype: torch.dtype, dim: int, shape=None) ->
         dtype: the required torch dtype.
         dim: the required number of dimensions.
         shape: required size per dimension (-1 = any), or None to skip the shape check.
+        device: the required CUDA torch.device, or None for the CPU.
 
     Returns:
         tensor: `tensor` itself, unchanged.
 
     Raises:
         TypeError: not a torch.Tensor.
-        ValueError: not on the CPU, wrong dtype, dims or shape, or not contiguous.
+        ValueError: on another device, wrong dtype, dims or shape, or not contiguous.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        _fail(name, "a CPU tensor (this runtime moves host memory; CUDA tensors are not supported)",
-              f"a tensor on {tensor.device}")
+    if device is None and tensor.device.type != "cpu":
+        _fail(name, "a CPU tensor (this Buffer's transport moves host memory; CUDA tensors need the 'cuda' "
+              "transport)", f"a tensor on {tensor.device}")
+    if device is not None and tensor.device != device:
+        _fail(name, f"a tensor on {device} (this Buffer's transport is 'cuda')", f"a tensor on {tensor.device}")
     if tensor.dtype != dtype:
         _fail(name, f"dtype {dtype}", tensor.dtype)
     if tensor.dim() != dim:
@@ -53,12 +59,13 @@ def check_tensor(name: str, tensor, dtype: torch.dtype, dim: int, shape=None) ->
     return tensor
 
 
-def check_active_ranks(active_ranks, num_ranks: int) -> torch.Tensor:
+def check_active_ranks(active_ranks, num_ranks: int, device=None) -> torch.Tensor:
     """`active_ranks` must be int32 `[num_ranks]` of zeros and ones (never silently replaced).
 
     Arguments:
         active_ranks: `[num_ranks]` torch.int32 contiguous CPU tensor, 1 = active, 0 = masked.
         num_ranks: `R`, ranks of the group.
+        device: the Buffer's CUDA device (values are then checked on the device), or None.
 
     Returns:
         active_ranks: the tensor itself, unchanged.
@@ -67,7 +74,9 @@ def check_active_ranks(active_ranks, num_ranks: int) -> torch.Tensor:
         TypeError: not a torch.Tensor.
         ValueError: wrong dtype, shape or device, not contiguous, or a value other than 0 and 1.
     """
-    check_tensor("active_ranks", active_ranks, torch.int32, 1, (num_ranks,))
+    check_tensor("active_ranks", active_ranks, torch.int32, 1, (num_ranks,), device)
+    if device is not None:
+        return active_ranks
     problem = _native.check_mask_values(active_ranks.data_ptr(), num_ranks)
     if problem:
         raise ValueError(f"active_ranks: expected {problem}")
@@ -93,7 +102,7 @@ def check_timeout(timeout_us) -> int:
     return timeout_us
 
 
-def check_topk_idx(topk_idx, num_tokens: int, num_experts: int) -> torch.Tensor:
+def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device=None) -> torch.Tensor:
     """`topk_idx` int64 `[num_tokens, K]`, values in [-1, num_experts), no expert twice in a row.
 
     Arguments:
@@ -101,6 +110,7 @@ def check_topk_idx(topk_idx, num_tokens: int, num_experts: int) -> torch.Tensor:
             marks an unused entry.
         num_tokens: the required number of rows.
         num_experts: `E`, the exclusive upper bound of the expert ids.
+        device: the Buffer's CUDA device (values are then checked on the device), or None.
 
     Returns:
         topk_idx: the tensor itself, unchanged.
@@ -110,11 +120,13 @@ def check_topk_idx(topk_idx, num_tokens: int, num_experts: int) -> torch.Tensor:
         ValueError: wrong dtype, shape or device, not contiguous, a value out of range, or an
             expert repeated within a row.
     """
-    check_tensor("topk_idx", topk_idx, torch.int64, 2, (num_tokens, -1))
+    check_tensor("topk_idx", topk_idx, torch.int64, 2, (num_tokens, -1), device)
     if topk_idx.size(1) < 1:
         _fail("topk_idx", "at least one column (top-k >= 1)", list(topk_idx.shape))
     if topk_idx.size(1) > num_experts:
         _fail("topk_idx", f"top-k <= num_experts ({num_experts})", topk_idx.size(1))
+    if device is not None:
+        return topk_idx
     problem = _native.check_topk_values(topk_idx.data_ptr(), topk_idx.size(0), topk_idx.size(1), num_experts)
     if problem:
         raise ValueError(f"topk_idx: expected {problem}")
@@ -122,7 +134,7 @@ def check_topk_idx(topk_idx, num_tokens: int, num_experts: int) -> torch.Tensor:
 
 
 def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
-                   timeout_us, use_fp8, num_ranks: int):
+                   timeout_us, use_fp8, num_ranks: int, device=None):
     """Validate dispatch() arguments; returns (T, E, timeout_us, use_fp8) normalised.
 
     Arguments:
@@ -134,6 +146,7 @@ def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, 
         timeout_us: microseconds, or -1 for no deadline.
         use_fp8: bool, or None for True (Mooncake's default).
         num_ranks: `R`, ranks of the group.
+        device: the Buffer's CUDA device, or None for CPU tensors.
 
     Returns:
         tokens_per_rank: int, `T`.
@@ -149,13 +162,13 @@ def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, 
     num_experts = check_int("num_experts", num_experts, 1)
     if num_experts % num_ranks != 0:
         _fail("num_experts", f"a multiple of the number of ranks ({num_ranks})", num_experts)
-    check_tensor("x", x, torch.bfloat16, 2)
+    check_tensor("x", x, torch.bfloat16, 2, device=device)
     if x.size(0) > tokens_per_rank:
         _fail("x", f"at most num_max_dispatch_tokens_per_rank={tokens_per_rank} rows", x.size(0))
     if x.size(1) <= 0 or x.size(1) % 128 != 0:
         _fail("x", "a hidden size that is a positive multiple of 128", x.size(1))
-    check_topk_idx(topk_idx, x.size(0), num_experts)
-    check_active_ranks(active_ranks, num_ranks)
+    check_topk_idx(topk_idx, x.size(0), num_experts, device)
+    check_active_ranks(active_ranks, num_ranks, device)
     timeout_us = check_timeout(timeout_us)
     if use_fp8 is None:
         use_fp8 = True  # Mooncake's default
@@ -164,12 +177,13 @@ def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, 
     return tokens_per_rank, num_experts, timeout_us, use_fp8
 
 
-def check_handle(handle, num_ranks: int):
+def check_handle(handle, num_ranks: int, device=None):
     """Validate a dispatch handle (ours or a plain Mooncake 5-tuple); returns its fields.
 
     Arguments:
         handle: the 5-tuple (src_info, layout_range, T, H, E) from `dispatch()`.
         num_ranks: `R`, ranks of the group.
+        device: the Buffer's CUDA device, or None for CPU tensors.
 
     Returns:
         src_info: `[E/R, R * T]` torch.int32.
@@ -192,12 +206,12 @@ def check_handle(handle, num_ranks: int):
     if num_experts % num_ranks:
         _fail("handle.num_experts", f"a multiple of {num_ranks}", num_experts)
     local = num_experts // num_ranks
-    check_tensor("handle.src_info", src_info, torch.int32, 2, (local, num_ranks * tokens_per_rank))
-    check_tensor("handle.layout_range", layout_range, torch.int64, 2, (local, num_ranks))
+    check_tensor("handle.src_info", src_info, torch.int32, 2, (local, num_ranks * tokens_per_rank), device)
+    check_tensor("handle.layout_range", layout_range, torch.int64, 2, (local, num_ranks), device)
     return src_info, layout_range, tokens_per_rank, hidden, num_experts
 
 
-def check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out, num_ranks: int):
+def check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out, num_ranks: int, device=None):
     """Validate combine() arguments; returns (handle fields, timeout_us).
 
     Arguments:
@@ -210,6 +224,7 @@ def check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, o
         handle: the 5-tuple from `dispatch()` (see `check_handle`).
         out: `[num_tokens, H]` torch.bfloat16 contiguous, or None.
         num_ranks: `R`, ranks of the group.
+        device: the Buffer's CUDA device, or None for CPU tensors.
 
     Returns:
         fields: the 5 handle fields as returned by `check_handle`.
@@ -219,20 +234,20 @@ def check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, o
         TypeError: a wrong Python type.
         ValueError: any other violation; nothing has been written.
     """
-    fields = check_handle(handle, num_ranks)
+    fields = check_handle(handle, num_ranks, device)
     _, _, tokens_per_rank, hidden, num_experts = fields
     local = num_experts // num_ranks
-    check_tensor("x", x, torch.bfloat16, 3, (local, num_ranks * tokens_per_rank, hidden))
-    check_tensor("topk_idx", topk_idx, torch.int64, 2)
+    check_tensor("x", x, torch.bfloat16, 3, (local, num_ranks * tokens_per_rank, hidden), device)
+    check_tensor("topk_idx", topk_idx, torch.int64, 2, device=device)
     if topk_idx.size(0) > tokens_per_rank:
         _fail("topk_idx", f"at most {tokens_per_rank} rows (the handle's num_max_dispatch_tokens_per_rank)",
               topk_idx.size(0))
-    check_topk_idx(topk_idx, topk_idx.size(0), num_experts)
-    check_tensor("topk_weights", topk_weights, torch.float32, 2, tuple(topk_idx.shape))
-    check_active_ranks(active_ranks, num_ranks)
+    check_topk_idx(topk_idx, topk_idx.size(0), num_experts, device)
+    check_tensor("topk_weights", topk_weights, torch.float32, 2, tuple(topk_idx.shape), device)
+    check_active_ranks(active_ranks, num_ranks, device)
     timeout_us = check_timeout(timeout_us)
     if out is not None:
-        check_tensor("out", out, torch.bfloat16, 2, (topk_idx.size(0), hidden))
+        check_tensor("out", out, torch.bfloat16, 2, (topk_idx.size(0), hidden), device)
     plan = getattr(handle, "plan", None)
     if plan is not None and (plan.num_tokens != topk_idx.size(0) or plan.top_k != topk_idx.size(1)):
         _fail("topk_idx", f"the dispatch's shape [{plan.num_tokens}, {plan.top_k}]", list(topk_idx.shape))

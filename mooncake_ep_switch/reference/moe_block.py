@@ -100,7 +100,7 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, top_k: int, skip_exp
         out: `[N, H]` torch.bfloat16, `sum_k w_k * expert_k(x)` in float32, then bf16.
     """
     topk_idx, topk_weights = route(x, weights.router, top_k)
-    out = torch.zeros((x.size(0), x.size(1)), dtype=torch.float32)
+    out = torch.zeros((x.size(0), x.size(1)), dtype=torch.float32, device=x.device)
     for k in range(top_k):
         for expert in topk_idx[:, k].unique().tolist():
             if expert in skip_experts:

@@ -72,6 +72,7 @@ class PeerLost(RuntimeError):
 class _GuardedWork:
     """Wraps a Work so that a failure in wait() surfaces as PeerLost."""
 
+
     def __init__(self, work):
         self._work = work
 
@@ -109,6 +110,7 @@ class CollectiveTransport:
     """
 
     name = "collective"
+    device = None  # moves host memory: CPU tensors
 
     def __init__(self, group, rank: int, num_ranks: int, view_change=None):
         self.group = group
@@ -153,6 +155,17 @@ class CollectiveTransport:
         self.group = view_group(membership.store, view, self.rank, max(1.0, deadline - time.monotonic()))
         self.members = tuple(view.ranks)
         self._staging.clear()
+
+    def latest_call(self, host_call: int) -> int:
+        """The last call number this rank used: the Buffer's own count (every call runs through it).
+
+        Arguments:
+            host_call: the Buffer's count of dispatches.
+
+        Returns:
+            call: int, `host_call`.
+        """
+        return host_call
 
     def dead_peers(self) -> List[int]:
         """[]: this transport learns of a dead peer only when a call meets it (gloo reports the reset)."""

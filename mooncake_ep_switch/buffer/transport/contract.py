@@ -2,10 +2,11 @@
 
 `Buffer` resolves the transport once (`transport/select.py make_transport`, rules in docs/transports.md) and
 then calls only what `Transport` declares; nothing is probed with `hasattr`. The implementations:
-`buffer.transport.one_sided.OneSidedTransport` (`"shm"`, `"mooncake"`) and
+`buffer.transport.one_sided.OneSidedTransport` (`"shm"`, `"mooncake"`),
+`buffer.transport.cuda.CudaTransport` (`"cuda"`) and
 `buffer.transport.collective.CollectiveTransport` (`"collective"`).
 """
-from typing import Callable, List, Protocol, Tuple
+from typing import Callable, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -16,14 +17,16 @@ class Transport(Protocol):
     """What a `Buffer` calls on its transport.
 
     Attributes:
-        name: `"shm"`, `"mooncake"` or `"collective"` (`Buffer.transport`).
+        name: `"cuda"`, `"shm"`, `"mooncake"` or `"collective"` (`Buffer.transport`).
         abort_ptr: address of the Buffer's abort word (set by the Buffer; native waits stop once
             it is raised), 0 for none.
         failed_sources: ranks calls found dead since the last view (evidence for membership; the
             Buffer clears it when a view is agreed).
+        device: the CUDA torch.device whose tensors calls take (`"cuda"`), or None (CPU tensors).
     """
 
     name: str
+    device: Optional[torch.device]
     abort_ptr: int
     failed_sources: List[int]
 
@@ -47,6 +50,10 @@ class Transport(Protocol):
 
     def combine_buffer(self, call: int, shape, device) -> torch.Tensor:
         """The zero-copy combine buffer `[L, R*T, hidden]` torch.bfloat16 of dispatch `call`."""
+
+    def latest_call(self, host_call: int) -> int:
+        """The last call number this rank used (`host_call`, or more where calls ran without the host,
+        as CUDA graph replays do); recovery agrees on a number above it."""
 
     def dead_peers(self) -> List[int]:
         """Ranks whose process this transport saw end (never a live rank; [] where it cannot tell)."""

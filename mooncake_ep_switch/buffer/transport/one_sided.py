@@ -88,6 +88,8 @@ class OneSidedTransport:
         allow_shm: whether same-host peers may be reached through shared memory.
     """
 
+    device = None  # moves host memory: CPU tensors
+
     def __init__(self, name: str, rank: int, num_ranks: int, num_ep_buffer_bytes: int, settings,
                  allow_shm: bool = True):
         if num_ep_buffer_bytes <= 0:
@@ -232,6 +234,17 @@ class OneSidedTransport:
         self.region.unmap_peer(peer)
         self.te_peers.pop(peer, None)
         self.routes[peer] = None
+
+    def latest_call(self, host_call: int) -> int:
+        """The last call number this rank used: the Buffer's own count (every call runs through it).
+
+        Arguments:
+            host_call: the Buffer's count of dispatches.
+
+        Returns:
+            call: int, `host_call`.
+        """
+        return host_call
 
     def dead_peers(self) -> List[int]:
         """Ranks whose process the peer watcher saw end since they were last connected.

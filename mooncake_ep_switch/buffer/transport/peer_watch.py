@@ -63,12 +63,20 @@ class PeerWatch:
         bind_host: address the watch listener binds to, or None for no listener (then peers on
             other hosts cannot watch this rank and fall back to their deadlines).
         max_accepted: cap on connections the listener holds open (further ones are closed at once).
+        dead: `[num_ranks]` torch.int32 CPU tensor the verdicts are written into (the cuda transport
+            passes words of its pinned control block, which its device waits read), or None for a
+            tensor of its own. Zeroed here.
     """
 
-    def __init__(self, num_ranks: int, rank: int, bind_host: Optional[str], max_accepted: Optional[int] = None):
+    def __init__(self, num_ranks: int, rank: int, bind_host: Optional[str], max_accepted: Optional[int] = None,
+                 dead: Optional[torch.Tensor] = None):
         self.num_ranks = num_ranks
         self.rank = rank
-        self.dead = torch.zeros(num_ranks, dtype=torch.int32)
+        if dead is not None and (dead.dtype != torch.int32 or tuple(dead.shape) != (num_ranks,) or not dead.is_cpu
+                                 or not dead.is_contiguous()):
+            raise ValueError(f"dead: expected a contiguous [{num_ranks}] torch.int32 CPU tensor, got "
+                             f"{dead.dtype} {list(dead.shape)} on {dead.device}")
+        self.dead = torch.zeros(num_ranks, dtype=torch.int32) if dead is None else dead.zero_()
         self.dead_ptr = self.dead.data_ptr()
         self._lock = threading.Lock()
         self._watched: Dict[int, _Watched] = {}

@@ -1,16 +1,18 @@
 """Which transport a Buffer runs on: the `transport=` argument resolved and built (docs/transports.md).
 
-`"auto"`: no EP region -> the collective fallback; every rank on one host (and p2p allowed) ->
-`"shm"`; else the Mooncake Transfer Engine when it imports here (`"mooncake"`: shm inside a host,
+`"auto"`: no EP region -> the collective fallback; a usable CUDA device here, every rank on one
+host and p2p allowed -> `"cuda"` (device kernels over CUDA IPC; the Buffer then takes CUDA tensors
+on the current device); every rank on one host (and p2p allowed) -> `"shm"`; else the Mooncake Transfer Engine when it imports here (`"mooncake"`: shm inside a host,
 the engine across), else the collective fallback.
 """
 from typing import Callable, Sequence
 
 from mooncake_ep_switch.buffer.transport.collective import CollectiveTransport
 from mooncake_ep_switch.buffer.transport.contract import Transport
+from mooncake_ep_switch.buffer.transport.cuda import CudaTransport, cuda_unavailable_reason
 from mooncake_ep_switch.buffer.transport.one_sided import OneSidedTransport
 
-TRANSPORTS = ("auto", "shm", "mooncake", "collective")
+TRANSPORTS = ("auto", "cuda", "shm", "mooncake", "collective")
 
 
 def transfer_engine_available() -> bool:
@@ -41,14 +43,15 @@ def make_transport(requested: str, *, group, rank: int, num_ranks: int, num_ep_b
         transport: a `Transport`.
 
     Raises:
-        ValueError: `"shm"` with `disable_p2p`, or with ranks on several hosts.
+        ValueError: `"shm"` or `"cuda"` with `disable_p2p`, or with ranks on several hosts.
+        RuntimeError: `"cuda"` where no CUDA device can be used (the reason).
     """
     if requested == "auto":
         same_host = len(set(host_ids())) == 1  # collective: every rank asks, whatever it then picks
         if num_ep_buffer_bytes == 0:
             requested = "collective"  # no region to write into: only collectives can run
         elif same_host and not disable_p2p:
-            requested = "shm"
+            requested = "cuda" if not cuda_unavailable_reason() else "shm"
         elif transfer_engine_available():
             requested = "mooncake"
         else:
@@ -56,6 +59,13 @@ def make_transport(requested: str, *, group, rank: int, num_ranks: int, num_ep_b
     if requested == "collective":
         # The fallback survives a peer lost mid-collective: it agrees on the survivors' view.
         return CollectiveTransport(group, rank, num_ranks, view_change=view_change)
+    if requested == "cuda":
+        if disable_p2p:
+            raise ValueError("transport: 'cuda' maps peers' device memory (CUDA IPC), which disable_p2p=True forbids")
+        found = host_ids()
+        if len(set(found)) != 1:
+            raise ValueError(f"transport: 'cuda' needs every rank on this host, got host ids {sorted(set(found))}")
+        return CudaTransport(rank, num_ranks, num_ep_buffer_bytes, settings)
     if requested == "shm":
         if disable_p2p:
             raise ValueError("transport: 'shm' uses peer-to-peer shared memory, which disable_p2p=True forbids")

@@ -1,0 +1,161 @@
+"""`Buffer.dispatch()` and `Buffer.combine()` on CUDA tensors (the `"cuda"` transport).
+
+The same contract as the host path (buffer.py), with DeepEP's stream semantics and no host wait:
+
+* synchronous call: send and receive kernels are launched on the current stream; the results are
+  ready in stream order (the event is complete);
+* `return_recv_hook=True`: the send kernels are launched now; `hook()` launches the receive
+  kernels on the stream current when it runs;
+* `async_finish=True`: everything runs on the transport's communication stream, which first waits
+  for the current stream; `event.current_stream_wait()` makes the current stream wait for it.
+
+Validation of shapes, dtypes and devices is on the host and never synchronises. Values (expert
+ids, mask entries, combine's top-k against its dispatch's) are checked on the device with one
+synchronisation per eager call when `Settings.cuda_check_values` is on (the default), and never
+during CUDA graph capture. While a graph is captured, outputs come from fresh allocations (the
+graph's private pool), never from the Buffer's output pool, whose blocks later eager calls reuse.
+"""
+from typing import Optional
+
+import torch
+
+from mooncake_ep_switch.buffer import validation
+from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
+from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt
+from mooncake_ep_switch.buffer.lifetime import _guarded, _once, _with_receipt
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _check_aligned(name: str, tensor: Optional[torch.Tensor]) -> None:
+    """The kernels move rows 16 bytes at a time: a view at an odd offset is refused, never copied."""
+    if tensor is not None and tensor.data_ptr() % 16:
+        validation._fail(name, "a tensor whose data starts at a 16-byte aligned address (the kernels move rows "
+                         "16 bytes at a time; a fresh tensor or .clone() is)", f"address {tensor.data_ptr():#x}")
+
+
+def _check_values(buffer, topk_idx: torch.Tensor, num_experts: int, active_ranks: torch.Tensor, capturing: bool) -> None:
+    if buffer.settings.cuda_check_values and not capturing:
+        problem = buffer._impl.value_problem(topk_idx, num_experts, active_ranks)
+        if problem:
+            raise ValueError(problem)
+
+
+def _run(buffer, launch, async_finish: bool, return_recv_hook: bool, keep_alive):
+    """Launch `launch()` (which returns (private, receive)) in the call's mode; returns
+    (private, event, hook, receipt)."""
+    impl = buffer._impl
+    if async_finish:
+        current = torch.cuda.current_stream(impl.device)
+        comm = impl.comm_stream()
+        comm.wait_stream(current)
+        with torch.cuda.stream(comm):
+            private, receive = launch()
+            receive()
+        for tensor in keep_alive:
+            if isinstance(tensor, torch.Tensor):
+                tensor.record_stream(comm)  # the allocator keeps them until the communication stream is done
+        done = torch.cuda.Event()
+        done.record(comm)
+        event = EventOverlap(lambda: torch.cuda.current_stream(impl.device).wait_event(done), keep_alive)
+        receipt = ReceiveReceipt()
+        receipt.wait = event.current_stream_wait
+        return private, event, None, receipt
+    private, receive = launch()
+    if return_recv_hook:
+        hook, receipt = _with_receipt(_once(_guarded(buffer._life, receive)))
+        return private, EventOverlap(hook, keep_alive), hook, receipt
+    receive()
+    return private, EventOverlap(None, keep_alive), None, None
+
+
+def dispatch(buffer, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us,
+             use_fp8: Optional[bool], async_finish: bool, return_recv_hook: bool):
+    """`Buffer.dispatch` on the `"cuda"` transport (see its docstring for arguments and returns)."""
+    impl = buffer._impl
+    if async_finish and return_recv_hook:
+        raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
+    spec, timeout_us = buffer._specs.validate_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+                                                       num_experts, timeout_us, use_fp8, impl.device)
+    use_fp8 = spec.use_fp8
+    _check_aligned("x", x)
+    capturing = _capturing()
+    _check_values(buffer, topk_idx, spec.experts, active_ranks, capturing)
+    if len(buffer.members) < buffer.num_ranks and not capturing:
+        buffer._check_members(active_ranks)
+    outputs = buffer._outputs.dispatch_outputs(use_fp8, spec.local, spec.rows, spec.hidden, buffer.num_ranks,
+                                               impl.device, pooled=not capturing)
+    life = buffer._life
+    life.enter()
+    try:
+        buffer._call += 1
+        call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, buffer._call,
+                            buffer.epoch)
+        keep_alive = (x, topk_idx, active_ranks) + tuple(t for t in outputs if t is not None)
+        private, event, hook, receipt = _run(buffer, lambda: impl.dispatch(call, outputs), async_finish,
+                                             return_recv_hook, keep_alive)
+        plan = DispatchPlan(buffer._call, x.size(0), topk_idx.size(1), use_fp8, buffer.epoch, private, spec, receipt,
+                            topk_idx.clone(), outputs.src_info.data_ptr(), [False])
+        buffer._prev_plan, buffer._last_plan = buffer._last_plan, plan
+        handle = DispatchHandle(outputs.src_info, outputs.layout_range, spec.tokens, spec.hidden, spec.experts,
+                                plan=plan)
+    finally:
+        life.leave()
+    packed = (outputs.recv_x, outputs.recv_scales.transpose(1, 2)) if use_fp8 else outputs.recv_x
+    return packed, outputs.recv_count, handle, event, hook
+
+
+def combine(buffer, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy: bool,
+            async_finish: bool, return_recv_hook: bool, out: Optional[torch.Tensor]):
+    """`Buffer.combine` on the `"cuda"` transport (see its docstring for arguments and returns)."""
+    impl = buffer._impl
+    if async_finish and return_recv_hook:
+        raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
+    if not isinstance(zero_copy, bool):
+        raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
+    fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out,
+                                                  buffer.num_ranks, impl.device)
+    src_info, layout_range, tokens, hidden, experts = fields
+    _check_aligned("x", x)
+    _check_aligned("out", out)
+    plan = buffer._plan_of(handle)
+    if plan.combined[0]:
+        raise ValueError(f"handle: expected a dispatch not combined yet, got the handle of call {plan.call}, "
+                         "which was combined already (one combine per dispatch handle, as in DeepEP)")
+    if topk_idx.shape != plan.topk_idx.shape:
+        validation._fail("topk_idx", f"the dispatch's shape {list(plan.topk_idx.shape)}", list(topk_idx.shape))
+    capturing = _capturing()
+    _check_values(buffer, topk_idx, experts, active_ranks, capturing)
+    if buffer.settings.cuda_check_values and not capturing and not torch.equal(topk_idx, plan.topk_idx):
+        differ = int((topk_idx != plan.topk_idx).sum())
+        raise ValueError(f"topk_idx: expected the topk_idx given to the matching dispatch (call {plan.call}), "
+                         f"got one that differs in {differ} entries (rows exist only for dispatched pairs)")
+    receipt = plan.receipt
+    if receipt is not None and not receipt.done:
+        if receipt.wait is None:
+            raise ValueError("handle: expected a dispatch whose receive phase has run, got one made with "
+                             "return_recv_hook=True whose hook() has not been called")
+        receipt.wait()  # async_finish: this stream waits for the dispatch's communication stream
+    if len(buffer.members) < buffer.num_ranks and not capturing:
+        buffer._check_members(active_ranks)
+    if zero_copy:
+        expected = impl.combine_buffer(plan.call, tuple(x.shape), x.device)
+        if x.data_ptr() != expected.data_ptr():
+            raise ValueError("x: with zero_copy=True expected the tensor returned by get_next_combine_buffer(handle), "
+                             "got a different tensor")
+    if out is None:
+        out = buffer._outputs.combine_output(topk_idx.size(0), hidden, impl.device, pooled=not capturing)
+    call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens, hidden,
+                       experts, plan.call, plan.private, out)
+    life = buffer._life
+    life.enter()
+    try:
+        plan.combined[0] = True
+        keep_alive = (x, topk_idx, topk_weights, active_ranks, out, plan.private)
+        _, event, hook, _ = _run(buffer, lambda: (None, impl.combine(call)), async_finish, return_recv_hook,
+                                 keep_alive)
+    finally:
+        life.leave()
+    return out, event, hook

@@ -1,0 +1,450 @@
+"""The `"cuda"` transport: the one-sided protocol with device kernels over CUDA IPC (the NVLink path).
+
+Every rank owns its EP region in device memory (`num_ep_buffer_bytes`, zeroed); its CUDA IPC
+handle is published in the membership store, and at connect every rank opens its peers' handles
+(`cudaIpcOpenMemHandle`: between processes on one GPU, or over NVLink between GPUs of one host).
+A device table `peer_bases[R]` holds every region's address as mapped here; the kernels
+(csrc/cuda/ep_kernels.cu) write rows straight into peers' regions and then a tagged signal, with
+the region layout, signals and packing rules of docs/protocol.md, so results are bit-identical to
+the shm transport's. Nothing on the call path synchronises the host: a dispatch/combine pair can
+be captured in a CUDA graph (the call number advances on the device at every replay).
+
+Failure handling is on the device: each receive waits per source up to `timeout_us` on the GPU's
+global timer and then writes 0 into the caller's `active_ranks` (a CUDA int32 tensor) and flags the
+source in a pinned control block the host reads (`failed_sources`); `destroy()` raises the control
+block's abort word, which ends every wait at once.
+"""
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
+from mooncake_ep_switch.buffer.layout import RegionLayout, region_layout
+from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
+
+try:
+    from mooncake_ep_switch import _cuda
+except ImportError:  # built only where nvcc was found
+    _cuda = None
+
+IPC_HANDLE_BYTES = 64
+
+
+def cuda_unavailable_reason() -> str:
+    """Why the `"cuda"` transport cannot run in this process ("" when it can).
+
+    Returns:
+        reason: str, e.g. "no CUDA device" or "the CUDA extension was not built (no nvcc at install)".
+    """
+    if _cuda is None:
+        return "the CUDA extension mooncake_ep_switch._cuda was not built (no nvcc when the package was installed)"
+    if _cuda.device_count() == 0 or not torch.cuda.is_available():
+        status = _cuda.device_status()
+        return "no CUDA device" + (f" ({status})" if status and status != "no CUDA device" else "")
+    return ""
+
+
+class DeviceAllocation:
+    """Device memory from `cudaMalloc` (zeroed), freed when the last reference goes.
+
+    Exposes `__cuda_array_interface__`, so `torch.as_tensor(allocation, device=...)` views it
+    without a copy and keeps it alive as long as the view lives.
+
+    Arguments:
+        nbytes: bytes to allocate (> 0).
+        device: the CUDA device index.
+    """
+
+    def __init__(self, nbytes: int, device: int):
+        self.nbytes = nbytes
+        self.ptr = _cuda.device_alloc(nbytes, device)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3, "strides": None}
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr and _cuda is not None:
+            try:
+                _cuda.device_free(ptr)
+            except RuntimeError:
+                pass  # the context is going away with the process
+
+
+class CudaTransport:
+    """Dispatch/combine by device kernels writing into peers' IPC-mapped device regions.
+
+    Arguments:
+        rank: this rank.
+        num_ranks: group size.
+        num_ep_buffer_bytes: size of every rank's device region (> 0).
+        settings: the runtime `Settings` (host identity, value checks).
+
+    Raises:
+        RuntimeError: no usable CUDA device here, or the CUDA extension was not built (the reason).
+        ValueError: `num_ep_buffer_bytes` is not positive.
+    """
+
+    def __init__(self, rank: int, num_ranks: int, num_ep_buffer_bytes: int, settings):
+        reason = cuda_unavailable_reason()
+        if reason:
+            raise RuntimeError(f"transport: 'cuda' cannot run here: {reason}")
+        if num_ep_buffer_bytes <= 0:
+            raise ValueError("num_ep_buffer_bytes: the cuda transport needs a region, expected > 0 "
+                             f"(see Buffer.get_ep_buffer_size_hint), got {num_ep_buffer_bytes}")
+        self.name = "cuda"
+        self.rank, self.num_ranks, self.nbytes, self.settings = rank, num_ranks, num_ep_buffer_bytes, settings
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.abort_ptr = 0  # the Buffer's host abort word (CPU waits); device waits use the control block
+        self.latest_dispatch = 0
+        self._failed: List[int] = []
+        self.region = DeviceAllocation(num_ep_buffer_bytes, self.device.index)
+        self.base = self.region.ptr
+        self.local = torch.as_tensor(self.region, device=self.device)  # [nbytes] uint8 view of the region
+        self.handle = _cuda.ipc_handle(self.base)
+        # Pinned host words the device reads and writes: [0] abort, [1 + s] set when source s failed,
+        # [1 + R + s] set by the peer watcher when s's process ended (the device waits stop on it).
+        control_bytes = 4 * (1 + 2 * num_ranks)
+        self._control_ptr = _cuda.mapped_host_alloc(control_bytes)
+        from mooncake_ep_switch import _native
+
+        self._control = torch.frombuffer(_native.MappedBytes(self._control_ptr, control_bytes), dtype=torch.int32)
+        self._opened: Dict[int, Tuple[bytes, int]] = {}  # peer -> (its IPC handle, address mapped here)
+        self._bases = [0] * num_ranks
+        self._bases[rank] = self.base
+        self.peer_table = torch.zeros(num_ranks, dtype=torch.int64, device=self.device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)  # last call number used on the device
+        self.problem = torch.zeros(4, dtype=torch.int32, device=self.device)
+        self._scratch: Dict[tuple, torch.Tensor] = {}
+        self._regions: Dict[tuple, object] = {}
+        self._layouts: Dict[tuple, RegionLayout] = {}
+        self._comm_stream: Optional[torch.cuda.Stream] = None
+        self.watch = PeerWatch(num_ranks, rank, None, dead=self._control[1 + num_ranks:])
+        self._dead_ptr = self.watch.dead_ptr  # inside the control block: the device waits read it
+        self._graphs = False  # set once a call was captured in a CUDA graph (see _call)
+        self._write_peer_table()
+
+    # ------------------------------------------------------------------ membership
+    def endpoint(self) -> dict:
+        """What peers need to reach this rank (published in the store).
+
+        Returns:
+            endpoint: dict with `"cuda_ipc"` (hex of the region's 64-byte IPC handle), `"pid"` and
+                `"nbytes"`. The Buffer adds `"host_id"`.
+        """
+        import os
+
+        return {"cuda_ipc": self.handle.hex(), "pid": os.getpid(), "nbytes": self.nbytes}
+
+    def connect_members(self, view, membership, deadline: float) -> None:
+        """Open every member's region by its IPC handle (same host only); close everything else.
+
+        Arguments:
+            view: the membership `View` to connect.
+            membership: the `Membership` whose store holds the endpoints.
+            deadline: `time.monotonic()` deadline in seconds.
+
+        Raises:
+            RuntimeError: `membership` is None (no store).
+            ValueError: a member on another host, or whose endpoint is not a CUDA one.
+            MembershipError: members that cannot be reached, or one missing from the final barrier.
+        """
+        from mooncake_ep_switch.buffer.membership import MembershipError
+
+        if membership is None:
+            raise RuntimeError("connect: the cuda transport exchanges IPC handles through the store; pass store= "
+                               "to Buffer")
+        unreachable = []
+        for peer in range(self.num_ranks):
+            if peer == self.rank:
+                continue
+            if peer not in view.ranks:
+                self._drop(peer)
+                continue
+
+            def published(peer=peer):
+                try:
+                    return membership.endpoint(peer)
+                except MembershipError:
+                    return None
+
+            try:
+                found = membership.wait_for(published, deadline, f"rank {peer}'s endpoint")
+            except (TimeoutError, MembershipError):
+                unreachable.append(peer)
+                continue
+            self._open(peer, found)
+        self._write_peer_table()
+        membership.barrier(f"connect/{view.epoch}", view.ranks, deadline)
+        if unreachable:
+            raise MembershipError(f"members {unreachable} of epoch {view.epoch} cannot be reached", unreachable)
+
+    def _open(self, peer: int, found: dict) -> None:
+        """Map `peer`'s region from its published endpoint (validated), replacing an older mapping."""
+        if found.get("host_id") != self.settings.host_id:
+            raise ValueError(f"transport: 'cuda' reaches peers through CUDA IPC on one host; rank {peer} runs on "
+                             f"host {found.get('host_id')!r}, this rank on {self.settings.host_id!r}")
+        text, pid, nbytes = found.get("cuda_ipc"), found.get("pid"), found.get("nbytes")
+        if not isinstance(text, str) or len(text) != 2 * IPC_HANDLE_BYTES or not isinstance(pid, int) or pid <= 0:
+            raise ValueError(f"rank {peer} published no usable CUDA IPC endpoint (is it on the 'cuda' transport?): "
+                             f"{ {k: v for k, v in found.items() if k != 'cuda_ipc'} }")
+        if nbytes != self.nbytes:
+            raise ValueError(f"num_ep_buffer_bytes: rank {peer} has {nbytes}, this rank {self.nbytes}; every rank "
+                             "must pass the same size")
+        handle = bytes.fromhex(text)
+        old = self._opened.get(peer)
+        if old is not None and old[0] == handle:
+            return
+        self._drop(peer)
+        self.watch.watch_process(peer, pid)
+        self._opened[peer] = (handle, _cuda.ipc_open(handle, self.device.index))
+        self._bases[peer] = self._opened[peer][1]
+
+    def _drop(self, peer: int) -> None:
+        self.watch.forget(peer)
+        old = self._opened.pop(peer, None)
+        self._bases[peer] = 0
+        if old is not None:
+            torch.cuda.synchronize(self.device)  # no kernel of ours still writes through the mapping
+            self._write_peer_table()
+            try:
+                _cuda.ipc_close(old[1])
+            except RuntimeError:
+                pass  # the exporting process is gone
+
+    def _write_peer_table(self) -> None:
+        table = torch.tensor(self._bases, dtype=torch.int64)
+        _cuda.copy_to_device(self.peer_table.data_ptr(), table.data_ptr(), table.numel() * 8)
+
+    def dead_peers(self) -> List[int]:
+        """Ranks whose process the peer watcher saw end since they were last connected.
+
+        Returns:
+            ranks: list of int, ascending.
+        """
+        if self._control is None:
+            return []  # destroyed: the words are gone
+        return [int(r) for r in torch.nonzero(self.watch.dead).flatten().tolist()]
+
+    @property
+    def failed_sources(self) -> List[int]:
+        """Sources the device waits timed out on since the last view (read from the pinned control
+        block without a synchronisation: a wait still running is seen once it has flagged)."""
+        control = self._control
+        if control is not None:
+            flagged = torch.nonzero(control[1:1 + self.num_ranks]).flatten().tolist()
+            for source in flagged:
+                control[1 + source] = 0
+                self._failed.append(int(source))
+        return self._failed
+
+    def latest_call(self, host_call: int) -> int:
+        """The last call number used on this rank, CUDA graph replays included (one synchronisation).
+
+        Arguments:
+            host_call: the Buffer's own count of dispatches.
+
+        Returns:
+            call: int, the larger of `host_call` and the device counter.
+        """
+        torch.cuda.synchronize(self.device)
+        return max(host_call, int(self.counter.item()))
+
+    def destroy(self) -> None:
+        """Stop every device wait (abort word), let kernels end, close peer mappings and free memory."""
+        if self._control is None:
+            return
+        self._control[0] = 1
+        try:
+            torch.cuda.synchronize(self.device)
+        except RuntimeError:
+            pass
+        self.watch.close()
+        for peer in list(self._opened):
+            handle, ptr = self._opened.pop(peer)
+            try:
+                _cuda.ipc_close(ptr)
+            except RuntimeError:
+                pass
+        self._control = None
+        _cuda.mapped_host_free(self._control_ptr)
+        self._control_ptr = 0
+        self._scratch.clear()
+        self.local = None
+        self.region = None  # freed once no combine buffer view holds it
+        self.base = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _layout(self, tokens: int, hidden: int, experts: int) -> RegionLayout:
+        layout = self._layouts.get((tokens, hidden, experts))
+        if layout is None:
+            layout = region_layout(self.num_ranks, tokens, hidden, experts)
+            if layout.total_bytes > self.nbytes:
+                raise ValueError(f"num_ep_buffer_bytes: call needs {layout.total_bytes}, region has {self.nbytes}")
+            self._layouts[(tokens, hidden, experts)] = layout
+        return layout
+
+    def _region(self, layout: RegionLayout):
+        region = self._regions.get(layout)
+        if region is None:
+            region = _cuda.Region(layout.control_bytes, layout.half_bytes, layout.dispatch_data,
+                                  layout.dispatch_scales, layout.dispatch_src, layout.combine_data,
+                                  layout.dispatch_signals, layout.combine_signals)
+            self._regions[layout] = region
+        return region
+
+    def _scratch_for(self, tokens: int, hidden: int, experts: int, top_k: int) -> torch.Tensor:
+        key = (tokens, hidden, experts, top_k)
+        scratch = self._scratch.get(key)
+        if scratch is None:
+            nbytes = _cuda.dispatch_scratch_bytes(self.num_ranks, tokens, hidden, experts, top_k)
+            scratch = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            self._scratch[key] = scratch
+        return scratch
+
+    def _call(self, number: int, tokens: int, hidden: int, experts: int, active: torch.Tensor, call_word: torch.Tensor,
+              timeout_us: int):
+        """The kernels' record of one call. Its call number is the host's (`number`) until a call is
+        captured in a CUDA graph; from then on the device advances it (max(last + 1, number)), so every
+        replay uses a new signal tag."""
+        if self._control is None:
+            raise RuntimeError("the transport was destroyed")
+        if torch.cuda.is_current_stream_capturing():
+            self._graphs = True
+        return _cuda.Call(self.num_ranks, self.rank, tokens, hidden, experts, number & 1, number,
+                          self.peer_table.data_ptr(), active.data_ptr(), self.counter.data_ptr(),
+                          call_word.data_ptr(), self._control_ptr, self._dead_ptr, timeout_us, int(self._graphs))
+
+    def comm_stream(self) -> torch.cuda.Stream:
+        """The stream `async_finish` calls run on (made on first use)."""
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(self.device)
+        return self._comm_stream
+
+    def _check_half_not_reused(self, what: str, call: int) -> None:
+        if self.latest_dispatch - call >= 2:
+            raise RuntimeError(f"{what}: the receive phase of call {call} ran after call {self.latest_dispatch} "
+                               f"reused its region half; complete a {what} (hook or event) before the dispatch "
+                               "after next")
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple[torch.Tensor, Callable[[], None]]:
+        """Launch the send phase on the current stream; return (the call word, the receive phase).
+
+        Arguments:
+            call: the validated `DispatchCall` (CUDA tensors on this transport's device).
+            outputs: the `DispatchOutputs` the receive phase fills.
+
+        Returns:
+            private: `[1]` torch.int64 CUDA tensor, the call number the device used (combine reads it).
+            receive: callable that launches the receive kernels on the then-current stream.
+        """
+        tokens, experts, hidden = call.num_max_dispatch_tokens_per_rank, call.num_experts, call.x.size(1)
+        layout = self._layout(tokens, hidden, experts)
+        region = self._region(layout)
+        top_k = call.topk_idx.size(1)
+        scratch = self._scratch_for(tokens, hidden, experts, top_k)
+        call_word = torch.empty(1, dtype=torch.int64, device=self.device)
+        spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call_word, call.timeout_us)
+        self.latest_dispatch = call.call
+        _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
+                            call.use_fp8, scratch.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
+
+        def receive() -> None:
+            if self._control is None:
+                raise RuntimeError("dispatch: the transport was destroyed before this receive phase ran")
+            self._check_half_not_reused("dispatch", call.call)
+            scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
+            _cuda.dispatch_recv(spec, region, call.use_fp8, top_k, scratch.data_ptr(), outputs.recv_x.data_ptr(),
+                                scales, outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
+                                outputs.recv_count.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
+
+        return call_word, receive
+
+    def dispatch_sync(self, call: DispatchCall, outputs: DispatchOutputs) -> torch.Tensor:
+        """Send and receive phases launched back to back on the current stream (no host wait).
+
+        Returns:
+            private: the call word (see `dispatch`).
+        """
+        private, receive = self.dispatch(call, outputs)
+        receive()
+        return private
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, call: CombineCall) -> Callable[[], None]:
+        """Launch the combine send phase on the current stream; return the receive phase.
+
+        Arguments:
+            call: the validated `CombineCall`; `plan_private` is the dispatch's call word.
+
+        Returns:
+            receive: callable that launches the wait and the weighted sum into `call.out`.
+        """
+        tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
+        layout = self._layout(tokens, hidden, experts)
+        region = self._region(layout)
+        spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call.plan_private, call.timeout_us)
+        _cuda.combine_send(spec, region, call.x.data_ptr(), call.src_info.data_ptr(), call.layout_range.data_ptr(),
+                           torch.cuda.current_stream(self.device).cuda_stream)
+
+        def receive() -> None:
+            if self._control is None:
+                raise RuntimeError("combine: the transport was destroyed before this receive phase ran")
+            self._check_half_not_reused("combine", call.call)
+            _cuda.combine_recv(spec, region, call.topk_idx.data_ptr(), call.topk_weights.data_ptr(),
+                               call.topk_idx.size(0), call.topk_idx.size(1), call.out.data_ptr(),
+                               torch.cuda.current_stream(self.device).cuda_stream)
+
+        return receive
+
+    def combine_sync(self, call: CombineCall) -> None:
+        """Combine send and receive launched back to back on the current stream (no host wait)."""
+        self.combine(call)()
+
+    def combine_buffer(self, call: int, shape, device) -> torch.Tensor:
+        """Region-resident zero-copy combine buffer `[L, R*T, hidden]` bf16 (device memory) for `call`.
+
+        Arguments:
+            call: call number of the dispatch (selects the region half).
+            shape: (L, R*T, hidden).
+            device: unused (the region's device).
+
+        Returns:
+            buffer: `[L, R*T, hidden]` torch.bfloat16 on this transport's device, a view of the region.
+        """
+        if self.local is None:
+            raise RuntimeError("combine buffer: the transport was destroyed")
+        local, rows, hidden = shape
+        layout = self._layout(rows // self.num_ranks, hidden, local * self.num_ranks)
+        start = layout.half_offset(call) + layout.combine_send
+        nbytes = local * rows * hidden * 2
+        return self.local[start:start + nbytes].view(torch.bfloat16).view(local, rows, hidden)
+
+    # ------------------------------------------------------------------ value checks
+    def value_problem(self, topk_idx: torch.Tensor, num_experts: int, active_ranks: torch.Tensor) -> str:
+        """Check routing and mask values on the device (one host synchronisation); "" when valid.
+
+        Arguments:
+            topk_idx: `[N, K]` torch.int64 on this device.
+            num_experts: `E`.
+            active_ranks: `[R]` torch.int32 on this device.
+
+        Returns:
+            problem: str, "" or the error message naming the argument, what was expected and what came.
+        """
+        self.problem.zero_()
+        _cuda.check_values(topk_idx.data_ptr(), topk_idx.size(0), topk_idx.size(1), num_experts,
+                           active_ranks.data_ptr(), self.num_ranks, self.problem.data_ptr(),
+                           torch.cuda.current_stream(self.device).cuda_stream)
+        code, row, column, value = self.problem.tolist()
+        if code == 1:
+            return (f"topk_idx: expected expert ids in [-1, {num_experts}), got {value} at row {row}, "
+                    f"column {column}")
+        if code == 2:
+            return f"topk_idx: expected no expert twice in a row, got expert {value} twice in row {row}"
+        if code == 3:
+            return f"active_ranks: expected values 0 or 1, got {value} at index {row}"
+        return ""

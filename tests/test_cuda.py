@@ -1,0 +1,513 @@
+"""The "cuda" transport on a GPU: the Buffer test body, bit-identical to shm, faults, CUDA graphs.
+
+Every rank is a process on the one GPU (CUDA IPC between processes on one device is the code path
+NVLink uses between GPUs). Each test runs the same inputs through a "shm" Buffer (CPU tensors) and a
+"cuda" Buffer (CUDA tensors) in the same rank processes and requires the outputs to be identical
+bit for bit, and checks the CUDA outputs against the independent references of tests/reference.py.
+Without a CUDA device every test here is skipped with the reason "no CUDA device".
+"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mooncake_ep_switch import Buffer
+from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason
+from tests import harness
+from tests.reference import expected_combine, expert_scale, structured_inputs, token_count
+from tests.test_buffer import Case, _check_dispatch, _expert_outputs, _seen_values
+
+pytestmark = pytest.mark.skipif(bool(cuda_unavailable_reason()), reason="no CUDA device")
+
+TIMEOUT_US = 30_000_000
+# Ranks share one GPU: without MPS their kernels are time-sliced, so a live peer can be late by
+# several time slices; the fault tests' deadline leaves room for that.
+FAULT_TIMEOUT_US = 3_000_000
+FAULT_SLACK_S = 2.0
+DEAD = 1
+
+
+def _buffers(ctx, case):
+    torch.cuda.set_device(0)
+    size = Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts)
+    return Buffer(ctx.group, size, transport="shm"), Buffer(ctx.group, size, transport="cuda")
+
+
+def _to_cpu(value):
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _round(buffer, inputs, active, case, use_fp8, mode, device, zero_copy=False, use_out=False, rank=0, ranks=1):
+    """One dispatch + mock expert + combine on `buffer` (inputs moved to `device`); CPU copies of all outputs."""
+    flags = dict(async_finish=mode == "async", return_recv_hook=mode == "hook")
+    x, topk, weights = (inputs.x.to(device), inputs.topk_idx.to(device), inputs.weights.to(device))
+    active = active.to(device)
+    recv, count, handle, event, hook = buffer.dispatch(x, topk, active, case.tokens, case.experts, TIMEOUT_US,
+                                                       use_fp8=use_fp8, **flags)
+    if mode == "hook":
+        hook()
+    event.current_stream_wait()
+    cpu_recv, cpu_count = _to_cpu(recv), count.cpu()
+    y = _expert_outputs(_Ctx(rank, ranks), case, cpu_recv, cpu_count, use_fp8).to(device)
+    if zero_copy:
+        target = buffer.get_next_combine_buffer(handle)
+        target.copy_(y)
+        y = target
+    out = torch.full((x.size(0), case.hidden), 7.0, dtype=torch.bfloat16, device=device) if use_out else None
+    combined, event, hook = buffer.combine(y, topk, weights, active, TIMEOUT_US, handle, zero_copy=zero_copy, out=out,
+                                           **flags)
+    if mode == "hook":
+        hook()
+    event.current_stream_wait()
+    if use_out:
+        assert combined.data_ptr() == out.data_ptr()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return dict(recv=cpu_recv, count=cpu_count, src_info=handle[0].cpu(), layout_range=handle[1].cpu(),
+                combined=combined.cpu(), active=active.cpu(), handle=_to_cpu(tuple(handle)))
+
+
+class _Ctx:
+    def __init__(self, rank, num_ranks):
+        self.rank, self.num_ranks = rank, num_ranks
+
+
+def _assert_identical(ctx, case, cpu, gpu, use_fp8):
+    """Every output the protocol defines is the same bits on both transports."""
+    assert torch.equal(gpu["count"], cpu["count"]), "recv_count"
+    assert torch.equal(gpu["layout_range"], cpu["layout_range"]), "layout_range"
+    assert torch.equal(gpu["src_info"], cpu["src_info"]), "src_info (valid rows and the zeroed tail)"
+    local = case.experts // ctx.num_ranks
+    for l_idx in range(local):
+        n = int(cpu["count"][l_idx])
+        if use_fp8:
+            assert torch.equal(gpu["recv"][0][l_idx, :n].view(torch.uint8), cpu["recv"][0][l_idx, :n].view(torch.uint8))
+            assert torch.equal(gpu["recv"][1][l_idx, :n], cpu["recv"][1][l_idx, :n]), "FP8 scales"
+        else:
+            assert torch.equal(gpu["recv"][l_idx, :n], cpu["recv"][l_idx, :n]), f"rows of local expert {l_idx}"
+    assert torch.equal(gpu["combined"].view(torch.int16), cpu["combined"].view(torch.int16)), "combined"
+    assert torch.equal(gpu["active"], cpu["active"])
+
+
+def rank_matches_shm(ctx, use_fp8, mode, seed, inactive=(), zero_copy=False, use_out=False, random_values=False):
+    """The Buffer test body on both transports with the same inputs: identical, and right."""
+    case = Case()
+    shm, gpu = _buffers(ctx, case)
+    try:
+        n = token_count(ctx.rank, ctx.num_ranks, case.tokens)
+        inputs = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed,
+                                   random_values=random_values)
+        all_inputs = [None] * ctx.num_ranks
+        dist.all_gather_object(all_inputs, inputs, group=ctx.group)
+        active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+        active[list(inactive)] = 0
+        if ctx.rank in inactive:
+            return True  # every peer treats it as dead: it takes no part
+        cpu = _round(shm, inputs, active, case, use_fp8, mode, "cpu", zero_copy, use_out, ctx.rank, ctx.num_ranks)
+        dev = _round(gpu, inputs, active, case, use_fp8, mode, "cuda", zero_copy, use_out, ctx.rank, ctx.num_ranks)
+        _assert_identical(ctx, case, cpu, dev, use_fp8)
+        # And right, against the independent references (the shm path is checked the same way in test_buffer).
+        result = (dev["recv"], dev["count"], dev["handle"], _Done(), None)
+        _check_dispatch(ctx, case, all_inputs, active.tolist(), result, use_fp8, "sync")
+        expected = expected_combine(_seen_values(inputs, use_fp8), inputs.topk_idx, inputs.weights,
+                                    {r: bool(active[r]) for r in range(ctx.num_ranks)}, case.experts // ctx.num_ranks)
+        if not random_values:
+            assert torch.equal(dev["combined"], expected), "structured tokens must combine exactly"
+        return True
+    finally:
+        gpu.destroy()
+        shm.destroy()
+
+
+class _Done:
+    def current_stream_wait(self):
+        pass
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("mode", ["sync", "hook", "async"])
+def test_cuda_matches_shm(num_ranks, use_fp8, mode):
+    harness.run(num_ranks, rank_matches_shm, use_fp8, mode, seed=num_ranks)
+
+
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_cuda_random_values_match_shm(use_fp8):
+    harness.run(4, rank_matches_shm, use_fp8, "sync", seed=9, random_values=True)
+
+
+@pytest.mark.parametrize("zero_copy,use_out", [(True, False), (False, True), (True, True)])
+def test_cuda_zero_copy_and_out(zero_copy, use_out):
+    harness.run(4, rank_matches_shm, False, "sync", seed=3, zero_copy=zero_copy, use_out=use_out)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_cuda_inactive_rank(num_ranks):
+    harness.run(num_ranks, rank_matches_shm, False, "sync", seed=5, inactive=(1,))
+
+
+def rank_two_dispatches(ctx, mode):
+    """Two dispatches alive at once (both region halves), then both combines, each against shm."""
+    case = Case(tokens=24)
+    shm, gpu = _buffers(ctx, case)
+    flags = dict(async_finish=mode == "async", return_recv_hook=mode == "hook")
+    try:
+        n = token_count(ctx.rank, ctx.num_ranks, case.tokens)
+        results = {}
+        for name, buffer, device in (("cpu", shm, "cpu"), ("gpu", gpu, "cuda")):
+            rounds = []
+            for seed in (21, 22):
+                inputs = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed)
+                active = torch.ones(ctx.num_ranks, dtype=torch.int32, device=device)
+                x, topk, weights = inputs.x.to(device), inputs.topk_idx.to(device), inputs.weights.to(device)
+                rounds.append((x, topk, weights, active, buffer.dispatch(x, topk, active, case.tokens, case.experts,
+                                                                         TIMEOUT_US, use_fp8=False, **flags)))
+            outs = []
+            for x, topk, weights, active, (recv, count, handle, event, hook) in rounds:
+                if hook is not None:
+                    hook()
+                event.current_stream_wait()
+                y = _expert_outputs(ctx, case, recv.cpu(), count.cpu(), False).to(device)
+                combined, event, hook = buffer.combine(y, topk, weights, active, TIMEOUT_US, handle, **flags)
+                if hook is not None:
+                    hook()
+                event.current_stream_wait()
+                outs.append((recv.cpu(), count.cpu(), combined.cpu()))
+            results[name] = outs
+        for (c_recv, c_count, c_out), (g_recv, g_count, g_out) in zip(results["cpu"], results["gpu"]):
+            assert torch.equal(c_count, g_count)
+            for l_idx in range(c_count.numel()):
+                assert torch.equal(c_recv[l_idx, :int(c_count[l_idx])], g_recv[l_idx, :int(c_count[l_idx])])
+            assert torch.equal(c_out, g_out)
+        return True
+    finally:
+        gpu.destroy()
+        shm.destroy()
+
+
+@pytest.mark.parametrize("mode", ["sync", "hook", "async"])
+def test_cuda_two_dispatches_in_a_row(mode):
+    harness.run(4, rank_two_dispatches, mode)
+
+
+def rank_validation(ctx):
+    """Every argument error on CUDA tensors is a clear exception naming the argument; nothing is
+    corrupted: a correct round trip afterwards still matches shm."""
+    case = Case()
+    shm, gpu = _buffers(ctx, case)
+    dev = gpu.device
+    try:
+        n = max(1, token_count(ctx.rank, ctx.num_ranks, case.tokens))
+        inputs = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed=31)
+        x, topk, weights = inputs.x.to(dev), inputs.topk_idx.to(dev), inputs.weights.to(dev)
+        active = torch.ones(ctx.num_ranks, dtype=torch.int32, device=dev)
+        T, E = case.tokens, case.experts
+        bad_topk = topk.clone()
+        bad_topk[0, 0] = E
+        repeated = topk.clone()
+        repeated[0, 1] = repeated[0, 0] = 1
+        two = active.clone()
+        two[0] = 2
+        misaligned = torch.empty(x.numel() + 8, dtype=torch.bfloat16, device=dev)[1:1 + x.numel()].view_as(x)
+        misaligned.copy_(x)
+        dispatch_errors = [
+            (dict(x=inputs.x), ValueError, "x: expected a tensor on cuda"),
+            (dict(active_ranks=active.cpu()), ValueError, "active_ranks: expected a tensor on cuda"),
+            (dict(topk_idx=topk.cpu()), ValueError, "topk_idx: expected a tensor on cuda"),
+            (dict(x=x.float()), ValueError, "x: expected dtype"),
+            (dict(x=torch.zeros((n, 100), dtype=torch.bfloat16, device=dev)), ValueError, "x: expected a hidden size"),
+            (dict(topk_idx=bad_topk), ValueError, "topk_idx: expected expert ids in"),
+            (dict(topk_idx=repeated), ValueError, "topk_idx: expected no expert twice"),
+            (dict(active_ranks=two), ValueError, "active_ranks: expected values 0 or 1"),
+            (dict(num_experts=E + 1), ValueError, "num_experts"),
+            (dict(num_max_dispatch_tokens_per_rank=0), ValueError, "num_max_dispatch_tokens_per_rank"),
+            (dict(x=misaligned), ValueError, "x: expected a tensor whose data starts at a 16-byte aligned"),
+        ]
+        good = dict(x=x, topk_idx=topk, active_ranks=active, num_max_dispatch_tokens_per_rank=T, num_experts=E,
+                    timeout_us=TIMEOUT_US, use_fp8=False)
+        for change, error, message in dispatch_errors:
+            args = dict(good, **change)
+            if "x" in change and change["x"].size(0) != args["topk_idx"].size(0):
+                args["topk_idx"] = topk[:change["x"].size(0)].contiguous()
+            with pytest.raises(error, match=message):
+                gpu.dispatch(**args)
+        assert torch.equal(active, torch.ones_like(active)), "a refused call must not touch the mask"
+        recv, count, handle, _, _ = gpu.dispatch(**good)
+        y = _expert_outputs(ctx, case, recv.cpu(), count.cpu(), False).to(dev)
+        other_topk = topk.clone()
+        other_topk[0, 0] = (int(topk[0, 0]) + 1) % E if int(topk[0, 0]) >= 0 else 0
+        if int((other_topk[0] == other_topk[0, 0]).sum()) > 1:
+            other_topk[0, 0] = -1 if int(topk[0, 0]) >= 0 else int(topk[0, 0])
+        combine_errors = [
+            (dict(x=y.cpu()), ValueError, "x: expected a tensor on cuda"),
+            (dict(topk_weights=weights.cpu()), ValueError, "topk_weights: expected a tensor on cuda"),
+            (dict(out=torch.empty((n + 1, case.hidden), dtype=torch.bfloat16, device=dev)), ValueError, "out:"),
+            (dict(active_ranks=active.cpu()), ValueError, "active_ranks"),
+            (dict(handle=(1, 2, 3)), TypeError, "handle"),
+        ]
+        if not torch.equal(other_topk, topk):
+            combine_errors.append((dict(topk_idx=other_topk), ValueError, "topk_idx: expected the topk_idx given"))
+        cgood = dict(x=y, topk_idx=topk, topk_weights=weights, active_ranks=active, timeout_us=TIMEOUT_US,
+                     handle=handle)
+        for change, error, message in combine_errors:
+            with pytest.raises(error, match=message):
+                gpu.combine(**dict(cgood, **change))
+        gpu.combine(**cgood)
+        with pytest.raises(ValueError, match="combined already"):
+            gpu.combine(**cgood)
+        torch.cuda.synchronize()
+        # The Buffer is still usable and still right.
+        active_cpu = torch.ones(ctx.num_ranks, dtype=torch.int32)
+        a = _round(shm, inputs, active_cpu, case, False, "sync", "cpu", rank=ctx.rank, ranks=ctx.num_ranks)
+        b = _round(gpu, inputs, active_cpu, case, False, "sync", "cuda", rank=ctx.rank, ranks=ctx.num_ranks)
+        _assert_identical(ctx, case, a, b, False)
+        return True
+    finally:
+        gpu.destroy()
+        shm.destroy()
+
+
+def test_cuda_validation_errors_leave_the_buffer_usable():
+    harness.run(2, rank_validation)
+
+
+def rank_graph(ctx, replays):
+    """dispatch + mock expert + combine captured in one CUDA graph, replayed with new inputs copied
+    into its static tensors: every replay equals the eager result on the same inputs."""
+    case = Case(tokens=32)
+    torch.cuda.set_device(0)
+    size = Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts)
+    gpu = Buffer(ctx.group, size, transport="cuda")
+    eager = Buffer(ctx.group, size, transport="cuda")
+    dev = gpu.device
+    try:
+        n = token_count(ctx.rank, ctx.num_ranks, case.tokens)
+        local = case.experts // ctx.num_ranks
+        scales = torch.tensor([expert_scale(ctx.rank * local + l) for l in range(local)], device=dev).view(-1, 1, 1)
+
+        def step(buffer, x, topk, weights, active):
+            recv, _, handle, _, _ = buffer.dispatch(x, topk, active, case.tokens, case.experts, TIMEOUT_US,
+                                                    use_fp8=False)
+            y = (recv.float() * scales).to(torch.bfloat16)
+            return buffer.combine(y, topk, weights, active, TIMEOUT_US, handle)[0]
+
+        def inputs_of(seed):
+            inp = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed)
+            return inp.x.to(dev), inp.topk_idx.to(dev), inp.weights.to(dev)
+
+        x, topk, weights = inputs_of(70)
+        active = torch.ones(ctx.num_ranks, dtype=torch.int32, device=dev)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up before capture (lazy module loading, pools)
+            step(gpu, x, topk, weights, active)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(gpu, x, topk, weights, active)
+        for replay in range(replays):
+            new_x, new_topk, new_weights = inputs_of(71 + replay)
+            x.copy_(new_x)
+            topk.copy_(new_topk)
+            weights.copy_(new_weights)
+            graph.replay()
+            expected = step(eager, new_x, new_topk, new_weights, torch.ones_like(active))
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"replay {replay}"
+            assert active.tolist() == [1] * ctx.num_ranks
+        return True
+    finally:
+        torch.cuda.synchronize()
+        eager.destroy()
+        gpu.destroy()
+
+
+def test_cuda_graph_replays_match_eager():
+    harness.run(2, rank_graph, 10)
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_killed(ctx, kill_point):
+    """Round 1 whole; in round 2 rank DEAD is SIGKILLed at `kill_point`; survivors return within the
+    deadline with DEAD cleared in active_ranks and every other row exact."""
+    case = Case(tokens=32)
+    torch.cuda.set_device(0)
+    size = Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts)
+    gpu = Buffer(ctx.group, size, transport="cuda")
+    dev = gpu.device
+    n = token_count(ctx.rank, ctx.num_ranks, case.tokens)
+    rounds = []
+    for index in range(2):
+        gathered = [None] * ctx.num_ranks
+        dist.all_gather_object(gathered, structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k,
+                                                           seed=50 + index), group=ctx.group)
+        rounds.append(gathered)
+    local = case.experts // ctx.num_ranks
+    without_dead = [0 if r == DEAD else 1 for r in range(ctx.num_ranks)]
+    timings = {}
+    for index, all_inputs in enumerate(rounds):
+        mine = all_inputs[ctx.rank]
+        x, topk, weights = mine.x.to(dev), mine.topk_idx.to(dev), mine.weights.to(dev)
+        active = torch.ones(ctx.num_ranks, dtype=torch.int32, device=dev)
+        fault = index == 1
+        if fault and ctx.rank == DEAD and kill_point == "before_dispatch":
+            _die()
+        start = time.monotonic()
+        recv, count, handle, _, _ = gpu.dispatch(x, topk, active, case.tokens, case.experts, FAULT_TIMEOUT_US,
+                                                 use_fp8=False)
+        torch.cuda.synchronize()
+        dispatch_s = time.monotonic() - start
+        if fault and ctx.rank == DEAD and kill_point == "between":
+            _die()
+        after_dispatch = active.tolist()
+        y = _expert_outputs(ctx, case, recv.cpu(), count.cpu(), False).to(dev)
+        start = time.monotonic()
+        combined, _, _ = gpu.combine(y, topk, weights, active, FAULT_TIMEOUT_US, handle)
+        torch.cuda.synchronize()
+        combine_s = time.monotonic() - start
+        combine_active = active.tolist()
+        dispatch_active = after_dispatch
+        if fault:
+            assert combine_active == without_dead, combine_active
+            assert after_dispatch == (without_dead if kill_point == "before_dispatch" else [1] * ctx.num_ranks)
+            timings = {"dispatch": dispatch_s, "combine": combine_s}
+        from tests.reference import expected_routing
+
+        routing = expected_routing([inp.topk_idx for inp in all_inputs], dispatch_active, ctx.rank, local)
+        assert count.cpu().tolist() == [len(pairs) for pairs in routing]
+        recv_cpu, src = recv.cpu(), handle[0].cpu()
+        for l_idx, pairs in enumerate(routing):
+            for row, (source, token) in enumerate(pairs):
+                assert int(src[l_idx, row]) == token
+                assert torch.equal(recv_cpu[l_idx, row], all_inputs[source].x[token])
+        expected = expected_combine(mine.x, mine.topk_idx, mine.weights,
+                                    {r: bool(combine_active[r]) for r in range(ctx.num_ranks)}, local)
+        assert torch.equal(combined.cpu(), expected)
+    gpu.destroy()
+    return timings
+
+
+@pytest.mark.parametrize("kill_point", ["before_dispatch", "between"])
+def test_cuda_rank_killed(kill_point):
+    with harness.fresh_cluster(4) as cluster:
+        outcomes = cluster.run(rank_killed, kill_point, timeout_s=90, failure_grace_s=30)
+    assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
+    for outcome in outcomes:
+        if outcome.rank == DEAD:
+            continue
+        assert outcome.ok, outcome.error
+        budget = FAULT_TIMEOUT_US / 1e6 + FAULT_SLACK_S
+        assert outcome.value["dispatch"] + outcome.value["combine"] < budget, outcome.value
+
+
+# ---------------------------------------------------------------------------------------------
+# Elastic: a SIGKILLed rank is replaced; update_ep_member() maps the replacement's IPC handle and
+# every address an engine holds stays the same.
+# ---------------------------------------------------------------------------------------------
+_STATE = {}
+ELASTIC_RANKS, ELASTIC_DEAD = 4, 2
+
+
+def _elastic_size():
+    from tests.test_faults import Shape
+
+    return Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, ELASTIC_RANKS, Shape.experts)
+
+
+def _addresses(buffer):
+    from tests.test_faults import Shape
+
+    shape = (Shape.experts // ELASTIC_RANKS, ELASTIC_RANKS * Shape.tokens, Shape.hidden)
+    halves = [buffer._impl.combine_buffer(call, shape, None).data_ptr() for call in (0, 1)]
+    return [buffer._impl.base, buffer._impl.peer_table.data_ptr()] + halves
+
+
+def _elastic_round(ctx, buffer, round_index, expect_dead=(), dispatch_dead=None):
+    from tests.test_elastic import _inputs
+    from tests.test_faults import Shape, _check_round, _mock_expert
+
+    all_inputs = [_inputs(r, round_index) for r in range(ctx.num_ranks)]
+    mine = all_inputs[ctx.rank]
+    dev = buffer.device
+    x, topk, weights = mine.x.to(dev), mine.topk_idx.to(dev), mine.weights.to(dev)
+    active = buffer.active_mask()
+    start = time.monotonic()
+    recv, count, handle, _, _ = buffer.dispatch(x, topk, active, Shape.tokens, Shape.experts, FAULT_TIMEOUT_US,
+                                                use_fp8=False)
+    after_dispatch = active.tolist()
+    y = _mock_expert(ctx, recv.cpu()).to(dev)
+    combined, _, _ = buffer.combine(y, topk, weights, active, FAULT_TIMEOUT_US, handle)
+    torch.cuda.synchronize()
+    seconds = time.monotonic() - start
+    final = active.tolist()
+    want = [0 if r in expect_dead else 1 for r in range(ctx.num_ranks)]
+    assert final == want, f"mask {final}, expected {want}"
+    in_dispatch = after_dispatch if dispatch_dead is None else \
+        [0 if r in dispatch_dead else 1 for r in range(ctx.num_ranks)]
+    _check_round(ctx, all_inputs, in_dispatch, final, recv.cpu(), count.cpu(), (handle[0].cpu(),), combined.cpu())
+    return seconds
+
+
+def rank_elastic_fail(ctx):
+    torch.cuda.set_device(0)
+    buffer = Buffer(ctx.group, _elastic_size(), transport="cuda")
+    _STATE["buffer"] = buffer
+    before = _addresses(buffer)
+    _elastic_round(ctx, buffer, 0)
+    if ctx.rank == ELASTIC_DEAD:
+        _die()
+    seconds = _elastic_round(ctx, buffer, 1, expect_dead=(ELASTIC_DEAD,), dispatch_dead=(ELASTIC_DEAD,))
+    return {"seconds": seconds, "addresses": before}
+
+
+def rank_elastic_recover(ctx):
+    from mooncake_ep_switch.elastic import join
+
+    if ctx.group is None:  # the replacement process
+        torch.cuda.set_device(0)
+        buffer = Buffer(join(ctx.store, ctx.rank, ctx.num_ranks), _elastic_size(), transport="cuda")
+        _STATE["buffer"] = buffer
+    else:
+        buffer = _STATE["buffer"]
+        deadline = time.monotonic() + 30
+        while ELASTIC_DEAD not in buffer.pending_joiners():
+            assert time.monotonic() < deadline, "the replacement never showed up"
+            time.sleep(0.01)
+    view = buffer.update_ep_member(timeout_s=30)
+    for round_index in range(10, 13):
+        _elastic_round(ctx, buffer, round_index)
+    addresses = _addresses(buffer)
+    buffer.destroy()
+    return {"view": list(view.ranks), "addresses": addresses}
+
+
+def test_cuda_rank_replaced_with_update_ep_member():
+    with harness.fresh_cluster(ELASTIC_RANKS) as cluster:
+        outcomes = cluster.run(rank_elastic_fail, timeout_s=90, failure_grace_s=30)
+        before = {}
+        for outcome in outcomes:
+            if outcome.rank == ELASTIC_DEAD:
+                assert not outcome.ok and outcome.exitcode == -signal.SIGKILL, outcome
+                continue
+            assert outcome.ok, outcome.error
+            assert outcome.value["seconds"] < FAULT_TIMEOUT_US / 1e6 + FAULT_SLACK_S, outcome.value
+            before[outcome.rank] = outcome.value["addresses"]
+        cluster.respawn(ELASTIC_DEAD)
+        after = check_outcomes_values(cluster.run(rank_elastic_recover, timeout_s=120))
+    assert all(v["view"] == list(range(ELASTIC_RANKS)) for v in after)
+    for rank, addresses in before.items():
+        assert after[rank]["addresses"] == addresses, "an address an engine holds moved across recovery"
+
+
+def check_outcomes_values(outcomes):
+    for outcome in outcomes:
+        assert outcome.ok, outcome.error
+    return [outcome.value for outcome in outcomes]
