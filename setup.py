@@ -74,7 +74,18 @@ native = Pybind11Extension(
     libraries=["rt"],
 )
 
-extensions = [native]
+# The same kernels (csrc/cuda/ep_kernels.cuh) built by the host compiler on a block/warp emulator,
+# on every machine: CI runs the device-kernel logic without a GPU (tests/test_cuda_sim.py).
+cuda_sim = Pybind11Extension(
+    "mooncake_ep_switch._cuda_sim",
+    ["csrc/cuda/sim.cpp", "csrc/cuda/sim_runtime.cpp"],
+    include_dirs=["csrc"],
+    cxx_std=17,
+    extra_compile_args=["-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-unknown-pragmas"],
+    depends=glob.glob("csrc/cuda/*.h") + glob.glob("csrc/cuda/*.cuh") + ["csrc/common/numerics.h"],
+)
+
+extensions = [native, cuda_sim]
 if shutil.which("nvcc"):
     extensions.append(Pybind11Extension(
         "mooncake_ep_switch._cuda",
@@ -83,7 +94,7 @@ if shutil.which("nvcc"):
         cxx_std=17,
         extra_compile_args=["-O3"],
         libraries=["cudart_static", "rt", "dl", "pthread"],
-        depends=CUDA_SOURCES + glob.glob("csrc/cuda/*.h") + ["csrc/common/numerics.h"],
+        depends=CUDA_SOURCES + glob.glob("csrc/cuda/*.h") + glob.glob("csrc/cuda/*.cuh") + ["csrc/common/numerics.h"],
     ))
 else:
     print("mooncake_ep_switch: nvcc not found on the PATH: the CUDA data plane (mooncake_ep_switch._cuda) is "

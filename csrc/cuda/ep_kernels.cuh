@@ -1,0 +1,602 @@
+// The dispatch/combine kernels and their launchers, written once for two builds: nvcc
+// (ep_kernels.cu, the `_cuda` module that runs on GPUs) and a host compiler with the block/warp
+// emulator of cuda/sim_device.h (sim.cpp, the `_cuda_sim` module that CI runs on every machine).
+// cuda/device.h supplies what differs between them: the launch, the PTX memory-model helpers,
+// the global timer and dynamic shared memory.
+//
+// Device kernels of the one-sided protocol (docs/protocol.md) over CUDA IPC mappings.
+//
+// Every rank owns one region in device memory; peers map it with cudaIpcOpenMemHandle (on one GPU
+// between processes, or over NVLink between GPUs), and the table `peer_bases[R]` (device memory)
+// holds each region's address as mapped here (this rank's own region included). A sender writes
+// rows straight into the receiver's region, makes them visible at system scope, then stores the
+// signal `(tag << 32) | count` with release semantics at system scope; the receiver loads it with
+// acquire semantics and accepts only its own call's tag. Same region layout, same signals, same
+// packing rules and the same arithmetic (common/numerics.h) as the CPU transports, so outputs are
+// bit-identical to the shm transport's.
+//
+// The call number lives on the device: the first kernel of a dispatch writes it into the
+// dispatch's call word, which every later kernel of that dispatch and of its combine reads: the
+// host's number for eager calls, `max(counter + 1, host_call)` once a graph was captured
+// (k_advance_call). A captured CUDA graph therefore uses a new tag on every replay (stale signals of an earlier replay never match), while the region half
+// stays the one chosen at capture (one dispatch and its combine strictly alternate per rank, which
+// is what makes reusing a half safe, docs/protocol.md).
+//
+// Waits are bounded on the device: each receive waits per source up to timeout_us on the GPU's
+// global timer; on expiry it writes 0 into the caller's active_ranks, flags the source in the
+// mapped control words (the host reads them as failed_sources) and treats the source as having
+// sent nothing. The control block's abort word (raised by destroy()) ends every wait at once, and
+// the peer watcher's dead words (host memory mapped into the device) end a wait on a source whose
+// process is known to have ended.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "common/numerics.h"
+#include "cuda/api.h"
+#include "cuda/device.h"
+
+namespace mep_cuda {
+namespace {
+
+using mep::bf16_amax_from_bits;
+using mep::bf16_to_float;
+using mep::call_tag;
+using mep::float_to_bf16;
+using mep::float_to_e4m3fn;
+using mep::fp8_group_scale;
+using mep::make_signal;
+using mep::signal_count;
+using mep::signal_tag;
+
+constexpr int kThreads = 256;  // threads of a copy block (8 warps)
+constexpr int kWarps = kThreads / 32;
+constexpr int kScaleGroup = 128;
+constexpr int64_t kScratchAlign = 256;
+
+// ---------------------------------------------------------------------------------------------
+// Memory-model helpers: store_release_sys, load_acquire_sys, global_timer_ns, dynamic_shared
+// (cuda/device.h: PTX under nvcc, the emulator's versions in the host build)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ bool aborted(const Call& call) {
+    return reinterpret_cast<const volatile int32_t*>(call.control)[0] != 0;
+}
+
+__device__ __forceinline__ uint8_t* half_base(const Call& call, const Region& region, int32_t peer) {
+    const uint64_t base = reinterpret_cast<const uint64_t*>(call.peer_bases)[peer];
+    if (base == 0) return nullptr;
+    return reinterpret_cast<uint8_t*>(base) + region.control_bytes + int64_t(call.half_index) * region.half_bytes;
+}
+
+__device__ __forceinline__ int32_t is_active(const Call& call, int32_t peer) {
+    return reinterpret_cast<const volatile int32_t*>(call.active)[peer];
+}
+
+// A warp copies `nbytes` (a multiple of 16) from src to dst: 16-byte accesses when both are
+// 16-byte aligned, else 2-byte ones (rows are bf16 or FP8 with even sizes).
+__device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int64_t nbytes, int lane) {
+    if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+        const int64_t n = nbytes / 16;
+        auto* d = reinterpret_cast<int4*>(dst);
+        const auto* s = reinterpret_cast<const int4*>(src);
+#pragma unroll 4
+        for (int64_t i = lane; i < n; i += 32) d[i] = s[i];
+    } else {
+        const int64_t n = nbytes / 2;
+        auto* d = reinterpret_cast<uint16_t*>(dst);
+        const auto* s = reinterpret_cast<const uint16_t*>(src);
+        for (int64_t i = lane; i < n; i += 32) d[i] = s[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scratch of one dispatch shape (two copies, one per region half: at most two dispatches live)
+// ---------------------------------------------------------------------------------------------
+
+struct Scratch {
+    int32_t* slots;        // [N*K] row index of (token, k) among the tokens selecting that expert
+    int32_t* send_counts;  // [E] tokens this rank sends to each expert
+    int32_t* recv_counts;  // [R*L] rows received per (source, local expert); 0 for a failed source
+    int32_t* recv_begins;  // [R*L] first packed row of each (source, local expert)
+    uint8_t* fp8_rows;     // [T*H] this rank's tokens quantized once
+    float* fp8_scales;     // [T*G]
+};
+
+__host__ __device__ int64_t align_up(int64_t n) { return (n + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
+
+struct ScratchSizes {
+    int64_t slots, send_counts, recv_counts, recv_begins, fp8_rows, fp8_scales, half;
+};
+
+ScratchSizes scratch_sizes(int32_t R, int32_t T, int32_t H, int32_t E, int32_t K) {
+    ScratchSizes s;
+    s.slots = align_up(int64_t(T) * K * 4);
+    s.send_counts = align_up(int64_t(E) * 4);
+    s.recv_counts = align_up(int64_t(E) * 4);
+    s.recv_begins = align_up(int64_t(E) * 4);
+    s.fp8_rows = align_up(int64_t(T) * H);
+    s.fp8_scales = align_up(int64_t(T) * (H / kScaleGroup) * 4);
+    s.half = s.slots + s.send_counts + s.recv_counts + s.recv_begins + s.fp8_rows + s.fp8_scales;
+    (void)R;
+    return s;
+}
+
+Scratch carve(uintptr_t base, int32_t half_index, int32_t R, int32_t T, int32_t H, int32_t E, int32_t K) {
+    const ScratchSizes s = scratch_sizes(R, T, H, E, K);
+    auto* p = reinterpret_cast<uint8_t*>(base) + int64_t(half_index) * s.half;
+    Scratch out;
+    out.slots = reinterpret_cast<int32_t*>(p);
+    p += s.slots;
+    out.send_counts = reinterpret_cast<int32_t*>(p);
+    p += s.send_counts;
+    out.recv_counts = reinterpret_cast<int32_t*>(p);
+    p += s.recv_counts;
+    out.recv_begins = reinterpret_cast<int32_t*>(p);
+    p += s.recv_begins;
+    out.fp8_rows = p;
+    p += s.fp8_rows;
+    out.fp8_scales = reinterpret_cast<float*>(p);
+    return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch, send phase
+// ---------------------------------------------------------------------------------------------
+
+// The call number of this dispatch. Eager calls (advance == 0) use the host's number exactly, so
+// dispatches issued on two streams keep the host's order whatever order their kernels run in;
+// calls that may replay without the host (captured in a CUDA graph, or any call once a graph was
+// captured: advance == 1) take max(counter + 1, host_call), a new number at every replay.
+__global__ void k_advance_call(Call call) {
+    auto* counter = reinterpret_cast<unsigned long long*>(call.counter);
+    unsigned long long next = (unsigned long long)call.host_call;
+    if (call.advance == 0) {
+        atomicMax(counter, next);
+    } else {
+        unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(counter), old;
+        do {
+            old = seen;
+            next = old + 1 > (unsigned long long)call.host_call ? old + 1 : (unsigned long long)call.host_call;
+            seen = atomicCAS(counter, old, next);
+        } while (seen != old);
+    }
+    *reinterpret_cast<uint64_t*>(call.call_word) = next;
+}
+
+// Block e ranks the tokens that selected expert e, ascending (a block-wide scan of a flag per
+// token): slots[t*K + k] = that rank for the k with topk[t][k] == e; send_counts[e] = how many.
+__global__ void k_rank_tokens(const int64_t* topk, int32_t num_tokens, int32_t top_k, Scratch scratch) {
+    const int32_t expert = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ int32_t warp_totals[kWarps];
+    int32_t running = 0;
+    for (int32_t first = 0; first < num_tokens; first += kThreads) {
+        const int32_t t = first + threadIdx.x;
+        int32_t chosen = -1;
+        if (t < num_tokens)
+            for (int32_t k = 0; k < top_k; ++k)
+                if (topk[int64_t(t) * top_k + k] == expert) {
+                    if (chosen < 0) chosen = k;
+                    else scratch.slots[int64_t(t) * top_k + k] = -1;  // a repeat: the token goes once
+                }
+        const unsigned mask = __ballot_sync(0xffffffffu, chosen >= 0);
+        if (lane == 0) warp_totals[warp] = __popc(mask);
+        __syncthreads();
+        int32_t before = 0, total = 0;
+        for (int w = 0; w < kWarps; ++w) {
+            before += w < warp ? warp_totals[w] : 0;
+            total += warp_totals[w];
+        }
+        if (chosen >= 0)
+            scratch.slots[int64_t(t) * top_k + chosen] = running + before + __popc(mask & ((1u << lane) - 1u));
+        running += total;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) scratch.send_counts[expert] = running;
+}
+
+// Block t quantizes token t: a warp per 128-channel group (4 channels a lane), amax by the bf16
+// magnitude bits, scale and codes by the shared rules of common/numerics.h.
+__global__ void k_quantize(const uint16_t* x, int32_t hidden, Scratch scratch) {
+    const int32_t t = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int32_t groups = hidden / kScaleGroup;
+    for (int32_t g = warp; g < groups; g += kWarps) {
+        const uint16_t* xg = x + int64_t(t) * hidden + int64_t(g) * kScaleGroup + lane * 4;
+        uint16_t v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = xg[i];
+        uint32_t m = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) m = max(m, uint32_t(v[i] & 0x7fffu));
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+        const float scale = fp8_group_scale(bf16_amax_from_bits(uint16_t(m)));
+        uint32_t packed = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) packed |= uint32_t(float_to_e4m3fn(__fdiv_rn(bf16_to_float(v[i]), scale))) << (8 * i);
+        *reinterpret_cast<uint32_t*>(scratch.fp8_rows + int64_t(t) * hidden + int64_t(g) * kScaleGroup + lane * 4) =
+            packed;
+        if (lane == 0) scratch.fp8_scales[int64_t(t) * groups + g] = scale;
+    }
+}
+
+// A warp per (token, k): the token's row (bf16, or its FP8 codes and scales) goes into
+// dispatch_data[l][rank][slot] of the expert's owner, its index into dispatch_src.
+__global__ void k_dispatch_rows(Call call, Region region, const uint8_t* x, const int64_t* topk, int32_t num_tokens,
+                                int32_t top_k, bool use_fp8, Scratch scratch) {
+    const int lane = threadIdx.x & 31;
+    const int64_t warps = int64_t(gridDim.x) * kWarps;
+    const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, E = call.num_experts;
+    const int32_t L = E / R, G = H / kScaleGroup;
+    const int64_t row_bytes = 2 * int64_t(H);
+    for (int64_t pair = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); pair < int64_t(num_tokens) * top_k;
+         pair += warps) {
+        const int64_t expert = topk[pair];
+        if (expert < 0 || expert >= E) continue;
+        const int32_t dest = int32_t(expert / L), local = int32_t(expert % L);
+        if (!is_active(call, dest)) continue;
+        uint8_t* half = half_base(call, region, dest);
+        if (half == nullptr) continue;
+        const int64_t t = pair / top_k;
+        const int32_t rank_in_expert = scratch.slots[pair];
+        if (rank_in_expert < 0) continue;  // a repeated entry: sent with its first occurrence
+        const int64_t slot = (int64_t(local) * R + call.rank) * T + rank_in_expert;
+        uint8_t* row = half + region.dispatch_data + slot * row_bytes;
+        if (use_fp8) {
+            warp_copy(row, scratch.fp8_rows + t * H, H, lane);
+            float* scales = reinterpret_cast<float*>(half + region.dispatch_scales) + slot * G;
+            for (int32_t g = lane; g < G; g += 32) scales[g] = scratch.fp8_scales[t * G + g];
+        } else {
+            warp_copy(row, x + t * row_bytes, row_bytes, lane);
+        }
+        if (lane == 0) reinterpret_cast<int32_t*>(half + region.dispatch_src)[slot] = int32_t(t);
+    }
+    __threadfence_system();  // this thread's rows are visible system-wide before any signal
+}
+
+// Thread per expert: dispatch_signals[rank][l] of the expert's owner = (tag << 32) | count.
+__global__ void k_dispatch_signals(Call call, Region region, Scratch scratch) {
+    const int32_t R = call.num_ranks, E = call.num_experts, L = E / R;
+    const uint32_t tag = call_tag(*reinterpret_cast<const uint64_t*>(call.call_word));
+    __threadfence_system();
+    for (int32_t expert = threadIdx.x; expert < E; expert += blockDim.x) {
+        const int32_t dest = expert / L, local = expert % L;
+        if (!is_active(call, dest)) continue;
+        uint8_t* half = half_base(call, region, dest);
+        if (half == nullptr) continue;
+        auto* signal = reinterpret_cast<uint64_t*>(half + region.dispatch_signals) + int64_t(call.rank) * L + local;
+        store_release_sys(signal, make_signal(tag, uint32_t(scratch.send_counts[expert])));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Receive side: the per-source wait (shared by dispatch and combine)
+// ---------------------------------------------------------------------------------------------
+
+// Block `source` (one warp): wait until `signals[0..L)` all carry the call's tag, each count <= T.
+// On a deadline, an abort or a bad count: the source is cleared in active_ranks, flagged in the
+// control words, and its counts are 0. `counts` (may be null) receives the accepted counts.
+// Launched with one warp per block (blockDim.x == 32).
+__device__ void wait_source(const Call& call, const uint64_t* signals, int32_t source, int32_t L, int32_t* counts) {
+    const int lane = threadIdx.x & 31;
+    if (!is_active(call, source)) {
+        if (counts)
+            for (int32_t l = lane; l < L; l += 32) counts[l] = 0;
+        return;
+    }
+    __shared__ volatile int32_t source_failed;  // one lane's verdict ends every lane's wait
+    if (lane == 0) source_failed = 0;
+    __syncwarp();
+    const uint32_t tag = call_tag(*reinterpret_cast<const uint64_t*>(call.call_word));
+    const uint64_t start = global_timer_ns();
+    const uint64_t budget = call.timeout_us < 0 ? 0 : uint64_t(call.timeout_us) * 1000u;
+    const auto* dead = reinterpret_cast<const volatile int32_t*>(call.dead);
+    for (int32_t l = lane; l < L && !source_failed; l += 32) {
+        for (uint32_t polls = 0;; ++polls) {
+            const uint64_t value = load_acquire_sys(signals + l);
+            if (signal_tag(value) == tag) {
+                const uint32_t count = signal_count(value);
+                if (count > uint32_t(call.max_tokens)) source_failed = 1;  // a protocol error: the source failed
+                else if (counts) counts[l] = int32_t(count);
+                break;
+            }
+            if (source_failed) break;
+            // Every 16 polls (the mapped host words cross the bus): destroy(), the deadline, or the
+            // peer watcher's verdict that the source's process ended.
+            if ((polls & 15) == 15 && (aborted(call) || (dead != nullptr && dead[source] != 0) ||
+                                       (call.timeout_us >= 0 && global_timer_ns() - start > budget))) {
+                source_failed = 1;
+                break;
+            }
+            __nanosleep(128);
+        }
+    }
+    __syncwarp();
+    if (source_failed) {
+        if (counts)
+            for (int32_t l = lane; l < L; l += 32) counts[l] = 0;
+        if (lane == 0) {
+            reinterpret_cast<volatile int32_t*>(call.active)[source] = 0;
+            reinterpret_cast<volatile int32_t*>(call.control)[1 + source] = 1;
+            __threadfence_system();
+        }
+    }
+}
+
+__global__ void k_dispatch_wait(Call call, Region region, Scratch scratch) {
+    const int32_t source = blockIdx.x, L = call.num_experts / call.num_ranks;
+    const uint8_t* half = half_base(call, region, call.rank);
+    const auto* signals = reinterpret_cast<const uint64_t*>(half + region.dispatch_signals) + int64_t(source) * L;
+    wait_source(call, signals, source, L, scratch.recv_counts + int64_t(source) * L);
+}
+
+// Thread per local expert: begins (sources ascending), layout_range and recv_count.
+__global__ void k_dispatch_layout(Call call, Scratch scratch, int64_t* layout_range, int32_t* recv_count) {
+    const int32_t R = call.num_ranks, L = call.num_experts / R;
+    for (int32_t l = threadIdx.x; l < L; l += blockDim.x) {
+        int64_t begin = 0;
+        for (int32_t s = 0; s < R; ++s) {
+            const int32_t count = scratch.recv_counts[int64_t(s) * L + l];
+            scratch.recv_begins[int64_t(s) * L + l] = int32_t(begin);
+            // an inactive (or failed) source has range 0, as on the CPU (dataplane.cpp pack_dispatch)
+            layout_range[int64_t(l) * R + s] = is_active(call, s) ? (begin << 32) | int64_t(count) : 0;
+            begin += count;
+        }
+        recv_count[l] = int32_t(begin);
+    }
+}
+
+// Block (source, l): that source's rows of local expert l into recv_x[l][begin..], src_info and
+// (FP8) the scales, token axis contiguous [L][G][R*T]. Block (R, l) zeroes src_info past the count.
+__global__ void k_dispatch_unpack(Call call, Region region, bool use_fp8, Scratch scratch, uint8_t* recv_x,
+                                  float* recv_scales, int32_t* src_info, const int32_t* recv_count) {
+    const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, L = call.num_experts / R;
+    const int32_t G = H / kScaleGroup;
+    const int32_t source = blockIdx.x, local = blockIdx.y;
+    const int64_t rows = int64_t(R) * T;
+    if (source == R) {
+        for (int64_t i = recv_count[local] + threadIdx.x; i < rows; i += blockDim.x) src_info[local * rows + i] = 0;
+        return;
+    }
+    const int32_t count = scratch.recv_counts[int64_t(source) * L + local];
+    if (count == 0) return;
+    const int64_t begin = scratch.recv_begins[int64_t(source) * L + local];
+    const uint8_t* half = half_base(call, region, call.rank);
+    const int64_t row_bytes = 2 * int64_t(H), out_bytes = use_fp8 ? H : row_bytes;
+    const int lane = threadIdx.x & 31;
+    for (int32_t i = threadIdx.x >> 5; i < count; i += kWarps) {
+        const int64_t slot = (int64_t(local) * R + source) * T + i;
+        const int64_t row = begin + i;
+        warp_copy(recv_x + (local * rows + row) * out_bytes, half + region.dispatch_data + slot * row_bytes, out_bytes,
+                  lane);
+        if (use_fp8) {
+            const float* scales = reinterpret_cast<const float*>(half + region.dispatch_scales) + slot * G;
+            for (int32_t g = lane; g < G; g += 32) recv_scales[(int64_t(local) * G + g) * rows + row] = scales[g];
+        }
+        if (lane == 0) src_info[local * rows + row] = reinterpret_cast<const int32_t*>(half + region.dispatch_src)[slot];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine
+// ---------------------------------------------------------------------------------------------
+
+// Block (source, l): rows x[l][begin + i] go to combine_data[rank*L + l][src_info[l][begin + i]] of
+// the token owner `source`. Counts and token indices are bounds-checked (a bad one is skipped).
+__global__ void k_combine_rows(Call call, Region region, const uint8_t* x, const int32_t* src_info,
+                               const int64_t* layout_range) {
+    const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, L = call.num_experts / R;
+    const int32_t source = blockIdx.x, local = blockIdx.y;
+    if (is_active(call, source)) {
+        uint8_t* half = half_base(call, region, source);
+        const int64_t range = layout_range[int64_t(local) * R + source];
+        const int64_t begin = range >> 32, count = range & 0xffffffff;
+        const int64_t rows = int64_t(R) * T, row_bytes = 2 * int64_t(H);
+        if (half != nullptr && count <= T && begin >= 0 && begin + count <= rows) {
+            const int lane = threadIdx.x & 31;
+            for (int64_t i = threadIdx.x >> 5; i < count; i += kWarps) {
+                const int32_t t = src_info[local * rows + begin + i];
+                if (t < 0 || t >= T) continue;
+                const int64_t expert = int64_t(call.rank) * L + local;
+                warp_copy(half + region.combine_data + (expert * T + t) * row_bytes,
+                          x + (local * rows + begin + i) * row_bytes, row_bytes, lane);
+            }
+        }
+    }
+    __threadfence_system();
+}
+
+// Thread per (token owner, l): combine_signals[rank*L + l] of the owner = (tag << 32) | count.
+__global__ void k_combine_signals(Call call, Region region, const int64_t* layout_range) {
+    const int32_t R = call.num_ranks, L = call.num_experts / R;
+    const uint32_t tag = call_tag(*reinterpret_cast<const uint64_t*>(call.call_word));
+    __threadfence_system();
+    for (int32_t index = threadIdx.x; index < R * L; index += blockDim.x) {
+        const int32_t source = index / L, local = index % L;
+        if (!is_active(call, source)) continue;
+        uint8_t* half = half_base(call, region, source);
+        if (half == nullptr) continue;
+        const uint32_t count = uint32_t(layout_range[int64_t(local) * R + source] & 0xffffffff);
+        auto* signal = reinterpret_cast<uint64_t*>(half + region.combine_signals) + int64_t(call.rank) * L + local;
+        store_release_sys(signal, make_signal(tag, count));
+    }
+}
+
+__global__ void k_combine_wait(Call call, Region region) {
+    const int32_t owner = blockIdx.x, L = call.num_experts / call.num_ranks;
+    const uint8_t* half = half_base(call, region, call.rank);
+    const auto* signals = reinterpret_cast<const uint64_t*>(half + region.combine_signals) + int64_t(owner) * L;
+    wait_source(call, signals, owner, L, nullptr);
+}
+
+// Block t: out[t] = bf16(sum over k in order of w[t,k] * float(combine_data[e_k][t])), in float32
+// with a separate multiply and add (never fused), skipping -1 and inactive owners. Two channels a
+// thread. Dynamic shared memory: K expert ids (int64) then K weights (float).
+__global__ void k_combine_reduce(Call call, Region region, const int64_t* topk, const float* weights, int32_t top_k,
+                                 uint16_t* out) {
+    int64_t* shared = dynamic_shared<int64_t>();
+    int64_t* experts = shared;
+    float* w = reinterpret_cast<float*>(shared + top_k);
+    const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, E = call.num_experts, L = E / R;
+    const int64_t t = blockIdx.x;
+    for (int32_t k = threadIdx.x; k < top_k; k += blockDim.x) {
+        int64_t expert = topk[t * top_k + k];
+        if (expert < 0 || expert >= E || !is_active(call, int32_t(expert / L))) expert = -1;
+        experts[k] = expert;
+        w[k] = weights[t * top_k + k];
+    }
+    __syncthreads();
+    const uint8_t* half = half_base(call, region, call.rank);
+    const auto* data = reinterpret_cast<const uint32_t*>(half + region.combine_data);
+    const int64_t words_per_row = H / 2;
+    for (int64_t j = threadIdx.x; j < words_per_row; j += blockDim.x) {
+        float lo = 0.0f, hi = 0.0f;
+        for (int32_t k = 0; k < top_k; ++k) {
+            const int64_t expert = experts[k];
+            if (expert < 0) continue;
+            const uint32_t pair = data[(expert * T + t) * words_per_row + j];
+            lo = __fadd_rn(lo, __fmul_rn(w[k], bf16_to_float(uint16_t(pair & 0xffffu))));
+            hi = __fadd_rn(hi, __fmul_rn(w[k], bf16_to_float(uint16_t(pair >> 16))));
+        }
+        reinterpret_cast<uint32_t*>(out)[t * words_per_row + j] = uint32_t(float_to_bf16(lo)) |
+                                                                  (uint32_t(float_to_bf16(hi)) << 16);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Value checks (eager calls)
+// ---------------------------------------------------------------------------------------------
+
+__device__ void report(int32_t* problem, int32_t code, int64_t row, int64_t column, int64_t value) {
+    if (atomicCAS(problem, 0, code) == 0) {
+        problem[1] = int32_t(row);
+        problem[2] = int32_t(column);
+        problem[3] = int32_t(value < -2147483647LL ? -2147483647LL : (value > 2147483647LL ? 2147483647LL : value));
+    }
+}
+
+__global__ void k_check_values(const int64_t* topk, int32_t num_tokens, int32_t top_k, int32_t num_experts,
+                               const int32_t* active, int32_t num_ranks, int32_t* problem) {
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+    const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    for (int64_t t = first; t < num_tokens; t += stride)
+        for (int32_t k = 0; k < top_k; ++k) {
+            const int64_t v = topk[t * top_k + k];
+            if (v < -1 || v >= num_experts) {
+                report(problem, 1, t, k, v);
+                continue;
+            }
+            for (int32_t j = 0; j < k && v >= 0; ++j)
+                if (topk[t * top_k + j] == v) report(problem, 2, t, k, v);
+        }
+    for (int64_t r = first; r < num_ranks; r += stride)
+        if (active[r] != 0 && active[r] != 1) report(problem, 3, r, 0, active[r]);
+}
+
+Stream as_stream(uintptr_t stream) { return reinterpret_cast<Stream>(stream); }
+
+int copy_blocks(int64_t warps_needed) {
+    const int64_t blocks = (warps_needed + kWarps - 1) / kWarps;
+    return int(blocks < 1 ? 1 : (blocks > 1024 ? 1024 : blocks));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+// ---------------------------------------------------------------------------------------------
+
+int64_t dispatch_scratch_bytes(int32_t num_ranks, int32_t max_tokens, int32_t hidden, int32_t num_experts,
+                               int32_t top_k) {
+    return 2 * scratch_sizes(num_ranks, max_tokens, hidden, num_experts, top_k).half;
+}
+
+// Shape limits of the launches (the Python layer checks the call first; these keep a direct
+// caller from launching out of bounds).
+void check_call(const Call& call) {
+    if (call.num_ranks < 1 || call.rank < 0 || call.rank >= call.num_ranks)
+        throw std::invalid_argument("call: rank " + std::to_string(call.rank) + " outside [0, " +
+                                    std::to_string(call.num_ranks) + ")");
+    if (call.hidden <= 0 || call.hidden % kScaleGroup != 0)
+        throw std::invalid_argument("hidden: expected a positive multiple of 128, got " + std::to_string(call.hidden));
+    if (call.num_experts < call.num_ranks || call.num_experts % call.num_ranks != 0 ||
+        call.num_experts / call.num_ranks > 65535)
+        throw std::invalid_argument("num_experts: expected a multiple of num_ranks with at most 65535 local experts, got " +
+                                    std::to_string(call.num_experts));
+    if (call.max_tokens < 1) throw std::invalid_argument("max_tokens: expected >= 1");
+    if (call.half_index != 0 && call.half_index != 1) throw std::invalid_argument("half_index: expected 0 or 1");
+    if (!call.peer_bases || !call.active || !call.counter || !call.call_word || !call.control)
+        throw std::invalid_argument("call: a null device address");
+}
+
+void dispatch_send(const Call& call, const Region& region, uintptr_t x, int32_t num_tokens, uintptr_t topk_idx,
+                   int32_t top_k, bool use_fp8, uintptr_t scratch_base, uintptr_t stream) {
+    check_call(call);
+    if (num_tokens < 0 || num_tokens > call.max_tokens)
+        throw std::invalid_argument("num_tokens: expected [0, " + std::to_string(call.max_tokens) + "], got " +
+                                    std::to_string(num_tokens));
+    if (top_k < 1 || top_k > call.num_experts) throw std::invalid_argument("top_k: expected [1, num_experts]");
+    const Scratch scratch = carve(scratch_base, call.half_index, call.num_ranks, call.max_tokens, call.hidden,
+                                  call.num_experts, top_k);
+    const auto* topk = reinterpret_cast<const int64_t*>(topk_idx);
+    const Stream s = as_stream(stream);
+    MEP_LAUNCH(k_advance_call, 1, 1, 0, s, call);
+    MEP_LAUNCH(k_rank_tokens, call.num_experts, kThreads, 0, s, topk, num_tokens, top_k, scratch);
+    if (use_fp8 && num_tokens > 0) {
+        MEP_LAUNCH(k_quantize, num_tokens, kThreads, 0, s, reinterpret_cast<const uint16_t*>(x), call.hidden, scratch);
+    }
+    if (num_tokens > 0) {
+        MEP_LAUNCH(k_dispatch_rows, copy_blocks(int64_t(num_tokens) * top_k), kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x), topk, num_tokens, top_k, use_fp8, scratch);
+    }
+    MEP_LAUNCH(k_dispatch_signals, 1, kThreads, 0, s, call, region, scratch);
+}
+
+void dispatch_recv(const Call& call, const Region& region, bool use_fp8, int32_t top_k, uintptr_t scratch_base,
+                   uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_info, uintptr_t layout_range,
+                   uintptr_t recv_count, uintptr_t stream) {
+    check_call(call);
+    const Scratch scratch = carve(scratch_base, call.half_index, call.num_ranks, call.max_tokens, call.hidden,
+                                  call.num_experts, top_k);
+    const Stream s = as_stream(stream);
+    const int32_t L = call.num_experts / call.num_ranks;
+    MEP_LAUNCH(k_dispatch_wait, call.num_ranks, 32, 0, s, call, region, scratch);
+    MEP_LAUNCH(k_dispatch_layout, 1, kThreads, 0, s, call, scratch, reinterpret_cast<int64_t*>(layout_range), reinterpret_cast<int32_t*>(recv_count));
+    MEP_LAUNCH(k_dispatch_unpack, dim3(call.num_ranks + 1, L), kThreads, 0, s, call, region, use_fp8, scratch, reinterpret_cast<uint8_t*>(recv_x), reinterpret_cast<float*>(recv_scales), reinterpret_cast<int32_t*>(src_info), reinterpret_cast<const int32_t*>(recv_count));
+}
+
+void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t src_info, uintptr_t layout_range,
+                  uintptr_t stream) {
+    check_call(call);
+    const Stream s = as_stream(stream);
+    const int32_t L = call.num_experts / call.num_ranks;
+    MEP_LAUNCH(k_combine_rows, dim3(call.num_ranks, L), kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const int32_t*>(src_info), reinterpret_cast<const int64_t*>(layout_range));
+    MEP_LAUNCH(k_combine_signals, 1, kThreads, 0, s, call, region, reinterpret_cast<const int64_t*>(layout_range));
+}
+
+void combine_recv(const Call& call, const Region& region, uintptr_t topk_idx, uintptr_t topk_weights,
+                  int32_t num_tokens, int32_t top_k, uintptr_t out, uintptr_t stream) {
+    check_call(call);
+    if (num_tokens < 0 || num_tokens > call.max_tokens)
+        throw std::invalid_argument("num_tokens: expected [0, " + std::to_string(call.max_tokens) + "], got " +
+                                    std::to_string(num_tokens));
+    if (top_k < 1 || top_k > 4096) throw std::invalid_argument("top_k: expected [1, 4096] (shared memory per token)");
+    const Stream s = as_stream(stream);
+    MEP_LAUNCH(k_combine_wait, call.num_ranks, 32, 0, s, call, region);
+    if (num_tokens > 0) {
+        const size_t shared = size_t(top_k) * (sizeof(int64_t) + sizeof(float));
+        MEP_LAUNCH(k_combine_reduce, num_tokens, kThreads, shared, s, call, region, reinterpret_cast<const int64_t*>(topk_idx), reinterpret_cast<const float*>(topk_weights), top_k, reinterpret_cast<uint16_t*>(out));
+    }
+}
+
+void check_values(uintptr_t topk_idx, int32_t num_tokens, int32_t top_k, int32_t num_experts, uintptr_t active,
+                  int32_t num_ranks, uintptr_t problem, uintptr_t stream) {
+    const int64_t work = num_tokens > num_ranks ? num_tokens : num_ranks;
+    const int blocks = int((work + kThreads - 1) / kThreads);
+    MEP_LAUNCH(k_check_values, blocks < 1 ? 1 : blocks, kThreads, 0, as_stream(stream), reinterpret_cast<const int64_t*>(topk_idx), num_tokens, top_k, num_experts, reinterpret_cast<const int32_t*>(active), num_ranks, reinterpret_cast<int32_t*>(problem));
+}
+
+}  // namespace mep_cuda

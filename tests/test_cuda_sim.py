@@ -1,0 +1,378 @@
+"""The CUDA kernels, executed on every machine: csrc/cuda/ep_kernels.cuh built by the host compiler on
+the block/warp emulator (module `_cuda_sim`), driven through the same launchers as on a GPU.
+
+R ranks run in this process, one after another: every rank's send phase, then every rank's receive
+phase (the emulator checks logic, not concurrency). The same inputs go through the CPU transport's
+native kernels (`_native`, what the shm transport runs) on separate regions, and every output must
+be identical bit for bit: recv_x rows, FP8 codes and scales, src_info (its zeroed tail too),
+layout_range, recv_count, the combined rows, the masks after timeouts. Structured inputs are also
+checked against the independent references of tests/reference.py.
+"""
+from typing import Dict, List, NamedTuple, Optional
+
+import pytest
+import torch
+
+from mooncake_ep_switch import _cuda_sim as sim
+from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer.layout import region_layout
+from mooncake_ep_switch.buffer.transport.one_sided import signal_tag
+from tests.reference import (dequantize, expected_combine, expected_routing, expert_scale, fp8_reference,
+                             structured_inputs, token_count)
+
+SHORT_US = 5_000  # deadline of the rounds in which a rank does not take part
+
+
+class Shape(NamedTuple):
+    num_ranks: int
+    tokens: int
+    hidden: int
+    experts: int
+    top_k: int
+
+
+def _outputs(shape: Shape, use_fp8: bool) -> dict:
+    """Fresh receive buffers, poisoned, so that anything a backend leaves unwritten shows."""
+    local, rows = shape.experts // shape.num_ranks, shape.num_ranks * shape.tokens
+    return {
+        "recv_x": torch.full((local, rows, shape.hidden * (1 if use_fp8 else 2)), 0x5A, dtype=torch.uint8),
+        "scales": torch.full((local, shape.hidden // 128, rows), -3.0, dtype=torch.float32),
+        "src_info": torch.full((local, rows), -7, dtype=torch.int32),
+        "layout_range": torch.full((local, shape.num_ranks), -9, dtype=torch.int64),
+        "recv_count": torch.full((local,), -11, dtype=torch.int32),
+    }
+
+
+def _mock_expert(rank: int, shape: Shape, out: dict, use_fp8: bool) -> torch.Tensor:
+    """Each local expert scales what it received by a power of two (exact in bf16)."""
+    local, rows = shape.experts // shape.num_ranks, shape.num_ranks * shape.tokens
+    y = torch.zeros((local, rows, shape.hidden), dtype=torch.bfloat16)
+    for l_idx in range(local):
+        n = int(out["recv_count"][l_idx])
+        if use_fp8:
+            data = out["recv_x"][l_idx, :n].view(torch.float8_e4m3fn)
+            values = dequantize(data, out["scales"][l_idx].t()[:n].contiguous()).to(torch.bfloat16)
+        else:
+            values = out["recv_x"][l_idx, :n].view(torch.bfloat16)
+        y[l_idx, :n] = (values.float() * expert_scale(rank * local + l_idx)).to(torch.bfloat16)
+    return y
+
+
+class Backend:
+    """R ranks' regions and per-rank state for one implementation ("native" or "sim")."""
+
+    def __init__(self, kind: str, shape: Shape, timeout_us: int):
+        self.kind, self.shape, self.timeout_us = kind, shape, timeout_us
+        R = shape.num_ranks
+        self.layout = region_layout(R, shape.tokens, shape.hidden, shape.experts)
+        self.regions = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8) for _ in range(R)]
+        self.peer_table = torch.tensor([r.data_ptr() for r in self.regions], dtype=torch.int64)
+        L = self.layout
+        self.region = sim.Region(L.control_bytes, L.half_bytes, L.dispatch_data, L.dispatch_scales, L.dispatch_src,
+                                 L.combine_data, L.dispatch_signals, L.combine_signals)
+        self.counters = [torch.zeros(1, dtype=torch.int64) for _ in range(R)]
+        self.controls = [torch.zeros(1 + 2 * R, dtype=torch.int32) for _ in range(R)]
+        self.scratch: Dict[tuple, List[torch.Tensor]] = {}
+        self.calls: Dict[int, object] = {}
+        self.words: Dict[int, torch.Tensor] = {}
+
+    def _call(self, rank: int, number: int, active: torch.Tensor, word: torch.Tensor, advance: int):
+        s, R = self.shape, self.shape.num_ranks
+        control = self.controls[rank]
+        return sim.Call(R, rank, s.tokens, s.hidden, s.experts, number & 1, number, self.peer_table.data_ptr(),
+                        active.data_ptr(), self.counters[rank].data_ptr(), word.data_ptr(), control.data_ptr(),
+                        control.data_ptr() + 4 * (1 + R), self.timeout_us, advance)
+
+    def dispatch_send(self, rank, number, x, topk, active, use_fp8, advance=0):
+        s = self.shape
+        if self.kind == "native":
+            halves = [r.data_ptr() + self.layout.half_offset(number) for r in self.regions]
+            _native.dispatch_send(x.data_ptr(), x.size(0), s.hidden, topk.data_ptr(), topk.size(1), s.experts,
+                                  s.num_ranks, rank, s.tokens, active.data_ptr(), halves, signal_tag(number), use_fp8)
+            return
+        key = (topk.size(1), rank)
+        if key not in self.scratch:
+            nbytes = sim.dispatch_scratch_bytes(s.num_ranks, s.tokens, s.hidden, s.experts, topk.size(1))
+            self.scratch[key] = torch.zeros(nbytes, dtype=torch.uint8)
+        word = torch.zeros(1, dtype=torch.int64)
+        self.words[rank] = word
+        call = self._call(rank, number, active, word, advance)
+        self.calls[rank] = call
+        sim.dispatch_send(call, self.region, x.data_ptr(), x.size(0), topk.data_ptr(), topk.size(1), use_fp8,
+                          self.scratch[key].data_ptr(), 0)
+
+    def dispatch_recv(self, rank, number, active, use_fp8, top_k, out) -> List[int]:
+        s = self.shape
+        if self.kind == "native":
+            base = self.regions[rank].data_ptr() + self.layout.half_offset(number)
+            return list(_native.dispatch_recv(base, s.num_ranks, rank, s.tokens, s.hidden, s.experts,
+                                              signal_tag(number), active.data_ptr(), self.timeout_us, use_fp8,
+                                              out["recv_x"].data_ptr(), out["scales"].data_ptr() if use_fp8 else 0,
+                                              out["src_info"].data_ptr(), out["layout_range"].data_ptr(),
+                                              out["recv_count"].data_ptr()))
+        sim.dispatch_recv(self.calls[rank], self.region, use_fp8, top_k, self.scratch[(top_k, rank)].data_ptr(),
+                          out["recv_x"].data_ptr(), out["scales"].data_ptr() if use_fp8 else 0,
+                          out["src_info"].data_ptr(), out["layout_range"].data_ptr(), out["recv_count"].data_ptr(), 0)
+        return self.failed(rank)
+
+    def combine_send(self, rank, number, y, out, active):
+        s = self.shape
+        if self.kind == "native":
+            halves = [r.data_ptr() + self.layout.half_offset(number) for r in self.regions]
+            _native.combine_send(y.data_ptr(), s.hidden, s.experts, s.num_ranks, rank, s.tokens,
+                                 out["src_info"].data_ptr(), out["layout_range"].data_ptr(), active.data_ptr(), halves,
+                                 signal_tag(number))
+            return
+        call = self._call(rank, number, active, self.words[rank], 0)
+        self.calls[rank] = call
+        sim.combine_send(call, self.region, y.data_ptr(), out["src_info"].data_ptr(), out["layout_range"].data_ptr(), 0)
+
+    def combine_recv(self, rank, number, topk, weights, active, combined) -> List[int]:
+        s = self.shape
+        if self.kind == "native":
+            base = self.regions[rank].data_ptr() + self.layout.half_offset(number)
+            return list(_native.combine_recv(base, s.num_ranks, rank, s.tokens, s.hidden, s.experts,
+                                             signal_tag(number), active.data_ptr(), self.timeout_us, topk.data_ptr(),
+                                             weights.data_ptr(), topk.size(0), topk.size(1), combined.data_ptr()))
+        sim.combine_recv(self.calls[rank], self.region, topk.data_ptr(), weights.data_ptr(), topk.size(0),
+                         topk.size(1), combined.data_ptr(), 0)
+        return self.failed(rank)
+
+    def failed(self, rank) -> List[int]:
+        """Sources the device waits flagged (then cleared), as the transport reads them."""
+        flags = self.controls[rank][1:1 + self.shape.num_ranks]
+        found = torch.nonzero(flags).flatten().tolist()
+        flags.zero_()
+        return found
+
+
+def run_round(kind: str, shape: Shape, inputs, number: int, use_fp8: bool, masks: Optional[list] = None,
+              absent: tuple = (), leaves_after_dispatch: tuple = (), timeout_us: int = 30_000_000,
+              backend: Optional[Backend] = None, advance: int = 0) -> dict:
+    """One dispatch + mock experts + combine of every rank on one backend.
+
+    Ranks in `absent` take no part at all; ranks in `leaves_after_dispatch` dispatch and receive but
+    never combine. Returns per-rank outputs, masks and the sources each receive marked failed.
+    """
+    R = shape.num_ranks
+    backend = backend or Backend(kind, shape, timeout_us)
+    actives = [torch.tensor(masks[r] if masks else [1] * R, dtype=torch.int32) for r in range(R)]
+    outs = [_outputs(shape, use_fp8) for _ in range(R)]
+    present = [r for r in range(R) if r not in absent]
+    for rank in present:
+        backend.dispatch_send(rank, number, inputs[rank].x, inputs[rank].topk_idx, actives[rank], use_fp8, advance)
+    failed = {r: [] for r in range(R)}
+    for rank in present:
+        failed[rank] += backend.dispatch_recv(rank, number, actives[rank], use_fp8, inputs[rank].topk_idx.size(1),
+                                              outs[rank])
+    after_dispatch = [a.tolist() for a in actives]
+    combining = [r for r in present if r not in leaves_after_dispatch]
+    for rank in combining:
+        y = _mock_expert(rank, shape, outs[rank], use_fp8)
+        backend.combine_send(rank, number, y, outs[rank], actives[rank])
+    combined = {}
+    for rank in combining:
+        combined[rank] = torch.full((inputs[rank].x.size(0), shape.hidden), 3.0, dtype=torch.bfloat16)
+        failed[rank] += backend.combine_recv(rank, number, inputs[rank].topk_idx, inputs[rank].weights,
+                                             actives[rank], combined[rank])
+    return {"outs": outs, "combined": combined, "after_dispatch": after_dispatch,
+            "active": [a.tolist() for a in actives], "failed": failed, "backend": backend}
+
+
+def _assert_identical(shape: Shape, native: dict, emulated: dict, ranks, use_fp8: bool) -> None:
+    for rank in ranks:
+        a, b = native["outs"][rank], emulated["outs"][rank]
+        assert torch.equal(a["recv_count"], b["recv_count"]), f"rank {rank}: recv_count"
+        assert torch.equal(a["layout_range"], b["layout_range"]), f"rank {rank}: layout_range"
+        assert torch.equal(a["src_info"], b["src_info"]), f"rank {rank}: src_info (valid rows and zeroed tail)"
+        for l_idx in range(a["recv_count"].numel()):
+            n = int(a["recv_count"][l_idx])
+            assert torch.equal(a["recv_x"][l_idx, :n], b["recv_x"][l_idx, :n]), f"rank {rank} expert {l_idx}: rows"
+            if use_fp8:
+                assert torch.equal(a["scales"][l_idx, :, :n], b["scales"][l_idx, :, :n]), f"rank {rank}: scales"
+        if rank in native["combined"]:
+            assert torch.equal(native["combined"][rank].view(torch.int16), emulated["combined"][rank].view(torch.int16)), \
+                f"rank {rank}: combined"
+    assert native["active"] == emulated["active"], (native["active"], emulated["active"])
+    assert native["after_dispatch"] == emulated["after_dispatch"]
+    assert {r: sorted(set(v)) for r, v in native["failed"].items()} == \
+        {r: sorted(set(v)) for r, v in emulated["failed"].items()}
+
+
+def _inputs(shape: Shape, seed: int, random_values: bool = False):
+    return [structured_inputs(r, token_count(r, shape.num_ranks, shape.tokens), shape.hidden, shape.experts,
+                              shape.top_k, seed, random_values=random_values) for r in range(shape.num_ranks)]
+
+
+SHAPES = [Shape(2, 40, 256, 16, 4), Shape(4, 24, 384, 16, 6), Shape(1, 16, 128, 4, 2)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"R{s.num_ranks}-T{s.tokens}-H{s.hidden}-E{s.experts}-K{s.top_k}")
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("random_values", [False, True], ids=["structured", "random"])
+def test_kernels_match_the_cpu_transport(shape, use_fp8, random_values):
+    inputs = _inputs(shape, seed=shape.num_ranks + 3, random_values=random_values)
+    number = 7
+    native = run_round("native", shape, inputs, number, use_fp8)
+    emulated = run_round("sim", shape, inputs, number, use_fp8)
+    _assert_identical(shape, native, emulated, range(shape.num_ranks), use_fp8)
+    local = shape.experts // shape.num_ranks
+    everyone = [1] * shape.num_ranks
+    for rank in range(shape.num_ranks):  # and right, against the independent references
+        out = emulated["outs"][rank]
+        routing = expected_routing([inp.topk_idx for inp in inputs], everyone, rank, local)
+        assert out["recv_count"].tolist() == [len(pairs) for pairs in routing]
+        for l_idx, pairs in enumerate(routing):
+            for row, (source, token) in enumerate(pairs):
+                assert int(out["src_info"][l_idx, row]) == token
+                sent = inputs[source].x[token]
+                if use_fp8:
+                    data, scales = fp8_reference(sent.view(1, -1))
+                    assert torch.equal(out["recv_x"][l_idx, row], data[0].view(torch.uint8))
+                    assert torch.equal(out["scales"][l_idx, :, row], scales[0])
+                else:
+                    assert torch.equal(out["recv_x"][l_idx, row].view(torch.bfloat16), sent)
+        if not random_values:
+            seen = inputs[rank].x
+            if use_fp8:
+                data, scales = fp8_reference(seen)
+                seen = dequantize(data, scales).to(torch.bfloat16)
+            expected = expected_combine(seen, inputs[rank].topk_idx, inputs[rank].weights,
+                                        {r: True for r in range(shape.num_ranks)}, local)
+            assert torch.equal(emulated["combined"][rank], expected)
+
+
+def test_caller_masked_rank_is_neither_sent_to_nor_waited_for():
+    shape = Shape(4, 24, 256, 16, 4)
+    inputs = _inputs(shape, seed=5)
+    masks = [[1, 0, 1, 1]] * 4
+    native = run_round("native", shape, inputs, 3, False, masks=masks, absent=(1,))
+    emulated = run_round("sim", shape, inputs, 3, False, masks=masks, absent=(1,))
+    _assert_identical(shape, native, emulated, (0, 2, 3), False)
+    assert emulated["active"][0] == [1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("when", ["before_dispatch", "between"])
+def test_a_silent_rank_times_out_on_the_device(when):
+    """Rank 2 never sends (dead before dispatch) or never combines (dead between): the device waits
+    expire on the emulated global timer, clear it in active_ranks, flag it for failed_sources, and
+    every other row is exactly the CPU transport's."""
+    shape = Shape(4, 24, 256, 16, 4)
+    inputs = _inputs(shape, seed=8)
+    kwargs = dict(absent=(2,)) if when == "before_dispatch" else dict(leaves_after_dispatch=(2,))
+    native = run_round("native", shape, inputs, 5, False, timeout_us=SHORT_US, **kwargs)
+    emulated = run_round("sim", shape, inputs, 5, False, timeout_us=SHORT_US, **kwargs)
+    survivors = (0, 1, 3)
+    _assert_identical(shape, native, emulated, survivors, False)
+    for rank in survivors:
+        assert emulated["active"][rank] == [1, 1, 0, 1]
+        assert emulated["failed"][rank] == [2]
+
+
+def test_dead_word_ends_the_wait_before_the_deadline():
+    """The peer watcher's verdict (a dead word) fails a silent source without waiting for the deadline:
+    with no deadline at all (-1) the wait still ends."""
+    shape = Shape(2, 16, 128, 4, 2)
+    inputs = _inputs(shape, seed=9)
+    backend = Backend("sim", shape, -1)
+    backend.controls[0][1 + shape.num_ranks + 1] = 1  # rank 0's watcher saw rank 1's process end
+    result = run_round("sim", shape, inputs, 2, False, absent=(1,), backend=backend)
+    assert result["active"][0] == [1, 0]
+    assert result["failed"][0] == [1]
+
+
+def test_abort_word_ends_a_wait_without_deadline():
+    shape = Shape(2, 16, 128, 4, 2)
+    inputs = _inputs(shape, seed=10)
+    backend = Backend("sim", shape, -1)
+    backend.controls[0][0] = 1  # destroy() raised the abort word
+    result = run_round("sim", shape, inputs, 2, False, absent=(1,), backend=backend)
+    assert result["active"][0] == [1, 0]
+
+
+def test_a_count_above_capacity_fails_the_source():
+    """A corrupted signal (count > T) is a protocol error: the source is failed, nothing read from it."""
+    shape = Shape(2, 16, 128, 4, 2)
+    inputs = _inputs(shape, seed=12)
+    backend = Backend("sim", shape, SHORT_US)
+    layout = backend.layout
+    number = 4
+    x, topk = inputs[1].x, inputs[1].topk_idx
+    active = [torch.ones(2, dtype=torch.int32) for _ in range(2)]
+    backend.dispatch_send(1, number, x, topk, active[1], False)
+    signals = backend.regions[0][layout.half_offset(number) + layout.dispatch_signals:].view(torch.int64)
+    L = shape.experts // shape.num_ranks
+    signals[1 * L] = (signal_tag(number) << 32) | (shape.tokens + 1)  # rank 1's first signal to rank 0
+    backend.dispatch_send(0, number, inputs[0].x, inputs[0].topk_idx, active[0], False)
+    out = _outputs(shape, False)
+    failed = backend.dispatch_recv(0, number, active[0], False, topk.size(1), out)
+    assert failed == [1] and active[0].tolist() == [1, 0]
+    assert out["layout_range"][:, 1].tolist() == [0] * L
+
+
+def test_repeated_expert_in_a_row_is_sent_once():
+    """A token that names one expert twice goes once (the CPU kernels' rule); the combine reads its row
+    for both entries."""
+    shape = Shape(2, 16, 128, 8, 3)
+    inputs = _inputs(shape, seed=13)
+    for inp in inputs:
+        if inp.topk_idx.size(0):
+            inp.topk_idx[0] = torch.tensor([3, 3, 5])
+    native = run_round("native", shape, inputs, 6, False)
+    emulated = run_round("sim", shape, inputs, 6, False)
+    _assert_identical(shape, native, emulated, range(2), False)
+
+
+def test_graph_mode_advances_the_tag_on_the_device():
+    """Once a call was captured (advance=1), every replay takes max(last + 1, host call): two replays
+    of host call 9 use tags 9 and 10, and both rounds are right."""
+    shape = Shape(2, 16, 128, 4, 2)
+    backend = Backend("sim", shape, 30_000_000)
+    for replay, seed in enumerate((20, 21)):
+        inputs = _inputs(shape, seed=seed)
+        result = run_round("sim", shape, inputs, 9, False, backend=backend, advance=1)
+        assert [int(backend.words[r][0]) for r in range(2)] == [9 + replay] * 2
+        native = run_round("native", shape, inputs, 9 + replay, False)
+        # the half stays the one of host call 9 in the emulated rounds; outputs are the same
+        _assert_identical(shape, native, result, range(2), False)
+
+
+def test_eager_tag_is_the_host_call_even_after_a_later_one():
+    """Eager calls use the host's number exactly (dispatches on two streams keep the host's order)."""
+    shape = Shape(1, 8, 128, 2, 1)
+    backend = Backend("sim", shape, 30_000_000)
+    inputs = _inputs(shape, seed=30)
+    run_round("sim", shape, inputs, 12, False, backend=backend)
+    assert int(backend.counters[0][0]) == 12
+    run_round("sim", shape, inputs, 11, False, backend=backend)  # issued before 12, ran after it
+    assert int(backend.words[0][0]) == 11 and int(backend.counters[0][0]) == 12
+
+
+def test_value_check_kernel_names_the_problem():
+    shape = Shape(2, 8, 128, 8, 2)
+    problem = torch.zeros(4, dtype=torch.int32)
+    topk = torch.tensor([[0, 1], [2, 9]], dtype=torch.int64)
+    active = torch.ones(2, dtype=torch.int32)
+    sim.check_values(topk.data_ptr(), 2, 2, shape.experts, active.data_ptr(), 2, problem.data_ptr(), 0)
+    assert problem.tolist() == [1, 1, 1, 9]
+    problem.zero_()
+    topk = torch.tensor([[4, 4], [2, -1]], dtype=torch.int64)
+    sim.check_values(topk.data_ptr(), 2, 2, shape.experts, active.data_ptr(), 2, problem.data_ptr(), 0)
+    assert problem.tolist() == [2, 0, 1, 4]
+    problem.zero_()
+    topk = torch.tensor([[4, -1], [2, -1]], dtype=torch.int64)
+    active[1] = 2
+    sim.check_values(topk.data_ptr(), 2, 2, shape.experts, active.data_ptr(), 2, problem.data_ptr(), 0)
+    assert problem.tolist() == [3, 1, 0, 2]
+
+
+def test_launchers_refuse_out_of_range_shapes():
+    shape = Shape(2, 8, 128, 4, 2)
+    backend = Backend("sim", shape, 1000)
+    x = torch.zeros((9, 128), dtype=torch.bfloat16)  # more tokens than T
+    topk = torch.zeros((9, 2), dtype=torch.int64)
+    with pytest.raises(ValueError, match="num_tokens"):
+        backend.dispatch_send(0, 1, x, topk, torch.ones(2, dtype=torch.int32), False)
+    with pytest.raises(ValueError, match="rank"):
+        sim.Call(2, 2, 8, 128, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0) and sim.dispatch_send(
+            sim.Call(2, 2, 8, 128, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0), backend.region, 1, 0, 1, 1, False, 1, 0)
