@@ -87,13 +87,10 @@ def rank_readmit(ctx, joiner: int, timeout_s: float = 60.0) -> list:
     Returns:
         ranks: list of int, the members of the agreed view.
     """
+    from mooncake_ep_switch.elastic import admit
+
     buffer = _STATE["buffer"]
-    deadline = time.monotonic() + timeout_s
-    while ctx.rank != joiner and joiner not in buffer.pending_joiners():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {joiner}'s replacement never asked to join")
-        time.sleep(0.01)
-    view = buffer.update_ep_member(timeout_s=timeout_s)
+    view = admit(buffer, joiner, timeout_s)
     _STATE["active"] = buffer.active_mask()
     return list(view.ranks)
 

@@ -188,13 +188,10 @@ def rank_readmit(ctx, joiner: int, timeout_s: float = 60.0):
     Raises:
         TimeoutError: the replacement never asked to join.
     """
+    from mooncake_ep_switch.elastic import admit
+
     buffer = _RANK_STATE["buffer"]
-    deadline = time.monotonic() + timeout_s
-    while ctx.rank != joiner and joiner not in buffer.pending_joiners():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {joiner}'s replacement never asked to join")
-        time.sleep(0.01)
-    view = buffer.update_ep_member(timeout_s=timeout_s)
+    view = admit(buffer, joiner, timeout_s)
     if ctx.rank == joiner:
         _build_structures(buffer, _RANK_STATE["config"])
     _RANK_STATE["active"] = buffer.active_mask()

@@ -85,3 +85,28 @@ def join(store, rank: int, num_ranks: int, *, prefix: str = "mep", group_ranks: 
         if len(group_ranks) != num_ranks or len(set(group_ranks)) != num_ranks:
             raise ValueError(f"group_ranks: expected {num_ranks} distinct global ranks, got {list(group_ranks)}")
     return JoinTicket(store, rank, num_ranks, prefix, group_ranks, keep_prefix)
+
+
+def admit(buffer, joiner: int, timeout_s: float = 60.0):
+    """Re-admit `joiner`'s replacement: a member waits until it is waiting to join, then every rank
+    (the replacement too) calls `update_ep_member()`.
+
+    Arguments:
+        buffer: this rank's `Buffer` (a member's, or the replacement's own, made from a `join` ticket).
+        joiner: the rank being replaced.
+        timeout_s: seconds for the replacement to show up and for the agreement (finite, > 0).
+
+    Returns:
+        view: the agreed `View` (epoch, ranks).
+
+    Raises:
+        TimeoutError: the replacement never asked to join.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while buffer.rank != joiner and joiner not in buffer.pending_joiners():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {joiner}'s replacement never asked to join within {timeout_s} s")
+        time.sleep(0.01)
+    return buffer.update_ep_member(timeout_s=timeout_s)

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import device_calls, elastic_view, validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
-from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap
+from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, check_combinable,
+                                               check_same_routing, complete_receive)
 from mooncake_ep_switch.buffer.layout import region_layout
 from mooncake_ep_switch.buffer.call_spec import CallSpecs
 from mooncake_ep_switch.buffer.completion import Completions
@@ -582,19 +583,9 @@ class Buffer:
                                                           out, self.num_ranks)
             src_info, layout_range, tokens, hidden, experts = fields
             plan = self._plan_of(handle)
-        if plan.combined[0]:
-            raise ValueError(f"handle: expected a dispatch not combined yet, got the handle of call {plan.call}, "
-                             "which was combined already (one combine per dispatch handle, as in DeepEP)")
-        if plan.topk_idx is not None and not torch.equal(topk_idx, plan.topk_idx):
-            differ = int((topk_idx != plan.topk_idx).sum())
-            raise ValueError(f"topk_idx: expected the topk_idx given to the matching dispatch (call {plan.call}), "
-                             f"got one that differs in {differ} entries (rows exist only for dispatched pairs)")
-        receipt = plan.receipt
-        if receipt is not None and not receipt.done:
-            if receipt.wait is None:
-                raise ValueError("handle: expected a dispatch whose receive phase has run, got one made with "
-                                 "return_recv_hook=True whose hook() has not been called")
-            receipt.wait()  # async_finish: the layout is complete once the dispatch's event is
+        check_combinable(plan)
+        check_same_routing(plan, topk_idx)
+        complete_receive(plan)  # async_finish: the layout is complete once the dispatch's event is
         if len(self.members) < self.num_ranks:
             self._check_members(active_ranks)
         if zero_copy:

@@ -21,7 +21,8 @@ import torch
 
 from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
-from mooncake_ep_switch.buffer.handle import DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt
+from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt,
+                                               check_combinable, check_same_routing, complete_receive)
 from mooncake_ep_switch.buffer.lifetime import _guarded, _once, _with_receipt
 
 
@@ -121,23 +122,14 @@ def combine(buffer, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
     _check_aligned("x", x)
     _check_aligned("out", out)
     plan = buffer._plan_of(handle)
-    if plan.combined[0]:
-        raise ValueError(f"handle: expected a dispatch not combined yet, got the handle of call {plan.call}, "
-                         "which was combined already (one combine per dispatch handle, as in DeepEP)")
+    check_combinable(plan)
     if topk_idx.shape != plan.topk_idx.shape:
         validation._fail("topk_idx", f"the dispatch's shape {list(plan.topk_idx.shape)}", list(topk_idx.shape))
     capturing = _capturing()
     _check_values(buffer, topk_idx, experts, active_ranks, capturing)
-    if buffer.settings.cuda_check_values and not capturing and not torch.equal(topk_idx, plan.topk_idx):
-        differ = int((topk_idx != plan.topk_idx).sum())
-        raise ValueError(f"topk_idx: expected the topk_idx given to the matching dispatch (call {plan.call}), "
-                         f"got one that differs in {differ} entries (rows exist only for dispatched pairs)")
-    receipt = plan.receipt
-    if receipt is not None and not receipt.done:
-        if receipt.wait is None:
-            raise ValueError("handle: expected a dispatch whose receive phase has run, got one made with "
-                             "return_recv_hook=True whose hook() has not been called")
-        receipt.wait()  # async_finish: this stream waits for the dispatch's communication stream
+    if buffer.settings.cuda_check_values and not capturing:
+        check_same_routing(plan, topk_idx)
+    complete_receive(plan)  # async_finish: this stream waits for the dispatch's communication stream
     if len(buffer.members) < buffer.num_ranks and not capturing:
         buffer._check_members(active_ranks)
     if zero_copy:

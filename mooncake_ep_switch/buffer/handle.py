@@ -48,6 +48,33 @@ class DispatchPlan(NamedTuple):
     combined: Any = (False,)
 
 
+def check_combinable(plan: "DispatchPlan") -> None:
+    """A handle is combined once: ValueError naming `handle` if this dispatch was combined already."""
+    if plan.combined[0]:
+        raise ValueError(f"handle: expected a dispatch not combined yet, got the handle of call {plan.call}, "
+                         "which was combined already (one combine per dispatch handle, as in DeepEP)")
+
+
+def check_same_routing(plan: "DispatchPlan", topk_idx: torch.Tensor) -> None:
+    """Combine takes its dispatch's `topk_idx` (rows exist only for the dispatched pairs): ValueError
+    naming `topk_idx` otherwise. Reads the values (on a CUDA tensor, a host synchronisation)."""
+    if plan.topk_idx is not None and not torch.equal(topk_idx, plan.topk_idx):
+        differ = int((topk_idx != plan.topk_idx).sum())
+        raise ValueError(f"topk_idx: expected the topk_idx given to the matching dispatch (call {plan.call}), "
+                         f"got one that differs in {differ} entries (rows exist only for dispatched pairs)")
+
+
+def complete_receive(plan: "DispatchPlan") -> None:
+    """Before a combine, the dispatch's deferred receive phase must have run: an `async_finish` one is
+    completed here (its event waited); a `return_recv_hook` one whose hook never ran is refused."""
+    receipt = plan.receipt
+    if receipt is not None and not receipt.done:
+        if receipt.wait is None:
+            raise ValueError("handle: expected a dispatch whose receive phase has run, got one made with "
+                             "return_recv_hook=True whose hook() has not been called")
+        receipt.wait()
+
+
 class ReceiveReceipt:
     """Whether a dispatch's deferred receive phase has run (combine needs its layout first).
 

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from mooncake_ep_switch.buffer import kernels
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.group_keys import view_group
+from mooncake_ep_switch.buffer.transport.contract import HostMemoryTransport
 
 # Fixed mode (one dispatch exchange instead of two) when a rank's padded send is at most this many
 # bytes: below it the extra padding costs less than one more collective round trip.
@@ -100,7 +101,7 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(counts, 0) - counts
 
 
-class CollectiveTransport:
+class CollectiveTransport(HostMemoryTransport):
     """Dispatch/combine over `torch.distributed.all_to_all_single`.
 
     Arguments:
@@ -110,7 +111,6 @@ class CollectiveTransport:
     """
 
     name = "collective"
-    device = None  # moves host memory: CPU tensors
 
     def __init__(self, group, rank: int, num_ranks: int, view_change=None):
         self.group = group
@@ -155,17 +155,6 @@ class CollectiveTransport:
         self.group = view_group(membership.store, view, self.rank, max(1.0, deadline - time.monotonic()))
         self.members = tuple(view.ranks)
         self._staging.clear()
-
-    def latest_call(self, host_call: int) -> int:
-        """The last call number this rank used: the Buffer's own count (every call runs through it).
-
-        Arguments:
-            host_call: the Buffer's count of dispatches.
-
-        Returns:
-            call: int, `host_call`.
-        """
-        return host_call
 
     def dead_peers(self) -> List[int]:
         """[]: this transport learns of a dead peer only when a call meets it (gloo reports the reset)."""

@@ -60,3 +60,21 @@ class Transport(Protocol):
 
     def destroy(self) -> None:
         """Release every resource (idempotent)."""
+
+
+class HostMemoryTransport:
+    """What the transports that move host memory share: they take CPU tensors (`device` None) and
+    every call runs through the Buffer, so its count of dispatches is the last call number."""
+
+    device = None
+
+    def latest_call(self, host_call: int) -> int:
+        """The last call number this rank used: the Buffer's own count.
+
+        Arguments:
+            host_call: the Buffer's count of dispatches.
+
+        Returns:
+            call: int, `host_call`.
+        """
+        return host_call

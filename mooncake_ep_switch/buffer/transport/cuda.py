@@ -14,13 +14,13 @@ global timer and then writes 0 into the caller's `active_ranks` (a CUDA int32 te
 source in a pinned control block the host reads (`failed_sources`); `destroy()` raises the control
 block's abort word, which ends every wait at once.
 """
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.layout import RegionLayout, region_layout
+from mooncake_ep_switch.buffer.transport.members import connect_view
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 
 try:
@@ -153,33 +153,10 @@ class CudaTransport:
         """
         from mooncake_ep_switch.buffer.membership import MembershipError
 
-        if membership is None:
-            raise RuntimeError("connect: the cuda transport exchanges IPC handles through the store; pass store= "
-                               "to Buffer")
-        unreachable = []
-        for peer in range(self.num_ranks):
-            if peer == self.rank:
-                continue
-            if peer not in view.ranks:
-                self._drop(peer)
-                continue
-
-            def published(peer=peer):
-                try:
-                    return membership.endpoint(peer)
-                except MembershipError:
-                    return None
-
-            try:
-                found = membership.wait_for(published, deadline, f"rank {peer}'s endpoint")
-            except (TimeoutError, MembershipError):
-                unreachable.append(peer)
-                continue
-            self._open(peer, found)
-        self._write_peer_table()
-        membership.barrier(f"connect/{view.epoch}", view.ranks, deadline)
-        if unreachable:
-            raise MembershipError(f"members {unreachable} of epoch {view.epoch} cannot be reached", unreachable)
+        # An IPC handle that no longer opens (its process is gone) is a member that cannot be reached.
+        connect_view(self.rank, self.num_ranks, view, membership, deadline, self._open, self._drop,
+                     (TimeoutError, MembershipError, RuntimeError), before_barrier=self._write_peer_table,
+                     what="the cuda transport's IPC handles")
 
     def _open(self, peer: int, found: dict) -> None:
         """Map `peer`'s region from its published endpoint (validated), replacing an older mapping."""

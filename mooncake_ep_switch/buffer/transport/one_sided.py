@@ -26,6 +26,8 @@ from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.layout import RegionLayout, region_layout
 from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, SharedRegion
+from mooncake_ep_switch.buffer.transport.contract import HostMemoryTransport
+from mooncake_ep_switch.buffer.transport.members import connect_view
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 from mooncake_ep_switch.buffer.transport.te_endpoint import PeerWrite
 from mooncake_ep_switch.faults import FaultPoint
@@ -75,7 +77,7 @@ class TePeer(NamedTuple):
     base: int
 
 
-class OneSidedTransport:
+class OneSidedTransport(HostMemoryTransport):
     """Dispatch/combine by one-sided writes into peers' regions (shm and/or Transfer Engine).
 
     Arguments:
@@ -88,7 +90,6 @@ class OneSidedTransport:
         allow_shm: whether same-host peers may be reached through shared memory.
     """
 
-    device = None  # moves host memory: CPU tensors
 
     def __init__(self, name: str, rank: int, num_ranks: int, num_ep_buffer_bytes: int, settings,
                  allow_shm: bool = True):
@@ -166,33 +167,9 @@ class OneSidedTransport:
         """
         from mooncake_ep_switch.buffer.membership import MembershipError
 
-        if membership is None:
-            raise RuntimeError("connect: the one-sided transports exchange endpoints through the store; "
-                               "pass store= to Buffer")
-        unreachable = []
-        for peer in range(self.num_ranks):
-            if peer == self.rank:
-                continue
-            if peer not in view.ranks:
-                self._drop(peer)
-                continue
-
-            def published(peer=peer):
-                try:
-                    return membership.endpoint(peer)
-                except MembershipError:
-                    return None
-
-            try:
-                found = membership.wait_for(published, deadline, f"rank {peer}'s endpoint")
-                self._route(peer, found, deadline)
-            except (OSError, ConnectionError, TimeoutError, MembershipError):
-                unreachable.append(peer)  # died since it was sealed into the view
-        # Nobody returns (and could destroy its region, closing the fd a slower peer is about to
-        # open) before every member has mapped every region.
-        membership.barrier(f"connect/{view.epoch}", view.ranks, deadline)
-        if unreachable:
-            raise MembershipError(f"members {unreachable} of epoch {view.epoch} cannot be reached", unreachable)
+        connect_view(self.rank, self.num_ranks, view, membership, deadline,
+                     lambda peer, found: self._route(peer, found, deadline), self._drop,
+                     (OSError, ConnectionError, TimeoutError, MembershipError))
 
     def _route(self, peer: int, found: dict, deadline: float) -> None:
         """Reach `peer` at its published endpoint: shared memory on this host, else the TE; watch it."""
@@ -234,17 +211,6 @@ class OneSidedTransport:
         self.region.unmap_peer(peer)
         self.te_peers.pop(peer, None)
         self.routes[peer] = None
-
-    def latest_call(self, host_call: int) -> int:
-        """The last call number this rank used: the Buffer's own count (every call runs through it).
-
-        Arguments:
-            host_call: the Buffer's count of dispatches.
-
-        Returns:
-            call: int, `host_call`.
-        """
-        return host_call
 
     def dead_peers(self) -> List[int]:
         """Ranks whose process the peer watcher saw end since they were last connected.

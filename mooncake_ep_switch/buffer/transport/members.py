@@ -1,0 +1,62 @@
+"""Connecting a one-sided transport to the members of a view: one loop for every such transport.
+
+The shm / Transfer Engine transport and the cuda transport both wait for each member's endpoint in
+the store, reach it (map its region, open its IPC handle, connect its engine), drop every rank
+outside the view, and meet the others at a barrier before returning, so that no rank destroys a
+region a slower peer is about to map.
+"""
+from typing import Callable, Optional, Tuple, Type
+
+from mooncake_ep_switch.buffer.membership import MembershipError
+
+
+def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, route: Callable[[int, dict], None],
+                 drop: Callable[[int], None], unreachable_errors: Tuple[Type[BaseException], ...],
+                 before_barrier: Optional[Callable[[], None]] = None, what: str = "the one-sided transports") -> None:
+    """Reach every member of `view` but this rank, drop every other rank, then a barrier of the view.
+
+    Arguments:
+        rank: this rank.
+        num_ranks: group size.
+        view: the membership `View` (epoch, ranks) to connect.
+        membership: the `Membership` whose store holds the endpoints (None is refused).
+        deadline: `time.monotonic()` deadline in seconds.
+        route: `route(peer, endpoint)` reaches a member at its published endpoint (dict).
+        drop: `drop(peer)` forgets a rank outside the view.
+        unreachable_errors: exceptions of waiting or `route` that mean the member died since it
+            was sealed into the view (it is named in the final error); any other propagates.
+        before_barrier: called once every member was reached, before the barrier, or None.
+        what: the transport's name in the error for a missing store.
+
+    Raises:
+        RuntimeError: `membership` is None (no store).
+        MembershipError: members that cannot be reached (named in the error), or a member missing
+            from the final barrier.
+    """
+    if membership is None:
+        raise RuntimeError(f"connect: {what} exchange endpoints through the store; pass store= to Buffer")
+    unreachable = []
+    for peer in range(num_ranks):
+        if peer == rank:
+            continue
+        if peer not in view.ranks:
+            drop(peer)
+            continue
+
+        def published(peer=peer):
+            try:
+                return membership.endpoint(peer)
+            except MembershipError:
+                return None
+
+        try:
+            route(peer, membership.wait_for(published, deadline, f"rank {peer}'s endpoint"))
+        except unreachable_errors:
+            unreachable.append(peer)  # died since it was sealed into the view
+    if before_barrier is not None:
+        before_barrier()
+    # Nobody returns (and could destroy its region, closing what a slower peer is about to map)
+    # before every member has reached every region.
+    membership.barrier(f"connect/{view.epoch}", view.ranks, deadline)
+    if unreachable:
+        raise MembershipError(f"members {unreachable} of epoch {view.epoch} cannot be reached", unreachable)
