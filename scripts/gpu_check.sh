@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build and check the CUDA data plane on a machine with a GPU (no network needed), in one go:
 #   scripts/gpu_check.sh [smoke|tests|bench|all]   (default: all)
-# smoke: one R=2 round trip against shm; tests: tests/test_cuda.py and tests/test_cuda_build.py;
+# smoke: the kernels alone in one process (tests/test_cuda_sim.py -k gpu), then one R=2 round trip
+# against shm; tests: tests/test_cuda.py, tests/test_cuda_sim.py and tests/test_cuda_build.py;
 # bench: `python -m mooncake_ep_switch.bench --device cuda`. Logs and the benchmark table go to
 # $OUT (default /tmp/mep_gpu_out). With MEP_GPU_MPS=1 an MPS daemon is started first (and stopped
 # at the end) so that the rank processes' kernels run concurrently instead of time-sliced.
@@ -31,12 +32,16 @@ trap stop_mps EXIT
 
 status=0
 if [ "$stage" = smoke ] || [ "$stage" = all ]; then
-  timeout 240 $PY -m pytest -q -x -p no:cacheprovider "tests/test_cuda.py::test_cuda_matches_shm[sync-bf16-2]" \
-    "tests/test_cuda.py::test_cuda_matches_shm[sync-fp8-2]" 2>&1 | tee "$OUT/smoke.log" || status=1
+  # The kernels alone in one process (no IPC, no time-slicing), against the CPU kernels; then one
+  # round trip of the transport at R=2.
+  timeout 240 $PY -m pytest -q -x -p no:cacheprovider tests/test_cuda_sim.py -k gpu 2>&1 | tee "$OUT/smoke.log" \
+    || status=1
+  [ "$status" = 0 ] && { timeout 240 $PY -m pytest -q -x -p no:cacheprovider \
+    "tests/test_cuda.py::test_cuda_matches_shm[sync-bf16-2]" 2>&1 | tee -a "$OUT/smoke.log" || status=1; }
 fi
 if { [ "$stage" = tests ] || [ "$stage" = all ]; } && [ "$status" = 0 ]; then
-  timeout 480 $PY -m pytest -q -p no:cacheprovider -rs --durations=15 tests/test_cuda.py tests/test_cuda_build.py \
-    2>&1 | tee "$OUT/tests.log" || status=1
+  timeout 480 $PY -m pytest -q -p no:cacheprovider -rs --durations=15 tests/test_cuda.py tests/test_cuda_sim.py \
+    tests/test_cuda_build.py 2>&1 | tee "$OUT/tests.log" || status=1
 fi
 if [ "$stage" = bench ] || { [ "$stage" = all ] && [ "$status" = 0 ]; }; then
   timeout 480 $PY -m mooncake_ep_switch.bench --device cuda --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" \

@@ -1,12 +1,16 @@
-"""The CUDA kernels, executed on every machine: csrc/cuda/ep_kernels.cuh built by the host compiler on
-the block/warp emulator (module `_cuda_sim`), driven through the same launchers as on a GPU.
+"""The CUDA kernels against the CPU transport's, bit for bit, on two backends:
+
+* `sim`, on every machine: csrc/cuda/ep_kernels.cuh built by the host compiler on the block/warp
+  emulator (module `_cuda_sim`), driven through the same launchers as on a GPU;
+* `cuda`, on a GPU: the nvcc build (`_cuda`) in this one process, every rank's region in device
+  memory (no IPC, no other process: the kernels alone; tests/test_cuda.py runs the transport).
 
 R ranks run in this process, one after another: every rank's send phase, then every rank's receive
-phase (the emulator checks logic, not concurrency). The same inputs go through the CPU transport's
-native kernels (`_native`, what the shm transport runs) on separate regions, and every output must
-be identical bit for bit: recv_x rows, FP8 codes and scales, src_info (its zeroed tail too),
-layout_range, recv_count, the combined rows, the masks after timeouts. Structured inputs are also
-checked against the independent references of tests/reference.py.
+phase. The same inputs go through the CPU transport's native kernels (`_native`, what the shm
+transport runs) on separate regions, and every output must be identical bit for bit: recv_x rows,
+FP8 codes and scales, src_info (its zeroed tail too), layout_range, recv_count, the combined rows,
+the masks after timeouts. Structured inputs are also checked against the independent references of
+tests/reference.py.
 """
 from typing import Dict, List, NamedTuple, Optional
 
@@ -16,11 +20,16 @@ import torch
 from mooncake_ep_switch import _cuda_sim as sim
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.layout import region_layout
+from mooncake_ep_switch.buffer.transport.cuda import _cuda, cuda_unavailable_reason
 from mooncake_ep_switch.buffer.transport.one_sided import signal_tag
 from tests.reference import (dequantize, expected_combine, expected_routing, expert_scale, fp8_reference,
                              structured_inputs, token_count)
 
 SHORT_US = 5_000  # deadline of the rounds in which a rank does not take part
+NO_DEVICE = bool(cuda_unavailable_reason())
+# The device backends: the emulator everywhere, the GPU where there is one ("no CUDA device" skips).
+DEVICES = [pytest.param("sim", id="emulator"),
+           pytest.param("cuda", id="gpu", marks=pytest.mark.skipif(NO_DEVICE, reason="no CUDA device"))]
 
 
 class Shape(NamedTuple):
@@ -59,27 +68,40 @@ def _mock_expert(rank: int, shape: Shape, out: dict, use_fp8: bool) -> torch.Ten
 
 
 class Backend:
-    """R ranks' regions and per-rank state for one implementation ("native" or "sim")."""
+    """R ranks' regions and per-rank state for one implementation ("native", "sim" or "cuda").
+
+    The "cuda" backend keeps regions, peer table, counters, call words, scratch, masks and outputs in
+    device memory and the control words in pinned host memory (which the device reads and writes).
+    """
 
     def __init__(self, kind: str, shape: Shape, timeout_us: int):
         self.kind, self.shape, self.timeout_us = kind, shape, timeout_us
+        self.mod = _cuda if kind == "cuda" else sim
+        self.device = "cuda" if kind == "cuda" else "cpu"
         R = shape.num_ranks
         self.layout = region_layout(R, shape.tokens, shape.hidden, shape.experts)
-        self.regions = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8) for _ in range(R)]
-        self.peer_table = torch.tensor([r.data_ptr() for r in self.regions], dtype=torch.int64)
+        self.regions = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device) for _ in range(R)]
+        self.peer_table = torch.tensor([r.data_ptr() for r in self.regions], dtype=torch.int64, device=self.device)
         L = self.layout
-        self.region = sim.Region(L.control_bytes, L.half_bytes, L.dispatch_data, L.dispatch_scales, L.dispatch_src,
-                                 L.combine_data, L.dispatch_signals, L.combine_signals)
-        self.counters = [torch.zeros(1, dtype=torch.int64) for _ in range(R)]
-        self.controls = [torch.zeros(1 + 2 * R, dtype=torch.int32) for _ in range(R)]
+        self.region = self.mod.Region(L.control_bytes, L.half_bytes, L.dispatch_data, L.dispatch_scales,
+                                      L.dispatch_src, L.combine_data, L.dispatch_signals, L.combine_signals)
+        self.counters = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(R)]
+        self.controls = [torch.zeros(1 + 2 * R, dtype=torch.int32, pin_memory=kind == "cuda") for _ in range(R)]
         self.scratch: Dict[tuple, List[torch.Tensor]] = {}
         self.calls: Dict[int, object] = {}
         self.words: Dict[int, torch.Tensor] = {}
 
+    def stream(self) -> int:
+        return torch.cuda.current_stream().cuda_stream if self.kind == "cuda" else 0
+
+    def settle(self) -> None:
+        if self.kind == "cuda":
+            torch.cuda.synchronize()
+
     def _call(self, rank: int, number: int, active: torch.Tensor, word: torch.Tensor, advance: int):
         s, R = self.shape, self.shape.num_ranks
         control = self.controls[rank]
-        return sim.Call(R, rank, s.tokens, s.hidden, s.experts, number & 1, number, self.peer_table.data_ptr(),
+        return self.mod.Call(R, rank, s.tokens, s.hidden, s.experts, number & 1, number, self.peer_table.data_ptr(),
                         active.data_ptr(), self.counters[rank].data_ptr(), word.data_ptr(), control.data_ptr(),
                         control.data_ptr() + 4 * (1 + R), self.timeout_us, advance)
 
@@ -92,14 +114,15 @@ class Backend:
             return
         key = (topk.size(1), rank)
         if key not in self.scratch:
-            nbytes = sim.dispatch_scratch_bytes(s.num_ranks, s.tokens, s.hidden, s.experts, topk.size(1))
-            self.scratch[key] = torch.zeros(nbytes, dtype=torch.uint8)
-        word = torch.zeros(1, dtype=torch.int64)
+            nbytes = self.mod.dispatch_scratch_bytes(s.num_ranks, s.tokens, s.hidden, s.experts, topk.size(1))
+            self.scratch[key] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        word = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.words[rank] = word
         call = self._call(rank, number, active, word, advance)
         self.calls[rank] = call
-        sim.dispatch_send(call, self.region, x.data_ptr(), x.size(0), topk.data_ptr(), topk.size(1), use_fp8,
-                          self.scratch[key].data_ptr(), 0)
+        self.mod.dispatch_send(call, self.region, x.data_ptr(), x.size(0), topk.data_ptr(), topk.size(1), use_fp8,
+                               self.scratch[key].data_ptr(), self.stream())
+        self.settle()
 
     def dispatch_recv(self, rank, number, active, use_fp8, top_k, out) -> List[int]:
         s = self.shape
@@ -110,9 +133,11 @@ class Backend:
                                               out["recv_x"].data_ptr(), out["scales"].data_ptr() if use_fp8 else 0,
                                               out["src_info"].data_ptr(), out["layout_range"].data_ptr(),
                                               out["recv_count"].data_ptr()))
-        sim.dispatch_recv(self.calls[rank], self.region, use_fp8, top_k, self.scratch[(top_k, rank)].data_ptr(),
-                          out["recv_x"].data_ptr(), out["scales"].data_ptr() if use_fp8 else 0,
-                          out["src_info"].data_ptr(), out["layout_range"].data_ptr(), out["recv_count"].data_ptr(), 0)
+        self.mod.dispatch_recv(self.calls[rank], self.region, use_fp8, top_k, self.scratch[(top_k, rank)].data_ptr(),
+                               out["recv_x"].data_ptr(), out["scales"].data_ptr() if use_fp8 else 0,
+                               out["src_info"].data_ptr(), out["layout_range"].data_ptr(), out["recv_count"].data_ptr(),
+                               self.stream())
+        self.settle()
         return self.failed(rank)
 
     def combine_send(self, rank, number, y, out, active):
@@ -125,7 +150,9 @@ class Backend:
             return
         call = self._call(rank, number, active, self.words[rank], 0)
         self.calls[rank] = call
-        sim.combine_send(call, self.region, y.data_ptr(), out["src_info"].data_ptr(), out["layout_range"].data_ptr(), 0)
+        self.mod.combine_send(call, self.region, y.data_ptr(), out["src_info"].data_ptr(),
+                              out["layout_range"].data_ptr(), self.stream())
+        self.settle()
 
     def combine_recv(self, rank, number, topk, weights, active, combined) -> List[int]:
         s = self.shape
@@ -134,8 +161,9 @@ class Backend:
             return list(_native.combine_recv(base, s.num_ranks, rank, s.tokens, s.hidden, s.experts,
                                              signal_tag(number), active.data_ptr(), self.timeout_us, topk.data_ptr(),
                                              weights.data_ptr(), topk.size(0), topk.size(1), combined.data_ptr()))
-        sim.combine_recv(self.calls[rank], self.region, topk.data_ptr(), weights.data_ptr(), topk.size(0),
-                         topk.size(1), combined.data_ptr(), 0)
+        self.mod.combine_recv(self.calls[rank], self.region, topk.data_ptr(), weights.data_ptr(), topk.size(0),
+                              topk.size(1), combined.data_ptr(), self.stream())
+        self.settle()
         return self.failed(rank)
 
     def failed(self, rank) -> List[int]:
@@ -152,30 +180,35 @@ def run_round(kind: str, shape: Shape, inputs, number: int, use_fp8: bool, masks
     """One dispatch + mock experts + combine of every rank on one backend.
 
     Ranks in `absent` take no part at all; ranks in `leaves_after_dispatch` dispatch and receive but
-    never combine. Returns per-rank outputs, masks and the sources each receive marked failed.
+    never combine. Returns per-rank outputs (on the CPU), masks and the sources each receive marked
+    failed.
     """
     R = shape.num_ranks
     backend = backend or Backend(kind, shape, timeout_us)
-    actives = [torch.tensor(masks[r] if masks else [1] * R, dtype=torch.int32) for r in range(R)]
-    outs = [_outputs(shape, use_fp8) for _ in range(R)]
+    dev = backend.device
+    actives = [torch.tensor(masks[r] if masks else [1] * R, dtype=torch.int32, device=dev) for r in range(R)]
+    outs = [{k: v.to(dev) for k, v in _outputs(shape, use_fp8).items()} for _ in range(R)]
+    xs = [inp.x.to(dev) for inp in inputs]
+    topks = [inp.topk_idx.to(dev) for inp in inputs]
+    weights = [inp.weights.to(dev) for inp in inputs]
     present = [r for r in range(R) if r not in absent]
     for rank in present:
-        backend.dispatch_send(rank, number, inputs[rank].x, inputs[rank].topk_idx, actives[rank], use_fp8, advance)
+        backend.dispatch_send(rank, number, xs[rank], topks[rank], actives[rank], use_fp8, advance)
     failed = {r: [] for r in range(R)}
     for rank in present:
-        failed[rank] += backend.dispatch_recv(rank, number, actives[rank], use_fp8, inputs[rank].topk_idx.size(1),
-                                              outs[rank])
+        failed[rank] += backend.dispatch_recv(rank, number, actives[rank], use_fp8, topks[rank].size(1), outs[rank])
     after_dispatch = [a.tolist() for a in actives]
     combining = [r for r in present if r not in leaves_after_dispatch]
+    ys = {}
     for rank in combining:
-        y = _mock_expert(rank, shape, outs[rank], use_fp8)
-        backend.combine_send(rank, number, y, outs[rank], actives[rank])
+        ys[rank] = _mock_expert(rank, shape, {k: v.cpu() for k, v in outs[rank].items()}, use_fp8).to(dev)
+        backend.combine_send(rank, number, ys[rank], outs[rank], actives[rank])
     combined = {}
     for rank in combining:
-        combined[rank] = torch.full((inputs[rank].x.size(0), shape.hidden), 3.0, dtype=torch.bfloat16)
-        failed[rank] += backend.combine_recv(rank, number, inputs[rank].topk_idx, inputs[rank].weights,
-                                             actives[rank], combined[rank])
-    return {"outs": outs, "combined": combined, "after_dispatch": after_dispatch,
+        combined[rank] = torch.full((inputs[rank].x.size(0), shape.hidden), 3.0, dtype=torch.bfloat16, device=dev)
+        failed[rank] += backend.combine_recv(rank, number, topks[rank], weights[rank], actives[rank], combined[rank])
+    return {"outs": [{k: v.cpu() for k, v in out.items()} for out in outs],
+            "combined": {r: c.cpu() for r, c in combined.items()}, "after_dispatch": after_dispatch,
             "active": [a.tolist() for a in actives], "failed": failed, "backend": backend}
 
 
@@ -210,11 +243,12 @@ SHAPES = [Shape(2, 40, 256, 16, 4), Shape(4, 24, 384, 16, 6), Shape(1, 16, 128, 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"R{s.num_ranks}-T{s.tokens}-H{s.hidden}-E{s.experts}-K{s.top_k}")
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("random_values", [False, True], ids=["structured", "random"])
-def test_kernels_match_the_cpu_transport(shape, use_fp8, random_values):
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernels_match_the_cpu_transport(device, shape, use_fp8, random_values):
     inputs = _inputs(shape, seed=shape.num_ranks + 3, random_values=random_values)
     number = 7
     native = run_round("native", shape, inputs, number, use_fp8)
-    emulated = run_round("sim", shape, inputs, number, use_fp8)
+    emulated = run_round(device, shape, inputs, number, use_fp8)
     _assert_identical(shape, native, emulated, range(shape.num_ranks), use_fp8)
     local = shape.experts // shape.num_ranks
     everyone = [1] * shape.num_ranks
@@ -242,18 +276,20 @@ def test_kernels_match_the_cpu_transport(shape, use_fp8, random_values):
             assert torch.equal(emulated["combined"][rank], expected)
 
 
-def test_caller_masked_rank_is_neither_sent_to_nor_waited_for():
+@pytest.mark.parametrize("device", DEVICES)
+def test_caller_masked_rank_is_neither_sent_to_nor_waited_for(device):
     shape = Shape(4, 24, 256, 16, 4)
     inputs = _inputs(shape, seed=5)
     masks = [[1, 0, 1, 1]] * 4
     native = run_round("native", shape, inputs, 3, False, masks=masks, absent=(1,))
-    emulated = run_round("sim", shape, inputs, 3, False, masks=masks, absent=(1,))
+    emulated = run_round(device, shape, inputs, 3, False, masks=masks, absent=(1,))
     _assert_identical(shape, native, emulated, (0, 2, 3), False)
     assert emulated["active"][0] == [1, 0, 1, 1]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("when", ["before_dispatch", "between"])
-def test_a_silent_rank_times_out_on_the_device(when):
+def test_a_silent_rank_times_out_on_the_device(device, when):
     """Rank 2 never sends (dead before dispatch) or never combines (dead between): the device waits
     expire on the emulated global timer, clear it in active_ranks, flag it for failed_sources, and
     every other row is exactly the CPU transport's."""
@@ -261,7 +297,7 @@ def test_a_silent_rank_times_out_on_the_device(when):
     inputs = _inputs(shape, seed=8)
     kwargs = dict(absent=(2,)) if when == "before_dispatch" else dict(leaves_after_dispatch=(2,))
     native = run_round("native", shape, inputs, 5, False, timeout_us=SHORT_US, **kwargs)
-    emulated = run_round("sim", shape, inputs, 5, False, timeout_us=SHORT_US, **kwargs)
+    emulated = run_round(device, shape, inputs, 5, False, timeout_us=SHORT_US, **kwargs)
     survivors = (0, 1, 3)
     _assert_identical(shape, native, emulated, survivors, False)
     for rank in survivors:
@@ -269,48 +305,53 @@ def test_a_silent_rank_times_out_on_the_device(when):
         assert emulated["failed"][rank] == [2]
 
 
-def test_dead_word_ends_the_wait_before_the_deadline():
+@pytest.mark.parametrize("device", DEVICES)
+def test_dead_word_ends_the_wait_before_the_deadline(device):
     """The peer watcher's verdict (a dead word) fails a silent source without waiting for the deadline:
     with no deadline at all (-1) the wait still ends."""
     shape = Shape(2, 16, 128, 4, 2)
     inputs = _inputs(shape, seed=9)
-    backend = Backend("sim", shape, -1)
+    backend = Backend(device, shape, -1)
     backend.controls[0][1 + shape.num_ranks + 1] = 1  # rank 0's watcher saw rank 1's process end
-    result = run_round("sim", shape, inputs, 2, False, absent=(1,), backend=backend)
+    result = run_round(device, shape, inputs, 2, False, absent=(1,), backend=backend)
     assert result["active"][0] == [1, 0]
     assert result["failed"][0] == [1]
 
 
-def test_abort_word_ends_a_wait_without_deadline():
+@pytest.mark.parametrize("device", DEVICES)
+def test_abort_word_ends_a_wait_without_deadline(device):
     shape = Shape(2, 16, 128, 4, 2)
     inputs = _inputs(shape, seed=10)
-    backend = Backend("sim", shape, -1)
+    backend = Backend(device, shape, -1)
     backend.controls[0][0] = 1  # destroy() raised the abort word
-    result = run_round("sim", shape, inputs, 2, False, absent=(1,), backend=backend)
+    result = run_round(device, shape, inputs, 2, False, absent=(1,), backend=backend)
     assert result["active"][0] == [1, 0]
 
 
-def test_a_count_above_capacity_fails_the_source():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_count_above_capacity_fails_the_source(device):
     """A corrupted signal (count > T) is a protocol error: the source is failed, nothing read from it."""
     shape = Shape(2, 16, 128, 4, 2)
     inputs = _inputs(shape, seed=12)
-    backend = Backend("sim", shape, SHORT_US)
+    backend = Backend(device, shape, SHORT_US)
     layout = backend.layout
     number = 4
-    x, topk = inputs[1].x, inputs[1].topk_idx
-    active = [torch.ones(2, dtype=torch.int32) for _ in range(2)]
+    dev = backend.device
+    x, topk = inputs[1].x.to(dev), inputs[1].topk_idx.to(dev)
+    active = [torch.ones(2, dtype=torch.int32, device=dev) for _ in range(2)]
     backend.dispatch_send(1, number, x, topk, active[1], False)
     signals = backend.regions[0][layout.half_offset(number) + layout.dispatch_signals:].view(torch.int64)
     L = shape.experts // shape.num_ranks
     signals[1 * L] = (signal_tag(number) << 32) | (shape.tokens + 1)  # rank 1's first signal to rank 0
-    backend.dispatch_send(0, number, inputs[0].x, inputs[0].topk_idx, active[0], False)
-    out = _outputs(shape, False)
+    backend.dispatch_send(0, number, inputs[0].x.to(dev), inputs[0].topk_idx.to(dev), active[0], False)
+    out = {k: v.to(dev) for k, v in _outputs(shape, False).items()}
     failed = backend.dispatch_recv(0, number, active[0], False, topk.size(1), out)
     assert failed == [1] and active[0].tolist() == [1, 0]
     assert out["layout_range"][:, 1].tolist() == [0] * L
 
 
-def test_repeated_expert_in_a_row_is_sent_once():
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_expert_in_a_row_is_sent_once(device):
     """A token that names one expert twice goes once (the CPU kernels' rule); the combine reads its row
     for both entries."""
     shape = Shape(2, 16, 128, 8, 3)
@@ -319,32 +360,34 @@ def test_repeated_expert_in_a_row_is_sent_once():
         if inp.topk_idx.size(0):
             inp.topk_idx[0] = torch.tensor([3, 3, 5])
     native = run_round("native", shape, inputs, 6, False)
-    emulated = run_round("sim", shape, inputs, 6, False)
+    emulated = run_round(device, shape, inputs, 6, False)
     _assert_identical(shape, native, emulated, range(2), False)
 
 
-def test_graph_mode_advances_the_tag_on_the_device():
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_mode_advances_the_tag_on_the_device(device):
     """Once a call was captured (advance=1), every replay takes max(last + 1, host call): two replays
     of host call 9 use tags 9 and 10, and both rounds are right."""
     shape = Shape(2, 16, 128, 4, 2)
-    backend = Backend("sim", shape, 30_000_000)
+    backend = Backend(device, shape, 30_000_000)
     for replay, seed in enumerate((20, 21)):
         inputs = _inputs(shape, seed=seed)
-        result = run_round("sim", shape, inputs, 9, False, backend=backend, advance=1)
+        result = run_round(device, shape, inputs, 9, False, backend=backend, advance=1)
         assert [int(backend.words[r][0]) for r in range(2)] == [9 + replay] * 2
         native = run_round("native", shape, inputs, 9 + replay, False)
         # the half stays the one of host call 9 in the emulated rounds; outputs are the same
         _assert_identical(shape, native, result, range(2), False)
 
 
-def test_eager_tag_is_the_host_call_even_after_a_later_one():
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_tag_is_the_host_call_even_after_a_later_one(device):
     """Eager calls use the host's number exactly (dispatches on two streams keep the host's order)."""
     shape = Shape(1, 8, 128, 2, 1)
-    backend = Backend("sim", shape, 30_000_000)
+    backend = Backend(device, shape, 30_000_000)
     inputs = _inputs(shape, seed=30)
-    run_round("sim", shape, inputs, 12, False, backend=backend)
+    run_round(device, shape, inputs, 12, False, backend=backend)
     assert int(backend.counters[0][0]) == 12
-    run_round("sim", shape, inputs, 11, False, backend=backend)  # issued before 12, ran after it
+    run_round(device, shape, inputs, 11, False, backend=backend)  # issued before 12, ran after it
     assert int(backend.words[0][0]) == 11 and int(backend.counters[0][0]) == 12
 
 
@@ -367,12 +410,17 @@ def test_value_check_kernel_names_the_problem():
 
 
 def test_launchers_refuse_out_of_range_shapes():
+    """The launchers check what they launch (nothing is launched, nothing written)."""
     shape = Shape(2, 8, 128, 4, 2)
     backend = Backend("sim", shape, 1000)
     x = torch.zeros((9, 128), dtype=torch.bfloat16)  # more tokens than T
     topk = torch.zeros((9, 2), dtype=torch.int64)
     with pytest.raises(ValueError, match="num_tokens"):
         backend.dispatch_send(0, 1, x, topk, torch.ones(2, dtype=torch.int32), False)
-    with pytest.raises(ValueError, match="rank"):
-        sim.Call(2, 2, 8, 128, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0) and sim.dispatch_send(
-            sim.Call(2, 2, 8, 128, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0), backend.region, 1, 0, 1, 1, False, 1, 0)
+    outside = sim.Call(2, 2, 8, 128, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0)  # rank 2 of 2
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        sim.dispatch_send(outside, backend.region, 1, 0, 1, 1, False, 1, 0)
+    odd_hidden = sim.Call(2, 0, 8, 100, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0)
+    with pytest.raises(ValueError, match="hidden"):
+        sim.combine_recv(odd_hidden, backend.region, 1, 1, 1, 1, 1, 0)
+    assert all(int(region.count_nonzero()) == 0 for region in backend.regions)
