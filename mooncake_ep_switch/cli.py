@@ -44,13 +44,9 @@ def _demo(args) -> int:
 
 
 def _host_transport(requested: str) -> str:
-    """The CPU demos feed CPU tensors: on a host where "auto" would pick the "cuda" transport (which
-    takes CUDA tensors), their local ranks (one host) use "shm" instead."""
-    if requested != "auto":
-        return requested
-    from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason
-
-    return "auto" if cuda_unavailable_reason() else "shm"
+    """The CPU demos feed CPU tensors: their "auto" is "host" (the choice among the host transports,
+    never the "cuda" one that "auto" picks on a machine with a GPU)."""
+    return "host" if requested == "auto" else requested
 
 
 def _bench(args) -> int:
@@ -81,7 +77,7 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="serve a small MoE model on local CPU ranks (default)")
     demo.add_argument("--ranks", type=int, default=4)
     demo.add_argument("--steps", type=int, default=None, help="decode steps (default 40)")
-    demo.add_argument("--transport", default="auto", choices=["auto", "cuda", "shm", "mooncake", "collective"])
+    demo.add_argument("--transport", default="auto", choices=["auto", "host", "cuda", "shm", "mooncake", "collective"])
     demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                       help="cpu: the main demo on CPU ranks; cuda: GPU ranks serve an MoE stack in EP over the "
                            "'cuda' transport, a rank killed and replaced (mooncake_ep_switch.cuda_demo)")

@@ -69,7 +69,7 @@ class DemoConfig(NamedTuple):
     switch_threshold: int = 64
     redundant_per_rank: int = 1
     rebalance_after: int = 5
-    transport: str = "auto"
+    transport: str = "host"
     out_dir: str = "mep_demo_out"
     kill_step: int = 25
     kill_rank: int = 2

@@ -300,6 +300,10 @@ def rank_graph(ctx, replays):
             inp = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed)
             return inp.x.to(dev), inp.topk_idx.to(dev), inp.weights.to(dev)
 
+        def reference(seed):
+            inp = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed)
+            return expected_combine(inp.x, inp.topk_idx, inp.weights, {r: True for r in range(ctx.num_ranks)}, local)
+
         x, topk, weights = inputs_of(70)
         active = torch.ones(ctx.num_ranks, dtype=torch.int32, device=dev)
         side = torch.cuda.Stream()
@@ -319,6 +323,7 @@ def rank_graph(ctx, replays):
             expected = step(eager, new_x, new_topk, new_weights, torch.ones_like(active))
             torch.cuda.synchronize()
             assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"replay {replay}"
+            assert torch.equal(out.cpu(), reference(71 + replay)), f"replay {replay}: against the reference"
             assert active.tolist() == [1] * ctx.num_ranks
         return True
     finally:

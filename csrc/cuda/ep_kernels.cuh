@@ -75,6 +75,14 @@ __device__ __forceinline__ int32_t is_active(const Call& call, int32_t peer) {
     return reinterpret_cast<const volatile int32_t*>(call.active)[peer];
 }
 
+// A destination the send kernels write: active in the caller's mask and not known dead (the peer
+// watcher's word: writing into the region of a process that has ended is never needed, and its
+// memory may already be gone).
+__device__ __forceinline__ bool writable(const Call& call, int32_t peer) {
+    if (!is_active(call, peer)) return false;
+    return call.dead == 0 || reinterpret_cast<const volatile int32_t*>(call.dead)[peer] == 0;
+}
+
 // A warp copies `nbytes` (a multiple of 16) from src to dst: 16-byte accesses when both are
 // 16-byte aligned, else 2-byte ones (rows are bf16 or FP8 with even sizes).
 __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int64_t nbytes, int lane) {
@@ -238,7 +246,7 @@ __global__ void k_dispatch_rows(Call call, Region region, const uint8_t* x, cons
         const int64_t expert = topk[pair];
         if (expert < 0 || expert >= E) continue;
         const int32_t dest = int32_t(expert / L), local = int32_t(expert % L);
-        if (!is_active(call, dest)) continue;
+        if (!writable(call, dest)) continue;
         uint8_t* half = half_base(call, region, dest);
         if (half == nullptr) continue;
         const int64_t t = pair / top_k;
@@ -265,7 +273,7 @@ __global__ void k_dispatch_signals(Call call, Region region, Scratch scratch) {
     __threadfence_system();
     for (int32_t expert = threadIdx.x; expert < E; expert += blockDim.x) {
         const int32_t dest = expert / L, local = expert % L;
-        if (!is_active(call, dest)) continue;
+        if (!writable(call, dest)) continue;
         uint8_t* half = half_base(call, region, dest);
         if (half == nullptr) continue;
         auto* signal = reinterpret_cast<uint64_t*>(half + region.dispatch_signals) + int64_t(call.rank) * L + local;
@@ -391,7 +399,7 @@ __global__ void k_combine_rows(Call call, Region region, const uint8_t* x, const
                                const int64_t* layout_range) {
     const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, L = call.num_experts / R;
     const int32_t source = blockIdx.x, local = blockIdx.y;
-    if (is_active(call, source)) {
+    if (writable(call, source)) {
         uint8_t* half = half_base(call, region, source);
         const int64_t range = layout_range[int64_t(local) * R + source];
         const int64_t begin = range >> 32, count = range & 0xffffffff;
@@ -417,7 +425,7 @@ __global__ void k_combine_signals(Call call, Region region, const int64_t* layou
     __threadfence_system();
     for (int32_t index = threadIdx.x; index < R * L; index += blockDim.x) {
         const int32_t source = index / L, local = index % L;
-        if (!is_active(call, source)) continue;
+        if (!writable(call, source)) continue;
         uint8_t* half = half_base(call, region, source);
         if (half == nullptr) continue;
         const uint32_t count = uint32_t(layout_range[int64_t(local) * R + source] & 0xffffffff);

@@ -63,7 +63,8 @@ class Buffer:
             peers are reached through the inter-host path).
         transport: `"auto"` (every rank on this host: device kernels over CUDA IPC when a CUDA
             device is usable, else shared memory; else the Transfer Engine when installed, else
-            collectives), `"cuda"`, `"shm"`, `"mooncake"` or `"collective"`. A `"cuda"` Buffer takes
+            collectives), `"host"` (the same choice without `"cuda"`: CPU tensors on a GPU machine),
+            `"cuda"`, `"shm"`, `"mooncake"` or `"collective"`. A `"cuda"` Buffer takes
             CUDA tensors on the current device (`buffer.device`), never synchronises the host inside
             a call and can be captured in a CUDA graph; the others take CPU tensors.
         store: the group's torch.distributed store, which must outlive every rank (default: the
@@ -366,7 +367,8 @@ class Buffer:
                                   "admitted, or a rank that was left out): call update_ep_member() to be admitted "
                                   "before dispatch or combine")
         if len(self.members) < self.num_ranks:
-            outside = [r for r in range(self.num_ranks) if r not in self.members and int(active_ranks[r])]
+            mask = active_ranks.tolist()  # one read (on a CUDA mask, one synchronisation)
+            outside = [r for r in range(self.num_ranks) if r not in self.members and mask[r]]
             if outside:
                 raise ValueError(f"active_ranks: expected 0 for ranks outside epoch {self.epoch} (members "
                                  f"{list(self.members)}), got 1 for {outside}; reset it to buffer.active_mask()")
@@ -488,7 +490,7 @@ class Buffer:
             TypeError, ValueError: `handle` is not a handle of this Buffer's last two dispatches.
         """
         self._check_alive()
-        _, _, tokens, hidden, experts = validation.check_handle(handle, self.num_ranks)
+        _, _, tokens, hidden, experts = validation.check_handle(handle, self.num_ranks, self.device)
         plan = self._plan_of(handle)
         shape = (experts // self.num_ranks, self.num_ranks * tokens, hidden)
         self._specs.check_capacity(tokens, hidden, experts)

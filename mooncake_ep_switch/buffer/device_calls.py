@@ -14,6 +14,11 @@ ids, mask entries, combine's top-k against its dispatch's) are checked on the de
 synchronisation per eager call when `Settings.cuda_check_values` is on (the default), and never
 during CUDA graph capture. While a graph is captured, outputs come from fresh allocations (the
 graph's private pool), never from the Buffer's output pool, whose blocks later eager calls reuse.
+
+Rules that follow (as in DeepEP): an `async_finish` call captured in a graph forks the
+communication stream, so its `event.current_stream_wait()` must run inside the capture too; a hook
+runs on the stream of its dispatch; a graph must be destroyed before its Buffer (it holds the
+Buffer's device addresses).
 """
 from typing import Optional
 
@@ -21,7 +26,7 @@ import torch
 
 from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
-from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt,
+from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt, StreamEvent,
                                                check_combinable, check_same_routing, complete_receive)
 from mooncake_ep_switch.buffer.lifetime import _guarded, _once, _with_receipt
 
@@ -60,9 +65,9 @@ def _run(buffer, launch, async_finish: bool, return_recv_hook: bool, keep_alive)
                 tensor.record_stream(comm)  # the allocator keeps them until the communication stream is done
         done = torch.cuda.Event()
         done.record(comm)
-        event = EventOverlap(lambda: torch.cuda.current_stream(impl.device).wait_event(done), keep_alive)
+        event = StreamEvent(done, impl.device, keep_alive)
         receipt = ReceiveReceipt()
-        receipt.wait = event.current_stream_wait
+        receipt.wait = event.current_stream_wait  # a combine's stream waits for it, whichever stream that is
         return private, event, None, receipt
     private, receive = launch()
     if return_recv_hook:
@@ -97,8 +102,10 @@ def dispatch(buffer, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank
         keep_alive = (x, topk_idx, active_ranks) + tuple(t for t in outputs if t is not None)
         private, event, hook, receipt = _run(buffer, lambda: impl.dispatch(call, outputs), async_finish,
                                              return_recv_hook, keep_alive)
+        # combine() compares its topk_idx with this copy when values are checked (one synchronisation).
+        routing = topk_idx.clone() if buffer.settings.cuda_check_values else None
         plan = DispatchPlan(buffer._call, x.size(0), topk_idx.size(1), use_fp8, buffer.epoch, private, spec, receipt,
-                            topk_idx.clone(), outputs.src_info.data_ptr(), [False])
+                            routing, outputs.src_info.data_ptr(), [False])
         buffer._prev_plan, buffer._last_plan = buffer._last_plan, plan
         handle = DispatchHandle(outputs.src_info, outputs.layout_range, spec.tokens, spec.hidden, spec.experts,
                                 plan=plan)
@@ -123,8 +130,8 @@ def combine(buffer, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
     _check_aligned("out", out)
     plan = buffer._plan_of(handle)
     check_combinable(plan)
-    if topk_idx.shape != plan.topk_idx.shape:
-        validation._fail("topk_idx", f"the dispatch's shape {list(plan.topk_idx.shape)}", list(topk_idx.shape))
+    if tuple(topk_idx.shape) != (plan.num_tokens, plan.top_k):
+        validation._fail("topk_idx", f"the dispatch's shape [{plan.num_tokens}, {plan.top_k}]", list(topk_idx.shape))
     capturing = _capturing()
     _check_values(buffer, topk_idx, experts, active_ranks, capturing)
     if buffer.settings.cuda_check_values and not capturing:

@@ -20,9 +20,10 @@ def update_ep_member(buffer, timeout_s: Optional[float] = None) -> View:
     timeout_s = check_seconds("timeout_s", timeout_s, allow_none=True)
     membership = buffer._require_membership("update_ep_member")
     deadline = time.monotonic() + (buffer.settings.connect_timeout_s if timeout_s is None else timeout_s)
-    failed = set(buffer._impl.failed_sources)
     # Calls that ran without the host (CUDA graph replays) count too: the agreed number is above them.
+    # (On the cuda transport this waits for the device, so the failures read next are all there.)
     buffer._call = buffer._impl.latest_call(buffer._call)
+    failed = set(buffer._impl.failed_sources)
     while True:
         try:
             if buffer.joining:

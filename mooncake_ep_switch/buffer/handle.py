@@ -169,3 +169,36 @@ class EventOverlap:
     def __exit__(self, exc_type, exc, tb):
         self.current_stream_wait()
         return False
+
+
+class StreamEvent(EventOverlap):
+    """`EventOverlap` of an `async_finish` call on the `"cuda"` transport (DeepEP's semantics).
+
+    `current_stream_wait()` makes the stream current at that moment wait for the call's
+    communication stream, every time it is called (on any stream); the host never waits.
+
+    Arguments:
+        event: the `torch.cuda.Event` recorded on the communication stream after the call.
+        device: the CUDA device of the streams.
+        extra_tensors: tensors whose lifetime must cover the operation (kept referenced).
+    """
+
+    def __init__(self, event, device, extra_tensors=None):
+        super().__init__(None, extra_tensors)
+        self.event, self.device = event, device
+
+    def current_stream_wait(self) -> None:
+        """Order the current stream after the call (no host wait).
+
+        Returns:
+            None.
+        """
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    def is_complete(self) -> bool:
+        """Whether the device has finished the call.
+
+        Returns:
+            complete: bool, the event's `query()`.
+        """
+        return self.event.query()

@@ -16,7 +16,7 @@ def _calc_diff(x, y) -> float:
     return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
 
 
-def run_model_demo(model: str, num_ranks: int = 4, transport: str = "auto", stream=sys.stdout) -> bool:
+def run_model_demo(model: str, num_ranks: int = 4, transport: str = "host", stream=sys.stdout) -> bool:
     """Serve `model` on `num_ranks` ranks, print every step's check and tokens/s per layout.
 
     Arguments:

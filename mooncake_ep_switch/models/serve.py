@@ -61,7 +61,7 @@ class ServeConfig(NamedTuple):
     rebalance_step: int = 5
     kill_step: int = -1
     kill_rank: int = 1
-    transport: str = "auto"
+    transport: str = "host"
     timeout_us: int = 10_000_000
 
 

@@ -238,7 +238,7 @@ class CudaTransport:
             torch.cuda.synchronize(self.device)
         except RuntimeError:
             pass
-        self.watch.close()
+        stopped = self.watch.close()
         for peer in list(self._opened):
             handle, ptr = self._opened.pop(peer)
             try:
@@ -246,7 +246,8 @@ class CudaTransport:
             except RuntimeError:
                 pass
         self._control = None
-        _cuda.mapped_host_free(self._control_ptr)
+        if stopped:  # else the watcher thread may still write its words: leave the few bytes mapped
+            _cuda.mapped_host_free(self._control_ptr)
         self._control_ptr = 0
         self._scratch.clear()
         self.local = None
@@ -364,6 +365,10 @@ class CudaTransport:
         layout = self._layout(tokens, hidden, experts)
         region = self._region(layout)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call.plan_private, call.timeout_us)
+        if not torch.cuda.is_current_stream_capturing():
+            # The dispatch's call word may have been made on another stream: the allocator must not
+            # hand it to anyone else before this stream has read it.
+            call.plan_private.record_stream(torch.cuda.current_stream(self.device))
         _cuda.combine_send(spec, region, call.x.data_ptr(), call.src_info.data_ptr(), call.layout_range.data_ptr(),
                            torch.cuda.current_stream(self.device).cuda_stream)
 

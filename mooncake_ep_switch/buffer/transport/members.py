@@ -35,7 +35,7 @@ def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, r
     """
     if membership is None:
         raise RuntimeError(f"connect: {what} exchange endpoints through the store; pass store= to Buffer")
-    unreachable = []
+    unreachable, why = [], []
     for peer in range(num_ranks):
         if peer == rank:
             continue
@@ -51,12 +51,14 @@ def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, r
 
         try:
             route(peer, membership.wait_for(published, deadline, f"rank {peer}'s endpoint"))
-        except unreachable_errors:
+        except unreachable_errors as error:
             unreachable.append(peer)  # died since it was sealed into the view
+            why.append(f"rank {peer}: {type(error).__name__}: {error}")
     if before_barrier is not None:
         before_barrier()
     # Nobody returns (and could destroy its region, closing what a slower peer is about to map)
     # before every member has reached every region.
     membership.barrier(f"connect/{view.epoch}", view.ranks, deadline)
     if unreachable:
-        raise MembershipError(f"members {unreachable} of epoch {view.epoch} cannot be reached", unreachable)
+        raise MembershipError(f"members {unreachable} of epoch {view.epoch} cannot be reached ({'; '.join(why)})",
+                              unreachable)

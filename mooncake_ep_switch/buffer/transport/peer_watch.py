@@ -163,11 +163,15 @@ class PeerWatch:
         with self._lock:
             return peer in self._watched
 
-    def close(self) -> None:
-        """Stop the thread and close every descriptor. Idempotent."""
+    def close(self) -> bool:
+        """Stop the thread and close every descriptor. Idempotent.
+
+        Returns:
+            stopped: bool, whether the watcher thread has ended (it no longer writes `dead`).
+        """
         with self._lock:
             if self._closed:
-                return
+                return not self._thread.is_alive()
             self._closed = True
         self._wake()
         self._thread.join(5.0)
@@ -186,6 +190,7 @@ class PeerWatch:
                 os.close(fd)
             except OSError:
                 pass
+        return not self._thread.is_alive()
 
     def __del__(self):
         try:

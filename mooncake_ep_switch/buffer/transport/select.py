@@ -2,8 +2,10 @@
 
 `"auto"`: no EP region -> the collective fallback; a usable CUDA device here, every rank on one
 host and p2p allowed -> `"cuda"` (device kernels over CUDA IPC; the Buffer then takes CUDA tensors
-on the current device); every rank on one host (and p2p allowed) -> `"shm"`; else the Mooncake Transfer Engine when it imports here (`"mooncake"`: shm inside a host,
-the engine across), else the collective fallback.
+on the current device); every rank on one host (and p2p allowed) -> `"shm"`; else the Mooncake
+Transfer Engine when it imports here (`"mooncake"`: shm inside a host, the engine across), else the
+collective fallback. `"host"`: the same choice among the transports that move host memory (CPU
+tensors on a machine with a GPU), never `"cuda"`.
 """
 from typing import Callable, Sequence
 
@@ -12,7 +14,7 @@ from mooncake_ep_switch.buffer.transport.contract import Transport
 from mooncake_ep_switch.buffer.transport.cuda import CudaTransport, cuda_unavailable_reason
 from mooncake_ep_switch.buffer.transport.one_sided import OneSidedTransport
 
-TRANSPORTS = ("auto", "cuda", "shm", "mooncake", "collective")
+TRANSPORTS = ("auto", "host", "cuda", "shm", "mooncake", "collective")
 
 
 def transfer_engine_available() -> bool:
@@ -46,12 +48,12 @@ def make_transport(requested: str, *, group, rank: int, num_ranks: int, num_ep_b
         ValueError: `"shm"` or `"cuda"` with `disable_p2p`, or with ranks on several hosts.
         RuntimeError: `"cuda"` where no CUDA device can be used (the reason).
     """
-    if requested == "auto":
+    if requested in ("auto", "host"):
         same_host = len(set(host_ids())) == 1  # collective: every rank asks, whatever it then picks
         if num_ep_buffer_bytes == 0:
             requested = "collective"  # no region to write into: only collectives can run
         elif same_host and not disable_p2p:
-            requested = "cuda" if not cuda_unavailable_reason() else "shm"
+            requested = "cuda" if requested == "auto" and not cuda_unavailable_reason() else "shm"
         elif transfer_engine_available():
             requested = "mooncake"
         else:
