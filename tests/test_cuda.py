@@ -30,8 +30,21 @@ FAULT_SLACK_S = 2.0
 DEAD = 1
 
 
+def _use_device() -> None:
+    """Rank processes use GPU 0 (where there is one: tests/test_cuda_emulated.py runs these bodies on an
+    emulated device, whose tensors live on the host)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+
+
+def _settle() -> None:
+    """Wait for the device (a no-op on the emulated one, whose launches complete at once)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _buffers(ctx, case):
-    torch.cuda.set_device(0)
+    _use_device()
     size = Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts)
     return Buffer(ctx.group, size, transport="shm"), Buffer(ctx.group, size, transport="cuda")
 
@@ -66,8 +79,7 @@ def _round(buffer, inputs, active, case, use_fp8, mode, device, zero_copy=False,
     event.current_stream_wait()
     if use_out:
         assert combined.data_ptr() == out.data_ptr()
-    if device != "cpu":
-        torch.cuda.synchronize()
+    _settle()
     return dict(recv=cpu_recv, count=cpu_count, src_info=handle[0].cpu(), layout_range=handle[1].cpu(),
                 combined=combined.cpu(), active=active.cpu(), handle=_to_cpu(tuple(handle)))
 
@@ -109,7 +121,7 @@ def rank_matches_shm(ctx, use_fp8, mode, seed, inactive=(), zero_copy=False, use
         if ctx.rank in inactive:
             return True  # every peer treats it as dead: it takes no part
         cpu = _round(shm, inputs, active, case, use_fp8, mode, "cpu", zero_copy, use_out, ctx.rank, ctx.num_ranks)
-        dev = _round(gpu, inputs, active, case, use_fp8, mode, "cuda", zero_copy, use_out, ctx.rank, ctx.num_ranks)
+        dev = _round(gpu, inputs, active, case, use_fp8, mode, gpu.device, zero_copy, use_out, ctx.rank, ctx.num_ranks)
         _assert_identical(ctx, case, cpu, dev, use_fp8)
         # And right, against the independent references (the shm path is checked the same way in test_buffer).
         result = (dev["recv"], dev["count"], dev["handle"], _Done(), None)
@@ -159,7 +171,7 @@ def rank_two_dispatches(ctx, mode):
     try:
         n = token_count(ctx.rank, ctx.num_ranks, case.tokens)
         results = {}
-        for name, buffer, device in (("cpu", shm, "cpu"), ("gpu", gpu, "cuda")):
+        for name, buffer, device in (("cpu", shm, "cpu"), ("gpu", gpu, gpu.device)):
             rounds = []
             for seed in (21, 22):
                 inputs = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed)
@@ -215,10 +227,13 @@ def rank_validation(ctx):
         two[0] = 2
         misaligned = torch.empty(x.numel() + 8, dtype=torch.bfloat16, device=dev)[1:1 + x.numel()].view_as(x)
         misaligned.copy_(x)
-        dispatch_errors = [
+        # Tensors on the wrong device (only where the Buffer's device is a real GPU).
+        device_errors = [
             (dict(x=inputs.x), ValueError, "x: expected a tensor on cuda"),
             (dict(active_ranks=active.cpu()), ValueError, "active_ranks: expected a tensor on cuda"),
             (dict(topk_idx=topk.cpu()), ValueError, "topk_idx: expected a tensor on cuda"),
+        ] if dev.type == "cuda" else []
+        dispatch_errors = device_errors + [
             (dict(x=x.float()), ValueError, "x: expected dtype"),
             (dict(x=torch.zeros((n, 100), dtype=torch.bfloat16, device=dev)), ValueError, "x: expected a hidden size"),
             (dict(topk_idx=bad_topk), ValueError, "topk_idx: expected expert ids in"),
@@ -243,11 +258,13 @@ def rank_validation(ctx):
         other_topk[0, 0] = (int(topk[0, 0]) + 1) % E if int(topk[0, 0]) >= 0 else 0
         if int((other_topk[0] == other_topk[0, 0]).sum()) > 1:
             other_topk[0, 0] = -1 if int(topk[0, 0]) >= 0 else int(topk[0, 0])
-        combine_errors = [
+        combine_errors = ([
             (dict(x=y.cpu()), ValueError, "x: expected a tensor on cuda"),
             (dict(topk_weights=weights.cpu()), ValueError, "topk_weights: expected a tensor on cuda"),
-            (dict(out=torch.empty((n + 1, case.hidden), dtype=torch.bfloat16, device=dev)), ValueError, "out:"),
             (dict(active_ranks=active.cpu()), ValueError, "active_ranks"),
+        ] if dev.type == "cuda" else []) + [
+            (dict(out=torch.empty((n + 1, case.hidden), dtype=torch.bfloat16, device=dev)), ValueError, "out:"),
+            (dict(x=y[:, :-1]), ValueError, "x: expected shape"),
             (dict(handle=(1, 2, 3)), TypeError, "handle"),
         ]
         if not torch.equal(other_topk, topk):
@@ -260,11 +277,11 @@ def rank_validation(ctx):
         gpu.combine(**cgood)
         with pytest.raises(ValueError, match="combined already"):
             gpu.combine(**cgood)
-        torch.cuda.synchronize()
+        _settle()
         # The Buffer is still usable and still right.
         active_cpu = torch.ones(ctx.num_ranks, dtype=torch.int32)
         a = _round(shm, inputs, active_cpu, case, False, "sync", "cpu", rank=ctx.rank, ranks=ctx.num_ranks)
-        b = _round(gpu, inputs, active_cpu, case, False, "sync", "cuda", rank=ctx.rank, ranks=ctx.num_ranks)
+        b = _round(gpu, inputs, active_cpu, case, False, "sync", gpu.device, rank=ctx.rank, ranks=ctx.num_ranks)
         _assert_identical(ctx, case, a, b, False)
         return True
     finally:
@@ -344,7 +361,7 @@ def rank_killed(ctx, kill_point):
     """Round 1 whole; in round 2 rank DEAD is SIGKILLed at `kill_point`; survivors return within the
     deadline with DEAD cleared in active_ranks and every other row exact."""
     case = Case(tokens=32)
-    torch.cuda.set_device(0)
+    _use_device()
     size = Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts)
     gpu = Buffer(ctx.group, size, transport="cuda")
     dev = gpu.device
@@ -368,7 +385,7 @@ def rank_killed(ctx, kill_point):
         start = time.monotonic()
         recv, count, handle, _, _ = gpu.dispatch(x, topk, active, case.tokens, case.experts, FAULT_TIMEOUT_US,
                                                  use_fp8=False)
-        torch.cuda.synchronize()
+        _settle()
         dispatch_s = time.monotonic() - start
         if fault and ctx.rank == DEAD and kill_point == "between":
             _die()
@@ -376,7 +393,7 @@ def rank_killed(ctx, kill_point):
         y = _expert_outputs(ctx, case, recv.cpu(), count.cpu(), False).to(dev)
         start = time.monotonic()
         combined, _, _ = gpu.combine(y, topk, weights, active, FAULT_TIMEOUT_US, handle)
-        torch.cuda.synchronize()
+        _settle()
         combine_s = time.monotonic() - start
         combine_active = active.tolist()
         dispatch_active = after_dispatch
@@ -400,10 +417,25 @@ def rank_killed(ctx, kill_point):
     return timings
 
 
+def on_device(function, emulated: bool) -> tuple:
+    """The rank function (and its leading arguments) that runs `function` on the GPU, or on the
+    emulated device of tests/emulated_device.py (installed first in the rank process)."""
+    if emulated:
+        from tests.emulated_device import run_emulated
+
+        return (run_emulated, function.__module__, function.__name__)
+    return (function,)
+
+
 @pytest.mark.parametrize("kill_point", ["before_dispatch", "between"])
 def test_cuda_rank_killed(kill_point):
+    killed_case(kill_point)
+
+
+def killed_case(kill_point: str, emulated: bool = False) -> None:
+    """4 ranks, rank DEAD SIGKILLed at `kill_point` in round 2: survivors within the deadline, exact."""
     with harness.fresh_cluster(4) as cluster:
-        outcomes = cluster.run(rank_killed, kill_point, timeout_s=90, failure_grace_s=30)
+        outcomes = cluster.run(*on_device(rank_killed, emulated), kill_point, timeout_s=90, failure_grace_s=30)
     assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
     for outcome in outcomes:
         if outcome.rank == DEAD:
@@ -450,7 +482,7 @@ def _elastic_round(ctx, buffer, round_index, expect_dead=(), dispatch_dead=None)
     after_dispatch = active.tolist()
     y = _mock_expert(ctx, recv.cpu()).to(dev)
     combined, _, _ = buffer.combine(y, topk, weights, active, FAULT_TIMEOUT_US, handle)
-    torch.cuda.synchronize()
+    _settle()
     seconds = time.monotonic() - start
     final = active.tolist()
     want = [0 if r in expect_dead else 1 for r in range(ctx.num_ranks)]
@@ -462,7 +494,7 @@ def _elastic_round(ctx, buffer, round_index, expect_dead=(), dispatch_dead=None)
 
 
 def rank_elastic_fail(ctx):
-    torch.cuda.set_device(0)
+    _use_device()
     buffer = Buffer(ctx.group, _elastic_size(), transport="cuda")
     _STATE["buffer"] = buffer
     before = _addresses(buffer)
@@ -477,7 +509,7 @@ def rank_elastic_recover(ctx):
     from mooncake_ep_switch.elastic import join
 
     if ctx.group is None:  # the replacement process
-        torch.cuda.set_device(0)
+        _use_device()
         buffer = Buffer(join(ctx.store, ctx.rank, ctx.num_ranks), _elastic_size(), transport="cuda")
         _STATE["buffer"] = buffer
     else:
@@ -495,8 +527,14 @@ def rank_elastic_recover(ctx):
 
 
 def test_cuda_rank_replaced_with_update_ep_member():
+    replaced_case()
+
+
+def replaced_case(emulated: bool = False) -> None:
+    """Rank ELASTIC_DEAD SIGKILLed, survivors serve without it, its replacement is admitted; exact
+    rounds after, and no address an engine holds moved."""
     with harness.fresh_cluster(ELASTIC_RANKS) as cluster:
-        outcomes = cluster.run(rank_elastic_fail, timeout_s=90, failure_grace_s=30)
+        outcomes = cluster.run(*on_device(rank_elastic_fail, emulated), timeout_s=90, failure_grace_s=30)
         before = {}
         for outcome in outcomes:
             if outcome.rank == ELASTIC_DEAD:
@@ -506,7 +544,7 @@ def test_cuda_rank_replaced_with_update_ep_member():
             assert outcome.value["seconds"] < FAULT_TIMEOUT_US / 1e6 + FAULT_SLACK_S, outcome.value
             before[outcome.rank] = outcome.value["addresses"]
         cluster.respawn(ELASTIC_DEAD)
-        after = check_outcomes_values(cluster.run(rank_elastic_recover, timeout_s=120))
+        after = check_outcomes_values(cluster.run(*on_device(rank_elastic_recover, emulated), timeout_s=120))
     assert all(v["view"] == list(range(ELASTIC_RANKS)) for v in after)
     for rank, addresses in before.items():
         assert after[rank]["addresses"] == addresses, "an address an engine holds moved across recovery"

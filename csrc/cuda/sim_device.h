@@ -2,10 +2,10 @@
 // a grid's blocks run one after another; a block's threads are cooperative fibers (ucontext) on
 // the calling thread, switched at __syncthreads, warp collectives and __nanosleep, so block and warp
 // barriers, ballots, shuffles and `__shared__` variables (function statics: one block runs at a
-// time) behave as on a GPU. Atomics are host atomics, the "global timer" advances by a fixed step
-// per read (so deadlines expire after a known number of polls), and the memory-model helpers are
-// C++ release/acquire atomics. It checks logic (indices, packing, arithmetic, waits and their
-// failure paths), not concurrency between ranks or speed: ranks are called one after another.
+// time) behave as on a GPU. Atomics are host atomics, the "global timer" is the host's monotonic
+// clock, and the memory-model helpers are C++ release/acquire atomics (so emulated kernels of rank
+// processes sharing memory see each other's signals). It checks logic (indices, packing,
+// arithmetic, waits and their failure paths), not the GPU's memory model or speed.
 #pragma once
 
 #include <algorithm>
@@ -36,16 +36,19 @@ void sync_threads();
 void sync_warp();
 unsigned ballot(bool predicate);
 uint32_t shuffle_xor(uint32_t value, int lane_mask);
-// Let the other threads of the block run (a spin-wait's pause).
+// Let the other threads of the block run (inside the emulator's barriers).
 void yield();
-// Nanoseconds of the emulated global timer: +1 microsecond per read.
+// A spin-wait's pause (__nanosleep): the thread waits for something outside the block (a signal of
+// another rank); the scheduler backs off with short sleeps while every thread only waits.
+void pause();
+// Nanoseconds of the host's monotonic clock (the emulated global timer).
 uint64_t timer_ns();
 // The running block's dynamic shared memory (zeroed per block, 16-byte aligned).
 unsigned char* dynamic_shared_bytes();
 
 // Run `body` as every thread of every block of a (grid, block) launch; returns when all finished.
-// Throws std::runtime_error if the threads of a block stop making progress (a barrier some thread
-// never reaches).
+// Throws std::runtime_error if the threads of a block stop making progress without waiting on
+// anything outside the block (a barrier some thread never reaches).
 void run_grid(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()>& body);
 
 }  // namespace mep_sim
@@ -75,7 +78,7 @@ inline uint32_t __shfl_xor_sync(unsigned, uint32_t value, int lane_mask) {
 }
 inline int __popc(unsigned value) { return __builtin_popcount(value); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __nanosleep(unsigned) { mep_sim::yield(); }
+inline void __nanosleep(unsigned) { mep_sim::pause(); }
 // Round-to-nearest float operations (compiled with -ffp-contract=off: never fused).
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fadd_rn(float a, float b) { return a + b; }

@@ -2,7 +2,9 @@
 // emulated thread of the running block; blocks of a grid run one after another.
 #include <ucontext.h>
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -14,7 +16,8 @@ namespace mep_sim {
 namespace {
 
 constexpr size_t kStackBytes = 128 * 1024;
-constexpr uint64_t kMaxIdleRounds = 2'000'000;  // scheduler rounds without a finished barrier or thread
+constexpr uint64_t kMaxIdleRounds = 2'000'000;  // rounds without progress or an outside wait: a deadlock
+constexpr uint64_t kSpinRounds = 64;            // rounds of pure outside waits before the scheduler sleeps
 
 struct Fiber {
     ucontext_t context;
@@ -37,6 +40,7 @@ struct Block {
     int block_arrived = 0;
     uint64_t block_generation = 0;
     uint64_t progress = 0;  // barriers completed + threads finished
+    uint64_t pauses = 0;    // __nanosleep calls: waits on something outside the block
     ucontext_t scheduler;
     const std::function<void()>* body = nullptr;
     std::vector<unsigned char> shared;
@@ -44,7 +48,6 @@ struct Block {
 
 Block* running = nullptr;
 std::vector<std::unique_ptr<char[]>> stacks;  // reused between launches
-uint64_t timer = 0;
 
 Block& block() {
     if (running == nullptr || running->current < 0) throw std::logic_error("mep_sim: called outside a kernel");
@@ -131,7 +134,16 @@ uint32_t shuffle_xor(uint32_t value, int lane_mask) {
     return got;
 }
 
-uint64_t timer_ns() { return timer += 1000; }
+void pause() {
+    ++block().pauses;
+    yield();
+}
+
+uint64_t timer_ns() {
+    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now().time_since_epoch())
+                        .count());
+}
 
 unsigned char* dynamic_shared_bytes() { return block().shared.data(); }
 
@@ -162,7 +174,7 @@ void run_grid(dim3 grid, dim3 dim, size_t shared_bytes, const std::function<void
                     makecontext(&f.context, trampoline, 0);
                 }
                 running = &b;
-                uint64_t idle = 0, seen = b.progress;
+                uint64_t idle = 0, waiting = 0, seen = b.progress, paused = b.pauses;
                 std::string error;
                 for (;;) {
                     bool alive = false;
@@ -176,7 +188,11 @@ void run_grid(dim3 grid, dim3 dim, size_t shared_bytes, const std::function<void
                     if (!alive) break;
                     if (b.progress != seen) {
                         seen = b.progress;
+                        idle = waiting = 0;
+                    } else if (b.pauses != paused) {  // only waits on other ranks: back off politely
+                        paused = b.pauses;
                         idle = 0;
+                        if (++waiting > kSpinRounds) std::this_thread::sleep_for(std::chrono::microseconds(20));
                     } else if (++idle > kMaxIdleRounds) {
                         error = "mep_sim: block (" + std::to_string(bx) + ", " + std::to_string(by) +
                                 ") made no progress: a barrier or warp collective that some thread never reaches";

@@ -1,0 +1,144 @@
+"""An emulated CUDA device for the "cuda" transport, so CI (no GPU) runs its Python layer for real.
+
+`install()`, called first in a rank process, swaps only what needs a GPU:
+
+* the `_cuda` module's kernels and launchers by `_cuda_sim`'s: the same source (csrc/cuda/
+  ep_kernels.cuh) on the host block/warp emulator, whose launches complete before returning (so
+  stream order holds trivially) and whose device waits poll the host clock;
+* device memory by anonymous shared regions (memfd, `_native.region_create`) and CUDA IPC handles
+  by (pid, fd, size), opened through /proc as the shm transport maps its peers; pinned mapped host
+  memory by host tensors; the synchronous copies by `_native.copy_bytes`;
+* torch.cuda's device, streams, events, graph-capture query and `Tensor.record_stream` by host
+  stand-ins, in the modules of the cuda path (`buffer/transport/cuda.py`, `buffer/device_calls.py`,
+  `buffer/handle.py`) only.
+
+Everything else is the real code: Buffer, validation, `device_calls`, `CudaTransport` (endpoints,
+connect, peer table, control block, dead words, failed sources, destroy), membership and recovery.
+The emulated device's tensors live on the CPU, so device-mismatch errors and CUDA graphs are left to
+the GPU run (tests/test_cuda.py). Use it in fresh rank processes only: the swap is not undone.
+"""
+import contextlib
+import os
+import struct
+import types
+
+import torch
+
+_INSTALLED = []
+
+
+class _Stream:
+    """A host stand-in for torch.cuda.Stream (launches complete in order on the host)."""
+
+    cuda_stream = 0
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+class _Event:
+    """A host stand-in for torch.cuda.Event (everything before it has completed)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _TorchOnTheHost(types.ModuleType):
+    """torch, with `cuda`, `device` and `as_tensor` answering for the emulated device."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def install():
+    """Swap the cuda transport's device for the emulated one in this process (idempotent).
+
+    Returns:
+        fake: the namespace standing in for `mooncake_ep_switch._cuda`.
+    """
+    if _INSTALLED:
+        return _INSTALLED[0]
+    from mooncake_ep_switch import _cuda_sim, _native
+    from mooncake_ep_switch.buffer import device_calls, handle
+    from mooncake_ep_switch.buffer.transport import cuda as cuda_transport
+
+    regions, opened, host = {}, {}, {}
+    fake = types.SimpleNamespace()
+    for name in ("Call", "Region", "check_values", "combine_recv", "combine_send", "dispatch_recv",
+                 "dispatch_scratch_bytes", "dispatch_send"):
+        setattr(fake, name, getattr(_cuda_sim, name))
+
+    def device_alloc(nbytes, device):
+        fd, base = _native.region_create(nbytes)
+        regions[base] = (fd, nbytes)
+        return base
+
+    def device_free(ptr):
+        fd, nbytes = regions.pop(ptr)
+        _native.region_unmap(ptr, nbytes)
+        _native.region_close_fd(fd)
+
+    def mapped_host_alloc(nbytes):
+        block = torch.zeros(nbytes, dtype=torch.uint8)
+        host[block.data_ptr()] = block
+        return block.data_ptr()
+
+    def ipc_open(handle_bytes, device):
+        pid, fd, nbytes = struct.unpack("<qqq", handle_bytes[:24])
+        ptr = _native.region_map_peer(pid, fd, nbytes)
+        opened[ptr] = nbytes
+        return ptr
+
+    fake.device_alloc, fake.device_free = device_alloc, device_free
+    fake.mapped_host_alloc, fake.mapped_host_free = mapped_host_alloc, lambda ptr: host.pop(ptr)
+    fake.ipc_handle = lambda base: struct.pack("<qqq", os.getpid(), *regions[base]).ljust(64, b"\0")
+    fake.ipc_open = ipc_open
+    fake.ipc_close = lambda ptr: _native.region_unmap(ptr, opened.pop(ptr))
+    fake.copy_to_device = fake.copy_to_host = lambda dst, src, nbytes: _native.copy_bytes(dst, src, nbytes)
+    fake.device_count, fake.device_status = (lambda: 1), (lambda: "")
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        yield
+
+    cuda = types.SimpleNamespace(
+        current_device=lambda: 0, current_stream=lambda device=None: _Stream(), Stream=_Stream, Event=_Event,
+        stream=on_stream, synchronize=lambda device=None: None, is_current_stream_capturing=lambda: False,
+        is_available=lambda: True)
+    on_host = _TorchOnTheHost("torch")
+    on_host.cuda = cuda
+    on_host.device = lambda *args: torch.device("cpu")
+
+    def as_tensor(obj, device=None):
+        if isinstance(obj, cuda_transport.DeviceAllocation):  # a view of the emulated device's region
+            return torch.frombuffer(_native.MappedBytes(obj.ptr, obj.nbytes, obj), dtype=torch.uint8)
+        return torch.as_tensor(obj, device=device)
+
+    on_host.as_tensor = as_tensor
+    for module in (cuda_transport, device_calls, handle):
+        module.torch = on_host
+    cuda_transport._cuda = fake
+    cuda_transport.cuda_unavailable_reason = lambda: ""
+    torch.Tensor.record_stream = lambda self, stream: None
+    _INSTALLED.append(fake)
+    return fake
+
+
+def run_emulated(ctx, module: str, function: str, *args, **kwargs):
+    """Rank function: install the emulated device, then run `module.function(ctx, *args, **kwargs)`."""
+    import importlib
+
+    install()
+    return getattr(importlib.import_module(module), function)(ctx, *args, **kwargs)

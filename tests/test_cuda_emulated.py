@@ -1,0 +1,63 @@
+"""The "cuda" transport's Python layer on every machine: the bodies of tests/test_cuda.py on the
+emulated device of tests/emulated_device.py (the real kernels on the host block/warp emulator, device
+memory as shared regions between the rank processes, streams and events as host stand-ins).
+
+Real: the Buffer, validation, the device call path (sync, hook, async, zero-copy, out=, the output
+pool), CudaTransport (endpoints in the store, opening peers' regions, the peer table, the control
+block, the peer watcher's dead words, failed sources, destroy), faults and re-admission. Left to a
+GPU (tests/test_cuda.py): device-mismatch errors, CUDA graphs, the GPU's memory model and speed.
+Each test uses fresh rank processes (the emulation is not undone).
+"""
+import pytest
+
+from mooncake_ep_switch.launch import check_outcomes
+from tests import harness
+from tests import test_cuda
+from tests.emulated_device import run_emulated
+
+# (use_fp8, mode, extra) rounds, each against shm with the same inputs, bit for bit
+ROUNDS = [(False, "sync", {}), (True, "sync", {}), (False, "hook", {}), (True, "hook", {}), (False, "async", {}),
+          (True, "async", {}), (False, "sync", dict(zero_copy=True)), (False, "sync", dict(use_out=True)),
+          (False, "hook", dict(zero_copy=True, use_out=True)), (False, "sync", dict(inactive=(1,))),
+          (True, "sync", dict(random_values=True))]
+
+
+def rank_rounds(ctx, rounds) -> int:
+    """Every round of `rounds` in these rank processes (one Buffer pair per round, as on the GPU)."""
+    for index, (use_fp8, mode, extra) in enumerate(rounds):
+        test_cuda.rank_matches_shm(ctx, use_fp8, mode, seed=40 + index, **extra)
+    return len(rounds)
+
+
+def rank_two_dispatches_every_mode(ctx) -> bool:
+    for mode in ("sync", "hook", "async"):
+        test_cuda.rank_two_dispatches(ctx, mode)
+    return True
+
+
+def _emulated(num_ranks: int, function, *args, timeout_s: float = 180):
+    with harness.fresh_cluster(num_ranks) as cluster:
+        return check_outcomes(cluster.run(run_emulated, function.__module__, function.__name__, *args,
+                                          timeout_s=timeout_s))
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_emulated_buffer_body_matches_shm(num_ranks):
+    assert _emulated(num_ranks, rank_rounds, ROUNDS) == [len(ROUNDS)] * num_ranks
+
+
+def test_emulated_two_dispatches_in_a_row():
+    assert all(_emulated(4, rank_two_dispatches_every_mode))
+
+
+def test_emulated_validation_errors_leave_the_buffer_usable():
+    assert all(_emulated(2, test_cuda.rank_validation))
+
+
+@pytest.mark.parametrize("kill_point", ["before_dispatch", "between"])
+def test_emulated_rank_killed(kill_point):
+    test_cuda.killed_case(kill_point, emulated=True)
+
+
+def test_emulated_rank_replaced_with_update_ep_member():
+    test_cuda.replaced_case(emulated=True)
