@@ -95,6 +95,16 @@ class Buffer:
     top-k and mask values in one native pass, and fall back to the full validation (whose errors
     name the argument) whenever anything differs. A synchronous call on
     the shm route runs its send and receive phases in one native call.
+
+    CUDA tensors (`transport="cuda"`, `buffer.device`): a call launches device kernels and returns
+    without waiting for the device. Synchronous: send and receive kernels on the current stream
+    (results ready in stream order); `return_recv_hook=True`: the receive kernels are launched by
+    the hook, on its dispatch's stream; `async_finish=True`: everything on the Buffer's
+    communication stream, and the event (`StreamEvent`) makes the current stream wait. Timeouts
+    are measured on the GPU and written into `active_ranks` (a CUDA int32 tensor) by the kernels.
+    Values of `topk_idx`/`active_ranks` are checked on the device in eager calls
+    (`MEP_CUDA_CHECK_VALUES`, one synchronisation; never during CUDA graph capture). A
+    dispatch/combine pair can be captured in a CUDA graph; destroy graphs before their Buffer.
     """
 
     def __init__(self, group, num_ep_buffer_bytes: int = 0, disable_p2p: bool = False, *, transport: str = "auto",
