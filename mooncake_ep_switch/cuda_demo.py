@@ -128,6 +128,7 @@ def rank_step(ctx, step: int) -> dict:
 
 
 def rank_teardown(ctx) -> bool:
+    """Destroy this rank's Buffer and forget the demo's state."""
     buffer = _STATE.pop("buffer", None)
     if buffer is not None:
         buffer.destroy()

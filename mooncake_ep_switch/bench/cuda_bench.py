@@ -119,6 +119,7 @@ def rank_device_copy(ctx, num_bytes: int, repeats: int = 50) -> float:
 
 
 def rank_device_name(ctx) -> str:
+    """The name of GPU 0, as this rank sees it."""
     torch.cuda.set_device(0)
     return torch.cuda.get_device_name(0)
 
