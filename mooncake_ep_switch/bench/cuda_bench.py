@@ -154,13 +154,19 @@ def run(quick: bool = False) -> List[dict]:
     label = f"R=2 T=128 hidden=7168 E=32 K=8 ({per_rank / 1e6:.1f} MB per rank)"
     where = f"{device}; ranks {sharing}"
     for (fp8, graph), result in results.items():
-        gbps = per_rank / result["seconds"] / 1e9
+        # DeepEP's convention: the bytes that move, FP8 rows (H bytes + H/128 float32 scales) for an FP8
+        # dispatch, bf16 rows for combine.
+        selections = result["rank_selections"]
+        moved = selections * (shape.hidden + shape.hidden // 128 * 4 if fp8 else shape.hidden * 2) + \
+            selections * shape.hidden * 2
+        gbps = moved / result["seconds"] / 1e9
         rows.append({"benchmark": f"cuda dispatch+combine bandwidth per rank ({'FP8 dispatch' if fp8 else 'bf16'}"
                                   f"{', CUDA graph' if graph else ', eager'})",
                      "shape": label, "ours_ms": result["seconds"] * 1e3,
                      "baseline": "device-to-device copy of one rank's bytes", "baseline_ms": copy * 1e3,
                      "speedup": copy / result["seconds"],
-                     "note": f"{gbps:.1f} GB/s logical per rank vs copy {per_rank / copy / 1e9:.1f} GB/s; {where}"})
+                     "note": f"{gbps:.1f} GB/s logical per rank ({moved / 1e6:.1f} MB) vs copy "
+                             f"{per_rank / copy / 1e9:.1f} GB/s; {where}"})
     rows.append({"benchmark": "shm dispatch+combine bandwidth per rank (bf16, CPU, same run)", "shape": label,
                  "ours_ms": shm["seconds"] * 1e3, "baseline": "cuda eager (bf16)",
                  "baseline_ms": results[(False, False)]["seconds"] * 1e3,
