@@ -65,6 +65,8 @@ def rank_cuda_refused(ctx):
     """Where no device is usable: "cuda" raises naming the reason; "auto" picks "shm"."""
     reason = cuda_transport.cuda_unavailable_reason()
     size = Buffer.get_ep_buffer_size_hint(8, 128, ctx.num_ranks, 2 * ctx.num_ranks)
+    with Buffer(ctx.group, size, transport="host") as buffer:  # "auto" without cuda, on any machine
+        assert buffer.transport == "shm" and buffer.device is None
     if reason:
         with pytest.raises(RuntimeError, match="transport: 'cuda' cannot run here"):
             Buffer(ctx.group, size, transport="cuda")
