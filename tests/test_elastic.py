@@ -15,7 +15,7 @@ import torch
 from mooncake_ep_switch import Buffer
 from mooncake_ep_switch.elastic import join
 from tests import harness
-from tests.test_faults import Shape, _check_round, _mock_expert
+from tests.test_faults import Shape, _check_round, _dispatch_view, _mock_expert
 from tests.reference import structured_inputs, token_count
 
 NUM_RANKS = 4
@@ -85,6 +85,7 @@ def rank_fail(ctx, transport, dead, kill_point, how):
         timeout_us = TIMEOUT_US_BY_TRANSPORT[transport]
         recv, count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
                                                     timeout_us, use_fp8=False)
+        after_dispatch = active.tolist()
         if ctx.rank in dead:
             harness_die(how)
         combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active,
@@ -92,7 +93,8 @@ def rank_fail(ctx, transport, dead, kill_point, how):
         seconds = time.monotonic() - start
         want = [0 if r in dead else 1 for r in range(ctx.num_ranks)]
         assert active.tolist() == want
-        _check_round(ctx, all_inputs, [1] * ctx.num_ranks, want, recv, count, handle, combined)
+        in_dispatch = _dispatch_view("between", after_dispatch, want, buffer.transport)
+        _check_round(ctx, all_inputs, in_dispatch, want, recv, count, handle, combined)
     else:
         # before_dispatch: the dead never send; mid_dispatch: their rows land, their signals never
         # do, so survivors must not read those rows.
