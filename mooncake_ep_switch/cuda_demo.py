@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+from mooncake_ep_switch.reference.compare import calc_diff
 
 CHECK_LIMIT = 1e-4  # calc_diff against the single-process reference on the same device
 
@@ -122,9 +123,7 @@ def rank_step(ctx, step: int) -> dict:
     reference = x
     for weights in _STATE["weights"]:
         reference = reference_forward(reference, weights, config.top_k, skip_experts=skip)
-    diff = float(1 - 2 * (out.double() * reference.double()).sum() /
-                 max(float((out.double().square() + reference.double().square()).sum()), 1e-30))
-    return {"seconds": seconds, "diff": diff, "dead": dead}
+    return {"seconds": seconds, "diff": calc_diff(out, reference), "dead": dead}
 
 
 def rank_teardown(ctx) -> bool:

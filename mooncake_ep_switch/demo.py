@@ -30,6 +30,7 @@ import torch
 from mooncake_ep_switch.expert_memory import ExpertMemory
 from mooncake_ep_switch.expert_memory import initial_placement as _initial_placement
 from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+from mooncake_ep_switch.reference.compare import calc_diff
 
 
 class DemoConfig(NamedTuple):
@@ -79,11 +80,6 @@ class DemoConfig(NamedTuple):
 _RANK_STATE = {}
 CHECK_LIMIT = 1e-4  # calc_diff against the single-process reference (bf16 activations)
 LAYOUT_TP, LAYOUT_EP = "tp", "ep"
-
-
-def _calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double() + 1, y.double() + 1
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
 
 
 def request_trace(config: DemoConfig):
@@ -319,7 +315,7 @@ def rank_step(ctx, step: int, command: dict):
             reference = reference_forward(reference, weights, config.top_k)
     for report in reports:
         report["layers"] = list(report["layers"])
-    return {"seconds": seconds, "diff": _calc_diff(out, reference), "tokens": x.size(0), "dead": dead,
+    return {"seconds": seconds, "diff": calc_diff(out, reference), "tokens": x.size(0), "dead": dead,
             "layout": umm.layout, "counts": counts, "reports": reports,
             "phy2log": state["slots"].phy2log.tolist() if state["slots"] is not None else None}
 

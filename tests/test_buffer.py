@@ -114,19 +114,26 @@ def _seen_values(inputs, use_fp8):
     return dequantize(data, scales).to(torch.bfloat16)
 
 
+def gathered_inputs(ctx, case, seed, random_values=False, inactive=()):
+    """This rank's structured inputs (uneven counts), every rank's (all-gathered), and the mask with
+    `inactive` ranks at 0."""
+    n = token_count(ctx.rank, ctx.num_ranks, case.tokens)
+    inputs = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed, random_values=random_values)
+    all_inputs = [None] * ctx.num_ranks
+    dist.all_gather_object(all_inputs, inputs, group=ctx.group)
+    active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+    active[list(inactive)] = 0
+    return inputs, all_inputs, active
+
+
 def rank_round_trip(ctx, transport, use_fp8, mode, seed=0, inactive=(), random_values=False, case=None,
                     zero_copy=False, use_out=False):
     """One dispatch + mock experts + combine, checked against the references."""
     case = case or Case()
     buffer = _make_buffer(ctx, transport, case)
     try:
-        n = token_count(ctx.rank, ctx.num_ranks, case.tokens)
-        inputs = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed,
-                                   random_values=random_values)
-        all_inputs = [None] * ctx.num_ranks
-        dist.all_gather_object(all_inputs, inputs, group=ctx.group)
-        active = torch.ones(ctx.num_ranks, dtype=torch.int32)
-        active[list(inactive)] = 0
+        inputs, all_inputs, active = gathered_inputs(ctx, case, seed, random_values, inactive)
+        n = inputs.x.size(0)
         if ctx.rank in inactive and buffer.transport != "collective":
             return 0.0  # dead to every peer: on one-sided transports it simply takes no part
         flags = dict(async_finish=mode == "async", return_recv_hook=mode == "hook")

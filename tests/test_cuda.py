@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch import Buffer
+from mooncake_ep_switch import Buffer, EventOverlap
+from mooncake_ep_switch.launch import check_outcomes
 from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason
 from tests import harness
 from tests.reference import expected_combine, expert_scale, structured_inputs, token_count
-from tests.test_buffer import Case, _check_dispatch, _expert_outputs, _seen_values
+from tests.test_buffer import Case, _check_dispatch, _expert_outputs, _seen_values, gathered_inputs
 
 pytestmark = pytest.mark.skipif(bool(cuda_unavailable_reason()), reason="no CUDA device")
 
@@ -111,20 +112,14 @@ def rank_matches_shm(ctx, use_fp8, mode, seed, inactive=(), zero_copy=False, use
     case = Case()
     shm, gpu = _buffers(ctx, case)
     try:
-        n = token_count(ctx.rank, ctx.num_ranks, case.tokens)
-        inputs = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed,
-                                   random_values=random_values)
-        all_inputs = [None] * ctx.num_ranks
-        dist.all_gather_object(all_inputs, inputs, group=ctx.group)
-        active = torch.ones(ctx.num_ranks, dtype=torch.int32)
-        active[list(inactive)] = 0
+        inputs, all_inputs, active = gathered_inputs(ctx, case, seed, random_values, inactive)
         if ctx.rank in inactive:
             return True  # every peer treats it as dead: it takes no part
         cpu = _round(shm, inputs, active, case, use_fp8, mode, "cpu", zero_copy, use_out, ctx.rank, ctx.num_ranks)
         dev = _round(gpu, inputs, active, case, use_fp8, mode, gpu.device, zero_copy, use_out, ctx.rank, ctx.num_ranks)
         _assert_identical(ctx, case, cpu, dev, use_fp8)
         # And right, against the independent references (the shm path is checked the same way in test_buffer).
-        result = (dev["recv"], dev["count"], dev["handle"], _Done(), None)
+        result = (dev["recv"], dev["count"], dev["handle"], EventOverlap(None), None)
         _check_dispatch(ctx, case, all_inputs, active.tolist(), result, use_fp8, "sync")
         expected = expected_combine(_seen_values(inputs, use_fp8), inputs.topk_idx, inputs.weights,
                                     {r: bool(active[r]) for r in range(ctx.num_ranks)}, case.experts // ctx.num_ranks)
@@ -134,11 +129,6 @@ def rank_matches_shm(ctx, use_fp8, mode, seed, inactive=(), zero_copy=False, use
     finally:
         gpu.destroy()
         shm.destroy()
-
-
-class _Done:
-    def current_stream_wait(self):
-        pass
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
@@ -544,13 +534,7 @@ def replaced_case(emulated: bool = False) -> None:
             assert outcome.value["seconds"] < FAULT_TIMEOUT_US / 1e6 + FAULT_SLACK_S, outcome.value
             before[outcome.rank] = outcome.value["addresses"]
         cluster.respawn(ELASTIC_DEAD)
-        after = check_outcomes_values(cluster.run(*on_device(rank_elastic_recover, emulated), timeout_s=120))
+        after = check_outcomes(cluster.run(*on_device(rank_elastic_recover, emulated), timeout_s=120))
     assert all(v["view"] == list(range(ELASTIC_RANKS)) for v in after)
     for rank, addresses in before.items():
         assert after[rank]["addresses"] == addresses, "an address an engine holds moved across recovery"
-
-
-def check_outcomes_values(outcomes):
-    for outcome in outcomes:
-        assert outcome.ok, outcome.error
-    return [outcome.value for outcome in outcomes]

@@ -1,6 +1,8 @@
 """The per-call region layout (offsets computed once, in native code) and the size hint."""
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, Tuple
+
+import torch
 
 from mooncake_ep_switch import _native
 
@@ -53,3 +55,78 @@ def region_layout(num_ranks: int, num_max_dispatch_tokens_per_rank: int, hidden:
     """
     fields = _native.region_layout(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts)
     return RegionLayout(**{name: int(fields[name]) for name in RegionLayout._fields})
+
+
+class RegionLayouts(dict):
+    """The layouts of one rank's region, `(T, hidden, E) -> RegionLayout`, each checked to fit once.
+
+    A dict, so that a hot path looks a known shape up with `dict.get` itself; `fit` computes and
+    checks a new one. Shared by the one-sided transports (shm / Transfer Engine, cuda).
+
+    Arguments:
+        num_ranks: `R`.
+        nbytes: the region's size (`num_ep_buffer_bytes`).
+    """
+
+    def __init__(self, num_ranks: int, nbytes: int):
+        super().__init__()
+        self.num_ranks, self.nbytes = num_ranks, nbytes
+
+    def fit(self, tokens: int, hidden: int, experts: int) -> RegionLayout:
+        """The layout of a call shape, checked once to fit the region.
+
+        Arguments:
+            tokens: `T`.
+            hidden: `H`.
+            experts: `E`.
+
+        Returns:
+            layout: a `RegionLayout`.
+
+        Raises:
+            ValueError: the shape needs more than the region has (the Buffer checked already; never
+                write past a region).
+        """
+        layout = self.get((tokens, hidden, experts))
+        if layout is None:
+            layout = region_layout(self.num_ranks, tokens, hidden, experts)
+            if layout.total_bytes > self.nbytes:
+                raise ValueError(f"num_ep_buffer_bytes: call needs {layout.total_bytes}, region has {self.nbytes}")
+            self[(tokens, hidden, experts)] = layout
+        return layout
+
+    def combine_view(self, region: torch.Tensor, call: int, shape: Tuple[int, int, int]) -> torch.Tensor:
+        """The zero-copy combine buffer of call number `call`: a view of its half of `region`.
+
+        Arguments:
+            region: `[nbytes]` torch.uint8, the whole region (on its device).
+            call: call number of the dispatch (selects the half).
+            shape: (L, R*T, hidden).
+
+        Returns:
+            buffer: `[L, R*T, hidden]` torch.bfloat16 view (every call of the same parity shares it).
+        """
+        local, rows, hidden = shape
+        layout = self.fit(rows // self.num_ranks, hidden, local * self.num_ranks)
+        start = layout.half_offset(call) + layout.combine_send
+        return region[start:start + local * rows * hidden * 2].view(torch.bfloat16).view(local, rows, hidden)
+
+
+def check_half_not_reused(what: str, call: int, latest_dispatch: int) -> None:
+    """Refuse a receive phase run after the dispatch after next was sent (double buffering, as in
+    DeepEP: at most two calls in flight): that dispatch reused this call's region half, so peers
+    may already have overwritten its rows (dispatch) or sent the later combine's rows and tags
+    into it (combine).
+
+    Arguments:
+        what: `"dispatch"` or `"combine"`.
+        call: call number of the receive phase.
+        latest_dispatch: call number of the latest dispatch sent.
+
+    Raises:
+        RuntimeError: the half was reused.
+    """
+    if latest_dispatch - call >= 2:
+        raise RuntimeError(f"{what}: the receive phase of call {call} ran after call {latest_dispatch} "
+                           f"reused its region half; complete a {what} (hook or event) before the dispatch "
+                           "after next")

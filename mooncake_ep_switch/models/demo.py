@@ -7,13 +7,9 @@ and tokens checked against the single-process transformers model.
 import sys
 
 from mooncake_ep_switch.models.serve import ServeConfig, reference_generation, serve_generation
+from mooncake_ep_switch.reference.compare import calc_diff
 
 CHECK_LIMIT = 1e-3  # calc_diff of the logits against the single-process model (bf16 model)
-
-
-def _calc_diff(x, y) -> float:
-    x, y = x.double() + 1, y.double() + 1
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
 
 
 def run_model_demo(model: str, num_ranks: int = 4, transport: str = "host", stream=sys.stdout) -> bool:
@@ -39,7 +35,7 @@ def run_model_demo(model: str, num_ranks: int = 4, transport: str = "host", stre
     per_layout = {}
     for step in result["steps"]:
         expected = reference[step["step"]]
-        diff = _calc_diff(step["logits"], expected["logits"][step["rows"]])
+        diff = calc_diff(step["logits"], expected["logits"][step["rows"]])
         same = step["tokens"] == [expected["tokens"][i] for i in step["rows"]]
         correct = correct and diff < CHECK_LIMIT and same
         tokens = len(step["rows"]) * (config.prompt_len if step["step"] == 0 else 1)

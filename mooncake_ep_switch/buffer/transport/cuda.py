@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
-from mooncake_ep_switch.buffer.layout import RegionLayout, region_layout
+from mooncake_ep_switch.buffer.layout import RegionLayout, RegionLayouts, check_half_not_reused
 from mooncake_ep_switch.buffer.transport.members import connect_view
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 
@@ -119,7 +119,7 @@ class CudaTransport:
         self.problem = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._scratch: Dict[tuple, torch.Tensor] = {}
         self._regions: Dict[tuple, object] = {}
-        self._layouts: Dict[tuple, RegionLayout] = {}
+        self._layouts = RegionLayouts(num_ranks, num_ep_buffer_bytes)
         self._comm_stream: Optional[torch.cuda.Stream] = None
         self.watch = PeerWatch(num_ranks, rank, None, dead=self._control[1 + num_ranks:])
         self._dead_ptr = self.watch.dead_ptr  # inside the control block: the device waits read it
@@ -255,15 +255,6 @@ class CudaTransport:
         self.base = 0
 
     # ------------------------------------------------------------------ helpers
-    def _layout(self, tokens: int, hidden: int, experts: int) -> RegionLayout:
-        layout = self._layouts.get((tokens, hidden, experts))
-        if layout is None:
-            layout = region_layout(self.num_ranks, tokens, hidden, experts)
-            if layout.total_bytes > self.nbytes:
-                raise ValueError(f"num_ep_buffer_bytes: call needs {layout.total_bytes}, region has {self.nbytes}")
-            self._layouts[(tokens, hidden, experts)] = layout
-        return layout
-
     def _region(self, layout: RegionLayout):
         region = self._regions.get(layout)
         if region is None:
@@ -301,12 +292,6 @@ class CudaTransport:
             self._comm_stream = torch.cuda.Stream(self.device)
         return self._comm_stream
 
-    def _check_half_not_reused(self, what: str, call: int) -> None:
-        if self.latest_dispatch - call >= 2:
-            raise RuntimeError(f"{what}: the receive phase of call {call} ran after call {self.latest_dispatch} "
-                               f"reused its region half; complete a {what} (hook or event) before the dispatch "
-                               "after next")
-
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple[torch.Tensor, Callable[[], None]]:
         """Launch the send phase on the current stream; return (the call word, the receive phase).
@@ -320,7 +305,7 @@ class CudaTransport:
             receive: callable that launches the receive kernels on the then-current stream.
         """
         tokens, experts, hidden = call.num_max_dispatch_tokens_per_rank, call.num_experts, call.x.size(1)
-        layout = self._layout(tokens, hidden, experts)
+        layout = self._layouts.fit(tokens, hidden, experts)
         region = self._region(layout)
         top_k = call.topk_idx.size(1)
         scratch = self._scratch_for(tokens, hidden, experts, top_k)
@@ -333,7 +318,7 @@ class CudaTransport:
         def receive() -> None:
             if self._control is None:
                 raise RuntimeError("dispatch: the transport was destroyed before this receive phase ran")
-            self._check_half_not_reused("dispatch", call.call)
+            check_half_not_reused("dispatch", call.call, self.latest_dispatch)
             scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
             _cuda.dispatch_recv(spec, region, call.use_fp8, top_k, scratch.data_ptr(), outputs.recv_x.data_ptr(),
                                 scales, outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
@@ -362,7 +347,7 @@ class CudaTransport:
             receive: callable that launches the wait and the weighted sum into `call.out`.
         """
         tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
-        layout = self._layout(tokens, hidden, experts)
+        layout = self._layouts.fit(tokens, hidden, experts)
         region = self._region(layout)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call.plan_private, call.timeout_us)
         if not torch.cuda.is_current_stream_capturing():
@@ -375,7 +360,7 @@ class CudaTransport:
         def receive() -> None:
             if self._control is None:
                 raise RuntimeError("combine: the transport was destroyed before this receive phase ran")
-            self._check_half_not_reused("combine", call.call)
+            check_half_not_reused("combine", call.call, self.latest_dispatch)
             _cuda.combine_recv(spec, region, call.topk_idx.data_ptr(), call.topk_weights.data_ptr(),
                                call.topk_idx.size(0), call.topk_idx.size(1), call.out.data_ptr(),
                                torch.cuda.current_stream(self.device).cuda_stream)
@@ -399,11 +384,7 @@ class CudaTransport:
         """
         if self.local is None:
             raise RuntimeError("combine buffer: the transport was destroyed")
-        local, rows, hidden = shape
-        layout = self._layout(rows // self.num_ranks, hidden, local * self.num_ranks)
-        start = layout.half_offset(call) + layout.combine_send
-        nbytes = local * rows * hidden * 2
-        return self.local[start:start + nbytes].view(torch.bfloat16).view(local, rows, hidden)
+        return self._layouts.combine_view(self.local, call, shape)
 
     # ------------------------------------------------------------------ value checks
     def value_problem(self, topk_idx: torch.Tensor, num_experts: int, active_ranks: torch.Tensor) -> str:

@@ -24,7 +24,7 @@ import torch
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
-from mooncake_ep_switch.buffer.layout import RegionLayout, region_layout
+from mooncake_ep_switch.buffer.layout import RegionLayout, RegionLayouts, check_half_not_reused
 from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, SharedRegion
 from mooncake_ep_switch.buffer.transport.contract import HostMemoryTransport
 from mooncake_ep_switch.buffer.transport.members import connect_view
@@ -108,7 +108,7 @@ class OneSidedTransport(HostMemoryTransport):
         self.routes: List[Optional[str]] = [None] * num_ranks
         self.routes[rank] = SELF
         self._halves = {}  # half offset -> direct half bases; cleared whenever a route changes
-        self._layouts = {}  # (T, hidden, E) -> RegionLayout that fits the region
+        self._layouts = RegionLayouts(num_ranks, num_ep_buffer_bytes)  # (T, hidden, E) -> layout that fits
         self.te_peers: Dict[int, TePeer] = {}
         self.failed_sources: List[int] = []
         # Address of an int64 word the owner raises to stop every native receive wait (RuntimeError):
@@ -231,15 +231,6 @@ class OneSidedTransport(HostMemoryTransport):
         self.base = 0
 
     # ------------------------------------------------------------------ helpers
-    def _layout(self, tokens: int, hidden: int, experts: int) -> RegionLayout:
-        layout = self._layouts.get((tokens, hidden, experts))
-        if layout is None:
-            layout = region_layout(self.num_ranks, tokens, hidden, experts)
-            if layout.total_bytes > self.nbytes:  # the Buffer checked already; never write past a region
-                raise ValueError(f"num_ep_buffer_bytes: call needs {layout.total_bytes}, region has {self.nbytes}")
-            self._layouts[(tokens, hidden, experts)] = layout
-        return layout
-
     def _direct_halves(self, offset: int) -> List[int]:
         """Half bases of the peers the native kernels write directly (self and shm routes)."""
         halves = self._halves.get(offset)
@@ -293,11 +284,7 @@ class OneSidedTransport(HostMemoryTransport):
         Raises:
             ValueError: the call shape does not fit in the region.
         """
-        local, rows, hidden = shape
-        layout = self._layout(rows // self.num_ranks, hidden, local * self.num_ranks)
-        start = layout.half_offset(call) + layout.combine_send
-        nbytes = local * rows * hidden * 2
-        return self.region.local[start:start + nbytes].view(torch.bfloat16).view(local, rows, hidden)
+        return self._layouts.combine_view(self.region.local, call, shape)
 
     def _te_targets(self, active: torch.Tensor) -> List[int]:
         order = [(self.rank + step) % self.num_ranks for step in range(1, self.num_ranks)]
@@ -308,17 +295,7 @@ class OneSidedTransport(HostMemoryTransport):
         was not destroyed first) and its half was not reused by a later call."""
         if region is None or not base:
             raise RuntimeError(f"{what}: the transport was destroyed before this receive phase ran")
-        self._check_half_not_reused(what, call)
-
-    def _check_half_not_reused(self, what: str, call: int) -> None:
-        """Refuse a receive phase run after the dispatch after next was sent (double buffering, as in
-        DeepEP: at most two calls in flight): that dispatch reused this call's region half, so peers
-        may already have overwritten its rows (dispatch) or sent the later combine's rows and tags
-        into it (combine)."""
-        if self.latest_dispatch - call >= 2:
-            raise RuntimeError(f"{what}: the receive phase of call {call} ran after call {self.latest_dispatch} "
-                               f"reused its region half; complete a {what} (hook or event) before the dispatch "
-                               "after next")
+        check_half_not_reused(what, call, self.latest_dispatch)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple[None, Callable[[], None]]:
@@ -337,7 +314,7 @@ class OneSidedTransport(HostMemoryTransport):
                 every active source's signal and fills `outputs`.
         """
         tokens, experts, hidden = call.num_max_dispatch_tokens_per_rank, call.num_experts, call.x.size(1)
-        layout = self._layout(tokens, hidden, experts)
+        layout = self._layouts.fit(tokens, hidden, experts)
         offset = layout.half_offset(call.call)
         tag = signal_tag(call.call)
         self.latest_dispatch = call.call
@@ -397,7 +374,7 @@ class OneSidedTransport(HostMemoryTransport):
         x, topk = call.x, call.topk_idx
         num_tokens, hidden = x.shape
         tokens, experts = call.num_max_dispatch_tokens_per_rank, call.num_experts
-        layout = self._layouts.get((tokens, hidden, experts)) or self._layout(tokens, hidden, experts)
+        layout = self._layouts.get((tokens, hidden, experts)) or self._layouts.fit(tokens, hidden, experts)
         offset = layout.control_bytes + (call.call & 1) * layout.half_bytes
         self.latest_dispatch = call.call
         scales = outputs.recv_scales
@@ -484,7 +461,7 @@ class OneSidedTransport(HostMemoryTransport):
                 writes the weighted sum `[N, hidden]` torch.bfloat16 into `call.out`.
         """
         tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
-        layout = self._layout(tokens, hidden, experts)
+        layout = self._layouts.fit(tokens, hidden, experts)
         offset = layout.half_offset(call.call)
         tag = signal_tag(call.call)
         args = (call.x.data_ptr(), hidden, experts, self.num_ranks, self.rank, tokens, call.src_info.data_ptr(),
@@ -546,7 +523,7 @@ class OneSidedTransport(HostMemoryTransport):
             self.combine(call)()
             return
         tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
-        layout = self._layouts.get((tokens, hidden, experts)) or self._layout(tokens, hidden, experts)
+        layout = self._layouts.get((tokens, hidden, experts)) or self._layouts.fit(tokens, hidden, experts)
         offset = layout.control_bytes + (call.call & 1) * layout.half_bytes
         topk = call.topk_idx
         num_tokens, top_k = topk.shape

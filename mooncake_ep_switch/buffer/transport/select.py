@@ -15,6 +15,8 @@ from mooncake_ep_switch.buffer.transport.cuda import CudaTransport, cuda_unavail
 from mooncake_ep_switch.buffer.transport.one_sided import OneSidedTransport
 
 TRANSPORTS = ("auto", "host", "cuda", "shm", "mooncake", "collective")
+# The transports that map peers' memory on this host, and what disable_p2p=True forbids in them.
+PEER_MEMORY = {"cuda": "maps peers' device memory (CUDA IPC)", "shm": "uses peer-to-peer shared memory"}
 
 
 def transfer_engine_available() -> bool:
@@ -48,6 +50,7 @@ def make_transport(requested: str, *, group, rank: int, num_ranks: int, num_ep_b
         ValueError: `"shm"` or `"cuda"` with `disable_p2p`, or with ranks on several hosts.
         RuntimeError: `"cuda"` where no CUDA device can be used (the reason).
     """
+    asked = requested
     if requested in ("auto", "host"):
         same_host = len(set(host_ids())) == 1  # collective: every rank asks, whatever it then picks
         if num_ep_buffer_bytes == 0:
@@ -61,17 +64,12 @@ def make_transport(requested: str, *, group, rank: int, num_ranks: int, num_ep_b
     if requested == "collective":
         # The fallback survives a peer lost mid-collective: it agrees on the survivors' view.
         return CollectiveTransport(group, rank, num_ranks, view_change=view_change)
+    if requested in PEER_MEMORY and requested == asked:  # "auto"/"host" found one host already
+        if disable_p2p:
+            raise ValueError(f"transport: '{requested}' {PEER_MEMORY[requested]}, which disable_p2p=True forbids")
+        found = set(host_ids())
+        if len(found) != 1:
+            raise ValueError(f"transport: '{requested}' needs every rank on this host, got host ids {sorted(found)}")
     if requested == "cuda":
-        if disable_p2p:
-            raise ValueError("transport: 'cuda' maps peers' device memory (CUDA IPC), which disable_p2p=True forbids")
-        found = host_ids()
-        if len(set(found)) != 1:
-            raise ValueError(f"transport: 'cuda' needs every rank on this host, got host ids {sorted(set(found))}")
         return CudaTransport(rank, num_ranks, num_ep_buffer_bytes, settings)
-    if requested == "shm":
-        if disable_p2p:
-            raise ValueError("transport: 'shm' uses peer-to-peer shared memory, which disable_p2p=True forbids")
-        found = host_ids()
-        if len(set(found)) != 1:
-            raise ValueError(f"transport: 'shm' needs every rank on this host, got host ids {sorted(set(found))}")
     return OneSidedTransport(requested, rank, num_ranks, num_ep_buffer_bytes, settings, allow_shm=not disable_p2p)
