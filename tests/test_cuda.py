@@ -458,29 +458,10 @@ def _addresses(buffer):
 
 
 def _elastic_round(ctx, buffer, round_index, expect_dead=(), dispatch_dead=None):
-    from tests.test_elastic import _inputs
-    from tests.test_faults import Shape, _check_round, _mock_expert
+    """test_elastic's round on this Buffer's device, with the view's mask."""
+    from tests.test_elastic import _round
 
-    all_inputs = [_inputs(r, round_index) for r in range(ctx.num_ranks)]
-    mine = all_inputs[ctx.rank]
-    dev = buffer.device
-    x, topk, weights = mine.x.to(dev), mine.topk_idx.to(dev), mine.weights.to(dev)
-    active = buffer.active_mask()
-    start = time.monotonic()
-    recv, count, handle, _, _ = buffer.dispatch(x, topk, active, Shape.tokens, Shape.experts, FAULT_TIMEOUT_US,
-                                                use_fp8=False)
-    after_dispatch = active.tolist()
-    y = _mock_expert(ctx, recv.cpu()).to(dev)
-    combined, _, _ = buffer.combine(y, topk, weights, active, FAULT_TIMEOUT_US, handle)
-    _settle()
-    seconds = time.monotonic() - start
-    final = active.tolist()
-    want = [0 if r in expect_dead else 1 for r in range(ctx.num_ranks)]
-    assert final == want, f"mask {final}, expected {want}"
-    in_dispatch = after_dispatch if dispatch_dead is None else \
-        [0 if r in dispatch_dead else 1 for r in range(ctx.num_ranks)]
-    _check_round(ctx, all_inputs, in_dispatch, final, recv.cpu(), count.cpu(), (handle[0].cpu(),), combined.cpu())
-    return seconds
+    return _round(ctx, buffer, round_index, buffer.active_mask(), expect_dead, dispatch_dead)
 
 
 def rank_elastic_fail(ctx):

@@ -19,8 +19,9 @@ from tests.test_faults import Shape, _check_round, _dispatch_view, _mock_expert
 from tests.reference import structured_inputs, token_count
 
 NUM_RANKS = 4
+# "cuda": rank processes share one GPU (time-sliced without MPS), so a live peer can be slices late.
 TIMEOUT_US_BY_TRANSPORT = {"shm": harness.FAULT_TIMEOUT_US, "mooncake": harness.FAULT_TIMEOUT_US_TE,
-                           "collective": harness.FAULT_TIMEOUT_US}
+                           "collective": harness.FAULT_TIMEOUT_US, "cuda": 3_000_000}
 SLACK_S = harness.FAULT_SLACK_S
 RECOVERY_TIMEOUT_S = 30.0
 _STATE = {}
@@ -45,16 +46,19 @@ def _addresses(buffer):
 
 
 def _round(ctx, buffer, round_index, active, expect_dead=(), dispatch_dead=None):
-    """One dispatch + combine; checks against the references for who took part."""
+    """One dispatch + combine; checks against the references for who took part. On a "cuda" Buffer
+    the inputs go to its device and the outputs come back for the checks (tests/test_cuda.py)."""
     all_inputs = [_inputs(r, round_index) for r in range(ctx.num_ranks)]
     mine = all_inputs[ctx.rank]
+    dev = buffer.device or "cpu"
+    x, topk, weights = mine.x.to(dev), mine.topk_idx.to(dev), mine.weights.to(dev)
     start = time.monotonic()
     timeout_us = TIMEOUT_US_BY_TRANSPORT[buffer.transport]
-    recv, count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
-                                                timeout_us, use_fp8=False)
+    recv, count, handle, _, _ = buffer.dispatch(x, topk, active, Shape.tokens, Shape.experts, timeout_us,
+                                                use_fp8=False)
     after_dispatch = active.tolist()
-    combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active, timeout_us,
-                                    handle)
+    combined, _, _ = buffer.combine(_mock_expert(ctx, recv.cpu()).to(dev), topk, weights, active, timeout_us, handle)
+    combined, recv, count, handle = combined.cpu(), recv.cpu(), count.cpu(), (handle[0].cpu(),)  # all in order
     seconds = time.monotonic() - start
     final = active.tolist()
     want = [0 if r in expect_dead else 1 for r in range(ctx.num_ranks)]
