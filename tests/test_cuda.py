@@ -283,6 +283,47 @@ def test_cuda_validation_errors_leave_the_buffer_usable():
     harness.run(2, rank_validation)
 
 
+def rank_misuse(ctx):
+    """Misuse a hostile caller tries: two "cuda" Buffers of one group in one process (each its own
+    region and counters, interleaved calls), then calls, hooks and events after destroy() (clear
+    RuntimeErrors, never a crash), and destroy() twice."""
+    case = Case()
+    shm, first = _buffers(ctx, case)
+    second = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts),
+                    transport="cuda")
+    dev = first.device
+    try:
+        inputs, _, active = gathered_inputs(ctx, case, seed=61)
+        reference = _round(shm, inputs, active, case, False, "sync", "cpu", rank=ctx.rank, ranks=ctx.num_ranks)
+        for buffer in (first, second, first):  # interleaved: neither Buffer sees the other's signals
+            got = _round(buffer, inputs, active, case, False, "sync", dev, rank=ctx.rank, ranks=ctx.num_ranks)
+            _assert_identical(ctx, case, reference, got, False)
+        x, topk = inputs.x.to(dev), inputs.topk_idx.to(dev)
+        mask = active.to(dev)
+        recv, count, handle, event, hook = second.dispatch(x, topk, mask, case.tokens, case.experts, TIMEOUT_US,
+                                                           use_fp8=False, return_recv_hook=True)
+        hook()
+        _settle()
+        second.destroy()
+        second.destroy()  # idempotent
+        with pytest.raises(RuntimeError, match="destroyed"):
+            second.dispatch(x, topk, mask, case.tokens, case.experts, TIMEOUT_US, use_fp8=False)
+        with pytest.raises(RuntimeError, match="destroyed"):
+            second.get_next_combine_buffer(handle)
+        with pytest.raises(RuntimeError, match="destroyed"):
+            second.combine(recv, topk, inputs.weights.to(dev), mask, TIMEOUT_US, handle)
+        event.current_stream_wait()  # the hook ran before destroy(): its event stays complete
+        return True
+    finally:
+        second.destroy()
+        first.destroy()
+        shm.destroy()
+
+
+def test_cuda_misuse_two_buffers_and_after_destroy():
+    harness.run(2, rank_misuse)
+
+
 def rank_graph(ctx, replays):
     """dispatch + mock expert + combine captured in one CUDA graph, replayed with new inputs copied
     into its static tensors: every replay equals the eager result on the same inputs."""

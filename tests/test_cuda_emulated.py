@@ -54,6 +54,10 @@ def test_emulated_validation_errors_leave_the_buffer_usable():
     assert all(_emulated(2, test_cuda.rank_validation))
 
 
+def test_emulated_misuse_two_buffers_and_after_destroy():
+    assert all(_emulated(2, test_cuda.rank_misuse))
+
+
 @pytest.mark.parametrize("kill_point", ["before_dispatch", "between"])
 def test_emulated_rank_killed(kill_point):
     test_cuda.killed_case(kill_point, emulated=True)
