@@ -120,7 +120,7 @@ def rank_matches_shm(ctx, use_fp8, mode, seed, inactive=(), zero_copy=False, use
         _assert_identical(ctx, case, cpu, dev, use_fp8)
         # And right, against the independent references (the shm path is checked the same way in test_buffer).
         result = (dev["recv"], dev["count"], dev["handle"], EventOverlap(None), None)
-        _check_dispatch(ctx, case, all_inputs, active.tolist(), result, use_fp8, "sync")
+        _check_dispatch(ctx, case, all_inputs, active.tolist(), result, use_fp8, "sync", structured=not random_values)
         expected = expected_combine(_seen_values(inputs, use_fp8), inputs.topk_idx, inputs.weights,
                                     {r: bool(active[r]) for r in range(ctx.num_ranks)}, case.experts // ctx.num_ranks)
         if not random_values:

@@ -19,7 +19,7 @@ from tests.emulated_device import run_emulated
 ROUNDS = [(False, "sync", {}), (True, "sync", {}), (False, "hook", {}), (True, "hook", {}), (False, "async", {}),
           (True, "async", {}), (False, "sync", dict(zero_copy=True)), (False, "sync", dict(use_out=True)),
           (False, "hook", dict(zero_copy=True, use_out=True)), (False, "sync", dict(inactive=(1,))),
-          (True, "sync", dict(random_values=True))]
+          (True, "sync", dict(random_values=True)), (False, "sync", dict(random_values=True))]
 
 
 def rank_rounds(ctx, rounds) -> int:
