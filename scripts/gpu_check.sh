@@ -15,7 +15,9 @@
 #     rest       the rest of tests/test_cuda.py, with whatever budget is left
 #     mps        the R=4 rounds again under MPS, if the image has nvidia-cuda-mps-control
 #   MEP_TRANSPORT_TESTS="<pytest node ids>"    override the transport selection (follow-up runs)
+#   MEP_PROBE_ARGS="--profile --skip-r8"        arguments of the probe (follow-up runs)
 #   MEP_TRY_MPS=0                               skip the MPS stage
+#   MEP_MPS_BENCH=1                             also the bench (--quick) under MPS, its table into bench.log
 #   MEP_PIP_CHECK=0                             skip the background offline `pip wheel` of the package
 #   MEP_ALLOW_NO_DEVICE=1                       dry run of the machinery on a machine without a GPU
 # Prebuilt modules (mooncake_ep_switch/*.so) are used when they import from this tree (MEP_FORCE_BUILD=1 rebuilds).
@@ -84,7 +86,7 @@ fi
 
 want kernels && stage kernels 100 "$OUT/kernels.log" "${PT[@]}" --maxfail=4 tests/test_cuda_sim.py -k gpu \
   tests/test_cuda_build.py::test_cuda_module_was_built_with_hopper_code
-want probe && stage probe 100 "$OUT/bench.log" $PY scripts/gpu_probe.py
+want probe && stage probe 100 "$OUT/bench.log" $PY scripts/gpu_probe.py ${MEP_PROBE_ARGS:-}
 T=tests/test_cuda.py
 if [ -n "${MEP_TRANSPORT_TESTS:-}" ]; then read -r -a TRANSPORT <<< "$MEP_TRANSPORT_TESTS"; else
   TRANSPORT=("$T::test_cuda_matches_shm[sync-bf16-2]" "$T::test_cuda_matches_shm[sync-bf16-4]"
@@ -116,6 +118,7 @@ if want mps && [ "${MEP_TRY_MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control
   if timeout 15 nvidia-cuda-mps-control -d; then
     stage mps 60 "$OUT/transport.log" "${PT[@]}" --maxfail=1 "$T::test_cuda_matches_shm[sync-bf16-4]" \
       "$T::test_cuda_matches_shm[async-fp8-4]"
+    [ "${MEP_MPS_BENCH:-0}" = 1 ] && stage mps-bench 60 "$OUT/bench.log" $PY -m mooncake_ep_switch.bench --device cuda --quick
     echo quit | timeout 10 nvidia-cuda-mps-control
     tail -5 "$CUDA_MPS_LOG_DIRECTORY"/control.log >> "$SUM" 2>/dev/null
   else echo "mps: daemon did not start" >> "$SUM"; fi
