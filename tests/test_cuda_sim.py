@@ -90,6 +90,7 @@ class Backend:
         self.scratch: Dict[tuple, List[torch.Tensor]] = {}
         self.calls: Dict[int, object] = {}
         self.words: Dict[int, torch.Tensor] = {}
+        self.dead_words = True  # False: the calls name no peer-watcher words (scripts/gpu_probe.py compares)
 
     def stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream if self.kind == "cuda" else 0
@@ -103,7 +104,7 @@ class Backend:
         control = self.controls[rank]
         return self.mod.Call(R, rank, s.tokens, s.hidden, s.experts, number & 1, number, self.peer_table.data_ptr(),
                         active.data_ptr(), self.counters[rank].data_ptr(), word.data_ptr(), control.data_ptr(),
-                        control.data_ptr() + 4 * (1 + R), self.timeout_us, advance)
+                        control.data_ptr() + 4 * (1 + R) if self.dead_words else 0, self.timeout_us, advance)
 
     def dispatch_send(self, rank, number, x, topk, active, use_fp8, advance=0):
         s = self.shape
@@ -116,7 +117,7 @@ class Backend:
         if key not in self.scratch:
             nbytes = self.mod.dispatch_scratch_bytes(s.num_ranks, s.tokens, s.hidden, s.experts, topk.size(1))
             self.scratch[key] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        word = torch.zeros(1, dtype=torch.int64, device=self.device)
+        word = torch.zeros(1 + s.num_ranks, dtype=torch.int64, device=self.device)
         self.words[rank] = word
         call = self._call(rank, number, active, word, advance)
         self.calls[rank] = call

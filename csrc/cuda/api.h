@@ -53,7 +53,8 @@ struct Call {
     uintptr_t peer_bases;  // device array [R] of uint64 region bases as mapped here (0 = unreachable)
     uintptr_t active;      // device int32 [R], the caller's active_ranks
     uintptr_t counter;     // device uint64: the last call number this rank's dispatches used
-    uintptr_t call_word;   // device uint64: the call number of this dispatch (its handle's word)
+    uintptr_t call_word;   // device int64 [1 + R]: [0] the call number of this dispatch (its handle's word),
+                           // [1 + r] scratch of the send kernels (whether peer r is writable this phase)
     uintptr_t control;     // mapped host int32 [1 + R]: [0] abort (destroy), [1 + s] set when s failed
     uintptr_t dead;        // mapped host int32 [R]: set by the peer watcher when s's process ended (0 = none)
     int64_t timeout_us;    // per source, -1 = none

@@ -75,12 +75,41 @@ __device__ __forceinline__ int32_t is_active(const Call& call, int32_t peer) {
     return reinterpret_cast<const volatile int32_t*>(call.active)[peer];
 }
 
-// A destination the send kernels write: active in the caller's mask and not known dead (the peer
-// watcher's word: writing into the region of a process that has ended is never needed, and its
-// memory may already be gone).
-__device__ __forceinline__ bool writable(const Call& call, int32_t peer) {
+// A destination the send kernels write: active in the caller's mask, reachable, and not known dead
+// (the peer watcher's word: writing into the region of a process that has ended is never needed, and
+// its memory may already be gone). Read live once per send phase by k_snapshot_writable into the
+// call word's snapshot, which the row and signal kernels then read from device memory: the dead
+// words live in mapped host memory, and on an H100 each warp's read of them cost about 1 us, one
+// after another across the grid (1 ms for the 1024 warps of an R=2 T=128 K=8 dispatch).
+__device__ __forceinline__ bool writable_now(const Call& call, int32_t peer) {
     if (!is_active(call, peer)) return false;
+    if (reinterpret_cast<const uint64_t*>(call.peer_bases)[peer] == 0) return false;
     return call.dead == 0 || reinterpret_cast<const volatile int32_t*>(call.dead)[peer] == 0;
+}
+
+// The call word: [0] the call number, [1 + r] whether peer r is writable in this send phase.
+__device__ __forceinline__ int64_t* writable_snapshot(const Call& call) {
+    return reinterpret_cast<int64_t*>(call.call_word) + 1;
+}
+
+__device__ __forceinline__ bool writable(const Call& call, int32_t peer) {
+    return writable_snapshot(call)[peer] != 0;
+}
+
+// Every thread: the snapshot of writable_now for its peers (one block, launched first in a send phase).
+__device__ __forceinline__ void snapshot_writable(const Call& call) {
+    for (int32_t peer = threadIdx.x; peer < call.num_ranks; peer += blockDim.x)
+        writable_snapshot(call)[peer] = writable_now(call, peer) ? 1 : 0;
+}
+
+// The end of a kernel that wrote rows into peers' regions: the block's threads meet at a barrier, then
+// one thread fences at system scope, so every row the block wrote is ordered (by the fence's
+// cumulativity) before the signals a later kernel of the stream stores with release semantics. One
+// fence per block, not per thread: on an H100 a system-scope fence cost about 1 us per warp and the
+// fences of a grid ran one after another (1 ms for the 1024 warps of an R=2 T=128 K=8 dispatch).
+__device__ __forceinline__ void block_fence_system() {
+    __syncthreads();
+    if (threadIdx.x == 0) __threadfence_system();
 }
 
 // A warp copies `nbytes` (a multiple of 16) from src to dst: 16-byte accesses when both are
@@ -159,6 +188,8 @@ Scratch carve(uintptr_t base, int32_t half_index, int32_t R, int32_t T, int32_t 
 // calls that may replay without the host (captured in a CUDA graph, or any call once a graph was
 // captured: advance == 1) take max(counter + 1, host_call), a new number at every replay.
 __global__ void k_advance_call(Call call) {
+    snapshot_writable(call);
+    if (threadIdx.x != 0) return;
     auto* counter = reinterpret_cast<unsigned long long*>(call.counter);
     unsigned long long next = (unsigned long long)call.host_call;
     if (call.advance == 0) {
@@ -263,7 +294,7 @@ __global__ void k_dispatch_rows(Call call, Region region, const uint8_t* x, cons
         }
         if (lane == 0) reinterpret_cast<int32_t*>(half + region.dispatch_src)[slot] = int32_t(t);
     }
-    __threadfence_system();  // this thread's rows are visible system-wide before any signal
+    block_fence_system();  // the block's rows are visible system-wide before any signal
 }
 
 // Thread per expert: dispatch_signals[rank][l] of the expert's owner = (tag << 32) | count.
@@ -393,6 +424,9 @@ __global__ void k_dispatch_unpack(Call call, Region region, bool use_fp8, Scratc
 // Combine
 // ---------------------------------------------------------------------------------------------
 
+// The combine's own snapshot of writable peers (a peer may have died since the dispatch).
+__global__ void k_snapshot_writable(Call call) { snapshot_writable(call); }
+
 // Block (source, l): rows x[l][begin + i] go to combine_data[rank*L + l][src_info[l][begin + i]] of
 // the token owner `source`. Counts and token indices are bounds-checked (a bad one is skipped).
 __global__ void k_combine_rows(Call call, Region region, const uint8_t* x, const int32_t* src_info,
@@ -415,7 +449,7 @@ __global__ void k_combine_rows(Call call, Region region, const uint8_t* x, const
             }
         }
     }
-    __threadfence_system();
+    block_fence_system();  // the block's rows are visible system-wide before any signal
 }
 
 // Thread per (token owner, l): combine_signals[rank*L + l] of the owner = (tag << 32) | count.
@@ -552,7 +586,7 @@ void dispatch_send(const Call& call, const Region& region, uintptr_t x, int32_t 
                                   call.num_experts, top_k);
     const auto* topk = reinterpret_cast<const int64_t*>(topk_idx);
     const Stream s = as_stream(stream);
-    MEP_LAUNCH(k_advance_call, 1, 1, 0, s, call);
+    MEP_LAUNCH(k_advance_call, 1, kThreads, 0, s, call);
     MEP_LAUNCH(k_rank_tokens, call.num_experts, kThreads, 0, s, topk, num_tokens, top_k, scratch);
     if (use_fp8 && num_tokens > 0) {
         MEP_LAUNCH(k_quantize, num_tokens, kThreads, 0, s, reinterpret_cast<const uint16_t*>(x), call.hidden, scratch);
@@ -581,6 +615,7 @@ void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t
     check_call(call);
     const Stream s = as_stream(stream);
     const int32_t L = call.num_experts / call.num_ranks;
+    MEP_LAUNCH(k_snapshot_writable, 1, kThreads, 0, s, call);
     MEP_LAUNCH(k_combine_rows, dim3(call.num_ranks, L), kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const int32_t*>(src_info), reinterpret_cast<const int64_t*>(layout_range));
     MEP_LAUNCH(k_combine_signals, 1, kThreads, 0, s, call, region, reinterpret_cast<const int64_t*>(layout_range));
 }

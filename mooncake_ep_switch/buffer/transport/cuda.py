@@ -301,7 +301,8 @@ class CudaTransport:
             outputs: the `DispatchOutputs` the receive phase fills.
 
         Returns:
-            private: `[1]` torch.int64 CUDA tensor, the call number the device used (combine reads it).
+            private: `[1 + R]` torch.int64 CUDA tensor: [0] the call number the device used (combine reads
+                it), [1 + r] the send kernels' snapshot of whether peer r is writable.
             receive: callable that launches the receive kernels on the then-current stream.
         """
         tokens, experts, hidden = call.num_max_dispatch_tokens_per_rank, call.num_experts, call.x.size(1)
@@ -309,7 +310,8 @@ class CudaTransport:
         region = self._region(layout)
         top_k = call.topk_idx.size(1)
         scratch = self._scratch_for(tokens, hidden, experts, top_k)
-        call_word = torch.empty(1, dtype=torch.int64, device=self.device)
+        # [0] the call number the device used; [1 + r] the send kernels' snapshot of writable peers
+        call_word = torch.empty(1 + self.num_ranks, dtype=torch.int64, device=self.device)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call_word, call.timeout_us)
         self.latest_dispatch = call.call
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
