@@ -389,8 +389,9 @@ __global__ void k_dispatch_layout(Call call, Scratch scratch, int64_t* layout_ra
     }
 }
 
-// Block (source, l): that source's rows of local expert l into recv_x[l][begin..], src_info and
-// (FP8) the scales, token axis contiguous [L][G][R*T]. Block (R, l) zeroes src_info past the count.
+// Blocks (source, l, z): that source's rows of local expert l into recv_x[l][begin..], src_info and
+// (FP8) the scales, token axis contiguous [L][G][R*T]; the gridDim.z blocks of one (source, l) take
+// every gridDim.z-th group of kWarps rows. Blocks (R, l, z) zero src_info past the count.
 __global__ void k_dispatch_unpack(Call call, Region region, bool use_fp8, Scratch scratch, uint8_t* recv_x,
                                   float* recv_scales, int32_t* src_info, const int32_t* recv_count) {
     const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, L = call.num_experts / R;
@@ -398,7 +399,9 @@ __global__ void k_dispatch_unpack(Call call, Region region, bool use_fp8, Scratc
     const int32_t source = blockIdx.x, local = blockIdx.y;
     const int64_t rows = int64_t(R) * T;
     if (source == R) {
-        for (int64_t i = recv_count[local] + threadIdx.x; i < rows; i += blockDim.x) src_info[local * rows + i] = 0;
+        for (int64_t i = recv_count[local] + int64_t(blockIdx.z) * blockDim.x + threadIdx.x; i < rows;
+             i += int64_t(gridDim.z) * blockDim.x)
+            src_info[local * rows + i] = 0;
         return;
     }
     const int32_t count = scratch.recv_counts[int64_t(source) * L + local];
@@ -407,7 +410,7 @@ __global__ void k_dispatch_unpack(Call call, Region region, bool use_fp8, Scratc
     const uint8_t* half = half_base(call, region, call.rank);
     const int64_t row_bytes = 2 * int64_t(H), out_bytes = use_fp8 ? H : row_bytes;
     const int lane = threadIdx.x & 31;
-    for (int32_t i = threadIdx.x >> 5; i < count; i += kWarps) {
+    for (int32_t i = int32_t(blockIdx.z) * kWarps + (threadIdx.x >> 5); i < count; i += int32_t(gridDim.z) * kWarps) {
         const int64_t slot = (int64_t(local) * R + source) * T + i;
         const int64_t row = begin + i;
         warp_copy(recv_x + (local * rows + row) * out_bytes, half + region.dispatch_data + slot * row_bytes, out_bytes,
@@ -427,8 +430,8 @@ __global__ void k_dispatch_unpack(Call call, Region region, bool use_fp8, Scratc
 // The combine's own snapshot of writable peers (a peer may have died since the dispatch).
 __global__ void k_snapshot_writable(Call call) { snapshot_writable(call); }
 
-// Block (source, l): rows x[l][begin + i] go to combine_data[rank*L + l][src_info[l][begin + i]] of
-// the token owner `source`. Counts and token indices are bounds-checked (a bad one is skipped).
+// Blocks (source, l, z): rows x[l][begin + i] go to combine_data[rank*L + l][src_info[l][begin + i]] of
+// the token owner `source`, every gridDim.z-th group of kWarps rows per block. Counts and token indices are bounds-checked (a bad one is skipped).
 __global__ void k_combine_rows(Call call, Region region, const uint8_t* x, const int32_t* src_info,
                                const int64_t* layout_range) {
     const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, L = call.num_experts / R;
@@ -440,7 +443,8 @@ __global__ void k_combine_rows(Call call, Region region, const uint8_t* x, const
         const int64_t rows = int64_t(R) * T, row_bytes = 2 * int64_t(H);
         if (half != nullptr && count <= T && begin >= 0 && begin + count <= rows) {
             const int lane = threadIdx.x & 31;
-            for (int64_t i = threadIdx.x >> 5; i < count; i += kWarps) {
+            for (int64_t i = int64_t(blockIdx.z) * kWarps + (threadIdx.x >> 5); i < count;
+                 i += int64_t(gridDim.z) * kWarps) {
                 const int32_t t = src_info[local * rows + begin + i];
                 if (t < 0 || t >= T) continue;
                 const int64_t expert = int64_t(call.rank) * L + local;
@@ -541,6 +545,17 @@ __global__ void k_check_values(const int64_t* topk, int32_t num_tokens, int32_t 
 
 Stream as_stream(uintptr_t stream) { return reinterpret_cast<Stream>(stream); }
 
+// Blocks along z for kernels with a block per (peer, local expert): enough blocks in all to cover the
+// GPU's multiprocessors a few times over (an R=2 E=32 call has only 32 such pairs), never more than
+// one block per kWarps rows of one pair.
+unsigned split_blocks(int32_t pairs, int32_t max_rows) {
+    const int64_t target = 264;  // two blocks per multiprocessor of an H100 (132)
+    int64_t z = (target + pairs - 1) / pairs;
+    const int64_t most = (int64_t(max_rows) + kWarps - 1) / kWarps;
+    if (z > most) z = most;
+    return unsigned(z < 1 ? 1 : z);
+}
+
 int copy_blocks(int64_t warps_needed) {
     const int64_t blocks = (warps_needed + kWarps - 1) / kWarps;
     return int(blocks < 1 ? 1 : (blocks > 1024 ? 1024 : blocks));
@@ -607,7 +622,7 @@ void dispatch_recv(const Call& call, const Region& region, bool use_fp8, int32_t
     const int32_t L = call.num_experts / call.num_ranks;
     MEP_LAUNCH(k_dispatch_wait, call.num_ranks, 32, 0, s, call, region, scratch);
     MEP_LAUNCH(k_dispatch_layout, 1, kThreads, 0, s, call, scratch, reinterpret_cast<int64_t*>(layout_range), reinterpret_cast<int32_t*>(recv_count));
-    MEP_LAUNCH(k_dispatch_unpack, dim3(call.num_ranks + 1, L), kThreads, 0, s, call, region, use_fp8, scratch, reinterpret_cast<uint8_t*>(recv_x), reinterpret_cast<float*>(recv_scales), reinterpret_cast<int32_t*>(src_info), reinterpret_cast<const int32_t*>(recv_count));
+    MEP_LAUNCH(k_dispatch_unpack, dim3(call.num_ranks + 1, L, split_blocks((call.num_ranks + 1) * L, call.max_tokens)), kThreads, 0, s, call, region, use_fp8, scratch, reinterpret_cast<uint8_t*>(recv_x), reinterpret_cast<float*>(recv_scales), reinterpret_cast<int32_t*>(src_info), reinterpret_cast<const int32_t*>(recv_count));
 }
 
 void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t src_info, uintptr_t layout_range,
@@ -616,7 +631,7 @@ void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t
     const Stream s = as_stream(stream);
     const int32_t L = call.num_experts / call.num_ranks;
     MEP_LAUNCH(k_snapshot_writable, 1, kThreads, 0, s, call);
-    MEP_LAUNCH(k_combine_rows, dim3(call.num_ranks, L), kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const int32_t*>(src_info), reinterpret_cast<const int64_t*>(layout_range));
+    MEP_LAUNCH(k_combine_rows, dim3(call.num_ranks, L, split_blocks(call.num_ranks * L, call.max_tokens)), kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const int32_t*>(src_info), reinterpret_cast<const int64_t*>(layout_range));
     MEP_LAUNCH(k_combine_signals, 1, kThreads, 0, s, call, region, reinterpret_cast<const int64_t*>(layout_range));
 }
 
