@@ -26,20 +26,30 @@ def _shown(value) -> str:
     return f"{type(value).__name__} {text}"
 
 
-def check_int(name: str, value, minimum: Optional[int] = None) -> int:
-    """Check that `value` is an integer (Python, NumPy or anything with `__index__`; not bool) of at least `minimum`.
+INT32_MAX = 2 ** 31 - 1
+INT64_MAX = 2 ** 63 - 1
+
+
+def check_int(name: str, value, minimum: Optional[int] = None, maximum: Optional[int] = INT64_MAX) -> int:
+    """Check that `value` is an integer (Python, NumPy or anything with `__index__`; not bool) in range.
+
+    Every integer that reaches native code passes here first, so the upper bound defaults to the
+    largest int64: a value the native call could not take is refused before any state changes.
 
     Arguments:
         name: the argument's name, for error messages.
         value: the value to check.
-        minimum: the smallest accepted value, or None for no bound.
+        minimum: the smallest accepted value, or None for no lower bound.
+        maximum: the largest accepted value (default INT64_MAX; INT32_MAX for int32 native fields), or None for
+            no upper bound (a value that never reaches native code).
 
     Returns:
         value: the value as a Python int.
 
     Raises:
         TypeError: not an integer, or a bool ("<name>: expected an int >= <minimum>, got <type> <repr>").
-        ValueError: below `minimum` ("<name>: expected an int >= <minimum>, got <value>").
+        ValueError: below `minimum` ("<name>: expected an int >= <minimum>, got <value>") or above
+            `maximum` ("<name>: expected an int in [<minimum>, <maximum>], got <value>").
     """
     what = "an int" if minimum is None else f"an int >= {minimum}"
     if isinstance(value, bool):
@@ -50,4 +60,39 @@ def check_int(name: str, value, minimum: Optional[int] = None) -> int:
         raise TypeError(f"{name}: expected {what}, got {_shown(value)}") from None
     if minimum is not None and result < minimum:
         raise ValueError(f"{name}: expected {what}, got {result}")
+    if maximum is not None and result > maximum:
+        bounds = f"<= {maximum}" if minimum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}: expected an int {bounds}, got {result}")
     return result
+
+
+def timeout_in_range(timeout_us) -> bool:
+    """Whether `timeout_us` is a plain int that `check_timeout` accepts (the hot paths' cheap form of it)."""
+    return type(timeout_us) is int and -1 <= timeout_us <= INT64_MAX
+
+
+def check_timeout(timeout_us, name: str = "timeout_us") -> int:
+    """Check a deadline in microseconds: -1 (no deadline) or a number of microseconds the native calls take.
+
+    Arguments:
+        timeout_us: microseconds, or -1 for no deadline.
+        name: the argument's name, for error messages.
+
+    Returns:
+        timeout_us: the value as a Python int.
+
+    Raises:
+        TypeError: not an integer, or a bool.
+        ValueError: below -1 or above INT64_MAX (native waits longer than 2**40 us, about 12.7 days,
+            are capped there).
+    """
+    expected = f"-1 (no deadline) or a number of microseconds in [0, {INT64_MAX}]"
+    if isinstance(timeout_us, bool):
+        raise TypeError(f"{name}: expected {expected}, got {_shown(timeout_us)}")
+    try:
+        value = operator.index(timeout_us)
+    except TypeError:
+        raise TypeError(f"{name}: expected {expected}, got {_shown(timeout_us)}") from None
+    if not -1 <= value <= INT64_MAX:
+        raise ValueError(f"{name}: expected {expected}, got {value}")
+    return value

@@ -13,11 +13,16 @@ from mooncake_ep_switch.vocabulary import check_int
     (np.int64(9), 1, 9),
     (np.uint8(3), 0, 3),
     (torch.tensor(4), 1, 4),
-    (2**70, 1, 2**70),
+    (2**63 - 1, 1, 2**63 - 1),
 ])
 def test_accepts_integers(value, minimum, expected):
     result = check_int("n", value, minimum)
     assert result == expected and type(result) is int
+
+
+def test_the_upper_bound_is_the_native_range_unless_lifted():
+    assert check_int("n", 2**70, 1, maximum=None) == 2**70
+    assert check_int("n", 2**31 - 1, 1, maximum=2**31 - 1) == 2**31 - 1
 
 
 @pytest.mark.parametrize("value, minimum, error, message", [
@@ -29,6 +34,8 @@ def test_accepts_integers(value, minimum, expected):
     (None, 1, TypeError, "n: expected an int >= 1, got NoneType None"),
     (np.float64(1.0), 1, TypeError, f"n: expected an int >= 1, got float64 {np.float64(1.0)!r}"),
     (torch.tensor([1, 2]), 1, TypeError, "n: expected an int >= 1, got Tensor tensor([1, 2])"),
+    (2**63, 1, ValueError, "n: expected an int in [1, 9223372036854775807], got 9223372036854775808"),
+    (2**63, None, ValueError, "n: expected an int <= 9223372036854775807, got 9223372036854775808"),
 ])
 def test_rejects_with_one_message_style(value, minimum, error, message):
     with pytest.raises(error) as caught:

@@ -261,3 +261,42 @@ def rank_combine_before_receive(ctx, transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_combine_needs_the_dispatch_received(transport):
     assert all(harness.run(2, rank_combine_before_receive, transport))
+
+
+def rank_out_of_native_range(ctx, transport):
+    """Integers outside the native types' range are refused before any state changes: the same
+    Buffer's next round is exact with nobody masked (a timeout_us of 2**63 once passed the Python
+    checks, moved the call counter, then failed at the native boundary, so both ranks' next round
+    masked each other)."""
+    size = Buffer.get_ep_buffer_size_hint(T, H, ctx.num_ranks, E)
+    with Buffer(ctx.group, size, transport=transport) as buffer:
+        x, topk, weights, active = _good(ctx)
+        messages = []
+        for bad in (2 ** 63, 2 ** 64, -2 ** 63):
+            with pytest.raises(ValueError, match="^timeout_us: ") as raised:
+                buffer.dispatch(x, topk, active, T, E, bad, use_fp8=False)
+            messages.append(str(raised.value))
+        for name, bad_tokens, bad_experts in (("num_max_dispatch_tokens_per_rank", 2 ** 31, E),
+                                              ("num_experts", T, 2 ** 32)):
+            with pytest.raises(ValueError, match=f"^{name}: "):
+                buffer.dispatch(x, topk, active, bad_tokens, bad_experts, 5_000_000, use_fp8=False)
+        recv, count, handle, _, _ = buffer.dispatch(x, topk, active, T, E, 5_000_000, use_fp8=False)
+        y = recv * 2
+        with pytest.raises(ValueError, match="^timeout_us: "):
+            buffer.combine(y, topk, weights, active, 2 ** 63, handle)
+        out, _, _ = buffer.combine(y, topk, weights, active, 5_000_000, handle)
+        assert active.tolist() == [1] * ctx.num_ranks, f"a rejected call cost a peer: {active.tolist()}"
+        # Every expert doubles its rows: the combine is twice the weighted sum of the token, exactly.
+        want = (2 * (weights * (topk >= 0)).sum(1, keepdim=True) * x.float()).to(torch.bfloat16)
+        assert torch.equal(out, want)
+        # A second exact round after it, on the same Buffer.
+        recv, _, handle, _, _ = buffer.dispatch(x, topk, active, T, E, 5_000_000, use_fp8=False)
+        out, _, _ = buffer.combine(recv * 2, topk, weights, active, 5_000_000, handle)
+        assert torch.equal(out, want) and active.tolist() == [1] * ctx.num_ranks
+    return messages
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_integers_beyond_the_native_range_are_refused_first(transport):
+    for messages in harness.run(2, rank_out_of_native_range, transport):
+        assert all("-1 (no deadline) or" in m and str(2 ** 63 - 1) in m for m in messages), messages

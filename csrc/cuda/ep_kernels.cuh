@@ -332,7 +332,10 @@ __device__ void wait_source(const Call& call, const uint64_t* signals, int32_t s
     __syncwarp();
     const uint32_t tag = call_tag(*reinterpret_cast<const uint64_t*>(call.call_word));
     const uint64_t start = global_timer_ns();
-    const uint64_t budget = call.timeout_us < 0 ? 0 : uint64_t(call.timeout_us) * 1000u;
+    // Capped at 2^40 us (about 12.7 days), as on the CPU (common.cpp Waiter), so that no valid int64
+    // timeout_us overflows the nanosecond budget into a short one.
+    const int64_t capped_us = call.timeout_us < (int64_t(1) << 40) ? call.timeout_us : (int64_t(1) << 40);
+    const uint64_t budget = call.timeout_us < 0 ? 0 : uint64_t(capped_us) * 1000u;
     const auto* dead = reinterpret_cast<const volatile int32_t*>(call.dead);
     for (int32_t l = lane; l < L && !source_failed; l += 32) {
         for (uint32_t polls = 0;; ++polls) {

@@ -27,6 +27,7 @@ from mooncake_ep_switch.buffer.transport.contract import Transport
 from mooncake_ep_switch.buffer.transport.select import TRANSPORTS, make_transport
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
+from mooncake_ep_switch.vocabulary import timeout_in_range
 
 _LAYOUT_SWITCH: Optional[Callable] = None  # set by mooncake_ep_switch.switch (register_layout_switch)
 
@@ -426,8 +427,8 @@ class Buffer:
         # need only the value checks; anything else takes the full validation, which raises the
         # precise error naming the argument.
         spec = None
-        if (type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int and type(timeout_us) is int
-                and timeout_us >= -1 and type(use_fp8) is bool and isinstance(x, _Tensor)
+        if (type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int and timeout_in_range(timeout_us)
+                and type(use_fp8) is bool and isinstance(x, _Tensor)
                 and isinstance(topk_idx, _Tensor) and isinstance(active_ranks, _Tensor)):
             xs, ks = x.shape, topk_idx.shape
             if len(xs) == 2:
@@ -564,7 +565,7 @@ class Buffer:
         plan = getattr(handle, "plan", None)
         spec = getattr(plan, "spec", None) if type(handle) is DispatchHandle else None
         fast = False
-        if (spec is not None and spec.owner is self._token and type(timeout_us) is int and timeout_us >= -1
+        if (spec is not None and spec.owner is self._token and timeout_in_range(timeout_us)
                 and isinstance(x, _Tensor) and isinstance(topk_idx, _Tensor) and isinstance(topk_weights, _Tensor)
                 and isinstance(active_ranks, _Tensor)):
             src_info, layout_range = handle[0], handle[1]

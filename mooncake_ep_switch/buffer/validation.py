@@ -14,7 +14,7 @@ the device (`CudaTransport.value_problem`), since reading them here would synchr
 import torch
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.vocabulary import check_int  # noqa: F401  (used here and re-exported)
+from mooncake_ep_switch.vocabulary import INT32_MAX, check_int, check_timeout  # noqa: F401  (both re-exported)
 
 
 def _fail(name: str, expected: str, got) -> None:
@@ -83,25 +83,6 @@ def check_active_ranks(active_ranks, num_ranks: int, device=None) -> torch.Tenso
     return active_ranks
 
 
-def check_timeout(timeout_us) -> int:
-    """Check a call timeout.
-
-    Arguments:
-        timeout_us: microseconds, or -1 for no deadline.
-
-    Returns:
-        timeout_us: the value as a Python int.
-
-    Raises:
-        TypeError: not an integer, or a bool.
-        ValueError: below -1.
-    """
-    timeout_us = check_int("timeout_us", timeout_us)
-    if timeout_us < -1:
-        _fail("timeout_us", "-1 (no deadline) or a non-negative number of microseconds", timeout_us)
-    return timeout_us
-
-
 def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device=None) -> torch.Tensor:
     """`topk_idx` int64 `[num_tokens, K]`, values in [-1, num_experts), no expert twice in a row.
 
@@ -158,8 +139,8 @@ def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, 
         TypeError: a wrong Python type (e.g. a non-bool `use_fp8`).
         ValueError: any other violation; nothing has been written.
     """
-    tokens_per_rank = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-    num_experts = check_int("num_experts", num_experts, 1)
+    tokens_per_rank = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, INT32_MAX)
+    num_experts = check_int("num_experts", num_experts, 1, INT32_MAX)
     if num_experts % num_ranks != 0:
         _fail("num_experts", f"a multiple of the number of ranks ({num_ranks})", num_experts)
     check_tensor("x", x, torch.bfloat16, 2, device=device)
@@ -200,9 +181,9 @@ def check_handle(handle, num_ranks: int, device=None):
         raise TypeError("handle: expected the 5-tuple returned by dispatch(), "
                         f"got {type(handle).__name__}{'' if not isinstance(handle, tuple) else f' of length {len(handle)}'}")
     src_info, layout_range, tokens_per_rank, hidden, num_experts = handle
-    tokens_per_rank = check_int("handle.num_max_dispatch_tokens_per_rank", tokens_per_rank, 1)
-    hidden = check_int("handle.hidden", hidden, 128)
-    num_experts = check_int("handle.num_experts", num_experts, num_ranks)
+    tokens_per_rank = check_int("handle.num_max_dispatch_tokens_per_rank", tokens_per_rank, 1, INT32_MAX)
+    hidden = check_int("handle.hidden", hidden, 128, INT32_MAX)
+    num_experts = check_int("handle.num_experts", num_experts, num_ranks, INT32_MAX)
     if num_experts % num_ranks:
         _fail("handle.num_experts", f"a multiple of {num_ranks}", num_experts)
     local = num_experts // num_ranks

@@ -46,7 +46,7 @@ import torch
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.config import settings
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.vocabulary import check_int, check_timeout
 from mooncake_ep_switch.eplb.slots import ExpertSlots, check_phy2log
 from mooncake_ep_switch.faults import FaultPoint
 
@@ -144,8 +144,7 @@ class OnlineRebalancer:
             raise ValueError("slots: the online rebalance keeps its votes and decisions in the group's store; "
                              "expected ExpertSlots on a Buffer with a store (pass store= to Buffer, or initialise "
                              "torch.distributed with a store)")
-        if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or timeout_us < -1:
-            raise ValueError(f"timeout_us: expected -1 (no deadline) or an int >= 0, got {timeout_us!r}")
+        timeout_us = check_timeout(timeout_us)
         self.slots = slots
         self.timeout_us = timeout_us
         self.frames_per_step = check_int("frames_per_step", frames_per_step, 1)

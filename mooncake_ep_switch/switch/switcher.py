@@ -56,6 +56,7 @@ from mooncake_ep_switch.switch import reshard
 from mooncake_ep_switch.switch.kv_cache import PagedKVCache
 from mooncake_ep_switch.switch.kv_plan import KVPlan
 from mooncake_ep_switch.switch.umm import EP, INVALID, LAYOUTS, TP, UnifiedWeights
+from mooncake_ep_switch.vocabulary import check_timeout
 
 # Progress steps (low 32 bits of the progress word).
 ENTERED = 1
@@ -232,8 +233,7 @@ def _check_args(buffer, target, umm, kv, timeout_us) -> None:
         raise TypeError(f"weights: expected a UnifiedWeights, got {type(umm).__name__}")
     if target not in LAYOUTS:
         raise ValueError(f"target: expected one of {LAYOUTS}, got {target!r}")
-    if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or timeout_us < -1:
-        raise ValueError(f"timeout_us: expected -1 (no deadline) or an int >= 0, got {timeout_us!r}")
+    check_timeout(timeout_us)
     if (umm.rank, umm.num_ranks) != (buffer.rank, buffer.num_ranks):
         raise ValueError(f"weights: built for rank {umm.rank} of {umm.num_ranks}, the buffer is rank "
                          f"{buffer.rank} of {buffer.num_ranks}")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.vocabulary import check_int, check_timeout
 
 _TAG_SPACE = (1 << 32) - 1
 _SIGNALS_BYTES = 4096
@@ -96,8 +96,7 @@ class TPAllReduce:
                 or tuple(active_ranks.shape) != (self.num_ranks,)):
             raise ValueError(f"active_ranks: expected a [{self.num_ranks}] torch.int32 tensor, got "
                              f"{getattr(active_ranks, 'shape', None)} {getattr(active_ranks, 'dtype', type(active_ranks))}")
-        if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or timeout_us < -1:
-            raise ValueError(f"timeout_us: expected -1 or an int >= 0, got {timeout_us!r}")
+        timeout_us = check_timeout(timeout_us)
         x32 = x.float().contiguous()
         rows = x32.size(0)
         self.call += 1
