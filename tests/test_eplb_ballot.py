@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from mooncake_ep_switch.buffer.membership import Membership, MembershipError
-from mooncake_ep_switch.eplb.ballot import DECISION_SLOTS, Ballot
+from mooncake_ep_switch.buffer.ballot import DECISION_SLOTS, Ballot
 from mooncake_ep_switch.launch import host_store
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -18,7 +18,7 @@ def store():
 
 
 def _ballots(store, num_ranks=3, secret=None):
-    return [Ballot(Membership(store, r, num_ranks, prefix="p", secret=secret), 4, r, num_ranks)
+    return [Ballot(Membership(store, r, num_ranks, prefix="p", secret=secret), "eplb/4", r, num_ranks)
             for r in range(num_ranks)]
 
 

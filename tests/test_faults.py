@@ -226,8 +226,9 @@ def rank_killed_early(ctx, transport, kill_point, pretend_hosts):
         assert active.tolist() == without_dead, f"mask {active.tolist()}"
         in_dispatch = _dispatch_view(kill_point, after_dispatch, without_dead, buffer.transport)
         _check_round(ctx, all_inputs, in_dispatch, without_dead, recv, recv_count, handle, combined)
+    start = time.monotonic()
     buffer.destroy()
-    return {"seconds": seconds, "routes": routes}
+    return {"seconds": seconds, "routes": routes, "destroy_s": time.monotonic() - start}
 
 
 @pytest.mark.parametrize("transport,kill_point,pretend_hosts", [

@@ -96,3 +96,51 @@ def test_rank_dies_during_switch(target, phase, index, how):
         assert len(held) == len(set(held)) and set(held) | lost == all_rids and not set(held) & lost
         assert all(set(r["lost_requests"]) == lost for r in reports)
     assert not any(process.is_alive() for process in processes), "leftover rank processes"
+
+
+LATE_DELAYS_S = {1: 1.0, 2: 2.5}  # ranks late before their decision (a GC pause, a descheduled rank)
+LATE_TIMEOUT_US = 2_000_000
+
+
+def rank_late_at_the_decision(ctx):
+    """Ranks 1 and 2 are late to decide, rank 2 past the deadline of ranks 0 and 3: one outcome everywhere."""
+    import time
+
+    from mooncake_ep_switch.reference.moe_block import random_weights
+    from mooncake_ep_switch.switch.switcher import switch_layout
+
+    full = [random_weights(8, 128, 64, seed=layer) for layer in range(MOE_LAYERS)]
+    buffer, umm, kv = _setup(ctx, "shm", 96)
+    _populate(kv, ctx.rank, ctx.num_ranks, "ep")
+
+    def late(where, at):
+        if where == "decide":
+            time.sleep(LATE_DELAYS_S.get(ctx.rank, 0.0))
+
+    first = switch_layout(buffer, "tp", weights=umm, kv_cache=kv, timeout_us=LATE_TIMEOUT_US, on_step=late)
+    assert not first.dead_ranks, first  # nobody died: a late peer is never declared dead at the decision
+    after_first = (first.outcome, first.layout, umm.layout, kv.layout)
+    # The group is still one: the next switch (nobody late) completes on every rank, exactly.
+    target = "ep" if first.layout == "tp" else "tp"
+    second = switch_layout(buffer, target, weights=umm, kv_cache=kv, timeout_us=20_000_000)
+    assert second.outcome == "completed" and not second.dead_ranks, second
+    for layer, weights in enumerate(full):
+        want = _expected_shard(weights, target, ctx.rank, ctx.num_ranks)
+        got = umm.view(layer)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer} weights"
+    _check_sharing(kv)
+    _check_reference(kv, _attention_here(kv, step=0), ctx.num_ranks, step=0)
+    kv.destroy()
+    umm.destroy()
+    buffer.destroy()
+    return after_first
+
+
+def test_a_late_rank_at_the_decision_leaves_one_layout():
+    """One decision per switch: a rank whose wait for a late peer's decision timed out and the ranks
+    that saw every GO must end the same way (they used to split: the timed-out rank refused with its
+    GO still published, the late ranks completed and declared it dead)."""
+    outcomes = harness.run(4, rank_late_at_the_decision, timeout_s=90)
+    assert len(set(outcomes)) == 1, outcomes
+    outcome, layout, umm_layout, kv_layout = outcomes[0]
+    assert layout == umm_layout == kv_layout and (outcome, layout) in {("refused", "ep"), ("completed", "tp")}

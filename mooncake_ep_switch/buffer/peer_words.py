@@ -1,7 +1,7 @@
 """Waiting on control words that peers write into shared memory, with a deadline.
 
 The switch protocol (switch/switcher.py) waits for every peer's word to reach a value; this is that
-wait. (The online EPLB vote keeps its words in the store instead: eplb/ballot.py.)
+wait. (The online EPLB vote keeps its words in the store instead: buffer/ballot.py, as does the switch decision.)
 """
 import time
 from typing import Callable, List, Optional, Sequence

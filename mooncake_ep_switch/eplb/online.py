@@ -18,7 +18,7 @@ Commit (at the chunk's commit step, before the step's forward). A rank finishes 
 only stall, bounded by `frames_per_step` having done most of it), then publishes its vote with the
 chunk's plan digest (GO, or ABORT when staging failed or `active_ranks` shows a dead rank). The
 outcome is then decided once for every rank by a *decision record* per epoch, set by
-compare-and-set from "undecided" (`eplb.ballot`: votes and decisions live in the job's store,
+compare-and-set from "undecided" (`buffer.ballot`: votes and decisions live in the job's store,
 which the launcher hosts and which outlives every rank; one protocol on one host and across
 hosts): a rank that voted GO waits for every peer's vote with the deadline `timeout_us` and
 proposes COMMIT only if every rank voted GO with the same digest, ABORT otherwise (a vote missing

@@ -23,7 +23,7 @@ a peer on another host reads the table entry and then the frame one-sided over t
 (`read_remote_frame`). Every frame id read from a peer is checked against the frame count before
 it becomes an address, and every range against both regions' bounds.
 
-The votes and decisions of the online rebalance live in the job's store (`eplb.ballot`), one
+The votes and decisions of the online rebalance live in the job's store (`buffer.ballot`), one
 `Ballot` per slots, created here because its keys are named by the slots' participant index.
 
 Primaries in the unified weight memory. With `primaries=UnifiedWeights` (the memory `switch_layout`
@@ -43,7 +43,7 @@ from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.vocabulary import check_int
 from mooncake_ep_switch.eplb._convert import as_indices
-from mooncake_ep_switch.eplb.ballot import Ballot
+from mooncake_ep_switch.buffer.ballot import Ballot
 from mooncake_ep_switch.eplb.policy.tables import expert_counts
 
 CONTROL_BYTES = 4096
@@ -195,7 +195,7 @@ class ExpertSlots:
         index = peer_regions.register(buffer, self, KIND)
         membership = getattr(buffer, "membership", None)
         # Votes and decisions of online rebalances (None without a store: a rebalance then refuses).
-        self.ballot = None if membership is None or index is None else Ballot(membership, index, self.rank,
+        self.ballot = None if membership is None or index is None else Ballot(membership, f"eplb/{index}", self.rank,
                                                                                self.num_ranks)
         if prefault:
             for peer in range(self.num_ranks):

@@ -283,7 +283,8 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
             misses it is treated as dead (one-sided transport). Collective fallback: the group's
             own timeout applies instead.
         on_step: test/tracing hook called as `on_step(phase, index)` at "enter" (before anything is
-            published), "weights" (before step `index`), "weights_partial" (after the first remote
+            published), "decide" (before this rank's decision is published), "weights" (before step
+            `index`), "weights_partial" (after the first remote
             chunk of step `index`), "kv" (before the KV moves) and "commit" (before `DONE`).
 
     Returns:
@@ -313,6 +314,8 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
         control.write_digest(_digest(umm, kv, source, target))
         if kv is not None:
             kv.publish_meta()
+        if umm.ballot is not None:
+            umm.ballot.prepare([seq])  # this switch's decision slot exists before anyone proposes
     except _Refuse as refusal:
         control.write_digest([])
         control.publish(_PROGRESS, ENTERED)
@@ -344,6 +347,7 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
             else:
                 if plan.refused:
                     decision, reason = 3, plan.refused
+    hook("decide", 0)
     control.publish(_DECISION, decision)
     undecided = control.wait(_DECISION, 0, 0, declare=False,
                              peers=[p for p in range(umm.num_ranks) if p not in missing and p != umm.rank])
@@ -355,6 +359,16 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
         elif aborts:
             code = _native.signal_load(control.addr(aborts[0], _DECISION)) & 0xFFFFFFFF
             decision, reason = code, f"rank {aborts[0]} refused: {ABORT_CODES.get(code, 'unknown reason')}"
+    if umm.ballot is not None:
+        # One decision per switch: the first proposal wins and every rank adopts it. GO is proposed
+        # only by a rank that saw every rank's GO, so a rank whose wait for a late peer ended can
+        # still be told GO (the peer did decide GO), and a late rank that saw every GO is told
+        # ABORT when a rank gave up first: live ranks always end in one layout.
+        final = umm.ballot.propose(seq, decision)
+        if final != decision:
+            decision = final
+            reason = "" if final == GO else (f"another rank decided ABORT first: "
+                                             f"{ABORT_CODES.get(final, f'code {final}')}")
     if decision != GO:
         return _report(source, target, source, REFUSED, reason, start, seq, transport)
 

@@ -28,6 +28,7 @@ import torch
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
+from mooncake_ep_switch.buffer.ballot import Ballot
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.switch.shards import shard_ep, shard_tp
 from mooncake_ep_switch.vocabulary import EP, LAYOUTS, TP, check_int  # noqa: F401  (layout names re-exported)
@@ -157,7 +158,13 @@ class UnifiedWeights:
             self._private = torch.zeros(self.region_bytes, dtype=torch.uint8)
             self.local = self._private
         self._registry = getattr(buffer, "peer_regions", None)
-        peer_regions.register(buffer, self, KIND)
+        index = peer_regions.register(buffer, self, KIND)
+        membership = getattr(buffer, "membership", None)
+        # One GO/ABORT per switch in the job's store, which every rank reads the same way (one-sided
+        # switches; the collective fallback agrees through its all-gather).
+        self.ballot: Optional[Ballot] = None
+        if self.one_sided and membership is not None and index is not None:
+            self.ballot = Ballot(membership, f"switch/{index}", self.rank, num_ranks, what="switch_layout")
         if self.one_sided and prefault:
             for region in (self.region, self.control):
                 for peer in range(num_ranks):

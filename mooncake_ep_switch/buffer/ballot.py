@@ -1,12 +1,14 @@
-"""Votes and one decision per chunk of an online rebalance, kept in the job's store.
+"""Votes and one decision per epoch of a group-wide step, kept in the job's store.
 
 The online rebalance (`eplb.online`) needs, at every chunk's commit step, every rank's vote and
 plan digest, and then exactly one outcome that every rank adopts, also when a rank is frozen or
-dead. Both live in the torch.distributed store the Buffer's membership uses (the launcher hosts it,
-so it outlives any rank): the same protocol for ranks of one host and across hosts, and the
-decision survives the death of any rank (there is no arbiter whose memory could vanish).
+dead; a layout switch (`switch.switcher`) needs the same for its GO/ABORT. Both live in the
+torch.distributed store the Buffer's membership uses (the launcher hosts it, so it outlives any
+rank): the same protocol for ranks of one host and across hosts, and the decision survives the
+death of any rank (there is no arbiter whose memory could vanish).
 
-Keys, under the membership's prefix and `eplb/<participant index>/` (the slots' index in the
+Keys, under the membership's prefix and the ballot's name (`eplb/<participant index>/` for an
+`ExpertSlots`, `switch/<participant index>/` for a `UnifiedWeights`: the participant's index in the
 Buffer's peer regions, the same on every rank and for a replacement):
 
     vote/<rank>          [epoch, vote, digest]   this rank's latest vote (GO 1 / ABORT 2) and digest
@@ -37,17 +39,18 @@ def _is_int(value) -> bool:
 
 
 class Ballot:
-    """The votes and decisions of one `ExpertSlots`' rebalances (see the module docstring).
+    """The votes and decisions of one participant's group-wide steps (see the module docstring).
 
     Arguments:
         membership: the Buffer's `Membership` (its store, prefix and secret are used).
-        index: the slots' participant index (names the keys).
+        name: the keys' folder, e.g. `"eplb/3"` (the participant's kind and index).
         rank: this rank.
         num_ranks: ranks of the group.
+        what: what decides here, for error messages (e.g. "online EPLB").
     """
 
-    def __init__(self, membership, index: int, rank: int, num_ranks: int):
-        name = f"eplb/{index}"
+    def __init__(self, membership, name: str, rank: int, num_ranks: int, what: str = "online EPLB"):
+        self.what = what
         self._records = RecordStore(dist.PrefixStore(name, membership.store), f"{membership.prefix}/{name}",
                                     membership.secret)
         self.store = self._records.store
@@ -135,7 +138,7 @@ class Ballot:
         if record is None or record[0] < epoch:
             return None
         if record[0] > epoch:
-            raise RuntimeError(f"online EPLB: rank {self.rank} is {record[0] - epoch} epochs behind (epoch {epoch}'s "
+            raise RuntimeError(f"{self.what}: rank {self.rank} is {record[0] - epoch} epochs behind (epoch {epoch}'s "
                                f"decision slot was reused by epoch {record[0]}); its placement is unknown, replace "
                                "this rank")
         return record[1]
@@ -183,7 +186,7 @@ class Ballot:
             if expected is None:
                 break
             raw = self.store.compare_set(key, expected, desired)
-        raise RuntimeError(f"online EPLB: the decision slot {self._records.prefix}/{key} of epoch {epoch} holds "
+        raise RuntimeError(f"{self.what}: the decision slot {self._records.prefix}/{key} of epoch {epoch} holds "
                            f"{bytes(raw[:40])!r} and could not be replaced: something other than this job's ranks "
                            "writes it")
 
