@@ -30,6 +30,16 @@ INT32_MAX = 2 ** 31 - 1
 INT64_MAX = 2 ** 63 - 1
 
 
+def _as_int(name: str, value, expected: str) -> int:
+    """`value` as a Python int (anything with `__index__` but a bool), else TypeError naming `expected`."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected {expected}, got {_shown(value)}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected {expected}, got {_shown(value)}") from None
+
+
 def check_int(name: str, value, minimum: Optional[int] = None, maximum: Optional[int] = INT64_MAX) -> int:
     """Check that `value` is an integer (Python, NumPy or anything with `__index__`; not bool) in range.
 
@@ -52,12 +62,7 @@ def check_int(name: str, value, minimum: Optional[int] = None, maximum: Optional
             `maximum` ("<name>: expected an int in [<minimum>, <maximum>], got <value>").
     """
     what = "an int" if minimum is None else f"an int >= {minimum}"
-    if isinstance(value, bool):
-        raise TypeError(f"{name}: expected {what}, got {_shown(value)}")
-    try:
-        result = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected {what}, got {_shown(value)}") from None
+    result = _as_int(name, value, what)
     if minimum is not None and result < minimum:
         raise ValueError(f"{name}: expected {what}, got {result}")
     if maximum is not None and result > maximum:
@@ -87,12 +92,7 @@ def check_timeout(timeout_us, name: str = "timeout_us") -> int:
             are capped there).
     """
     expected = f"-1 (no deadline) or a number of microseconds in [0, {INT64_MAX}]"
-    if isinstance(timeout_us, bool):
-        raise TypeError(f"{name}: expected {expected}, got {_shown(timeout_us)}")
-    try:
-        value = operator.index(timeout_us)
-    except TypeError:
-        raise TypeError(f"{name}: expected {expected}, got {_shown(timeout_us)}") from None
+    value = _as_int(name, timeout_us, expected)
     if not -1 <= value <= INT64_MAX:
         raise ValueError(f"{name}: expected {expected}, got {value}")
     return value
