@@ -284,8 +284,8 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
             own timeout applies instead.
         on_step: test/tracing hook called as `on_step(phase, index)` at "enter" (before anything is
             published), "decide" (before this rank's decision is published), "weights" (before step
-            `index`), "weights_partial" (after the first remote
-            chunk of step `index`), "kv" (before the KV moves) and "commit" (before `DONE`).
+            `index`), "weights_partial" (after the first remote chunk of step `index`), "kv" (before
+            the KV moves) and "commit" (before `DONE`).
 
     Returns:
         report: a `SwitchReport` (bytes and times of the weight and KV phases, outcome, dead ranks).
