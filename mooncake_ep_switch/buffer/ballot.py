@@ -75,7 +75,7 @@ class Ballot:
         return None
 
     # ------------------------------------------------------------------ set-up
-    def prepare(self, epochs: Iterable[int]) -> None:
+    def prepare(self, epochs: Iterable[int], votes: bool = True) -> None:
         """Create, where absent, every rank's vote key and the decision slots of `epochs`.
 
         Called by every rank when it plans a rebalance; creating is compare-and-set from "absent",
@@ -84,8 +84,10 @@ class Ballot:
 
         Arguments:
             epochs: the chunk epochs about to be voted on.
+            votes: also the vote keys (False: decisions only, as a layout switch, whose votes are
+                words in shared memory, needs; one store round trip instead of R + 1).
         """
-        keys = [self._vote_key(r) for r in range(self.num_ranks)]
+        keys = [self._vote_key(r) for r in range(self.num_ranks)] if votes else []
         keys += sorted({self._decision_key(e) for e in epochs})
         for key in keys:
             initial = [0, 0, 0] if key.startswith("vote/") else [0, 0]

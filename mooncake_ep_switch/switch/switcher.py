@@ -315,7 +315,7 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
         if kv is not None:
             kv.publish_meta()
         if umm.ballot is not None:
-            umm.ballot.prepare([seq])  # this switch's decision slot exists before anyone proposes
+            umm.ballot.prepare([seq], votes=False)  # the decision slot exists before anyone proposes
     except _Refuse as refusal:
         control.write_digest([])
         control.publish(_PROGRESS, ENTERED)
