@@ -214,3 +214,95 @@ def test_replacement_on_the_other_host_is_read_over_the_transfer_engine(make_net
         assert result["placement"] and result["frames_ok"] and all(result["exact"]), (rank, result)
         assert result["te_reads"] == (layers if rank in (0, DEAD) else 0), (rank, result)
         assert result["remote"] == [r // RANKS_PER_HOST != rank // RANKS_PER_HOST for r in range(NUM_RANKS)]
+
+
+# ---------------------------------------------------------------- an abandoned staging read (issue 28 item 2)
+
+SLOW_READER, SLOW_HOLDER = 1, 3  # rank 1 (host 0) stages expert 7 from rank 3 (host 1) over a slow link
+SLOW_RATE = "256kbit"  # host 1's egress: a 192 KiB frame takes ~6 s, far past the read deadline
+SLOW_TIMEOUT_US = 1_500_000
+
+
+def rank_slow_setup(ctx, names, addresses):
+    """Enter the host, build Buffer + slots (a rebalancer whose reads and votes have 1.5 s), one exact step."""
+    e, state = test_eplb_online, harness.RANK_STATE
+    host = ctx.rank // RANKS_PER_HOST
+    enter_host(names[host], addresses[host], host_id=names[host])
+    buffer, weights, slots, _ = e._setup(ctx, transport="auto", timeout_us=TIMEOUT_US)
+    from mooncake_ep_switch.eplb.online import OnlineRebalancer
+
+    rebalancer = OnlineRebalancer(slots, timeout_us=SLOW_TIMEOUT_US, frames_per_step=1)
+    state.update(buffer=buffer, weights=weights, slots=slots, rebalancer=rebalancer, active=buffer.active_mask())
+    out, ref, _ = e._forward(ctx, buffer, weights, slots, state["active"], e._inputs(ctx.rank, 0),
+                             timeout_us=TIMEOUT_US)
+    return e._close(out, ref)
+
+
+def rank_slow_rebalances(ctx):
+    """With host 1's link slow: rebalance 1 moves rank 1's redundant copy to expert 7, held only on host 1:
+    the read misses its deadline and every rank aborts, the read still in flight. Rebalance 2 at once moves
+    the same slot to expert 0, copied from rank 0 (shared memory) into a free frame, and commits. Rank 1
+    then waits until the abandoned read has finished (it lands somewhere) and reports whether its frames
+    still hold exactly the checkpoint's experts."""
+    e, state = test_eplb_online, harness.RANK_STATE
+    slots, rebalancer = state["slots"], state["rebalancer"]
+    slot = SLOW_READER * e.SLOTS_PER_RANK + 2
+    reports = []
+    for step, (expert, commit_step) in zip((1, 3), ((7, 2), (0, 4))):
+        target = slots.phy2log.copy()
+        target[:, slot] = expert
+        rebalancer.begin(target, commit_step=commit_step)
+        for at in (step, step + 1):
+            reports += rebalancer.step(at, state["active"])
+    te = slots.region.te
+    abandoned = te.num_abandoned
+    deadline = time.monotonic() + 40
+    while te.num_abandoned and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"reports": [(r.epoch, r.outcome, r.reason) for r in reports], "abandoned": abandoned,
+            "left": te.num_abandoned, "phy2log": slots.phy2log[:, slot].tolist(),
+            "frames_ok": e._frames_match_checkpoint(slots, state["weights"])}
+
+
+def rank_slow_serve(ctx):
+    """The link is fast again: two steps on the new placement, every row checked; frames once more."""
+    e, state = test_eplb_online, harness.RANK_STATE
+    exact = []
+    for step in (5, 6):
+        out, ref, _ = e._forward(ctx, state["buffer"], state["weights"], state["slots"], state["active"],
+                                 e._inputs(ctx.rank, step), timeout_us=TIMEOUT_US)
+        exact.append(e._close(out, ref))
+    frames_ok = e._frames_match_checkpoint(state["slots"], state["weights"])
+    state["slots"].destroy()
+    harness.rank_teardown(ctx)
+    return {"exact": exact, "frames_ok": frames_ok}
+
+
+def test_abandoned_staging_read_never_lands_in_a_committed_frame(make_network):
+    """Issue 28 item 2: a staging read over the Transfer Engine that misses its deadline aborts its chunk
+    and frees its frame, but stays in flight inside the engine. Before the fix the next rebalance staged
+    another expert into that very frame (the last one freed), committed, and the old read then landed in
+    it: a slot committed as expert 0 served expert 7's weights, with no error. Now a free frame an
+    abandoned read may still land in is skipped until the engine has finished that read."""
+    network = make_network(NUM_HOSTS)
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        assert all(harness.check_outcomes(cluster.run(rank_slow_setup, network.names, network.addresses,
+                                                      timeout_s=90)))
+        network.set_rate(1, SLOW_RATE)
+        try:
+            results = harness.check_outcomes(cluster.run(rank_slow_rebalances, timeout_s=120))
+        finally:
+            network.set_rate(1, "")
+        served = harness.check_outcomes(cluster.run(rank_slow_serve, timeout_s=90))
+        processes = list(cluster.processes)
+    assert not any(process.is_alive() for process in processes), "leftover rank processes"
+    reader = results[SLOW_READER]
+    assert reader["abandoned"] >= 1 and reader["left"] == 0, reader  # the read was abandoned, then finished
+    for rank, result in enumerate(results):
+        outcomes = [(epoch, outcome) for epoch, outcome, _ in result["reports"]]
+        assert outcomes == [(1, "aborted"), (2, "committed")], (rank, result["reports"])
+        assert result["phy2log"] == [0] * test_eplb_online.LAYERS, (rank, result)
+        assert result["frames_ok"], (rank, result)
+    assert "staging failed on rank 1" in reader["reports"][0][2], reader["reports"]  # the read missed its deadline
+    for rank, result in enumerate(served):
+        assert result["frames_ok"] and all(result["exact"]), (rank, result)

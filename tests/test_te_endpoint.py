@@ -101,6 +101,9 @@ def _agent_main(conn, options):
         "read_batch": lambda peer, dst_offs, srcs, lens, timeout: endpoint.read_batch(
             peer, [base + o for o in dst_offs], srcs, lens, timeout_s=timeout),
         "num_abandoned": lambda: endpoint.num_abandoned,
+        "abandoned_with": lambda peer: endpoint.abandoned_with(peer),
+        "reading_into": lambda off, n: endpoint.reading_into(base + off, n),
+        "wait_reaped": lambda peer, timeout: endpoint.wait_reaped(peer, timeout),
         "close": lambda: endpoint.close(),
     }
 
@@ -621,6 +624,69 @@ def test_write_to_stopped_peer_times_out(agents):
         assert healthy.call("read", 64, 512)[0] == _pattern(3, 512)
     finally:
         os.kill(victim.proc.pid, signal.SIGCONT)
+
+
+def test_no_write_to_a_peer_while_an_abandoned_write_to_it_may_still_land(agents):
+    """Issue 28 item 3. A write abandoned at its deadline (the peer stopped, or its link down) stays in
+    flight inside TE and lands whenever the peer answers again, possibly over bytes written since. So
+    every later write to that peer is refused at once (PeerBusy, nothing submitted) until TE has finished
+    the abandoned one; other peers are not disturbed; afterwards the newest bytes are the ones that stay."""
+    writer, victim, healthy = agents(3, nbytes=1 << 21)
+    timeout_s, nbytes = 1.0, 1 << 20
+    for peer in (victim, healthy):
+        writer.call("connect", peer.session, 5.0)
+    writer.call("fill", 0, _pattern(5, nbytes))
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        _expect_failure(writer, "write", victim.session, 0, victim.addr, nbytes, timeout_s, timeout_s=timeout_s,
+                        kinds=("TimeoutError",))
+        assert writer.call("abandoned_with", victim.session)[0] >= 1
+        assert writer.call("abandoned_with", healthy.session)[0] == 0
+        for message in (("write", victim.session, 0, victim.addr, 64, timeout_s),
+                        ("write_batch", victim.session, [0], [victim.addr + 64], [64], timeout_s)):
+            error = _expect_failure(writer, *message, timeout_s=timeout_s, kinds=("PeerBusy",))
+            assert error.elapsed < 0.2 and "abandoned" in error.message, str(error)
+        started, failures = writer.call("write_each", [(victim.session, [(0, victim.addr, 64)], [(0, victim.addr, 8)]),
+                                                      (healthy.session, [(0, healthy.addr, 4096)],
+                                                       [(0, healthy.addr + 4096, 8)])], timeout_s)[0]
+        assert failures == {0: "PeerBusy"}, failures
+        assert healthy.call("read", 0, 4096)[0] == _pattern(5, 4096)
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    assert writer.call("wait_reaped", victim.session, 15.0, timeout=25)[0] == 0
+    writer.call("fill", 0, _pattern(6, 4096))
+    writer.call("write", victim.session, 0, victim.addr, 4096, timeout_s)
+    time.sleep(0.2)
+    assert victim.call("read", 0, 4096)[0] == _pattern(6, 4096)  # the newer bytes stay
+    assert victim.call("read", 4096, 4096)[0] == _pattern(5, nbytes)[4096:8192]  # the abandoned write landed
+
+
+def test_no_read_into_bytes_an_abandoned_read_may_still_land_in(agents):
+    """Issue 28 item 2, at the engine. A read abandoned at its deadline may still land in its local range;
+    `reading_into` says so, and a new read into those bytes (from any peer) is refused until TE finished
+    it, while reads into other bytes from a healthy peer go on."""
+    reader, stopped, healthy = agents(3, nbytes=1 << 21)
+    timeout_s, nbytes = 1.0, 1 << 20
+    stopped.call("fill", 0, _pattern(7, 4096))
+    healthy.call("fill", 0, _pattern(8, 4096))
+    for peer in (stopped, healthy):
+        reader.call("connect", peer.session, 5.0)
+    os.kill(stopped.proc.pid, signal.SIGSTOP)
+    try:
+        _expect_failure(reader, "read_batch", stopped.session, [0], [stopped.addr], [nbytes], timeout_s,
+                        timeout_s=timeout_s, kinds=("TimeoutError",))
+        assert reader.call("reading_into", 4096, 64)[0] and not reader.call("reading_into", nbytes, 64)[0]
+        error = _expect_failure(reader, "read_batch", healthy.session, [4096], [healthy.addr], [4096], timeout_s,
+                                timeout_s=timeout_s, kinds=("PeerBusy",))
+        assert error.elapsed < 0.2, str(error)
+        reader.call("read_batch", healthy.session, [nbytes], [healthy.addr], [4096], timeout_s)
+        assert reader.call("read", nbytes, 4096)[0] == _pattern(8, 4096)
+    finally:
+        os.kill(stopped.proc.pid, signal.SIGCONT)
+    assert reader.call("wait_reaped", stopped.session, 15.0, timeout=25)[0] == 0
+    assert not reader.call("reading_into", 4096, 64)[0]
+    reader.call("read_batch", healthy.session, [4096], [healthy.addr], [4096], timeout_s)
+    assert reader.call("read", 4096, 4096)[0] == _pattern(8, 4096)
 
 
 def test_handshake_with_hung_peer_is_aborted_at_the_deadline(agents):

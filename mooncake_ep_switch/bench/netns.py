@@ -144,6 +144,23 @@ class Network:
         """Bring host `host`'s veth down (a link outage: its peers and the store) or up again."""
         ip("-n", self.names[host], "link", "set", self.devices[host], "up" if up else "down")
 
+    def set_rate(self, host: int, rate: str = "") -> None:
+        """Limit what host `host` sends on its veth to `rate` (tc's units, e.g. "256kbit"): a slow link
+        with a short queue (tbf, at most 200 ms of backlog, so small packets behind a transfer still
+        arrive within that); "" removes the limit.
+
+        Raises:
+            ValueError: `rate` is not a tc rate.
+            RuntimeError: tc failed.
+        """
+        if rate and not re.fullmatch(r"\d+(?:\.\d+)?(?:bit|kbit|mbit|gbit)", rate):
+            raise ValueError(f"rate: expected a tc rate such as '256kbit' (or '' for none), got {rate!r}")
+        device = self.devices[host]
+        ip("netns", "exec", self.names[host], "tc", "qdisc", "del", "dev", device, "root", check=False)
+        if rate:
+            ip("netns", "exec", self.names[host], "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", rate,
+               "burst", "16kb", "latency", "200ms")
+
     def tx_bytes(self, host: int) -> int:
         """Bytes host `host` has sent on its veth so far (headers included: bytes on the wire)."""
         return tx_bytes(self.names[host], self.devices[host])

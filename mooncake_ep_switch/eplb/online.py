@@ -322,9 +322,7 @@ class OnlineRebalancer:
             while staging.next_move < moves.shape[0] and budget > 0:
                 layer, _, expert = (int(v) for v in moves[staging.next_move])
                 src_rank, src_slot = self._source(layer, expert, active)
-                if not slots.free_frames:
-                    raise RuntimeError("no free frame left for staging")
-                frame = slots.free_frames.pop()
+                frame = slots.take_free_frame()
                 staging.frames.append(frame)
                 if slots.is_mapped(src_rank):
                     blocks, src_range = slots.source_blocks(frame, src_rank, layer, src_slot)

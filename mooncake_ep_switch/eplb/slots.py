@@ -298,6 +298,32 @@ class ExpertSlots:
                 gate_up.copy_(weights.gate_up[expert])
                 down.copy_(weights.down[expert])
 
+    def take_free_frame(self) -> int:
+        """Take a free frame for staging: one that no abandoned Transfer Engine read may still land in.
+
+        A staging read that missed its deadline is abandoned with its frame freed (the chunk
+        aborts), but the read stays in flight inside the engine until it finishes or fails; a
+        frame it may still land in is skipped until then (`TeEndpoint.reading_into`).
+
+        Returns:
+            frame: frame id in `[0, num_frames)`, removed from `free_frames`.
+
+        Raises:
+            RuntimeError: no free frame, or every free frame still has an abandoned read in flight.
+        """
+        te = self.region.te
+        base = self.region.base
+        for index in range(len(self.free_frames) - 1, -1, -1):
+            frame = self.free_frames[index]
+            if te is None or not (
+                    te.reading_into(base + self.frames_offset + frame * self.gate_up_bytes, self.gate_up_bytes)
+                    or te.reading_into(base + self.down_offset + frame * self.down_bytes, self.down_bytes)):
+                return self.free_frames.pop(index)
+        if not self.free_frames:
+            raise RuntimeError("no free frame left for staging")
+        raise RuntimeError(f"no free frame left for staging: all {len(self.free_frames)} free frames still have "
+                           "Transfer Engine reads abandoned at an earlier deadline in flight")
+
     # ------------------------------------------------------------------ frame tables
     def publish_table(self) -> None:
         """Write this rank's frame table where peers read it."""

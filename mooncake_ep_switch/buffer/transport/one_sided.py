@@ -197,6 +197,10 @@ class OneSidedTransport(HostMemoryTransport):
             # link outage can still sit in TCP's retransmission back-off for seconds: a view whose
             # first rounds would mask the peer again. Prove the data path with a real write into
             # this rank's probe word in the peer's control block (nothing reads it), within the deadline.
+            # Nothing goes to a peer while writes abandoned at an earlier deadline (an outage, a
+            # stopped peer) may still land in its region (TeEndpoint refuses with PeerBusy): give TE
+            # until the deadline to finish them (after a link outage they complete once it is back).
+            self.te.wait_reaped(session, max(0.0, deadline - time.monotonic()))
             probe = peer_probe_offset(self.rank)
             self.te.write(session, self.staging.data_ptr() + probe, base + probe, PROBE_BYTES,
                           timeout_s=max(0.1, deadline - time.monotonic()))

@@ -22,7 +22,26 @@ from mooncake_ep_switch.buffer.transport.sockets import (_abort_connections, _li
 from mooncake_ep_switch.config import set_transfer_engine_defaults
 from mooncake_ep_switch.vocabulary import check_int
 
-__all__ = ["PeerWrite", "TeEndpoint", "load_transfer_engine"]
+__all__ = ["PeerBusy", "PeerWrite", "TeEndpoint", "load_transfer_engine"]
+
+
+class PeerBusy(ConnectionError):
+    """A transfer refused before anything was submitted: transfers abandoned at an earlier deadline
+    are still in flight inside TE, to or from that peer (or, for a read, into the same local bytes).
+
+    Such a transfer may still land (a write over the peer's newer bytes, a read over local memory
+    reused since), so nothing more goes to that peer, and no read lands in those bytes, until TE has
+    finished or failed every one of them (`TeEndpoint.abandoned_with`, `wait_reaped`).
+    """
+
+
+class _Abandoned(NamedTuple):
+    """A batch abandoned at a deadline that TE still owns: it may land at any time until reaped."""
+
+    batch_id: int
+    peer: str
+    nbytes: int  # 0: a handshake (writes nothing)
+    local: Tuple[int, int]  # a read's destination range here [lo, hi); (0, 0) for a write
 
 
 class PeerWrite(NamedTuple):
@@ -38,6 +57,7 @@ class PeerWrite(NamedTuple):
     signal: Sequence[Tuple[int, int, int]]
 
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]", "*"}
+SETTLE_S = 0.005  # how long a transfer waits for abandoned ones with its peer to finish before PeerBusy
 SPIN_MAX_BYTES = 256 << 10  # write_each spins (spin_s) only when its data is at most this many bytes
 _MAX_BATCH_ID = 1 << 63
 _LIVE: "weakref.WeakSet[TeEndpoint]" = weakref.WeakSet()
@@ -133,7 +153,7 @@ class TeEndpoint:
         self._regions: Dict[int, int] = {}  # base -> nbytes
         self._opened: Set[str] = set()  # peers whose handshake completed
         self._opening: Dict[str, threading.Event] = {}  # peers with a handshake in a helper thread
-        self._orphans: List[int] = []  # batch ids abandoned at a deadline, still owned by TE
+        self._orphans: List[_Abandoned] = []  # batches abandoned at a deadline, still owned by TE
 
         sockets_before = _socket_inodes()
         engine = engine_class()
@@ -186,6 +206,60 @@ class TeEndpoint:
             if self._engine is not None:
                 self._reap()
             return len(self._orphans)
+
+    def abandoned_with(self, peer_session: str) -> int:
+        """Transfers to or from `peer_session` abandoned at a deadline that TE has not finished yet.
+
+        While this is non-zero every new write to (or read from) that peer raises `PeerBusy`: an
+        abandoned write may still land over newer bytes. Reaps finished ones first.
+
+        Arguments:
+            peer_session: the peer engine's session id, "host:port".
+
+        Returns:
+            count: int, abandoned transfers that move bytes (handshakes excluded) still in flight.
+        """
+        with self._lock:
+            if self._engine is not None:
+                self._reap()
+            return sum(1 for orphan in self._orphans if orphan.peer == peer_session and orphan.nbytes)
+
+    def reading_into(self, addr: int, nbytes: int) -> bool:
+        """Whether an abandoned read may still land in local [addr, addr + nbytes).
+
+        Memory for which this is True must not be reused for anything that is read later (a
+        staging frame, a scratch word) until it turns False. Reaps finished reads first.
+
+        Arguments:
+            addr: int local address, >= 1.
+            nbytes: int bytes, >= 1.
+
+        Returns:
+            busy: bool.
+        """
+        addr = check_int("addr", addr, 1)
+        nbytes = check_int("nbytes", nbytes, 1)
+        with self._lock:
+            if self._engine is not None:
+                self._reap()
+            return self._reading_into(addr, addr + nbytes)
+
+    def wait_reaped(self, peer_session: str, timeout_s: float) -> int:
+        """Wait until no transfer abandoned with `peer_session` is in flight, or `timeout_s` passed.
+
+        Arguments:
+            peer_session: the peer engine's session id, "host:port".
+            timeout_s: seconds to wait, >= 0.
+
+        Returns:
+            count: int, abandoned transfers with that peer still in flight (0: the peer may be used).
+        """
+        deadline = time.monotonic() + max(0.0, float(timeout_s))
+        while True:
+            left = self.abandoned_with(peer_session)
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
 
     # ------------------------------------------------------------------ memory
 
@@ -263,8 +337,7 @@ class TeEndpoint:
         try:
             self._wait(peer_session, pending, deadline)
         except BaseException:
-            with self._lock:
-                self._orphans.extend(pending)
+            self._abandon(peer_session, pending, 0)
             raise
 
     def is_connected(self, peer_session: str) -> bool:
@@ -286,7 +359,8 @@ class TeEndpoint:
         Raises ConnectionRefusedError if the peer's engine is gone, ConnectionError if the peer
         is reachable but the write failed (typically: the remote range is not inside memory the
         peer registered), TimeoutError if it did not finish within `timeout_s` (the write may
-        still land later: treat the peer as failed). Bad arguments raise TypeError/ValueError, a
+        still land later: treat the peer as failed), PeerBusy (a ConnectionError, nothing
+        submitted) while transfers abandoned with that peer are still in flight. Bad arguments raise TypeError/ValueError, a
         closed endpoint RuntimeError.
 
         Arguments:
@@ -322,7 +396,9 @@ class TeEndpoint:
         if the peer was never contacted (`connect`). Errors as `write`: ConnectionRefusedError
         (the peer's engine is gone), ConnectionError (typically a remote range outside the
         peer's registered memory: TE refuses it, nothing is read), TimeoutError (the reads may
-        still land later: do not use the local ranges as complete).
+        still land later: do not use the local ranges as complete, and `reading_into` says when
+        they may be reused), PeerBusy (nothing submitted) while transfers abandoned with that
+        peer, or reads abandoned into the same local bytes, are still in flight.
 
         Arguments:
             peer_session: the peer engine's session id, "host:port".
@@ -359,17 +435,20 @@ class TeEndpoint:
             if read or self.require_registered_source:
                 for local, _, size in entries:
                     self._check_local(local, size)
-            self._reap()
+        self._settle([peer_session], entries if read else (), deadline)
+        with self._lock:
+            self._check_not_busy(peer_session, entries if read else ())
         if read and not self.is_connected(peer_session):
             self.connect(peer_session, max(0.001, deadline - time.monotonic()))
         pending: List[int] = []
+        ranges: Dict[int, Tuple[int, int]] = {}  # batch id -> (local address, bytes)
         try:
             for local, remote, size in entries:
                 pending.append(self._submit(peer_session, local, remote, size, deadline, read=read))
+                ranges[pending[-1]] = (local, size)
             self._wait(peer_session, pending, deadline, what)
         except BaseException:
-            with self._lock:
-                self._orphans.extend(pending)
+            self._abandon(peer_session, pending, ranges, read=read)
             raise
 
     def write_each(self, writes: Sequence[PeerWrite], timeout_s: Optional[float] = None,
@@ -393,7 +472,9 @@ class TeEndpoint:
 
         Returns:
             failures: dict index into `writes` -> the exception `write` would have raised for that
-                peer (ConnectionRefusedError, ConnectionError or TimeoutError); empty when all landed.
+                peer (ConnectionRefusedError, ConnectionError, TimeoutError, or PeerBusy when nothing
+                was submitted to it because earlier abandoned writes to it are still in flight);
+                empty when all landed.
 
         Raises:
             TypeError / ValueError: a malformed write (names the write and range); RuntimeError: closed.
@@ -428,7 +509,9 @@ class TeEndpoint:
                 for data, signal in phases:
                     for src, _, size in data + signal:
                         self._check_local(src, size)
-            self._reap()
+        self._settle([write.peer_session for write in writes], (), deadline)
+        with self._lock:
+            busy = {index: self._busy_error(write.peer_session) for index, write in enumerate(writes)}
 
         failures: Dict[int, Exception] = {}
         rejected: Dict[int, str] = {}  # index -> what failed (classified after the others finished)
@@ -447,14 +530,17 @@ class TeEndpoint:
                 drop(index, exc)
 
         def drop(index: int, exc: Optional[Exception], what: str = "") -> None:
-            with self._lock:
-                self._orphans.extend(pending.pop(index, []))
+            self._abandon(writes[index].peer_session, pending.pop(index, []), 1)
             stage.pop(index, None)
             if exc is not None:
                 failures[index] = exc
             else:
                 rejected[index] = what
 
+        for index, error in busy.items():
+            if error is not None:  # nothing was submitted to it: it is not waited for either
+                failures[index] = error
+        order = [index for index in order if busy[index] is None]
         try:
             for index in order:
                 submit(index, 0)
@@ -503,9 +589,8 @@ class TeEndpoint:
                 pause = min(0.001, max(0.00005, 0.05 * (now - progress)))
                 time.sleep(min(pause, max(0.0, deadline - now)))
         except BaseException:
-            with self._lock:
-                for ids in pending.values():
-                    self._orphans.extend(ids)
+            for index, ids in pending.items():
+                self._abandon(writes[index].peer_session, ids, 1)
             raise
         for index, what in rejected.items():
             failures[index] = self._failure_error(writes[index].peer_session, what,
@@ -592,7 +677,55 @@ class TeEndpoint:
     def _reap(self) -> None:
         """Forget abandoned batches that TE has finished (check_status frees them)."""
         if self._orphans:
-            self._orphans = [bid for bid in self._orphans if self._engine.transfer_check_status(bid) == 0]
+            self._orphans = [orphan for orphan in self._orphans
+                             if self._engine.transfer_check_status(orphan.batch_id) == 0]
+
+    def _abandon(self, peer: str, ids: Sequence[int], sizes, read: bool = False) -> None:
+        """Keep batches given up at a deadline until TE finishes them. `sizes`: bytes of every batch
+        (an int), or batch id -> (local address, bytes) (a read's destination, busy until reaped)."""
+        with self._lock:
+            for batch_id in ids:
+                if isinstance(sizes, dict):
+                    local, size = sizes.get(batch_id, (0, 1))
+                else:
+                    local, size = 0, sizes
+                span = (local, local + size) if read and local else (0, 0)
+                self._orphans.append(_Abandoned(batch_id, peer, size, span))
+
+    def _reading_into(self, lo: int, hi: int) -> bool:
+        return any(o.local[0] < hi and lo < o.local[1] for o in self._orphans)
+
+    def _busy_error(self, peer: str, reads: Sequence[Tuple[int, int, int]] = ()) -> Optional[PeerBusy]:
+        """`PeerBusy` when `peer` has abandoned transfers in flight or a read would land where an abandoned
+        read still may; None when the transfer may go. Holds the lock; reaped just before."""
+        count = sum(1 for orphan in self._orphans if orphan.peer == peer and orphan.nbytes)
+        if count:
+            return PeerBusy(
+                f"{count} TE transfer(s) with {peer} abandoned at an earlier deadline are still in flight (they may "
+                "still land over newer bytes): nothing more goes to that peer until TE has finished them")
+        for local, _, size in reads:
+            if self._reading_into(local, local + size):
+                return PeerBusy(
+                    f"a TE read abandoned at an earlier deadline may still land in [{local:#x}, {local + size:#x}): "
+                    "no new read into those bytes until TE has finished it")
+        return None
+
+    def _settle(self, peers: Sequence[str], reads: Sequence[Tuple[int, int, int]], deadline: float) -> None:
+        """Reap; while a transfer with `peers` (or into `reads`) is still abandoned, poll for up to
+        SETTLE_S (a write given up by an exception a moment ago finishes within microseconds)."""
+        until = min(deadline, time.monotonic() + SETTLE_S)
+        while True:
+            with self._lock:
+                self._check_open()
+                self._reap()
+                if all(self._busy_error(peer, reads) is None for peer in peers) or time.monotonic() >= until:
+                    return
+            time.sleep(0.0002)
+
+    def _check_not_busy(self, peer: str, reads: Sequence[Tuple[int, int, int]] = ()) -> None:
+        error = self._busy_error(peer, reads)
+        if error is not None:
+            raise error
 
     def _submit(self, peer: str, src: int, dst: int, size: int, deadline: float, read: bool = False) -> int:
         """Submit one write (a read with `read`: `src` is then the local destination and `dst` the
@@ -655,7 +788,7 @@ class TeEndpoint:
                 if isinstance(batch_id, int) and 0 < batch_id < _MAX_BATCH_ID:
                     self._opened.add(peer)
                     if result.get("abandoned"):
-                        self._orphans.append(batch_id)
+                        self._orphans.append(_Abandoned(batch_id, peer, size, (0, 0)))
                 del self._opening[peer]
                 done.set()
 
