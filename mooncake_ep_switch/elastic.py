@@ -49,7 +49,7 @@ def connect_store(host: str, port: int, timeout_s: float = 60.0):
 
 
 def join(store, rank: int, num_ranks: int, *, prefix: str = "mep", group_ranks: Optional[Sequence[int]] = None,
-         keep_prefix: bool = False) -> JoinTicket:
+         keep_prefix: bool = False, buffer_index: Optional[int] = None) -> JoinTicket:
     """Take over `rank` of an elastic EP group as a replacement process.
 
     Arguments:
@@ -63,14 +63,19 @@ def join(store, rank: int, num_ranks: int, *, prefix: str = "mep", group_ranks: 
         keep_prefix: True when the members passed `store=` to Buffer and `store` is that store
             (its PrefixStore prefixes are part of the keys); False (default) when they used the
             default group's store (prefixes removed: any client of the server names the same keys).
+        buffer_index: with several Buffers of one EP group (two models, two streams), which one this
+            ticket joins: its place, counted from 1, in the order every member built its Buffers of the
+            group. None (default): this process's n-th joined Buffer of the group joins the n-th (a
+            replacement that builds its Buffers in the members' order needs nothing more); pass it
+            when the members destroyed and rebuilt Buffers of the group (each rebuild counts).
 
     Returns:
         ticket: pass it to `Buffer(ticket, num_ep_buffer_bytes)`, then call `update_ep_member()`.
 
     Raises:
-        TypeError: a non-int rank, num_ranks or group rank, a non-str prefix, a non-bool keep_prefix.
-        ValueError: rank outside [0, num_ranks), num_ranks < 1, or group_ranks not num_ranks
-            distinct non-negative ranks.
+        TypeError: a non-int rank, num_ranks, group rank or buffer_index, a non-str prefix, a non-bool keep_prefix.
+        ValueError: rank outside [0, num_ranks), num_ranks < 1, group_ranks not num_ranks
+            distinct non-negative ranks, or buffer_index < 1.
     """
     num_ranks = check_int("num_ranks", num_ranks, 1)
     rank = check_int("rank", rank, 0)
@@ -84,7 +89,9 @@ def join(store, rank: int, num_ranks: int, *, prefix: str = "mep", group_ranks: 
         group_ranks = tuple(check_int("group_ranks[i]", r, 0) for r in group_ranks)
         if len(group_ranks) != num_ranks or len(set(group_ranks)) != num_ranks:
             raise ValueError(f"group_ranks: expected {num_ranks} distinct global ranks, got {list(group_ranks)}")
-    return JoinTicket(store, rank, num_ranks, prefix, group_ranks, keep_prefix)
+    if buffer_index is not None:
+        buffer_index = check_int("buffer_index", buffer_index, 1)
+    return JoinTicket(store, rank, num_ranks, prefix, group_ranks, keep_prefix, buffer_index)
 
 
 def admit(buffer, joiner: int, timeout_s: float = 60.0):

@@ -240,3 +240,73 @@ def test_collective_fallback_shrinks_then_readmits():
         after = harness_check(cluster.run(rank_full_rounds, 30, timeout_s=60))
         assert {a["transport"] for a in after} == {"collective"}
         harness_check(cluster.run(rank_teardown, timeout_s=60))
+
+
+# ---------------------------------------------------------------- two Buffers of one EP group (issue 28 item 5)
+
+TWO_DEAD = 2
+
+
+def rank_two_buffers(ctx):
+    """Every rank builds Buffers A and B of the same group (an engine with two models); a round on each."""
+    buffers = _STATE["two"] = [Buffer(ctx.group, _size(), transport="shm") for _ in range(2)]
+    for index, buffer in enumerate(buffers):
+        _round(ctx, buffer, 20 + index, torch.ones(ctx.num_ranks, dtype=torch.int32))
+    if ctx.rank == TWO_DEAD:
+        os.kill(os.getpid(), 9)
+    return [b.membership.prefix for b in buffers]
+
+
+def rank_two_rejoin(ctx):
+    """The replacement builds Buffer(join(...)) twice, as the dead rank built A then B, and joins each;
+    the survivors admit it in A, then in B, each when it shows up as pending there. Then a round on
+    each Buffer with every rank (exact), and what each joined Buffer's keys are."""
+    if ctx.group is None:
+        buffers = _STATE["two"] = [Buffer(join(ctx.store, ctx.rank, ctx.num_ranks), _size(), transport="shm")
+                                   for _ in range(2)]
+        views = [list(b.update_ep_member(timeout_s=RECOVERY_TIMEOUT_S).ranks) for b in buffers]
+    else:
+        buffers, views = _STATE["two"], []
+        for buffer in buffers:
+            deadline = time.monotonic() + 20
+            while TWO_DEAD not in buffer.pending_joiners():
+                assert time.monotonic() < deadline, f"the replacement never showed up in {buffer.membership.prefix}"
+                time.sleep(0.01)
+            views.append(list(buffer.update_ep_member(timeout_s=RECOVERY_TIMEOUT_S).ranks))
+    for index, buffer in enumerate(buffers):
+        _round(ctx, buffer, 30 + index, buffer.active_mask())
+    prefixes = [b.membership.prefix for b in buffers]
+    for buffer in buffers:
+        buffer.destroy()
+    return {"views": views, "prefixes": prefixes}
+
+
+def test_replacement_of_a_rank_with_two_buffers_lands_in_each():
+    """Issue 28 item 5: 4 ranks each build Buffers A and B of one group; rank 2 is SIGKILLed; its
+    replacement builds `Buffer(join(...))` twice. Before, both joiners took the newest generation (B's):
+    A's survivors never saw a pending joiner, and the two joiners raced for rank 2 in B. Now the
+    replacement's first joined Buffer lands in A and its second in B, each admitted there, and a round
+    on each Buffer is exact on every rank."""
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        outcomes = cluster.run(rank_two_buffers, timeout_s=60, failure_grace_s=20)
+        assert not outcomes[TWO_DEAD].ok and outcomes[TWO_DEAD].exitcode == -9, outcomes[TWO_DEAD]
+        prefixes = [o.value for o in outcomes if o.ok]
+        assert len(prefixes) == NUM_RANKS - 1 and all(p == prefixes[0] for p in prefixes), prefixes
+        assert prefixes[0][0] != prefixes[0][1], prefixes
+        cluster.respawn(TWO_DEAD)
+        results = harness_check(cluster.run(rank_two_rejoin, timeout_s=90))
+        processes = list(cluster.processes)
+    assert not any(p.is_alive() for p in processes)
+    for rank, result in enumerate(results):
+        assert result["views"] == [list(range(NUM_RANKS))] * 2, (rank, result)
+        assert result["prefixes"] == prefixes[0], (rank, result)  # A joined A, B joined B
+
+
+def test_join_buffer_index_is_checked():
+    from mooncake_ep_switch.elastic import join as make_ticket
+
+    with pytest.raises(ValueError, match="buffer_index"):
+        make_ticket(object(), 0, 2, buffer_index=0)
+    with pytest.raises(TypeError, match="buffer_index"):
+        make_ticket(object(), 0, 2, buffer_index="1")
+    assert make_ticket(object(), 0, 2, buffer_index=2).buffer_index == 2

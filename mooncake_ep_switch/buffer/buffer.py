@@ -6,6 +6,7 @@ moves the bytes: `"shm"` (one host, native one-sided writes), `"mooncake"` (Tran
 layouts are Mooncake EP's, so engines written for it work unchanged.
 """
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -125,7 +126,9 @@ class Buffer:
         self._fault = FaultPoint.parse(self.settings.fault_point)
         self.membership = None
         if store is not None:
-            prefix = generation_prefix(store, self.rank, self.num_ranks, prefix, self.joining)
+            prefix, release = generation_prefix(store, self.rank, self.num_ranks, prefix, self.joining,
+                                                identity.buffer_index)
+            self._release_generation = weakref.finalize(self, release)
             self.membership = Membership(store, self.rank, self.num_ranks, prefix, secret=self.settings.job_secret)
         self.epoch = self.membership.epoch() if self.joining else 0
         # A joiner is no member until admitted (dispatch and combine refuse until then).
@@ -342,6 +345,9 @@ class Buffer:
             self._destroyed = True
             return
         self._destroyed = True
+        release_generation = getattr(self, "_release_generation", None)
+        if release_generation is not None:
+            release_generation()
         self.peer_regions.clear()
         impl, outputs = self._impl, self._outputs
 

@@ -6,7 +6,8 @@ so several EP groups of one job share a store without meeting, and a replacement
 keys as the members it joins. `view_group` builds the gloo group of one sealed view.
 """
 import hashlib
-from typing import Any, NamedTuple, Sequence
+import threading
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -25,6 +26,7 @@ class GroupIdentity(NamedTuple):
         prefix: membership key prefix of the EP group (`group_prefix`), before the generation.
         store: the store the membership lives in, or None when there is none.
         joining: built from a `JoinTicket` (a replacement, not a member yet).
+        buffer_index: the ticket's `buffer_index` (which Buffer of the group it joins), else None.
     """
 
     group: Any
@@ -33,6 +35,7 @@ class GroupIdentity(NamedTuple):
     prefix: str
     store: Any
     joining: bool
+    buffer_index: Optional[int] = None
 
 
 def resolve_group(group, store=None) -> GroupIdentity:
@@ -52,7 +55,8 @@ def resolve_group(group, store=None) -> GroupIdentity:
     if isinstance(group, JoinTicket):
         group_ranks = group.group_ranks if group.group_ranks is not None else range(group.num_ranks)
         store = group.store if group.keep_prefix else root_store(group.store)
-        return GroupIdentity(None, group.rank, group.num_ranks, group_prefix(group_ranks, group.prefix), store, True)
+        return GroupIdentity(None, group.rank, group.num_ranks, group_prefix(group_ranks, group.prefix), store, True,
+                             group.buffer_index)
     if group is None:
         if not dist.is_initialized():
             raise ValueError("group: expected a process group (torch.distributed is not initialized), got None")
@@ -118,32 +122,76 @@ def group_prefix(group_ranks: Sequence[int], base: str = "mep") -> str:
     return f"{base}/grp-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
-def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joining: bool = False) -> str:
+# Generations of an EP group (key prefix, rank) that live joined Buffers of this process hold.
+_JOINED: Dict[Tuple[str, int], Dict[int, int]] = {}
+_JOINED_LOCK = threading.Lock()
+
+
+def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joining: bool = False,
+                      buffer_index: Optional[int] = None) -> Tuple[
+        str, Callable[[], None]]:
     """Key prefix of the Buffer being built: one membership record per Buffer generation.
 
     Every rank constructs its Buffers of one group in the same order, so the n-th Buffer of every
     rank gets generation n and never reads an endpoint a previous Buffer left in the store. A
-    joining rank adopts the newest generation any rank has reached.
+    joining rank does the same with the generations the members have reached: its first joined
+    Buffer of the group takes generation 1, its second generation 2, ..., skipping generations a
+    live joined Buffer of this process already holds (so a replacement that rebuilds the Buffers of
+    an engine with two of them, in the order the members built theirs, lands each in its own, and a
+    joined Buffer destroyed after a failed join frees its generation for the next attempt; when
+    every generation is held, a Buffer abandoned in this process is being replaced: the newest).
 
     Arguments:
         store: a torch.distributed Store, used as given.
         rank: this EP rank.
         num_ranks: EP group size.
         base: key prefix of the EP group (see `group_prefix`).
-        joining: a replacement rank: adopt the newest generation instead of advancing its own counter.
+        joining: a replacement rank: take a generation the members reached instead of advancing its own counter.
+        buffer_index: a joining rank's explicit generation (>= 1), or None for the rule above.
 
     Returns:
         prefix: str, `"<base>/g<n>"` for generation `n`.
+        release: call once when the Buffer is gone (frees a joined Buffer's generation; a no-op otherwise).
 
     Raises:
-        MembershipError: a generation counter in the store holds something other than a count.
+        MembershipError: a generation counter in the store holds something other than a count, or
+            `buffer_index` names a generation no member has reached.
     """
+    from mooncake_ep_switch.buffer.membership import MembershipError
+
     counters = RecordStore(dist.PrefixStore(f"{base}/generation", store), f"{base}/generation")  # no incarnation
-    if joining:
-        newest = max(counters._counter(str(r)) for r in range(num_ranks))
-        counters.store.set(str(rank), str(newest))
-        return f"{base}/g{newest}"
-    return f"{base}/g{counters._bump(str(rank))}"
+    if not joining:
+        return f"{base}/g{counters._bump(str(rank))}", _nothing
+    newest = max(counters._counter(str(r)) for r in range(num_ranks))
+    if newest == 0:  # no member has built a Buffer of this group yet
+        return f"{base}/g0", _nothing
+    key = (base, rank)
+    with _JOINED_LOCK:
+        held = _JOINED.setdefault(key, {})  # generation -> live joined Buffers of this process in it
+        if buffer_index is not None:
+            if buffer_index > newest:
+                raise MembershipError(f"buffer_index: expected one of the group's Buffers 1..{newest} (the generations "
+                                      f"its members reached), got {buffer_index}")
+            generation = buffer_index
+        else:
+            # Every generation already held: a Buffer abandoned in this process is being replaced; the newest.
+            generation = next((n for n in range(1, newest + 1) if n not in held), newest)
+        held[generation] = held.get(generation, 0) + 1
+    counters.store.set(str(rank), str(newest))
+
+    def release() -> None:
+        with _JOINED_LOCK:
+            count = held.get(generation, 0) - 1
+            if count > 0:
+                held[generation] = count
+            else:
+                held.pop(generation, None)
+
+    return f"{base}/g{generation}", release
+
+
+def _nothing() -> None:
+    return None
 
 
 def view_group(store, view: View, rank: int, timeout_s: float, prefix: str = "mep"):

@@ -18,6 +18,9 @@ class JoinTicket(NamedTuple):
             `range(num_ranks)` (the members' group was the whole world).
         keep_prefix: `store` is the store the members passed as `store=` (prefixes kept), not a
             client of the default group's store (prefixes removed).
+        buffer_index: which of the group's Buffers this joins, counted from 1 in the order every
+            member built its Buffers of the group (its generation); None: this process's first
+            joined Buffer of the group takes the first, its second the second, and so on.
     """
 
     store: Any
@@ -26,3 +29,4 @@ class JoinTicket(NamedTuple):
     prefix: str = "mep"
     group_ranks: Optional[tuple] = None
     keep_prefix: bool = False
+    buffer_index: Optional[int] = None
