@@ -247,3 +247,55 @@ def test_dead_process_is_found_before_the_deadline(transport, kill_point, preten
             assert outcome.ok, outcome.error
             assert outcome.value["routes"] == (["te"] if transport == "mooncake" else ["shm"]), outcome.value
             assert outcome.value["seconds"] < EARLY_S, outcome.value
+
+
+# ---------------------------------------------------------------- a survivor slow to notice a death (issue 28 item 8)
+
+SLOW_SURVIVOR, EXITED = 2, 3
+SLOW_S = 2.0  # a GC pause, a descheduled rank: far beyond max(0.5 s, timeout_us)
+
+
+def rank_slow_survivor(ctx):
+    """Collective fallback at timeout_us 5 ms. Round 1 whole; then rank EXITED exits, and rank SLOW_SURVIVOR
+    sleeps SLOW_S before its dispatch (it notices the death long after the others). Every survivor must end
+    in one view with the slow rank in it, the round exact without the exited rank, and a next round exact."""
+    buffer = _buffer(ctx, "collective")
+    rounds = _gather_rounds(ctx, 3)
+    timeout_us = 5_000
+    everyone = [1] * ctx.num_ranks
+    without = [0 if r == EXITED else 1 for r in range(ctx.num_ranks)]
+    for round_index, all_inputs in enumerate(rounds):
+        if round_index == 1:
+            if ctx.rank == EXITED:
+                _die("exit")
+            if ctx.rank == SLOW_SURVIVOR:
+                time.sleep(SLOW_S)
+        mine = all_inputs[ctx.rank]
+        active = buffer.active_mask()
+        recv, count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
+                                                    timeout_us, use_fp8=False)
+        in_dispatch = active.tolist()
+        combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active, timeout_us,
+                                        handle)
+        want = everyone if round_index == 0 else without
+        assert active.tolist() == want, f"round {round_index}: mask {active.tolist()}"
+        _check_round(ctx, all_inputs, in_dispatch, want, recv, count, handle, combined)
+    members = list(buffer.members)
+    buffer.destroy()
+    return members
+
+
+def test_survivor_slow_to_notice_a_death_stays_a_member():
+    """Issue 28 item 8: on the collective fallback, survivors used to seal the next view max(0.5 s, timeout)
+    after they met the death, leaving out a live survivor that was still busy (LeftOut: 'rank 2 was left out
+    of epoch 1'). Now a rank is sealed out only when its process is seen to end (the peer watcher) or it
+    stays silent past the stall bound; the slow survivor is kept and every round is exact."""
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        outcomes = cluster.run(rank_slow_survivor, timeout_s=60, failure_grace_s=30)
+        processes = list(cluster.processes)
+    assert not outcomes[EXITED].ok and outcomes[EXITED].exitcode == 3, outcomes[EXITED]
+    for outcome in outcomes:
+        if outcome.rank != EXITED:
+            assert outcome.ok, outcome.error
+            assert outcome.value == [0, 1, 2], outcome.value
+    assert not any(process.is_alive() for process in processes), "leftover rank processes"

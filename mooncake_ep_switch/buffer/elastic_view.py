@@ -11,6 +11,10 @@ from typing import Optional
 
 from mooncake_ep_switch.buffer.membership import LeftOut, MembershipError, View, check_seconds
 
+# How long survivors of a lost collective wait for a member that is not known dead to meet the failure
+# too, before they seal the next view without it (it is then left out and rejoins).
+SLOW_SURVIVOR_S = 10.0
+
 __all__ = ["left_out", "survivors_view", "update_ep_member"]
 
 
@@ -100,8 +104,13 @@ def survivors_view(buffer, deadline: float) -> View:
     if buffer.joining:
         raise MembershipError(f"rank {buffer.rank} is not a member of the group (joining or left out); call "
                               "update_ep_member() to be admitted")
+    # Never wait for a rank whose process ended (the peer watcher); wait up to SLOW_SURVIVOR_S for one
+    # that is alive but has not met the failure yet (descheduled, in a GC pause, computing): a survivor
+    # is sealed out only when it is silent that long, never for noticing late.
+    stall_deadline = max(deadline, time.monotonic() + SLOW_SURVIVOR_S)
     try:
-        view = membership.agree_next_view(buffer.epoch, set(buffer.members), deadline, call=buffer._call)
+        view = membership.agree_next_view(buffer.epoch, set(buffer.members), deadline, call=buffer._call,
+                                          dead=buffer.dead_peers, stall_deadline=stall_deadline)
     except LeftOut as error:
         left_out(buffer, error)
         raise

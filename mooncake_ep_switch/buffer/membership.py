@@ -47,7 +47,7 @@ is the epoch/view protocol on top of them.
 import math
 import numbers
 import time
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 # The record layer; names other modules import from here are re-exported.
 from mooncake_ep_switch.buffer.membership_records import (ACTIVE, INACTIVE, JOINING, MAX_COUNTER,  # noqa: F401
@@ -249,7 +249,8 @@ class Membership(MemberRecords):
 
     # ------------------------------------------------------------------ agreement
     def agree_next_view(self, current: int, expected: Iterable[int], deadline: float, call: int = 0,
-                        joining: bool = False) -> View:
+                        joining: bool = False, dead: Optional[Callable[[], Iterable[int]]] = None,
+                        stall_deadline: Optional[float] = None) -> View:
         """Post readiness for epoch `current + 1`, wait, and adopt the sealed view (module rules 1-3).
 
         Arguments:
@@ -259,6 +260,11 @@ class Membership(MemberRecords):
                 gives up then.
             call: this rank's call counter (the next epoch's counters start above every one).
             joining: this rank is a joiner: it never seals, it waits for a member to.
+            dead: returns the ranks whose process is known to have ended (a member never waits for
+                them), or None.
+            stall_deadline: with `dead`: past `deadline` a member keeps waiting, until this
+                `time.monotonic()` value, for expected ranks that are not known dead (slow to notice
+                a failure is not gone); None: it seals at `deadline`.
 
         Returns:
             view: the agreed `View` of the next epoch (this rank is a member).
@@ -293,9 +299,14 @@ class Membership(MemberRecords):
                         f"{list(members)}) sealed epoch {target} before the deadline. The members admit "
                         "a joiner when they call update_ep_member() (their pending_joiners() lists this "
                         "rank while it waits); call update_ep_member() again to keep waiting")
+                if self._still_coming(waiting, target, dead, stall_deadline):
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.02)
+                    continue
                 self._seal(target, members)
                 break
-            if not joining and all(self.store.check([f"ready/{target}/{r}"]) for r in waiting):
+            gone = set(dead()) if dead is not None else set()
+            if not joining and all(self.store.check([f"ready/{target}/{r}"]) for r in waiting if r not in gone):
                 self._seal(target, members)
                 break
             time.sleep(pause)
@@ -319,6 +330,14 @@ class Membership(MemberRecords):
                           "admits it", target, ranks)
         self._adopt(current, View(target, ranks))
         return View(target, ranks)
+
+    def _still_coming(self, waiting: Sequence[int], target: int, dead, stall_deadline: Optional[float]) -> bool:
+        """Past its deadline, whether a member keeps waiting: some expected rank not known dead has not
+        posted readiness yet and the stall deadline has not passed."""
+        if dead is None or stall_deadline is None or time.monotonic() >= stall_deadline:
+            return False
+        gone = set(dead())
+        return any(r not in gone and not self.store.check([f"ready/{target}/{r}"]) for r in waiting)
 
     def _seal(self, target: int, members: tuple) -> None:
         """Seal `view/<target>` (rule 1): ready members of the current view and ready registered joiners."""

@@ -29,6 +29,7 @@ kernels or staging through host memory, and an nccl group; none of it exists or 
 unpacking, FP8 quantisation and the weighted combine reduction are native (csrc/dataplane/kernels.cpp,
 shared with the one-sided transports); the Python here only sizes buffers and runs the exchanges.
 """
+import os
 import threading
 import time
 from typing import Callable, List, NamedTuple, Tuple
@@ -39,6 +40,8 @@ import torch.distributed as dist
 from mooncake_ep_switch.buffer import kernels
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.group_keys import view_group
+from mooncake_ep_switch.buffer.membership import MembershipError
+from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 from mooncake_ep_switch.buffer.transport.contract import HostMemoryTransport
 
 # Fixed mode (one dispatch exchange instead of two) when a rank's padded send is at most this many
@@ -112,10 +115,14 @@ class CollectiveTransport(HostMemoryTransport):
 
     name = "collective"
 
-    def __init__(self, group, rank: int, num_ranks: int, view_change=None):
+    def __init__(self, group, rank: int, num_ranks: int, view_change=None, settings=None):
         self.group = group
         self.rank = rank
         self.num_ranks = num_ranks
+        self.settings = settings
+        # Tells a dead peer from a slow one when the survivors agree on a view (`dead_peers`): a
+        # pidfd on this host, a connection to its watch listener across hosts. None without settings.
+        self.watch = None if settings is None else PeerWatch(num_ranks, rank, settings.bind_host)
         self._combine_buffers = {}
         self._staging = _StagingPool()
         self.failed_sources = []  # evidence for membership (ranks a call found dead)
@@ -124,12 +131,15 @@ class CollectiveTransport(HostMemoryTransport):
         self.view_change = view_change
 
     def endpoint(self) -> dict:
-        """Nothing to publish: collectives need no peer metadata. See `OneSidedTransport.endpoint`.
+        """What peers need to watch this rank (collectives themselves need no peer metadata).
 
         Returns:
-            endpoint: an empty dict.
+            endpoint: dict with `"pid"` (int, this process) and `"watch_host"`/`"watch_port"` (its
+                peer watcher's listener), or an empty dict without a watcher.
         """
-        return {}
+        if self.watch is None:
+            return {}
+        return {"pid": os.getpid(), "watch_host": self.settings.bind_host, "watch_port": self.watch.port}
 
     def connect_members(self, view, membership, deadline: float) -> None:
         """Run on the group of `view`: the constructor's group in epoch 0, else one built from the
@@ -145,6 +155,7 @@ class CollectiveTransport(HostMemoryTransport):
             RuntimeError: a new view but no `membership` (no store).
             MembershipError: a member missed the store barrier before `deadline`.
         """
+        self._watch_members(view, membership, deadline)
         if view.epoch == 0 and self.group is not None:
             return
         if membership is None:
@@ -156,12 +167,52 @@ class CollectiveTransport(HostMemoryTransport):
         self.members = tuple(view.ranks)
         self._staging.clear()
 
+    def _watch_members(self, view, membership, deadline: float) -> None:
+        """Watch every other member of `view` at its published endpoint, forget the rest. Best effort:
+        a member not watched (no endpoint in time, listener unreachable) is only waited for longer
+        when survivors agree on a view."""
+        if self.watch is None or membership is None:
+            return
+        for peer in range(self.num_ranks):
+            if peer == self.rank:
+                continue
+            if peer not in view.ranks:
+                self.watch.forget(peer)
+                continue
+
+            def published(peer=peer):
+                try:
+                    return membership.endpoint(peer)
+                except MembershipError:
+                    return None
+
+            try:
+                found = membership.wait_for(published, deadline, f"rank {peer}'s endpoint")
+                pid, host, port = found.get("pid"), found.get("watch_host"), found.get("watch_port")
+                if found.get("host_id") == self.settings.host_id and isinstance(pid, int) and pid > 0:
+                    self.watch.watch_process(peer, pid)
+                elif isinstance(host, str) and isinstance(port, int) and 0 < port < 65536:
+                    self.watch.watch_address(peer, host, port,
+                                             timeout_s=max(0.1, min(10.0, deadline - time.monotonic())))
+                else:
+                    self.watch.forget(peer)
+            except (MembershipError, OSError, ValueError):
+                self.watch.forget(peer)
+
     def dead_peers(self) -> List[int]:
-        """[]: this transport learns of a dead peer only when a call meets it (gloo reports the reset)."""
-        return []
+        """Ranks whose process the peer watcher saw end since they were last connected.
+
+        Returns:
+            ranks: list of int, ascending ([] without a watcher).
+        """
+        if self.watch is None:
+            return []
+        return [int(r) for r in torch.nonzero(self.watch.dead).flatten().tolist()]
 
     def destroy(self) -> None:
-        """Drop cached buffers."""
+        """Stop the peer watcher; drop cached buffers."""
+        if self.watch is not None:
+            self.watch.close()
         self._combine_buffers.clear()
         self._staging.clear()
 

@@ -63,7 +63,7 @@ def make_transport(requested: str, *, group, rank: int, num_ranks: int, num_ep_b
             requested = "collective"
     if requested == "collective":
         # The fallback survives a peer lost mid-collective: it agrees on the survivors' view.
-        return CollectiveTransport(group, rank, num_ranks, view_change=view_change)
+        return CollectiveTransport(group, rank, num_ranks, view_change=view_change, settings=settings)
     if requested in PEER_MEMORY and requested == asked:  # "auto"/"host" found one host already
         if disable_p2p:
             raise ValueError(f"transport: '{requested}' {PEER_MEMORY[requested]}, which disable_p2p=True forbids")
