@@ -15,6 +15,8 @@ Rows:
 dispatch + combine rounds over shm and 10^3 over the Transfer Engine, resources sampled; `soak --help`).
 `python -m mooncake_ep_switch.bench --device cuda [...]` runs the GPU rows instead (`bench.cuda_bench`:
 the "cuda" transport against a device-to-device copy, eager and from a CUDA graph, the CPU shm figure beside).
+`python -m mooncake_ep_switch.bench memory [--quick]` prints a rank's resident memory per transport
+(`bench.memory`: what the Buffer keeps resident against its region, apart from the caller's tensors).
 `python -m mooncake_ep_switch.bench hosts [...]` runs the cross-host benchmark (`bench.hosts`: two
 network namespaces, Transfer Engine vs the gloo collective over the same veths vs shm on one host,
 bytes on the wire against the routed bytes; needs root).
@@ -154,6 +156,10 @@ def main(argv=None) -> int:
         from mooncake_ep_switch.bench import hosts
 
         return hosts.main(argv[1:])
+    if argv[:1] == ["memory"]:
+        from mooncake_ep_switch.bench import memory
+
+        return memory.main(argv[1:])
 
     def rows_of(quick: bool) -> list:
         rows = run_transport_rows(quick=quick)

@@ -128,7 +128,9 @@ class OneSidedTransport(HostMemoryTransport):
 
             self.te = TeEndpoint(settings.bind_host, settings.te_protocol, log_level="ERROR")
             self.te.register(self.base, self.nbytes)
-            self.staging = torch.zeros(self.nbytes, dtype=torch.uint8)
+            # Untouched (torch.empty: fresh mmapped pages): only the bytes a round packs become resident.
+            # torch.zeros wrote every page, keeping a whole region's worth resident per rank (issue 28).
+            self.staging = torch.empty(self.nbytes, dtype=torch.uint8)
             self.te.register(self.staging.data_ptr(), self.nbytes)
         elif name != "shm":
             raise ValueError(f"name: expected 'shm' or 'mooncake', got {name!r}")
