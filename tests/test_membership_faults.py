@@ -381,3 +381,88 @@ def test_without_a_secret_records_are_only_validated(store):
     store.set(f"p/endpoint/1/{owner.incarnation}", json.dumps({"region": [-1, 3, 4096], "host_id": "h"}))
     with pytest.raises(MembershipError, match="not a valid endpoint"):
         reader.endpoint(1)
+
+
+# ---------------------------------------------------------------------- the quorum rule (issue 28 item 10)
+def _size4():
+    return Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, 4, Shape.experts)
+
+
+def _round4(ctx, buffer, seed, active):
+    all_inputs = [structured_inputs(r, token_count(r, 4, Shape.tokens), Shape.hidden, Shape.experts, Shape.top_k,
+                                    seed=seed, random_values=True) for r in range(4)]
+    mine = all_inputs[ctx.rank]
+    recv, count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
+                                                TIMEOUT_US, use_fp8=False)
+    after = active.tolist()
+    combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active, TIMEOUT_US,
+                                    handle)
+    _check_round(ctx, all_inputs, after, active.tolist(), recv, count, handle, combined)
+    return active.tolist()
+
+
+def rank_start4(ctx):
+    buffer = RANK_STATE["buffer"] = Buffer(ctx.group, _size4(), transport="shm")
+    return _round4(ctx, buffer, 11, torch.ones(4, dtype=torch.int32))
+
+
+def rank_cut_off(ctx):
+    """Rank 3 alone (the others are stopped: to it, a cut link): a round masks every peer, then it calls
+    update_ep_member(), not waiting for the ranks it saw fail. Returns the view or the error."""
+    buffer = RANK_STATE["buffer"]
+    mask = _round4(ctx, buffer, 12, torch.ones(4, dtype=torch.int32))
+    started = time.monotonic()
+    try:
+        view = buffer.update_ep_member(timeout_s=4.0)
+        return {"mask": mask, "view": list(view.ranks), "seconds": time.monotonic() - started}
+    except MembershipError as error:
+        return {"mask": mask, "error": str(error), "seconds": time.monotonic() - started}
+
+
+def rank_update4(ctx):
+    """Everyone agrees again. Rank 3 still holds its evidence that 0-2 failed (it does not wait for ranks it
+    saw fail), so it calls once the others are ready: a view of all four, not one sealed at a quorum."""
+    buffer = RANK_STATE["buffer"]
+    if ctx.rank == 3:
+        deadline = time.monotonic() + 30
+        while not all(buffer.membership.store.check([f"ready/1/{r}"]) for r in range(3)):
+            assert time.monotonic() < deadline, "ranks 0-2 never posted readiness for epoch 1"
+            time.sleep(0.01)
+    view = buffer.update_ep_member(timeout_s=30.0)
+    incarnation = buffer.membership.incarnation
+    return {"view": list(view.ranks), "epoch": view.epoch, "incarnation": incarnation,
+            "mask": _round4(ctx, buffer, 13, buffer.active_mask())}
+
+
+def test_a_rank_cut_off_cannot_seal_the_majority_out():
+    """Rank 3 of 4 sees ranks 0-2 fail (they are SIGSTOPped while it serves: to rank 3 this is its link
+    cut) and calls update_ep_member(). Before, it sealed epoch 1 = [3] alone: the healthy majority was
+    left out and had to rejoin as new incarnations through the one rank cut off. Now it has no quorum (1
+    of 4 members not known dead): it seals nothing and says why; once the others run again, all four
+    agree on epoch 1 with every rank, same incarnations, and an exact round."""
+    with harness.fresh_cluster(4) as cluster:
+        assert harness.check_outcomes(cluster.run(rank_start4)) == [[1, 1, 1, 1]] * 4
+        stopped = [cluster.processes[r].pid for r in range(3)]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            alone = outcome_value(cluster.run(rank_cut_off, ranks=[3], timeout_s=60)[0])
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        assert alone["mask"] == [0, 0, 0, 1], alone
+        assert "cannot seal epoch 1" in alone.get("error", "") and "not a majority" in alone["error"], alone
+        assert alone["seconds"] < 4.0 + harness.FAULT_SLACK_S, alone
+        after = harness.check_outcomes(cluster.run(rank_update4, timeout_s=90))
+        assert [a["view"] for a in after] == [[0, 1, 2, 3]] * 4 and {a["epoch"] for a in after} == {1}, after
+        assert [a["incarnation"] for a in after] == [1] * 4, after
+        assert [a["mask"] for a in after] == [[1, 1, 1, 1]] * 4, after
+        harness.check_outcomes(cluster.run(rank_teardown))
+
+
+def test_quorum_rule():
+    quorum = Membership.quorum
+    assert quorum([0, 1, 2], [0, 1, 2, 3]) and not quorum([3], [0, 1, 2, 3])
+    assert quorum([0, 1], [0, 1, 2, 3]) and not quorum([2, 3], [0, 1, 2, 3])  # a tie: the half with rank 0
+    assert quorum([3], [0, 1, 2, 3], gone=[0, 1, 2])  # the others are known dead: the survivor goes on
+    assert quorum([1], [0, 1], gone=[0]) and not quorum([1], [0, 1]) and quorum([0], [0, 1])

@@ -49,7 +49,8 @@ def update_ep_member(buffer, timeout_s: Optional[float] = None) -> View:
                 # Half the remaining budget to agree (a dead member is waited for until then), the
                 # rest to connect, so a dead expected rank cannot eat the time the live ones need.
                 agree_by = time.monotonic() + (deadline - time.monotonic()) / 2
-                view = membership.agree_next_view(buffer.epoch, expected, agree_by, call=buffer._call)
+                view = membership.agree_next_view(buffer.epoch, expected, agree_by, call=buffer._call,
+                                                  dead=buffer.dead_peers)
         except LeftOut as error:
             left_out(buffer, error)
             if time.monotonic() >= deadline:

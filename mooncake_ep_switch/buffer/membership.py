@@ -38,6 +38,12 @@ Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; 
    and combine refuse) and comes back through rule 2: `update_ep_member()` takes a new incarnation
    (refused if another process took the rank over), republishes its endpoint and waits as a joiner.
    If every member of the current view is gone nobody can seal any more: the job must restart.
+5. A view is sealed only by a quorum: its ready members must be a strict majority of the current view's
+   members not known dead (their process seen to end by the peer watcher), or exactly half of them
+   including the lowest such rank. A rank cut off from its peers (it sees every other rank fail) can
+   therefore not seal the healthy majority out; when a group splits in two, only the side with a
+   majority (or the half with the lowest rank) seals, and the other side's ranks rejoin. A member
+   without a quorum at its deadline raises (nothing sealed) and calls again.
 
 Records are validated when read and, with a per-job secret, authenticated; counters are bumped
 with compare-and-set. That record layer (codec, `_valid_*` checks, HMAC) is `membership_records.py`,
@@ -260,11 +266,12 @@ class Membership(MemberRecords):
                 gives up then.
             call: this rank's call counter (the next epoch's counters start above every one).
             joining: this rank is a joiner: it never seals, it waits for a member to.
-            dead: returns the ranks whose process is known to have ended (a member never waits for
-                them), or None.
-            stall_deadline: with `dead`: past `deadline` a member keeps waiting, until this
-                `time.monotonic()` value, for expected ranks that are not known dead (slow to notice
-                a failure is not gone); None: it seals at `deadline`.
+            dead: returns the ranks whose process is known to have ended (they do not count for the
+                quorum, rule 5), or None.
+            stall_deadline: with `dead`: a member does not wait for ranks known dead, and past
+                `deadline` keeps waiting, until this `time.monotonic()` value, for expected ranks that
+                are not known dead (slow to notice a failure is not gone); None: it waits for every
+                expected rank until `deadline` and seals then.
 
         Returns:
             view: the agreed `View` of the next epoch (this rank is a member).
@@ -303,12 +310,19 @@ class Membership(MemberRecords):
                     time.sleep(pause)
                     pause = min(pause * 2, 0.02)
                     continue
-                self._seal(target, members)
-                break
+                gone = set(dead()) if dead is not None else set()
+                if self._seal(target, members, gone) or self.sealed(target):
+                    break
+                raise MembershipError(self._no_quorum(target, members, gone))
             gone = set(dead()) if dead is not None else set()
-            if not joining and all(self.store.check([f"ready/{target}/{r}"]) for r in waiting if r not in gone):
-                self._seal(target, members)
-                break
+            # With a stall deadline (a collective lost a peer) ranks known dead are not waited for; without,
+            # they are waited for until the deadline as before (a replacement may be registering for them).
+            skip = gone if stall_deadline is not None else set()
+            if not joining and all(self.store.check([f"ready/{target}/{r}"]) for r in waiting if r not in skip):
+                if self._seal(target, members, gone):
+                    break
+                # Not a quorum yet (this rank was told not to wait for members that may be alive): wait
+                # for more members, or for another side's seal, until the deadline.
             time.sleep(pause)
             pause = min(pause * 2, JOINER_BEAT_S if joining else 0.02)
         ranks = self._view_record(target)
@@ -339,8 +353,37 @@ class Membership(MemberRecords):
         gone = set(dead())
         return any(r not in gone and not self.store.check([f"ready/{target}/{r}"]) for r in waiting)
 
-    def _seal(self, target: int, members: tuple) -> None:
-        """Seal `view/<target>` (rule 1): ready members of the current view and ready registered joiners."""
+    @staticmethod
+    def quorum(ready: Iterable[int], members: Sequence[int], gone: Iterable[int] = ()) -> bool:
+        """Whether `ready` may seal the next view of `members` (rule 5): a strict majority of the members
+        not known dead, or exactly half of them including the lowest such rank.
+
+        Arguments:
+            ready: member ranks ready for the next epoch.
+            members: the current view's ranks.
+            gone: ranks whose process is known to have ended (they do not count).
+
+        Returns:
+            sealable: bool.
+        """
+        counted = [r for r in members if r not in set(gone)]
+        have = [r for r in counted if r in set(ready)]
+        if not counted:
+            return bool(have)
+        return 2 * len(have) > len(counted) or (2 * len(have) == len(counted) and min(counted) in have)
+
+    def _no_quorum(self, target: int, members: tuple, gone: set) -> str:
+        counted = [r for r in members if r not in gone]
+        ready = [r for r in counted if self.store.check([f"ready/{target}/{r}"])]
+        return (f"rank {self.rank} cannot seal epoch {target}: only members {ready} of {counted} (the members of "
+                f"epoch {target - 1} not known dead) are ready, not a majority (half of them must include rank "
+                f"{min(counted)}). The others may be alive behind a cut link or stalled: the side with a majority "
+                "seals, and a rank it leaves out rejoins. Call update_ep_member() again")
+
+    def _seal(self, target: int, members: tuple, gone: Iterable[int] = ()) -> bool:
+        """Seal `view/<target>` (rule 1): ready members of the current view and ready registered joiners,
+        when they are a quorum of the members (rule 5). Returns whether the seal was attempted (the CAS
+        then picked one view, this one or another rank's); False: no quorum, nothing written."""
         candidates = []
         for rank in range(self.num_ranks):
             try:
@@ -360,7 +403,10 @@ class Membership(MemberRecords):
         if self.rank not in candidates:  # own readiness unreadable: the store was tampered with
             raise MembershipError(f"rank {self.rank}'s own readiness for epoch {target} does not read back "
                                   "intact; refusing to seal")
+        if not self.quorum([r for r in candidates if r in members], members, gone):
+            return False
         self.store.compare_set(f"view/{target}", "", self._encode(f"view/{target}", candidates))
+        return True
 
     def _alive(self, joiners: List[int]) -> set:
         """The joiners whose heartbeat moves within `JOINER_PROOF_S` (they are waiting, not dead)."""
