@@ -149,14 +149,95 @@ def test_lone_replacement_cannot_lock_out_the_members(transport):
         assert "not admitted" in lone.get("error", ""), lone
         assert lone["seconds"] < 4.0 + harness.FAULT_SLACK_S
         assert outcome_value(cluster.run(rank_refused_until_admitted, ranks=[1])[0])
-        assert outcome_value(cluster.run(rank_pending, ranks=[0])[0]) == [], "a joiner that gave up is still listed"
+        # It stays registered (issue 28 item 6): listed, but not admitted while it does not wait.
+        assert outcome_value(cluster.run(rank_pending, ranks=[0])[0]) == [1], "a timed-out joiner became invisible"
         alone = outcome_value(cluster.run(rank_update, 10.0, ranks=[0])[0])
         assert alone.get("view") == [0], f"rank 0 was locked out by a lone joiner: {alone}"
+        assert alone["seconds"] < 10.0, alone
+        assert _listed_within(cluster, 1, 5.0), "the pending joiner is not listed again after a seal without it"
         both = [outcome_value(o) for o in cluster.run(rank_update, 60.0, wait_for_joiners=(1,), timeout_s=90)]
         assert [b["view"] for b in both] == [[0, 1]] * 2, both
         assert harness.check_outcomes(cluster.run(rank_round, 7)) == [[1, 1]] * 2
         harness.check_outcomes(cluster.run(rank_teardown))
 
+
+
+def _listed_within(cluster, joiner, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if joiner in outcome_value(cluster.run(rank_pending, ranks=[0])[0]):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def rank_serving_loop(ctx, steps, admit):
+    """Rank 0's documented serving loop: a round per step; when pending_joiners() is non-empty (and `admit`),
+    update_ep_member(). Returns the views it agreed on."""
+    buffer, views = RANK_STATE["buffer"], []
+    for step in range(steps):
+        _round2(ctx, buffer, seed=40 + step)
+        if admit and buffer.pending_joiners():
+            views.append(list(buffer.update_ep_member(timeout_s=10.0).ranks))
+            if len(views[-1]) == 2:
+                break
+        time.sleep(0.05)
+    return views
+
+
+def rank_wait_again(ctx, delay_s):
+    """The timed-out joiner comes back after `delay_s` and waits again (update_ep_member)."""
+    time.sleep(delay_s)
+    view = RANK_STATE["buffer"].update_ep_member(timeout_s=30.0)
+    return list(view.ranks)
+
+
+def rank_loop_or_wait_again(ctx):
+    return rank_serving_loop(ctx, 400, True) if ctx.rank == 0 else rank_wait_again(ctx, 1.0)
+
+
+def rank_give_up(ctx):
+    RANK_STATE.pop("buffer").destroy()
+    return True
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_timed_out_joiner_stays_pending_until_admitted_or_destroyed(transport):
+    """Issue 28 item 6: a replacement whose update_ep_member(timeout_s=4) ran alone and timed out used to
+    withdraw: rank 0's pending_joiners() was [] and its documented serving loop never admitted it. Now it
+    stays listed; rank 0's loop calls update_ep_member() when it sees it, which admits it once the joiner
+    waits again; and a pending joiner that gives up (destroy) is no longer listed."""
+    with harness.fresh_cluster(2) as cluster:
+        assert harness.check_outcomes(cluster.run(rank_start, transport)) == [[1, 1]] * 2
+        cluster.run(rank_exit, ranks=[1], timeout_s=30)
+        cluster.respawn(1)
+        assert outcome_value(cluster.run(rank_update, 10.0, ranks=[0])[0])["view"] == [0]
+        cluster.run(rank_set_transport, transport, ranks=[1])
+        lone = outcome_value(cluster.run(rank_update, 4.0, ranks=[1], timeout_s=60)[0])
+        assert "not admitted" in lone.get("error", ""), lone
+        assert outcome_value(cluster.run(rank_pending, ranks=[0])[0]) == [1], "a timed-out joiner became invisible"
+        # The serving loop sees it and calls update_ep_member(); the joiner waits again 1 s later: admitted.
+        outcomes = cluster.run(rank_loop_or_wait_again, timeout_s=90)
+        views = [outcome_value(o) for o in outcomes]
+        assert views[0][-1] == [0, 1] and views[1] == [0, 1], views
+        assert harness.check_outcomes(cluster.run(rank_round, 17)) == [[1, 1]] * 2
+        harness.check_outcomes(cluster.run(rank_teardown))
+
+
+def test_pending_joiner_that_gives_up_is_no_longer_listed():
+    """A timed-out joiner stays listed until it destroys its Buffer (gives up): then it is not listed and
+    rank 0's update_ep_member() does not wait for it."""
+    with harness.fresh_cluster(2) as cluster:
+        harness.check_outcomes(cluster.run(rank_start, "shm"))
+        cluster.run(rank_exit, ranks=[1], timeout_s=30)
+        cluster.respawn(1)
+        assert outcome_value(cluster.run(rank_update, 10.0, ranks=[0])[0])["view"] == [0]
+        cluster.run(rank_set_transport, "shm", ranks=[1])
+        assert "not admitted" in outcome_value(cluster.run(rank_update, 3.0, ranks=[1], timeout_s=60)[0])["error"]
+        assert outcome_value(cluster.run(rank_pending, ranks=[0])[0]) == [1]
+        assert outcome_value(cluster.run(rank_give_up, ranks=[1])[0])
+        assert outcome_value(cluster.run(rank_pending, ranks=[0])[0]) == [], "a joiner that gave up is still listed"
+        harness.check_outcomes(cluster.run(rank_teardown, ranks=[0]))
 
 
 def rank_join_then_die(ctx, transport):

@@ -223,9 +223,11 @@ class Buffer:
 
         Raises:
             TypeError, ValueError: `timeout_s` is not a finite number of seconds > 0.
-            MembershipError: a joiner was not admitted before the deadline (call it again to keep
-                waiting), this rank was taken over by another process, members could not be
-                reached before the deadline, or a store record is malformed or forged.
+            MembershipError: a joiner was not admitted before the deadline (it stays listed as
+                pending; call it again to be admitted), a member had no quorum to seal the next view
+                (the other side of a split seals; call it again), this rank was taken over by another
+                process, members could not be reached before the deadline, or a store record is
+                malformed or forged.
         """
         return elastic_view.update_ep_member(self, timeout_s)
 
@@ -267,11 +269,13 @@ class Buffer:
         return self._impl.dead_peers()
 
     def pending_joiners(self) -> list:
-        """Ranks waiting inside their `update_ep_member()` to be admitted into the next epoch.
+        """Ranks registered to be admitted into the next epoch (replacements, left-out ranks).
 
-        When it is non-empty, every member calls `update_ep_member()` to admit them.
-        A joiner is listed from the moment it waits until a view is sealed; one that was not
-        admitted (dead, gave up, or too late) is inactive and no longer listed until it waits again.
+        When it is non-empty, every member calls `update_ep_member()` to admit them. A joiner is
+        listed from the moment it first waits inside its `update_ep_member()` until it is admitted,
+        gives up (its Buffer is destroyed) or dies: one whose own call timed out stays registered
+        (pending) and is admitted by the members' next `update_ep_member()` once it waits again; a
+        dead one is listed until the next view is sealed without it.
 
         Returns:
             ranks: list of int, ascending.
@@ -348,6 +352,11 @@ class Buffer:
         release_generation = getattr(self, "_release_generation", None)
         if release_generation is not None:
             release_generation()
+        if self.membership is not None:  # a joiner that gave up waiting gives up joining now
+            try:
+                self.membership.stop_pending(withdraw=wait_s > 0, wait_s=min(wait_s, 1.0))
+            except Exception:  # noqa: BLE001 - the store is gone: nothing to withdraw from
+                pass
         self.peer_regions.clear()
         impl, outputs = self._impl, self._outputs
 

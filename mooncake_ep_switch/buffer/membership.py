@@ -11,7 +11,8 @@ Buffer generation of one EP group, see `group_prefix` and `generation_prefix`):
     incarnation/<rank>          counter, bumped by every process (or rejoining Buffer) taking the rank id
     endpoint/<rank>/<inc>       JSON endpoint of that incarnation (region pid/fd, TE session)
     evidence/<e>/<reporter>     JSON list of ranks the reporter saw fail in epoch e
-    alive/<rank>                heartbeat of a joiner while it waits to be admitted
+    alive/<rank>                heartbeat of a joiner: "<inc>:w:<n>" while it waits to be admitted,
+                                "<inc>:p:<n>" while it is registered but not waiting (pending)
     regions/<i>/<rank>/<inc>    JSON {"kind", "regions": [[pid, fd, nbytes], ...]}: shared regions of
                                 participant i of that incarnation (buffer/peer_regions.py)
     regions/state/<e>           JSON list, what the members' participants hand a replacement admitted in e
@@ -29,7 +30,10 @@ Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; 
    `ready/<e+1>`, then sets its state to joining for e+1 (so a member that sees it joining also
    finds it ready: members never wait for joiners), and waits up to its deadline for a member to
    seal. Sealed without it (it posted too late): it registers again for the next epoch. Deadline
-   passed: it withdraws (state inactive) and reports that it was not admitted.
+   passed: it reports that it was not admitted but stays registered (pending): a daemon thread
+   keeps a pending beat and re-registers it for each next epoch, so `joining()` keeps listing it;
+   sealers admit only joiners whose beat says they wait, so it is admitted once it calls
+   `update_ep_member()` again. It withdraws (state inactive) when its Buffer is destroyed.
 3. Adopting a view sets the adopter's state active and every non-member's state inactive, unless that
    rank has registered as joining for a later epoch. A joiner that died is therefore listed by
    `joining()` only until the next seal (which costs the members at most `JOINER_PROOF_S` for it),
@@ -50,9 +54,12 @@ with compare-and-set. That record layer (codec, `_valid_*` checks, HMAC) is `mem
 the per-rank records on it (state, incarnation, endpoint, regions) `member_records.py`; this module
 is the epoch/view protocol on top of them.
 """
+import atexit
 import math
 import numbers
+import threading
 import time
+import weakref
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 # The record layer; names other modules import from here are re-exported.
@@ -62,6 +69,20 @@ from mooncake_ep_switch.buffer.membership_records import (ACTIVE, INACTIVE, JOIN
 from mooncake_ep_switch.buffer.member_records import MemberRecords
 
 JOINER_BEAT_S = 0.02  # a waiting joiner refreshes alive/<rank> this often
+PENDING_BEAT_S = 0.1  # a joiner that gave up waiting for now (still registered) beats this often
+PENDING_STOP_S = 5.0  # how long stopping that beat waits for its thread (one store call)
+WAITING_BEAT, PENDING_BEAT = "w", "p"  # alive/<rank> = "<incarnation>:<w|p>:<count>"
+_PENDING: "weakref.WeakSet[Membership]" = weakref.WeakSet()  # memberships with a pending beat running
+
+
+@atexit.register
+def _stop_pending_at_exit() -> None:
+    # A daemon thread inside a store call while the interpreter finalizes can abort the process.
+    for membership in list(_PENDING):
+        try:
+            membership.stop_pending(wait_s=1.0)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 JOINER_PROOF_S = 1.0  # a sealer admits only joiners whose heartbeat moved within this long
 _MAX_EPOCH_SKIP = 1 << 12  # sealed views past the epoch counter that epoch() walks over
 
@@ -281,6 +302,7 @@ class Membership(MemberRecords):
             MembershipError: a joiner's deadline passed before any member sealed (it withdrew), a
                 non-joiner is not a member of `current`, or the sealed view is malformed or forged.
         """
+        self.stop_pending()  # a joiner that gave up earlier waits again now (or a member goes on)
         target = current + 1
         members = self.view(current).ranks
         if not joining and self.rank not in members:
@@ -295,17 +317,21 @@ class Membership(MemberRecords):
         while not self.sealed(target):
             if joining:  # proof of life for the sealer (rule 2): a dead joiner is never sealed in
                 beats += 1
-                self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{beats}")
+                self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{WAITING_BEAT}:{beats}")
             if time.monotonic() >= deadline:
                 if joining:
-                    self._withdraw(target)
                     if self.sealed(target):
                         break  # a member sealed meanwhile: adopt it (this rank may be in it)
+                    self._start_pending(target, call)
+                    if self.sealed(target):  # sealed between the check and the pending beat: adopt it
+                        self.stop_pending()
+                        break
                     raise MembershipError(
                         f"rank {self.rank} was not admitted: no member of epoch {current} (members "
-                        f"{list(members)}) sealed epoch {target} before the deadline. The members admit "
-                        "a joiner when they call update_ep_member() (their pending_joiners() lists this "
-                        "rank while it waits); call update_ep_member() again to keep waiting")
+                        f"{list(members)}) sealed epoch {target} before the deadline. It stays registered: "
+                        "the members' pending_joiners() keep listing this rank, and it is admitted when it "
+                        "waits again; call update_ep_member() again (with the members calling theirs), or "
+                        "destroy() the Buffer to give up")
                 if self._still_coming(waiting, target, dead, stall_deadline):
                     time.sleep(pause)
                     pause = min(pause * 2, 0.02)
@@ -409,17 +435,74 @@ class Membership(MemberRecords):
         return True
 
     def _alive(self, joiners: List[int]) -> set:
-        """The joiners whose heartbeat moves within `JOINER_PROOF_S` (they are waiting, not dead)."""
+        """The joiners whose heartbeat moves within `JOINER_PROOF_S` while they wait inside
+        `update_ep_member()` (not dead, and not a pending joiner that gave up waiting for now)."""
         def beat(rank):
             raw = self._raw(f"alive/{rank}")
             return None if raw is None else bytes(raw[:64])
 
+        waiting = f":{WAITING_BEAT}:".encode()
         first = {r: beat(r) for r in joiners}
         alive, stop = set(), time.monotonic() + JOINER_PROOF_S
         while len(alive) < len(joiners) and time.monotonic() < stop:
             time.sleep(JOINER_BEAT_S)
-            alive.update(r for r in joiners if r not in alive and beat(r) != first[r])
+            for r in joiners:
+                now = beat(r)
+                if r not in alive and now != first[r] and now is not None and waiting in now:
+                    alive.add(r)
         return alive
+
+    def _start_pending(self, target: int, call: int) -> None:
+        """A joiner's deadline passed: stay registered (listed by `joining()`) with a pending beat, in a
+        daemon thread, re-registering for the next epoch whenever members seal one without this rank,
+        until `stop_pending()` (this rank waits again, or gives up)."""
+        self.stop_pending()
+        stop = threading.Event()
+        incarnation = self.incarnation
+
+        def run() -> None:
+            beats, epoch = 0, target
+            while not stop.wait(PENDING_BEAT_S):
+                try:
+                    beats += 1
+                    self.store.set(f"alive/{self.rank}", f"{incarnation}:{PENDING_BEAT}:{beats}")
+                    moved = False
+                    for _ in range(_MAX_EPOCH_SKIP):
+                        if stop.is_set() or not self.sealed(epoch):
+                            break
+                        epoch, moved = epoch + 1, True
+                    if moved and not stop.is_set():  # sealed without this rank: register for the next one
+                        self._put(f"ready/{epoch}/{self.rank}", {"incarnation": incarnation, "call": int(call)})
+                        self.set_state(JOINING, epoch=epoch)
+                    self._pending_epoch = epoch
+                except Exception:  # noqa: BLE001 - the store is unreachable for now: keep beating
+                    continue
+
+        self._pending_epoch = target
+        thread = threading.Thread(target=run, name=f"mep-pending-joiner-{self.rank}", daemon=True)
+        self._pending = (stop, thread)
+        _PENDING.add(self)
+        thread.start()
+
+    def stop_pending(self, withdraw: bool = False, wait_s: float = PENDING_STOP_S) -> None:
+        """Stop the pending beat of a joiner that gave up waiting (no-op if none); with `withdraw`, also
+        give up joining (state inactive), as `Buffer.destroy()` does.
+
+        Arguments:
+            withdraw: set this rank's joining state inactive (it is no longer listed).
+            wait_s: seconds to wait for the beat's thread to end (0: only tell it to stop).
+        """
+        pending = getattr(self, "_pending", None)
+        if pending is None:
+            return
+        self._pending = None
+        _PENDING.discard(self)
+        stop, thread = pending
+        stop.set()
+        if wait_s > 0:
+            thread.join(wait_s)
+        if withdraw:
+            self._withdraw(getattr(self, "_pending_epoch", 0))
 
     def _withdraw(self, target: int) -> None:
         """A joiner gives up waiting for `target`: its joining state becomes inactive (CAS on its own record)."""
