@@ -402,7 +402,8 @@ class Buffer:
     # ------------------------------------------------------------------ dispatch / combine
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, active_ranks: torch.Tensor,
                  num_max_dispatch_tokens_per_rank: int, num_experts: int, timeout_us: int,
-                 use_fp8: Optional[bool] = None, async_finish: bool = False, return_recv_hook: bool = False):
+                 use_fp8: Optional[bool] = None, async_finish: bool = False, return_recv_hook: bool = False,
+                 diagnostic=None):
         """Send every token to the ranks owning its selected experts, packed per local expert.
 
         Arguments:
@@ -417,6 +418,8 @@ class Buffer:
             use_fp8: send FP8 e4m3fn rows with per-128-channel float32 scales (None = True).
             async_finish: return at once; `event.current_stream_wait()` completes the call.
             return_recv_hook: return after the send phase; results are valid after `hook()`.
+            diagnostic: Mooncake's newer keyword, accepted and ignored (nothing is filled: per-source
+                timeouts are reported in `active_ranks`, membership evidence in `dead_peers()`).
 
         Returns:
             recv_x: `[E_local, num_ranks * T, hidden]` torch.bfloat16, or with FP8 a tuple
@@ -499,6 +502,21 @@ class Buffer:
         packed = (outputs.recv_x, outputs.recv_scales.transpose(1, 2)) if use_fp8 else outputs.recv_x
         return packed, outputs.recv_count, handle, event, hook
 
+    @property
+    def group_size(self) -> int:
+        """The EP group size, Mooncake's name (SGLang's dispatcher reads it); the same as `num_ranks`."""
+        return self.num_ranks
+
+    @property
+    def backend(self):
+        """The process group the Buffer was built on, Mooncake's name (None for a replacement's Buffer)."""
+        return self.group
+
+    @property
+    def _use_fallback(self) -> bool:
+        """Whether the Buffer runs on the collective fallback, Mooncake's name (its tests read it)."""
+        return self.transport == "collective"
+
     def get_next_combine_buffer(self, handle) -> torch.Tensor:
         """The buffer to write expert outputs into for a zero-copy `combine` of this handle.
 
@@ -540,7 +558,8 @@ class Buffer:
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 active_ranks: torch.Tensor, timeout_us: int, handle, zero_copy: bool = False,
-                async_finish: bool = False, return_recv_hook: bool = False, out: Optional[torch.Tensor] = None):
+                async_finish: bool = False, return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                diagnostic=None):
         """Return expert outputs to their token owners and reduce them with the routing weights.
 
         `combined[t] = bf16(sum_k topk_weights[t, k] * y(topk_idx[t, k], t))`, in float32 and in top-k
@@ -555,10 +574,12 @@ class Buffer:
             timeout_us: deadline in microseconds, -1 = wait forever.
             handle: the handle returned by the matching `dispatch` (with `return_recv_hook`, after its
                 hook ran; an `async_finish` dispatch is completed first if its event was not waited).
-            zero_copy: `x` was written in place into `get_next_combine_buffer(handle)`.
+            zero_copy: the expert outputs were written in place into `get_next_combine_buffer(handle)`;
+                `x` is then ignored (as in DeepEP and Mooncake: the data is already in the buffer).
             async_finish: return at once; `event.current_stream_wait()` completes the call.
             return_recv_hook: return after the send phase; `out` is valid after `hook()`.
             out: optional `[num_tokens, hidden]` torch.bfloat16 output tensor.
+            diagnostic: Mooncake's newer keyword, accepted and ignored (see `dispatch`).
 
         Returns:
             combined_x: `[num_tokens, hidden]` torch.bfloat16 (`out` if given, else pooled memory that
@@ -568,6 +589,10 @@ class Buffer:
         """
         if self._destroyed:
             self._check_alive()
+        if not isinstance(zero_copy, bool):
+            raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
+        if zero_copy:  # the outputs are in the handle's combine buffer already: whatever `x` is, use that
+            x = self.get_next_combine_buffer(handle)
         if self.device is not None:
             return device_calls.combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy,
                                         async_finish, return_recv_hook, out)
@@ -616,11 +641,6 @@ class Buffer:
         complete_receive(plan)  # async_finish: the layout is complete once the dispatch's event is
         if len(self.members) < self.num_ranks:
             self._check_members(active_ranks)
-        if zero_copy:
-            expected = self._impl.combine_buffer(plan.call, tuple(x.shape), x.device)
-            if x.data_ptr() != expected.data_ptr():
-                raise ValueError("x: with zero_copy=True expected the tensor returned by "
-                                 "get_next_combine_buffer(handle), got a different tensor")
         if out is None:
             out = self._outputs.combine_output(topk_idx.size(0), hidden, x.device)
         call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens,
