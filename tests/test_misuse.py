@@ -1,7 +1,8 @@
 """Misuse of the data plane: never silently wrong, never crashed, never locked out.
 
-* A handle is combined once, with the dispatch's own `topk_idx` (a second combine or other top-k
-  values would read rows of another round): refused with an error naming `handle` / `topk_idx`.
+* A handle is combined with the dispatch's own `topk_idx` (other top-k values would read rows of
+  another round), any number of times until the next dispatch (DeepEP's tests combine each handle
+  twice), never after it: refused with an error naming `handle` / `topk_idx`.
 * A tensor argument on a non-CPU device (meta here, CUDA on a GPU host) is refused before anything
   changes: the next round on every rank is exact and no rank is masked.
 * After `destroy()` (or garbage collection) hooks and events raise RuntimeError, and tensors over
@@ -80,28 +81,37 @@ def _healthy_round(ctx, buffer, seed, mode="sync"):
     assert active.tolist() == [1] * ctx.num_ranks, f"a healthy rank was masked: {active.tolist()}"
 
 
-# ------------------------------------------------------------------ item: one combine per handle
+# ------------------------------------------------------------------ item: a handle combined again (issue 27)
 
-def rank_second_combine(ctx, transport, mode):
+def rank_combine_again(ctx, transport, mode):
+    """DeepEP's and Mooncake's own tests combine each handle twice: a plain combine, then the zero-copy
+    buffer filled and combined again. Every combine of a handle is exact (here three, the third through a
+    plain 5-tuple of the handle) until the next dispatch; after it, combining the old handle again is
+    refused, naming `handle` and why, and the Buffer stays exact."""
     with _buffer(ctx, transport) as buffer:
         for round_ in range(3):
             mine, everyone = _inputs(ctx, 10 + round_)
             active = torch.ones(ctx.num_ranks, dtype=torch.int32)
             handle, y = _dispatch(ctx, buffer, mine, everyone, active, mode)
-            first = _combine_exact(ctx, buffer, mine, y, active, handle, mode).clone()
-            for again in (handle, tuple(handle)):  # the handle itself and a plain 5-tuple of it
-                with pytest.raises(ValueError, match=r"^handle: .*combined already"):
-                    buffer.combine(y, mine.topk_idx, mine.weights, active, TIMEOUT_US, again, **_flags(mode))
-            assert torch.equal(first, _expected(ctx, mine))
+            _combine_exact(ctx, buffer, mine, y, active, handle, mode)
+            buffer.get_next_combine_buffer(handle).copy_(y)
+            _combine_exact(ctx, buffer, mine, torch.zeros_like(y), active, handle, mode, zero_copy=True)
+            _combine_exact(ctx, buffer, mine, y, active, tuple(handle), mode)
             assert active.tolist() == [1] * ctx.num_ranks
-            _healthy_round(ctx, buffer, 20 + round_, mode)
+            _healthy_round(ctx, buffer, 20 + round_, mode)  # a later dispatch: the old handle is done
+            for again in (handle, tuple(handle)):
+                with pytest.raises(ValueError, match=r"^handle: expected the latest dispatch's handle to combine "
+                                                     r"again.*combined again only before the next dispatch"):
+                    buffer.combine(y, mine.topk_idx, mine.weights, active, TIMEOUT_US, again, **_flags(mode))
+            assert active.tolist() == [1] * ctx.num_ranks
+            _healthy_round(ctx, buffer, 30 + round_, mode)
     return True
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", MODES)
-def test_second_combine_of_a_handle_is_refused(transport, mode):
-    assert all(harness.run(2, rank_second_combine, transport, mode))
+def test_a_handle_is_combined_again_until_the_next_dispatch(transport, mode):
+    assert all(harness.run(2, rank_combine_again, transport, mode))
 
 
 def _other_experts(topk_idx, num_experts):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import device_calls, elastic_view, validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
-from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, check_combinable,
+from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, check_combinable_again,
                                                check_same_routing, complete_receive)
 from mooncake_ep_switch.buffer.layout import region_layout
 from mooncake_ep_switch.buffer.call_spec import CallSpecs
@@ -636,20 +636,26 @@ class Buffer:
                                                           out, self.num_ranks)
             src_info, layout_range, tokens, hidden, experts = fields
             plan = self._plan_of(handle)
-        check_combinable(plan)
+        again = plan.combined[0]
+        if again:
+            check_combinable_again(plan, self._last_plan)
         check_same_routing(plan, topk_idx)
         complete_receive(plan)  # async_finish: the layout is complete once the dispatch's event is
         if len(self.members) < self.num_ranks:
             self._check_members(active_ranks)
         if out is None:
             out = self._outputs.combine_output(topk_idx.size(0), hidden, x.device)
-        call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens,
-                           hidden, experts, plan.call, plan.private, out)
         life = self._life
         life.enter()  # refuses after destroy(); keeps the memory mapped while the send phase runs
         try:
-            # From here the peers may see this combine's signals: the handle is used up, whatever happens
-            # (a second combine would find this call's signals and read rows being overwritten).
+            # The first combine of a dispatch is its call (its tag, its region half). Every later one is a
+            # call of its own, numbered as every rank numbers it (the same sequence of calls everywhere):
+            # its own tag and the other half, so no peer still reading the previous combine's rows or
+            # signals sees this one's (DeepEP's tests combine each handle twice; its buffer flips halves).
+            if again:
+                self._call += 1
+            call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens,
+                               hidden, experts, self._call if again else plan.call, plan.private, out)
             plan.combined[0] = True
             if not (async_finish or return_recv_hook):
                 self._impl.combine_sync(call)  # send and receive in one native call

@@ -31,8 +31,8 @@ class DispatchPlan(NamedTuple):
             values: rows exist only for the pairs that were dispatched), or None.
         src_ptr: address of the handle's src_info (how a plain 5-tuple handle is matched to its
             dispatch), or 0.
-        combined: one-element list, `[True]` once a combine of this dispatch has started (a handle
-            is combined once: a second combine would read the first one's signals).
+        combined: one-element list, `[True]` once a combine of this dispatch has started (every
+            later combine of it is a call of its own, see `Buffer.combine`).
     """
 
     call: int
@@ -49,10 +49,22 @@ class DispatchPlan(NamedTuple):
 
 
 def check_combinable(plan: "DispatchPlan") -> None:
-    """A handle is combined once: ValueError naming `handle` if this dispatch was combined already."""
+    """Device transports combine a handle once: ValueError naming `handle` if this dispatch was combined
+    already (the host transports combine it again, `check_combinable_again`)."""
     if plan.combined[0]:
         raise ValueError(f"handle: expected a dispatch not combined yet, got the handle of call {plan.call}, "
-                         "which was combined already (one combine per dispatch handle, as in DeepEP)")
+                         "which was combined already (the cuda transport combines a handle once; the host "
+                         "transports combine it again until the next dispatch)")
+
+
+def check_combinable_again(plan: "DispatchPlan", latest: Optional["DispatchPlan"]) -> None:
+    """A handle combined already is combined again only while it is the latest dispatch: a later dispatch
+    reused or is about to reuse the region half its next combine needs. ValueError naming `handle`."""
+    if plan is not latest:
+        later = "a later dispatch" if latest is None else f"dispatch call {latest.call}"
+        raise ValueError(f"handle: expected the latest dispatch's handle to combine again, got the handle of call "
+                         f"{plan.call}, combined already and followed by {later} (a handle is combined again only "
+                         "before the next dispatch: the next combine needs the region half that dispatch uses)")
 
 
 def check_same_routing(plan: "DispatchPlan", topk_idx: torch.Tensor) -> None:
@@ -106,7 +118,8 @@ class DispatchHandle(_DispatchHandleFields):
     The attribute `plan` (a `DispatchPlan`, not part of the tuple) carries the transport's record
     of the call. A plain 5-tuple built by the caller is accepted by `combine()` too when it carries
     the src_info tensor of one of the Buffer's last two dispatches (it then refers to that one).
-    Each handle is combined once; `combine()` refuses a second combine of it.
+    A handle may be combined again (DeepEP's tests do: a plain combine, then a zero-copy one) until
+    the next dispatch; on the cuda transport it is combined once.
     """
 
     def __new__(cls, src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts, plan=None):
