@@ -19,13 +19,15 @@ EXAMPLE_PHY2LOG = [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
 
 
 def _pack(weights, num_packs):
-    """Heaviest first (ties: lower index) into the least-loaded pack with room (ties: lower pack);
-    with one item per pack, item i simply goes to pack i (the published code's shortcut)."""
+    """Heaviest first into the least-loaded pack with room (ties: lower pack); items of equal weight in
+    the order torch's descending sort of the float32 weights gives them (the published code sorts
+    with `torch.sort(descending=True)`, which is not stable past small sizes); with one item per pack,
+    item i simply goes to pack i (the published code's shortcut)."""
     per_pack = len(weights) // num_packs
     if per_pack == 1:
         return {item: (item, 0) for item in range(len(weights))}
     loads, items, where = [np.float32(0)] * num_packs, [[] for _ in range(num_packs)], {}
-    for item in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+    for item in torch.tensor([float(w) for w in weights], dtype=torch.float32).sort(descending=True).indices.tolist():
         pack = min((p for p in range(num_packs) if len(items[p]) < per_pack), key=lambda p: (loads[p], p))
         where[item] = (pack, len(items[pack]))
         items[pack].append(item)
@@ -164,3 +166,32 @@ def test_invalid_combinations_are_refused_like_deepseek():
         rebalance_experts(w, 16, 4, 2, 8, torch.zeros((2, 8), dtype=torch.int64))
     with pytest.raises(TypeError, match="num_gpus, num_ranks: expected exactly one"):
         rebalance_experts(w, 16, 4, 2, 8, num_ranks=8)
+
+
+@pytest.mark.parametrize("combo", [(64, 64, 1, 1, 8), (64, 80, 8, 2, 8), (48, 64, 4, 4, 16)])
+def test_classic_mode_breaks_ties_as_deepseek(combo):
+    """Loads that tie (a few distinct values over many experts): the heaviest-first order among equal
+    loads is torch's descending sort's, as in DeepSeek's code (issue 27: a stable sort differed in 31 of
+    258 cases), in phy2log and in log2phy's copy order."""
+    experts, replicas, groups, nodes, gpus = combo
+    values = torch.tensor([664, 100, 3, 664, 250])
+    weight = values[torch.randint(0, len(values), (3, experts), generator=torch.Generator().manual_seed(experts))]
+    phy2log, log2phy, logcnt = rebalance_experts(weight, replicas, groups, nodes, gpus, mode="classic")
+    _check_triple(phy2log, log2phy, logcnt, 3, experts, replicas)
+    for layer in range(3):
+        ref_phy2log, ref_copy = _classic_reference(weight[layer].tolist(), replicas, groups, nodes, gpus)
+        assert phy2log[layer].tolist() == ref_phy2log
+        for slot, (expert, copy) in enumerate(zip(ref_phy2log, ref_copy)):
+            assert log2phy[layer, expert, copy] == slot
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_replicas=7, num_groups=2, num_nodes=1, num_gpus=4),   # not a multiple
+                                    dict(num_replicas=8, num_groups=4, num_nodes=2, num_gpus=3),   # nodes vs gpus
+                                    dict(num_replicas=4, num_groups=1, num_nodes=1, num_gpus=2)])  # fewer than E
+def test_refused_combinations_raise_what_deepseek_and_vllm_callers_catch(kwargs):
+    """vLLM's parameter-validation test expects AssertionError (DeepSeek asserts); ours names the argument and
+    is a ValueError too."""
+    weight = torch.ones((1, 8))
+    for kind in (AssertionError, ValueError):
+        with pytest.raises(kind, match=r"^num_"):
+            rebalance_experts(weight, **kwargs)

@@ -78,11 +78,11 @@ def _size2():
     return Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, 2, Shape.experts)
 
 
-def _round2(ctx, buffer, seed, active=None):
-    """One exact round over the current members of a 2-rank Buffer (the others contribute nothing)."""
+def _round2(ctx, buffer, seed, active=None, size=2):
+    """One exact round over the current members of a `size`-rank Buffer (the others contribute nothing)."""
     active = buffer.active_mask() if active is None else active
-    all_inputs = [structured_inputs(r, token_count(r, 2, Shape.tokens), Shape.hidden, Shape.experts, Shape.top_k,
-                                    seed=seed, random_values=True) for r in range(2)]
+    all_inputs = [structured_inputs(r, token_count(r, size, Shape.tokens), Shape.hidden, Shape.experts, Shape.top_k,
+                                    seed=seed, random_values=True) for r in range(size)]
     mine = all_inputs[ctx.rank]
     recv, count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
                                                 TIMEOUT_US, use_fp8=False)
@@ -470,16 +470,7 @@ def _size4():
 
 
 def _round4(ctx, buffer, seed, active):
-    all_inputs = [structured_inputs(r, token_count(r, 4, Shape.tokens), Shape.hidden, Shape.experts, Shape.top_k,
-                                    seed=seed, random_values=True) for r in range(4)]
-    mine = all_inputs[ctx.rank]
-    recv, count, handle, _, _ = buffer.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
-                                                TIMEOUT_US, use_fp8=False)
-    after = active.tolist()
-    combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active, TIMEOUT_US,
-                                    handle)
-    _check_round(ctx, all_inputs, after, active.tolist(), recv, count, handle, combined)
-    return active.tolist()
+    return _round2(ctx, buffer, seed, active, size=4)
 
 
 def rank_start4(ctx):

@@ -41,6 +41,7 @@ from mooncake_ep_switch.buffer import kernels
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.group_keys import view_group
 from mooncake_ep_switch.buffer.membership import MembershipError
+from mooncake_ep_switch.buffer.transport.members import published_endpoint
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 from mooncake_ep_switch.buffer.transport.contract import HostMemoryTransport
 
@@ -179,15 +180,8 @@ class CollectiveTransport(HostMemoryTransport):
             if peer not in view.ranks:
                 self.watch.forget(peer)
                 continue
-
-            def published(peer=peer):
-                try:
-                    return membership.endpoint(peer)
-                except MembershipError:
-                    return None
-
             try:
-                found = membership.wait_for(published, deadline, f"rank {peer}'s endpoint")
+                found = published_endpoint(membership, peer, deadline)
                 pid, host, port = found.get("pid"), found.get("watch_host"), found.get("watch_port")
                 if found.get("host_id") == self.settings.host_id and isinstance(pid, int) and pid > 0:
                     self.watch.watch_process(peer, pid)

@@ -10,6 +10,29 @@ from typing import Callable, Optional, Tuple, Type
 from mooncake_ep_switch.buffer.membership import MembershipError
 
 
+def published_endpoint(membership, peer: int, deadline: float) -> dict:
+    """`peer`'s endpoint as published in the store, waited for until `deadline`.
+
+    Arguments:
+        membership: the `Membership` whose store holds the endpoints.
+        peer: the peer's rank.
+        deadline: `time.monotonic()` deadline in seconds.
+
+    Returns:
+        endpoint: dict (what the peer's transport published, plus `"host_id"`).
+
+    Raises:
+        MembershipError: nothing valid was published before `deadline`.
+    """
+    def published():
+        try:
+            return membership.endpoint(peer)
+        except MembershipError:
+            return None
+
+    return membership.wait_for(published, deadline, f"rank {peer}'s endpoint")
+
+
 def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, route: Callable[[int, dict], None],
                  drop: Callable[[int], None], unreachable_errors: Tuple[Type[BaseException], ...],
                  before_barrier: Optional[Callable[[], None]] = None, what: str = "the one-sided transports") -> None:
@@ -42,15 +65,8 @@ def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, r
         if peer not in view.ranks:
             drop(peer)
             continue
-
-        def published(peer=peer):
-            try:
-                return membership.endpoint(peer)
-            except MembershipError:
-                return None
-
         try:
-            route(peer, membership.wait_for(published, deadline, f"rank {peer}'s endpoint"))
+            route(peer, published_endpoint(membership, peer, deadline))
         except unreachable_errors as error:
             unreachable.append(peer)  # died since it was sealed into the view
             why.append(f"rank {peer}: {type(error).__name__}: {error}")

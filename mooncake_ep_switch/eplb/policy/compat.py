@@ -37,6 +37,12 @@ from mooncake_ep_switch.eplb.policy.placement import rebalance_experts as _place
 MODES = ("classic", "balanced", "movement")
 
 
+class EplbArgumentError(ValueError, AssertionError):
+    """A combination `rebalance_experts` refuses: a ValueError with a message naming the argument, and an
+    AssertionError, which is what DeepSeek's code raises there (vLLM's tests expect that)."""
+
+
+
 def _classic(loads: np.ndarray, num_replicas: int, groups: int, nodes: int, num_gpus: int):
     phy2log, slot_rank = _hierarchical(loads.astype(np.float32), num_replicas, groups, nodes, num_gpus, with_rank=True)
     num_layers, num_logical = loads.shape
@@ -85,17 +91,17 @@ def _check(loads: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int
     """Validate as DeepSeek's code asserts; returns the (groups, nodes) the policy uses."""
     num_layers, num_logical = loads.shape
     if num_layers == 0 or num_logical == 0:
-        raise ValueError(f"weight: expected at least one layer and one logical expert, got shape {list(loads.shape)}")
+        raise EplbArgumentError(f"weight: expected at least one layer and one logical expert, got shape {list(loads.shape)}")
     if num_replicas < num_logical or num_replicas % num_gpus:
-        raise ValueError(f"num_replicas: expected a multiple of num_gpus={num_gpus} that is >= the {num_logical} "
+        raise EplbArgumentError(f"num_replicas: expected a multiple of num_gpus={num_gpus} that is >= the {num_logical} "
                          f"logical experts, got {num_replicas}")
     if num_groups % num_nodes:  # the global policy: one group, one node
         return 1, 1
     if num_logical % num_groups:
-        raise ValueError(f"num_groups: the hierarchical policy (num_groups % num_nodes == 0) needs a divisor of the "
+        raise EplbArgumentError(f"num_groups: the hierarchical policy (num_groups % num_nodes == 0) needs a divisor of the "
                          f"{num_logical} logical experts, got {num_groups}")
     if num_gpus % num_nodes:
-        raise ValueError(f"num_nodes: the hierarchical policy needs a divisor of num_gpus={num_gpus}, got {num_nodes}")
+        raise EplbArgumentError(f"num_nodes: the hierarchical policy needs a divisor of num_gpus={num_gpus}, got {num_nodes}")
     return num_groups, num_nodes
 
 
@@ -126,7 +132,8 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
         logcnt: `[L, E]` torch.int64, physical experts per logical expert.
 
     Raises:
-        ValueError: a combination DeepSeek's code rejects too (num_replicas not a multiple of
+        EplbArgumentError (a ValueError, and an AssertionError as DeepSeek's asserts): a
+            combination DeepSeek's code rejects too (num_replicas not a multiple of
             num_gpus or below E; hierarchical with num_groups not dividing E or num_nodes not
             dividing num_gpus), bad loads, an unknown mode, or `"movement"` without
             `old_global_expert_indices`.
@@ -145,9 +152,9 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
     if mode is None:
         mode = "balanced" if old_global_expert_indices is None else "movement"
     if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES} or None, got {mode!r}")
+        raise EplbArgumentError(f"mode: expected one of {MODES} or None, got {mode!r}")
     if mode == "movement" and old_global_expert_indices is None:
-        raise ValueError("old_global_expert_indices: the 'movement' mode needs the deployed phy2log, got None")
+        raise EplbArgumentError("old_global_expert_indices: the 'movement' mode needs the deployed phy2log, got None")
     groups, nodes = _check(loads, num_replicas, num_groups, num_nodes, num_gpus)
     num_layers, num_logical = loads.shape
     width = num_replicas - num_logical + 1
@@ -158,7 +165,7 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
         if mode == "movement":
             previous = to_numpy("old_global_expert_indices", old_global_expert_indices)
             if previous.shape != (num_layers, num_replicas):
-                raise ValueError(f"old_global_expert_indices: expected shape [{num_layers}, {num_replicas}], got "
+                raise EplbArgumentError(f"old_global_expert_indices: expected shape [{num_layers}, {num_replicas}], got "
                                  f"{describe(old_global_expert_indices)}")
         placement = _placement(loads, num_replicas, groups, nodes, num_gpus, previous_phy2log=previous,
                                hierarchical=nodes > 1, balance_tolerance=balance_tolerance)

@@ -26,7 +26,8 @@ from mooncake_ep_switch.eplb.policy.tables import Placement, replica_tables
 
 
 def balanced_packing(weight: np.ndarray, num_packs: int):
-    """Pack items into equally sized packs, heaviest first to the least-loaded pack with room.
+    """Pack items into equally sized packs, heaviest first (ties in the order of torch's descending
+    sort, as DeepSeek's code) to the least-loaded pack with room.
 
     Arguments:
         weight: `[X, n]` float64 (or float32: pack loads then add in float32, as DeepSeek's torch
@@ -46,10 +47,13 @@ def balanced_packing(weight: np.ndarray, num_packs: int):
         pack[:] = np.arange(items)
         rank[:] = 0
         return pack, rank
+    # Heaviest first in the order of torch's descending sort, as DeepSeek's code sorts: bit-exact with
+    # it when loads tie (torch's CPU sort is not stable past small sizes; a stable argsort differed).
+    orders = torch.from_numpy(np.ascontiguousarray(weight)).sort(-1, descending=True).indices.numpy()
     for row in range(rows):
         load = np.zeros(num_packs, dtype=weight.dtype)
         filled = np.zeros(num_packs, dtype=np.int64)
-        for item in np.argsort(-weight[row], kind="stable"):
+        for item in orders[row]:
             target = int(np.argmin(np.where(filled < per_pack, load, np.inf)))
             pack[row, item] = target
             rank[row, item] = filled[target]
