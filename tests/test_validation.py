@@ -123,7 +123,6 @@ COMBINE_CASES = {
     "handle_src_info": ("handle.src_info", "shape"),
     "handle_fields": ("handle.src_info", "shape"),
     "out_shape": ("out", "shape"),
-    "zero_copy_other_tensor": ("x", "get_next_combine_buffer"),
     "topk_other_shape": ("topk_idx", "the dispatch's shape"),
     "timeout": ("timeout_us", "-1"),
 }
@@ -151,8 +150,6 @@ def rank_bad_combine(ctx, transport, case_name):
             args["handle"] = type(handle)(handle[0], handle[1], T * 2, handle[3], handle[4], plan=handle.plan)
         elif case_name == "out_shape":
             args["out"] = torch.empty((x.size(0) + 1, H), dtype=torch.bfloat16)
-        elif case_name == "zero_copy_other_tensor":
-            args["zero_copy"] = True
         elif case_name == "topk_other_shape":
             args["topk_idx"] = topk[:-1].contiguous()
             args["topk_weights"] = weights[:-1].contiguous()
