@@ -79,6 +79,18 @@ def _check_triple(phy2log, log2phy, logcnt, num_layers, num_experts, num_replica
             assert len(set(slots[:n])) == n
 
 
+def _check_classic_against_reference(weight, combo):
+    """The classic mode's triple on `weight` `[3, E]` equals the reference, log2phy in copy order."""
+    experts, replicas, groups, nodes, gpus = combo
+    phy2log, log2phy, logcnt = rebalance_experts(weight, replicas, groups, nodes, gpus, mode="classic")
+    _check_triple(phy2log, log2phy, logcnt, 3, experts, replicas)
+    for layer in range(3):
+        ref_phy2log, ref_copy = _classic_reference(weight[layer].tolist(), replicas, groups, nodes, gpus)
+        assert phy2log[layer].tolist() == ref_phy2log
+        for slot, (expert, copy) in enumerate(zip(ref_phy2log, ref_copy)):
+            assert log2phy[layer, expert, copy] == slot
+
+
 def test_deepseek_readme_example_exact():
     phy2log, log2phy, logcnt = rebalance_experts(EXAMPLE, 16, 4, 2, 8, mode="classic")
     assert phy2log.tolist() == EXAMPLE_PHY2LOG
@@ -99,15 +111,9 @@ COMBOS = [(12, 16, 4, 2, 8), (16, 24, 4, 2, 4), (16, 24, 5, 2, 4), (12, 16, 4, 3
 
 @pytest.mark.parametrize("combo", COMBOS)
 def test_classic_mode_equals_the_classic_algorithm(combo):
-    experts, replicas, groups, nodes, gpus = combo
+    experts, replicas = combo[:2]
     weight = torch.randint(0, 1000, (3, experts), generator=torch.Generator().manual_seed(experts * replicas))
-    phy2log, log2phy, logcnt = rebalance_experts(weight, replicas, groups, nodes, gpus, mode="classic")
-    _check_triple(phy2log, log2phy, logcnt, 3, experts, replicas)
-    for layer in range(3):
-        ref_phy2log, ref_copy = _classic_reference(weight[layer].tolist(), replicas, groups, nodes, gpus)
-        assert phy2log[layer].tolist() == ref_phy2log
-        for slot, (expert, copy) in enumerate(zip(ref_phy2log, ref_copy)):
-            assert log2phy[layer, expert, copy] == slot
+    _check_classic_against_reference(weight, combo)
 
 
 @pytest.mark.parametrize("combo", COMBOS)
@@ -173,16 +179,10 @@ def test_classic_mode_breaks_ties_as_deepseek(combo):
     """Loads that tie (a few distinct values over many experts): the heaviest-first order among equal
     loads is torch's descending sort's, as in DeepSeek's code (issue 27: a stable sort differed in 31 of
     258 cases), in phy2log and in log2phy's copy order."""
-    experts, replicas, groups, nodes, gpus = combo
+    experts = combo[0]
     values = torch.tensor([664, 100, 3, 664, 250])
     weight = values[torch.randint(0, len(values), (3, experts), generator=torch.Generator().manual_seed(experts))]
-    phy2log, log2phy, logcnt = rebalance_experts(weight, replicas, groups, nodes, gpus, mode="classic")
-    _check_triple(phy2log, log2phy, logcnt, 3, experts, replicas)
-    for layer in range(3):
-        ref_phy2log, ref_copy = _classic_reference(weight[layer].tolist(), replicas, groups, nodes, gpus)
-        assert phy2log[layer].tolist() == ref_phy2log
-        for slot, (expert, copy) in enumerate(zip(ref_phy2log, ref_copy)):
-            assert log2phy[layer, expert, copy] == slot
+    _check_classic_against_reference(weight, combo)
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_replicas=7, num_groups=2, num_nodes=1, num_gpus=4),   # not a multiple
