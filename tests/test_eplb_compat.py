@@ -195,3 +195,24 @@ def test_refused_combinations_raise_what_deepseek_and_vllm_callers_catch(kwargs)
     for kind in (AssertionError, ValueError):
         with pytest.raises(kind, match=r"^num_"):
             rebalance_experts(weight, **kwargs)
+
+
+def test_sglang_keywords_enable_hierarchical_and_no_groups():
+    """SGLang's call: `enable_hierarchical=` picks the policy (False: global whatever the groups, True: the
+    hierarchical one, checked), and `num_groups=None` for models without expert groups (global)."""
+    weight = torch.randint(0, 1000, (3, 16), generator=torch.Generator().manual_seed(5))
+    as_global = rebalance_experts(weight, 24, 4, 2, 4, mode="classic", enable_hierarchical=False)
+    for layer in range(3):  # the global policy is the hierarchical one with one group and one node
+        assert as_global[0][layer].tolist() == _classic_reference(weight[layer].tolist(), 24, 1, 1, 4)[0]
+    forced = rebalance_experts(weight, 24, 4, 2, 4, mode="classic", enable_hierarchical=True)
+    assert torch.equal(forced[0], rebalance_experts(weight, 24, 4, 2, 4, mode="classic")[0])
+    no_groups = rebalance_experts(weight, 24, None, 1, 4, mode="classic", enable_hierarchical=False)
+    assert torch.equal(no_groups[0], as_global[0])
+    _check_triple(*rebalance_experts(weight, 24, None, 2, 4, enable_hierarchical=False), 3, 16, 24)  # default mode
+    for kind in (AssertionError, ValueError):
+        with pytest.raises(kind, match=r"^num_groups: enable_hierarchical=True needs"):
+            rebalance_experts(weight, 24, None, 2, 4, enable_hierarchical=True)
+        with pytest.raises(kind, match=r"^num_groups: enable_hierarchical=True needs a multiple"):
+            rebalance_experts(weight, 24, 3, 2, 4, enable_hierarchical=True)
+    with pytest.raises(TypeError, match="enable_hierarchical"):
+        rebalance_experts(weight, 24, 4, 2, 4, enable_hierarchical="yes")

@@ -87,34 +87,49 @@ def keep_gpu_slots(old: np.ndarray, new: np.ndarray, num_gpus: int) -> np.ndarra
     return out
 
 
-def _check(loads: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int) -> Tuple[int, int]:
-    """Validate as DeepSeek's code asserts; returns the (groups, nodes) the policy uses."""
+def _check(loads: np.ndarray, num_replicas: int, num_groups: Optional[int], num_nodes: int, num_gpus: int,
+           hierarchical: Optional[bool] = None) -> Tuple[int, int]:
+    """Validate as DeepSeek's code asserts; returns the (groups, nodes) the policy uses.
+
+    `hierarchical` None: DeepSeek's rule (hierarchical when `num_groups % num_nodes == 0`); True/False:
+    SGLang's `enable_hierarchical`. `num_groups` None: a model without expert groups (global policy)."""
     num_layers, num_logical = loads.shape
     if num_layers == 0 or num_logical == 0:
-        raise EplbArgumentError(f"weight: expected at least one layer and one logical expert, got shape {list(loads.shape)}")
+        raise EplbArgumentError(f"weight: expected at least one layer and one logical expert, got shape "
+                                f"{list(loads.shape)}")
     if num_replicas < num_logical or num_replicas % num_gpus:
         raise EplbArgumentError(f"num_replicas: expected a multiple of num_gpus={num_gpus} that is >= the {num_logical} "
-                         f"logical experts, got {num_replicas}")
-    if num_groups % num_nodes:  # the global policy: one group, one node
+                                f"logical experts, got {num_replicas}")
+    if hierarchical is None:
+        hierarchical = num_groups is not None and num_groups % num_nodes == 0
+    if not hierarchical:  # the global policy: one group, one node
         return 1, 1
+    if num_groups is None:
+        raise EplbArgumentError("num_groups: enable_hierarchical=True needs the model's expert groups, got None")
+    if num_groups % num_nodes:
+        raise EplbArgumentError(f"num_groups: enable_hierarchical=True needs a multiple of num_nodes={num_nodes}, "
+                                f"got {num_groups}")
     if num_logical % num_groups:
-        raise EplbArgumentError(f"num_groups: the hierarchical policy (num_groups % num_nodes == 0) needs a divisor of the "
-                         f"{num_logical} logical experts, got {num_groups}")
+        raise EplbArgumentError(f"num_groups: the hierarchical policy (num_groups % num_nodes == 0) needs a divisor of "
+                                f"the {num_logical} logical experts, got {num_groups}")
     if num_gpus % num_nodes:
-        raise EplbArgumentError(f"num_nodes: the hierarchical policy needs a divisor of num_gpus={num_gpus}, got {num_nodes}")
+        raise EplbArgumentError(f"num_nodes: the hierarchical policy needs a divisor of num_gpus={num_gpus}, got "
+                                f"{num_nodes}")
     return num_groups, num_nodes
 
 
 def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: Optional[int] = None,
                       old_global_expert_indices=None, *, num_ranks: Optional[int] = None, mode: Optional[str] = None,
-                      balance_tolerance: float = 0.01) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      balance_tolerance: float = 0.01, enable_hierarchical: Optional[bool] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Place every layer's logical experts on `num_replicas` physical experts (slots) of `num_gpus` GPUs.
 
     Arguments:
         weight: `[L, E]` torch tensor (any device) or numpy array of any real dtype, non-negative
             finite loads per logical expert.
         num_replicas: physical experts per layer, a multiple of `num_gpus` and >= E.
-        num_groups: expert groups (E // num_groups consecutive experts each) for group-limited routing.
+        num_groups: expert groups (E // num_groups consecutive experts each) for group-limited routing,
+            or None for a model without expert groups (SGLang passes it so; the global policy).
         num_nodes: server nodes; hierarchical policy when `num_groups % num_nodes == 0`.
         num_gpus: GPUs; slot s lives on GPU `s // (num_replicas // num_gpus)`.
         old_global_expert_indices: vLLM's argument, `[L, num_replicas]` integer torch tensor or numpy
@@ -124,6 +139,8 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
             `old_global_expert_indices`, else `"balanced"`.
         balance_tolerance: `"movement"` only: absolute balancedness per layer that may be given up
             against a fresh placement to move fewer copies, in [0, 1].
+        enable_hierarchical: SGLang's keyword: True forces the hierarchical policy (its conditions
+            are then checked), False the global one; None (default) follows DeepSeek's rule above.
 
     Returns:
         phy2log: `[L, num_replicas]` torch.int64, the logical expert of each physical expert.
@@ -146,7 +163,9 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
         weight = weight.detach().float().cpu()  # like theirs: float32 on the CPU
     loads = as_loads("weight", weight, 2)
     num_replicas = check_int("num_replicas", num_replicas, 1)
-    num_groups = check_int("num_groups", num_groups, 1)
+    num_groups = None if num_groups is None else check_int("num_groups", num_groups, 1)
+    if enable_hierarchical is not None and not isinstance(enable_hierarchical, bool):
+        raise TypeError(f"enable_hierarchical: expected a bool or None, got {type(enable_hierarchical).__name__}")
     num_nodes = check_int("num_nodes", num_nodes, 1)
     num_gpus = check_int("num_gpus", num_gpus, 1)
     if mode is None:
@@ -155,7 +174,7 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
         raise EplbArgumentError(f"mode: expected one of {MODES} or None, got {mode!r}")
     if mode == "movement" and old_global_expert_indices is None:
         raise EplbArgumentError("old_global_expert_indices: the 'movement' mode needs the deployed phy2log, got None")
-    groups, nodes = _check(loads, num_replicas, num_groups, num_nodes, num_gpus)
+    groups, nodes = _check(loads, num_replicas, num_groups, num_nodes, num_gpus, enable_hierarchical)
     num_layers, num_logical = loads.shape
     width = num_replicas - num_logical + 1
     if mode == "classic" or num_replicas > num_logical * num_gpus:
