@@ -141,16 +141,6 @@ def main(argv) -> int:
     Returns:
         status: int, 0.
     """
-    import argparse
+    from mooncake_ep_switch.bench.table import run_table_cli
 
-    parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch.bench memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the smaller shape (E=32)")
-    parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
-    args = parser.parse_args(argv)
-    table = format_table(run(args.quick))
-    print(table)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(table + "\n")
-    return 0
+    return run_table_cli("python -m mooncake_ep_switch.bench memory", __doc__, run, argv, format_table)

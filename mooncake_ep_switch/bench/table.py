@@ -25,14 +25,15 @@ def format_rows(rows: List[dict]) -> str:
 
 
 def run_table_cli(prog: str, description: str, rows_of: Callable[[bool], List[dict]],
-                  argv: Optional[Sequence[str]]) -> int:
+                  argv: Optional[Sequence[str]], format_table: Callable[[List[dict]], str] = format_rows) -> int:
     """The command line every table benchmark shares: `--quick`, `--out FILE`; prints the table.
 
     Arguments:
         prog: program name for the usage line.
         description: help text (the benchmark module's docstring).
-        rows_of: callable taking `quick` (bool) and returning the rows for `format_rows`.
+        rows_of: callable taking `quick` (bool) and returning the rows for `format_table`.
         argv: the arguments (without the program name).
+        format_table: turns the rows into the markdown table (default `format_rows`: times and ratios).
 
     Returns:
         status: int, 0.
@@ -45,7 +46,7 @@ def run_table_cli(prog: str, description: str, rows_of: Callable[[bool], List[di
     import torch
 
     torch.set_num_threads(1)
-    table = format_rows(rows_of(args.quick))
+    table = format_table(rows_of(args.quick))
     print(table)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as handle:

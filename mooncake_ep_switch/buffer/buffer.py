@@ -594,12 +594,10 @@ class Buffer:
         if zero_copy:  # the outputs are in the handle's combine buffer already: whatever `x` is, use that
             x = self.get_next_combine_buffer(handle)
         if self.device is not None:
-            return device_calls.combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy,
+            return device_calls.combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
                                         async_finish, return_recv_hook, out)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
-        if not isinstance(zero_copy, bool):
-            raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
         # Hot path: a handle this Buffer returned (its fields were validated when it was made) and
         # well-formed tensors need only the value checks; otherwise the full validation runs.
         plan = getattr(handle, "plan", None)

@@ -115,14 +115,13 @@ def dispatch(buffer, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank
     return packed, outputs.recv_count, handle, event, hook
 
 
-def combine(buffer, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy: bool,
-            async_finish: bool, return_recv_hook: bool, out: Optional[torch.Tensor]):
-    """`Buffer.combine` on the `"cuda"` transport (see its docstring for arguments and returns)."""
+def combine(buffer, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, async_finish: bool,
+            return_recv_hook: bool, out: Optional[torch.Tensor]):
+    """`Buffer.combine` on the `"cuda"` transport (see its docstring for arguments and returns; a zero-copy
+    combine arrives here with `x` already the handle's combine buffer)."""
     impl = buffer._impl
     if async_finish and return_recv_hook:
         raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
-    if not isinstance(zero_copy, bool):
-        raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
     fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out,
                                                   buffer.num_ranks, impl.device)
     src_info, layout_range, tokens, hidden, experts = fields

@@ -73,6 +73,8 @@ PENDING_BEAT_S = 0.1  # a joiner that gave up waiting for now (still registered)
 PENDING_STOP_S = 5.0  # how long stopping that beat waits for its thread (one store call)
 WAITING_BEAT, PENDING_BEAT = "w", "p"  # alive/<rank> = "<incarnation>:<w|p>:<count>"
 _PENDING: "weakref.WeakSet[Membership]" = weakref.WeakSet()  # memberships with a pending beat running
+JOINER_PROOF_S = 1.0  # a sealer admits only joiners whose heartbeat moved within this long
+_MAX_EPOCH_SKIP = 1 << 12  # sealed views past the epoch counter that epoch() walks over
 
 
 @atexit.register
@@ -83,8 +85,6 @@ def _stop_pending_at_exit() -> None:
             membership.stop_pending(wait_s=1.0)
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
-JOINER_PROOF_S = 1.0  # a sealer admits only joiners whose heartbeat moved within this long
-_MAX_EPOCH_SKIP = 1 << 12  # sealed views past the epoch counter that epoch() walks over
 
 
 class LeftOut(MembershipError):
@@ -392,8 +392,9 @@ class Membership(MemberRecords):
         Returns:
             sealable: bool.
         """
-        counted = [r for r in members if r not in set(gone)]
-        have = [r for r in counted if r in set(ready)]
+        gone, ready = set(gone), set(ready)
+        counted = [r for r in members if r not in gone]
+        have = [r for r in counted if r in ready]
         if not counted:
             return bool(have)
         return 2 * len(have) > len(counted) or (2 * len(have) == len(counted) and min(counted) in have)

@@ -201,7 +201,7 @@ class CollectiveTransport(HostMemoryTransport):
         """
         if self.watch is None:
             return []
-        return [int(r) for r in torch.nonzero(self.watch.dead).flatten().tolist()]
+        return self.watch.dead_ranks()
 
     def destroy(self) -> None:
         """Stop the peer watcher; drop cached buffers."""

@@ -203,7 +203,7 @@ class CudaTransport:
         """
         if self._control is None:
             return []  # destroyed: the words are gone
-        return [int(r) for r in torch.nonzero(self.watch.dead).flatten().tolist()]
+        return self.watch.dead_ranks()
 
     @property
     def failed_sources(self) -> List[int]:

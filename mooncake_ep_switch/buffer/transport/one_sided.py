@@ -224,7 +224,7 @@ class OneSidedTransport(HostMemoryTransport):
         Returns:
             ranks: list of int, ascending.
         """
-        return [int(r) for r in torch.nonzero(self.watch.dead).flatten().tolist()]
+        return self.watch.dead_ranks()
 
     def destroy(self) -> None:
         """Close the Transfer Engine (if any) and release the region and every mapping."""

@@ -28,7 +28,7 @@ import select
 import socket
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -158,6 +158,14 @@ class PeerWatch:
         """Stop watching `peer` and clear its flag (it left the view)."""
         self._check_peer(peer)
         self._replace(peer, None)
+
+    def dead_ranks(self) -> List[int]:
+        """Ranks whose process was seen to end since they were last watched (the `dead` flags).
+
+        Returns:
+            ranks: list of int, ascending.
+        """
+        return [int(r) for r in torch.nonzero(self.dead).flatten().tolist()]
 
     def is_watched(self, peer: int) -> bool:
         with self._lock:

@@ -222,7 +222,7 @@ class TeEndpoint:
         with self._lock:
             if self._engine is not None:
                 self._reap()
-            return sum(1 for orphan in self._orphans if orphan.peer == peer_session and orphan.nbytes)
+            return self._abandoned_count(peer_session)
 
     def reading_into(self, addr: int, nbytes: int) -> bool:
         """Whether an abandoned read may still land in local [addr, addr + nbytes).
@@ -692,13 +692,17 @@ class TeEndpoint:
                 span = (local, local + size) if read and local else (0, 0)
                 self._orphans.append(_Abandoned(batch_id, peer, size, span))
 
+    def _abandoned_count(self, peer: str) -> int:
+        """Abandoned transfers with `peer` that move bytes (handshakes excluded). Holds the lock."""
+        return sum(1 for orphan in self._orphans if orphan.peer == peer and orphan.nbytes)
+
     def _reading_into(self, lo: int, hi: int) -> bool:
         return any(o.local[0] < hi and lo < o.local[1] for o in self._orphans)
 
     def _busy_error(self, peer: str, reads: Sequence[Tuple[int, int, int]] = ()) -> Optional[PeerBusy]:
         """`PeerBusy` when `peer` has abandoned transfers in flight or a read would land where an abandoned
         read still may; None when the transfer may go. Holds the lock; reaped just before."""
-        count = sum(1 for orphan in self._orphans if orphan.peer == peer and orphan.nbytes)
+        count = self._abandoned_count(peer)
         if count:
             return PeerBusy(
                 f"{count} TE transfer(s) with {peer} abandoned at an earlier deadline are still in flight (they may "
