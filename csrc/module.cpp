@@ -10,6 +10,7 @@
 #include "eplb/api.h"
 #include "switch/api.h"
 #include "common/mep_common.h"
+#include "sockets/inbound_reaper.h"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -79,6 +80,15 @@ PYBIND11_MODULE(_native, m) {
           "Unmap a mapping made by region_create/region_map_peer.");
     m.def("set_parent_death_signal", &mep::set_parent_death_signal, "signal"_a,
           "prctl(PR_SET_PDEATHSIG, signal): this process gets the signal when its parent exits (0 = none).");
+    py::class_<mep::InboundReaper>(m, "InboundReaper",
+        "Shut down this process's accepted TCP connections on local `port` every `period_s` from a native "
+        "thread, until stop() (used while a Transfer Engine is destroyed: its handshake listener blocks on them).")
+        .def(py::init<int64_t, double>(), "port"_a, "period_s"_a)
+        .def("stop", &mep::InboundReaper::stop, py::call_guard<py::gil_scoped_release>(),
+             "End the scans and join the thread; returns how many sockets were shut down.")
+        .def_property_readonly("aborted", &mep::InboundReaper::aborted);
+    m.def("shutdown_inbound", &mep::shutdown_inbound, py::call_guard<py::gil_scoped_release>(), "port"_a,
+          "Shut down this process's TCP connections on local `port` (not its listening socket); returns how many.");
     m.def("enter_net_namespace", &mep::enter_net_namespace, "fd"_a,
           "setns(fd, CLONE_NEWNET): move the calling thread into the network namespace an open fd names.");
     m.def("copy_bytes", &mep::copy_bytes, py::call_guard<py::gil_scoped_release>(), "dst"_a, "src"_a, "nbytes"_a,

@@ -729,3 +729,85 @@ def test_handshake_with_hung_peer_is_aborted_at_the_deadline(agents):
         listener.close()
         for connection in accepted:
             connection.close()
+
+
+_STALLED_PEER = r"""
+import socket, sys, time
+host, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+with socket.create_connection((host, port), timeout=5) as conn:
+    conn.sendall(b"\x01")  # the first byte of a handshake request, then nothing more (or a trickle)
+    print("connected", flush=True)
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        time.sleep(1.5)
+        if mode == "trickle":
+            conn.sendall(b"\x7f")
+"""
+
+
+@pytest.mark.parametrize("stall", ["stopped", "trickle"])
+def test_close_is_bounded_while_a_peer_stalls_in_a_handshake(agents, stall):
+    """Issue 28 item 1. TE's handshake listener reads one inbound handshake at a time (5 s per read)
+    and the engine's destructor joins it holding the GIL: a peer SIGSTOPped mid-handshake held close()
+    ~5 s, one trickling a byte every 1.5 s ~10 s. close() (and so Buffer.destroy()) must stay bounded."""
+    import subprocess
+    import sys
+
+    (owner,) = agents(1, nbytes=1 << 16)
+    host, port = owner.session.rsplit(":", 1)
+    peer = subprocess.Popen([sys.executable, "-c", _STALLED_PEER, host, port, stall], stdout=subprocess.PIPE)
+    try:
+        assert peer.stdout.readline().strip() == b"connected"
+        if stall == "stopped":
+            os.kill(peer.pid, signal.SIGSTOP)
+        time.sleep(0.3)  # the listener has accepted it and is blocked reading the rest
+        began = time.monotonic()
+        _, elapsed = owner.call("close", timeout=40)
+        assert elapsed < 2.5 and time.monotonic() - began < 3.5, f"close() took {elapsed:.2f} s"
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+        peer.kill()
+        peer.wait(5)
+
+
+def test_shutdown_inbound_ends_accepted_connections_only():
+    """The native helper of close(): this process's accepted connections on the port are shut down,
+    the listening socket and connections on other ports are not; bad arguments are clear errors."""
+    from mooncake_ep_switch import _native
+
+    with socket.socket() as listener, socket.socket() as other:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        other.bind(("127.0.0.1", 0))
+        other.listen(4)
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port), timeout=5)
+        served, _ = listener.accept()
+        bystander = socket.create_connection(other.getsockname(), timeout=5)
+        kept, _ = other.accept()
+        try:
+            assert _native.shutdown_inbound(port) == 1
+            served.settimeout(2)
+            assert served.recv(1) == b""  # shut down: reads end at once
+            kept.settimeout(0.2)
+            with pytest.raises(socket.timeout):
+                kept.recv(1)  # another port: untouched
+            later = socket.create_connection(("127.0.0.1", port), timeout=5)  # still listening
+            listener.accept()[0].close()
+            later.close()
+            reaper = _native.InboundReaper(port, 0.01)
+            again = socket.create_connection(("127.0.0.1", port), timeout=5)
+            accepted, _ = listener.accept()
+            accepted.settimeout(2)
+            assert accepted.recv(1) == b""  # shut down by the running reaper
+            assert reaper.stop() >= 1 and reaper.stop() == reaper.aborted  # stop is idempotent
+            for sock in (again, accepted):
+                sock.close()
+        finally:
+            for sock in (client, served, bystander, kept):
+                sock.close()
+    for bad in ((0, 0.01), (70000, 0.01), (port, 0.0), (port, -1.0)):
+        with pytest.raises(ValueError, match="port|period_s"):
+            _native.InboundReaper(*bad)
+    with pytest.raises(ValueError, match="port"):
+        _native.shutdown_inbound(-1)

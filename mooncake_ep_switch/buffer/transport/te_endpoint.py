@@ -17,6 +17,7 @@ import time
 import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
+from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.transport.sockets import (_abort_connections, _listening, _parse_session,
                                                         _socket_inodes)
 from mooncake_ep_switch.config import set_transfer_engine_defaults
@@ -59,6 +60,7 @@ class PeerWrite(NamedTuple):
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]", "*"}
 SETTLE_S = 0.005  # how long a transfer waits for abandoned ones with its peer to finish before PeerBusy
 SPIN_MAX_BYTES = 256 << 10  # write_each spins (spin_s) only when its data is at most this many bytes
+REAPER_PERIOD_S = 0.02  # while the engine is destroyed: how often inbound handshakes are shut down
 _MAX_BATCH_ID = 1 << 63
 _LIVE: "weakref.WeakSet[TeEndpoint]" = weakref.WeakSet()
 
@@ -603,7 +605,9 @@ class TeEndpoint:
         """Unregister everything and release the engine (its sockets and threads).
 
         Waits up to `reap_timeout_s` for abandoned writes and pending handshakes to end first.
-        Idempotent. Takes about 1 s: the engine's destructor waits that long for its I/O threads.
+        Idempotent. Takes about 1 s: the engine's destructor waits that long for its I/O threads;
+        a peer that stopped or stalls in the middle of a handshake with this engine does not extend
+        it (its connection is shut down while the engine is destroyed).
 
         Arguments:
             reap_timeout_s: seconds to wait for abandoned writes and handshakes (a handshake still
@@ -638,8 +642,15 @@ class TeEndpoint:
             self._regions.clear()
             engine, self._engine = self._engine, None
         # A helper thread still inside TE holds its own reference, so the engine is destroyed
-        # when the last user lets go, never under a running call.
-        del engine
+        # when the last user lets go, never under a running call. The destructor joins TE's
+        # handshake listener, which reads one inbound handshake at a time with a 5 s timeout per
+        # read: a peer stopped (or trickling bytes) mid-handshake would hold it, and the GIL, for as
+        # long as it likes. A native thread shuts those connections down until the engine is gone.
+        reaper = _native.InboundReaper(self.rpc_port, REAPER_PERIOD_S)
+        try:
+            del engine
+        finally:
+            reaper.stop()
         if errors:
             raise RuntimeError(f"unregister_memory failed during close: {errors}")
 

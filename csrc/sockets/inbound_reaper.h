@@ -1,0 +1,42 @@
+// InboundReaper: shut down this process's accepted TCP connections on one listening port,
+// from a native thread, for as long as it runs.
+//
+// The Transfer Engine's handshake listener reads each inbound handshake in its one thread with a
+// 5 s receive timeout per read, and its destructor joins that thread while holding the GIL: a peer
+// that stopped (or trickles bytes) in the middle of a handshake holds the engine's destruction, and
+// the whole interpreter, for as long as it likes. A Python thread cannot help while the destructor
+// holds the GIL, so this one is native: started before the engine is released, stopped after.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <thread>
+
+namespace mep {
+
+class InboundReaper {
+public:
+    // port: the local TCP port whose accepted connections (not the listening socket) are shut down.
+    // period_s: seconds between scans of /proc (> 0).
+    InboundReaper(int64_t port, double period_s);
+    ~InboundReaper();
+    InboundReaper(const InboundReaper&) = delete;
+    InboundReaper& operator=(const InboundReaper&) = delete;
+
+    // End the scans and join the thread (idempotent). Returns how many sockets were shut down.
+    int64_t stop();
+    int64_t aborted() const { return aborted_.load(); }
+
+private:
+    void run();
+    int port_;
+    int64_t period_us_;
+    std::atomic<bool> running_{true};
+    std::atomic<int64_t> aborted_{0};
+    std::thread thread_;
+};
+
+// One scan: shut down this process's sockets connected on local `port`. Returns how many.
+int64_t shutdown_inbound(int64_t port);
+
+}  // namespace mep
