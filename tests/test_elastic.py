@@ -310,3 +310,124 @@ def test_join_buffer_index_is_checked():
     with pytest.raises(TypeError, match="buffer_index"):
         make_ticket(object(), 0, 2, buffer_index="1")
     assert make_ticket(object(), 0, 2, buffer_index=2).buffer_index == 2
+
+
+# ---------------------------------------------------------------- Mooncake's recovery lifecycle (issue 27 item 3)
+
+MOONCAKE_REPLACED = 1
+
+
+def _lazy_group(ctx):
+    """A replacement process's process group, as Mooncake's PG recovery hands one: gloo with lazy
+    connections (TORCH_GLOO_LAZY_INIT), so building it needs nobody else; the Buffer never uses it."""
+    import torch.distributed as dist
+
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("replacement", ctx.store), rank=ctx.rank,
+                                world_size=ctx.num_ranks)
+    finally:  # the collective fallback's per-view groups connect eagerly, as the members' do (a lazy
+        del os.environ["TORCH_GLOO_LAZY_INIT"]  # one meeting eager ones crashes them inside gloo)
+    return dist.group.WORLD
+
+
+def rank_mooncake_build(ctx, transport):
+    buffer = _STATE["buffer"] = Buffer(ctx.group, _size(), disable_p2p=transport == "mooncake", transport=transport)
+    _round(ctx, buffer, 40, torch.ones(ctx.num_ranks, dtype=torch.int32))
+    return True
+
+
+def rank_mooncake_recovery(ctx, transport, how):
+    """Mooncake's own test: the replaced rank builds a plain `Buffer(group, bytes)` (in the same process,
+    dropping the one it had, or in a new process after the old one was SIGKILLed) while every other rank
+    calls `update_ep_member()`; then everyone dispatches with an all-ones `active_ranks`, exactly."""
+    earlier = None
+    if ctx.rank == MOONCAKE_REPLACED:
+        group = ctx.group if how == "same_process" else _lazy_group(ctx)
+        earlier = _STATE.pop("buffer", None)
+        started = time.monotonic()
+        buffer = _STATE["buffer"] = Buffer(group, _size(), disable_p2p=transport == "mooncake", transport=transport)
+        seconds = time.monotonic() - started
+        assert buffer.members == tuple(range(ctx.num_ranks)) and not buffer.joining
+    else:
+        buffer = _STATE["buffer"]
+        started = time.monotonic()
+        buffer.update_ep_member()
+        seconds = time.monotonic() - started
+    refused = None
+    if earlier is not None:  # the Buffer the replacement took over is left out: its calls refuse
+        mine = _inputs(ctx.rank, 41)
+        try:
+            earlier.dispatch(mine.x, mine.topk_idx, torch.ones(ctx.num_ranks, dtype=torch.int32), Shape.tokens,
+                             Shape.experts, 1_000_000)
+        except Exception as error:  # noqa: BLE001 - the test checks which
+            refused = f"{type(error).__name__}: {error}"
+        del earlier  # as Mooncake's test rebinds its variable
+    for round_index in range(42, 45):
+        _round(ctx, buffer, round_index, torch.ones(ctx.num_ranks, dtype=torch.int32))
+    return {"seconds": seconds, "epoch": buffer.epoch, "members": list(buffer.members), "refused": refused,
+            "prefix": buffer.membership.prefix}
+
+
+MOONCAKE_GRID = [(t, how) for t in ("shm", "mooncake", "collective") for how in ("same_process", "new_process")]
+
+
+@pytest.mark.parametrize("transport,how", MOONCAKE_GRID, ids=[f"{t}-{h}" for t, h in MOONCAKE_GRID])
+def test_mooncake_recovery_a_plain_new_buffer_is_admitted(transport, how):
+    """Issue 27 item 3. Before, the replaced rank's `Buffer(group, bytes)` started a generation of its
+    own (or waited in a collective nobody else entered), the others' update_ep_member() sealed a view
+    without it, and their next dispatch with all-ones `active_ranks` was refused. Now it is admitted
+    into the group's Buffer by that update_ep_member(), as `elastic.join()` is."""
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        harness_check(cluster.run(rank_mooncake_build, transport, timeout_s=60))
+        if how == "new_process":
+            os.kill(cluster.processes[MOONCAKE_REPLACED].pid, 9)
+            cluster.processes[MOONCAKE_REPLACED].join(10)
+            cluster.respawn(MOONCAKE_REPLACED)
+        results = harness_check(cluster.run(rank_mooncake_recovery, transport, how, timeout_s=90))
+        harness_check(cluster.run(rank_teardown, timeout_s=60))
+        processes = list(cluster.processes)
+    assert not any(p.is_alive() for p in processes)
+    assert {r["epoch"] for r in results} == {1}, results
+    assert all(r["members"] == list(range(NUM_RANKS)) for r in results), results
+    assert len({r["prefix"] for r in results}) == 1, results  # one Buffer of the group, not a second one
+    if how == "same_process":
+        refused = results[MOONCAKE_REPLACED]["refused"]
+        assert refused is not None and "not a member" in refused, refused
+    assert max(r["seconds"] for r in results) < 20, results
+
+
+def rank_second_buffer_alone(ctx):
+    """Rank 1 alone builds a second Buffer beside its live one while the others do nothing: after the
+    connect timeout it is refused with an error naming the ranks, and nothing changed (its counter
+    is set back; its first Buffer still serves, below)."""
+    from mooncake_ep_switch.buffer.membership import MembershipError
+
+    os.environ["MEP_CONNECT_TIMEOUT_S"] = "2"
+    try:
+        started = time.monotonic()
+        with pytest.raises(MembershipError, match=r"ranks \[0, 2, 3\] neither built"):
+            Buffer(ctx.group, _size(), transport="shm")
+        return time.monotonic() - started
+    finally:
+        del os.environ["MEP_CONNECT_TIMEOUT_S"]
+
+
+def rank_second_buffer_everywhere(ctx):
+    first = _STATE["buffer"]
+    second = Buffer(ctx.group, _size(), transport="shm")
+    for index, buffer in enumerate((first, second, first)):
+        _round(ctx, buffer, 50 + index, torch.ones(ctx.num_ranks, dtype=torch.int32))
+    prefixes = (first.membership.prefix, second.membership.prefix)
+    second.destroy()
+    return prefixes
+
+
+def test_a_second_buffer_nobody_else_builds_is_refused_and_changes_nothing():
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        harness_check(cluster.run(rank_mooncake_build, "shm", timeout_s=60))
+        (seconds,) = harness_check(cluster.run(rank_second_buffer_alone, ranks=[1], timeout_s=60))
+        assert 2.0 <= seconds < 10, seconds
+        prefixes = harness_check(cluster.run(rank_second_buffer_everywhere, timeout_s=90))
+        harness_check(cluster.run(rank_teardown, timeout_s=60))
+    assert len(set(prefixes)) == 1 and prefixes[0][0] != prefixes[0][1], prefixes  # every rank: Buffers #1 and #2

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.buffer import device_calls, elastic_view, validation
+from mooncake_ep_switch.buffer import device_calls, elastic_view, replacement, validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
 from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, check_combinable_again,
                                                check_same_routing, complete_receive)
@@ -76,8 +76,11 @@ class Buffer:
 
     A replacement rank passes the ticket of `mooncake_ep_switch.elastic.join()` as `group` (naming
     the same group and store); it is no member until its `update_ep_member()` is admitted by the
-    members' `update_ep_member()`. With `MEP_JOB_SECRET` set, every membership record is
-    authenticated (see `buffer/membership.py`).
+    members' `update_ep_member()`. Or, as in Mooncake's recovery, it builds a plain `Buffer(group)`
+    while the members call `update_ep_member()`: the constructor blocks until they admitted it (up
+    to the connect timeout; `MembershipError` otherwise), and a Buffer of this process it replaces
+    is left out (`buffer/replacement.py` says which Buffers are replacements). With
+    `MEP_JOB_SECRET` set, every membership record is authenticated (see `buffer/membership.py`).
 
     Output memory: the tensors `dispatch` and `combine` return (recv_x, FP8 scales, recv_count, the
     handle's src_info and layout_range, the combined output) come from a pool kept by the Buffer
@@ -125,9 +128,18 @@ class Buffer:
         self.settings = settings()
         self._fault = FaultPoint.parse(self.settings.fault_point)
         self.membership = None
+        choice = None  # built from a process group: a new Buffer of the group, or a replacement of this rank
         if store is not None:
-            prefix, release = generation_prefix(store, self.rank, self.num_ranks, prefix, self.joining,
-                                                identity.buffer_index)
+            if self.joining:
+                prefix, release = generation_prefix(store, self.rank, self.num_ranks, prefix, True,
+                                                    identity.buffer_index)
+            else:
+                base = prefix
+                choice = replacement.choose_generation(store, self.rank, self.num_ranks, base, self.settings.job_secret,
+                                                       time.monotonic() + self.settings.connect_timeout_s)
+                prefix, release = choice.prefix, choice.release
+                if choice.replacing:  # admitted by the others' update_ep_member(), like elastic.join()
+                    self.joining, self.group = True, None
             self._release_generation = weakref.finalize(self, release)
             self.membership = Membership(store, self.rank, self.num_ranks, prefix, secret=self.settings.job_secret)
         self.epoch = self.membership.epoch() if self.joining else 0
@@ -159,6 +171,27 @@ class Buffer:
         if not self.joining:  # a joiner registers as joining in update_ep_member(), when it waits
             self.connect()
             self.peer_regions.snapshot(self.members)  # whose regions participants map (a later incarnation joins)
+        elif choice is not None:  # a plain Buffer(group) that replaces this rank: admitted before it returns
+            self._admit_replacement(base, choice)
+        if choice is not None:
+            replacement.register_member(self, base, choice.generation)
+
+    def _admit_replacement(self, base: str, choice) -> None:
+        """Wait, within the connect timeout, for the members' `update_ep_member()` to admit this Buffer
+        (Mooncake's recovery: a replacement builds a plain Buffer(group) while the others update theirs)."""
+        try:
+            elastic_view.update_ep_member(self, self.settings.connect_timeout_s)
+        except MembershipError as error:
+            self.destroy()  # gives up joining: no longer listed as pending
+            raise MembershipError(
+                f"Buffer: rank {self.rank} builds a Buffer that replaces its earlier one in the group (Buffer "
+                f"#{choice.generation}), and no member admitted it within {self.settings.connect_timeout_s} s: {error}. "
+                "The other ranks admit it with update_ep_member() while it is being built") from error
+        except BaseException:
+            self.destroy()
+            raise
+        if choice.superseding:  # the Buffer this process held before is left out (its calls refuse)
+            replacement.supersede(self, base, choice.generation)
 
     # ------------------------------------------------------------------ construction
     def _host_ids(self):

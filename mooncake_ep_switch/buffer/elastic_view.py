@@ -15,7 +15,7 @@ from mooncake_ep_switch.buffer.membership import LeftOut, MembershipError, View,
 # too, before they seal the next view without it (it is then left out and rejoins).
 SLOW_SURVIVOR_S = 10.0
 
-__all__ = ["left_out", "survivors_view", "update_ep_member"]
+__all__ = ["left_out", "left_out_by_replacement", "survivors_view", "update_ep_member"]
 
 
 def update_ep_member(buffer, timeout_s: Optional[float] = None) -> View:
@@ -92,6 +92,12 @@ def left_out(buffer, error: LeftOut) -> None:
     refuse until `update_ep_member()` admits it again as a new incarnation."""
     if not buffer.joining:
         buffer.joining, buffer._rejoin, buffer.members = True, True, ()
+
+
+def left_out_by_replacement(buffer) -> None:
+    """A newer Buffer of this process was admitted in place of `buffer`'s rank (Mooncake's recovery,
+    `replacement.py`): `buffer` is left out for good; its `update_ep_member()` finds the rank taken over."""
+    buffer.joining, buffer._rejoin, buffer.members = True, True, ()
 
 
 def survivors_view(buffer, deadline: float) -> View:

@@ -7,7 +7,7 @@ keys as the members it joins. `view_group` builds the gloo group of one sealed v
 """
 import hashlib
 import threading
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
 
@@ -124,7 +124,46 @@ def group_prefix(group_ranks: Sequence[int], base: str = "mep") -> str:
 
 # Generations of an EP group (key prefix, rank) that live joined Buffers of this process hold.
 _JOINED: Dict[Tuple[str, int], Dict[int, int]] = {}
+# The same for the member Buffers (built from a process group) of this process.
+_MEMBER_HELD: Dict[Tuple[str, int], Dict[int, int]] = {}
+_BUILT: Set[Tuple[str, int]] = set()  # groups (key prefix, rank) this process has built any Buffer of
 _JOINED_LOCK = threading.Lock()
+
+
+def held_generations(base: str, rank: int) -> Tuple[Set[int], bool]:
+    """The generations of group `base` that live Buffers of this process hold as `rank`, and whether this
+    process ever built a Buffer of that group (`replacement.choose_generation` reads both).
+
+    Arguments:
+        base: key prefix of the EP group (see `group_prefix`).
+        rank: this EP rank.
+
+    Returns:
+        held: set of int generations with a live Buffer (member or joined) of this process.
+        built: bool, this process built (and perhaps destroyed) a Buffer of the group.
+    """
+    key = (base, rank)
+    with _JOINED_LOCK:
+        held = {n for n, count in _JOINED.get(key, {}).items() if count > 0}
+        held |= {n for n, count in _MEMBER_HELD.get(key, {}).items() if count > 0}
+        return held, key in _BUILT
+
+
+def _hold(table: Dict[Tuple[str, int], Dict[int, int]], key: Tuple[str, int], generation: int) -> Callable[[], None]:
+    """Count one live Buffer of `generation` in `table` (the caller holds the lock); returns its release."""
+    held = table.setdefault(key, {})
+    held[generation] = held.get(generation, 0) + 1
+    _BUILT.add(key)
+
+    def release() -> None:
+        with _JOINED_LOCK:
+            count = held.get(generation, 0) - 1
+            if count > 0:
+                held[generation] = count
+            else:
+                held.pop(generation, None)
+
+    return release
 
 
 def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joining: bool = False,
@@ -151,7 +190,7 @@ def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joini
 
     Returns:
         prefix: str, `"<base>/g<n>"` for generation `n`.
-        release: call once when the Buffer is gone (frees a joined Buffer's generation; a no-op otherwise).
+        release: call once when the Buffer is gone (frees the generation it holds in this process).
 
     Raises:
         MembershipError: a generation counter in the store holds something other than a count, or
@@ -161,10 +200,12 @@ def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joini
 
     counters = RecordStore(dist.PrefixStore(f"{base}/generation", store), f"{base}/generation")  # no incarnation
     if not joining:
-        return f"{base}/g{counters._bump(str(rank))}", _nothing
+        generation = counters._bump(str(rank))
+        with _JOINED_LOCK:
+            return f"{base}/g{generation}", _hold(_MEMBER_HELD, (base, rank), generation)
     newest = max(counters._counter(str(r)) for r in range(num_ranks))
     if newest == 0:  # no member has built a Buffer of this group yet
-        return f"{base}/g0", _nothing
+        return f"{base}/g0", lambda: None
     key = (base, rank)
     with _JOINED_LOCK:
         held = _JOINED.setdefault(key, {})  # generation -> live joined Buffers of this process in it
@@ -176,22 +217,9 @@ def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joini
         else:
             # Every generation already held: a Buffer abandoned in this process is being replaced; the newest.
             generation = next((n for n in range(1, newest + 1) if n not in held), newest)
-        held[generation] = held.get(generation, 0) + 1
+        release = _hold(_JOINED, key, generation)
     counters.store.set(str(rank), str(newest))
-
-    def release() -> None:
-        with _JOINED_LOCK:
-            count = held.get(generation, 0) - 1
-            if count > 0:
-                held[generation] = count
-            else:
-                held.pop(generation, None)
-
     return f"{base}/g{generation}", release
-
-
-def _nothing() -> None:
-    return None
 
 
 def view_group(store, view: View, rank: int, timeout_s: float, prefix: str = "mep"):

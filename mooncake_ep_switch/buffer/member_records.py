@@ -20,15 +20,18 @@ class MemberRecords(RecordStore):
         num_ranks: EP group size.
         prefix: key prefix (one EP group generation per prefix).
         secret: per-job secret (bytes or str) that authenticates every record, or None.
+        take_incarnation: take a new incarnation of `rank` (a Buffer); False: a read-only observer.
     """
 
-    def __init__(self, store, rank: int, num_ranks: int, prefix: str = "mep", secret=None):
+    def __init__(self, store, rank: int, num_ranks: int, prefix: str = "mep", secret=None,
+                 take_incarnation: bool = True):
         import torch.distributed as dist
 
         super().__init__(dist.PrefixStore(prefix, store), prefix, secret)
         self.rank = rank
         self.num_ranks = num_ranks
-        self.incarnation = self._bump(f"incarnation/{rank}")
+        # An observer (take_incarnation=False) only reads: it takes no incarnation and writes nothing.
+        self.incarnation = self._bump(f"incarnation/{rank}") if take_incarnation else None
 
     def _state_record(self, rank: int) -> Optional[dict]:
         return self._read(f"state/{rank}", _valid_state, "state record")

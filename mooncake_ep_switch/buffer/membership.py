@@ -149,6 +149,7 @@ class Membership(MemberRecords):
         prefix: key prefix (one EP group generation per prefix).
         secret: per-job secret (bytes or str) that authenticates every record, or None (records
             are then only validated).
+        take_incarnation: take a new incarnation of `rank` (default); False: a read-only observer.
     """
 
     # ------------------------------------------------------------------ reads
