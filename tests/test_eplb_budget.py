@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from mooncake_ep_switch.eplb import layer_balancedness, rebalance_experts, suggest_redundancy
+from mooncake_ep_switch.eplb import layer_balancedness, place_experts, suggest_redundancy
 
 GB = 1e9
 
@@ -21,7 +21,7 @@ def test_free_kv_takes_the_most_balanced_candidate():
     # Independent reference: place every candidate and take the first best balancedness.
     reference = []
     for extra in range(5):
-        placement = rebalance_experts(load, (4 + extra) * 4, 1, 1, 4)
+        placement = place_experts(load, (4 + extra) * 4, 1, 1, 4)
         reference.append(layer_balancedness(load, placement.phy2log, 4).mean())
     np.testing.assert_allclose(advice.balancedness, reference)
     best = int(np.flatnonzero(np.asarray(reference) >= max(reference) * (1 - 1e-9))[0])

@@ -216,3 +216,96 @@ def test_sglang_keywords_enable_hierarchical_and_no_groups():
             rebalance_experts(weight, 24, 3, 2, 4, enable_hierarchical=True)
     with pytest.raises(TypeError, match="enable_hierarchical"):
         rebalance_experts(weight, 24, 4, 2, 4, enable_hierarchical="yes")
+
+
+# ---------------------------------------------------------------- issue 27 item 6 (rest)
+
+
+def _kept_slots_reference(old_row, new_row, num_gpus):
+    """vLLM's rule, formulated with multisets: per GPU, each old slot (in order) keeps its expert while
+    the GPU's new experts still have an unclaimed copy of it; the unclaimed new experts, in their new
+    order, fill the free slots in order. -1 (an empty old slot) never matches."""
+    from collections import Counter
+
+    per_gpu = len(new_row) // num_gpus
+    out = []
+    for gpu in range(num_gpus):
+        old_gpu = old_row[gpu * per_gpu:(gpu + 1) * per_gpu]
+        new_gpu = new_row[gpu * per_gpu:(gpu + 1) * per_gpu]
+        available, claimed = Counter(new_gpu), Counter()
+        result = [None] * per_gpu
+        for slot, expert in enumerate(old_gpu):
+            if available[expert] > 0:
+                result[slot] = expert
+                available[expert] -= 1
+                claimed[expert] += 1
+        rest = []
+        for expert in new_gpu:
+            if claimed[expert] > 0:
+                claimed[expert] -= 1
+            else:
+                rest.append(expert)
+        free = [slot for slot in range(per_gpu) if result[slot] is None]
+        for slot, expert in zip(free, rest):
+            result[slot] = expert
+        out.extend(result)
+    return out
+
+
+def test_the_package_entry_point_has_the_peers_semantics():
+    """`mooncake_ep_switch.eplb.rebalance_experts` is the peers' entry point: num_groups=3 with 4
+    experts on 2 nodes falls back to the global policy as DeepSeek's does (it raised before), it
+    returns their triple, refuses as they do (ValueError and AssertionError); `place_experts` is ours."""
+    from mooncake_ep_switch import eplb
+
+    weight = torch.tensor([[10, 40, 25, 5], [7, 7, 30, 1]])
+    phy2log, log2phy, logcnt = eplb.rebalance_experts(weight, 8, 3, 2, 4, mode="classic")
+    _check_triple(phy2log, log2phy, logcnt, 2, 4, 8)
+    for layer in range(2):
+        assert phy2log[layer].tolist() == _classic_reference(weight[layer].tolist(), 8, 3, 2, 4)[0]
+    _check_triple(*eplb.rebalance_experts(weight, 8, 3, 2, num_ranks=4), 2, 4, 8)  # vLLM's keyword, our default
+    with pytest.raises(AssertionError, match="num_replicas"):
+        eplb.rebalance_experts(weight, 6, 3, 2, 4)
+    placement = eplb.place_experts(weight, 8, 1, 1, 4)
+    assert isinstance(placement, eplb.Placement) and placement.phy2log.shape == (2, 8)
+
+
+@pytest.mark.parametrize("combo", [(12, 16, 4, 2, 8), (8, 24, 2, 2, 2), (16, 24, 5, 2, 4), (6, 12, 3, 2, 2)])
+def test_classic_mode_keeps_the_slots_of_experts_that_stay(combo):
+    """vLLM's default policy with `old_global_expert_indices`: DeepSeek's placement, each GPU's slots
+    permuted so that experts that stay keep their slots (duplicates on a GPU included). Before, the
+    classic mode ignored the argument."""
+    experts, replicas, groups, nodes, gpus = combo
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randint(1, 1000, (3, experts), generator=generator)
+    drifted = weight * torch.randint(1, 4, weight.shape, generator=generator)
+    old = rebalance_experts(weight, replicas, groups, nodes, gpus, mode="classic")[0]
+    plain = rebalance_experts(drifted, replicas, groups, nodes, gpus, mode="classic")
+    kept = rebalance_experts(drifted, replicas, groups, nodes, gpus, old, mode="classic")
+    _check_triple(*kept, 3, experts, replicas)
+    assert torch.equal(kept[2], plain[2])  # the same copies per expert
+    for layer in range(3):
+        assert kept[0][layer].tolist() == _kept_slots_reference(old[layer].tolist(), plain[0][layer].tolist(), gpus)
+    assert (kept[0] == old).sum() >= (plain[0] == old).sum()
+
+
+@pytest.mark.parametrize("mode", [None, "classic", "balanced"])
+def test_old_indices_with_empty_slots_of_a_scale_up(mode):
+    """vLLM's elastic scale-up passes the deployed phy2log padded with -1 for the new GPUs' slots
+    (refused with ValueError before). Every mode accepts it: the new GPUs get experts, and experts
+    that stay on an old GPU keep their slots there."""
+    experts, per_gpu, old_gpus, gpus = 8, 3, 4, 6
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randint(1, 1000, (2, experts), generator=generator)
+    deployed = rebalance_experts(weight, old_gpus * per_gpu, 1, 1, old_gpus)[0]
+    padded = torch.cat([deployed, torch.full((2, (gpus - old_gpus) * per_gpu), -1, dtype=torch.int64)], dim=1)
+    drifted = weight * torch.randint(1, 3, weight.shape, generator=generator)
+    phy2log, log2phy, logcnt = rebalance_experts(drifted, gpus * per_gpu, 1, 1, gpus, padded, mode=mode)
+    _check_triple(phy2log, log2phy, logcnt, 2, experts, gpus * per_gpu)
+    fresh = rebalance_experts(drifted, gpus * per_gpu, 1, 1, gpus, mode=mode or "balanced")[0]
+    for layer in range(2):
+        row = phy2log[layer].tolist()
+        assert sorted(row) == sorted(fresh[layer].tolist())  # the same copies per GPU as a fresh placement
+        assert row == _kept_slots_reference(padded[layer].tolist(), fresh[layer].tolist(), gpus)
+    with pytest.raises(ValueError, match="old_global_expert_indices"):
+        rebalance_experts(drifted, gpus * per_gpu, 1, 1, gpus, padded - 1)  # -2 is no slot marker

@@ -9,7 +9,7 @@ from mooncake_ep_switch.eplb import (
     build_dispatch_map,
     logical_to_physical,
     placement_from_phy2log,
-    rebalance_experts,
+    place_experts,
     spread_to_physical,
 )
 
@@ -17,7 +17,7 @@ from mooncake_ep_switch.eplb import (
 def test_every_entry_points_at_a_copy_of_its_expert():
     rng = np.random.default_rng(0)
     weight = rng.zipf(1.5, (3, 32)).astype(float)
-    placement = rebalance_experts(weight, 48, 4, 2, 8)
+    placement = place_experts(weight, 48, 4, 2, 8)
     dispatch = build_dispatch_map(placement, num_gpus=8, ranks_per_host=4)
     assert dispatch.shape == (8, 3, 32) and dispatch.dtype == torch.int64
     table = placement.phy2log.numpy()

@@ -99,7 +99,7 @@ def _rank_loads(slot_counts):
 
 
 def rank_rebalance(ctx):
-    from mooncake_ep_switch.eplb import rebalance_experts
+    from mooncake_ep_switch.eplb import place_experts
     from mooncake_ep_switch.eplb.online import COMMITTED
 
     buffer, weights, slots, rebalancer = _setup(ctx)
@@ -114,7 +114,7 @@ def rank_rebalance(ctx):
         for layer in range(LAYERS):
             np.add.at(logical[layer], slots.phy2log[layer], slot_counts[layer])
         old = slots.phy2log.copy()
-        target = rebalance_experts(torch.from_numpy(logical).float(), R * SLOTS_PER_RANK, 1, 1, R,
+        target = place_experts(torch.from_numpy(logical).float(), R * SLOTS_PER_RANK, 1, 1, R,
                                    previous_phy2log=torch.from_numpy(old)).phy2log
         chunks = rebalancer.begin(target, commit_step=3)
         reports, step_ok = [], []

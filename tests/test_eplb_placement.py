@@ -1,4 +1,4 @@
-"""Property tests of the EPLB placement (`rebalance_experts`) against its contract and the greedy.
+"""Property tests of the EPLB placement (`place_experts`) against its contract and the greedy.
 
 The quick default runs the same 40 hypothesis examples every time (reproducible CI); set EPLB_EXAMPLES
 to run that many examples drawn afresh each run (exploration: 3000 passed on 2026-11-22).
@@ -17,7 +17,7 @@ from mooncake_ep_switch.eplb import (
     greedy_rebalance_experts,
     layer_balancedness,
     moved_copies,
-    rebalance_experts,
+    place_experts,
 )
 
 SETTINGS = settings(
@@ -82,12 +82,12 @@ def check_invariants(placement: Placement, weight, num_replicas: int, num_gpus: 
 @given(problems())
 def test_invariants_and_determinism(problem):
     weight, num_replicas, num_groups, num_nodes, num_gpus = problem
-    first = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    first = place_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
     check_invariants(first, weight, num_replicas, num_gpus)
-    again = rebalance_experts(weight.copy(), num_replicas, num_groups, num_nodes, num_gpus)
+    again = place_experts(weight.copy(), num_replicas, num_groups, num_nodes, num_gpus)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
-    as_torch = rebalance_experts(torch.as_tensor(weight), num_replicas, num_groups, num_nodes, num_gpus)
+    as_torch = place_experts(torch.as_tensor(weight), num_replicas, num_groups, num_nodes, num_gpus)
     assert torch.equal(first.phy2log, as_torch.phy2log)
 
 
@@ -119,7 +119,7 @@ def groups_fit_in_nodes(table: np.ndarray, num_groups: int, num_nodes: int) -> b
 @given(problems())
 def test_hierarchical_keeps_group_primaries_in_one_node(problem):
     weight, num_replicas, num_groups, num_nodes, num_gpus = problem
-    placement = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, hierarchical=num_nodes > 1)
+    placement = place_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, hierarchical=num_nodes > 1)
     check_invariants(placement, weight, num_replicas, num_gpus)
     for table in placement.phy2log.numpy():
         assert groups_fit_in_nodes(table, num_groups, num_nodes)
@@ -129,7 +129,7 @@ def test_hierarchical_keeps_group_primaries_in_one_node(problem):
 @given(problems())
 def test_at_least_as_balanced_as_greedy(problem):
     weight, num_replicas, num_groups, num_nodes, num_gpus = problem
-    ours = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    ours = place_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
     greedy = greedy_rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
     per_gpu = np.sort(greedy.phy2log.numpy().reshape(weight.shape[0], num_gpus, -1), axis=2)
     if (per_gpu[:, :, 1:] == per_gpu[:, :, :-1]).any():
@@ -145,11 +145,11 @@ def test_at_least_as_balanced_as_greedy(problem):
 @given(problems(), st.floats(0.1, 10.0))
 def test_movement_aware_moves_nothing_when_load_needs_no_change(problem, scale):
     weight, num_replicas, num_groups, num_nodes, num_gpus = problem
-    first = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
-    same = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, previous_phy2log=first.phy2log)
+    first = place_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    same = place_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, previous_phy2log=first.phy2log)
     assert moved_copies(first.phy2log, same.phy2log) == 0
     # A uniformly scaled load is balanced by the same placement.
-    scaled = rebalance_experts(weight * scale, num_replicas, num_groups, num_nodes, num_gpus, previous_phy2log=first)
+    scaled = place_experts(weight * scale, num_replicas, num_groups, num_nodes, num_gpus, previous_phy2log=first)
     assert moved_copies(first, scaled) == 0
 
 
@@ -158,10 +158,10 @@ def test_movement_aware_moves_nothing_when_load_needs_no_change(problem, scale):
 def test_movement_aware_stays_within_tolerance(problem, tolerance):
     weight, num_replicas, num_groups, num_nodes, num_gpus = problem
     rng = np.random.default_rng(int(weight.size))
-    previous = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    previous = place_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
     drifted = weight * rng.lognormal(0.0, 0.5, weight.shape)
-    fresh = rebalance_experts(drifted, num_replicas, num_groups, num_nodes, num_gpus)
-    moved = rebalance_experts(
+    fresh = place_experts(drifted, num_replicas, num_groups, num_nodes, num_gpus)
+    moved = place_experts(
         drifted, num_replicas, num_groups, num_nodes, num_gpus, previous_phy2log=previous.phy2log, balance_tolerance=tolerance
     )
     check_invariants(moved, drifted, num_replicas, num_gpus)
@@ -179,7 +179,7 @@ def test_movement_aware_repairs_an_invalid_previous_placement():
     weight = np.array([[10.0, 1.0, 1.0, 1.0, 5.0, 1.0, 1.0, 1.0]])
     # expert 7 missing, expert 0 twice on GPU 0
     previous = np.array([[0, 0, 1, 2, 3, 4, 5, 6]])
-    placement = rebalance_experts(weight, 8, 1, 1, 4, previous_phy2log=previous)
+    placement = place_experts(weight, 8, 1, 1, 4, previous_phy2log=previous)
     check_invariants(placement, weight, 8, 4)
 
 
@@ -187,9 +187,9 @@ def test_movement_aware_moves_few_copies_under_mild_drift():
     rng = np.random.default_rng(7)
     base = 1.0 / np.arange(1, 65)
     weight = np.stack([rng.permutation(base) for _ in range(4)])
-    previous = rebalance_experts(weight, 80, 4, 2, 8)
+    previous = place_experts(weight, 80, 4, 2, 8)
     drifted = weight * rng.lognormal(0.0, 0.1, weight.shape)
-    moved = rebalance_experts(drifted, 80, 4, 2, 8, previous_phy2log=previous.phy2log)
+    moved = place_experts(drifted, 80, 4, 2, 8, previous_phy2log=previous.phy2log)
     greedy_before = greedy_rebalance_experts(weight, 80, 4, 2, 8)
     greedy_after = greedy_rebalance_experts(drifted, 80, 4, 2, 8)
     assert moved_copies(previous, moved) < 0.5 * moved_copies(greedy_before, greedy_after)
@@ -199,17 +199,17 @@ def test_hot_expert_spreads_across_nodes_in_hierarchical_mode():
     # One hot group: the classic greedy keeps its copies in one node; ours sends copies out.
     weight = np.ones((1, 16))
     weight[0, :4] = 20.0
-    ours = rebalance_experts(weight, 32, 4, 4, 8, hierarchical=True)
+    ours = place_experts(weight, 32, 4, 4, 8, hierarchical=True)
     greedy = greedy_rebalance_experts(weight, 32, 4, 4, 8)
     assert balancedness(weight, ours.phy2log, 8) > balancedness(weight, greedy.phy2log, 8) + 0.2
 
 
 def test_any_real_dtype_and_tuple_unpacking():
     weight = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]], dtype=torch.int32)
-    phy2log, log2phy, logcnt = rebalance_experts(weight, 12, 2, 1, 4)
+    phy2log, log2phy, logcnt = place_experts(weight, 12, 2, 1, 4)
     assert phy2log.shape == (1, 12) and log2phy.shape == (1, 8, 4) and logcnt.sum() == 12
     for dtype in (torch.float16, torch.bfloat16, torch.int64, torch.uint8):
-        assert torch.equal(rebalance_experts(weight.to(dtype), 12, 2, 1, 4).phy2log, phy2log)
+        assert torch.equal(place_experts(weight.to(dtype), 12, 2, 1, 4).phy2log, phy2log)
 
 
 def test_moved_copies_and_balancedness_helpers():
@@ -246,7 +246,7 @@ def test_clear_errors(kwargs, error, match):
     arguments = dict(weight=np.ones((1, 8)), num_replicas=12, num_groups=2, num_nodes=1, num_gpus=4)
     arguments.update(kwargs)
     with pytest.raises(error, match=match):
-        rebalance_experts(**arguments)
+        place_experts(**arguments)
 
 
 @pytest.mark.parametrize(
@@ -263,7 +263,7 @@ def test_clear_errors(kwargs, error, match):
 )
 def test_clear_errors_for_weight(weight, error, match):
     with pytest.raises(error, match=match):
-        rebalance_experts(weight, 12, 2, 1, 4)
+        place_experts(weight, 12, 2, 1, 4)
 
 
 def _reference_refine(ex, sz, pn, node, descend_steps, near):
@@ -366,7 +366,7 @@ def test_senseless_sizes_fail_fast_naming_the_argument(args, match):
 
     started = time.monotonic()
     with pytest.raises(ValueError, match=match):
-        rebalance_experts(np.ones((2, 8)), *args)
+        place_experts(np.ones((2, 8)), *args)
     assert time.monotonic() - started < 1.0
 
 
@@ -377,7 +377,7 @@ def test_eight_experts_on_100k_gpus_is_placed_quickly():
 
     weight = np.array([[8.0, 1, 1, 1, 1, 1, 1, 2]])
     started = time.monotonic()
-    placement = rebalance_experts(weight, 100_000, 1, 1, 100_000)
+    placement = place_experts(weight, 100_000, 1, 1, 100_000)
     assert time.monotonic() - started < 15.0
     counts = placement.logcnt.numpy()[0]
     assert counts.sum() == 100_000 and (counts >= 1).all()

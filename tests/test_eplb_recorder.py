@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mooncake_ep_switch.eplb import ExpertLoadRecorder, counts_from_topk, rebalance_experts
+from mooncake_ep_switch.eplb import ExpertLoadRecorder, counts_from_topk, place_experts
 
 
 def random_counts(rng, layers, slots):
@@ -91,8 +91,8 @@ def test_should_rebalance_every_interval():
 def test_remap_keeps_logical_totals_and_splits_evenly():
     rng = np.random.default_rng(4)
     weight = rng.uniform(size=(2, 8))
-    old = rebalance_experts(weight, 12, 1, 1, 4)
-    new = rebalance_experts(weight[:, ::-1].copy(), 12, 1, 1, 4)
+    old = place_experts(weight, 12, 1, 1, 4)
+    new = place_experts(weight[:, ::-1].copy(), 12, 1, 1, 4)
     for mode in ("window", "ema"):
         recorder = ExpertLoadRecorder(2, 12, 4, window_size=3, mode=mode, ema_decay=0.5)
         for _ in range(4):

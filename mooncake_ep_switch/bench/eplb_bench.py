@@ -1,4 +1,4 @@
-"""EPLB benchmark: `rebalance_experts` against the in-repo classic greedy, measured in the same run.
+"""EPLB benchmark: `place_experts` against the in-repo classic greedy, measured in the same run.
 
 Run `python -m mooncake_ep_switch.bench.eplb_bench [--quick]`; `run(quick=False)` returns the rows for a CLI.
 
@@ -32,7 +32,7 @@ from mooncake_ep_switch.eplb import (
     greedy_rebalance_experts,
     layer_balancedness,
     moved_copies,
-    rebalance_experts,
+    place_experts,
 )
 from mooncake_ep_switch.eplb._convert import native_threads
 from mooncake_ep_switch.eplb.policy.redundant import place_redundant_experts
@@ -159,7 +159,7 @@ def greedy_args(cfg):
 
 
 def ours_args(cfg):
-    """Arguments of `rebalance_experts` (after the weight) for a configuration.
+    """Arguments of `place_experts` (after the weight) for a configuration.
 
     Arguments:
         cfg: a `CONFIGS` tuple (name, layers, experts, slots, groups, nodes, gpus, hierarchical).
@@ -193,7 +193,7 @@ def run(quick: bool = False) -> list:
         for kind in ("zipf1.0", "zipf0.5", "hot30"):
             weight = sample(distribution(kind, layers, experts, rng), rng)
             args, kwargs = ours_args(cfg)
-            ours, t_ours = timed(lambda: rebalance_experts(weight, *args, **kwargs), repeats)
+            ours, t_ours = timed(lambda: place_experts(weight, *args, **kwargs), repeats)
             greedy, t_greedy = timed(lambda: greedy_rebalance_experts(weight, *greedy_args(cfg)), repeats)
             rows.append(dict(
                 config=name, workload=kind, layers=layers,
@@ -208,13 +208,13 @@ def run(quick: bool = False) -> list:
         args, kwargs = ours_args(cfg)
         probs = distribution("zipf1.0", layers, experts, rng)
         before = sample(probs, rng)
-        ours_before = rebalance_experts(before, *args, **kwargs)
+        ours_before = place_experts(before, *args, **kwargs)
         greedy_before = greedy_rebalance_experts(before, *greedy_args(cfg))
         for kind in ("resample", "noise", "permute"):
             after = drifted(kind, probs, before, rng)
-            ours, t_ours = timed(lambda: rebalance_experts(after, *args, previous_phy2log=ours_before.phy2log, **kwargs), repeats)
+            ours, t_ours = timed(lambda: place_experts(after, *args, previous_phy2log=ours_before.phy2log, **kwargs), repeats)
             greedy, t_greedy = timed(lambda: greedy_rebalance_experts(after, *greedy_args(cfg)), repeats)
-            fresh = rebalance_experts(after, *args, **kwargs)
+            fresh = place_experts(after, *args, **kwargs)
             fresh_layers = layer_balancedness(after, fresh.phy2log, gpus)
             ours_layers = layer_balancedness(after, ours.phy2log, gpus)
             total = layers * slots

@@ -1,4 +1,9 @@
-"""Expert-parallel load balancing: placement, load recorder, dispatch maps, online rebalance."""
+"""Expert-parallel load balancing: placement, load recorder, dispatch maps, online rebalance.
+
+`rebalance_experts` is DeepSeek's / vLLM's / SGLang's entry point with their arguments and their
+`(phy2log, log2phy, logcnt)` triple (`policy/compat.py`); `place_experts` is ours, returning a
+`Placement` (`policy/placement.py`).
+"""
 from mooncake_ep_switch.eplb.policy.budget import RedundancyAdvice, suggest_redundancy
 from mooncake_ep_switch.eplb.policy.greedy import greedy_rebalance_experts
 from mooncake_ep_switch.eplb.policy.tables import Placement, placement_from_phy2log
@@ -7,11 +12,13 @@ from mooncake_ep_switch.eplb.online import OnlineRebalancer, RebalanceChunk, Reb
 from mooncake_ep_switch.eplb.serving import physical_ep_forward
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 from mooncake_ep_switch.eplb.policy.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
-from mooncake_ep_switch.eplb.policy.placement import rebalance_experts
+from mooncake_ep_switch.eplb.policy.placement import rebalance_experts as place_experts
+from mooncake_ep_switch.eplb.policy.compat import EplbArgumentError, rebalance_experts
 from mooncake_ep_switch.eplb.policy.redundant import place_redundant_experts
 from mooncake_ep_switch.eplb.recorder import ExpertLoadRecorder, LoadBalance, counts_from_topk
 
 __all__ = [
+    "EplbArgumentError",
     "ExpertLoadRecorder",
     "ExpertSlots",
     "OnlineRebalancer",
@@ -30,6 +37,7 @@ __all__ = [
     "logical_to_physical",
     "moved_copies",
     "physical_ep_forward",
+    "place_experts",
     "place_redundant_experts",
     "placement_from_phy2log",
     "rebalance_experts",

@@ -13,13 +13,18 @@ Every argument combination those accept is accepted here with their meaning:
 `mode` picks the algorithm:
 
 - `"classic"`: DeepSeek's greedy, reproduced exactly (phy2log, logcnt and log2phy in its copy
-  order) for loads whose float32 sums are exact (token counts below 2**24 are);
+  order) for loads whose float32 sums are exact (token counts below 2**24 are); with
+  `old_global_expert_indices`, vLLM's default policy: that placement with each GPU's slots
+  permuted so that experts that stay keep their slots (log2phy then in ascending slot order);
 - `"balanced"` (default without `old_global_expert_indices`): our placement (`placement.rebalance_experts`):
   no GPU holds two copies of an expert, swap refinement, redundant copies may leave a group's node;
 - `"movement"` (default with `old_global_expert_indices`, vLLM's argument: the deployed phy2log):
   the movement-aware placement: copies move only until each layer is within `balance_tolerance`
   of a fresh placement, and an expert that stays on its GPU keeps its slot there (what vLLM's
   callers expect of a rebalance; `keep_gpu_slots` permutes each GPU's slots to guarantee it).
+
+In every mode `old_global_expert_indices` may hold -1 for slots that hold nothing (vLLM's elastic
+scale-up), and an expert that stays on a GPU keeps its slot there.
 
 Our placements never put two copies of one expert on a GPU, so they hold at most `E * num_gpus`
 slots; above that (which the classic greedy accepts) the classic greedy is used.
@@ -30,7 +35,7 @@ import numpy as np
 import torch
 
 from mooncake_ep_switch.vocabulary import check_int
-from mooncake_ep_switch.eplb._convert import as_loads, describe, to_numpy
+from mooncake_ep_switch.eplb._convert import as_indices, as_loads, describe
 from mooncake_ep_switch.eplb.policy.greedy import _hierarchical
 from mooncake_ep_switch.eplb.policy.placement import rebalance_experts as _placement
 
@@ -54,12 +59,16 @@ def _classic(loads: np.ndarray, num_replicas: int, groups: int, nodes: int, num_
 def keep_gpu_slots(old: np.ndarray, new: np.ndarray, num_gpus: int) -> np.ndarray:
     """Reorder each GPU's slots of `new` so that experts the GPU already held sit in their old slots.
 
-    A permutation inside a GPU changes neither the balance nor which copies move between GPUs; it
+    vLLM's rule (its default policy's `old_global_expert_indices`): each old slot, in order, keeps its
+    expert when the GPU's new slots still hold an unclaimed copy of it (so two copies of one expert
+    on a GPU keep both their slots); the GPU's other new experts fill its remaining slots in their
+    order. A -1 in `old` (a slot that held nothing, e.g. a GPU added by a scale-up) keeps nothing. A
+    permutation inside a GPU changes neither the balance nor which copies move between GPUs; it
     spares the copies that vLLM's weight shuffle would otherwise make inside one GPU.
 
     Arguments:
-        old: `[L, S]` int64 numpy array, the deployed phy2log.
-        new: `[L, S]` int64 numpy array, the new phy2log (at most one copy of an expert per GPU).
+        old: `[L, S]` int64 numpy array, the deployed phy2log (-1: an empty slot).
+        new: `[L, S]` int64 numpy array, the new phy2log.
         num_gpus: GPUs (S // num_gpus slots each).
 
     Returns:
@@ -72,17 +81,17 @@ def keep_gpu_slots(old: np.ndarray, new: np.ndarray, num_gpus: int) -> np.ndarra
         for gpu in range(num_gpus):
             span = slice(gpu * per_gpu, (gpu + 1) * per_gpu)
             before, after = old[layer, span].tolist(), new[layer, span].tolist()
+            claimed = [False] * per_gpu
             placed = [None] * per_gpu
-            rest = []
-            for expert in after:
-                position = before.index(expert) if expert in before else -1
-                if position >= 0 and placed[position] is None:
-                    placed[position] = expert
-                else:
-                    rest.append(expert)
-            free = [p for p in range(per_gpu) if placed[p] is None]
-            for position, expert in zip(free, rest):
-                placed[position] = expert
+            for slot, expert in enumerate(before):
+                for position, candidate in enumerate(after):
+                    if not claimed[position] and candidate == expert:
+                        placed[slot], claimed[position] = expert, True
+                        break
+            rest = [expert for position, expert in enumerate(after) if not claimed[position]]
+            free = [slot for slot in range(per_gpu) if placed[slot] is None]
+            for slot, expert in zip(free, rest):
+                placed[slot] = expert
             out[layer, span] = placed
     return out
 
@@ -133,7 +142,10 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
         num_nodes: server nodes; hierarchical policy when `num_groups % num_nodes == 0`.
         num_gpus: GPUs; slot s lives on GPU `s // (num_replicas // num_gpus)`.
         old_global_expert_indices: vLLM's argument, `[L, num_replicas]` integer torch tensor or numpy
-            array, the deployed phy2log, or None. Used by the `"movement"` mode (its default).
+            array, the deployed phy2log (-1: a slot that holds nothing yet, as vLLM's scale-up
+            passes), or None. Honoured in every mode: an expert that stays on a GPU keeps its slot
+            there (`keep_gpu_slots`, vLLM's rule); the `"movement"` mode (its default) also starts
+            from it (from a fresh placement when it has -1 slots).
         num_ranks: vLLM's keyword for `num_gpus` (give exactly one of them).
         mode: `"classic"`, `"balanced"` or `"movement"` (module docstring); None: `"movement"` with
             `old_global_expert_indices`, else `"balanced"`.
@@ -177,22 +189,33 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
     groups, nodes = _check(loads, num_replicas, num_groups, num_nodes, num_gpus, enable_hierarchical)
     num_layers, num_logical = loads.shape
     width = num_replicas - num_logical + 1
+    deployed = None
+    if old_global_expert_indices is not None:
+        try:
+            deployed = as_indices("old_global_expert_indices", old_global_expert_indices, 2, upper=num_logical,
+                                  allow_negative_one=True)
+        except ValueError as error:
+            raise EplbArgumentError(str(error)) from None
+        if deployed.shape != (num_layers, num_replicas):
+            raise EplbArgumentError(f"old_global_expert_indices: expected shape [{num_layers}, {num_replicas}], got "
+                                    f"{describe(old_global_expert_indices)}")
     if mode == "classic" or num_replicas > num_logical * num_gpus:
         phy2log, slot_rank, logcnt = _classic(loads, num_replicas, groups, nodes, num_gpus)
+        if deployed is not None:  # vLLM's default policy: DeepSeek's placement, then the kept slots
+            phy2log = keep_gpu_slots(deployed, phy2log, num_gpus)
+            slot_rank = None
     else:
-        previous = None
-        if mode == "movement":
-            previous = to_numpy("old_global_expert_indices", old_global_expert_indices)
-            if previous.shape != (num_layers, num_replicas):
-                raise EplbArgumentError(f"old_global_expert_indices: expected shape [{num_layers}, {num_replicas}], got "
-                                 f"{describe(old_global_expert_indices)}")
+        # Movement from the deployed table; with empty (-1) slots (vLLM's scale-up) a fresh placement, then
+        # the kept slots: the movement-aware search needs an expert in every slot.
+        previous = deployed if mode == "movement" and not (deployed < 0).any() else None
         placement = _placement(loads, num_replicas, groups, nodes, num_gpus, previous_phy2log=previous,
                                hierarchical=nodes > 1, balance_tolerance=balance_tolerance)
         phy2log = placement.phy2log.numpy()
-        if previous is not None:
-            phy2log = keep_gpu_slots(previous.astype(np.int64), phy2log, num_gpus)
+        if deployed is not None:
+            phy2log = keep_gpu_slots(deployed, phy2log, num_gpus)
         logcnt = placement.logcnt.numpy()
-        # Rank of each slot among its expert's copies, ascending slot order.
+        slot_rank = None
+    if slot_rank is None:  # rank of each slot among its expert's copies, ascending slot order
         order = np.argsort(phy2log, axis=1, kind="stable")
         sorted_experts = np.take_along_axis(phy2log, order, axis=1)
         starts = np.cumsum(logcnt, axis=1) - logcnt
