@@ -309,3 +309,38 @@ def test_old_indices_with_empty_slots_of_a_scale_up(mode):
         assert row == _kept_slots_reference(padded[layer].tolist(), fresh[layer].tolist(), gpus)
     with pytest.raises(ValueError, match="old_global_expert_indices"):
         rebalance_experts(drifted, gpus * per_gpu, 1, 1, gpus, padded - 1)  # -2 is no slot marker
+
+
+def test_vllm_newest_policy_api():
+    """vLLM's newest call pattern: `DefaultEplbPolicy.rebalance_experts` returns phy2log alone, the
+    caller derives log2phy/logcnt with `compute_logical_maps` (which skips -1 slots), and
+    `preserve_intragpu_slots` keeps the slots of experts that stay (duplicates included)."""
+    from mooncake_ep_switch.eplb import DefaultEplbPolicy, compute_logical_maps
+
+    phy2log = DefaultEplbPolicy.rebalance_experts(EXAMPLE, 16, 4, 2, 8)
+    assert phy2log.tolist() == EXAMPLE_PHY2LOG
+    log2phy, logcnt = compute_logical_maps(phy2log, 12)
+    for layer in range(2):
+        counts = np.bincount(np.array(EXAMPLE_PHY2LOG[layer]), minlength=12)
+        assert logcnt[layer].tolist() == counts.tolist()
+        for expert in range(12):
+            slots = [s for s, e in enumerate(EXAMPLE_PHY2LOG[layer]) if e == expert]
+            assert log2phy[layer, expert].tolist() == slots + [-1] * (log2phy.shape[2] - len(slots))
+    assert DefaultEplbPolicy.rebalance_experts(torch.tensor([[10, 20, 30, 40]]), 8, 3, 2, 4).shape == (1, 8)
+    with pytest.raises(AssertionError):
+        DefaultEplbPolicy.rebalance_experts(torch.tensor([[10, 20, 30, 40]]), 7, 2, 2, 4)
+    unused = torch.tensor([[0, 1, -1, 2, 3, -1], [3, -1, 2, 1, 0, -1]])
+    log2phy, logcnt = compute_logical_maps(unused, 4)
+    assert log2phy.shape == (2, 4, 1) and logcnt.tolist() == [[1] * 4] * 2
+    assert log2phy[0, :, 0].tolist() == [0, 1, 3, 4] and log2phy[1, :, 0].tolist() == [4, 3, 2, 0]
+    old = np.array([[0, 1, 0, 2, 3, 4, 5, 6, 1, 2]])
+    new = np.array([[0, 5, 4, 0, 1, 6, 2, 3, 2, 1]])
+    kept = DefaultEplbPolicy.preserve_intragpu_slots(new, 2, old)
+    assert kept[0].tolist() == _kept_slots_reference(old[0].tolist(), new[0].tolist(), 2)
+    assert kept[0, :5].tolist()[:3] == [0, 1, 0]  # both copies of expert 0 and expert 1 keep their slots
+    weight = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(2))
+    deployed = DefaultEplbPolicy.rebalance_experts(weight, 12, 1, 1, 4)
+    moved = DefaultEplbPolicy.rebalance_experts(weight.flip(1), 12, 1, 1, 4, deployed)
+    plain = DefaultEplbPolicy.rebalance_experts(weight.flip(1), 12, 1, 1, 4)
+    for layer in range(2):
+        assert moved[layer].tolist() == _kept_slots_reference(deployed[layer].tolist(), plain[layer].tolist(), 4)

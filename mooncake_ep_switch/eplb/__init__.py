@@ -14,10 +14,12 @@ from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 from mooncake_ep_switch.eplb.policy.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
 from mooncake_ep_switch.eplb.policy.placement import rebalance_experts as place_experts
 from mooncake_ep_switch.eplb.policy.compat import EplbArgumentError, rebalance_experts
+from mooncake_ep_switch.eplb.policy.vllm_api import DefaultEplbPolicy, compute_logical_maps
 from mooncake_ep_switch.eplb.policy.redundant import place_redundant_experts
 from mooncake_ep_switch.eplb.recorder import ExpertLoadRecorder, LoadBalance, counts_from_topk
 
 __all__ = [
+    "DefaultEplbPolicy",
     "EplbArgumentError",
     "ExpertLoadRecorder",
     "ExpertSlots",
@@ -30,6 +32,7 @@ __all__ = [
     "RedundancyAdvice",
     "balancedness",
     "build_dispatch_map",
+    "compute_logical_maps",
     "counts_from_topk",
     "gpu_loads",
     "greedy_rebalance_experts",
