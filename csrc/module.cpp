@@ -82,8 +82,9 @@ PYBIND11_MODULE(_native, m) {
           "prctl(PR_SET_PDEATHSIG, signal): this process gets the signal when its parent exits (0 = none).");
     py::class_<mep::InboundReaper>(m, "InboundReaper",
         "Shut down this process's accepted TCP connections on local `port` every `period_s` from a native "
-        "thread, until stop() (used while a Transfer Engine is destroyed: its handshake listener blocks on them).")
-        .def(py::init<int64_t, double>(), "port"_a, "period_s"_a)
+        "thread, until stop() or `max_s` (used while a Transfer Engine is destroyed: its handshake listener "
+        "blocks on them).")
+        .def(py::init<int64_t, double, double>(), "port"_a, "period_s"_a, "max_s"_a)
         .def("stop", &mep::InboundReaper::stop, py::call_guard<py::gil_scoped_release>(),
              "End the scans and join the thread; returns how many sockets were shut down.")
         .def_property_readonly("aborted", &mep::InboundReaper::aborted);

@@ -770,10 +770,24 @@ def test_close_is_bounded_while_a_peer_stalls_in_a_handshake(agents, stall):
         peer.wait(5)
 
 
-def test_shutdown_inbound_ends_accepted_connections_only():
+def test_shutdown_inbound_ends_accepted_connections_only(tmp_path):
     """The native helper of close(): this process's accepted connections on the port are shut down,
-    the listening socket and connections on other ports are not; bad arguments are clear errors."""
+    the listening socket and connections on other ports are not, and no other descriptor is touched
+    (closing a duplicate of a file would drop the process's fcntl locks on it); bad arguments are
+    clear errors."""
+    import fcntl
+
     from mooncake_ep_switch import _native
+
+    locked = open(tmp_path / "lock", "w")
+    fcntl.lockf(locked, fcntl.LOCK_EX)
+
+    def holds_lock():
+        inode = os.fstat(locked.fileno()).st_ino
+        with open("/proc/locks") as table:
+            return any(f":{inode} " in line and f" {os.getpid()} " in line for line in table)
+
+    assert holds_lock()
 
     with socket.socket() as listener, socket.socket() as other:
         listener.bind(("127.0.0.1", 0))
@@ -787,6 +801,7 @@ def test_shutdown_inbound_ends_accepted_connections_only():
         kept, _ = other.accept()
         try:
             assert _native.shutdown_inbound(port) == 1
+            assert holds_lock()  # the scan never duplicated (and closed) the locked file's descriptor
             served.settimeout(2)
             assert served.recv(1) == b""  # shut down: reads end at once
             kept.settimeout(0.2)
@@ -795,7 +810,7 @@ def test_shutdown_inbound_ends_accepted_connections_only():
             later = socket.create_connection(("127.0.0.1", port), timeout=5)  # still listening
             listener.accept()[0].close()
             later.close()
-            reaper = _native.InboundReaper(port, 0.01)
+            reaper = _native.InboundReaper(port, 0.01, 30.0)
             again = socket.create_connection(("127.0.0.1", port), timeout=5)
             accepted, _ = listener.accept()
             accepted.settimeout(2)
@@ -806,8 +821,9 @@ def test_shutdown_inbound_ends_accepted_connections_only():
         finally:
             for sock in (client, served, bystander, kept):
                 sock.close()
-    for bad in ((0, 0.01), (70000, 0.01), (port, 0.0), (port, -1.0)):
-        with pytest.raises(ValueError, match="port|period_s"):
+    for bad in ((0, 0.01, 1.0), (70000, 0.01, 1.0), (port, 0.0, 1.0), (port, -1.0, 1.0), (port, 0.01, 0.0)):
+        with pytest.raises(ValueError, match="port|period_s|max_s"):
             _native.InboundReaper(*bad)
     with pytest.raises(ValueError, match="port"):
         _native.shutdown_inbound(-1)
+    locked.close()

@@ -1,53 +1,57 @@
 #include "sockets/inbound_reaper.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <unordered_set>
 
 namespace mep {
 namespace {
 
-// Inodes of sockets in this network namespace whose local port is `port` and that are not listening.
-// /proc/net/tcp{,6} rows: "sl local_address rem_address st ... uid timeout inode ..." (hex, kernel order).
-void connected_on_port(int port, std::unordered_set<unsigned long>& inodes) {
-    for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-        FILE* file = std::fopen(table, "re");
-        if (!file) continue;
-        char line[512];
-        bool header = true;
-        while (std::fgets(line, sizeof(line), file)) {
-            if (header) { header = false; continue; }
-            char local[64], remote[64];
-            unsigned state = 0;
-            unsigned long inode = 0;
-            // sl: local rem st tx:rx tr:when retrnsmt uid timeout inode
-            if (std::sscanf(line, " %*s %63s %63s %x %*s %*s %*s %*s %*s %lu", local, remote, &state, &inode) != 4)
-                continue;
-            const char* colon = std::strrchr(local, ':');
-            if (!colon || state == 0x0A /* LISTEN */ || inode == 0) continue;
-            if (static_cast<int>(std::strtol(colon + 1, nullptr, 16)) == port) inodes.insert(inode);
-        }
-        std::fclose(file);
-    }
+void check_port(int64_t port) {
+    if (port <= 0 || port >= 65536) throw std::invalid_argument("port must be in (0, 65536), got " + std::to_string(port));
+}
+
+// The inode of a "socket:[<inode>]" link target, or 0 for anything else (a file, a pipe, ...).
+unsigned long socket_inode(const char* name) {
+    char path[64], target[64];
+    std::snprintf(path, sizeof(path), "/proc/self/fd/%s", name);
+    const ssize_t n = readlink(path, target, sizeof(target) - 1);  // never opens the file
+    if (n <= 0) return 0;
+    target[n] = '\0';
+    if (std::strncmp(target, "socket:[", 8) != 0) return 0;
+    return std::strtoul(target + 8, nullptr, 10);
+}
+
+// Whether the socket `fd` is a connected (not listening) TCP/IP socket whose local port is `port`.
+bool connected_on_port(int fd, int port) {
+    int listening = 0;
+    socklen_t size = sizeof(listening);
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) != 0 || listening) return false;
+    int type = 0;
+    size = sizeof(type);
+    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &size) != 0 || type != SOCK_STREAM) return false;
+    sockaddr_storage local;
+    size = sizeof(local);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &size) != 0) return false;
+    if (local.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&local)->sin_port) == port;
+    if (local.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&local)->sin6_port) == port;
+    return false;
 }
 
 }  // namespace
 
 int64_t shutdown_inbound(int64_t port) {
-    if (port <= 0 || port >= 65536) throw std::invalid_argument("port must be in (0, 65536), got " + std::to_string(port));
-    std::unordered_set<unsigned long> inodes;
-    connected_on_port(static_cast<int>(port), inodes);
-    if (inodes.empty()) return 0;
+    check_port(port);
     DIR* dir = opendir("/proc/self/fd");
     if (!dir) return 0;
     int64_t count = 0;
@@ -55,11 +59,14 @@ int64_t shutdown_inbound(int64_t port) {
         char* end = nullptr;
         const long fd = std::strtol(entry->d_name, &end, 10);
         if (end == entry->d_name || *end != '\0') continue;
+        const unsigned long inode = socket_inode(entry->d_name);
+        if (inode == 0) continue;  // only sockets are ever duplicated (closing a dup of a file drops its locks)
         // A dup pins the socket: if `fd` was closed and reused meanwhile, the inode no longer matches.
         const int pinned = fcntl(static_cast<int>(fd), F_DUPFD_CLOEXEC, 0);
         if (pinned < 0) continue;
         struct stat info;
-        if (fstat(pinned, &info) == 0 && S_ISSOCK(info.st_mode) && inodes.count(info.st_ino)) {
+        if (fstat(pinned, &info) == 0 && S_ISSOCK(info.st_mode) && info.st_ino == inode &&
+            connected_on_port(pinned, static_cast<int>(port))) {
             if (shutdown(pinned, SHUT_RDWR) == 0) ++count;
         }
         close(pinned);  // only the dup: the engine still owns and closes its descriptor
@@ -68,25 +75,30 @@ int64_t shutdown_inbound(int64_t port) {
     return count;
 }
 
-InboundReaper::InboundReaper(int64_t port, double period_s) {
-    if (port <= 0 || port >= 65536) throw std::invalid_argument("port must be in (0, 65536), got " + std::to_string(port));
+InboundReaper::InboundReaper(int64_t port, double period_s, double max_s) {
+    check_port(port);
     if (!(period_s > 0.0 && period_s <= 10.0))
         throw std::invalid_argument("period_s must be in (0, 10], got " + std::to_string(period_s));
+    if (!(max_s > 0.0 && max_s <= 86400.0))
+        throw std::invalid_argument("max_s must be in (0, 86400], got " + std::to_string(max_s));
     port_ = static_cast<int>(port);
     period_us_ = static_cast<int64_t>(period_s * 1e6);
+    max_us_ = static_cast<int64_t>(max_s * 1e6);
     thread_ = std::thread([this] { run(); });
 }
 
 InboundReaper::~InboundReaper() { stop(); }
 
 int64_t InboundReaper::stop() {
+    std::lock_guard<std::mutex> guard(stop_mutex_);
     running_.store(false);
     if (thread_.joinable()) thread_.join();
     return aborted_.load();
 }
 
 void InboundReaper::run() {
-    while (running_.load()) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(max_us_);
+    while (running_.load() && std::chrono::steady_clock::now() < end) {
         aborted_ += shutdown_inbound(port_);
         const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(period_us_);
         while (running_.load() && std::chrono::steady_clock::now() < until)

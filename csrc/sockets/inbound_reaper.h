@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <thread>
 
 namespace mep {
@@ -17,8 +18,8 @@ namespace mep {
 class InboundReaper {
 public:
     // port: the local TCP port whose accepted connections (not the listening socket) are shut down.
-    // period_s: seconds between scans of /proc (> 0).
-    InboundReaper(int64_t port, double period_s);
+    // period_s: seconds between scans of /proc/self/fd (> 0); max_s: the thread ends by itself after this long.
+    InboundReaper(int64_t port, double period_s, double max_s);
     ~InboundReaper();
     InboundReaper(const InboundReaper&) = delete;
     InboundReaper& operator=(const InboundReaper&) = delete;
@@ -31,12 +32,16 @@ private:
     void run();
     int port_;
     int64_t period_us_;
+    int64_t max_us_;
+    std::mutex stop_mutex_;
     std::atomic<bool> running_{true};
     std::atomic<int64_t> aborted_{0};
     std::thread thread_;
 };
 
-// One scan: shut down this process's sockets connected on local `port`. Returns how many.
+// One scan: shut down this process's connected TCP sockets whose local port is `port` (found through
+// /proc/self/fd: only socket descriptors are duplicated; getsockname on the duplicate, so any network
+// namespace works). Returns how many.
 int64_t shutdown_inbound(int64_t port);
 
 }  // namespace mep

@@ -61,6 +61,7 @@ _WILDCARDS = {"", "0.0.0.0", "::", "[::]", "*"}
 SETTLE_S = 0.005  # how long a transfer waits for abandoned ones with its peer to finish before PeerBusy
 SPIN_MAX_BYTES = 256 << 10  # write_each spins (spin_s) only when its data is at most this many bytes
 REAPER_PERIOD_S = 0.02  # while the engine is destroyed: how often inbound handshakes are shut down
+REAPER_MAX_S = 600.0  # the longest the reaper waits for a helper thread that still holds the engine
 _MAX_BATCH_ID = 1 << 63
 _LIVE: "weakref.WeakSet[TeEndpoint]" = weakref.WeakSet()
 
@@ -646,11 +647,13 @@ class TeEndpoint:
         # handshake listener, which reads one inbound handshake at a time with a 5 s timeout per
         # read: a peer stopped (or trickling bytes) mid-handshake would hold it, and the GIL, for as
         # long as it likes. A native thread shuts those connections down until the engine is gone.
-        reaper = _native.InboundReaper(self.rpc_port, REAPER_PERIOD_S)
+        # It stops once the engine is gone (a weakref's callback runs after the C++ destructor), in
+        # whichever thread lets go of it last, or after REAPER_MAX_S if that never happens.
         try:
-            del engine
+            reaper = _native.InboundReaper(self.rpc_port, REAPER_PERIOD_S, REAPER_MAX_S)
+            weakref.finalize(engine, reaper.stop)
         finally:
-            reaper.stop()
+            del engine
         if errors:
             raise RuntimeError(f"unregister_memory failed during close: {errors}")
 
