@@ -431,3 +431,97 @@ def test_a_second_buffer_nobody_else_builds_is_refused_and_changes_nothing():
         prefixes = harness_check(cluster.run(rank_second_buffer_everywhere, timeout_s=90))
         harness_check(cluster.run(rank_teardown, timeout_s=60))
     assert len(set(prefixes)) == 1 and prefixes[0][0] != prefixes[0][1], prefixes  # every rank: Buffers #1 and #2
+
+
+# ---------------------------------------------------------------- which plain Buffer(group) is a replacement (review)
+
+
+def rank_update_alone(ctx):
+    """Rank 1 alone calls update_ep_member(): no quorum, it raises, and its readiness stays in the store."""
+    from mooncake_ep_switch.buffer.membership import MembershipError
+
+    with pytest.raises(MembershipError):
+        _STATE["buffer"].update_ep_member(timeout_s=1.0)
+    return True
+
+
+def test_a_stale_update_does_not_make_a_second_buffer_a_replacement():
+    """A member's update_ep_member() that raised leaves its readiness record behind; every rank then
+    builds a second Buffer of the group. That is a new Buffer on every rank (the members' heartbeat, not
+    a leftover record, says they are updating)."""
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        harness_check(cluster.run(rank_mooncake_build, "shm", timeout_s=60))
+        harness_check(cluster.run(rank_update_alone, ranks=[1], timeout_s=60))
+        prefixes = harness_check(cluster.run(rank_second_buffer_everywhere, timeout_s=90))
+        harness_check(cluster.run(rank_teardown, timeout_s=60))
+    assert len(set(prefixes)) == 1 and prefixes[0][0] != prefixes[0][1], prefixes
+
+
+def rank_rebuild_everywhere(ctx):
+    """Every rank destroys its Buffer and builds a new one (Buffer #2 of the group)."""
+    _STATE.pop("buffer").destroy()
+    buffer = _STATE["buffer"] = Buffer(ctx.group, _size(), transport="shm")
+    _round(ctx, buffer, 60, torch.ones(ctx.num_ranks, dtype=torch.int32))
+    return buffer.membership.prefix
+
+
+def rank_replaced_at_once(ctx, replaced, how):
+    """`replaced` ranks build a plain Buffer(group) (after destroying theirs, or in a new process) while
+    the others update theirs; then a round with every rank, exact."""
+    if ctx.rank in replaced:
+        if how == "destroyed":
+            _STATE.pop("buffer").destroy()
+        group = ctx.group if ctx.group is not None else _lazy_group(ctx)
+        buffer = _STATE["buffer"] = Buffer(group, _size(), transport="shm")
+    else:
+        buffer = _STATE["buffer"]
+        buffer.update_ep_member()
+    _round(ctx, buffer, 61, torch.ones(ctx.num_ranks, dtype=torch.int32))
+    return buffer.membership.prefix
+
+
+@pytest.mark.parametrize("how", ["destroyed", "new_process"])
+def test_two_replacements_at_once_land_in_the_buffer_the_members_update(how):
+    """The group destroyed and rebuilt its Buffer (the live one is Buffer #2); ranks 1 and 2 are replaced
+    at once, by a plain Buffer(group) after destroying theirs or in new processes, while ranks 0 and 3
+    update theirs. Both land in Buffer #2 (not #1, where no member is left), and afterwards every rank
+    builds a second Buffer of the group as usual (the counters were set back exactly). Before, a
+    destroyed Buffer's replacement could publish the same pid and fd number as the region it replaced,
+    and the members kept their mapping of the dead region (every round masked it)."""
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        harness_check(cluster.run(rank_mooncake_build, "shm", timeout_s=60))
+        live = harness_check(cluster.run(rank_rebuild_everywhere, timeout_s=90))
+        if how == "new_process":
+            for rank in (1, 2):
+                os.kill(cluster.processes[rank].pid, 9)
+                cluster.processes[rank].join(10)
+                cluster.respawn(rank)
+        prefixes = harness_check(cluster.run(rank_replaced_at_once, (1, 2), how, timeout_s=90))
+        assert prefixes == live, (prefixes, live)
+        if how == "destroyed":  # (new processes share no working process group with the others)
+            again = harness_check(cluster.run(rank_second_buffer_everywhere, timeout_s=90))
+            assert len(set(again)) == 1 and again[0][0] == live[0] and again[0][1] != live[0], again
+        harness_check(cluster.run(rank_teardown, timeout_s=60))
+
+
+def rank_restart(ctx):
+    """A whole group restarted on the store of the earlier one: every rank a new process building a plain
+    Buffer(group) at once."""
+    buffer = _STATE["buffer"] = Buffer(_lazy_group(ctx), _size(), transport="shm")
+    _round(ctx, buffer, 62, torch.ones(ctx.num_ranks, dtype=torch.int32))
+    return buffer.membership.prefix
+
+
+def test_a_whole_group_restarted_on_the_same_store_builds_new_buffers():
+    """Every rank's counter is past 0 and no process built anything yet (a torchrun restart whose store
+    outlived the workers): every rank sees the others build, and all build a new Buffer (#2)."""
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        harness_check(cluster.run(rank_mooncake_build, "shm", timeout_s=60))
+        for rank in range(NUM_RANKS):
+            os.kill(cluster.processes[rank].pid, 9)
+        for rank in range(NUM_RANKS):
+            cluster.processes[rank].join(10)
+            cluster.respawn(rank)
+        prefixes = harness_check(cluster.run(rank_restart, timeout_s=90))
+        harness_check(cluster.run(rank_teardown, timeout_s=60))
+    assert len(set(prefixes)) == 1 and prefixes[0].endswith("/g2"), prefixes

@@ -129,17 +129,19 @@ class Buffer:
         self._fault = FaultPoint.parse(self.settings.fault_point)
         self.membership = None
         choice = None  # built from a process group: a new Buffer of the group, or a replacement of this rank
+        base, generation = prefix, None
+        deadline = time.monotonic() + self.settings.connect_timeout_s  # the constructor's one deadline
         if store is not None:
             if self.joining:
                 prefix, release = generation_prefix(store, self.rank, self.num_ranks, prefix, True,
                                                     identity.buffer_index)
             else:
-                base = prefix
                 choice = replacement.choose_generation(store, self.rank, self.num_ranks, base, self.settings.job_secret,
-                                                       time.monotonic() + self.settings.connect_timeout_s)
+                                                       deadline)
                 prefix, release = choice.prefix, choice.release
                 if choice.replacing:  # admitted by the others' update_ep_member(), like elastic.join()
                     self.joining, self.group = True, None
+            generation = int(prefix.rsplit("/g", 1)[1])
             self._release_generation = weakref.finalize(self, release)
             self.membership = Membership(store, self.rank, self.num_ranks, prefix, secret=self.settings.job_secret)
         self.epoch = self.membership.epoch() if self.joining else 0
@@ -172,24 +174,29 @@ class Buffer:
             self.connect()
             self.peer_regions.snapshot(self.members)  # whose regions participants map (a later incarnation joins)
         elif choice is not None:  # a plain Buffer(group) that replaces this rank: admitted before it returns
-            self._admit_replacement(base, choice)
-        if choice is not None:
-            replacement.register_member(self, base, choice.generation)
+            self._admit_replacement(base, choice, deadline)
+        if generation is not None:
+            replacement.register_member(self, base, generation)
 
-    def _admit_replacement(self, base: str, choice) -> None:
-        """Wait, within the connect timeout, for the members' `update_ep_member()` to admit this Buffer
-        (Mooncake's recovery: a replacement builds a plain Buffer(group) while the others update theirs)."""
+    def _admit_replacement(self, base: str, choice, deadline: float) -> None:
+        """Wait, until the constructor's deadline, for the members' `update_ep_member()` to admit this Buffer
+        (Mooncake's recovery: a replacement builds a plain Buffer(group) while the others update theirs).
+        Not admitted: the Buffer is destroyed (no longer listed as pending) and, while no view was sealed
+        meanwhile, the rank's earlier incarnation is current again (a Buffer of it in this process goes on)."""
+        epoch = self.membership.epoch()
         try:
-            elastic_view.update_ep_member(self, self.settings.connect_timeout_s)
-        except MembershipError as error:
-            self.destroy()  # gives up joining: no longer listed as pending
-            raise MembershipError(
-                f"Buffer: rank {self.rank} builds a Buffer that replaces its earlier one in the group (Buffer "
-                f"#{choice.generation}), and no member admitted it within {self.settings.connect_timeout_s} s: {error}. "
-                "The other ranks admit it with update_ep_member() while it is being built") from error
-        except BaseException:
+            elastic_view.update_ep_member(self, max(1.0, deadline - time.monotonic()))
+        except BaseException as error:
+            gave_back = (choice.superseding and self.membership.epoch() == epoch
+                         and self.membership.give_back_incarnation())
             self.destroy()
-            raise
+            if not isinstance(error, MembershipError):
+                raise
+            raise MembershipError(
+                f"Buffer: rank {self.rank} builds a Buffer that replaces it in Buffer #{choice.generation} of its "
+                f"group, and no member admitted it within the connect timeout ({self.settings.connect_timeout_s} s): "
+                f"{error}. The other ranks admit it with update_ep_member() while it is being built"
+                + (" (the rank's earlier incarnation is current again)" if gave_back else "")) from error
         if choice.superseding:  # the Buffer this process held before is left out (its calls refuse)
             replacement.supersede(self, base, choice.generation)
 

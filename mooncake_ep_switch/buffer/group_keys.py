@@ -149,6 +149,21 @@ def held_generations(base: str, rank: int) -> Tuple[Set[int], bool]:
         return held, key in _BUILT
 
 
+def hold_joined(base: str, rank: int, generation: int) -> Callable[[], None]:
+    """Count one joined Buffer of this process in `generation` of group `base` (`held_generations`).
+
+    Arguments:
+        base: key prefix of the EP group.
+        rank: this EP rank.
+        generation: the generation it joins.
+
+    Returns:
+        release: call once when the Buffer is gone.
+    """
+    with _JOINED_LOCK:
+        return _hold(_JOINED, (base, rank), generation)
+
+
 def _hold(table: Dict[Tuple[str, int], Dict[int, int]], key: Tuple[str, int], generation: int) -> Callable[[], None]:
     """Count one live Buffer of `generation` in `table` (the caller holds the lock); returns its release."""
     held = table.setdefault(key, {})

@@ -178,11 +178,25 @@ class MemberRecords(RecordStore):
         """
         new = self._bump(f"incarnation/{self.rank}", expected=self.incarnation)
         if new < 0:
-            raise MembershipError(f"rank {self.rank} was taken over by another process (incarnation "
+            raise MembershipError(f"rank {self.rank} was taken over by another process or Buffer (incarnation "
                                   f"{self._counter(f'incarnation/{self.rank}')}, this one {self.incarnation}): "
                                   "this Buffer cannot rejoin; destroy it")
         self.incarnation = new
         return new
+
+    def give_back_incarnation(self) -> bool:
+        """Set this rank's incarnation counter back by one, when it still holds this Buffer's (a replacement
+        that was not admitted hands the rank back to the incarnation before it).
+
+        Returns:
+            given_back: whether the counter was set back (False: another process or Buffer took a newer one).
+        """
+        key = f"incarnation/{self.rank}"
+        value, text = self._counter_raw(key)
+        if self.incarnation is None or value != self.incarnation or value < 1:
+            return False
+        back = str(value - 1)
+        return self.store.compare_set(key, "" if text is None else text, back).decode(errors="replace") == back
 
     def set_state(self, state: str, rank: Optional[int] = None, epoch: int = 0) -> None:
         """Set `rank`'s (default this rank's) state.

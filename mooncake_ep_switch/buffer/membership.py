@@ -12,7 +12,8 @@ Buffer generation of one EP group, see `group_prefix` and `generation_prefix`):
     endpoint/<rank>/<inc>       JSON endpoint of that incarnation (region pid/fd, TE session)
     evidence/<e>/<reporter>     JSON list of ranks the reporter saw fail in epoch e
     alive/<rank>                heartbeat of a joiner: "<inc>:w:<n>" while it waits to be admitted,
-                                "<inc>:p:<n>" while it is registered but not waiting (pending)
+                                "<inc>:p:<n>" while it is registered but not waiting (pending);
+                                of a member: "<inc>:m:<n>" while it waits in agree_next_view
     regions/<i>/<rank>/<inc>    JSON {"kind", "regions": [[pid, fd, nbytes], ...]}: shared regions of
                                 participant i of that incarnation (buffer/peer_regions.py)
     regions/state/<e>           JSON list, what the members' participants hand a replacement admitted in e
@@ -71,7 +72,8 @@ from mooncake_ep_switch.buffer.member_records import MemberRecords
 JOINER_BEAT_S = 0.02  # a waiting joiner refreshes alive/<rank> this often
 PENDING_BEAT_S = 0.1  # a joiner that gave up waiting for now (still registered) beats this often
 PENDING_STOP_S = 5.0  # how long stopping that beat waits for its thread (one store call)
-WAITING_BEAT, PENDING_BEAT = "w", "p"  # alive/<rank> = "<incarnation>:<w|p>:<count>"
+WAITING_BEAT, PENDING_BEAT, MEMBER_BEAT = "w", "p", "m"  # alive/<rank> = "<incarnation>:<w|p|m>:<count>"
+MEMBER_BEAT_MARK = f":{MEMBER_BEAT}:".encode()  # a member waiting in agree_next_view (replacement.py reads it)
 _PENDING: "weakref.WeakSet[Membership]" = weakref.WeakSet()  # memberships with a pending beat running
 JOINER_PROOF_S = 1.0  # a sealer admits only joiners whose heartbeat moved within this long
 _MAX_EPOCH_SKIP = 1 << 12  # sealed views past the epoch counter that epoch() walks over
@@ -316,9 +318,10 @@ class Membership(MemberRecords):
         pause = 0.001
         beats = 0
         while not self.sealed(target):
-            if joining:  # proof of life for the sealer (rule 2): a dead joiner is never sealed in
-                beats += 1
-                self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{WAITING_BEAT}:{beats}")
+            # Proof of life: a joiner's for the sealer (rule 2: a dead joiner is never sealed in); a member's
+            # for a plain Buffer(group) of a rank being replaced (replacement.py: the members are updating).
+            beats += 1
+            self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{WAITING_BEAT if joining else MEMBER_BEAT}:{beats}")
             if time.monotonic() >= deadline:
                 if joining:
                     if self.sealed(target):

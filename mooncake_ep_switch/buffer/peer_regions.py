@@ -280,8 +280,9 @@ class PeerRegions:
         buffer = self._buffer()
         route = getattr(getattr(buffer, "_impl", None), "te_peers", {}).get(peer)
         if route is None:
+            incarnation = membership.incarnation_of(peer)  # an equal (pid, fd) of a newer incarnation is remapped
             for region, endpoint in zip(regions, record["regions"]):
-                region.map_peer(peer, RegionEndpoint(*endpoint))
+                region.map_peer(peer, RegionEndpoint(*endpoint), incarnation)
             return
         bases = record.get("te_bases")
         if bases is None:

@@ -4,36 +4,42 @@ Mooncake EP's recovery lifecycle hands a replacement a process group and lets it
 `Buffer(group, num_ep_buffer_bytes)` while the other ranks call `update_ep_member()` on the Buffers
 they have; its own test does the same in one process (rank 1 builds a second Buffer, the others
 update theirs). A member Buffer built this way must be admitted as `elastic.join()` is, with no extra
-call. The constructor tells the cases apart from the group's generation counters (one per rank, see
-`group_keys.generation_prefix`) and the process's own Buffers of the group:
+call. The constructor tells the cases apart by what the other ranks do, never by what this process holds
+(`group_keys.generation_prefix` keeps one generation counter per rank; generation n is every rank's
+n-th Buffer of the group):
 
-* this rank never built a Buffer of the group (its counter is 0): a new Buffer (generation 1);
-* this process built none but the rank's counter is past 0: an earlier process held the rank and is
-  gone; a replacement, of the generation the join rule gives (`generation_prefix(joining=True)`);
-* this process holds a live Buffer of the newest generation `n` it built (the earlier one was
-  abandoned, or the engine builds a second Buffer of the group): the other ranks decide. The new
-  Buffer takes generation `n + 1` and waits until either every other rank reached `n + 1` (they
-  build theirs: a new Buffer), or a member of generation `n` posts readiness for its next epoch
-  (they are in `update_ep_member()`), or this rank has been sealed out of generation `n` and no other
-  rank moves on for `LEFT_OUT_GRACE_S` (a replacement): then it steps back to generation `n`,
-  joins it as a new incarnation of this rank, and the Buffers of generation `n` this process still
-  holds are left out (their calls refuse; their `update_ep_member()` finds the rank taken over);
-* otherwise (this process destroyed its Buffers of the group): a new Buffer.
+* this rank's counter is 0 (its first Buffer of the group): a new Buffer, generation 1;
+* otherwise the Buffer takes generation `n + 1` (its counter moves, so the others can see it) and
+  waits, until the connect timeout, for one of:
+  - every other rank reached `n + 1`: they build theirs too (a second Buffer of the group, a rebuild,
+    a whole job restarted on a store that outlived it): a new Buffer;
+  - the members of a generation `g` are inside `update_ep_member()`: a member's readiness for its next
+    epoch carries its current incarnation and its member heartbeat (`alive/<rank>`, written while it
+    waits) moves: the Buffer replaces this rank in `g`;
+  - this rank was sealed out of a generation `g` and no other rank's counter moved for
+    `LEFT_OUT_GRACE_S`: it replaces this rank in `g` (it registers as joining, so the members'
+    `pending_joiners()` list it and their serving loop admits it).
+  A replacement sets its counter back to `n`, joins `g` as a new incarnation of this rank and waits
+  to be admitted; the Buffers of `g` this process still holds are then left out (their calls refuse;
+  their `update_ep_member()` finds the rank taken over). If it is not admitted, the incarnation it took
+  is given back while no view was sealed meanwhile, so a Buffer of `g` this process still holds
+  goes on as before.
 """
 import threading
 import time
 import weakref
-from typing import Callable, Dict, NamedTuple, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.group_keys import generation_prefix, held_generations
-from mooncake_ep_switch.buffer.membership import Membership, MembershipError
+from mooncake_ep_switch.buffer.group_keys import generation_prefix, held_generations, hold_joined
+from mooncake_ep_switch.buffer.membership import MEMBER_BEAT_MARK, Membership, MembershipError
 from mooncake_ep_switch.buffer.membership_records import RecordStore
 
 __all__ = ["GenerationChoice", "choose_generation", "register_member", "supersede"]
 
-LEFT_OUT_GRACE_S = 1.0  # sealed out of its generation and nobody builds a new one for this long: a replacement
+LEFT_OUT_GRACE_S = 10.0  # sealed out of a generation and no other rank builds a new Buffer for this long:
+# a replacement (longer than a member's destroy() before it rebuilds, DESTROY_WAIT_S plus the engine's close)
 _POLL_MAX_S = 0.05
 
 # Live Buffers of this process per (group prefix, rank, generation), to leave out when a replacement takes over.
@@ -68,38 +74,35 @@ def choose_generation(store, rank: int, num_ranks: int, base: str, secret, deadl
         num_ranks: EP group size.
         base: the group's key prefix (`group_keys.group_prefix`).
         secret: the job secret of the membership records, or None.
-        deadline: `time.monotonic()` value: how long a Buffer built beside a live one waits for the others.
+        deadline: `time.monotonic()` value: how long a Buffer that is not the rank's first waits for the
+            others to show what they do.
 
     Returns:
         choice: a `GenerationChoice`.
 
     Raises:
-        MembershipError: beside a live Buffer of the group, the other ranks neither built theirs nor
-            updated theirs before `deadline` (this rank's counter is set back: nothing changed).
+        MembershipError: the other ranks neither built their Buffer nor updated theirs before `deadline`
+            (this rank's counter is set back: nothing changed).
     """
     counters = RecordStore(dist.PrefixStore(f"{base}/generation", store), f"{base}/generation")
     own = counters._counter(str(rank))
-    held, built = held_generations(base, rank)
-    if own == 0:
-        return _member(store, rank, num_ranks, base)
-    if not built:  # an earlier process held this rank: this one replaces it
-        prefix, release = generation_prefix(store, rank, num_ranks, base, joining=True)
-        return GenerationChoice(prefix, release, _generation_of(prefix), True, False)
-    if own not in held:  # this process destroyed its Buffers of the group: a new one
-        return _member(store, rank, num_ranks, base)
-    choice = _member(store, rank, num_ranks, base)  # let the others see this rank build generation own + 1
+    choice = _member(store, rank, num_ranks, base)  # generation own + 1: the others see this rank build it
+    if own == 0:  # this rank's first Buffer of the group
+        return choice
     try:
-        decided = _wait_for_the_others(store, counters, rank, num_ranks, base, secret, own, deadline)
+        replaced = _wait_for_the_others(store, counters, rank, num_ranks, base, secret, own, choice.generation,
+                                        deadline)
     except BaseException:
         choice.release()
-        _step_back(counters, rank, own)
+        _step_back(counters, rank, choice.generation, own)
         raise
-    if decided == "new":
+    if replaced is None:
         return choice
     choice.release()
-    _step_back(counters, rank, own)
-    prefix, release = generation_prefix(store, rank, num_ranks, base, joining=True, buffer_index=own)
-    return GenerationChoice(prefix, release, own, True, True)
+    _step_back(counters, rank, choice.generation, own)
+    held, _ = held_generations(base, rank)
+    return GenerationChoice(f"{base}/g{replaced}", hold_joined(base, rank, replaced), replaced, True,
+                            replaced in held)
 
 
 def _member(store, rank: int, num_ranks: int, base: str) -> GenerationChoice:
@@ -112,41 +115,58 @@ def _generation_of(prefix: str) -> int:
 
 
 def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int, base: str, secret, own: int,
-                         deadline: float) -> str:
-    """"new" once every other rank reached generation own + 1; "replace" once the members of generation
-    `own` update theirs (or this rank was sealed out of it and nobody moves on)."""
-    observer = Membership(store, rank, num_ranks, f"{base}/g{own}", secret=secret, take_incarnation=False)
+                         mine: int, deadline: float) -> Optional[int]:
+    """None once every other rank reached generation `mine` (a new Buffer); else the generation this Buffer
+    replaces this rank in: one whose members are inside `update_ep_member()` (a member's readiness for its
+    next epoch, with its current incarnation, and its heartbeat moving), or one this rank was sealed out
+    of while no other rank moves on for `LEFT_OUT_GRACE_S`."""
     others = [r for r in range(num_ranks) if r != rank]
-    pause, sealed_out_since = 0.001, None
+    first = [counters._counter(str(r)) for r in others]
+    generations = range(1, max([own] + first) + 1)
+    observers: Dict[int, Membership] = {}
+    beats: Dict[Tuple[int, int], bytes] = {}
+    pause, quiet_since = 0.001, time.monotonic()
     while True:
         reached = [counters._counter(str(r)) for r in others]
-        if all(value > own for value in reached):
-            return "new"
-        epoch = observer.epoch()
-        members = observer.view(epoch).ranks
-        if any(observer.store.check([f"ready/{epoch + 1}/{r}"]) for r in members if r != rank):
-            return "replace"  # the members of generation `own` are in update_ep_member()
-        if rank not in members and all(value == own for value in reached):
-            sealed_out_since = time.monotonic() if sealed_out_since is None else sealed_out_since
-            if time.monotonic() - sealed_out_since >= LEFT_OUT_GRACE_S:
-                return "replace"
-        else:
-            sealed_out_since = None
+        if all(value >= mine for value in reached):
+            return None
+        if reached != first:
+            first, quiet_since = reached, time.monotonic()
+        sealed_out = None
+        for generation in generations:
+            observer = observers.get(generation)
+            if observer is None:
+                observer = observers[generation] = Membership(store, rank, num_ranks, f"{base}/g{generation}",
+                                                              secret=secret, take_incarnation=False)
+            epoch = observer.epoch()
+            members = observer.view(epoch).ranks
+            for member in members:
+                if member == rank or observer._ready(epoch + 1, member) is None:
+                    continue
+                beat = observer._raw(f"alive/{member}")
+                if beat is not None and MEMBER_BEAT_MARK in beat:
+                    if beats.get((generation, member), beat) != beat:
+                        return generation  # its members are waiting for this rank in update_ep_member()
+                    beats[(generation, member)] = beat
+            if sealed_out is None and rank not in members:
+                sealed_out = generation
+        if sealed_out is not None and time.monotonic() - quiet_since >= LEFT_OUT_GRACE_S:
+            return sealed_out
         if time.monotonic() >= deadline:
-            behind = [r for r, value in zip(others, reached) if value <= own]
+            behind = [r for r, value in zip(others, reached) if value < mine]
             raise MembershipError(
-                f"Buffer: rank {rank} built a new Buffer of its group while this process still holds one (Buffer "
-                f"#{own} of the group): ranks {behind} neither built their Buffer #{own + 1} nor called "
-                f"update_ep_member() on their Buffer #{own} before the deadline. A new Buffer is built by every "
-                "rank; a replacement is admitted by the others' update_ep_member()")
+                f"Buffer: rank {rank} builds Buffer #{mine} of its group: ranks {behind} neither built theirs nor "
+                f"called update_ep_member() on a Buffer of the group that this one could replace rank {rank} in, "
+                "before the deadline. A new Buffer is built by every rank; a replacement is admitted by the "
+                "others' update_ep_member(), called while it is being built")
         time.sleep(pause)
         pause = min(pause * 2, _POLL_MAX_S)
 
 
-def _step_back(counters: RecordStore, rank: int, own: int) -> None:
-    """Set this rank's generation counter back to `own` (it moved to own + 1 while the others decided)."""
+def _step_back(counters: RecordStore, rank: int, mine: int, own: int) -> None:
+    """Set this rank's generation counter back from `mine` to `own` (it moved while the others decided)."""
     value, text = counters._counter_raw(str(rank))
-    if value == own + 1:
+    if value == mine:
         counters.store.compare_set(str(rank), "" if text is None else text, str(own))
 
 

@@ -126,6 +126,7 @@ class SharedRegion:
         self.peer_bases[rank] = self.base
         self.peer_endpoints: List[Optional[RegionEndpoint]] = [None] * num_ranks
         self.peer_endpoints[rank] = self.endpoint
+        self._peer_incarnations: List[Optional[int]] = [None] * num_ranks  # who published each mapped endpoint
         self._peer_tensors: List[Optional[torch.Tensor]] = [None] * num_ranks
         self._peer_tensors[rank] = self.local
         self.remote: List[Optional[RemoteRegion]] = [None] * num_ranks  # peers reached over the TE
@@ -153,14 +154,18 @@ class SharedRegion:
         # open, or reuse that fd number for a new region) before every rank has mapped.
         dist.barrier(group=self.group)
 
-    def map_peer(self, rank: int, endpoint: RegionEndpoint) -> None:
-        """Map `rank`'s region at `endpoint`; a different endpoint (a new incarnation) replaces the old.
+    def map_peer(self, rank: int, endpoint: RegionEndpoint, incarnation: Optional[int] = None) -> None:
+        """Map `rank`'s region at `endpoint`; a different endpoint or incarnation replaces the old.
 
-        No-op for this rank and for a peer already mapped at the same endpoint.
+        No-op for this rank and for a peer already mapped at the same endpoint by the same incarnation.
+        (A process that destroyed its Buffer and built a new one can publish the same pid and fd
+        number for a different region: the descriptor was reused. The incarnation tells them apart.)
 
         Arguments:
             rank: the peer's rank.
             endpoint: the peer's `RegionEndpoint` (pid, fd, nbytes).
+            incarnation: the peer's incarnation that published `endpoint`, or None when unknown (then
+                an equal endpoint is mapped anew).
 
         Raises:
             ValueError: `endpoint.nbytes` differs from this region's size, or the endpoint does not
@@ -173,13 +178,15 @@ class SharedRegion:
         if endpoint.nbytes != self.nbytes:
             raise ValueError(f"endpoint: expected a region of {self.nbytes} bytes for rank {rank}, "
                              f"got {endpoint.nbytes}")
-        if self.peer_bases[rank] and self.peer_endpoints[rank] == endpoint:
+        if (self.peer_bases[rank] and self.peer_endpoints[rank] == endpoint and incarnation is not None
+                and self._peer_incarnations[rank] == incarnation):
             return
         self.unmap_peer(rank)
         base = _native.region_map_peer(endpoint.pid, endpoint.fd, self.nbytes)
         self._mappings[rank] = Mapping(base, self.nbytes)
         self.peer_bases[rank] = base
         self.peer_endpoints[rank] = endpoint
+        self._peer_incarnations[rank] = incarnation
 
     def register_te(self, te) -> None:
         """Register this region with a Transfer Engine endpoint, so peers on other hosts can read it.

@@ -180,7 +180,7 @@ class OneSidedTransport(HostMemoryTransport):
             # Watched before the region is mapped: the mapping then proves the pid is the peer's.
             self.watch.watch_process(peer, RegionEndpoint(*found["region"]).pid)
             self._halves.clear()
-            self.region.map_peer(peer, RegionEndpoint(*found["region"]))
+            self.region.map_peer(peer, RegionEndpoint(*found["region"]), found.get("incarnation"))
             self.te_peers.pop(peer, None)
             self.routes[peer] = SHM
         else:
