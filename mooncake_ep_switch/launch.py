@@ -17,8 +17,11 @@ any other traffic between hosts.
 import faulthandler
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -185,6 +188,19 @@ def host_store(host: str = "127.0.0.1", port: int = 0, world_size: Optional[int]
         raise
     sock.detach()  # the store owns the descriptor now and closes it when it is destroyed
     return store
+
+
+def _native_stacks(rank: int, pid: Optional[int], timeout_s: float = 20.0) -> None:
+    """Print every native thread's stack of a rank that does not answer to stderr (gdb, if installed)."""
+    gdb = shutil.which("gdb")
+    if gdb is None or pid is None:
+        return
+    try:
+        found = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 24"],
+                               capture_output=True, text=True, timeout=timeout_s)
+        print(f"--- native stacks of rank {rank} (pid {pid}) ---\n{found.stdout[-60000:]}", file=sys.stderr)
+    except (OSError, subprocess.SubprocessError) as error:
+        print(f"--- no native stacks of rank {rank}: {error}", file=sys.stderr)
 
 
 def _die_with_parent() -> None:
@@ -402,6 +418,8 @@ class LocalCluster:
                 except (OSError, TypeError):
                     pass
             time.sleep(1.0)
+            for rank in pending:  # and the native ones (a thread inside the engine or gloo), where gdb is
+                _native_stacks(rank, self.processes[rank].pid)
             self.kill()
         return [outcomes[rank] for rank in targets]
 
