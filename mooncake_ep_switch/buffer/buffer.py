@@ -21,7 +21,7 @@ from mooncake_ep_switch.buffer.layout import region_layout
 from mooncake_ep_switch.buffer.call_spec import CallSpecs
 from mooncake_ep_switch.buffer.completion import Completions
 from mooncake_ep_switch.buffer.lifetime import DESTROY_WAIT_S, _Lifetime, _with_receipt
-from mooncake_ep_switch.buffer.group_keys import generation_prefix, resolve_group
+from mooncake_ep_switch.buffer.group_keys import generation_of, generation_prefix, resolve_group
 from mooncake_ep_switch.buffer.membership import Membership, MembershipError, View
 from mooncake_ep_switch.buffer.peer_regions import PeerRegions
 from mooncake_ep_switch.buffer.transport.contract import Transport
@@ -141,7 +141,7 @@ class Buffer:
                 prefix, release = choice.prefix, choice.release
                 if choice.replacing:  # admitted by the others' update_ep_member(), like elastic.join()
                     self.joining, self.group = True, None
-            generation = int(prefix.rsplit("/g", 1)[1])
+            generation = generation_of(prefix)
             self._release_generation = weakref.finalize(self, release)
             self.membership = Membership(store, self.rank, self.num_ranks, prefix, secret=self.settings.job_secret)
         self.epoch = self.membership.epoch() if self.joining else 0

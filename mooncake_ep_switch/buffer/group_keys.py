@@ -149,6 +149,11 @@ def held_generations(base: str, rank: int) -> Tuple[Set[int], bool]:
         return held, key in _BUILT
 
 
+def generation_of(prefix: str) -> int:
+    """The generation `n` of a key prefix `"<group prefix>/g<n>"` (what `generation_prefix` returns)."""
+    return int(prefix.rsplit("/g", 1)[1])
+
+
 def hold_joined(base: str, rank: int, generation: int) -> Callable[[], None]:
     """Count one joined Buffer of this process in `generation` of group `base` (`held_generations`).
 

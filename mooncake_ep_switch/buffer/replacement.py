@@ -32,7 +32,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.group_keys import generation_prefix, held_generations, hold_joined
+from mooncake_ep_switch.buffer.group_keys import generation_of, generation_prefix, held_generations, hold_joined
 from mooncake_ep_switch.buffer.membership import MEMBER_BEAT_MARK, Membership, MembershipError
 from mooncake_ep_switch.buffer.membership_records import RecordStore
 
@@ -107,11 +107,7 @@ def choose_generation(store, rank: int, num_ranks: int, base: str, secret, deadl
 
 def _member(store, rank: int, num_ranks: int, base: str) -> GenerationChoice:
     prefix, release = generation_prefix(store, rank, num_ranks, base)
-    return GenerationChoice(prefix, release, _generation_of(prefix), False, False)
-
-
-def _generation_of(prefix: str) -> int:
-    return int(prefix.rsplit("/g", 1)[1])
+    return GenerationChoice(prefix, release, generation_of(prefix), False, False)
 
 
 def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int, base: str, secret, own: int,
