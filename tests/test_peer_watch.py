@@ -192,3 +192,19 @@ def test_close_leaves_no_thread_or_descriptor():
         watch.close()
     assert threading.active_count() == threads
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_probe_that_reaches_itself_counts_as_nothing_listening():
+    """A loopback connect to a port nobody listens on may take that very port as its source port
+    and connect to itself (TCP simultaneous open): the probe of a dead peer's listener must read
+    that as "nothing listens" (flag it), never as a live listener that did not answer."""
+    from mooncake_ep_switch.buffer.transport import peer_watch as module
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        probe.connect(probe.getsockname())  # the same thing, forced
+        assert module._connected_to_itself(probe)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        with socket.create_connection(listener.getsockname(), timeout=2) as client:
+            assert not module._connected_to_itself(client)

@@ -344,8 +344,10 @@ class PeerWatch:
                 sock = _open(watched.address, _PROBE_TIMEOUT_S)
             except ConnectionRefusedError:
                 return "gone"
+            except (ConnectionResetError, ConnectionAbortedError, socket.timeout):
+                sock = None  # the handshake met a listener being torn down, or a starved one: look again
             except OSError:
-                return "unknown"
+                return "unknown"  # unreachable (a cut link): the deadline decides
             if sock is None:  # taken and dropped (a dying listener resets its queue): look again
                 time.sleep(_SETTLE_S / 2)
                 continue
@@ -375,6 +377,11 @@ def _open(address: Tuple[str, int], timeout_s: float, keep_unanswered: bool = Fa
         ConnectionRefusedError: nothing listens there; OSError: unreachable.
     """
     sock = socket.create_connection(address, timeout=timeout_s)
+    if _connected_to_itself(sock):
+        # A loopback connect to a port nobody listens on can pick that port as its own source
+        # port and reach itself (TCP simultaneous open): nothing listens there.
+        sock.close()
+        raise ConnectionRefusedError(f"nothing listens on {address}: the connection reached itself")
     try:
         answer = sock.recv(len(_ANSWER))
     except socket.timeout:  # open, not answered yet
@@ -386,6 +393,13 @@ def _open(address: Tuple[str, int], timeout_s: float, keep_unanswered: bool = Fa
         return sock
     sock.close()
     return None
+
+
+def _connected_to_itself(sock: socket.socket) -> bool:
+    try:
+        return sock.getsockname() == sock.getpeername()
+    except OSError:  # reset already: not a self-connection
+        return False
 
 
 def _close(watched: _Watched) -> None:
