@@ -131,6 +131,14 @@ def new_job_secret() -> str:
     return secrets.token_hex(32)
 
 
+# How long the Transfer Engine's TCP transport lets one transfer make no progress (or wait for its
+# status frame) before it fails it. The engine's own default is 30 s, and its destructor waits for
+# such a transfer: a survivor's Buffer.destroy() after a peer host's death took just over 30 s
+# (issue 28 item 1). A few seconds also reaps writes abandoned at a round's deadline sooner.
+# `MC_TCP_PROGRESS_TIMEOUT_SEC` / `MC_TCP_STATUS_TIMEOUT_SEC`, where the user set them, win.
+TE_TCP_STALL_TIMEOUT_S = 5
+
+
 def set_transfer_engine_defaults(tcp_stall_timeout_s: Optional[int] = None, log_level: Optional[str] = None) -> None:
     """Set the Mooncake Transfer Engine's own environment variables before an engine starts (the one place they are written).
 

@@ -74,7 +74,8 @@ def _agent_main(conn, options):
     watchdog.daemon = True
     watchdog.start()
     try:
-        endpoint = TeEndpoint(timeout_s=options.get("timeout_s", 5.0), log_level="ERROR")
+        endpoint = TeEndpoint(timeout_s=options.get("timeout_s", 5.0), log_level="ERROR",
+                              tcp_stall_timeout_s=options.get("tcp_stall_timeout_s"))
         nbytes = options.get("nbytes", 1 << 20)
         if options.get("buffer") == "torch":
             import torch
@@ -789,6 +790,30 @@ def test_close_is_bounded_while_a_peer_stalls_in_a_handshake(agents, stall):
         os.kill(peer.pid, signal.SIGCONT)
         peer.kill()
         peer.wait(5)
+
+
+def test_an_abandoned_write_to_a_stopped_peer_is_reaped_within_the_stall_timeout(agents):
+    """Issue 28 items 1 and 3. A write the peer's kernel took whole (it fits the socket buffers) but whose
+    peer process is SIGSTOPped waits inside TE for the peer's status frame: TE's default gives up after
+    30 s, and until then the peer is refused (PeerBusy) and close() must wait for or leave the write.
+    The Buffer sets a stall timeout (`config.TE_TCP_STALL_TIMEOUT_S`); with it TE fails the write after
+    about that long, the write is reaped while the peer is still stopped, and close() is quick."""
+    stall_timeout_s = 3
+    writer, victim = agents(each=[{"nbytes": 1 << 20, "tcp_stall_timeout_s": stall_timeout_s}, {"nbytes": 1 << 20}])
+    writer.call("connect", victim.session, 5.0)
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        _expect_failure(writer, "write", victim.session, 0, victim.addr, 64 << 10, 1.0, timeout_s=1.0,
+                        kinds=("TimeoutError",))
+        assert writer.call("abandoned_with", victim.session)[0] >= 1
+        began = time.monotonic()
+        assert writer.call("wait_reaped", victim.session, stall_timeout_s + 4.0, timeout=20)[0] == 0, \
+            "the abandoned write was not failed by TE within its stall timeout"
+        assert time.monotonic() - began < stall_timeout_s + 4.0
+        _, elapsed = writer.call("close", timeout=20)
+        assert elapsed < 2.5, f"close() took {elapsed:.2f} s"
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
 
 
 def test_shutdown_inbound_ends_accepted_connections_only(tmp_path):
