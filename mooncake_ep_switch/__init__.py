@@ -7,5 +7,8 @@ __version__ = "0.1.0"
 
 from mooncake_ep_switch.buffer.buffer import Buffer
 from mooncake_ep_switch.buffer.handle import DispatchHandle, EventOverlap
+from mooncake_ep_switch.errors import (BufferDestroyed, LeftOut, MembershipError, MooncakeEpError, PeerBusy, PeerLost,
+                                       SwitchError, SwitchFenced)
 
-__all__ = ["Buffer", "DispatchHandle", "EventOverlap", "__version__"]
+__all__ = ["Buffer", "DispatchHandle", "EventOverlap", "MooncakeEpError", "BufferDestroyed", "MembershipError",
+           "LeftOut", "SwitchError", "SwitchFenced", "PeerLost", "PeerBusy", "__version__"]

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch import Buffer
+from mooncake_ep_switch import Buffer, BufferDestroyed
 from mooncake_ep_switch.buffer.handle import DispatchHandle
 from tests import harness
 from tests.reference import expected_combine, structured_inputs
@@ -367,8 +367,9 @@ def rank_destroy_in_flight(ctx, transport, mode, how):
         took = time.monotonic() - start
         # shm / TE: the native wait was told to stop; collective: destroy() waits its bound (5 s).
         assert took < (7.0 if transport == "collective" else 2.0), f"{how} took {took:.2f} s"
-        with pytest.raises(RuntimeError, match="destroyed"):
+        with pytest.raises(RuntimeError, match="destroyed") as caught:
             event.current_stream_wait()
+        assert isinstance(caught.value, BufferDestroyed), type(caught.value)  # one hierarchy (issue 24)
         if waiter is not None:
             waiter.join(2.0)
             assert not waiter.is_alive() and errors and "destroyed" in errors[0], errors

@@ -113,7 +113,7 @@ def test_no_import_cycle_between_packages():
     assert not cycles, f"import cycles between packages: {where}"
 
 
-@pytest.mark.parametrize("room", ["buffer", "vocabulary", "config", "faults"])
+@pytest.mark.parametrize("room", ["buffer", "vocabulary", "config", "faults", "errors"])
 def test_the_core_imports_no_feature_package(room):
     """buffer (the data plane) and the vocabulary modules import none of switch, eplb, models, bench."""
     graph = package_graph()
@@ -188,3 +188,24 @@ def test_environment_read_only_in_config():
                     isinstance(node.value, ast.Attribute) and node.value.attr == "environ":
                 readers.append(f"{module}:{node.lineno}")
     assert not readers, f"environment read outside config.py: {readers}"
+
+
+def test_errors_is_a_leaf_and_every_runtime_error_class_is_under_its_base():
+    """One error hierarchy (issue 24 item 3): errors.py imports nothing of the package, and every
+    exception class the package defines outside it derives from MooncakeEpError, except argument
+    errors (ValueError/TypeError subclasses, which the peers' callers catch) and private ones."""
+    from mooncake_ep_switch import errors
+    assert not package_graph().get("errors"), "errors.py must import nothing of the package"
+    offenders = []
+    for module, path in _modules().items():
+        if module == f"{PACKAGE}.errors":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):
+                continue
+            bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
+            if bases & {"Exception", "RuntimeError", "ConnectionError", "OSError", "TimeoutError"}:
+                offenders.append(f"{module}.{node.name}")
+    assert not offenders, f"exception classes outside errors.py not under MooncakeEpError: {offenders}"
+    for name in errors.__all__:
+        assert issubclass(getattr(errors, name), errors.MooncakeEpError)

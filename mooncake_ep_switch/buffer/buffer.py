@@ -29,6 +29,7 @@ from mooncake_ep_switch.buffer.transport.select import TRANSPORTS, make_transpor
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
 from mooncake_ep_switch.vocabulary import timeout_in_range
+from mooncake_ep_switch.errors import BufferDestroyed
 
 _LAYOUT_SWITCH: Optional[Callable] = None  # set by mooncake_ep_switch.switch (register_layout_switch)
 
@@ -425,7 +426,7 @@ class Buffer:
 
     def _check_alive(self) -> None:
         if self._destroyed:
-            raise RuntimeError("Buffer: this buffer was destroyed")
+            raise BufferDestroyed("Buffer: this buffer was destroyed")
 
     def _check_members(self, active_ranks: torch.Tensor) -> None:
         if self.rank not in self.members:

@@ -13,6 +13,7 @@ from typing import Callable, Optional, Tuple
 
 from mooncake_ep_switch.buffer.handle import EventOverlap
 from mooncake_ep_switch.buffer.lifetime import _guarded, _Lifetime, _once
+from mooncake_ep_switch.errors import BufferDestroyed
 
 
 class Completions:
@@ -55,7 +56,7 @@ class Completions:
                     # destroy() stopped what it could (native waits); a collective the process group
                     # has not finished cannot be stopped, and its event must not block for it.
                     if life.destroyed and not future.done():
-                        raise RuntimeError("aborted: the Buffer was destroyed while this call was in flight") \
+                        raise BufferDestroyed("aborted: the Buffer was destroyed while this call was in flight") \
                             from None
 
         return EventOverlap(finish, keep_alive), None

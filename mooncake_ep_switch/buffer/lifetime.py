@@ -11,6 +11,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from mooncake_ep_switch.buffer.handle import ReceiveReceipt
+from mooncake_ep_switch.errors import BufferDestroyed
 
 _I64 = torch.int64
 
@@ -58,7 +59,7 @@ class _Lifetime:
     def enter(self) -> None:
         with self._lock:
             if self.destroyed:
-                raise RuntimeError("Buffer: this buffer was destroyed (destroy() or garbage collection); "
+                raise BufferDestroyed("Buffer: this buffer was destroyed (destroy() or garbage collection); "
                                    "its hooks, events and calls can no longer run")
             self._running += 1
 
@@ -91,12 +92,17 @@ class _Lifetime:
 
 
 def _guarded(life: _Lifetime, function: Callable[[], None]) -> Callable[[], None]:
-    """A receive phase that runs only while its Buffer lives (RuntimeError after destroy())."""
+    """A receive phase that runs only while its Buffer lives (BufferDestroyed, a RuntimeError, after destroy())."""
 
     def run() -> None:
         life.enter()
         try:
             function()
+        except RuntimeError as error:
+            if life.destroyed and not isinstance(error, BufferDestroyed):
+                # a native wait stopped by destroy()'s abort word (it raises a plain RuntimeError)
+                raise BufferDestroyed(str(error)) from error
+            raise
         finally:
             life.leave()
 

@@ -68,6 +68,7 @@ from mooncake_ep_switch.buffer.membership_records import (ACTIVE, INACTIVE, JOIN
                                                           MAX_RECORD_BYTES, MAX_STATE_BYTES, STATES, MembershipError,
                                                           RecordStore, _rank_list, _valid_ready, _valid_state)
 from mooncake_ep_switch.buffer.member_records import MemberRecords
+from mooncake_ep_switch.errors import LeftOut  # noqa: F401 (re-exported)
 
 JOINER_BEAT_S = 0.02  # a waiting joiner refreshes alive/<rank> this often
 PENDING_BEAT_S = 0.1  # a joiner that gave up waiting for now (still registered) beats this often
@@ -89,18 +90,7 @@ def _stop_pending_at_exit() -> None:
             pass
 
 
-class LeftOut(MembershipError):
-    """This rank was left out of a sealed view: it is no longer a member (see rule 4).
-
-    Attributes:
-        epoch: the epoch whose sealed view lacks this rank.
-        members: that view's member ranks.
-    """
-
-    def __init__(self, message: str, epoch: int, members: Sequence[int]):
-        super().__init__(message)
-        self.epoch = epoch
-        self.members = tuple(members)
+# LeftOut lives in errors.py (one hierarchy), re-exported here.
 
 
 class View(NamedTuple):

@@ -18,6 +18,8 @@ import json
 import secrets
 from typing import Any, Callable, Optional
 
+from mooncake_ep_switch.errors import MembershipError  # noqa: F401 (raised here; importers take it from here too)
+
 
 ACTIVE, INACTIVE, JOINING = "active", "inactive", "joining"
 STATES = (ACTIVE, INACTIVE, JOINING)
@@ -27,16 +29,7 @@ MAX_STATE_BYTES = 1 << 24  # peer state of every registered participant (a place
 _MAC = "mac1:"
 
 
-class MembershipError(RuntimeError):
-    """Raised when this rank is not part of the agreed view, a deadline passed, or a record is bad.
-
-    Attributes:
-        missing: ranks that did not arrive where they were waited for (may be empty).
-    """
-
-    def __init__(self, message: str, missing=()):
-        super().__init__(message)
-        self.missing = tuple(missing)
+# MembershipError lives in errors.py (one hierarchy); imported here for the modules that raise it.
 
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import _native
+from mooncake_ep_switch.errors import BufferDestroyed
 
 
 class Mapping:
@@ -200,7 +201,7 @@ class SharedRegion:
             RuntimeError: the region is destroyed, or already registered with another endpoint.
         """
         if not self.base:
-            raise RuntimeError("register_te: the region is destroyed")
+            raise BufferDestroyed("register_te: the region is destroyed")
         if self.te is te:
             return
         if self.te is not None:

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.buffer import register_layout_switch
 from mooncake_ep_switch.buffer.peer_words import wait_peer_words
+from mooncake_ep_switch.errors import SwitchError, SwitchFenced  # noqa: F401 (re-exported)
 from mooncake_ep_switch.switch import reshard
 from mooncake_ep_switch.switch.kv_cache import PagedKVCache
 from mooncake_ep_switch.switch.kv_plan import KVPlan
@@ -118,12 +119,7 @@ class SwitchReport(NamedTuple):
     seq: int
 
 
-class SwitchError(RuntimeError):
-    """A switch failed in a way this rank cannot repair; its layout is "invalid"."""
-
-
-class SwitchFenced(SwitchError):
-    """Peers declared this rank dead during the switch (it was late); it must leave the group."""
+# SwitchError and SwitchFenced live in errors.py (one hierarchy), re-exported here.
 
 
 StepHook = Callable[[str, int], None]

@@ -44,6 +44,7 @@ from mooncake_ep_switch.buffer.membership import MembershipError
 from mooncake_ep_switch.buffer.transport.members import published_endpoint
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 from mooncake_ep_switch.buffer.transport.contract import HostMemoryTransport
+from mooncake_ep_switch.errors import PeerLost  # noqa: F401 (re-exported)
 
 # Fixed mode (one dispatch exchange instead of two) when a rank's padded send is at most this many
 # bytes: below it the extra padding costs less than one more collective round trip.
@@ -70,8 +71,7 @@ class CollectivePlan(NamedTuple):
     rows_to_rank: List[int]
 
 
-class PeerLost(RuntimeError):
-    """A collective failed because a peer of the group is gone (gloo: connection reset)."""
+# PeerLost lives in errors.py (one hierarchy), re-exported here.
 
 
 class _GuardedWork:

@@ -22,6 +22,7 @@ from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchO
 from mooncake_ep_switch.buffer.layout import RegionLayout, RegionLayouts, check_half_not_reused
 from mooncake_ep_switch.buffer.transport.members import connect_view
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
+from mooncake_ep_switch.errors import BufferDestroyed
 
 try:
     from mooncake_ep_switch import _cuda
@@ -279,7 +280,7 @@ class CudaTransport:
         captured in a CUDA graph; from then on the device advances it (max(last + 1, number)), so every
         replay uses a new signal tag."""
         if self._control is None:
-            raise RuntimeError("the transport was destroyed")
+            raise BufferDestroyed("the transport was destroyed")
         if torch.cuda.is_current_stream_capturing():
             self._graphs = True
         return _cuda.Call(self.num_ranks, self.rank, tokens, hidden, experts, number & 1, number,
@@ -319,7 +320,7 @@ class CudaTransport:
 
         def receive() -> None:
             if self._control is None:
-                raise RuntimeError("dispatch: the transport was destroyed before this receive phase ran")
+                raise BufferDestroyed("dispatch: the transport was destroyed before this receive phase ran")
             check_half_not_reused("dispatch", call.call, self.latest_dispatch)
             scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
             _cuda.dispatch_recv(spec, region, call.use_fp8, top_k, scratch.data_ptr(), outputs.recv_x.data_ptr(),
@@ -361,7 +362,7 @@ class CudaTransport:
 
         def receive() -> None:
             if self._control is None:
-                raise RuntimeError("combine: the transport was destroyed before this receive phase ran")
+                raise BufferDestroyed("combine: the transport was destroyed before this receive phase ran")
             check_half_not_reused("combine", call.call, self.latest_dispatch)
             _cuda.combine_recv(spec, region, call.topk_idx.data_ptr(), call.topk_weights.data_ptr(),
                                call.topk_idx.size(0), call.topk_idx.size(1), call.out.data_ptr(),
@@ -385,7 +386,7 @@ class CudaTransport:
             buffer: `[L, R*T, hidden]` torch.bfloat16 on this transport's device, a view of the region.
         """
         if self.local is None:
-            raise RuntimeError("combine buffer: the transport was destroyed")
+            raise BufferDestroyed("combine buffer: the transport was destroyed")
         return self._layouts.combine_view(self.local, call, shape)
 
     # ------------------------------------------------------------------ value checks

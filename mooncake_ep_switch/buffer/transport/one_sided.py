@@ -31,6 +31,7 @@ from mooncake_ep_switch.buffer.transport.members import connect_view
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 from mooncake_ep_switch.buffer.transport.te_endpoint import PeerWrite
 from mooncake_ep_switch.faults import FaultPoint
+from mooncake_ep_switch.errors import BufferDestroyed
 
 _TAG_SPACE = (1 << 32) - 1
 SELF, SHM, TE = "self", "shm", "te"
@@ -302,7 +303,7 @@ class OneSidedTransport(HostMemoryTransport):
         """A receive phase may run: the memory it captured at send time is still there (the transport
         was not destroyed first) and its half was not reused by a later call."""
         if region is None or not base:
-            raise RuntimeError(f"{what}: the transport was destroyed before this receive phase ran")
+            raise BufferDestroyed(f"{what}: the transport was destroyed before this receive phase ran")
         check_half_not_reused(what, call, self.latest_dispatch)
 
     # ------------------------------------------------------------------ dispatch

@@ -21,19 +21,13 @@ from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.transport.sockets import (_abort_connections, _listening, _parse_session,
                                                         _socket_inodes)
 from mooncake_ep_switch.config import set_transfer_engine_defaults
+from mooncake_ep_switch.errors import PeerBusy  # noqa: F401 (re-exported)
 from mooncake_ep_switch.vocabulary import check_int
 
 __all__ = ["PeerBusy", "PeerWrite", "TeEndpoint", "load_transfer_engine"]
 
 
-class PeerBusy(ConnectionError):
-    """A transfer refused before anything was submitted: transfers abandoned at an earlier deadline
-    are still in flight inside TE, to or from that peer (or, for a read, into the same local bytes).
-
-    Such a transfer may still land (a write over the peer's newer bytes, a read over local memory
-    reused since), so nothing more goes to that peer, and no read lands in those bytes, until TE has
-    finished or failed every one of them (`TeEndpoint.abandoned_with`, `wait_reaped`).
-    """
+# PeerBusy lives in errors.py (one hierarchy), re-exported here.
 
 
 class _Abandoned(NamedTuple):

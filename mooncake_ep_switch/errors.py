@@ -1,0 +1,80 @@
+"""Every error the runtime raises of its own, under one base class (issue 24 item 3).
+
+A caller catches `MooncakeEpError` for "anything this runtime raised", `BufferDestroyed` for "the
+Buffer is gone", or one family below. Each class also keeps the builtin base it had before
+(`RuntimeError`, `ConnectionError`), so code that caught those goes on working. Bad arguments stay
+`ValueError` / `TypeError`, as the peers' callers (DeepEP, Mooncake EP, vLLM) expect.
+
+    MooncakeEpError
+    ├── BufferDestroyed (RuntimeError)   a call, hook or event of a destroyed Buffer
+    ├── MembershipError (RuntimeError)   not in the agreed view, a deadline passed, a bad record
+    │   └── LeftOut                      this rank was left out of a sealed view
+    ├── SwitchError (RuntimeError)       a layout switch failed; the layout is "invalid"
+    │   └── SwitchFenced                 peers declared this rank dead during the switch
+    ├── PeerLost (RuntimeError)          a collective failed because a peer of the group is gone
+    └── PeerBusy (ConnectionError)       a transfer refused: abandoned transfers with that peer may still land
+
+This module imports nothing of the package: every room may raise these.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["MooncakeEpError", "BufferDestroyed", "MembershipError", "LeftOut", "SwitchError", "SwitchFenced",
+           "PeerLost", "PeerBusy"]
+
+
+class MooncakeEpError(Exception):
+    """Base class of every error the runtime raises of its own (not bad arguments)."""
+
+
+class BufferDestroyed(MooncakeEpError, RuntimeError):
+    """A call, hook or event of a Buffer (or its transport) that was destroyed, explicitly or by
+    garbage collection, or a call in flight that destroy() aborted."""
+
+
+class MembershipError(MooncakeEpError, RuntimeError):
+    """Raised when this rank is not part of the agreed view, a deadline passed, or a record is bad.
+
+    Attributes:
+        missing: ranks that did not arrive where they were waited for (may be empty).
+    """
+
+    def __init__(self, message: str, missing=()):
+        super().__init__(message)
+        self.missing = tuple(missing)
+
+
+class LeftOut(MembershipError):
+    """This rank was left out of a sealed view: it is no longer a member.
+
+    Attributes:
+        epoch: the epoch whose sealed view lacks this rank.
+        members: that view's member ranks.
+    """
+
+    def __init__(self, message: str, epoch: int, members: Sequence[int]):
+        super().__init__(message)
+        self.epoch = epoch
+        self.members = tuple(members)
+
+
+class SwitchError(MooncakeEpError, RuntimeError):
+    """A switch failed in a way this rank cannot repair; its layout is "invalid"."""
+
+
+class SwitchFenced(SwitchError):
+    """Peers declared this rank dead during the switch (it was late); it must leave the group."""
+
+
+class PeerLost(MooncakeEpError, RuntimeError):
+    """A collective failed because a peer of the group is gone (gloo: connection reset)."""
+
+
+class PeerBusy(MooncakeEpError, ConnectionError):
+    """A transfer refused before anything was submitted: transfers abandoned at an earlier deadline
+    are still in flight inside the Transfer Engine, to or from that peer (or, for a read, into the
+    same local bytes). Such a transfer may still land (a write over the peer's newer bytes, a read
+    over local memory reused since), so nothing more goes to that peer, and no read lands in those
+    bytes, until the engine has finished or failed every one of them (`TeEndpoint.abandoned_with`,
+    `wait_reaped`)."""
