@@ -5,6 +5,32 @@ import pytest
 
 from tests import harness
 
+# Test tiers (issue 24 item 7): every test of a file gets its file's markers, from this one table.
+# The README's command runs everything; the fast inner loop is `-m "not slow and not multihost"`.
+TIERS = {
+    # starts rank or agent processes (seconds per test)
+    "slow": {"test_cuda", "test_cuda_emulated", "test_dropin", "test_elastic", "test_eplb_online", "test_faults",
+             "test_hosts", "test_hosts_eplb", "test_launch_security", "test_membership_faults", "test_memory_bench",
+             "test_models_serve", "test_partition", "test_peer_watch", "test_readmit_regions", "test_switch_faults",
+             "test_te_endpoint", "test_cuda_build", "test_demo", "test_soak_bench", "test_deep_ep_compat",
+             "test_misuse", "test_buffer", "test_simulate_cli", "test_models_demo"},
+    # kills, stops or cuts off a process or a link
+    "faults": {"test_faults", "test_membership_faults", "test_switch_faults", "test_partition", "test_peer_watch",
+               "test_te_endpoint", "test_readmit_regions", "test_eplb_online", "test_hosts_eplb"},
+    # pretend hosts in network namespaces (root, ip, tc)
+    "multihost": {"test_hosts", "test_hosts_eplb", "test_faults", "test_partition"},
+    # runs only where a CUDA device is (skipped elsewhere, never failed)
+    "gpu": {"test_cuda", "test_cuda_sim"},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
+        for marker, modules in TIERS.items():
+            if module in modules:
+                item.add_marker(getattr(pytest.mark, marker))
+
 
 def _memfd_regions():
     """File descriptors of this process that are our memfd regions (`SharedRegion`)."""
