@@ -564,6 +564,33 @@ def test_write_each_in_flight_runs_once_between_submit_and_wait(nbytes):
         assert target[0:nbytes + 8] == _pattern(3, nbytes) + _pattern(4, 8)
 
 
+def test_an_exception_in_flight_lets_the_submitted_writes_finish_first():
+    """A write that was submitted when `in_flight` raised is not abandoned while it can still finish
+    within the deadline: the exception propagates once the data has landed, and the next write to
+    the peer goes through (it used to be abandoned at once: a 64 MiB write takes longer than the
+    5 ms settle, so the next write_each was refused with PeerBusy)."""
+    _engine_or_fail()
+    nbytes = 64 << 20
+    buffer = mmap.mmap(-1, nbytes + 64)
+    target = mmap.mmap(-1, nbytes + 64)
+    base, dest = _address(buffer), _address(target)
+    data = os.urandom(1 << 20) * 64
+    with TeEndpoint(timeout_s=30, log_level="ERROR") as endpoint:
+        endpoint.register(base, len(buffer))
+        endpoint.register(dest, len(target))
+        buffer[0:nbytes] = data
+        write = PeerWrite(endpoint.session_id, [(base, dest, nbytes)], [(base + nbytes, dest + nbytes, 8)])
+
+        def broken():
+            raise KeyError("in_flight failed")
+
+        with pytest.raises(KeyError, match="in_flight failed"):
+            endpoint.write_each([write], in_flight=broken)
+        assert target[0:nbytes] == data, "the exception propagated before the submitted data landed"
+        assert endpoint.abandoned_with(endpoint.session_id) == 0
+        assert endpoint.write_each([write]) == {}
+
+
 def test_write_to_sigkilled_peer_fails_within_deadline(agents):
     writer, victim, healthy, never_contacted = agents(4, nbytes=1 << 20)
     timeout_s = 2.0

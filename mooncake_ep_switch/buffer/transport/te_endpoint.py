@@ -464,8 +464,9 @@ class TeEndpoint:
                 `require_registered_source`.
             timeout_s: deadline in seconds for all of them (> 0), or None for the endpoint's `timeout_s`.
             in_flight: work to overlap with the transfers: called once, after every peer's data ranges
-                were submitted and before any completion is awaited (an exception from it propagates;
-                what was submitted is left to TE and reaped later, like a write abandoned at a deadline).
+                were submitted and before any completion is awaited (an exception from it propagates
+                once what was submitted has finished, or at the deadline: what is still in flight then
+                is left to TE and reaped later, like a write abandoned at a deadline).
 
         Returns:
             failures: dict index into `writes` -> the exception `write` would have raised for that
@@ -585,7 +586,12 @@ class TeEndpoint:
                 # a long data write lands in ~0.1 ms and should not wait out a pause sized by the data.
                 pause = min(0.001, max(0.00005, 0.05 * (now - progress)))
                 time.sleep(min(pause, max(0.0, deadline - now)))
-        except BaseException:
+        except BaseException as error:
+            # An exception (from `in_flight`, say) while writes are in flight: let them finish within
+            # the call's deadline first, so that the peer is not left busy (PeerBusy) by writes that
+            # were about to complete; only what is still in flight at the deadline is abandoned.
+            if isinstance(error, Exception):
+                self._finish_within(pending, deadline)
             for index, ids in pending.items():
                 self._abandon(writes[index].peer_session, ids, 1)
             raise
@@ -721,6 +727,21 @@ class TeEndpoint:
                     f"a TE read abandoned at an earlier deadline may still land in [{local:#x}, {local + size:#x}): "
                     "no new read into those bytes until TE has finished it")
         return None
+
+    def _finish_within(self, pending: Dict[int, List[int]], deadline: float) -> None:
+        """Poll the batches in `pending` (index -> batch ids) until each completed or failed, or until
+        `deadline`; what completed or failed (freed by TE) is removed, what remains is still in
+        flight (or kept by TE after its own timeout) and must be abandoned by the caller."""
+        check = self._engine.transfer_check_status
+        while True:
+            for ids in pending.values():
+                for k in range(len(ids) - 1, -1, -1):
+                    status = check(ids[k])
+                    if status in (1, -1):  # completed, or failed and freed by TE
+                        ids.pop(k)
+            if not any(pending.values()) or time.monotonic() >= deadline:
+                return
+            time.sleep(0.0002)
 
     def _settle(self, peers: Sequence[str], reads: Sequence[Tuple[int, int, int]], deadline: float) -> None:
         """Reap; while a transfer with `peers` (or into `reads`) is still abandoned, poll for up to
