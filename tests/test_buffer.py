@@ -285,7 +285,7 @@ def rank_mixed_routes(ctx, hosts):
         case = Case()
         size = Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts)
         with Buffer(ctx.group, size) as buffer:  # auto: ranks span hosts -> "mooncake"
-            routes = list(buffer._impl.routes)
+            routes = list(buffer._transport.routes)
             assert buffer.transport == "mooncake", buffer.transport
         results = [rank_round_trip(ctx, "auto", use_fp8, mode, seed=60 + i)
                    for i, (use_fp8, mode) in enumerate([(False, "sync"), (True, "hook")])]

@@ -494,8 +494,8 @@ def _addresses(buffer):
     from tests.test_faults import Shape
 
     shape = (Shape.experts // ELASTIC_RANKS, ELASTIC_RANKS * Shape.tokens, Shape.hidden)
-    halves = [buffer._impl.combine_buffer(call, shape, None).data_ptr() for call in (0, 1)]
-    return [buffer._impl.base, buffer._impl.peer_table.data_ptr()] + halves
+    halves = [buffer._transport.combine_buffer(call, shape, None).data_ptr() for call in (0, 1)]
+    return [buffer._transport.base, buffer._transport.peer_table.data_ptr()] + halves
 
 
 def _elastic_round(ctx, buffer, round_index, expect_dead=(), dispatch_dead=None):

@@ -41,8 +41,8 @@ def _addresses(buffer):
     if buffer.transport == "collective":
         return []
     shape = (Shape.experts // NUM_RANKS, NUM_RANKS * Shape.tokens, Shape.hidden)
-    halves = [buffer._impl.combine_buffer(call, shape, "cpu").data_ptr() for call in (0, 1)]
-    return [buffer._impl.base] + halves
+    halves = [buffer._transport.combine_buffer(call, shape, "cpu").data_ptr() for call in (0, 1)]
+    return [buffer._transport.base] + halves
 
 
 def _round(ctx, buffer, round_index, active, expect_dead=(), dispatch_dead=None):

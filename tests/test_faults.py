@@ -202,7 +202,7 @@ def rank_killed_early(ctx, transport, kill_point, pretend_hosts):
         buffer = _buffer(ctx, transport)
     finally:
         os.environ.pop("MEP_HOST_ID", None)
-    routes = sorted(set(buffer._impl.routes) - {"self"})
+    routes = sorted(set(buffer._transport.routes) - {"self"})
     rounds = _gather_rounds(ctx, 2)
     without_dead = [0 if r == DEAD else 1 for r in range(ctx.num_ranks)]
     seconds = None

@@ -38,7 +38,7 @@ def rank_buffer_checks(ctx):
     case = test_buffer.Case()
     size = test_buffer.Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts)
     with test_buffer.Buffer(ctx.group, size) as buffer:  # auto: two hosts -> "mooncake", shm inside a host
-        routes = list(buffer._impl.routes)
+        routes = list(buffer._transport.routes)
         session = buffer.membership.endpoint(ctx.rank)["te_session"]
         transport = buffer.transport
     for i, (use_fp8, mode) in enumerate([(False, "sync"), (True, "hook"), (False, "async")]):
@@ -95,7 +95,7 @@ def test_te_sends_only_routed_bytes_across_hosts(make_network):
     bytes its rank owes the other (rows per (token, expert) pair), and at least the compact floor
     (each token once per destination in dispatch, every pair's row in combine): the bytes did cross."""
     from mooncake_ep_switch.bench import hosts
-    from mooncake_ep_switch.bench.transport import TransportShape, _inputs
+    from mooncake_ep_switch.bench.transport import TransportShape, rank_inputs as _inputs
 
     network = make_network(2)
     shape = TransportShape(2, 32, 1024, 8, 4)

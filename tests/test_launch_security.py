@@ -9,13 +9,13 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.transport.sockets import _listening, _socket_inodes
+from mooncake_ep_switch.buffer.transport.sockets import listening, socket_inodes
 from mooncake_ep_switch.launch import LocalCluster
 
 
 def _listening_on(port: int):
     """'addr:port' of this process's listening sockets on `port` (from /proc/net/tcp{,6})."""
-    return [a for a in _listening(_socket_inodes()) if a.rsplit(":", 1)[1] == str(port)]
+    return [a for a in listening(socket_inodes()) if a.rsplit(":", 1)[1] == str(port)]
 
 
 def _non_loopback_ipv4():

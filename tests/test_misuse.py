@@ -453,7 +453,7 @@ def rank_late_combine_hook(ctx, transport):
             late_hook()
         assert time.monotonic() - start < 1.0, "the late hook waited instead of refusing"
         assert active.tolist() == [1] * ctx.num_ranks
-        assert not buffer._impl.failed_sources, f"healthy peers reported failed: {buffer._impl.failed_sources}"
+        assert not buffer._transport.failed_sources, f"healthy peers reported failed: {buffer._transport.failed_sources}"
         del late_out
         _healthy_round(ctx, buffer, 93, "hook")
     return True

@@ -68,7 +68,7 @@ def rank_start(ctx):
     buffer = RANK_STATE["buffer"] = Buffer(ctx.group, size, transport="mooncake")  # shm inside a host
     published = buffer.membership.endpoint(ctx.rank)["te_session"]
     return {"transport": buffer.transport, "session": published, "incarnation": buffer.membership.incarnation,
-            "routes": [buffer._impl.routes[r] for r in range(NUM_RANKS) if r != ctx.rank],
+            "routes": [buffer._transport.routes[r] for r in range(NUM_RANKS) if r != ctx.rank],
             "round": _round(ctx, buffer, 1, torch.ones(NUM_RANKS, dtype=torch.int32))}
 
 

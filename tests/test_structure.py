@@ -209,3 +209,88 @@ def test_errors_is_a_leaf_and_every_runtime_error_class_is_under_its_base():
     assert not offenders, f"exception classes outside errors.py not under MooncakeEpError: {offenders}"
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.MooncakeEpError)
+
+
+# ------------------------------------------------------------------ no side doors (issue 24 item 2)
+# Underscored names that are public API elsewhere: NamedTuple's methods, and third-party internals the
+# runtime relies on knowingly (each with its reason).
+_PUBLIC_UNDERSCORE = {"_asdict", "_replace", "_fields", "_make"}
+_THIRD_PARTY = {
+    "torch._C": "torch's storage use count (calls.py: a pooled output is reused only when nothing holds it)",
+    "torch._C._storage_Use_Count": "the same",
+    "self.storage._cdata": "torch's storage handle for that count",
+    "distributed_c10d._get_default_store": "the default group's store (group_keys.py; torch has no public getter)",
+    "config._attn_implementation": "transformers' config field for the attention kernel (models/tiny.py)",
+    "config._experts_implementation": "transformers' config field for the experts kernel (models/tiny.py)",
+    "os._exit": "exit without cleanup in a killed or finished rank process",
+    "getattr(worker, '_threads', ())": "concurrent.futures' worker threads (completion.py joins them within "
+                                        "destroy()'s bound; the executor has no public handle on them)",
+}
+
+
+def _module_names(tree) -> Set[str]:
+    """Underscored names a module defines itself (functions, classes, self/cls attributes, slots, globals)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+              and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__slots__" for t in node.targets)
+              and isinstance(node.value, (ast.Tuple, ast.List))):
+            names.update(e.value for e in node.value.elts if isinstance(e, ast.Constant))  # __slots__ entries
+    return {name for name in names if isinstance(name, str) and name.startswith("_")}
+
+
+def side_doors(source: str, name: str = "<module>") -> List[str]:
+    """Uses in `source` of another module's underscored attribute: `obj._x` where this module does not
+    define `_x`, `from package.module import _x`, and `getattr(obj, "_x")`."""
+    tree = ast.parse(source)
+    own = _module_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            value = node.value
+            if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                continue
+            if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "super":
+                continue
+            text = ast.unparse(node)
+            if node.attr in own or node.attr in _PUBLIC_UNDERSCORE or text in _THIRD_PARTY:
+                continue
+            found.append(f"{name}:{node.lineno}: {text}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
+            found += [f"{name}:{node.lineno}: from {node.module} import {alias.name}" for alias in node.names
+                      if alias.name.startswith("_") and alias.name not in ("_native", "_cuda", "_cuda_sim")]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and node.args[1].value.startswith("_")
+              and not node.args[1].value.startswith("__") and node.args[1].value not in own
+              and ast.unparse(node) not in _THIRD_PARTY):
+            found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_side_door_reader_finds_each_kind():
+    """The checker itself, on planted violations of each kind, and on the accesses it allows."""
+    planted = ("from mooncake_ep_switch.buffer.lifetime import _helper\n"
+               "def f(buffer):\n    return buffer._impl.routes\n"
+               "def g(buffer):\n    return getattr(buffer, '_impl', None)\n")
+    assert sorted(line.split(": ", 1)[1] for line in side_doors(planted)) == [
+        "buffer._impl", "from mooncake_ep_switch.buffer.lifetime import _helper", "getattr(buffer, '_impl', None)"]
+    allowed = ("class A:\n    def __init__(self):\n        self._x = 1\n    def same(self, other):\n"
+               "        return other._x + self._x\n"
+               "def h(point):\n    return point._asdict()\n")
+    assert side_doors(allowed) == []
+
+
+def test_no_module_uses_another_modules_underscored_names():
+    """No side doors (issue 24 item 2): what a module needs of another is a public name, declared in
+    `buffer/transport/contract.py` for transports and in `buffer/core.py` for the Buffer's helpers."""
+    found = []
+    for module, path in _modules().items():
+        found += side_doors(path.read_text(), str(path.relative_to(PACKAGE_DIR)))
+    assert not found, "side doors:\n" + "\n".join(found)

@@ -57,7 +57,7 @@ def rank_cuda_round(ctx, shape: tb.TransportShape, iters: int, warmup: int, use_
     from mooncake_ep_switch import Buffer
 
     torch.cuda.set_device(0)
-    x, topk, weights = (t.cuda() for t in tb._inputs(ctx.rank, shape))
+    x, topk, weights = (t.cuda() for t in tb.rank_inputs(ctx.rank, shape))
     size = Buffer.get_ep_buffer_size_hint(shape.tokens, shape.hidden, ctx.num_ranks, shape.experts)
     active = torch.ones(ctx.num_ranks, dtype=torch.int32, device="cuda")
     local = shape.experts // ctx.num_ranks

@@ -85,7 +85,7 @@ def rank_hosts(ctx, names, devices, iters: int, wire_rounds: int, shape: tb.Tran
     from mooncake_ep_switch import Buffer
 
     torch.set_num_threads(1)
-    x, topk, weights = tb._inputs(ctx.rank, shape)
+    x, topk, weights = tb.rank_inputs(ctx.rank, shape)
     topks = [None] * ctx.num_ranks
     dist.all_gather_object(topks, topk, group=ctx.group)
     size = Buffer.get_ep_buffer_size_hint(shape.tokens, shape.hidden, ctx.num_ranks, shape.experts)
@@ -97,7 +97,7 @@ def rank_hosts(ctx, names, devices, iters: int, wire_rounds: int, shape: tb.Tran
     try:
         for name, transport in (("te", "mooncake"), ("collective", "collective")):
             buffers[name] = Buffer(ctx.group, size, transport=transport)
-        routes = list(buffers["te"]._impl.routes)
+        routes = buffers["te"].peer_routes()
         assert routes.count("te") == ctx.num_ranks - 1, routes
 
         def body(buffer, use_fp8=False):

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from mooncake_ep_switch.bench.transport import TransportShape, _inputs
+from mooncake_ep_switch.bench.transport import TransportShape, rank_inputs
 from mooncake_ep_switch.launch import LocalCluster
 
 FULL = TransportShape(2, 128, 7168, 288, 8)
@@ -58,7 +58,7 @@ def rank_memory(ctx, transport: str, shape: TransportShape) -> dict:
     from mooncake_ep_switch import Buffer
 
     torch.set_num_threads(1)
-    x, topk, weights = _inputs(ctx.rank, shape)
+    x, topk, weights = rank_inputs(ctx.rank, shape)
     local = shape.experts // ctx.num_ranks
     y = torch.randn((local, ctx.num_ranks * shape.tokens, shape.hidden)).to(torch.bfloat16)  # the caller's
     active = torch.ones(ctx.num_ranks, dtype=torch.int32)

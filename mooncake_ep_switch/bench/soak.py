@@ -214,7 +214,6 @@ def sample(round_index: int, buffer=None) -> dict:
             not tracing).
     """
     status = _status_fields()
-    pool = getattr(buffer, "_outputs", None) if buffer is not None else None
     try:
         dev_shm = len(os.listdir("/dev/shm"))
     except OSError:
@@ -224,7 +223,7 @@ def sample(round_index: int, buffer=None) -> dict:
             "file_kib": status.get("RssFile", -1), "shmem_kib": status.get("RssShmem", -1),
             "malloc_used_kib": malloc_used // 1024, "malloc_free_kib": malloc_free // 1024, "fds": len(os.listdir("/proc/self/fd")),
             "py_threads": threading.active_count(), "threads": status.get("Threads", -1),
-            "shm_handles": _shm_handles(), "pool_bytes": pool.pooled_bytes() if pool is not None else 0,
+            "shm_handles": _shm_handles(), "pool_bytes": buffer.output_pool_bytes() if buffer is not None else 0,
             "py_objects": len(gc.get_objects()), "dev_shm": dev_shm,
             "traced_kib": tracemalloc.get_traced_memory()[0] // 1024 if tracemalloc.is_tracing() else -1}
 

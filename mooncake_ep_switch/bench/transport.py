@@ -34,7 +34,7 @@ class TransportShape(NamedTuple):
     top_k: int
 
 
-def _inputs(rank, shape: TransportShape, seed=0):
+def rank_inputs(rank, shape: TransportShape, seed=0):
     generator = torch.Generator().manual_seed(seed * 131 + rank)
     x = torch.randn((shape.tokens, shape.hidden), generator=generator).to(torch.bfloat16)
     scores = torch.rand((shape.tokens, shape.experts), generator=generator)
@@ -82,7 +82,7 @@ def rank_buffer_round(ctx, transport: str, shape: TransportShape, iters: int, wa
     """
     from mooncake_ep_switch import Buffer
 
-    x, topk, weights = _inputs(ctx.rank, shape)
+    x, topk, weights = rank_inputs(ctx.rank, shape)
     size = Buffer.get_ep_buffer_size_hint(shape.tokens, shape.hidden, ctx.num_ranks, shape.experts)
     active = torch.ones(ctx.num_ranks, dtype=torch.int32)
     # "mooncake" with disable_p2p: every peer over the Transfer Engine, as between hosts.
@@ -114,7 +114,7 @@ def rank_allgather_round(ctx, shape: TransportShape, iters: int, warmup: int):
     """
     from mooncake_ep_switch.bench.allgather_baseline import allgather_combine, allgather_dispatch
 
-    x, topk, weights = _inputs(ctx.rank, shape)
+    x, topk, weights = rank_inputs(ctx.rank, shape)
     local = shape.experts // ctx.num_ranks
     y = torch.randn((local, ctx.num_ranks * shape.tokens, shape.hidden)).to(torch.bfloat16)
 
@@ -234,7 +234,7 @@ def rank_exchange_floor(ctx, shape: TransportShape, iters: int, warmup: int):
 
     R, T, H = ctx.num_ranks, shape.tokens, shape.hidden
     local = shape.experts // R
-    _, topk, _ = _inputs(ctx.rank, shape)
+    _, topk, _ = rank_inputs(ctx.rank, shape)
     owner = torch.div(topk, local, rounding_mode="floor")
     pairs_to = torch.stack([(owner == r).sum() for r in range(R)]).to(torch.int64)
     tokens_to = torch.stack([(owner == r).any(1).sum() for r in range(R)]).to(torch.int64)

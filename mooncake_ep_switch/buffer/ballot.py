@@ -91,7 +91,7 @@ class Ballot:
         keys += sorted({self._decision_key(e) for e in epochs})
         for key in keys:
             initial = [0, 0, 0] if key.startswith("vote/") else [0, 0]
-            self.store.compare_set(key, "", self._records._encode(key, initial))
+            self.store.compare_set(key, "", self._records.encode_record(key, initial))
 
     # ------------------------------------------------------------------ votes
     def vote(self, epoch: int, vote: int, digest: int) -> None:
@@ -103,7 +103,7 @@ class Ballot:
             digest: the chunk's 31-bit plan digest.
         """
         key = self._vote_key(self.rank)
-        self.store.set(key, self._records._encode(key, [epoch, vote, digest]))
+        self.store.set(key, self._records.encode_record(key, [epoch, vote, digest]))
 
     def read(self, ranks: List[int], epoch: int) -> Tuple[Dict[int, Tuple[int, int]], Optional[int]]:
         """The votes of `ranks` on `epoch` and its decision, in one store round trip.
@@ -176,7 +176,7 @@ class Ballot:
         """
         key = self._decision_key(epoch)
         raw = self.store.get(key)
-        desired = self._records._encode(key, [epoch, decision])
+        desired = self._records.encode_record(key, [epoch, decision])
         for _ in range(_CAS_ATTEMPTS):
             stored = self._decision_of(epoch, raw)
             if stored is not None:

@@ -14,13 +14,14 @@ import torch.distributed as dist
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import device_calls, elastic_view, replacement, validation
-from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, OutputPool
+from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
 from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, check_combinable_again,
                                                check_same_routing, complete_receive)
 from mooncake_ep_switch.buffer.layout import region_layout
 from mooncake_ep_switch.buffer.call_spec import CallSpecs
 from mooncake_ep_switch.buffer.completion import Completions
-from mooncake_ep_switch.buffer.lifetime import DESTROY_WAIT_S, _Lifetime, _with_receipt
+from mooncake_ep_switch.buffer.core import BufferCore
+from mooncake_ep_switch.buffer.lifetime import DESTROY_WAIT_S, with_receipt
 from mooncake_ep_switch.buffer.group_keys import generation_of, generation_prefix, resolve_group
 from mooncake_ep_switch.buffer.membership import Membership, MembershipError, View
 from mooncake_ep_switch.buffer.peer_regions import PeerRegions
@@ -29,7 +30,6 @@ from mooncake_ep_switch.buffer.transport.select import TRANSPORTS, make_transpor
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
 from mooncake_ep_switch.vocabulary import timeout_in_range
-from mooncake_ep_switch.errors import BufferDestroyed
 
 _LAYOUT_SWITCH: Optional[Callable] = None  # set by mooncake_ep_switch.switch (register_layout_switch)
 
@@ -121,13 +121,14 @@ class Buffer:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
         identity = resolve_group(group, store)
-        self.joining = identity.joining
+        self.settings = settings()
+        # The view state and collaborators the helper modules (elastic_view, device_calls) use: core.py.
+        core = self._core = BufferCore(identity.rank, identity.num_ranks, self.settings, joining=identity.joining,
+                                       fault=FaultPoint.parse(self.settings.fault_point))
         self.group, self.rank, self.num_ranks = identity.group, identity.rank, identity.num_ranks
         prefix, store = identity.prefix, identity.store
         self.num_ep_buffer_bytes = num_ep_buffer_bytes
         self.disable_p2p = disable_p2p
-        self.settings = settings()
-        self._fault = FaultPoint.parse(self.settings.fault_point)
         self.membership = None
         choice = None  # built from a process group: a new Buffer of the group, or a replacement of this rank
         base, generation = prefix, None
@@ -144,40 +145,35 @@ class Buffer:
                     self.joining, self.group = True, None
             generation = generation_of(prefix)
             self._release_generation = weakref.finalize(self, release)
-            self.membership = Membership(store, self.rank, self.num_ranks, prefix, secret=self.settings.job_secret)
+            self.membership = core.membership = Membership(store, self.rank, self.num_ranks, prefix,
+                                                           secret=self.settings.job_secret)
         self.epoch = self.membership.epoch() if self.joining else 0
         # A joiner is no member until admitted (dispatch and combine refuse until then).
         self.members = () if self.joining else tuple(range(self.num_ranks))
-        self._rejoin = False  # left out: take a new incarnation before registering as joining
-        self._call = 0
-        self._last_plan: Optional[DispatchPlan] = None
-        self._token = object()  # identifies this Buffer's specs on handles
         self._mask_shape = torch.Size((self.num_ranks,))
-        self._outputs = OutputPool()
-        self._destroyed = False
-        self._life = _Lifetime()
-        self._prev_plan: Optional[DispatchPlan] = None
+        self._outputs = core.outputs
+        self._life = core.life
         # Every region peers map beyond the EP region (switch, KV, EPLB): re-mapped on re-admission.
-        self.peer_regions = PeerRegions(self)
-        self._impl: Transport = make_transport(
+        self.peer_regions = core.peer_regions = PeerRegions(self)
+        self._transport = core.transport = make_transport(
             transport, group=self.group, rank=self.rank, num_ranks=self.num_ranks,
             num_ep_buffer_bytes=num_ep_buffer_bytes, settings=self.settings, disable_p2p=disable_p2p,
             host_ids=self._host_ids, view_change=self._survivors_view)
-        self._impl.abort_ptr = self._life.abort_ptr  # native waits stop once destroy() raises it
-        self.transport = self._impl.name
-        self.device = self._impl.device  # the CUDA device of a "cuda" Buffer's tensors; None: CPU tensors
-        self._specs = CallSpecs(self._token, self.num_ranks, num_ep_buffer_bytes,  # validated call shapes
-                                needs_region=bool(num_ep_buffer_bytes) or self.transport != "collective")
+        self._transport.abort_ptr = self._life.abort_ptr  # native waits stop once destroy() raises it
+        self.transport = self._transport.name
+        self.device = self._transport.device  # the CUDA device of a "cuda" Buffer's tensors; None: CPU tensors
+        self._specs = core.specs = CallSpecs(core.token, self.num_ranks, num_ep_buffer_bytes,  # validated call shapes
+                                             needs_region=bool(num_ep_buffer_bytes) or self.transport != "collective")
         self._completions = Completions(self._life)
         if self.membership is not None:
-            self.membership.publish_endpoint(dict(self._impl.endpoint(), host_id=self.settings.host_id))
+            self.membership.publish_endpoint(dict(self._transport.endpoint(), host_id=self.settings.host_id))
         if not self.joining:  # a joiner registers as joining in update_ep_member(), when it waits
             self.connect()
             self.peer_regions.snapshot(self.members)  # whose regions participants map (a later incarnation joins)
         elif choice is not None:  # a plain Buffer(group) that replaces this rank: admitted before it returns
             self._admit_replacement(base, choice, deadline)
         if generation is not None:
-            replacement.register_member(self, base, generation)
+            replacement.register_member(core, base, generation)
 
     def _admit_replacement(self, base: str, choice, deadline: float) -> None:
         """Wait, until the constructor's deadline, for the members' `update_ep_member()` to admit this Buffer
@@ -186,7 +182,7 @@ class Buffer:
         meanwhile, the rank's earlier incarnation is current again (a Buffer of it in this process goes on)."""
         epoch = self.membership.epoch()
         try:
-            elastic_view.update_ep_member(self, max(1.0, deadline - time.monotonic()))
+            elastic_view.update_ep_member(self._core, max(1.0, deadline - time.monotonic()))
         except BaseException as error:
             gave_back = (choice.superseding and self.membership.epoch() == epoch
                          and self.membership.give_back_incarnation())
@@ -199,7 +195,7 @@ class Buffer:
                 f"{error}. The other ranks admit it with update_ep_member() while it is being built"
                 + (" (the rank's earlier incarnation is current again)" if gave_back else "")) from error
         if choice.superseding:  # the Buffer this process held before is left out (its calls refuse)
-            replacement.supersede(self, base, choice.generation)
+            replacement.supersede(self._core, base, choice.generation)
 
     # ------------------------------------------------------------------ construction
     def _host_ids(self):
@@ -216,11 +212,45 @@ class Buffer:
         dist.all_gather_object(host_ids, self.settings.host_id, group=self.group)
         return host_ids
 
+    # ------------------------------------------------------------------ view state (kept in the core)
+    @property
+    def epoch(self) -> int:
+        """The current membership epoch."""
+        return self._core.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._core.epoch = value
+
+    @property
+    def members(self) -> tuple:
+        """The member ranks of the current epoch (empty for a joiner not yet admitted)."""
+        return self._core.members
+
+    @members.setter
+    def members(self, value) -> None:
+        self._core.members = tuple(value)
+
+    @property
+    def joining(self) -> bool:
+        """Whether this rank waits to be admitted (a replacement, or a rank left out of a view)."""
+        return self._core.joining
+
+    @joining.setter
+    def joining(self, value: bool) -> None:
+        self._core.joining = value
+
+    @property
+    def _fault(self):
+        """The test-only fault point (tests set it on a live Buffer)."""
+        return self._core.fault
+
+    @_fault.setter
+    def _fault(self, value) -> None:
+        self._core.fault = value
+
     def _require_membership(self, what: str):
-        if self.membership is None:
-            raise RuntimeError(f"{what}: needs the group's store (pass store= to Buffer, or initialise "
-                               "torch.distributed with a store)")
-        return self.membership
+        return self._core.require_membership(what)
 
     def connect(self) -> None:
         """Exchange peer metadata and map peers (Mooncake's `connect`); idempotent.
@@ -237,7 +267,7 @@ class Buffer:
             raise MembershipError(f"connect: rank {self.rank} is not a member yet; update_ep_member() admits and "
                                   "connects it")
         deadline = time.monotonic() + self.settings.connect_timeout_s
-        self._impl.connect_members(View(self.epoch, self.members), self.membership, deadline)
+        self._transport.connect_members(View(self.epoch, self.members), self.membership, deadline)
 
     def update_ep_member(self, timeout_s: Optional[float] = None) -> View:
         """Agree on the next membership epoch and refresh peers (Mooncake's meaning, elastic).
@@ -270,11 +300,36 @@ class Buffer:
                 process, members could not be reached before the deadline, or a store record is
                 malformed or forged.
         """
-        return elastic_view.update_ep_member(self, timeout_s)
+        return elastic_view.update_ep_member(self._core, timeout_s)
 
     def _survivors_view(self, deadline: float) -> View:
         """The collective fallback's recovery from a lost peer (`elastic_view.survivors_view`)."""
-        return elastic_view.survivors_view(self, deadline)
+        return elastic_view.survivors_view(self._core, deadline)
+
+    @property
+    def runtime(self) -> Transport:
+        """The transport that moves this Buffer's bytes (DeepEP's name for its native runtime): what the
+        runtime's own modules and benchmarks may use of it is declared in `buffer/transport/contract.py`
+        (`Transport`: `peer_routes()`, `transfer_engine()`, `te_peer()`, ...)."""
+        return self._transport
+
+    def output_pool_bytes(self) -> int:
+        """Bytes the output pool holds (results returned, and blocks kept for reuse; class docstring).
+
+        Returns:
+            nbytes: int.
+        """
+        return self._outputs.pooled_bytes()
+
+    def peer_routes(self) -> list:
+        """How this rank reaches each rank now.
+
+        Returns:
+            routes: list of `num_ranks` entries: "self", "shm" (shared memory), "te" (Transfer
+                Engine), "cuda" (CUDA IPC), "collective" (process-group collectives), or None (not
+                reached: a rank outside the current view).
+        """
+        return self._transport.peer_routes()
 
     @property
     def process_group(self):
@@ -285,7 +340,7 @@ class Buffer:
                 per-epoch gloo group after a membership change); otherwise the constructor's group
                 (None for a replacement: its shared regions are mapped through the store).
         """
-        return self._impl.group if self.transport == "collective" else self.group
+        return self._transport.group if self.transport == "collective" else self.group
 
     def active_mask(self) -> torch.Tensor:
         """A fresh `active_ranks` tensor for the current view.
@@ -307,7 +362,7 @@ class Buffer:
         Returns:
             ranks: list of int, ascending ([] on the collective transport).
         """
-        return self._impl.dead_peers()
+        return self._transport.dead_peers()
 
     def pending_joiners(self) -> list:
         """Ranks registered to be admitted into the next epoch (replacements, left-out ranks).
@@ -385,11 +440,13 @@ class Buffer:
 
     def _shutdown(self, wait_s: float) -> None:
         """destroy() with at most `wait_s` seconds spent on running calls (0: never blocks)."""
-        life = getattr(self, "_life", None)
-        if self._destroyed or life is None:  # None: the constructor failed before it existed
-            self._destroyed = True
+        core = getattr(self, "_core", None)
+        if core is None or core.destroyed or getattr(self, "_transport", None) is None:
+            if core is not None:  # the constructor failed before the transport existed
+                core.destroyed = True
             return
-        self._destroyed = True
+        core.destroyed = True
+        life = core.life
         release_generation = getattr(self, "_release_generation", None)
         if release_generation is not None:
             release_generation()
@@ -399,7 +456,7 @@ class Buffer:
             except Exception:  # noqa: BLE001 - the store is gone: nothing to withdraw from
                 pass
         self.peer_regions.clear()
-        impl, outputs = self._impl, self._outputs
+        impl, outputs = self._transport, self._outputs
 
         def release() -> None:
             outputs.clear()
@@ -425,20 +482,7 @@ class Buffer:
             pass
 
     def _check_alive(self) -> None:
-        if self._destroyed:
-            raise BufferDestroyed("Buffer: this buffer was destroyed")
-
-    def _check_members(self, active_ranks: torch.Tensor) -> None:
-        if self.rank not in self.members:
-            raise MembershipError(f"rank {self.rank} is not a member of the current view (a joiner not yet "
-                                  "admitted, or a rank that was left out): call update_ep_member() to be admitted "
-                                  "before dispatch or combine")
-        if len(self.members) < self.num_ranks:
-            mask = active_ranks.tolist()  # one read (on a CUDA mask, one synchronisation)
-            outside = [r for r in range(self.num_ranks) if r not in self.members and mask[r]]
-            if outside:
-                raise ValueError(f"active_ranks: expected 0 for ranks outside epoch {self.epoch} (members "
-                                 f"{list(self.members)}), got 1 for {outside}; reset it to buffer.active_mask()")
+        self._core.check_alive()
 
     # ------------------------------------------------------------------ dispatch / combine
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, active_ranks: torch.Tensor,
@@ -473,10 +517,10 @@ class Buffer:
             event: `EventOverlap`.
             hook: the receive-phase callable when `return_recv_hook`, else None.
         """
-        if self._destroyed:
-            self._check_alive()
+        if self._core.destroyed:
+            self._core.check_alive()
         if self.device is not None:
-            return device_calls.dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+            return device_calls.dispatch(self._core, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                          num_experts, timeout_us, use_fp8, async_finish, return_recv_hook)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
@@ -508,28 +552,29 @@ class Buffer:
             spec, timeout_us = self._specs.validate_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                         num_experts, timeout_us, use_fp8)
         if len(self.members) < self.num_ranks:
-            self._check_members(active_ranks)
+            self._core.check_members(active_ranks)
 
         outputs = self._outputs.dispatch_outputs(use_fp8, spec.local, spec.rows, spec.hidden, self.num_ranks,
                                                  x.device)
         life = self._life
         life.enter()  # refuses after destroy(); keeps the memory mapped while the send phase runs
         try:
-            self._call += 1
-            call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, self._call,
-                                self.epoch)
+            core = self._core
+            core.call += 1
+            call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, core.call,
+                                core.epoch)
             receipt = None
             if not (async_finish or return_recv_hook):
-                private = self._impl.dispatch_sync(call, outputs)  # send and receive in one native call
+                transport_plan = self._transport.dispatch_sync(call, outputs)  # send and receive in one native call
                 receive = None
             else:
-                private, receive = self._impl.dispatch(call, outputs)
+                transport_plan, receive = self._transport.dispatch(call, outputs)
                 if async_finish or return_recv_hook:
-                    receive, receipt = _with_receipt(receive)
+                    receive, receipt = with_receipt(receive)
             # combine() checks its topk_idx against this copy: rows exist only for dispatched pairs.
-            plan = DispatchPlan(self._call, x.size(0), topk_idx.size(1), use_fp8, self.epoch, private, spec, receipt,
-                                topk_idx.clone(), outputs.src_info.data_ptr(), [False])
-            self._prev_plan, self._last_plan = self._last_plan, plan
+            plan = DispatchPlan(core.call, x.size(0), topk_idx.size(1), use_fp8, core.epoch, transport_plan, spec, receipt,
+                                topk_idx.clone(), outputs.src_info.data_ptr())
+            core.record_plan(plan)
             handle = DispatchHandle(outputs.src_info, outputs.layout_range, spec.tokens, spec.hidden, spec.experts,
                                     plan=plan)
             if receive is None:
@@ -576,26 +621,10 @@ class Buffer:
         """
         self._check_alive()
         _, _, tokens, hidden, experts = validation.check_handle(handle, self.num_ranks, self.device)
-        plan = self._plan_of(handle)
+        plan = self._core.plan_of(handle)
         shape = (experts // self.num_ranks, self.num_ranks * tokens, hidden)
         self._specs.check_capacity(tokens, hidden, experts)
-        return self._impl.combine_buffer(plan.call, shape, handle[0].device)
-
-    def _plan_of(self, handle) -> DispatchPlan:
-        """The dispatch `handle` stands for: its own plan, or for a plain 5-tuple, the one of the
-        last two dispatches whose src_info tensor it carries (ValueError naming `handle` otherwise)."""
-        plan = getattr(handle, "plan", None)
-        if plan is not None:
-            if plan.spec is not None and plan.spec.owner is not self._token:
-                raise ValueError("handle: expected a handle returned by this Buffer's dispatch(), got one of "
-                                 "another Buffer")
-            return plan
-        src = handle[0].data_ptr()
-        for plan in (self._last_plan, self._prev_plan):
-            if plan is not None and plan.src_ptr == src:
-                return plan
-        raise ValueError("handle: expected the handle of one of this Buffer's last two dispatches (a plain "
-                         "5-tuple is recognised by its src_info tensor), got a tuple matching none")
+        return self._transport.combine_buffer(plan.call, shape, handle[0].device)
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 active_ranks: torch.Tensor, timeout_us: int, handle, zero_copy: bool = False,
@@ -628,14 +657,14 @@ class Buffer:
             event: `EventOverlap`.
             hook: the receive-phase callable when `return_recv_hook`, else None.
         """
-        if self._destroyed:
-            self._check_alive()
+        if self._core.destroyed:
+            self._core.check_alive()
         if not isinstance(zero_copy, bool):
             raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
         if zero_copy:  # the outputs are in the handle's combine buffer already: whatever `x` is, use that
             x = self.get_next_combine_buffer(handle)
         if self.device is not None:
-            return device_calls.combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
+            return device_calls.combine(self._core, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
                                         async_finish, return_recv_hook, out)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
@@ -644,7 +673,7 @@ class Buffer:
         plan = getattr(handle, "plan", None)
         spec = getattr(plan, "spec", None) if type(handle) is DispatchHandle else None
         fast = False
-        if (spec is not None and spec.owner is self._token and timeout_in_range(timeout_us)
+        if (spec is not None and spec.owner is self._core.token and timeout_in_range(timeout_us)
                 and isinstance(x, _Tensor) and isinstance(topk_idx, _Tensor) and isinstance(topk_weights, _Tensor)
                 and isinstance(active_ranks, _Tensor)):
             src_info, layout_range = handle[0], handle[1]
@@ -674,14 +703,14 @@ class Buffer:
             fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
                                                           out, self.num_ranks)
             src_info, layout_range, tokens, hidden, experts = fields
-            plan = self._plan_of(handle)
-        again = plan.combined[0]
+            plan = self._core.plan_of(handle)
+        again = plan.combined
         if again:
-            check_combinable_again(plan, self._last_plan)
+            check_combinable_again(plan, self._core.last_plan)
         check_same_routing(plan, topk_idx)
         complete_receive(plan)  # async_finish: the layout is complete once the dispatch's event is
         if len(self.members) < self.num_ranks:
-            self._check_members(active_ranks)
+            self._core.check_members(active_ranks)
         if out is None:
             out = self._outputs.combine_output(topk_idx.size(0), hidden, x.device)
         life = self._life
@@ -692,14 +721,14 @@ class Buffer:
             # its own tag and the other half, so no peer still reading the previous combine's rows or
             # signals sees this one's (DeepEP's tests combine each handle twice; its buffer flips halves).
             if again:
-                self._call += 1
+                self._core.call += 1
             call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens,
-                               hidden, experts, self._call if again else plan.call, plan.private, out)
-            plan.combined[0] = True
+                               hidden, experts, self._core.call if again else plan.call, plan.transport_plan, out)
+            plan.mark_combined()
             if not (async_finish or return_recv_hook):
-                self._impl.combine_sync(call)  # send and receive in one native call
+                self._transport.combine_sync(call)  # send and receive in one native call
                 return out, EventOverlap(None, (x, topk_idx, topk_weights)), None
-            receive = self._impl.combine(call)
+            receive = self._transport.combine(call)
             event, hook = self._completions.complete(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights))
         finally:
             life.leave()

@@ -62,7 +62,7 @@ class CombineCall(NamedTuple):
         timeout_us: deadline in microseconds, -1 = none.
         src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts: the handle.
         call: call number of the matching dispatch.
-        plan_private: the transport's private record of the dispatch, or None.
+        transport_plan: the transport's private record of the dispatch, or None.
         out: `[N, hidden]` torch.bfloat16 output.
     """
 
@@ -77,7 +77,7 @@ class CombineCall(NamedTuple):
     hidden: int
     num_experts: int
     call: int
-    plan_private: Any
+    transport_plan: Any
     out: torch.Tensor
 
 

@@ -12,14 +12,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional, Tuple
 
 from mooncake_ep_switch.buffer.handle import EventOverlap
-from mooncake_ep_switch.buffer.lifetime import _guarded, _Lifetime, _once
+from mooncake_ep_switch.buffer.lifetime import guarded, Lifetime, once
 from mooncake_ep_switch.errors import BufferDestroyed
 
 
 class Completions:
     """Completes one Buffer's receive phases; owns its one background receive thread (made on first use)."""
 
-    def __init__(self, life: _Lifetime):
+    def __init__(self, life: Lifetime):
         self._life = life
         self._worker: Optional[ThreadPoolExecutor] = None
 
@@ -41,7 +41,7 @@ class Completions:
             receive()  # synchronous: runs exactly once, here (the caller holds the Buffer's lifetime)
             return EventOverlap(None, keep_alive), None
         life = self._life
-        receive = _once(_guarded(life, receive))
+        receive = once(guarded(life, receive))
         if return_recv_hook:
             return EventOverlap(receive, keep_alive), receive
         if self._worker is None:

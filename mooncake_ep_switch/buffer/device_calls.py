@@ -1,6 +1,6 @@
-"""`Buffer.dispatch()` and `Buffer.combine()` on CUDA tensors (the `"cuda"` transport).
+"""`Buffer.dispatch()` and `Buffer.combine()` on CUDA tensors (the `"cuda"` transport), on the Buffer's `BufferCore`.
 
-The same contract as the host path (buffer.py), with DeepEP's stream semantics and no host wait:
+The same contract as the host path (core.py), with DeepEP's stream semantics and no host wait:
 
 * synchronous call: send and receive kernels are launched on the current stream; the results are
   ready in stream order (the event is complete);
@@ -26,9 +26,10 @@ import torch
 
 from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
+from mooncake_ep_switch.buffer.core import BufferCore
 from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt, StreamEvent,
                                                check_combinable, check_same_routing, complete_receive)
-from mooncake_ep_switch.buffer.lifetime import _guarded, _once, _with_receipt
+from mooncake_ep_switch.buffer.lifetime import guarded, once, with_receipt
 
 
 def _capturing() -> bool:
@@ -38,27 +39,27 @@ def _capturing() -> bool:
 def _check_aligned(name: str, tensor: Optional[torch.Tensor]) -> None:
     """The kernels move rows 16 bytes at a time: a view at an odd offset is refused, never copied."""
     if tensor is not None and tensor.data_ptr() % 16:
-        validation._fail(name, "a tensor whose data starts at a 16-byte aligned address (the kernels move rows "
+        validation.fail(name, "a tensor whose data starts at a 16-byte aligned address (the kernels move rows "
                          "16 bytes at a time; a fresh tensor or .clone() is)", f"address {tensor.data_ptr():#x}")
 
 
-def _check_values(buffer, topk_idx: torch.Tensor, num_experts: int, active_ranks: torch.Tensor, capturing: bool) -> None:
-    if buffer.settings.cuda_check_values and not capturing:
-        problem = buffer._impl.value_problem(topk_idx, num_experts, active_ranks)
+def _check_values(core: BufferCore, topk_idx: torch.Tensor, num_experts: int, active_ranks: torch.Tensor, capturing: bool) -> None:
+    if core.settings.cuda_check_values and not capturing:
+        problem = core.transport.value_problem(topk_idx, num_experts, active_ranks)
         if problem:
             raise ValueError(problem)
 
 
-def _run(buffer, launch, async_finish: bool, return_recv_hook: bool, keep_alive):
-    """Launch `launch()` (which returns (private, receive)) in the call's mode; returns
-    (private, event, hook, receipt)."""
-    impl = buffer._impl
+def _run(core: BufferCore, launch, async_finish: bool, return_recv_hook: bool, keep_alive):
+    """Launch `launch()` (which returns (transport_plan, receive)) in the call's mode; returns
+    (transport_plan, event, hook, receipt)."""
+    impl = core.transport
     if async_finish:
         current = torch.cuda.current_stream(impl.device)
         comm = impl.comm_stream()
         comm.wait_stream(current)
         with torch.cuda.stream(comm):
-            private, receive = launch()
+            transport_plan, receive = launch()
             receive()
         for tensor in keep_alive:
             if isinstance(tensor, torch.Tensor):
@@ -68,45 +69,45 @@ def _run(buffer, launch, async_finish: bool, return_recv_hook: bool, keep_alive)
         event = StreamEvent(done, impl.device, keep_alive)
         receipt = ReceiveReceipt()
         receipt.wait = event.current_stream_wait  # a combine's stream waits for it, whichever stream that is
-        return private, event, None, receipt
-    private, receive = launch()
+        return transport_plan, event, None, receipt
+    transport_plan, receive = launch()
     if return_recv_hook:
-        hook, receipt = _with_receipt(_once(_guarded(buffer._life, receive)))
-        return private, EventOverlap(hook, keep_alive), hook, receipt
+        hook, receipt = with_receipt(once(guarded(core.life, receive)))
+        return transport_plan, EventOverlap(hook, keep_alive), hook, receipt
     receive()
-    return private, EventOverlap(None, keep_alive), None, None
+    return transport_plan, EventOverlap(None, keep_alive), None, None
 
 
-def dispatch(buffer, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us,
+def dispatch(core: BufferCore, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us,
              use_fp8: Optional[bool], async_finish: bool, return_recv_hook: bool):
     """`Buffer.dispatch` on the `"cuda"` transport (see its docstring for arguments and returns)."""
-    impl = buffer._impl
+    impl = core.transport
     if async_finish and return_recv_hook:
         raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
-    spec, timeout_us = buffer._specs.validate_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+    spec, timeout_us = core.specs.validate_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                        num_experts, timeout_us, use_fp8, impl.device)
     use_fp8 = spec.use_fp8
     _check_aligned("x", x)
     capturing = _capturing()
-    _check_values(buffer, topk_idx, spec.experts, active_ranks, capturing)
-    if len(buffer.members) < buffer.num_ranks and not capturing:
-        buffer._check_members(active_ranks)
-    outputs = buffer._outputs.dispatch_outputs(use_fp8, spec.local, spec.rows, spec.hidden, buffer.num_ranks,
+    _check_values(core, topk_idx, spec.experts, active_ranks, capturing)
+    if len(core.members) < core.num_ranks and not capturing:
+        core.check_members(active_ranks)
+    outputs = core.outputs.dispatch_outputs(use_fp8, spec.local, spec.rows, spec.hidden, core.num_ranks,
                                                impl.device, pooled=not capturing)
-    life = buffer._life
+    life = core.life
     life.enter()
     try:
-        buffer._call += 1
-        call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, buffer._call,
-                            buffer.epoch)
+        core.call += 1
+        call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, core.call,
+                            core.epoch)
         keep_alive = (x, topk_idx, active_ranks) + tuple(t for t in outputs if t is not None)
-        private, event, hook, receipt = _run(buffer, lambda: impl.dispatch(call, outputs), async_finish,
+        transport_plan, event, hook, receipt = _run(core, lambda: impl.dispatch(call, outputs), async_finish,
                                              return_recv_hook, keep_alive)
         # combine() compares its topk_idx with this copy when values are checked (one synchronisation).
-        routing = topk_idx.clone() if buffer.settings.cuda_check_values else None
-        plan = DispatchPlan(buffer._call, x.size(0), topk_idx.size(1), use_fp8, buffer.epoch, private, spec, receipt,
-                            routing, outputs.src_info.data_ptr(), [False])
-        buffer._prev_plan, buffer._last_plan = buffer._last_plan, plan
+        routing = topk_idx.clone() if core.settings.cuda_check_values else None
+        plan = DispatchPlan(core.call, x.size(0), topk_idx.size(1), use_fp8, core.epoch, transport_plan, spec, receipt,
+                            routing, outputs.src_info.data_ptr())
+        core.record_plan(plan)
         handle = DispatchHandle(outputs.src_info, outputs.layout_range, spec.tokens, spec.hidden, spec.experts,
                                 plan=plan)
     finally:
@@ -115,39 +116,39 @@ def dispatch(buffer, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank
     return packed, outputs.recv_count, handle, event, hook
 
 
-def combine(buffer, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, async_finish: bool,
+def combine(core: BufferCore, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, async_finish: bool,
             return_recv_hook: bool, out: Optional[torch.Tensor]):
     """`Buffer.combine` on the `"cuda"` transport (see its docstring for arguments and returns; a zero-copy
     combine arrives here with `x` already the handle's combine buffer)."""
-    impl = buffer._impl
+    impl = core.transport
     if async_finish and return_recv_hook:
         raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
     fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out,
-                                                  buffer.num_ranks, impl.device)
+                                                  core.num_ranks, impl.device)
     src_info, layout_range, tokens, hidden, experts = fields
     _check_aligned("x", x)
     _check_aligned("out", out)
-    plan = buffer._plan_of(handle)
+    plan = core.plan_of(handle)
     check_combinable(plan)
     if tuple(topk_idx.shape) != (plan.num_tokens, plan.top_k):
-        validation._fail("topk_idx", f"the dispatch's shape [{plan.num_tokens}, {plan.top_k}]", list(topk_idx.shape))
+        validation.fail("topk_idx", f"the dispatch's shape [{plan.num_tokens}, {plan.top_k}]", list(topk_idx.shape))
     capturing = _capturing()
-    _check_values(buffer, topk_idx, experts, active_ranks, capturing)
-    if buffer.settings.cuda_check_values and not capturing:
+    _check_values(core, topk_idx, experts, active_ranks, capturing)
+    if core.settings.cuda_check_values and not capturing:
         check_same_routing(plan, topk_idx)
     complete_receive(plan)  # async_finish: this stream waits for the dispatch's communication stream
-    if len(buffer.members) < buffer.num_ranks and not capturing:
-        buffer._check_members(active_ranks)
+    if len(core.members) < core.num_ranks and not capturing:
+        core.check_members(active_ranks)
     if out is None:
-        out = buffer._outputs.combine_output(topk_idx.size(0), hidden, impl.device, pooled=not capturing)
+        out = core.outputs.combine_output(topk_idx.size(0), hidden, impl.device, pooled=not capturing)
     call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens, hidden,
-                       experts, plan.call, plan.private, out)
-    life = buffer._life
+                       experts, plan.call, plan.transport_plan, out)
+    life = core.life
     life.enter()
     try:
-        plan.combined[0] = True
-        keep_alive = (x, topk_idx, topk_weights, active_ranks, out, plan.private)
-        _, event, hook, _ = _run(buffer, lambda: (None, impl.combine(call)), async_finish, return_recv_hook,
+        plan.mark_combined()
+        keep_alive = (x, topk_idx, topk_weights, active_ranks, out, plan.transport_plan)
+        _, event, hook, _ = _run(core, lambda: (None, impl.combine(call)), async_finish, return_recv_hook,
                                  keep_alive)
     finally:
         life.leave()

@@ -220,10 +220,10 @@ def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joini
 
     counters = RecordStore(dist.PrefixStore(f"{base}/generation", store), f"{base}/generation")  # no incarnation
     if not joining:
-        generation = counters._bump(str(rank))
+        generation = counters.bump_counter(str(rank))
         with _JOINED_LOCK:
             return f"{base}/g{generation}", _hold(_MEMBER_HELD, (base, rank), generation)
-    newest = max(counters._counter(str(r)) for r in range(num_ranks))
+    newest = max(counters.read_counter(str(r)) for r in range(num_ranks))
     if newest == 0:  # no member has built a Buffer of this group yet
         return f"{base}/g0", lambda: None
     key = (base, rank)

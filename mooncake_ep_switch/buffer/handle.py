@@ -1,5 +1,6 @@
 """Typed handles and completion events returned by dispatch() and combine()."""
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -13,7 +14,8 @@ class _DispatchHandleFields(NamedTuple):
     num_experts: int
 
 
-class DispatchPlan(NamedTuple):
+@dataclass(frozen=True, slots=True, eq=False)
+class DispatchPlan:
     """Transport-private record of one dispatch call, kept on its handle.
 
     Fields:
@@ -22,7 +24,7 @@ class DispatchPlan(NamedTuple):
         top_k: `K`, columns of the dispatched `topk_idx`.
         use_fp8: whether the dispatch carried FP8 rows.
         epoch: membership epoch the call ran in.
-        private: transport-specific state (the collective fallback's exchange plan), or None.
+        transport_plan: transport-specific state (the collective fallback's exchange plan), or None.
         spec: the Buffer's validated record of the call shape (lets combine() skip re-checking the
             handle's fields), or None.
         receipt: `ReceiveReceipt` of a dispatch whose receive phase runs later (hook or async
@@ -31,8 +33,9 @@ class DispatchPlan(NamedTuple):
             values: rows exist only for the pairs that were dispatched), or None.
         src_ptr: address of the handle's src_info (how a plain 5-tuple handle is matched to its
             dispatch), or 0.
-        combined: one-element list, `[True]` once a combine of this dispatch has started (every
-            later combine of it is a call of its own, see `Buffer.combine`).
+        combined: True once a combine of this dispatch has started (every later combine of it is
+            a call of its own, see `Buffer.combine`); set only by `mark_combined()`, the plan's one
+            change after it is made.
     """
 
     call: int
@@ -40,18 +43,22 @@ class DispatchPlan(NamedTuple):
     top_k: int
     use_fp8: bool
     epoch: int
-    private: Any
-    spec: Any = None
-    receipt: Any = None
-    topk_idx: Any = None
+    transport_plan: Any
+    spec: Optional[Any] = None  # a call_spec.CallSpec
+    receipt: Optional["ReceiveReceipt"] = None
+    topk_idx: Optional[torch.Tensor] = None
     src_ptr: int = 0
-    combined: Any = (False,)
+    combined: bool = False
+
+    def mark_combined(self) -> None:
+        """A combine of this dispatch has started."""
+        object.__setattr__(self, "combined", True)
 
 
 def check_combinable(plan: "DispatchPlan") -> None:
     """Device transports combine a handle once: ValueError naming `handle` if this dispatch was combined
     already (the host transports combine it again, `check_combinable_again`)."""
-    if plan.combined[0]:
+    if plan.combined:
         raise ValueError(f"handle: expected a dispatch not combined yet, got the handle of call {plan.call}, "
                          "which was combined already (the cuda transport combines a handle once; the host "
                          "transports combine it again until the next dispatch)")

@@ -1,8 +1,8 @@
 """What a `Buffer` shares with the hooks, events and background receive phases of its calls.
 
-`_Lifetime` says whether the Buffer was destroyed, holds the abort word its native waits poll, and
+`Lifetime` says whether the Buffer was destroyed, holds the abort word its native waits poll, and
 counts the calls using its memory, so that `destroy()` is bounded and the memory is released by
-the last running call. `_guarded`, `_once` and `_with_receipt` wrap a call's deferred receive phase.
+the last running call. `guarded`, `once` and `with_receipt` wrap a call's deferred receive phase.
 None of them keeps the Buffer itself alive.
 """
 import threading
@@ -16,7 +16,7 @@ from mooncake_ep_switch.errors import BufferDestroyed
 _I64 = torch.int64
 
 
-def _with_receipt(receive: Callable[[], None]) -> Tuple[Callable[[], None], ReceiveReceipt]:
+def with_receipt(receive: Callable[[], None]) -> Tuple[Callable[[], None], ReceiveReceipt]:
     """Wrap a deferred receive phase so that its receipt records when it has run."""
     receipt = ReceiveReceipt()
 
@@ -34,7 +34,7 @@ def _with_receipt(receive: Callable[[], None]) -> Tuple[Callable[[], None], Rece
 DESTROY_WAIT_S = 5.0
 
 
-class _Lifetime:
+class Lifetime:
     """What a Buffer shares with its hooks, events and background receive phases (not the Buffer
     itself, which they must not keep alive): whether it was destroyed, the abort word every native
     wait of its calls polls, and how many calls are using its memory right now.
@@ -91,7 +91,7 @@ class _Lifetime:
         return True
 
 
-def _guarded(life: _Lifetime, function: Callable[[], None]) -> Callable[[], None]:
+def guarded(life: Lifetime, function: Callable[[], None]) -> Callable[[], None]:
     """A receive phase that runs only while its Buffer lives (BufferDestroyed, a RuntimeError, after destroy())."""
 
     def run() -> None:
@@ -109,7 +109,7 @@ def _guarded(life: _Lifetime, function: Callable[[], None]) -> Callable[[], None
     return run
 
 
-def _once(function: Callable[[], None]) -> Callable[[], None]:
+def once(function: Callable[[], None]) -> Callable[[], None]:
     """Wrap a receive phase so that a hook and an event may both complete it, once."""
     lock = threading.Lock()
     state = {"done": False, "error": None}

@@ -7,8 +7,8 @@ builds on it). Every read is validated; a record that fails is refused with `Mem
 from typing import Iterable, Optional
 
 from mooncake_ep_switch.buffer.membership_records import (ACTIVE, INACTIVE, JOINING, MAX_STATE_BYTES, STATES,  # noqa: F401
-                                                          MembershipError, RecordStore, _valid_endpoint,
-                                                          _valid_peer_state, _valid_region_record, _valid_state)
+                                                          MembershipError, RecordStore, valid_endpoint,
+                                                          valid_peer_state, valid_region_record, valid_state)
 
 
 class MemberRecords(RecordStore):
@@ -31,10 +31,10 @@ class MemberRecords(RecordStore):
         self.rank = rank
         self.num_ranks = num_ranks
         # An observer (take_incarnation=False) only reads: it takes no incarnation and writes nothing.
-        self.incarnation = self._bump(f"incarnation/{rank}") if take_incarnation else None
+        self.incarnation = self.bump_counter(f"incarnation/{rank}") if take_incarnation else None
 
     def _state_record(self, rank: int) -> Optional[dict]:
-        return self._read(f"state/{rank}", _valid_state, "state record")
+        return self._read(f"state/{rank}", valid_state, "state record")
 
     def state(self, rank: int) -> str:
         """State of `rank`: active, inactive or joining.
@@ -64,8 +64,8 @@ class MemberRecords(RecordStore):
             MembershipError: that incarnation has published no endpoint yet, or the record is
                 malformed or fails authentication.
         """
-        incarnation = self._counter(f"incarnation/{rank}")
-        found = self._read(f"endpoint/{rank}/{incarnation}", _valid_endpoint,
+        incarnation = self.read_counter(f"incarnation/{rank}")
+        found = self._read(f"endpoint/{rank}/{incarnation}", valid_endpoint,
                            "endpoint (dict: region [pid, fd, nbytes], host_id str, te_session str, te_base int)")
         if found is None:
             raise MembershipError(f"rank {rank} (incarnation {incarnation}) has published no endpoint")
@@ -83,7 +83,7 @@ class MemberRecords(RecordStore):
         Raises:
             MembershipError: the counter holds something other than a count.
         """
-        return self._counter(f"incarnation/{rank}")
+        return self.read_counter(f"incarnation/{rank}")
 
     def region_record(self, index: int, rank: int) -> Optional[dict]:
         """The shared regions `rank`'s current incarnation published for participant `index`.
@@ -100,8 +100,8 @@ class MemberRecords(RecordStore):
         Raises:
             MembershipError: the record is malformed or fails authentication.
         """
-        incarnation = self._counter(f"incarnation/{rank}")
-        return self._read(f"regions/{index}/{rank}/{incarnation}", _valid_region_record,
+        incarnation = self.read_counter(f"incarnation/{rank}")
+        return self._read(f"regions/{index}/{rank}/{incarnation}", valid_region_record,
                           "region record (dict: kind str, regions list of [pid, fd, nbytes], te_bases list of int)")
 
     def peer_state(self, epoch: int) -> Optional[list]:
@@ -116,7 +116,7 @@ class MemberRecords(RecordStore):
         Raises:
             MembershipError: the record is malformed or fails authentication.
         """
-        return self._read(f"regions/state/{epoch}", _valid_peer_state, "peer state list", limit=MAX_STATE_BYTES)
+        return self._read(f"regions/state/{epoch}", valid_peer_state, "peer state list", limit=MAX_STATE_BYTES)
 
     def publish_endpoint(self, endpoint: dict) -> None:
         """Publish this incarnation's endpoint (region pid/fd, TE session, host identity).
@@ -127,7 +127,7 @@ class MemberRecords(RecordStore):
         Raises:
             ValueError: `endpoint` is not a valid endpoint record.
         """
-        if not _valid_endpoint(endpoint):
+        if not valid_endpoint(endpoint):
             raise ValueError(f"endpoint: expected a dict with region [pid, fd, nbytes], host_id str, te_session "
                              f"str, te_base int, got {endpoint!r}")
         self._put(f"endpoint/{self.rank}/{self.incarnation}", endpoint)
@@ -143,7 +143,7 @@ class MemberRecords(RecordStore):
         Raises:
             ValueError: `record` is not a valid region record.
         """
-        if not _valid_region_record(record):
+        if not valid_region_record(record):
             raise ValueError(f"record: expected a dict with kind str and regions list of [pid, fd, nbytes], got "
                              f"{str(record)[:120]!r}")
         self._put(f"regions/{index}/{self.rank}/{self.incarnation}", record)
@@ -158,11 +158,11 @@ class MemberRecords(RecordStore):
         Raises:
             ValueError: `states` is not a valid list or is larger than `MAX_STATE_BYTES`.
         """
-        if not _valid_peer_state(states):
+        if not valid_peer_state(states):
             raise ValueError(f"states: expected a list of dicts with index int, kind str and state dict, got "
                              f"{str(states)[:120]!r}")
         key = f"regions/state/{epoch}"
-        text = self._encode(key, states)
+        text = self.encode_record(key, states)
         if len(text) > MAX_STATE_BYTES:
             raise ValueError(f"states: {len(text)} bytes encoded, at most {MAX_STATE_BYTES}")
         self.store.set(key, text)
@@ -176,10 +176,10 @@ class MemberRecords(RecordStore):
         Raises:
             MembershipError: another process took this rank over (its incarnation is newer).
         """
-        new = self._bump(f"incarnation/{self.rank}", expected=self.incarnation)
+        new = self.bump_counter(f"incarnation/{self.rank}", expected=self.incarnation)
         if new < 0:
             raise MembershipError(f"rank {self.rank} was taken over by another process or Buffer (incarnation "
-                                  f"{self._counter(f'incarnation/{self.rank}')}, this one {self.incarnation}): "
+                                  f"{self.read_counter(f'incarnation/{self.rank}')}, this one {self.incarnation}): "
                                   "this Buffer cannot rejoin; destroy it")
         self.incarnation = new
         return new
@@ -192,7 +192,7 @@ class MemberRecords(RecordStore):
             given_back: whether the counter was set back (False: another process or Buffer took a newer one).
         """
         key = f"incarnation/{self.rank}"
-        value, text = self._counter_raw(key)
+        value, text = self.read_counter_raw(key)
         if self.incarnation is None or value != self.incarnation or value < 1:
             return False
         back = str(value - 1)
@@ -212,7 +212,7 @@ class MemberRecords(RecordStore):
         if state not in STATES:
             raise ValueError(f"state: expected one of active, inactive, joining, got {state!r}")
         rank = self.rank if rank is None else rank
-        incarnation = self.incarnation if rank == self.rank else self._counter(f"incarnation/{rank}")
+        incarnation = self.incarnation if rank == self.rank else self.read_counter(f"incarnation/{rank}")
         self._put(f"state/{rank}", {"state": state, "incarnation": incarnation, "epoch": epoch})
 
     def deactivate(self, ranks: Iterable[int]) -> None:

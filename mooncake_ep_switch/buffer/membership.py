@@ -51,7 +51,7 @@ Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; 
    without a quorum at its deadline raises (nothing sealed) and calls again.
 
 Records are validated when read and, with a per-job secret, authenticated; counters are bumped
-with compare-and-set. That record layer (codec, `_valid_*` checks, HMAC) is `membership_records.py`,
+with compare-and-set. That record layer (codec, `valid_*` checks, HMAC) is `membership_records.py`,
 the per-rank records on it (state, incarnation, endpoint, regions) `member_records.py`; this module
 is the epoch/view protocol on top of them.
 """
@@ -66,7 +66,7 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequenc
 # The record layer; names other modules import from here are re-exported.
 from mooncake_ep_switch.buffer.membership_records import (ACTIVE, INACTIVE, JOINING, MAX_COUNTER,  # noqa: F401
                                                           MAX_RECORD_BYTES, MAX_STATE_BYTES, STATES, MembershipError,
-                                                          RecordStore, _rank_list, _valid_ready, _valid_state)
+                                                          RecordStore, rank_list, valid_ready, valid_state)
 from mooncake_ep_switch.buffer.member_records import MemberRecords
 from mooncake_ep_switch.errors import LeftOut  # noqa: F401 (re-exported)
 
@@ -158,7 +158,7 @@ class Membership(MemberRecords):
         Raises:
             MembershipError: the epoch key holds something other than a count.
         """
-        epoch = self._counter("epoch")
+        epoch = self.read_counter("epoch")
         for _ in range(_MAX_EPOCH_SKIP):  # bounded: the counter lags by one in honest use
             try:
                 if self._view_record(epoch + 1) is None:
@@ -169,7 +169,7 @@ class Membership(MemberRecords):
         return epoch
 
     def _view_record(self, epoch: int) -> Optional[tuple]:
-        return self._read(f"view/{epoch}", lambda v: _rank_list(v, self.num_ranks) is not None,
+        return self._read(f"view/{epoch}", lambda v: rank_list(v, self.num_ranks) is not None,
                           f"view (non-empty ascending list of distinct ranks in [0, {self.num_ranks}))")
 
     def sealed(self, epoch: int) -> bool:
@@ -219,16 +219,16 @@ class Membership(MemberRecords):
                 record = self._state_record(rank)
                 if record is None or record["state"] != JOINING or record["epoch"] != epoch:
                     continue
-                if self._ready(epoch, rank) is not None:
+                if self.ready_record(epoch, rank) is not None:
                     found.append(rank)
             except MembershipError:
                 continue
         return found
 
-    def _ready(self, epoch: int, rank: int) -> Optional[dict]:
+    def ready_record(self, epoch: int, rank: int) -> Optional[dict]:
         """`rank`'s readiness for `epoch` when it carries the rank's current incarnation, else None."""
-        record = self._read(f"ready/{epoch}/{rank}", _valid_ready, "ready record")
-        if record is None or record["incarnation"] != self._counter(f"incarnation/{rank}"):
+        record = self._read(f"ready/{epoch}/{rank}", valid_ready, "ready record")
+        if record is None or record["incarnation"] != self.read_counter(f"incarnation/{rank}"):
             return None
         return record
 
@@ -246,7 +246,7 @@ class Membership(MemberRecords):
         found = {}
         for reporter in range(self.num_ranks):
             try:
-                ranks = self._read(f"evidence/{epoch}/{reporter}", lambda v: _rank_list(v, self.num_ranks) is not None,
+                ranks = self._read(f"evidence/{epoch}/{reporter}", lambda v: rank_list(v, self.num_ranks) is not None,
                                    "evidence list")
             except MembershipError:
                 continue
@@ -349,7 +349,7 @@ class Membership(MemberRecords):
         if ranks is None:
             raise MembershipError(f"the view of epoch {target} disappeared from the store after it was sealed")
         ranks = tuple(ranks)
-        unready = [r for r in ranks if self._read(f"ready/{target}/{r}", _valid_ready, "ready record") is None]
+        unready = [r for r in ranks if self._read(f"ready/{target}/{r}", valid_ready, "ready record") is None]
         if unready:
             raise MembershipError(f"the sealed view of epoch {target} ({list(ranks)}) lists ranks {unready} that "
                                   "posted no readiness for it: not sealed by this job's ranks; refused")
@@ -408,7 +408,7 @@ class Membership(MemberRecords):
         candidates = []
         for rank in range(self.num_ranks):
             try:
-                if self._ready(target, rank) is None:
+                if self.ready_record(target, rank) is None:
                     continue
                 if rank not in members:
                     record = self._state_record(rank)
@@ -426,14 +426,14 @@ class Membership(MemberRecords):
                                   "intact; refusing to seal")
         if not self.quorum([r for r in candidates if r in members], members, gone):
             return False
-        self.store.compare_set(f"view/{target}", "", self._encode(f"view/{target}", candidates))
+        self.store.compare_set(f"view/{target}", "", self.encode_record(f"view/{target}", candidates))
         return True
 
     def _alive(self, joiners: List[int]) -> set:
         """The joiners whose heartbeat moves within `JOINER_PROOF_S` while they wait inside
         `update_ep_member()` (not dead, and not a pending joiner that gave up waiting for now)."""
         def beat(rank):
-            raw = self._raw(f"alive/{rank}")
+            raw = self.read_raw(f"alive/{rank}")
             return None if raw is None else bytes(raw[:64])
 
         waiting = f":{WAITING_BEAT}:".encode()
@@ -502,15 +502,15 @@ class Membership(MemberRecords):
     def _withdraw(self, target: int) -> None:
         """A joiner gives up waiting for `target`: its joining state becomes inactive (CAS on its own record)."""
         key = f"state/{self.rank}"
-        raw = self._raw(key)
+        raw = self.read_raw(key)
         if raw is not None:
             self.store.compare_set(key, raw.decode(errors="replace"),
-                                   self._encode(key, {"state": INACTIVE, "incarnation": self.incarnation,
+                                   self.encode_record(key, {"state": INACTIVE, "incarnation": self.incarnation,
                                                       "epoch": target}))
 
     def _adopt(self, current: int, view: View) -> None:
         """Advance the epoch counter, set this rank active and non-members inactive (rule 3)."""
-        value, text = self._counter_raw("epoch")
+        value, text = self.read_counter_raw("epoch")
         if value == current:  # the first adopter advances it; a CAS from a stale value does nothing
             self.store.compare_set("epoch", "" if text is None else text, str(view.epoch))
         self.set_state(ACTIVE, epoch=view.epoch)
@@ -518,16 +518,16 @@ class Membership(MemberRecords):
             if rank in view.ranks:
                 continue
             key = f"state/{rank}"
-            raw = self._raw(key)
+            raw = self.read_raw(key)
             try:
                 record = None if raw is None else self._decode(key, raw)
             except MembershipError:
                 record = None
-            if _valid_state(record) and record["state"] == INACTIVE:
+            if valid_state(record) and record["state"] == INACTIVE:
                 continue
-            if _valid_state(record) and record["state"] == JOINING and record["epoch"] > view.epoch:
+            if valid_state(record) and record["state"] == JOINING and record["epoch"] > view.epoch:
                 continue  # registered for a later epoch: still joining
-            inactive = self._encode(key, {"state": INACTIVE, "incarnation": self._counter(f"incarnation/{rank}"),
+            inactive = self.encode_record(key, {"state": INACTIVE, "incarnation": self.read_counter(f"incarnation/{rank}"),
                                           "epoch": view.epoch})
             self.store.compare_set(key, "" if raw is None else raw.decode(errors="replace"), inactive)
 
@@ -544,7 +544,7 @@ class Membership(MemberRecords):
         best = 0
         for rank in ranks:
             try:
-                record = self._read(f"ready/{epoch}/{rank}", _valid_ready, "ready record")
+                record = self._read(f"ready/{epoch}/{rank}", valid_ready, "ready record")
             except MembershipError:
                 continue
             if record is not None:

@@ -4,7 +4,7 @@ Every membership record is one JSON value at one key of the torch.distributed st
 listed in `membership.py`). `RecordStore` reads and writes them; `membership.Membership` builds the
 epoch/view protocol on top of it.
 
-Records are validated when read (types, ranges, distinct ranks, sizes): the `_valid_*` checks
+Records are validated when read (types, ranges, distinct ranks, sizes): the `valid_*` checks
 below say what this job's ranks write, and a record that is anything else is refused with a
 `MembershipError`. With a per-job secret (`MEP_JOB_SECRET`, see `config.py`) every record is also
 authenticated: the stored text is `mac1:<HMAC-SHA256 over prefix, key and value>:<JSON>`, so a record
@@ -37,7 +37,7 @@ def _is_int(value, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
-def _rank_list(value, num_ranks: int, allow_empty: bool = False) -> Optional[tuple]:
+def rank_list(value, num_ranks: int, allow_empty: bool = False) -> Optional[tuple]:
     """`value` as an ascending tuple of distinct ranks in [0, num_ranks), or None if it is not one."""
     if not isinstance(value, list) or len(value) > num_ranks or (not value and not allow_empty):
         return None
@@ -48,17 +48,17 @@ def _rank_list(value, num_ranks: int, allow_empty: bool = False) -> Optional[tup
     return tuple(value)
 
 
-def _valid_ready(value) -> bool:
+def valid_ready(value) -> bool:
     return (isinstance(value, dict) and _is_int(value.get("incarnation"), 1, MAX_COUNTER)
             and _is_int(value.get("call"), 0, 1 << 62))
 
 
-def _valid_state(value) -> bool:
+def valid_state(value) -> bool:
     return (isinstance(value, dict) and value.get("state") in STATES
             and _is_int(value.get("incarnation"), 0, MAX_COUNTER) and _is_int(value.get("epoch"), 0, MAX_COUNTER))
 
 
-def _valid_endpoint(value) -> bool:
+def valid_endpoint(value) -> bool:
     if not isinstance(value, dict) or not isinstance(value.get("host_id", ""), str):
         return False
     region = value.get("region")
@@ -71,7 +71,7 @@ def _valid_endpoint(value) -> bool:
     return "te_base" not in value or _is_int(value["te_base"], 1, 1 << 64)
 
 
-def _valid_region_record(value) -> bool:
+def valid_region_record(value) -> bool:
     if not isinstance(value, dict) or not isinstance(value.get("kind"), str):
         return False
     regions = value.get("regions")
@@ -84,7 +84,7 @@ def _valid_region_record(value) -> bool:
         _is_int(b, 1, 1 << 64) and b + r[2] <= 1 << 64 for b, r in zip(bases, regions)))
 
 
-def _valid_peer_state(value) -> bool:
+def valid_peer_state(value) -> bool:
     return isinstance(value, list) and all(
         isinstance(item, dict) and _is_int(item.get("index"), 0, MAX_COUNTER) and isinstance(item.get("kind"), str)
         and isinstance(item.get("state"), dict) for item in value)
@@ -111,7 +111,7 @@ class RecordStore:
         message = f"{self.prefix}\0{key}\0{text}".encode()
         return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
 
-    def _encode(self, key: str, value: Any) -> str:
+    def encode_record(self, key: str, value: Any) -> str:
         text = json.dumps(value, separators=(",", ":"))
         return text if self.secret is None else f"{_MAC}{self._mac(key, text)}:{text}"
 
@@ -141,14 +141,14 @@ class RecordStore:
         except ValueError:
             raise MembershipError(f"store record {self.prefix}/{key} is not JSON: {text[:80]!r}; refused") from None
 
-    def _raw(self, key: str) -> Optional[bytes]:
+    def read_raw(self, key: str) -> Optional[bytes]:
         if not self.store.check([key]):
             return None
         return self.store.get(key)
 
     def _read(self, key: str, valid: Callable[[Any], Any], what: str, limit: int = MAX_RECORD_BYTES) -> Any:
         """The record at `key` (None when absent); MembershipError when malformed, forged or invalid."""
-        raw = self._raw(key)
+        raw = self.read_raw(key)
         if raw is None:
             return None
         value = self._decode(key, raw, limit)
@@ -158,11 +158,11 @@ class RecordStore:
         return value
 
     def _put(self, key: str, value: Any) -> None:
-        self.store.set(key, self._encode(key, value))
+        self.store.set(key, self.encode_record(key, value))
 
-    def _counter_raw(self, key: str):
+    def read_counter_raw(self, key: str):
         """(value, raw text) of a counter; (0, None) when absent. Values are `"<n>"` or `"<n>:<nonce>"`."""
-        raw = self._raw(key)
+        raw = self.read_raw(key)
         if raw is None:
             return 0, None
         try:
@@ -174,10 +174,10 @@ class RecordStore:
             raise MembershipError(f"store counter {self.prefix}/{key} holds {raw[:40]!r}, not a count; refused")
         return value, text
 
-    def _counter(self, key: str) -> int:
-        return self._counter_raw(key)[0]
+    def read_counter(self, key: str) -> int:
+        return self.read_counter_raw(key)[0]
 
-    def _bump(self, key: str, expected: Optional[int] = None) -> int:
+    def bump_counter(self, key: str, expected: Optional[int] = None) -> int:
         """Add 1 to a counter with compare-and-set (never add(): see the module docstring).
 
         The new value carries a random nonce, so two writers that raced from one value never both
@@ -185,7 +185,7 @@ class RecordStore:
         value, or -1 when the counter moved on.
         """
         for _ in range(1000):  # bounded: each failed CAS means another writer succeeded
-            old, text = self._counter_raw(key)
+            old, text = self.read_counter_raw(key)
             if expected is not None and old != expected:
                 return -1
             new = f"{old + 1}:{secrets.token_hex(8)}"

@@ -257,7 +257,7 @@ class PeerRegions:
     def transfer_engine(self):
         """The Buffer's Transfer Engine endpoint (`TeEndpoint`), or None when it has none."""
         buffer = self._buffer()
-        return None if buffer is None else getattr(getattr(buffer, "_impl", None), "te", None)
+        return None if buffer is None else buffer.runtime.transfer_engine()
 
     def _record(self, kind: str, regions: list) -> dict:
         """The region record of a participant; regions are registered with the Transfer Engine first."""
@@ -278,7 +278,7 @@ class PeerRegions:
             raise ValueError(f"rank {peer}'s participant {index} is a {record['kind']!r} with "
                              f"{len(record['regions'])} regions, expected a {kind!r} with {len(regions)}")
         buffer = self._buffer()
-        route = getattr(getattr(buffer, "_impl", None), "te_peers", {}).get(peer)
+        route = None if buffer is None else buffer.runtime.te_peer(peer)
         if route is None:
             incarnation = membership.incarnation_of(peer)  # an equal (pid, fd) of a newer incarnation is remapped
             for region, endpoint in zip(regions, record["regions"]):

@@ -85,7 +85,7 @@ def choose_generation(store, rank: int, num_ranks: int, base: str, secret, deadl
             (this rank's counter is set back: nothing changed).
     """
     counters = RecordStore(dist.PrefixStore(f"{base}/generation", store), f"{base}/generation")
-    own = counters._counter(str(rank))
+    own = counters.read_counter(str(rank))
     choice = _member(store, rank, num_ranks, base)  # generation own + 1: the others see this rank build it
     if own == 0:  # this rank's first Buffer of the group
         return choice
@@ -117,13 +117,13 @@ def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int
     next epoch, with its current incarnation, and its heartbeat moving), or one this rank was sealed out
     of while no other rank moves on for `LEFT_OUT_GRACE_S`."""
     others = [r for r in range(num_ranks) if r != rank]
-    first = [counters._counter(str(r)) for r in others]
+    first = [counters.read_counter(str(r)) for r in others]
     generations = range(1, max([own] + first) + 1)
     observers: Dict[int, Membership] = {}
     beats: Dict[Tuple[int, int], bytes] = {}
     pause, quiet_since = 0.001, time.monotonic()
     while True:
-        reached = [counters._counter(str(r)) for r in others]
+        reached = [counters.read_counter(str(r)) for r in others]
         if all(value >= mine for value in reached):
             return None
         if reached != first:
@@ -137,9 +137,9 @@ def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int
             epoch = observer.epoch()
             members = observer.view(epoch).ranks
             for member in members:
-                if member == rank or observer._ready(epoch + 1, member) is None:
+                if member == rank or observer.ready_record(epoch + 1, member) is None:
                     continue
-                beat = observer._raw(f"alive/{member}")
+                beat = observer.read_raw(f"alive/{member}")
                 if beat is not None and MEMBER_BEAT_MARK in beat:
                     if beats.get((generation, member), beat) != beat:
                         return generation  # its members are waiting for this rank in update_ep_member()
@@ -161,19 +161,19 @@ def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int
 
 def _step_back(counters: RecordStore, rank: int, mine: int, own: int) -> None:
     """Set this rank's generation counter back from `mine` to `own` (it moved while the others decided)."""
-    value, text = counters._counter_raw(str(rank))
+    value, text = counters.read_counter_raw(str(rank))
     if value == mine:
         counters.store.compare_set(str(rank), "" if text is None else text, str(own))
 
 
-def register_member(buffer, base: str, generation: int) -> None:
-    """Remember a live Buffer of this process in generation `generation` of group `base`."""
+def register_member(core, base: str, generation: int) -> None:
+    """Remember a live Buffer of this process (its `BufferCore`) in generation `generation` of group `base`."""
     with _MEMBERS_LOCK:
-        _MEMBERS.setdefault((base, buffer.rank, generation), weakref.WeakSet()).add(buffer)
+        _MEMBERS.setdefault((base, core.rank, generation), weakref.WeakSet()).add(core)
 
 
-def supersede(buffer, base: str, generation: int) -> int:
-    """`buffer` was admitted in place of this rank's earlier Buffers of the generation held by this process:
+def supersede(core, base: str, generation: int) -> int:
+    """The Buffer of `core` was admitted in place of this rank's earlier Buffers of the generation held by this process:
     leave them out (their dispatch/combine refuse; their `update_ep_member()` finds the rank taken over).
 
     Returns:
@@ -182,7 +182,7 @@ def supersede(buffer, base: str, generation: int) -> int:
     from mooncake_ep_switch.buffer.elastic_view import left_out_by_replacement
 
     with _MEMBERS_LOCK:
-        earlier = [b for b in _MEMBERS.get((base, buffer.rank, generation), ()) if b is not buffer]
+        earlier = [c for c in _MEMBERS.get((base, core.rank, generation), ()) if c is not core]
     for old in earlier:
         left_out_by_replacement(old)
     return len(earlier)

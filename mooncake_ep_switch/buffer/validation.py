@@ -17,7 +17,7 @@ from mooncake_ep_switch import _native
 from mooncake_ep_switch.vocabulary import INT32_MAX, check_int, check_timeout  # noqa: F401  (both re-exported)
 
 
-def _fail(name: str, expected: str, got) -> None:
+def fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
@@ -42,20 +42,20 @@ def check_tensor(name: str, tensor, dtype: torch.dtype, dim: int, shape=None, de
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if device is None and tensor.device.type != "cpu":
-        _fail(name, "a CPU tensor (this Buffer's transport moves host memory; CUDA tensors need the 'cuda' "
+        fail(name, "a CPU tensor (this Buffer's transport moves host memory; CUDA tensors need the 'cuda' "
               "transport)", f"a tensor on {tensor.device}")
     if device is not None and tensor.device != device:
-        _fail(name, f"a tensor on {device} (this Buffer's transport is 'cuda')", f"a tensor on {tensor.device}")
+        fail(name, f"a tensor on {device} (this Buffer's transport is 'cuda')", f"a tensor on {tensor.device}")
     if tensor.dtype != dtype:
-        _fail(name, f"dtype {dtype}", tensor.dtype)
+        fail(name, f"dtype {dtype}", tensor.dtype)
     if tensor.dim() != dim:
-        _fail(name, f"{dim} dims", f"{tensor.dim()} dims (shape {list(tensor.shape)})")
+        fail(name, f"{dim} dims", f"{tensor.dim()} dims (shape {list(tensor.shape)})")
     if shape is not None:
         for axis, (want, have) in enumerate(zip(shape, tensor.shape)):
             if want != -1 and want != have:
-                _fail(name, f"shape {list(shape)} (-1 = any)", list(tensor.shape))
+                fail(name, f"shape {list(shape)} (-1 = any)", list(tensor.shape))
     if not tensor.is_contiguous():
-        _fail(name, "a contiguous tensor", f"strides {tensor.stride()}")
+        fail(name, "a contiguous tensor", f"strides {tensor.stride()}")
     return tensor
 
 
@@ -103,9 +103,9 @@ def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device=None) -> 
     """
     check_tensor("topk_idx", topk_idx, torch.int64, 2, (num_tokens, -1), device)
     if topk_idx.size(1) < 1:
-        _fail("topk_idx", "at least one column (top-k >= 1)", list(topk_idx.shape))
+        fail("topk_idx", "at least one column (top-k >= 1)", list(topk_idx.shape))
     if topk_idx.size(1) > num_experts:
-        _fail("topk_idx", f"top-k <= num_experts ({num_experts})", topk_idx.size(1))
+        fail("topk_idx", f"top-k <= num_experts ({num_experts})", topk_idx.size(1))
     if device is not None:
         return topk_idx
     problem = _native.check_topk_values(topk_idx.data_ptr(), topk_idx.size(0), topk_idx.size(1), num_experts)
@@ -142,12 +142,12 @@ def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, 
     tokens_per_rank = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, INT32_MAX)
     num_experts = check_int("num_experts", num_experts, 1, INT32_MAX)
     if num_experts % num_ranks != 0:
-        _fail("num_experts", f"a multiple of the number of ranks ({num_ranks})", num_experts)
+        fail("num_experts", f"a multiple of the number of ranks ({num_ranks})", num_experts)
     check_tensor("x", x, torch.bfloat16, 2, device=device)
     if x.size(0) > tokens_per_rank:
-        _fail("x", f"at most num_max_dispatch_tokens_per_rank={tokens_per_rank} rows", x.size(0))
+        fail("x", f"at most num_max_dispatch_tokens_per_rank={tokens_per_rank} rows", x.size(0))
     if x.size(1) <= 0 or x.size(1) % 128 != 0:
-        _fail("x", "a hidden size that is a positive multiple of 128", x.size(1))
+        fail("x", "a hidden size that is a positive multiple of 128", x.size(1))
     check_topk_idx(topk_idx, x.size(0), num_experts, device)
     check_active_ranks(active_ranks, num_ranks, device)
     timeout_us = check_timeout(timeout_us)
@@ -185,7 +185,7 @@ def check_handle(handle, num_ranks: int, device=None):
     hidden = check_int("handle.hidden", hidden, 128, INT32_MAX)
     num_experts = check_int("handle.num_experts", num_experts, num_ranks, INT32_MAX)
     if num_experts % num_ranks:
-        _fail("handle.num_experts", f"a multiple of {num_ranks}", num_experts)
+        fail("handle.num_experts", f"a multiple of {num_ranks}", num_experts)
     local = num_experts // num_ranks
     check_tensor("handle.src_info", src_info, torch.int32, 2, (local, num_ranks * tokens_per_rank), device)
     check_tensor("handle.layout_range", layout_range, torch.int64, 2, (local, num_ranks), device)
@@ -221,7 +221,7 @@ def check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, o
     check_tensor("x", x, torch.bfloat16, 3, (local, num_ranks * tokens_per_rank, hidden), device)
     check_tensor("topk_idx", topk_idx, torch.int64, 2, device=device)
     if topk_idx.size(0) > tokens_per_rank:
-        _fail("topk_idx", f"at most {tokens_per_rank} rows (the handle's num_max_dispatch_tokens_per_rank)",
+        fail("topk_idx", f"at most {tokens_per_rank} rows (the handle's num_max_dispatch_tokens_per_rank)",
               topk_idx.size(0))
     check_topk_idx(topk_idx, topk_idx.size(0), num_experts, device)
     check_tensor("topk_weights", topk_weights, torch.float32, 2, tuple(topk_idx.shape), device)
@@ -231,5 +231,5 @@ def check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, o
         check_tensor("out", out, torch.bfloat16, 2, (topk_idx.size(0), hidden), device)
     plan = getattr(handle, "plan", None)
     if plan is not None and (plan.num_tokens != topk_idx.size(0) or plan.top_k != topk_idx.size(1)):
-        _fail("topk_idx", f"the dispatch's shape [{plan.num_tokens}, {plan.top_k}]", list(topk_idx.shape))
+        fail("topk_idx", f"the dispatch's shape [{plan.num_tokens}, {plan.top_k}]", list(topk_idx.shape))
     return fields, timeout_us

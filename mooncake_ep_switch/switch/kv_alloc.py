@@ -6,7 +6,7 @@ on every rank, so plans computed independently agree.
 import numpy as np
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 

@@ -40,7 +40,7 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
-from mooncake_ep_switch.switch.kv_alloc import _cdiv, alloc_group, alloc_unit
+from mooncake_ep_switch.switch.kv_alloc import cdiv, alloc_group, alloc_unit
 from mooncake_ep_switch.switch.kv_meta import KVRequest, RankMeta, decode_meta, encode_meta
 from mooncake_ep_switch.switch.kv_plan import KVPlan, Planner
 from mooncake_ep_switch.vocabulary import EP, LAYOUTS, check_int
@@ -276,7 +276,7 @@ class PagedKVCache:
         if start % self.config.page_size and pages and self.refcount[pages[-1]] > 1:
             raise ValueError(f"rid: request {rid}'s last page is shared and partially filled; "
                              "copy-on-write is not supported")
-        need = _cdiv(total, self.config.page_size) - len(pages)
+        need = cdiv(total, self.config.page_size) - len(pages)
         new_pages = []
         try:
             for _ in range(need):

@@ -3,7 +3,7 @@ from typing import Dict, List, NamedTuple, Tuple
 
 import numpy as np
 
-from mooncake_ep_switch.switch.kv_alloc import _cdiv
+from mooncake_ep_switch.switch.kv_alloc import cdiv
 from mooncake_ep_switch.vocabulary import EP, TP
 
 _LAYOUT_CODE = {EP: 1, TP: 2}
@@ -82,7 +82,7 @@ def decode_meta(data: np.ndarray, config, num_ranks: int) -> RankMeta:
         raise ValueError(f"metadata: expected an int64 array, got unreadable data ({error})") from None
     cfg = config
     units = cfg.num_units
-    bitmap_words = _cdiv(_cdiv(units, 8), 8)
+    bitmap_words = cdiv(cdiv(units, 8), 8)
     if data.size < 4 + bitmap_words:
         raise ValueError(f"metadata: truncated: {data.size} words, a header and bitmap need {4 + bitmap_words}")
     if int(data[0]) != _MAGIC or int(data[2]) != units:
@@ -109,7 +109,7 @@ def decode_meta(data: np.ndarray, config, num_ranks: int) -> RankMeta:
         if tokens < 0 or prompt < 0:
             raise ValueError(f"metadata: request {rid} has {tokens} tokens and prompt length {prompt}, "
                              "expected >= 0")
-        if n < 0 or n > end - at - 4 or n > num_pages or n != _cdiv(tokens, page_size):
+        if n < 0 or n > end - at - 4 or n > num_pages or n != cdiv(tokens, page_size):
             raise ValueError(f"metadata: request {rid} lists {n} pages; expected ceil({tokens} tokens / "
                              f"{page_size}) within the {end - at - 4} words left and <= {num_pages} pages")
         pages = data[at + 4:at + 4 + n]

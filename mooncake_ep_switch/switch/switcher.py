@@ -62,11 +62,18 @@ from mooncake_ep_switch.vocabulary import check_timeout
 # Progress steps (low 32 bits of the progress word).
 ENTERED = 1
 W0 = 16
-# Decision codes.
+# Decision codes (low 32 bits of the decision word): GO, or why a rank refused.
 GO = 1
-ABORT_CODES = {2: "a rank rejected its arguments", 3: "the KV cache does not fit the target layout",
-               4: "the ranks called switch_layout with different arguments or layouts",
-               5: "a rank did not enter the switch before the deadline", 6: "ranks found dead earlier need recovery"}
+ABORT_BAD_ARGUMENTS = 2
+ABORT_KV_DOES_NOT_FIT = 3
+ABORT_DIFFERENT_CALLS = 4
+ABORT_LATE_RANK = 5
+ABORT_DEAD_RANKS = 6
+ABORT_CODES = {ABORT_BAD_ARGUMENTS: "a rank rejected its arguments",
+               ABORT_KV_DOES_NOT_FIT: "the KV cache does not fit the target layout",
+               ABORT_DIFFERENT_CALLS: "the ranks called switch_layout with different arguments or layouts",
+               ABORT_LATE_RANK: "a rank did not enter the switch before the deadline",
+               ABORT_DEAD_RANKS: "ranks found dead earlier need recovery"}
 
 _PROGRESS, _DECISION, _DIGEST, _DIGEST_WORDS, _DECL = 0, 8, 64, 48, 512
 
@@ -306,7 +313,7 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
     try:
         _check_args(buffer, target, umm, kv, timeout_us)
         if umm.dead_ranks:
-            raise _Refuse(6, f"ranks {umm.dead_ranks} died in an earlier switch; recover membership first")
+            raise _Refuse(ABORT_DEAD_RANKS, f"ranks {umm.dead_ranks} died in an earlier switch; recover membership first")
         control.write_digest(_digest(umm, kv, source, target))
         if kv is not None:
             kv.publish_meta()
@@ -320,29 +327,29 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
     except BaseException:
         control.write_digest([])
         control.publish(_PROGRESS, ENTERED)
-        control.publish(_DECISION, 2)
+        control.publish(_DECISION, ABORT_BAD_ARGUMENTS)
         raise
     control.publish(_PROGRESS, ENTERED)
 
     decision, reason, plan = GO, "", None
     missing = control.wait(_PROGRESS, ENTERED, 1, declare=False)
     if missing:
-        decision, reason = 5, f"ranks {missing} did not enter the switch within timeout_us={timeout_us}"
+        decision, reason = ABORT_LATE_RANK, f"ranks {missing} did not enter the switch within timeout_us={timeout_us}"
     else:
         mine = _digest(umm, kv, source, target)
         others = {p: control.read_digest(p) for p in range(umm.num_ranks)}
         differing = [p for p, d in others.items() if d != mine]
         if differing:
-            decision, reason = 4, f"ranks {differing} called with other arguments (digest {others[differing[0]]} vs {mine})"
+            decision, reason = ABORT_DIFFERENT_CALLS, f"ranks {differing} called with other arguments (digest {others[differing[0]]} vs {mine})"
         elif kv is not None:
             try:
                 metas = [kv.read_meta(p) for p in range(umm.num_ranks)]
                 plan = kv.plan(metas, target)
             except ValueError as error:
-                decision, reason = 4, str(error)
+                decision, reason = ABORT_DIFFERENT_CALLS, str(error)
             else:
                 if plan.refused:
-                    decision, reason = 3, plan.refused
+                    decision, reason = ABORT_KV_DOES_NOT_FIT, plan.refused
     hook("decide", 0)
     control.publish(_DECISION, decision)
     undecided = control.wait(_DECISION, 0, 0, declare=False,
@@ -351,7 +358,7 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
         aborts = [p for p in range(umm.num_ranks) if p != umm.rank and p not in undecided
                   and _native.signal_load(control.addr(p, _DECISION)) & 0xFFFFFFFF != GO]
         if undecided:
-            decision, reason = 5, f"ranks {undecided} did not decide within timeout_us={timeout_us}"
+            decision, reason = ABORT_LATE_RANK, f"ranks {undecided} did not decide within timeout_us={timeout_us}"
         elif aborts:
             code = _native.signal_load(control.addr(aborts[0], _DECISION)) & 0xFFFFFFFF
             decision, reason = code, f"rank {aborts[0]} refused: {ABORT_CODES.get(code, 'unknown reason')}"

@@ -32,7 +32,7 @@ shared with the one-sided transports); the Python here only sizes buffers and ru
 import os
 import threading
 import time
-from typing import Callable, List, NamedTuple, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -130,6 +130,10 @@ class CollectiveTransport(HostMemoryTransport):
         self.members = tuple(range(num_ranks))  # EP ranks in the group, in group-rank order
         # The Buffer's: agrees on a survivors' view (and rebuilds our group) before a deadline.
         self.view_change = view_change
+
+    def peer_routes(self) -> List[Optional[str]]:
+        """Every other rank is reached through the process group's collectives (see `contract.Transport`)."""
+        return ["self" if peer == self.rank else "collective" for peer in range(self.num_ranks)]
 
     def endpoint(self) -> dict:
         """What peers need to watch this rank (collectives themselves need no peer metadata).
@@ -402,7 +406,7 @@ class CollectiveTransport(HostMemoryTransport):
         combine again there; the dead owner's experts are skipped (no renormalisation).
 
         Arguments:
-            call: the validated `CombineCall`; `plan_private` must be the plan `dispatch` returned.
+            call: the validated `CombineCall`; `transport_plan` must be the plan `dispatch` returned.
 
         Returns:
             receive: callable with no arguments that waits for the exchange and writes the
@@ -442,7 +446,7 @@ class CollectiveTransport(HostMemoryTransport):
         L = call.num_experts // R
         hidden = call.hidden
         device = call.x.device
-        plan = call.plan_private
+        plan = call.transport_plan
         if plan is None:
             raise ValueError("handle: the collective transport needs the handle returned by dispatch() "
                              "(a rebuilt tuple carries no record of what was sent)")

@@ -58,6 +58,18 @@ class Transport(Protocol):
     def dead_peers(self) -> List[int]:
         """Ranks whose process this transport saw end (never a live rank; [] where it cannot tell)."""
 
+    def peer_routes(self) -> List[Optional[str]]:
+        """How this rank reaches each rank now: "self", "shm", "te", "cuda" or "collective" (None:
+        not reached, a rank outside the view). A list of `num_ranks` entries, a copy."""
+
+    def transfer_engine(self):
+        """The `TeEndpoint` that memory peers reach over the Transfer Engine must be registered with
+        (regions beyond the EP region, `peer_regions.py`), or None when this transport has none."""
+
+    def te_peer(self, peer: int):
+        """How `peer` is reached over the Transfer Engine (`one_sided.TePeer`: its session and region
+        base), or None when it is not (its shared memory is mapped instead, or no TE at all)."""
+
     def destroy(self) -> None:
         """Release every resource (idempotent)."""
 
@@ -78,3 +90,11 @@ class HostMemoryTransport:
             call: int, `host_call`.
         """
         return host_call
+
+    def transfer_engine(self):
+        """None: no Transfer Engine (the one-sided transport over TE overrides this)."""
+        return None
+
+    def te_peer(self, peer: int):
+        """None: no peer is reached over the Transfer Engine."""
+        return None

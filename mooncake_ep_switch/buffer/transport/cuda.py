@@ -139,6 +139,18 @@ class CudaTransport:
 
         return {"cuda_ipc": self.handle.hex(), "pid": os.getpid(), "nbytes": self.nbytes}
 
+    def peer_routes(self) -> List[Optional[str]]:
+        """Every rank's device memory is mapped over CUDA IPC (see `contract.Transport`)."""
+        return ["self" if peer == self.rank else "cuda" for peer in range(self.num_ranks)]
+
+    def transfer_engine(self):
+        """None: the cuda transport has no Transfer Engine."""
+        return None
+
+    def te_peer(self, peer: int):
+        """None: no peer is reached over the Transfer Engine."""
+        return None
+
     def connect_members(self, view, membership, deadline: float) -> None:
         """Open every member's region by its IPC handle (same host only); close everything else.
 
@@ -344,7 +356,7 @@ class CudaTransport:
         """Launch the combine send phase on the current stream; return the receive phase.
 
         Arguments:
-            call: the validated `CombineCall`; `plan_private` is the dispatch's call word.
+            call: the validated `CombineCall`; `transport_plan` is the dispatch's call word.
 
         Returns:
             receive: callable that launches the wait and the weighted sum into `call.out`.
@@ -352,11 +364,11 @@ class CudaTransport:
         tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
         layout = self._layouts.fit(tokens, hidden, experts)
         region = self._region(layout)
-        spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call.plan_private, call.timeout_us)
+        spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call.transport_plan, call.timeout_us)
         if not torch.cuda.is_current_stream_capturing():
             # The dispatch's call word may have been made on another stream: the allocator must not
             # hand it to anyone else before this stream has read it.
-            call.plan_private.record_stream(torch.cuda.current_stream(self.device))
+            call.transport_plan.record_stream(torch.cuda.current_stream(self.device))
         _cuda.combine_send(spec, region, call.x.data_ptr(), call.src_info.data_ptr(), call.layout_range.data_ptr(),
                            torch.cuda.current_stream(self.device).cuda_stream)
 

@@ -138,6 +138,19 @@ class OneSidedTransport(HostMemoryTransport):
         elif name != "shm":
             raise ValueError(f"name: expected 'shm' or 'mooncake', got {name!r}")
 
+    # ------------------------------------------------------------------ routes
+    def peer_routes(self) -> List[Optional[str]]:
+        """How each rank is reached: "self", "shm", "te", or None (see `contract.Transport`)."""
+        return list(self.routes)
+
+    def transfer_engine(self):
+        """This rank's `TeEndpoint` ("mooncake"), or None ("shm")."""
+        return self.te
+
+    def te_peer(self, peer: int) -> Optional[TePeer]:
+        """`peer`'s Transfer Engine session and region base when it is reached over TE, else None."""
+        return self.te_peers.get(peer)
+
     # ------------------------------------------------------------------ membership
     def endpoint(self) -> dict:
         """What peers need to reach this rank (published in the store).
@@ -463,7 +476,7 @@ class OneSidedTransport(HostMemoryTransport):
         A failed or timed-out peer is cleared in `call.active_ranks` and appended to `failed_sources`.
 
         Arguments:
-            call: the validated `CombineCall` (`plan_private` is not used).
+            call: the validated `CombineCall` (`transport_plan` is not used).
 
         Returns:
             receive: callable with no arguments that waits for every active owner's signal and

@@ -11,10 +11,10 @@ import os
 import socket
 from typing import List, Set, Tuple
 
-__all__ = ["_abort_connections", "_listening", "_parse_session", "_socket_inodes"]
+__all__ = ["abort_connections", "listening", "parse_session", "socket_inodes"]
 
 
-def _parse_session(peer_session: str) -> Tuple[str, int]:
+def parse_session(peer_session: str) -> Tuple[str, int]:
     if not isinstance(peer_session, str):
         raise TypeError(f"peer_session must be a 'host:port' string, got {type(peer_session).__name__}")
     host, sep, port = peer_session.rpartition(":")
@@ -23,7 +23,7 @@ def _parse_session(peer_session: str) -> Tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _socket_inodes() -> Set[int]:
+def socket_inodes() -> Set[int]:
     inodes = set()
     try:
         names = os.listdir("/proc/self/fd")
@@ -59,7 +59,7 @@ def _decode_addr(hex_addr: str, v6: bool) -> str:
     return socket.inet_ntop(socket.AF_INET, raw[::-1])
 
 
-def _listening(inodes: Set[int]) -> List[str]:
+def listening(inodes: Set[int]) -> List[str]:
     """'addr:port' of the LISTEN sockets among `inodes` (from /proc/net/tcp and tcp6)."""
     found = []
     for fields, v6 in _tcp_rows():
@@ -72,7 +72,7 @@ def _listening(inodes: Set[int]) -> List[str]:
     return sorted(found)
 
 
-def _abort_connections(peer_session: str) -> int:
+def abort_connections(peer_session: str) -> int:
     """Shut down this process's TCP sockets to `peer_session` (established or connecting).
 
     Used on a handshake that outlived its deadline: TE blocks in a read (up to ~60 s) while
@@ -81,7 +81,7 @@ def _abort_connections(peer_session: str) -> int:
     touched, each verified by inode through a dup, so an fd reused meanwhile is never hit.
     Returns how many sockets were shut down.
     """
-    host, port = _parse_session(peer_session)
+    host, port = parse_session(peer_session)
     try:
         remote_ips = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
     except OSError:

@@ -18,8 +18,8 @@ import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.buffer.transport.sockets import (_abort_connections, _listening, _parse_session,
-                                                        _socket_inodes)
+from mooncake_ep_switch.buffer.transport.sockets import (abort_connections, listening, parse_session,
+                                                        socket_inodes)
 from mooncake_ep_switch.config import set_transfer_engine_defaults
 from mooncake_ep_switch.errors import PeerBusy  # noqa: F401 (re-exported)
 from mooncake_ep_switch.vocabulary import check_int
@@ -152,7 +152,7 @@ class TeEndpoint:
         self._opening: Dict[str, threading.Event] = {}  # peers with a handshake in a helper thread
         self._orphans: List[_Abandoned] = []  # batches abandoned at a deadline, still owned by TE
 
-        sockets_before = _socket_inodes()
+        sockets_before = socket_inodes()
         engine = engine_class()
         ret = engine.initialize(self.bind_host, "P2PHANDSHAKE", protocol, device_name)
         if ret != 0:
@@ -161,7 +161,7 @@ class TeEndpoint:
                 f"{device_name!r}) failed with {ret}; see the engine's log on stderr")
         self._engine = engine
         self._closed = False
-        self._engine_inodes = _socket_inodes() - sockets_before
+        self._engine_inodes = socket_inodes() - sockets_before
         self.rpc_port = int(engine.get_rpc_port())
         host = self.bind_host
         if ":" in host and not host.startswith("["):
@@ -178,7 +178,7 @@ class TeEndpoint:
         Returns:
             addresses: sorted list of str, e.g. "0.0.0.0:15123" or "[::]:15124".
         """
-        return _listening(self._engine_inodes)
+        return listening(self._engine_inodes)
 
     @property
     def registered(self) -> Dict[int, int]:
@@ -326,7 +326,7 @@ class TeEndpoint:
         if not (timeout > 0):
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         deadline = time.monotonic() + timeout
-        _parse_session(peer_session)
+        parse_session(peer_session)
         with self._lock:
             self._check_open()
             self._reap()
@@ -414,7 +414,7 @@ class TeEndpoint:
         if not (timeout > 0):
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         deadline = time.monotonic() + timeout
-        _parse_session(peer_session)
+        parse_session(peer_session)
         local_addrs, remote_addrs, lengths = list(local_addrs), list(remote_addrs), list(lengths)
         if not (len(local_addrs) == len(remote_addrs) == len(lengths)):
             raise ValueError(
@@ -486,7 +486,7 @@ class TeEndpoint:
         for index, write in enumerate(writes):
             if not isinstance(write, PeerWrite):
                 raise TypeError(f"writes[{index}] must be a PeerWrite, got {type(write).__name__}")
-            _parse_session(write.peer_session)
+            parse_session(write.peer_session)
             if write.peer_session in seen:
                 raise ValueError(f"writes[{index}]: peer {write.peer_session} appears twice")
             seen.add(write.peer_session)
@@ -626,7 +626,7 @@ class TeEndpoint:
             opening = list(self._opening.items())
         for peer, event in opening:
             if not event.wait(max(0.0, deadline - time.monotonic())):
-                _abort_connections(peer)
+                abort_connections(peer)
                 event.wait(0.5)
         with self._lock:
             self._reap()
@@ -795,7 +795,7 @@ class TeEndpoint:
                 result["abandoned"] = True
         if not finished:
             # Unblock TE (and its engine-wide lock) now instead of after its ~60 s read timeout.
-            aborted = _abort_connections(peer)
+            aborted = abort_connections(peer)
             done.wait(0.5)
             raise TimeoutError(
                 f"TE handshake with {peer} did not finish before the deadline (peer hung?); "
@@ -875,7 +875,7 @@ class TeEndpoint:
     @staticmethod
     def _failure_error(peer: str, what: str, probe_s: float = 0.5) -> Exception:
         """The error for a failed write: probes the peer's handshake port for up to `probe_s`."""
-        host, port = _parse_session(peer)
+        host, port = parse_session(peer)
         try:
             with socket.create_connection((host, port), timeout=probe_s):
                 pass

@@ -36,7 +36,7 @@ import torch
 
 from mooncake_ep_switch.vocabulary import check_int
 from mooncake_ep_switch.eplb._convert import as_indices, as_loads, describe
-from mooncake_ep_switch.eplb.policy.greedy import _hierarchical
+from mooncake_ep_switch.eplb.policy.greedy import hierarchical
 from mooncake_ep_switch.eplb.policy.placement import rebalance_experts as _placement
 
 MODES = ("classic", "balanced", "movement")
@@ -49,7 +49,7 @@ class EplbArgumentError(ValueError, AssertionError):
 
 
 def _classic(loads: np.ndarray, num_replicas: int, groups: int, nodes: int, num_gpus: int):
-    phy2log, slot_rank = _hierarchical(loads.astype(np.float32), num_replicas, groups, nodes, num_gpus, with_rank=True)
+    phy2log, slot_rank = hierarchical(loads.astype(np.float32), num_replicas, groups, nodes, num_gpus, with_rank=True)
     num_layers, num_logical = loads.shape
     logcnt = np.zeros((num_layers, num_logical), dtype=np.int64)
     np.add.at(logcnt, (np.arange(num_layers)[:, None].repeat(num_replicas, 1), phy2log), 1)

@@ -268,7 +268,7 @@ def _plan_local(weight, topo: Topology, group_node) -> _NodePlan:
     return _NodePlan(home, counts, red_keys, red_node, node_load)
 
 
-def _hierarchical(weight: np.ndarray, topo: Topology, group_node: Optional[np.ndarray]) -> Packed:
+def hierarchical(weight: np.ndarray, topo: Topology, group_node: Optional[np.ndarray]) -> Packed:
     num_layers, num_logical = weight.shape
     # Two node plans, each packed onto the GPUs; per layer keep the one with the lighter heaviest
     # GPU. Spreading copies across nodes usually wins; keeping them home wins when a few redundant
@@ -353,7 +353,7 @@ def fresh_placement(weight: np.ndarray, topo: Topology, group_node: Optional[np.
         packed: the placement; every slot's order inside its GPU is by expert id.
     """
     if topo.hierarchical:
-        packed = _hierarchical(weight, topo, group_node)
+        packed = hierarchical(weight, topo, group_node)
     else:
         packed = _global(weight, replica_counts(weight, topo.num_replicas, topo.num_gpus), topo)
     order = np.argsort(packed.experts, axis=2, kind="stable")

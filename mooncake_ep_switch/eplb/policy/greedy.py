@@ -94,7 +94,7 @@ def _inverse(perm: np.ndarray) -> np.ndarray:
     return inverse
 
 
-def _hierarchical(weight: np.ndarray, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int,
+def hierarchical(weight: np.ndarray, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int,
                   with_rank: bool = False):
     num_layers, num_logical = weight.shape
     group_size = num_logical // num_groups
@@ -164,9 +164,9 @@ def greedy_rebalance_experts(weight, num_replicas: int, num_groups: int, num_nod
             f"num_replicas: expected a multiple of num_gpus={num_gpus} that is >= {num_logical} logical experts, got {num_replicas}"
         )
     if num_groups % num_nodes == 0:
-        phy2log = _hierarchical(loads, num_replicas, num_groups, num_nodes, num_gpus)
+        phy2log = hierarchical(loads, num_replicas, num_groups, num_nodes, num_gpus)
     else:
-        phy2log = _hierarchical(loads, num_replicas, 1, 1, num_gpus)
+        phy2log = hierarchical(loads, num_replicas, 1, 1, num_gpus)
     width = max(1, num_replicas - num_logical + 1)
     log2phy, logcnt = replica_tables(phy2log, num_logical, width)
     return Placement(torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt))
