@@ -109,6 +109,7 @@ setup(
         "mooncake_ep_switch",
         "mooncake_ep_switch.bench",
         "mooncake_ep_switch.buffer",
+        "mooncake_ep_switch.buffer.membership",
         "mooncake_ep_switch.buffer.transport",
         "mooncake_ep_switch.switch",
         "mooncake_ep_switch.switch.planning",

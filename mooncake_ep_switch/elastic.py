@@ -21,7 +21,7 @@ removed, so any client of the server will do.
 from datetime import timedelta
 from typing import Optional, Sequence
 
-from mooncake_ep_switch.buffer.join_ticket import JoinTicket  # noqa: F401  (re-exported: the public name)
+from mooncake_ep_switch.buffer.membership.join_ticket import JoinTicket  # noqa: F401  (re-exported: the public name)
 from mooncake_ep_switch.vocabulary import check_int
 
 
@@ -41,7 +41,7 @@ def connect_store(host: str, port: int, timeout_s: float = 60.0):
     """
     import torch.distributed as dist
 
-    from mooncake_ep_switch.buffer.membership import check_seconds
+    from mooncake_ep_switch.buffer.membership.protocol import check_seconds
 
     timeout_s = check_seconds("timeout_s", timeout_s)
 

@@ -401,7 +401,7 @@ def rank_second_buffer_alone(ctx):
     """Rank 1 alone builds a second Buffer beside its live one while the others do nothing: after the
     connect timeout it is refused with an error naming the ranks, and nothing changed (its counter
     is set back; its first Buffer still serves, below)."""
-    from mooncake_ep_switch.buffer.membership import MembershipError
+    from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 
     os.environ["MEP_CONNECT_TIMEOUT_S"] = "2"
     try:
@@ -438,7 +438,7 @@ def test_a_second_buffer_nobody_else_builds_is_refused_and_changes_nothing():
 
 def rank_update_alone(ctx):
     """Rank 1 alone calls update_ep_member(): no quorum, it raises, and its readiness stays in the store."""
-    from mooncake_ep_switch.buffer.membership import MembershipError
+    from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 
     with pytest.raises(MembershipError):
         _STATE["buffer"].update_ep_member(timeout_s=1.0)

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from mooncake_ep_switch.buffer.membership import Membership, MembershipError
+from mooncake_ep_switch.buffer.membership.protocol import Membership, MembershipError
 from mooncake_ep_switch.buffer.ballot import DECISION_SLOTS, Ballot
 from mooncake_ep_switch.launch import host_store
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from mooncake_ep_switch.buffer.membership import JOINING, Membership, MembershipError
+from mooncake_ep_switch.buffer.membership.protocol import JOINING, Membership, MembershipError
 from mooncake_ep_switch.launch import host_store
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import Buffer
-from mooncake_ep_switch.buffer.membership import Membership, MembershipError, View
+from mooncake_ep_switch.buffer.membership.protocol import Membership, MembershipError, View
 from mooncake_ep_switch.elastic import join
 from mooncake_ep_switch.launch import host_store
 from tests import harness
@@ -310,7 +310,7 @@ def test_left_out_rank_rejoins_after_sigstop(transport):
 
 
 def rank_bad_timeouts(ctx):
-    from mooncake_ep_switch.buffer.group_keys import view_group
+    from mooncake_ep_switch.buffer.membership.group_keys import view_group
     from mooncake_ep_switch.elastic import connect_store
 
     buffer = Buffer(ctx.group, _size2(), transport="shm")

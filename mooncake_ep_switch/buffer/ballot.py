@@ -18,7 +18,7 @@ Buffer's peer regions, the same on every rank and for a replacement):
 A decision is stored by compare-and-set over the exact text read (the store's `compare_set`), so
 the first proposal of an epoch wins and every later one reads it back. A rank that finds a
 decision slot already holding a later epoch is 256 or more epochs behind and raises. Records are
-JSON and, with a job secret, authenticated like every membership record (`membership_records.py`);
+JSON and, with a job secret, authenticated like every membership record (`membership/records.py`);
 a malformed or forged vote counts as no GO, a malformed decision slot as undecided (a proposal
 replaces it).
 """
@@ -27,8 +27,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.membership import MembershipError
-from mooncake_ep_switch.buffer.membership_records import RecordStore
+from mooncake_ep_switch.buffer.membership.protocol import MembershipError
+from mooncake_ep_switch.buffer.membership.records import RecordStore
 
 DECISION_SLOTS = 256
 _CAS_ATTEMPTS = 1000  # each failed compare-and-set means another rank stored something: bounded

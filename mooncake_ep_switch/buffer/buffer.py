@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.buffer import device_calls, elastic_view, replacement, validation
+from mooncake_ep_switch.buffer import device_calls, validation
+from mooncake_ep_switch.buffer.membership import elastic_view, replacement
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
 from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, check_combinable_again,
                                                check_same_routing, complete_receive)
@@ -22,8 +23,8 @@ from mooncake_ep_switch.buffer.call_spec import CallSpecs
 from mooncake_ep_switch.buffer.completion import Completions
 from mooncake_ep_switch.buffer.core import BufferCore
 from mooncake_ep_switch.buffer.lifetime import DESTROY_WAIT_S, with_receipt
-from mooncake_ep_switch.buffer.group_keys import generation_of, generation_prefix, resolve_group
-from mooncake_ep_switch.buffer.membership import Membership, MembershipError, View
+from mooncake_ep_switch.buffer.membership.group_keys import generation_of, generation_prefix, resolve_group
+from mooncake_ep_switch.buffer.membership.protocol import Membership, MembershipError, View
 from mooncake_ep_switch.buffer.peer_regions import PeerRegions
 from mooncake_ep_switch.buffer.transport.contract import Transport
 from mooncake_ep_switch.buffer.transport.select import TRANSPORTS, make_transport
@@ -80,8 +81,8 @@ class Buffer:
     members' `update_ep_member()`. Or, as in Mooncake's recovery, it builds a plain `Buffer(group)`
     while the members call `update_ep_member()`: the constructor blocks until they admitted it (up
     to the connect timeout; `MembershipError` otherwise), and a Buffer of this process it replaces
-    is left out (`buffer/replacement.py` says which Buffers are replacements). With
-    `MEP_JOB_SECRET` set, every membership record is authenticated (see `buffer/membership.py`).
+    is left out (`buffer/membership/replacement.py` says which Buffers are replacements). With
+    `MEP_JOB_SECRET` set, every membership record is authenticated (see `buffer/membership/protocol.py`).
 
     Output memory: the tensors `dispatch` and `combine` return (recv_x, FP8 scales, recv_count, the
     handle's src_info and layout_range, the combined output) come from a pool kept by the Buffer

@@ -34,7 +34,7 @@ import time
 import weakref
 from typing import Dict, List, NamedTuple, Optional, Protocol, Sequence
 
-from mooncake_ep_switch.buffer.membership import MembershipError, View
+from mooncake_ep_switch.buffer.membership.protocol import MembershipError, View
 from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, RemoteRegion
 
 

@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.buffer import kernels
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
-from mooncake_ep_switch.buffer.group_keys import view_group
-from mooncake_ep_switch.buffer.membership import MembershipError
+from mooncake_ep_switch.buffer.membership.group_keys import view_group
+from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 from mooncake_ep_switch.buffer.transport.members import published_endpoint
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 from mooncake_ep_switch.buffer.transport.contract import HostMemoryTransport

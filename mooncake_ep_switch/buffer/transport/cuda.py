@@ -164,7 +164,7 @@ class CudaTransport:
             ValueError: a member on another host, or whose endpoint is not a CUDA one.
             MembershipError: members that cannot be reached, or one missing from the final barrier.
         """
-        from mooncake_ep_switch.buffer.membership import MembershipError
+        from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 
         # An IPC handle that no longer opens (its process is gone) is a member that cannot be reached.
         connect_view(self.rank, self.num_ranks, view, membership, deadline, self._open, self._drop,

@@ -7,7 +7,7 @@ region a slower peer is about to map.
 """
 from typing import Callable, Optional, Tuple, Type
 
-from mooncake_ep_switch.buffer.membership import MembershipError
+from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 
 
 def published_endpoint(membership, peer: int, deadline: float) -> dict:

@@ -183,7 +183,7 @@ class OneSidedTransport(HostMemoryTransport):
             MembershipError: members that cannot be reached (named in the error), or a member
                 missing from the final barrier.
         """
-        from mooncake_ep_switch.buffer.membership import MembershipError
+        from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 
         connect_view(self.rank, self.num_ranks, view, membership, deadline,
                      lambda peer, found: self._route(peer, found, deadline), self._drop,

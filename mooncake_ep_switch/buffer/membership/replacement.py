@@ -32,9 +32,9 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.group_keys import generation_of, generation_prefix, held_generations, hold_joined
-from mooncake_ep_switch.buffer.membership import MEMBER_BEAT_MARK, Membership, MembershipError
-from mooncake_ep_switch.buffer.membership_records import RecordStore
+from mooncake_ep_switch.buffer.membership.group_keys import generation_of, generation_prefix, held_generations, hold_joined
+from mooncake_ep_switch.buffer.membership.protocol import MEMBER_BEAT_MARK, Membership, MembershipError
+from mooncake_ep_switch.buffer.membership.records import RecordStore
 
 __all__ = ["GenerationChoice", "choose_generation", "register_member", "supersede"]
 
@@ -179,7 +179,7 @@ def supersede(core, base: str, generation: int) -> int:
     Returns:
         count: how many Buffers were left out.
     """
-    from mooncake_ep_switch.buffer.elastic_view import left_out_by_replacement
+    from mooncake_ep_switch.buffer.membership.elastic_view import left_out_by_replacement
 
     with _MEMBERS_LOCK:
         earlier = [c for c in _MEMBERS.get((base, core.rank, generation), ()) if c is not core]

@@ -11,7 +11,7 @@ import time
 from typing import Optional
 
 from mooncake_ep_switch.buffer.core import BufferCore
-from mooncake_ep_switch.buffer.membership import LeftOut, MembershipError, View, check_seconds
+from mooncake_ep_switch.buffer.membership.protocol import LeftOut, MembershipError, View, check_seconds
 
 # How long survivors of a lost collective wait for a member that is not known dead to meet the failure
 # too, before they seal the next view without it (it is then left out and rejoins).

@@ -6,7 +6,7 @@ builds on it). Every read is validated; a record that fails is refused with `Mem
 """
 from typing import Iterable, Optional
 
-from mooncake_ep_switch.buffer.membership_records import (ACTIVE, INACTIVE, JOINING, MAX_STATE_BYTES, STATES,  # noqa: F401
+from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOINING, MAX_STATE_BYTES, STATES,  # noqa: F401
                                                           MembershipError, RecordStore, valid_endpoint,
                                                           valid_peer_state, valid_region_record, valid_state)
 

@@ -64,10 +64,10 @@ import weakref
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 # The record layer; names other modules import from here are re-exported.
-from mooncake_ep_switch.buffer.membership_records import (ACTIVE, INACTIVE, JOINING, MAX_COUNTER,  # noqa: F401
+from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOINING, MAX_COUNTER,  # noqa: F401
                                                           MAX_RECORD_BYTES, MAX_STATE_BYTES, STATES, MembershipError,
                                                           RecordStore, rank_list, valid_ready, valid_state)
-from mooncake_ep_switch.buffer.member_records import MemberRecords
+from mooncake_ep_switch.buffer.membership.member_records import MemberRecords
 from mooncake_ep_switch.errors import LeftOut  # noqa: F401 (re-exported)
 
 JOINER_BEAT_S = 0.02  # a waiting joiner refreshes alive/<rank> this often

@@ -11,9 +11,9 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Set, Tup
 
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.join_ticket import JoinTicket
-from mooncake_ep_switch.buffer.membership import View, check_seconds
-from mooncake_ep_switch.buffer.membership_records import RecordStore
+from mooncake_ep_switch.buffer.membership.join_ticket import JoinTicket
+from mooncake_ep_switch.buffer.membership.protocol import View, check_seconds
+from mooncake_ep_switch.buffer.membership.records import RecordStore
 
 
 class GroupIdentity(NamedTuple):
@@ -216,7 +216,7 @@ def generation_prefix(store, rank: int, num_ranks: int, base: str = "mep", joini
         MembershipError: a generation counter in the store holds something other than a count, or
             `buffer_index` names a generation no member has reached.
     """
-    from mooncake_ep_switch.buffer.membership import MembershipError
+    from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 
     counters = RecordStore(dist.PrefixStore(f"{base}/generation", store), f"{base}/generation")  # no incarnation
     if not joining:
