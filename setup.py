@@ -107,6 +107,8 @@ setup(
     python_requires=">=3.10",
     packages=[
         "mooncake_ep_switch",
+        "mooncake_ep_switch.apps",
+        "mooncake_ep_switch.launcher",
         "mooncake_ep_switch.bench",
         "mooncake_ep_switch.buffer",
         "mooncake_ep_switch.buffer.membership",
@@ -135,5 +137,5 @@ setup(
         # layout mooncake_ep_switch.models serves; 5.x does not change torch.
         "models": ["transformers>=5.0,<6"],
     },
-    entry_points={"console_scripts": ["mooncake-ep=mooncake_ep_switch.cli:main"]},
+    entry_points={"console_scripts": ["mooncake-ep=mooncake_ep_switch.apps.cli:main"]},
 )

@@ -1,5 +1,5 @@
 import sys
 
-from mooncake_ep_switch.cli import main
+from mooncake_ep_switch.apps.cli import main
 
 sys.exit(main())

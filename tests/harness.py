@@ -8,7 +8,7 @@ cached ones. Every run has a deadline.
 import os
 from typing import Dict, Optional
 
-from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 
 _CLUSTERS: Dict[tuple, LocalCluster] = {}
 

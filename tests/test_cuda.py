@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import Buffer, EventOverlap
-from mooncake_ep_switch.launch import check_outcomes
+from mooncake_ep_switch.launcher.launch import check_outcomes
 from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason
 from tests import harness
 from tests.reference import expected_combine, expert_scale, structured_inputs, token_count

@@ -10,7 +10,7 @@ Each test uses fresh rank processes (the emulation is not undone).
 """
 import pytest
 
-from mooncake_ep_switch.launch import check_outcomes
+from mooncake_ep_switch.launcher.launch import check_outcomes
 from tests import harness
 from tests import test_cuda
 from tests.emulated_device import run_emulated

@@ -212,7 +212,7 @@ def test_rank_dies_during_update_ep_member(transport):
 
 
 def harness_check(outcomes):
-    from mooncake_ep_switch.launch import check_outcomes
+    from mooncake_ep_switch.launcher.launch import check_outcomes
 
     return check_outcomes(outcomes)
 

@@ -7,7 +7,7 @@ import pytest
 
 from mooncake_ep_switch.buffer.membership.protocol import Membership, MembershipError
 from mooncake_ep_switch.buffer.ballot import DECISION_SLOTS, Ballot
-from mooncake_ep_switch.launch import host_store
+from mooncake_ep_switch.launcher.launch import host_store
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 

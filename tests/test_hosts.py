@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch.bench import netns
-from mooncake_ep_switch.launch import ClusterNetwork, LocalCluster, RankPlace
+from mooncake_ep_switch.launcher.launch import ClusterNetwork, LocalCluster, RankPlace
 from tests import harness, test_buffer, test_faults
 from tests.harness import outcome_value
 from tests.netns import make_network  # noqa: F401 - make_network is a fixture

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from mooncake_ep_switch.buffer.transport.sockets import listening, socket_inodes
-from mooncake_ep_switch.launch import LocalCluster
+from mooncake_ep_switch.launcher.launch import LocalCluster
 
 
 def _listening_on(port: int):
@@ -62,7 +62,7 @@ def test_launcher_store_listens_only_on_loopback():
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
 def test_host_store_binds_the_requested_address(host):
-    from mooncake_ep_switch.launch import host_store
+    from mooncake_ep_switch.launcher.launch import host_store
 
     if host == "::1" and not _has_ipv6_loopback():
         pytest.skip("no IPv6 loopback")
@@ -86,7 +86,7 @@ def test_host_store_binds_the_requested_address(host):
 
 
 def test_host_store_bad_arguments_raise_and_leak_nothing():
-    from mooncake_ep_switch.launch import host_store
+    from mooncake_ep_switch.launcher.launch import host_store
 
     before = sorted(os.listdir("/proc/self/fd"))
     with pytest.raises(ValueError, match="port: expected 0 <= port <= 65535, got 70000"):

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from mooncake_ep_switch.buffer.membership.protocol import JOINING, Membership, MembershipError
-from mooncake_ep_switch.launch import host_store
+from mooncake_ep_switch.launcher.launch import host_store
 
 
 @pytest.fixture()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from mooncake_ep_switch import Buffer
 from mooncake_ep_switch.buffer.membership.protocol import Membership, MembershipError, View
 from mooncake_ep_switch.elastic import join
-from mooncake_ep_switch.launch import host_store
+from mooncake_ep_switch.launcher.launch import host_store
 from tests import harness
 from tests.harness import RANK_STATE, outcome_value, rank_teardown
 from tests.reference import structured_inputs, token_count

@@ -8,7 +8,7 @@ memory` (docs/benchmarks.md); here the quick shape, 2 ranks.
 import pytest
 
 from mooncake_ep_switch.bench import memory
-from mooncake_ep_switch.launch import check_outcomes
+from mooncake_ep_switch.launcher.launch import check_outcomes
 from tests import harness
 
 

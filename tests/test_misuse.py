@@ -237,7 +237,7 @@ def test_non_cpu_tensors_are_refused_before_anything_moves(transport, mode):
 _CHILD = textwrap.dedent("""
     import gc, sys
     import torch, torch.distributed as dist
-    from mooncake_ep_switch.launch import host_store
+    from mooncake_ep_switch.launcher.launch import host_store
 
     store = host_store("127.0.0.1", 0, 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

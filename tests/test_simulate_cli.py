@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mooncake_ep_switch import cli, simulate_cli
+from mooncake_ep_switch.apps import cli, simulate_cli
 from mooncake_ep_switch.switch.planning.policy import EP, TP, calibrate
 from mooncake_ep_switch.switch.planning.simulator import POLICY, STATIC_EP, STATIC_TP, CostModel, compare
 

@@ -98,7 +98,7 @@ def test_soak_verdict_allows_the_transfer_engine_pool_only(last_fds, ok):
 
 
 def test_bench_cli_dispatches_soak(capsys):
-    from mooncake_ep_switch.cli import main
+    from mooncake_ep_switch.apps.cli import main
 
     with pytest.raises(SystemExit) as stop:
         main(["bench", "soak", "--help"])
@@ -150,7 +150,7 @@ def test_soak_check_detects_a_wrong_row_count_row_or_sum():
 def test_bench_cli_passes_leading_flags_to_the_benchmark(capsys):
     """`mooncake-ep bench --quick` reaches the benchmark's own parser (argparse's REMAINDER dropped a
     leading flag: "unrecognized arguments", exit 2)."""
-    from mooncake_ep_switch.cli import main
+    from mooncake_ep_switch.apps.cli import main
 
     with pytest.raises(SystemExit) as stop:
         main(["bench", "--quick", "--help"])

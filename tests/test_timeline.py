@@ -3,7 +3,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from mooncake_ep_switch.timeline import plot_demo_timeline  # noqa: E402
+from mooncake_ep_switch.apps.timeline import plot_demo_timeline  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -26,7 +26,7 @@ slowest rank counts. Every ratio uses numbers from this run.
 import sys
 
 from mooncake_ep_switch.bench import transport as tb
-from mooncake_ep_switch.launch import LocalCluster
+from mooncake_ep_switch.launcher.launch import LocalCluster
 from mooncake_ep_switch.bench.table import run_table_cli
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.bench import transport as tb
 from mooncake_ep_switch.bench.table import run_table_cli
-from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 
 TIMEOUT_US = 30_000_000
 RANK_ENV = {"MEP_CUDA_CHECK_VALUES": "0"}

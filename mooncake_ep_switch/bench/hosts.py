@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.bench import netns
 from mooncake_ep_switch.bench import transport as tb
-from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 
 SHAPE = tb.TransportShape(2, 128, 7168, 32, 8)
 TIMEOUT_US = 60_000_000

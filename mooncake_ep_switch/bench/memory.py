@@ -20,7 +20,7 @@ import sys
 import torch
 
 from mooncake_ep_switch.bench.transport import TransportShape, rank_inputs
-from mooncake_ep_switch.launch import LocalCluster
+from mooncake_ep_switch.launcher.launch import LocalCluster
 
 FULL = TransportShape(2, 128, 7168, 288, 8)
 QUICK = TransportShape(2, 128, 7168, 32, 8)
@@ -95,7 +95,7 @@ def run(quick: bool = False) -> list:
         rows: list of dict per transport: `transport`, `shape` (str), and the largest rank's `rank_memory`
             sample (the rank whose Buffer kept the most resident).
     """
-    from mooncake_ep_switch.launch import check_outcomes
+    from mooncake_ep_switch.launcher.launch import check_outcomes
 
     shape = QUICK if quick else FULL
     label = f"R={shape.num_ranks} T={shape.tokens} H={shape.hidden} E={shape.experts} K={shape.top_k}"

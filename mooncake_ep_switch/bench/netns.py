@@ -26,7 +26,7 @@ import re
 import subprocess
 from typing import List, Sequence
 
-from mooncake_ep_switch.namespaces import enter, inside  # noqa: F401  (re-exported: rank functions use netns.enter)
+from mooncake_ep_switch.launcher.namespaces import enter, inside  # noqa: F401  (re-exported: rank functions use netns.enter)
 
 DEFAULT_PREFIX = "mep"
 DEFAULT_SUBNET = "10.251.0"
@@ -130,7 +130,7 @@ class Network:
         Raises:
             ValueError: a host index outside `[0, num_hosts)`.
         """
-        from mooncake_ep_switch.launch import ClusterNetwork, RankPlace
+        from mooncake_ep_switch.launcher.launch import ClusterNetwork, RankPlace
 
         places = []
         for rank, host in enumerate(rank_hosts):

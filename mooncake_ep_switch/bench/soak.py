@@ -491,7 +491,7 @@ def run_soak(config: SoakConfig, num_ranks: int = 2, rss_tol_mib: float = 2.0, r
     Raises:
         RuntimeError: a rank failed or missed the deadline (`launch.check_outcomes`).
     """
-    from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+    from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 
     if timeout_s is None:
         timeout_s = 300.0 + 0.25 * config.rounds

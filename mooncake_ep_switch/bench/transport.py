@@ -13,7 +13,7 @@ from typing import List, NamedTuple
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 
 
 class TransportShape(NamedTuple):

@@ -22,7 +22,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 
 _STATE: Dict[str, object] = {}
 EP_LAYOUT = "ep"

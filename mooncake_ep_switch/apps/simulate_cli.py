@@ -471,7 +471,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m mooncake_ep_switch.simulate_cli`: same as `mooncake-ep simulate`.
+    """`python -m mooncake_ep_switch.apps.simulate_cli`: same as `mooncake-ep simulate`.
 
     Arguments:
         argv: the options (default ``sys.argv[1:]``).

@@ -110,7 +110,7 @@ def _check_network(network: Optional[ClusterNetwork], num_ranks: int) -> None:
 
 def _enter_place(place: RankPlace) -> None:
     """Rank side, first thing: move into the rank's namespace and set what its settings read."""
-    from mooncake_ep_switch.namespaces import enter
+    from mooncake_ep_switch.launcher.namespaces import enter
 
     enter(place.namespace)  # the main thread, before any socket or thread exists
     os.environ[BIND_HOST_ENV] = place.bind_host
@@ -290,7 +290,7 @@ class LocalCluster:
         if network is None:
             self.store = host_store("127.0.0.1", 0, num_ranks, timeout_s=60)
         else:
-            from mooncake_ep_switch.namespaces import inside
+            from mooncake_ep_switch.launcher.namespaces import inside
 
             with inside(network.store_namespace):  # the socket stays in that namespace
                 self.store = host_store(network.store_host, 0, num_ranks, timeout_s=60)

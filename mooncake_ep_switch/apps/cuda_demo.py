@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 from mooncake_ep_switch.reference.compare import calc_diff
 
 CHECK_LIMIT = 1e-4  # calc_diff against the single-process reference on the same device

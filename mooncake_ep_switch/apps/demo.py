@@ -29,7 +29,7 @@ import torch
 
 from mooncake_ep_switch.expert_memory import ExpertMemory
 from mooncake_ep_switch.expert_memory import initial_placement as _initial_placement
-from mooncake_ep_switch.launch import LocalCluster, check_outcomes
+from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 from mooncake_ep_switch.reference.compare import calc_diff
 
 
@@ -537,7 +537,7 @@ def _balance_around_rebalance(metrics):
 
 def _plot(metrics, config: DemoConfig, stream):
     try:
-        from mooncake_ep_switch.timeline import plot_demo_timeline
+        from mooncake_ep_switch.apps.timeline import plot_demo_timeline
     except ImportError as error:  # matplotlib is the optional extra `plot`
         print(f"  (no timeline PNG: {error})", file=stream)
         return None

@@ -5,7 +5,7 @@ import sys
 
 def _demo(args) -> int:
     if args.device == "cuda":
-        from mooncake_ep_switch.cuda_demo import CudaDemoConfig, run_cuda_demo
+        from mooncake_ep_switch.apps.cuda_demo import CudaDemoConfig, run_cuda_demo
 
         if args.model is not None or args.transport not in ("auto", "cuda"):
             raise SystemExit("demo --device cuda: runs the built-in MoE stack over the 'cuda' transport "
@@ -29,7 +29,7 @@ def _demo(args) -> int:
         from mooncake_ep_switch.models.demo import run_model_demo
 
         return 0 if run_model_demo(args.model, args.ranks, transport) else 1
-    from mooncake_ep_switch.demo import DemoConfig, run_demo
+    from mooncake_ep_switch.apps.demo import DemoConfig, run_demo
 
     defaults = DemoConfig()
     steps = defaults.steps if args.steps is None else args.steps
@@ -56,7 +56,7 @@ def _bench(args) -> int:
 
 
 def _simulate(args) -> int:
-    from mooncake_ep_switch.simulate_cli import run_from_args
+    from mooncake_ep_switch.apps.simulate_cli import run_from_args
 
     return run_from_args(args)
 
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     demo.add_argument("--transport", default="auto", choices=["auto", "host", "cuda", "shm", "mooncake", "collective"])
     demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                       help="cpu: the main demo on CPU ranks; cuda: GPU ranks serve an MoE stack in EP over the "
-                           "'cuda' transport, a rank killed and replaced (mooncake_ep_switch.cuda_demo)")
+                           "'cuda' transport, a rank killed and replaced (mooncake_ep_switch.apps.cuda_demo)")
     demo.add_argument("--out", default="mep_demo_out", help="directory for metrics.json and timeline.png")
     demo.add_argument("--kill-step", type=int, default=None,
                       help="step (inside the burst) at which a rank is SIGKILLed and replaced; -1: none")
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     bench = sub.add_parser("bench", help="transport, switch and EPLB benchmarks with in-run baselines; "
                                          "`bench soak`: the soak benchmark (resources over 10^4 rounds)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
-    from mooncake_ep_switch.simulate_cli import add_arguments as add_simulate_arguments
+    from mooncake_ep_switch.apps.simulate_cli import add_arguments as add_simulate_arguments
 
     simulate = sub.add_parser("simulate", help="replay bursty and RL-rollout traces through the TP<->EP switch "
                                                "policy under a step-latency model; checks the paper's result")
