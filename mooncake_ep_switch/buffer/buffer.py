@@ -12,7 +12,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import device_calls, validation
 from mooncake_ep_switch.buffer.membership import elastic_view, replacement
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
@@ -30,7 +29,6 @@ from mooncake_ep_switch.buffer.transport.contract import Transport
 from mooncake_ep_switch.buffer.transport.select import TRANSPORTS, make_transport
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
-from mooncake_ep_switch.vocabulary import timeout_in_range
 
 _LAYOUT_SWITCH: Optional[Callable] = None  # set by mooncake_ep_switch.switch (register_layout_switch)
 
@@ -52,8 +50,6 @@ def register_layout_switch(function: Callable) -> None:
     if not callable(function):
         raise TypeError(f"function: expected a callable, got {type(function).__name__}")
     _LAYOUT_SWITCH = function
-_Tensor = torch.Tensor
-_BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 
 
 class Buffer:
@@ -151,7 +147,6 @@ class Buffer:
         self.epoch = self.membership.epoch() if self.joining else 0
         # A joiner is no member until admitted (dispatch and combine refuse until then).
         self.members = () if self.joining else tuple(range(self.num_ranks))
-        self._mask_shape = torch.Size((self.num_ranks,))
         self._outputs = core.outputs
         self._life = core.life
         # Every region peers map beyond the EP region (switch, KV, EPLB): re-mapped on re-admission.
@@ -530,25 +525,8 @@ class Buffer:
         # Hot path: a shape seen before (validated then, capacity included) and well-formed tensors
         # need only the value checks; anything else takes the full validation, which raises the
         # precise error naming the argument.
-        spec = None
-        if (type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int and timeout_in_range(timeout_us)
-                and type(use_fp8) is bool and isinstance(x, _Tensor)
-                and isinstance(topk_idx, _Tensor) and isinstance(active_ranks, _Tensor)):
-            xs, ks = x.shape, topk_idx.shape
-            if len(xs) == 2:
-                spec = self._specs.get((num_max_dispatch_tokens_per_rank, num_experts, xs[1], use_fp8))
-            if spec is not None and not (
-                    x.dtype is _BF16 and xs[0] <= spec.tokens and x.is_contiguous() and x.is_cpu
-                    and topk_idx.dtype is _I64 and len(ks) == 2 and ks[0] == xs[0] and 1 <= ks[1] <= spec.experts
-                    and topk_idx.is_contiguous() and topk_idx.is_cpu
-                    and active_ranks.dtype is _I32 and active_ranks.shape == self._mask_shape
-                    and active_ranks.is_contiguous() and active_ranks.is_cpu):
-                spec = None
-            if spec is not None:
-                problem = _native.check_call_values(topk_idx.data_ptr(), ks[0], ks[1], spec.experts,
-                                                    active_ranks.data_ptr(), self.num_ranks)
-                if problem:
-                    raise ValueError(problem)
+        spec = self._specs.match_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
+                                          timeout_us, use_fp8)
         if spec is None:
             spec, timeout_us = self._specs.validate_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                         num_experts, timeout_us, use_fp8)
@@ -671,34 +649,10 @@ class Buffer:
             raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
         # Hot path: a handle this Buffer returned (its fields were validated when it was made) and
         # well-formed tensors need only the value checks; otherwise the full validation runs.
-        plan = getattr(handle, "plan", None)
-        spec = getattr(plan, "spec", None) if type(handle) is DispatchHandle else None
-        fast = False
-        if (spec is not None and spec.owner is self._core.token and timeout_in_range(timeout_us)
-                and isinstance(x, _Tensor) and isinstance(topk_idx, _Tensor) and isinstance(topk_weights, _Tensor)
-                and isinstance(active_ranks, _Tensor)):
-            src_info, layout_range = handle[0], handle[1]
-            ks = topk_idx.shape
-            fast = (handle[2] == spec.tokens and handle[3] == spec.hidden and handle[4] == spec.experts
-                    and x.dtype is _BF16 and x.shape == spec.y_shape and x.is_contiguous() and x.is_cpu
-                    and src_info.dtype is _I32 and src_info.shape == spec.src_shape and src_info.is_contiguous()
-                    and src_info.is_cpu
-                    and layout_range.dtype is _I64 and layout_range.shape == spec.range_shape
-                    and layout_range.is_contiguous() and layout_range.is_cpu
-                    and topk_idx.dtype is _I64 and len(ks) == 2 and ks[0] == plan.num_tokens and ks[1] == plan.top_k
-                    and topk_idx.is_contiguous() and topk_idx.is_cpu
-                    and topk_weights.dtype is _F32 and topk_weights.shape == ks and topk_weights.is_contiguous()
-                    and topk_weights.is_cpu
-                    and active_ranks.dtype is _I32 and active_ranks.shape == self._mask_shape
-                    and active_ranks.is_contiguous() and active_ranks.is_cpu
-                    and (out is None or (isinstance(out, _Tensor) and out.dtype is _BF16 and out.dim() == 2
-                                         and out.size(0) == ks[0] and out.size(1) == spec.hidden
-                                         and out.is_contiguous() and out.is_cpu)))
-        if fast:
-            problem = _native.check_call_values(topk_idx.data_ptr(), ks[0], ks[1], spec.experts,
-                                                active_ranks.data_ptr(), self.num_ranks)
-            if problem:
-                raise ValueError(problem)
+        spec = self._specs.match_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out,
+                                         DispatchHandle)
+        if spec is not None:
+            plan, src_info, layout_range = handle.plan, handle[0], handle[1]
             tokens, hidden, experts = spec.tokens, spec.hidden, spec.experts
         else:
             fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle,

@@ -8,10 +8,14 @@ from typing import Dict, Tuple
 
 import torch
 
+from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.layout import region_layout
+from mooncake_ep_switch.vocabulary import timeout_in_range
 
 MAX_SPECS = 64  # shapes kept per Buffer; more distinct shapes start the cache afresh
+_Tensor = torch.Tensor
+_BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 
 
 class CallSpec:
@@ -63,11 +67,84 @@ class CallSpecs:
 
     def __init__(self, owner: object, num_ranks: int, num_ep_buffer_bytes: int, needs_region: bool):
         self.owner, self.num_ranks = owner, num_ranks
+        self.mask_shape = torch.Size((num_ranks,))  # active_ranks' shape
         self.num_ep_buffer_bytes, self.needs_region = num_ep_buffer_bytes, needs_region
         self._specs: Dict[tuple, CallSpec] = {}
         # The hot path's lookup: the spec of a validated shape `(T, E, hidden, use_fp8)`, or None
         # (the dict's own bound method: no extra Python frame per dispatch).
         self.get = self._specs.get
+
+    def match_dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us,
+                       use_fp8):
+        """The hot path of a host dispatch: the spec of a shape validated before when the arguments are
+        well-formed CPU tensors of that shape, else None (then `validate_dispatch` runs the full checks,
+        whose errors name the argument). The values (expert ids, mask entries) are checked here too, in
+        one native pass (ValueError).
+
+        Returns:
+            spec: `CallSpec`, or None.
+        """
+        if not (type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int
+                and timeout_in_range(timeout_us) and type(use_fp8) is bool and isinstance(x, _Tensor)
+                and isinstance(topk_idx, _Tensor) and isinstance(active_ranks, _Tensor)):
+            return None
+        xs, ks = x.shape, topk_idx.shape
+        if len(xs) != 2:
+            return None
+        spec = self._specs.get((num_max_dispatch_tokens_per_rank, num_experts, xs[1], use_fp8))
+        if spec is None or not (
+                x.dtype is _BF16 and xs[0] <= spec.tokens and x.is_contiguous() and x.is_cpu
+                and topk_idx.dtype is _I64 and len(ks) == 2 and ks[0] == xs[0] and 1 <= ks[1] <= spec.experts
+                and topk_idx.is_contiguous() and topk_idx.is_cpu
+                and active_ranks.dtype is _I32 and active_ranks.shape == self.mask_shape
+                and active_ranks.is_contiguous() and active_ranks.is_cpu):
+            return None
+        self.check_values(topk_idx, spec.experts, active_ranks)
+        return spec
+
+    def match_combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out, handle_type):
+        """The hot path of a host combine: the spec of `handle` when it is a handle (of `handle_type`)
+        this Buffer returned (its fields were validated when it was made) and the tensors are
+        well-formed CPU tensors of its shape, else None (then the full validation runs). The values are
+        checked here too (ValueError).
+
+        Returns:
+            spec: `CallSpec`, or None.
+        """
+        plan = getattr(handle, "plan", None)
+        spec = getattr(plan, "spec", None) if type(handle) is handle_type else None
+        if not (spec is not None and spec.owner is self.owner and timeout_in_range(timeout_us)
+                and isinstance(x, _Tensor) and isinstance(topk_idx, _Tensor) and isinstance(topk_weights, _Tensor)
+                and isinstance(active_ranks, _Tensor)):
+            return None
+        src_info, layout_range = handle[0], handle[1]
+        ks = topk_idx.shape
+        if not (handle[2] == spec.tokens and handle[3] == spec.hidden and handle[4] == spec.experts
+                and x.dtype is _BF16 and x.shape == spec.y_shape and x.is_contiguous() and x.is_cpu
+                and src_info.dtype is _I32 and src_info.shape == spec.src_shape and src_info.is_contiguous()
+                and src_info.is_cpu
+                and layout_range.dtype is _I64 and layout_range.shape == spec.range_shape
+                and layout_range.is_contiguous() and layout_range.is_cpu
+                and topk_idx.dtype is _I64 and len(ks) == 2 and ks[0] == plan.num_tokens and ks[1] == plan.top_k
+                and topk_idx.is_contiguous() and topk_idx.is_cpu
+                and topk_weights.dtype is _F32 and topk_weights.shape == ks and topk_weights.is_contiguous()
+                and topk_weights.is_cpu
+                and active_ranks.dtype is _I32 and active_ranks.shape == self.mask_shape
+                and active_ranks.is_contiguous() and active_ranks.is_cpu
+                and (out is None or (isinstance(out, _Tensor) and out.dtype is _BF16 and out.dim() == 2
+                                     and out.size(0) == ks[0] and out.size(1) == spec.hidden
+                                     and out.is_contiguous() and out.is_cpu))):
+            return None
+        self.check_values(topk_idx, spec.experts, active_ranks)
+        return spec
+
+    def check_values(self, topk_idx, experts: int, active_ranks) -> None:
+        """Expert ids in [-1, experts) and mask entries in {0, 1}, in one native pass (ValueError)."""
+        ks = topk_idx.shape
+        problem = _native.check_call_values(topk_idx.data_ptr(), ks[0], ks[1], experts, active_ranks.data_ptr(),
+                                            self.num_ranks)
+        if problem:
+            raise ValueError(problem)
 
     def check_capacity(self, tokens: int, hidden: int, experts: int) -> None:
         """`check_capacity` for this Buffer's region (ValueError naming num_ep_buffer_bytes)."""
