@@ -6,6 +6,8 @@ failed rank's traceback. Fault tests use `fresh_cluster()` so that killed ranks 
 cached ones. Every run has a deadline.
 """
 import os
+import signal
+import time
 from typing import Dict, Optional
 
 from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
@@ -74,3 +76,27 @@ def outcome_value(outcome):
     """The value of one rank's `Outcome`, asserting that the rank succeeded."""
     assert outcome.ok, outcome.error
     return outcome.value
+
+
+def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Return once every thread of process `pid` is stopped (SIGSTOP); AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                    states.append(stat.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass  # a thread that ended meanwhile
+        if states and all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
+
+
+def stop_process(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once it is stopped: kill() only queues the signal, and on a loaded host
+    the process may run on (answer a write, beat a heartbeat) for a while after it returned."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_stopped(pid, timeout_s)

@@ -228,19 +228,6 @@ def test_rank_killed_mid_rebalance_keeps_old_placement(use_mask):
         assert result["stall_ms"] < TIMEOUT_US / 1e3 / 2, result["stall_ms"]
 
 
-def _wait_stopped(pid, timeout_s=60.0):
-    """Wait until process `pid` is stopped (SIGSTOP), with a deadline."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as stat:
-            if stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.01)
-    raise TimeoutError(f"rank process {pid} did not stop within {timeout_s} s")
-
-
 def rank_fault_at_commit(ctx, faulty, how, transport="shm", timeout_us=TIMEOUT_US, corrupt_table=None):
     """Every redundant copy moves (one chunk, epoch 1, commit step 3); rank `faulty` freezes
     (SIGSTOP, resumed by a peer once that peer has decided) or dies at the fault point set in
@@ -267,7 +254,7 @@ def rank_fault_at_commit(ctx, faulty, how, transport="shm", timeout_us=TIMEOUT_U
         reports += rebalancer.step(step, None)
         if step == 3 and how == "stop":
             if ctx.rank == (faulty + 1) % R:  # decided: let the frozen rank go on (it may not have voted)
-                _wait_stopped(pids[faulty])
+                harness.wait_stopped(pids[faulty], 60.0)
                 os.kill(pids[faulty], signal.SIGCONT)
             dist.barrier(group=ctx.group)  # the frozen rank catches up before anyone serves again
         dead = (faulty,) if how == "kill" and step >= 3 else ()

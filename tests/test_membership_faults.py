@@ -296,7 +296,7 @@ def test_left_out_rank_rejoins_after_sigstop(transport):
     with harness.fresh_cluster(2) as cluster:
         harness.check_outcomes(cluster.run(rank_start, transport))
         stopped = cluster.processes[1].pid
-        os.kill(stopped, signal.SIGSTOP)
+        harness.stop_process(stopped)
         try:
             if transport == "shm":  # the collective fallback agrees on the survivors' view inside the call
                 assert outcome_value(cluster.run(rank_round_without_peer, ranks=[0], timeout_s=60)[0]) == [1, 0]
@@ -516,7 +516,7 @@ def test_a_rank_cut_off_cannot_seal_the_majority_out():
         assert harness.check_outcomes(cluster.run(rank_start4)) == [[1, 1, 1, 1]] * 4
         stopped = [cluster.processes[r].pid for r in range(3)]
         for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
+            harness.stop_process(pid)
         try:
             alone = outcome_value(cluster.run(rank_cut_off, ranks=[3], timeout_s=60)[0])
         finally:

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
+from tests.harness import stop_process
 
 _CTX = multiprocessing.get_context("spawn")
 FLAG_DEADLINE_S = 3.0  # a flag must rise within this after the peer died (typically a few ms)
@@ -106,7 +107,7 @@ def test_a_starved_listener_is_still_watched_and_its_death_flagged():
     try:
         assert conn.poll(20)
         port = conn.recv()
-        os.kill(process.pid, signal.SIGSTOP)
+        stop_process(process.pid)
         assert watch.watch_address(1, "127.0.0.1", port, timeout_s=0.3) is True
         assert watch.is_watched(1)
         os.kill(process.pid, signal.SIGCONT)

@@ -21,6 +21,7 @@ import time
 import pytest
 
 from mooncake_ep_switch.buffer.transport.te_endpoint import PeerWrite, TeEndpoint, load_transfer_engine
+from tests.harness import stop_process
 
 _CTX = multiprocessing.get_context("spawn")
 AGENT_DEADLINE_S = 40.0  # hard cap on an agent's life (the watchdog calls os._exit)
@@ -463,7 +464,7 @@ def test_write_each_dead_and_stopped_peers_do_not_delay_a_live_one(agents):
     dead.proc.join(5)
     # Warm TE's reconnect pause to the dead peer: later writes to it take ~1 s each to fail.
     _expect_failure(writer, "write", dead.session, 0, dead.addr, 64, timeout_s, timeout_s=timeout_s)
-    os.kill(stopped.proc.pid, signal.SIGSTOP)
+    stop_process(stopped.proc.pid)
     try:
         data_len, sig_off = 1 << 20, (1 << 20) + 4096
         writer.call("fill", 0, _pattern(7, data_len))
@@ -661,7 +662,7 @@ def test_write_to_stopped_peer_times_out(agents):
     timeout_s = 1.5
     for peer in (victim, healthy):
         writer.call("connect", peer.session, 5.0)
-    os.kill(victim.proc.pid, signal.SIGSTOP)
+    stop_process(victim.proc.pid)
     try:
         error = _expect_failure(writer, "write", victim.session, 0, victim.addr, STALL_BYTES, timeout_s,
                                 timeout_s=timeout_s, kinds=("TimeoutError",))
@@ -685,7 +686,7 @@ def test_no_write_to_a_peer_while_an_abandoned_write_to_it_may_still_land(agents
     for peer in (victim, healthy):
         writer.call("connect", peer.session, 5.0)
     writer.call("fill", 0, _pattern(5, 8192))  # what is checked; the rest of the write is zeros
-    os.kill(victim.proc.pid, signal.SIGSTOP)
+    stop_process(victim.proc.pid)
     try:
         _expect_failure(writer, "write", victim.session, 0, victim.addr, nbytes, timeout_s, timeout_s=timeout_s,
                         kinds=("TimeoutError",))
@@ -720,7 +721,7 @@ def test_no_read_into_bytes_an_abandoned_read_may_still_land_in(agents):
     healthy.call("fill", 0, _pattern(8, 4096))
     for peer in (stopped, healthy):
         reader.call("connect", peer.session, 5.0)
-    os.kill(stopped.proc.pid, signal.SIGSTOP)
+    stop_process(stopped.proc.pid)
     try:
         _expect_failure(reader, "read_batch", stopped.session, [0], [stopped.addr], [nbytes], timeout_s,
                         timeout_s=timeout_s, kinds=("TimeoutError",))
@@ -808,7 +809,7 @@ def test_close_is_bounded_while_a_peer_stalls_in_a_handshake(agents, stall):
     try:
         assert peer.stdout.readline().strip() == b"connected"
         if stall == "stopped":
-            os.kill(peer.pid, signal.SIGSTOP)
+            stop_process(peer.pid)
         time.sleep(0.3)  # the listener has accepted it and is blocked reading the rest
         began = time.monotonic()
         _, elapsed = owner.call("close", timeout=40)
@@ -828,7 +829,7 @@ def test_an_abandoned_write_to_a_stopped_peer_is_reaped_within_the_stall_timeout
     stall_timeout_s = 3
     writer, victim = agents(each=[{"nbytes": 1 << 20, "tcp_stall_timeout_s": stall_timeout_s}, {"nbytes": 1 << 20}])
     writer.call("connect", victim.session, 5.0)
-    os.kill(victim.proc.pid, signal.SIGSTOP)
+    stop_process(victim.proc.pid)
     try:
         _expect_failure(writer, "write", victim.session, 0, victim.addr, 64 << 10, 1.0, timeout_s=1.0,
                         kinds=("TimeoutError",))
