@@ -84,10 +84,15 @@ PYBIND11_MODULE(_native, m) {
         "Shut down this process's accepted TCP connections on local `port` every `period_s` from a native "
         "thread, until stop() or `max_s` (used while a Transfer Engine is destroyed: its handshake listener "
         "blocks on them).")
-        .def(py::init<int64_t, double, double>(), "port"_a, "period_s"_a, "max_s"_a)
+        .def(py::init<int64_t, double, double, double>(), "port"_a, "period_s"_a, "max_s"_a, py::kw_only(),
+             "report_after_s"_a = 0.0)
         .def("stop", &mep::InboundReaper::stop, py::call_guard<py::gil_scoped_release>(),
              "End the scans and join the thread; returns how many sockets were shut down.")
-        .def_property_readonly("aborted", &mep::InboundReaper::aborted);
+        .def_property_readonly("aborted", &mep::InboundReaper::aborted)
+        .def_property_readonly("reported", &mep::InboundReaper::reported,
+                               "Whether the still-running report went to stderr (after report_after_s).");
+    m.def("thread_report", &mep::thread_report, py::call_guard<py::gil_scoped_release>(), "max_threads"_a = 256,
+          "What each thread of this process waits in, one line each (tid name wchan syscall), from /proc/self/task.");
     m.def("shutdown_inbound", &mep::shutdown_inbound, py::call_guard<py::gil_scoped_release>(), "port"_a,
           "Shut down this process's TCP connections on local `port` (not its listening socket); returns how many.");
     m.def("enter_net_namespace", &mep::enter_net_namespace, "fd"_a,

@@ -15,6 +15,9 @@ import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -900,4 +903,39 @@ def test_shutdown_inbound_ends_accepted_connections_only(tmp_path):
             _native.InboundReaper(*bad)
     with pytest.raises(ValueError, match="port"):
         _native.shutdown_inbound(-1)
+    with pytest.raises(ValueError, match="report_after_s"):
+        _native.InboundReaper(port, 0.01, 1.0, report_after_s=-1.0)
     locked.close()
+
+
+def test_a_teardown_that_takes_long_reports_what_each_thread_waits_in():
+    """issue 28 item 1: the engine's destructor can hold the GIL, so no Python code can say why close()
+    takes long; the native reaper writes once to stderr, after `report_after_s`, every thread of the
+    process with what it waits in, while the main thread holds the GIL (a pure-Python busy loop)."""
+    code = textwrap.dedent("""
+        import os, sys, threading, time
+        from mooncake_ep_switch import _native
+        sleeper = threading.Thread(target=time.sleep, args=(3.0,), daemon=True)
+        sleeper.start()
+        reaper = _native.InboundReaper(65000, 0.01, 30.0, report_after_s=0.2)
+        quiet = _native.InboundReaper(65001, 0.01, 30.0)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            pass  # holds the GIL throughout
+        reaper.stop(); quiet.stop()
+        print(os.getpid(), sleeper.native_id, reaper.reported, quiet.reported)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pid, sleeper, reported, quiet = done.stdout.split()
+    assert (reported, quiet) == ("True", "False")
+    head, *threads = done.stderr.strip().splitlines()
+    assert "port 65000 is still not destroyed 0.2 s after close()" in head and "65001" not in done.stderr
+    tids = {line.split()[0]: line for line in threads}
+    assert pid in tids and sleeper in tids, done.stderr
+    assert all(" wchan=" in line and " syscall=" in line for line in threads)
+    # a thread in time.sleep waits in the kernel: its line names a syscall number, not "running"
+    assert tids[sleeper].split("syscall=")[1].strip().isdigit(), tids[sleeper]
+    from mooncake_ep_switch import _native
+
+    assert "\n" in _native.thread_report(4) and _native.thread_report(1).count("\n") <= 2

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -75,13 +76,56 @@ int64_t shutdown_inbound(int64_t port) {
     return count;
 }
 
-InboundReaper::InboundReaper(int64_t port, double period_s, double max_s) {
+namespace {
+
+// The first line of a small /proc file, without its newline ("" if unreadable).
+std::string first_line(const std::string& path) {
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return "";
+    char text[256];
+    const ssize_t n = read(fd, text, sizeof(text) - 1);
+    close(fd);
+    if (n <= 0) return "";
+    std::string line(text, static_cast<size_t>(n));
+    const size_t cut = line.find('\n');
+    return cut == std::string::npos ? line : line.substr(0, cut);
+}
+
+}  // namespace
+
+std::string thread_report(int64_t max_threads) {
+    if (max_threads <= 0 || max_threads > 4096)
+        throw std::invalid_argument("max_threads must be in (0, 4096], got " + std::to_string(max_threads));
+    DIR* dir = opendir("/proc/self/task");
+    if (!dir) return "";
+    std::string report;
+    int64_t lines = 0, skipped = 0;
+    while (dirent* entry = readdir(dir)) {
+        if (entry->d_name[0] < '0' || entry->d_name[0] > '9') continue;
+        if (lines >= max_threads) { ++skipped; continue; }
+        const std::string task = std::string("/proc/self/task/") + entry->d_name;
+        std::string syscall = first_line(task + "/syscall");
+        const size_t space = syscall.find(' ');  // "<nr> <args...>": the number says enough
+        if (space != std::string::npos) syscall = syscall.substr(0, space);
+        report += std::string(entry->d_name) + " " + first_line(task + "/comm") + " wchan=" +
+                  first_line(task + "/wchan") + " syscall=" + syscall + "\n";
+        ++lines;
+    }
+    closedir(dir);
+    if (skipped) report += "(" + std::to_string(skipped) + " more threads)\n";
+    return report;
+}
+
+InboundReaper::InboundReaper(int64_t port, double period_s, double max_s, double report_after_s) {
     check_port(port);
     if (!(period_s > 0.0 && period_s <= 10.0))
         throw std::invalid_argument("period_s must be in (0, 10], got " + std::to_string(period_s));
     if (!(max_s > 0.0 && max_s <= 86400.0))
         throw std::invalid_argument("max_s must be in (0, 86400], got " + std::to_string(max_s));
+    if (!(report_after_s >= 0.0 && report_after_s <= 86400.0))
+        throw std::invalid_argument("report_after_s must be in [0, 86400], got " + std::to_string(report_after_s));
     port_ = static_cast<int>(port);
+    report_us_ = static_cast<int64_t>(report_after_s * 1e6);
     period_us_ = static_cast<int64_t>(period_s * 1e6);
     max_us_ = static_cast<int64_t>(max_s * 1e6);
     thread_ = std::thread([this] { run(); });
@@ -97,9 +141,23 @@ int64_t InboundReaper::stop() {
 }
 
 void InboundReaper::run() {
-    const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(max_us_);
+    const auto start = std::chrono::steady_clock::now();
+    const auto end = start + std::chrono::microseconds(max_us_);
     while (running_.load() && std::chrono::steady_clock::now() < end) {
         aborted_ += shutdown_inbound(port_);
+        if (report_us_ > 0 && !reported_.load() &&
+            std::chrono::steady_clock::now() - start >= std::chrono::microseconds(report_us_)) {
+            // Once: the engine is still not destroyed; say what each thread waits in (stderr, unbuffered).
+            char head[192];
+            std::snprintf(head, sizeof(head),
+                          "mooncake_ep_switch: the Transfer Engine behind handshake port %d is still not destroyed "
+                          "%.1f s after close(); this process's threads (tid name wchan syscall):\n",
+                          port_, report_us_ / 1e6);
+            const std::string text = head + thread_report(256);
+            const ssize_t ignored = write(2, text.data(), text.size());
+            (void)ignored;
+            reported_.store(true);
+        }
         const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(period_us_);
         while (running_.load() && std::chrono::steady_clock::now() < until)
             std::this_thread::sleep_for(std::chrono::milliseconds(2));

@@ -56,6 +56,9 @@ SETTLE_S = 0.005  # how long a transfer waits for abandoned ones with its peer t
 SPIN_MAX_BYTES = 256 << 10  # write_each spins (spin_s) only when its data is at most this many bytes
 REAPER_PERIOD_S = 0.02  # while the engine is destroyed: how often inbound handshakes are shut down
 REAPER_MAX_S = 600.0  # the longest the reaper waits for a helper thread that still holds the engine
+# An engine still not destroyed this long after close() has the reaper write to stderr what each thread of
+# the process waits in (its destructor may hold the GIL, so only a native thread can say; issue 28 item 1).
+REAPER_REPORT_AFTER_S = 10.0
 _MAX_BATCH_ID = 1 << 63
 _LIVE: "weakref.WeakSet[TeEndpoint]" = weakref.WeakSet()
 
@@ -648,9 +651,12 @@ class TeEndpoint:
         # read: a peer stopped (or trickling bytes) mid-handshake would hold it, and the GIL, for as
         # long as it likes. A native thread shuts those connections down until the engine is gone.
         # It stops once the engine is gone (a weakref's callback runs after the C++ destructor), in
-        # whichever thread lets go of it last, or after REAPER_MAX_S if that never happens.
+        # whichever thread lets go of it last, or after REAPER_MAX_S if that never happens. If the
+        # engine is still there after REAPER_REPORT_AFTER_S, it writes to stderr what every thread of
+        # the process waits in: a teardown that takes long names its own cause.
         try:
-            reaper = _native.InboundReaper(self.rpc_port, REAPER_PERIOD_S, REAPER_MAX_S)
+            reaper = _native.InboundReaper(self.rpc_port, REAPER_PERIOD_S, REAPER_MAX_S,
+                                           report_after_s=REAPER_REPORT_AFTER_S)
             weakref.finalize(engine, reaper.stop)
         finally:
             del engine
