@@ -132,8 +132,8 @@ PYBIND11_MODULE(_native, m) {
 
     m.def("dispatch_send", &mep::dispatch_send, release(), "x_ptr"_a, "num_tokens"_a, "hidden"_a, "topk_ptr"_a,
           "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "active_ptr"_a,
-          "peer_half_bases"_a, "tag"_a, "use_fp8"_a, "dest"_a = -1, "write_signals"_a = true, "by_destination"_a = false,
-          "compact"_a = false, "fp8_rows_ptr"_a = 0, "fp8_scales_ptr"_a = 0,
+          "peer_half_bases"_a, "tag"_a, py::kw_only(), "use_fp8"_a, "dest"_a = -1, "write_signals"_a = true,
+          "by_destination"_a = false, "compact"_a = false, "fp8_rows_ptr"_a = 0, "fp8_scales_ptr"_a = 0,
           "Write this rank's tokens into every active destination's half, then its dispatch signals. With "
           "by_destination, destination d's rows and signals go to source column d instead of this rank's "
           "(a staging copy holding every destination at once). With compact, each token goes once per "
@@ -143,7 +143,8 @@ PYBIND11_MODULE(_native, m) {
           "quantized again (one quantization for several sends of one dispatch).");
     m.def("dispatch_recv", &mep::dispatch_recv, release(), "local_half_base"_a, "num_ranks"_a, "rank"_a,
           "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a, "tag"_a, "active_ptr"_a,
-          "timeout_us"_a, "use_fp8"_a, "recv_x_ptr"_a, "recv_scales_ptr"_a, "src_info_ptr"_a, "layout_range_ptr"_a,
+          "timeout_us"_a, py::kw_only(), "use_fp8"_a, "recv_x_ptr"_a, "recv_scales_ptr"_a, "src_info_ptr"_a,
+          "layout_range_ptr"_a,
           "recv_count_ptr"_a, "abort_ptr"_a = 0, "dead_ptr"_a = 0,
           "Wait for every active source's dispatch signals (one deadline), pack the received rows; "
           "returns the ranks newly marked inactive. A non-zero 8-byte word at abort_ptr (0 = none) ends "
@@ -151,8 +152,8 @@ PYBIND11_MODULE(_native, m) {
           "are not all there inactive at once.");
     m.def("combine_send", &mep::combine_send, release(), "x_ptr"_a, "hidden"_a, "num_experts"_a, "num_ranks"_a,
           "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "src_info_ptr"_a, "layout_range_ptr"_a, "active_ptr"_a,
-          "peer_half_bases"_a, "tag"_a, "dest"_a = -1, "write_signals"_a = true, "by_destination"_a = false,
-          "compact"_a = false,
+          "peer_half_bases"_a, "tag"_a, py::kw_only(), "dest"_a = -1, "write_signals"_a = true,
+          "by_destination"_a = false, "compact"_a = false,
           "Return expert outputs to the token owners' combine_data, then their combine signals. With "
           "by_destination, owner s's rows and signals go to expert block s instead of this rank's (a "
           "staging copy holding every owner at once). With compact, each owner's rows go behind each "
@@ -168,7 +169,7 @@ PYBIND11_MODULE(_native, m) {
 
     m.def("dispatch_round", &mep::dispatch_round, release(), "x_ptr"_a, "num_tokens"_a, "hidden"_a, "topk_ptr"_a,
           "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "active_ptr"_a,
-          "peer_half_bases"_a, "tag"_a, "use_fp8"_a, "local_half_base"_a, "timeout_us"_a, "recv_x_ptr"_a,
+          "peer_half_bases"_a, "tag"_a, py::kw_only(), "use_fp8"_a, "local_half_base"_a, "timeout_us"_a, "recv_x_ptr"_a,
           "recv_scales_ptr"_a, "src_info_ptr"_a, "layout_range_ptr"_a, "recv_count_ptr"_a, "abort_ptr"_a = 0,
           "dead_ptr"_a = 0, "A synchronous dispatch: dispatch_send to every destination, then dispatch_recv; returns the ranks "
           "newly marked inactive.");
@@ -195,11 +196,11 @@ PYBIND11_MODULE(_native, m) {
           "out[t] = bf16(sum_k in order of w[t,k] * row(row_index[t,k])), -1 skipped, fp32, no FMA.");
     // ---- collective transport records (dataplane/kernels.cpp) ----
     m.def("coll_dispatch_pack", &mep::coll_dispatch_pack, release(), "x"_a, "num_tokens"_a, "hidden"_a, "topk"_a,
-          "top_k"_a, "num_experts"_a, "num_ranks"_a, "max_tokens"_a, "active"_a, "use_fp8"_a, "fixed"_a,
+          "top_k"_a, "num_experts"_a, "num_ranks"_a, "max_tokens"_a, "active"_a, py::kw_only(), "use_fp8"_a, "fixed"_a,
           "rec_size"_a, "meta"_a, "send"_a, "send_bytes"_a, "tokens_to"_a, "pairs_to"_a, "row_index"_a,
           "Write this rank's dispatch records into send; returns the number of records.");
     m.def("coll_dispatch_unpack", &mep::coll_dispatch_unpack, release(), "recv"_a, "recv_bytes"_a, "num_ranks"_a,
-          "max_tokens"_a, "hidden"_a, "num_local"_a, "rec_size"_a, "meta"_a, "fixed"_a, "recv_tokens"_a,
+          "max_tokens"_a, "hidden"_a, "num_local"_a, "rec_size"_a, "meta"_a, py::kw_only(), "fixed"_a, "recv_tokens"_a,
           "accepted_by"_a, "accept"_a, "use_fp8"_a, "recv_x"_a, "recv_scales"_a, "src_info"_a, "layout_range"_a,
           "recv_count"_a, "rows_to_rank"_a,
           "Validate received records and pack them into the dispatch outputs; returns the rows packed.");
@@ -227,13 +228,14 @@ PYBIND11_MODULE(_native, m) {
                              {weight, experts, counts, pinned, start, rows, num_rows, peak_limit, item_limit, budget},
                              {split, relieve, revert, node_margin, retries, max_steps, near, swap_from, heavy, threads});
         },
-        release(), "num_logical"_a, "num_replicas"_a, "num_gpus"_a, "gpus_per_node"_a, "hierarchical"_a, "weight"_a,
+        release(), "num_logical"_a, "num_replicas"_a, "num_gpus"_a, "gpus_per_node"_a, py::kw_only(), "hierarchical"_a,
+        "weight"_a,
         "experts"_a, "counts"_a, "pinned"_a, "start"_a, "rows"_a, "num_rows"_a, "peak_limit"_a, "item_limit"_a,
         "budget"_a, "split"_a, "relieve"_a, "revert"_a, "node_margin"_a, "retries"_a, "max_steps"_a, "near"_a, "swap_from"_a, "heavy"_a, "threads"_a,
         "The EPLB movement-aware search for the layers in rows, in place (arrays validated by "
         "eplb/policy/local_search.py; start and budget may be 0 for none).");
     m.def("eplb_refine", &mep::eplb_refine, release(), "experts"_a, "sizes"_a, "pinned"_a, "num_rows"_a,
-          "num_bins"_a, "slots"_a, "bin_node"_a, "sweeps"_a, "descend_steps"_a, "near"_a, "threads"_a,
+          "num_bins"_a, "slots"_a, "bin_node"_a, py::kw_only(), "sweeps"_a, "descend_steps"_a, "near"_a, "threads"_a,
           "Swap-refine packed rows in place: group sweeps (if sweeps), then descent of the heaviest bin "
           "(arrays validated by eplb/policy/packing.py).");
     m.def("signal_publish", &mep::signal_publish, "addr"_a, "value"_a,

@@ -111,7 +111,8 @@ class Backend:
         if self.kind == "native":
             halves = [r.data_ptr() + self.layout.half_offset(number) for r in self.regions]
             _native.dispatch_send(x.data_ptr(), x.size(0), s.hidden, topk.data_ptr(), topk.size(1), s.experts,
-                                  s.num_ranks, rank, s.tokens, active.data_ptr(), halves, signal_tag(number), use_fp8)
+                                  s.num_ranks, rank, s.tokens, active.data_ptr(), halves, signal_tag(number),
+                                  use_fp8=use_fp8)
             return
         key = (topk.size(1), rank)
         if key not in self.scratch:
@@ -121,8 +122,8 @@ class Backend:
         self.words[rank] = word
         call = self._call(rank, number, active, word, advance)
         self.calls[rank] = call
-        self.mod.dispatch_send(call, self.region, x.data_ptr(), x.size(0), topk.data_ptr(), topk.size(1), use_fp8,
-                               self.scratch[key].data_ptr(), self.stream())
+        self.mod.dispatch_send(call, self.region, x.data_ptr(), x.size(0), topk.data_ptr(), topk.size(1),
+                               use_fp8=use_fp8, scratch=self.scratch[key].data_ptr(), stream=self.stream())
         self.settle()
 
     def dispatch_recv(self, rank, number, active, use_fp8, top_k, out) -> List[int]:
@@ -130,14 +131,17 @@ class Backend:
         if self.kind == "native":
             base = self.regions[rank].data_ptr() + self.layout.half_offset(number)
             return list(_native.dispatch_recv(base, s.num_ranks, rank, s.tokens, s.hidden, s.experts,
-                                              signal_tag(number), active.data_ptr(), self.timeout_us, use_fp8,
-                                              out["recv_x"].data_ptr(), out["scales"].data_ptr() if use_fp8 else 0,
-                                              out["src_info"].data_ptr(), out["layout_range"].data_ptr(),
-                                              out["recv_count"].data_ptr()))
-        self.mod.dispatch_recv(self.calls[rank], self.region, use_fp8, top_k, self.scratch[(top_k, rank)].data_ptr(),
-                               out["recv_x"].data_ptr(), out["scales"].data_ptr() if use_fp8 else 0,
-                               out["src_info"].data_ptr(), out["layout_range"].data_ptr(), out["recv_count"].data_ptr(),
-                               self.stream())
+                                              signal_tag(number), active.data_ptr(), self.timeout_us, use_fp8=use_fp8,
+                                              recv_x_ptr=out["recv_x"].data_ptr(),
+                                              recv_scales_ptr=out["scales"].data_ptr() if use_fp8 else 0,
+                                              src_info_ptr=out["src_info"].data_ptr(),
+                                              layout_range_ptr=out["layout_range"].data_ptr(),
+                                              recv_count_ptr=out["recv_count"].data_ptr()))
+        self.mod.dispatch_recv(self.calls[rank], self.region, use_fp8=use_fp8, top_k=top_k,
+                               scratch=self.scratch[(top_k, rank)].data_ptr(), recv_x=out["recv_x"].data_ptr(),
+                               recv_scales=out["scales"].data_ptr() if use_fp8 else 0,
+                               src_info=out["src_info"].data_ptr(), layout_range=out["layout_range"].data_ptr(),
+                               recv_count=out["recv_count"].data_ptr(), stream=self.stream())
         self.settle()
         return self.failed(rank)
 
@@ -420,7 +424,7 @@ def test_launchers_refuse_out_of_range_shapes():
         backend.dispatch_send(0, 1, x, topk, torch.ones(2, dtype=torch.int32), False)
     outside = sim.Call(2, 2, 8, 128, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0)  # rank 2 of 2
     with pytest.raises(ValueError, match="rank 2 outside"):
-        sim.dispatch_send(outside, backend.region, 1, 0, 1, 1, False, 1, 0)
+        sim.dispatch_send(outside, backend.region, 1, 0, 1, 1, use_fp8=False, scratch=1, stream=0)
     odd_hidden = sim.Call(2, 0, 8, 100, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0)
     with pytest.raises(ValueError, match="hidden"):
         sim.combine_recv(odd_hidden, backend.region, 1, 1, 1, 1, 1, 0)

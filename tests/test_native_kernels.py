@@ -282,7 +282,7 @@ class Cluster:
 
     def dispatch_send(self, rank, x, topk, tag, fp8, **kw):
         N.dispatch_send(x.data_ptr(), x.shape[0], self.H, topk.data_ptr(), topk.shape[1], self.E, self.R, rank,
-                        self.T, self.active[rank].data_ptr(), self.bases(tag), tag, fp8, **kw)
+                        self.T, self.active[rank].data_ptr(), self.bases(tag), tag, use_fp8=fp8, **kw)
 
     def dispatch_recv(self, rank, tag, fp8, timeout_us=2_000_000):
         R, T, H, L, G = self.R, self.T, self.H, self.L, self.G
@@ -294,9 +294,11 @@ class Cluster:
             "recv_count": torch.full((L,), -7, dtype=torch.int32),
         }
         failed = N.dispatch_recv(self.half(rank, tag), R, rank, T, H, self.E, tag, self.active[rank].data_ptr(),
-                                 timeout_us, fp8, out["x"].data_ptr(), out["scales"].data_ptr() if fp8 else 0,
-                                 out["src_info"].data_ptr(), out["layout_range"].data_ptr(),
-                                 out["recv_count"].data_ptr())
+                                 timeout_us, use_fp8=fp8, recv_x_ptr=out["x"].data_ptr(),
+                                 recv_scales_ptr=out["scales"].data_ptr() if fp8 else 0,
+                                 src_info_ptr=out["src_info"].data_ptr(),
+                                 layout_range_ptr=out["layout_range"].data_ptr(),
+                                 recv_count_ptr=out["recv_count"].data_ptr())
         out["failed"] = failed
         return out
 
@@ -504,7 +506,7 @@ def test_inactive_destination_is_not_written(make_cluster):
     bases = c.bases(tag)
     bases[1] = 0
     N.dispatch_send(xs[0].data_ptr(), 8, 128, topks[0].data_ptr(), 2, 4, 2, 0, 8, c.active[0].data_ptr(), bases, tag,
-                    False)
+                    use_fp8=False)
     assert not half1.any()
 
 
@@ -628,7 +630,8 @@ def test_dispatch_send_rejects_bad_arguments(make_cluster):
     with pytest.raises(ValueError, match="tag"):
         c.dispatch_send(0, x[:2], topk[:2] * 0, 0, False)
     with pytest.raises(ValueError, match="peer_half_bases"):
-        N.dispatch_send(x.data_ptr(), 2, 128, topk.data_ptr(), 1, 4, 2, 0, 4, c.active[0].data_ptr(), [0], 1, False)
+        N.dispatch_send(x.data_ptr(), 2, 128, topk.data_ptr(), 1, 4, 2, 0, 4, c.active[0].data_ptr(), [0], 1,
+                        use_fp8=False)
     assert not view(c.half(0, 1), c.lay["half_bytes"]).any()
     assert not view(c.half(1, 1), c.lay["half_bytes"]).any()
 

@@ -307,3 +307,53 @@ def test_every_long_module_has_its_reason_in_the_architecture_doc():
     assert long_modules, "the reader found no long module (the threshold or the walk is wrong)"
     missing = [module for module in long_modules if f"`{module}`" not in paragraph]
     assert not missing, f"modules over 500 lines without their reason in docs/architecture.md: {missing}"
+
+
+def positional_flags(doc: str) -> List[str]:
+    """The `bool` parameters a pybind11 function takes by position, from its docstring's signature lines
+    (`name(a: int, *, flag: bool) -> None`: a parameter after `*` is keyword-only)."""
+    found = []
+    for line in doc.splitlines():
+        name, paren, rest = line.partition("(")
+        if not paren or not name.isidentifier() or ") ->" not in rest:
+            continue
+        depth, current, params = 0, "", []
+        for ch in rest[:rest.rindex(") ->")]:
+            depth += ch in "[(" and 1 or (ch in "])" and -1 or 0)
+            if ch == "," and depth == 0:
+                params.append(current.strip())
+                current = ""
+            else:
+                current += ch
+        params.append(current.strip())
+        for param in params:
+            if param == "*":
+                break
+            if param.partition(":")[2].partition("=")[0].strip() == "bool":
+                found.append(f"{name}: {param.partition(':')[0]}")
+    return found
+
+
+def test_the_flag_reader_finds_a_positional_bool():
+    """The checker itself: a flag before `*` is found, one after it is not, nor an int parameter."""
+    planted = ("run(x: typing.SupportsInt, use_fp8: bool, stream: int = 0) -> None\n\nDocs.\n"
+               "ok(x: int, *, compact: bool = False) -> int\n")
+    assert positional_flags(planted) == ["run: use_fp8"]
+
+
+@pytest.mark.parametrize("module", ["_native", "_cuda_sim", "_cuda"])
+def test_native_flags_are_keyword_only(module):
+    """issue 24 item 5: no positional booleans across the native boundary (`py::kw_only()` before every
+    flag), so `..., -1, True, False, compact` cannot silently shift one flag into another's place."""
+    import importlib
+
+    try:
+        native = importlib.import_module(f"{PACKAGE}.{module}")
+    except ImportError as error:
+        pytest.skip(f"{module} is not built here: {error}")
+    functions = [getattr(native, name) for name in dir(native) if not name.startswith("__")]
+    docs = [fn.__doc__ or "" for fn in functions if callable(fn)]
+    docs += [getattr(cls, "__init__").__doc__ or "" for cls in functions if isinstance(cls, type)]
+    assert sum(bool(doc) for doc in docs) > 5, "the reader saw no native signatures"
+    found = [flag for doc in docs for flag in positional_flags(doc)]
+    assert not found, f"positional bool parameters at the native boundary: {found}"

@@ -36,10 +36,10 @@ def combine_reduce(out: torch.Tensor, row_index: torch.Tensor, weights: torch.Te
 # ------------------------------------------------------------------ collective fallback records
 # The collective transport's record packers (csrc/dataplane/kernels.cpp, bound by pybind11 like every native call).
 
-def _checked(what: str, call, *args) -> int:
+def _checked(what: str, call, *args, **flags) -> int:
     """Run a native record packer; its ValueError / RuntimeError comes back as RuntimeError naming `what`."""
     try:
-        return call(*args)
+        return call(*args, **flags)
     except (ValueError, RuntimeError) as error:
         raise RuntimeError(f"{what}: {error}") from None
 
@@ -91,8 +91,9 @@ def coll_dispatch_pack(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
     _, meta, size = record
     return _checked("collective dispatch", _native.coll_dispatch_pack,
                     x.data_ptr(), x.size(0), x.size(1), topk_idx.data_ptr(), topk_idx.size(1), num_experts, num_ranks,
-                    max_tokens, active.data_ptr(), bool(use_fp8), bool(fixed), size, meta, send.data_ptr(),
-                    send.numel(), tokens_to.data_ptr(), pairs_to.data_ptr(), row_index.data_ptr())
+                    max_tokens, active.data_ptr(), use_fp8=bool(use_fp8), fixed=bool(fixed), rec_size=size,
+                    meta=meta, send=send.data_ptr(), send_bytes=send.numel(), tokens_to=tokens_to.data_ptr(),
+                    pairs_to=pairs_to.data_ptr(), row_index=row_index.data_ptr())
 
 
 def coll_dispatch_unpack(recv: torch.Tensor, num_ranks: int, max_tokens: int, hidden: int, num_local: int,
@@ -125,10 +126,12 @@ def coll_dispatch_unpack(recv: torch.Tensor, num_ranks: int, max_tokens: int, hi
     _, meta, size = record
     scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
     return _checked("collective dispatch", _native.coll_dispatch_unpack,
-                    recv.data_ptr(), recv.numel(), num_ranks, max_tokens, hidden, num_local, size, meta, bool(fixed),
-                    recv_tokens.data_ptr(), accepted_by.data_ptr(), accept.data_ptr(), bool(use_fp8),
-                    outputs.recv_x.data_ptr(), scales, outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
-                    outputs.recv_count.data_ptr(), rows_to_rank.data_ptr())
+                    recv.data_ptr(), recv.numel(), num_ranks, max_tokens, hidden, num_local, size, meta,
+                    fixed=bool(fixed), recv_tokens=recv_tokens.data_ptr(), accepted_by=accepted_by.data_ptr(),
+                    accept=accept.data_ptr(), use_fp8=bool(use_fp8), recv_x=outputs.recv_x.data_ptr(),
+                    recv_scales=scales, src_info=outputs.src_info.data_ptr(),
+                    layout_range=outputs.layout_range.data_ptr(), recv_count=outputs.recv_count.data_ptr(),
+                    rows_to_rank=rows_to_rank.data_ptr())
 
 
 def coll_combine_pack(x: torch.Tensor, layout_range: torch.Tensor, max_tokens: int, send: torch.Tensor) -> int:

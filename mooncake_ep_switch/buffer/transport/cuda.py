@@ -328,16 +328,19 @@ class CudaTransport:
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call_word, call.timeout_us)
         self.latest_dispatch = call.call
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
-                            call.use_fp8, scratch.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
+                            use_fp8=call.use_fp8, scratch=scratch.data_ptr(),
+                            stream=torch.cuda.current_stream(self.device).cuda_stream)
 
         def receive() -> None:
             if self._control is None:
                 raise BufferDestroyed("dispatch: the transport was destroyed before this receive phase ran")
             check_half_not_reused("dispatch", call.call, self.latest_dispatch)
             scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
-            _cuda.dispatch_recv(spec, region, call.use_fp8, top_k, scratch.data_ptr(), outputs.recv_x.data_ptr(),
-                                scales, outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
-                                outputs.recv_count.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
+            _cuda.dispatch_recv(spec, region, use_fp8=call.use_fp8, top_k=top_k, scratch=scratch.data_ptr(),
+                                recv_x=outputs.recv_x.data_ptr(), recv_scales=scales,
+                                src_info=outputs.src_info.data_ptr(), layout_range=outputs.layout_range.data_ptr(),
+                                recv_count=outputs.recv_count.data_ptr(),
+                                stream=torch.cuda.current_stream(self.device).cuda_stream)
 
         return call_word, receive
 

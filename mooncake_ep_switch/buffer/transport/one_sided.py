@@ -344,7 +344,7 @@ class OneSidedTransport(HostMemoryTransport):
                 self.num_ranks, self.rank, tokens, call.active_ranks.data_ptr())
         mid_dispatch = self.fault is not None and self.fault.point == "dispatch_after_data"
         if mid_dispatch:  # test-only: data lands in peers, signals never do
-            _native.dispatch_send(*args, self._direct_halves(offset), tag, call.use_fp8, -1, False)
+            _native.dispatch_send(*args, self._direct_halves(offset), tag, use_fp8=call.use_fp8, write_signals=False)
             self.fault.hit("dispatch_after_data", self.rank, call.call)
 
         # With Transfer Engine peers the direct writes are compact too (each token once per destination,
@@ -356,7 +356,8 @@ class OneSidedTransport(HostMemoryTransport):
         fp8 = self._quantize(call.x) if remote and call.use_fp8 else (0, 0)
 
         def direct() -> None:
-            _native.dispatch_send(*args, self._direct_halves(offset), tag, call.use_fp8, -1, True, False, compact, *fp8)
+            _native.dispatch_send(*args, self._direct_halves(offset), tag, use_fp8=call.use_fp8, compact=compact,
+                                  fp8_rows_ptr=fp8[0], fp8_scales_ptr=fp8[1])
 
         if remote:
             self._dispatch_te(call, layout, offset, tag, args, direct, fp8)  # runs `direct` with its data in flight
@@ -369,11 +370,13 @@ class OneSidedTransport(HostMemoryTransport):
         def receive() -> None:
             self._check_receive("dispatch", region, base, call.call)
             scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
-            newly = _native.dispatch_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts,
-                                          tag, call.active_ranks.data_ptr(), call.timeout_us, call.use_fp8,
-                                          outputs.recv_x.data_ptr(), scales, outputs.src_info.data_ptr(),
-                                          outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr(),
-                                          self.abort_ptr, self.watch.dead_ptr)
+            newly = _native.dispatch_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts, tag,
+                                          call.active_ranks.data_ptr(), call.timeout_us, use_fp8=call.use_fp8,
+                                          recv_x_ptr=outputs.recv_x.data_ptr(), recv_scales_ptr=scales,
+                                          src_info_ptr=outputs.src_info.data_ptr(),
+                                          layout_range_ptr=outputs.layout_range.data_ptr(),
+                                          recv_count_ptr=outputs.recv_count.data_ptr(), abort_ptr=self.abort_ptr,
+                                          dead_ptr=self.watch.dead_ptr)
             self.failed_sources.extend(newly)
 
         return None, receive
@@ -400,12 +403,16 @@ class OneSidedTransport(HostMemoryTransport):
         offset = layout.control_bytes + (call.call & 1) * layout.half_bytes
         self.latest_dispatch = call.call
         scales = outputs.recv_scales
-        newly = _native.dispatch_round(
-            x.data_ptr(), num_tokens, hidden, topk.data_ptr(), topk.shape[1], experts, self.num_ranks, self.rank,
-            tokens, call.active_ranks.data_ptr(), self._direct_halves(offset), signal_tag(call.call), call.use_fp8,
-            self.base + offset, call.timeout_us, outputs.recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(),
-            outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(), outputs.recv_count.data_ptr(),
-            self.abort_ptr, self.watch.dead_ptr)
+        newly = _native.dispatch_round(x.data_ptr(), num_tokens, hidden, topk.data_ptr(), topk.shape[1], experts,
+                                       self.num_ranks, self.rank, tokens, call.active_ranks.data_ptr(),
+                                       self._direct_halves(offset), signal_tag(call.call), use_fp8=call.use_fp8,
+                                       local_half_base=self.base + offset, timeout_us=call.timeout_us,
+                                       recv_x_ptr=outputs.recv_x.data_ptr(),
+                                       recv_scales_ptr=0 if scales is None else scales.data_ptr(),
+                                       src_info_ptr=outputs.src_info.data_ptr(),
+                                       layout_range_ptr=outputs.layout_range.data_ptr(),
+                                       recv_count_ptr=outputs.recv_count.data_ptr(), abort_ptr=self.abort_ptr,
+                                       dead_ptr=self.watch.dead_ptr)
         if newly:
             self.failed_sources.extend(newly)
         return None
@@ -434,8 +441,8 @@ class OneSidedTransport(HostMemoryTransport):
         R, rank = self.num_ranks, self.rank
         L, T, G = layout.num_local_experts, call.num_max_dispatch_tokens_per_rank, layout.num_scale_groups
         compact = _compact_fits(layout)
-        _native.dispatch_send(*args, self._staging_bases(offset, targets), tag, call.use_fp8, -1, True, True, compact,
-                              *fp8)
+        _native.dispatch_send(*args, self._staging_bases(offset, targets), tag, use_fp8=call.use_fp8,
+                              by_destination=True, compact=compact, fp8_rows_ptr=fp8[0], fp8_scales_ptr=fp8[1])
         signal_words = self.staging[offset + layout.dispatch_signals:].view(torch.int64)  # [R][L] words
         data, rb = offset + layout.dispatch_data, layout.row_bytes
         if compact:
@@ -520,7 +527,7 @@ class OneSidedTransport(HostMemoryTransport):
         targets = self._te_targets(call.active_ranks)
         L, block = layout.num_local_experts, layout.num_local_experts * call.num_max_dispatch_tokens_per_rank
         row_bytes = call.hidden * 2
-        _native.combine_send(*args, self._staging_bases(offset, targets), tag, -1, True, True, True)
+        _native.combine_send(*args, self._staging_bases(offset, targets), tag, by_destination=True, compact=True)
         signal_words = self.staging[offset + layout.combine_signals:].view(torch.int64)  # [R*L] words
 
         def ranges(dest: int) -> List[Tuple[int, int, int]]:

@@ -117,13 +117,13 @@ def search(
         raise ValueError(f"near, heavy, max_steps: expected >= 0, >= 1, >= 0, got {near}, {heavy}, {max_steps}")
     if rows.size == 0:
         return
-    _native.eplb_search(
-        topo.num_logical, topo.num_replicas, topo.num_gpus, topo.gpus_per_node, topo.hierarchical,
-        weight.ctypes.data, experts.ctypes.data, counts.ctypes.data, pinned.ctypes.data,
-        0 if start is None else start.ctypes.data, rows.ctypes.data, rows.size,
-        peak_limit.ctypes.data, item_limit.ctypes.data, 0 if budget is None else budget.ctypes.data,
-        bool(split), bool(relieve), bool(revert), float(node_margin), int(retries),
-        4 * topo.num_replicas if max_steps is None else int(max_steps),
-        int(near or (NEAR if topo.hierarchical else NEAR_GLOBAL)), int(swap_from), int(heavy),
-        native_threads(threads),
-    )
+    _native.eplb_search(topo.num_logical, topo.num_replicas, topo.num_gpus, topo.gpus_per_node,
+                        hierarchical=topo.hierarchical, weight=weight.ctypes.data, experts=experts.ctypes.data,
+                        counts=counts.ctypes.data, pinned=pinned.ctypes.data,
+                        start=0 if start is None else start.ctypes.data, rows=rows.ctypes.data, num_rows=rows.size,
+                        peak_limit=peak_limit.ctypes.data, item_limit=item_limit.ctypes.data,
+                        budget=0 if budget is None else budget.ctypes.data, split=bool(split), relieve=bool(relieve),
+                        revert=bool(revert), node_margin=float(node_margin), retries=int(retries),
+                        max_steps=4 * topo.num_replicas if max_steps is None else int(max_steps),
+                        near=int(near or (NEAR if topo.hierarchical else NEAR_GLOBAL)), swap_from=int(swap_from),
+                        heavy=int(heavy), threads=native_threads(threads))

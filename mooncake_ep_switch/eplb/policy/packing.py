@@ -264,4 +264,5 @@ def refine_swaps(experts, sizes, pinned, bin_node, *, sweeps: bool = True, desce
     if bin_node.shape != (shape[1],):
         raise ValueError(f"bin_node: expected shape [{shape[1]}], got {list(bin_node.shape)}")
     _native.eplb_refine(experts.ctypes.data, sizes.ctypes.data, pinned.ctypes.data, shape[0], shape[1], shape[2],
-                        bin_node.ctypes.data, bool(sweeps), int(descend_steps), int(near), native_threads(threads))
+                        bin_node.ctypes.data, sweeps=bool(sweeps), descend_steps=int(descend_steps), near=int(near),
+                        threads=native_threads(threads))
