@@ -12,7 +12,7 @@ import torch
 from mooncake_ep_switch.buffer.buffer import Buffer as _Buffer
 from mooncake_ep_switch.buffer.handle import EventOverlap
 from mooncake_ep_switch.buffer.validation import check_tensor
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 
 topk_idx_t = torch.int64  # DeepEP's `deep_ep.topk_idx_t`: the dtype of topk_idx
 DEFAULT_TIMEOUT_US = 10_000_000  # DeepEP's kernels give up after ~10-100 s; ours, per call and source

@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Optional, Sequence
 
 from mooncake_ep_switch.buffer.membership.join_ticket import JoinTicket  # noqa: F401  (re-exported: the public name)
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 
 
 def connect_store(host: str, port: int, timeout_s: float = 60.0):

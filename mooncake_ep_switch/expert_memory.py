@@ -85,12 +85,12 @@ class ExpertMemory:
         from mooncake_ep_switch.eplb.online import OnlineRebalancer
         from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
         from mooncake_ep_switch.switch import TPAllReduce, UnifiedWeights
-        from mooncake_ep_switch.switch.umm import KIND as UMM_KIND
+        from mooncake_ep_switch.switch.unified_weights import KIND as UNIFIED_KIND
 
         if layers is not None and not callable(layers) and not isinstance(layers, Sequence):
             raise TypeError(f"layers: expected a sequence of layers, a callable returning one, or None, got "
                             f"{type(layers).__name__}")
-        replacement = peer_regions.joined_state(buffer, UMM_KIND) is not None
+        replacement = peer_regions.joined_state(buffer, UNIFIED_KIND) is not None
         with_slots = buffer.transport == "shm" and phy2log is not None
         loaded: List[Sequence] = []
 
@@ -103,37 +103,37 @@ class ExpertMemory:
             return loaded[0]
 
         self.rank, self.num_ranks = buffer.rank, buffer.num_ranks
-        self.umm = self.all_reduce = self.slots = self.rebalancer = None
+        self.unified = self.all_reduce = self.slots = self.rebalancer = None
         try:
             if phy2log is not None:  # L from the placement, so that a loader need not run
                 num_layers = int(np.asarray(phy2log).shape[0])
             else:
                 num_layers = len(full_layers())
-            self.umm = UnifiedWeights(buffer, shape, num_layers, layout=layout)
-            from_peers = replacement and weights_from_peers and with_slots and self.umm.layout == "ep"
+            self.unified = UnifiedWeights(buffer, shape, num_layers, layout=layout)
+            from_peers = replacement and weights_from_peers and with_slots and self.unified.layout == "ep"
             if not from_peers:
-                self.umm.load_full(full_layers())
+                self.unified.load_full(full_layers())
             self.all_reduce = TPAllReduce(buffer, max_tp_tokens, shape.hidden)
             counts = (0, 0)
             if with_slots:
                 local = shape.num_experts // buffer.num_ranks
-                slot_shape = SlotShape(self.umm.num_layers, shape.num_experts, local + redundant_per_rank,
+                slot_shape = SlotShape(self.unified.num_layers, shape.num_experts, local + redundant_per_rank,
                                        shape.hidden, shape.intermediate)
-                self.slots = ExpertSlots(buffer, slot_shape, phy2log, primaries=self.umm,
+                self.slots = ExpertSlots(buffer, slot_shape, phy2log, primaries=self.unified,
                                          spare_frames=max(1, redundant_per_rank))
                 if from_peers:
                     live = [rank for rank in buffer.members if rank not in buffer.dead_peers()]
-                    missing = restore_from_peers(self.umm, self.slots, live)
+                    missing = restore_from_peers(self.unified, self.slots, live)
                     if missing:
                         load_missing(self.slots, full_layers(), missing)
-                    total = self.umm.num_layers * slot_shape.slots_per_rank
+                    total = self.unified.num_layers * slot_shape.slots_per_rank
                     counts = (total - len(missing), len(missing))
                 else:
                     self.slots.load(full_layers())
                 self.rebalancer = OnlineRebalancer(self.slots, timeout_us=timeout_us, frames_per_step=1)
             if not from_peers:  # every physical expert of this rank from the caller's weights
                 per_rank = self.slots.shape.slots_per_rank if self.slots else shape.num_experts // buffer.num_ranks
-                counts = (0, self.umm.num_layers * per_rank)
+                counts = (0, self.unified.num_layers * per_rank)
             self.restored = RestoreReport(counts[0], counts[1], bool(loaded))
         except BaseException:
             self.destroy()
@@ -144,7 +144,7 @@ class ExpertMemory:
     @property
     def layout(self) -> str:
         """The current layout of the unified weights (`"ep"` or `"tp"`)."""
-        return self.umm.layout
+        return self.unified.layout
 
     def dispatch_row(self, layer: int) -> torch.Tensor:
         """This rank's logical -> physical map of `layer` for the current placement.
@@ -165,7 +165,7 @@ class ExpertMemory:
 
     def destroy(self) -> None:
         """Destroy the rebalancer, slots, all-reduce and unified weights, in that order (idempotent)."""
-        for name in ("rebalancer", "slots", "all_reduce", "umm"):
+        for name in ("rebalancer", "slots", "all_reduce", "unified"):
             item = getattr(self, name, None)
             setattr(self, name, None)
             destroy = getattr(item, "destroy", None)

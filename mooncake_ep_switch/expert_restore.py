@@ -16,7 +16,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from mooncake_ep_switch.vocabulary import EP
+from mooncake_ep_switch.layouts import EP
 
 
 class RestoreReport(NamedTuple):
@@ -37,7 +37,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _peer_copy(umm, slots, peer: int, layer: int, peer_slot: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _peer_copy(unified, slots, peer: int, layer: int, peer_slot: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """uint8 views (gate/up, down) of `peer`'s physical expert (`layer`, `peer_slot`) as mapped here.
 
     A primary is read from the peer's unified weights (EP layout), a redundant expert from the frame
@@ -45,10 +45,10 @@ def _peer_copy(umm, slots, peer: int, layer: int, peer_slot: int) -> Tuple[torch
     """
     gate_up_bytes, down_bytes = slots.gate_up_bytes, slots.down_bytes
     if peer_slot < slots.num_primary:
-        region = umm.region.peer(peer)
-        start = umm.slot_offset(umm.slot_of(layer, EP))
+        region = unified.region.peer(peer)
+        start = unified.slot_offset(unified.slot_of(layer, EP))
         gate_up_at = start + peer_slot * gate_up_bytes
-        down_at = start + umm.gate_up_bytes() + peer_slot * down_bytes
+        down_at = start + unified.gate_up_bytes() + peer_slot * down_bytes
     else:
         region = slots.region.peer(peer)
         frame = slots.peer_frame(peer, layer, peer_slot)
@@ -72,11 +72,11 @@ def _holder(slots, layer: int, expert: int, live: Sequence[int]) -> Optional[Tup
     return peer, peer_slot
 
 
-def restore_from_peers(umm, slots, live: Sequence[int]) -> List[Tuple[int, int]]:
+def restore_from_peers(unified, slots, live: Sequence[int]) -> List[Tuple[int, int]]:
     """Copy every slot of this rank that a live peer holds a copy of; returns the slots left to load.
 
     Arguments:
-        umm: this rank's `UnifiedWeights` (EP layout; its primaries are slots `[0, num_primary)`).
+        unified: this rank's `UnifiedWeights` (EP layout; its primaries are slots `[0, num_primary)`).
         slots: this rank's `ExpertSlots` (the placement the members use; peers mapped).
         live: ranks whose copies may be read (this rank is skipped).
 
@@ -84,11 +84,11 @@ def restore_from_peers(umm, slots, live: Sequence[int]) -> List[Tuple[int, int]]
         missing: `[(layer, local_slot), ...]` of this rank's slots no live peer holds.
 
     Raises:
-        ValueError: `umm` is not in the EP layout.
+        ValueError: `unified` is not in the EP layout.
         RuntimeError: a peer's copy lies outside its mapped region (a bad frame table).
     """
-    if umm.layout != EP:
-        raise ValueError(f"umm: weights are restored from peers in the EP layout only, got {umm.layout!r}")
+    if unified.layout != EP:
+        raise ValueError(f"unified: weights are restored from peers in the EP layout only, got {unified.layout!r}")
     live = [rank for rank in live if rank != slots.rank]
     missing = []
     for layer in range(slots.shape.num_layers):
@@ -98,7 +98,7 @@ def restore_from_peers(umm, slots, live: Sequence[int]) -> List[Tuple[int, int]]
                 missing.append((layer, local_slot))
                 continue
             gate_up, down = slots.expert(layer, local_slot)
-            src_gate_up, src_down = _peer_copy(umm, slots, holder[0], layer, holder[1])
+            src_gate_up, src_down = _peer_copy(unified, slots, holder[0], layer, holder[1])
             _as_bytes(gate_up).copy_(src_gate_up)
             _as_bytes(down).copy_(src_down)
     return missing

@@ -1,9 +1,9 @@
-"""The shared integer checker (mooncake_ep_switch/vocabulary.py): what it accepts, and its one message style."""
+"""The shared integer checker (mooncake_ep_switch/checks.py): what it accepts, and its one message style."""
 import numpy as np
 import pytest
 import torch
 
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 
 
 @pytest.mark.parametrize("value, minimum, expected", [

@@ -289,14 +289,14 @@ _CHILD = textwrap.dedent("""
         target.fill_(3.0)
         print("ok")
     elif case == "umm_view_after_destroy":
-        from mooncake_ep_switch.switch.umm import UnifiedWeights, WeightShape
+        from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
 
-        umm = UnifiedWeights(buf, WeightShape(4, 128, 64), 2)
-        gate_up, down = umm.view(1)
+        unified = UnifiedWeights(buf, WeightShape(4, 128, 64), 2)
+        gate_up, down = unified.view(1)
         gate_up.fill_(0.25)
-        umm.destroy()
+        unified.destroy()
         buf.destroy()
-        del umm
+        del unified
         gc.collect()
         assert float(gate_up.float().sum()) == 0.25 * gate_up.numel()
         down.fill_(1.0)

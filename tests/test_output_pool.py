@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mooncake_ep_switch import Buffer
-from mooncake_ep_switch.buffer.calls import OutputPool
+from mooncake_ep_switch.buffer.output_pool import OutputPool
 from tests import harness
 from tests.reference import structured_inputs, token_count
 from tests.test_buffer import TIMEOUT_US, TRANSPORTS, Case

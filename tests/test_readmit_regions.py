@@ -118,7 +118,7 @@ def _tp_step(step):
     x = torch.randn((R * TOKENS, HIDDEN), generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
     out, reference = x, x
     for layer, weights in enumerate(state["weights"]):
-        gate_up, down = memory.umm.view(layer, "tp")
+        gate_up, down = memory.unified.view(layer, "tp")
         out = tp_forward(memory.all_reduce, out, weights.router, gate_up, down, TOP_K, state["active"],
                          timeout_us=TIMEOUT_US)
         reference = reference_forward(reference, weights, TOP_K)
@@ -126,7 +126,7 @@ def _tp_step(step):
 
 
 def _switch(target):
-    report = harness.RANK_STATE["buffer"].switch_layout(target, weights=harness.RANK_STATE["memory"].umm,
+    report = harness.RANK_STATE["buffer"].switch_layout(target, weights=harness.RANK_STATE["memory"].unified,
                                                         timeout_us=TIMEOUT_US)
     return report.outcome
 
@@ -182,10 +182,11 @@ def rank_after_readmission(ctx):
     from mooncake_ep_switch.reference.moe_block import shard_tp
 
     memory = harness.RANK_STATE["memory"]
-    taken_over = {"seq": memory.umm.seq, "epoch": memory.rebalancer.epoch, "placement": memory.slots.phy2log.tolist()}
+    taken_over = {"seq": memory.unified.seq, "epoch": memory.rebalancer.epoch,
+                  "placement": memory.slots.phy2log.tolist()}
     to_tp = _switch("tp")
-    views = all(torch.equal(memory.umm.view(layer, "tp")[0], shard_tp(w.gate_up, w.down, ctx.rank, R)[0])
-                and torch.equal(memory.umm.view(layer, "tp")[1], shard_tp(w.gate_up, w.down, ctx.rank, R)[1])
+    views = all(torch.equal(memory.unified.view(layer, "tp")[0], shard_tp(w.gate_up, w.down, ctx.rank, R)[0])
+                and torch.equal(memory.unified.view(layer, "tp")[1], shard_tp(w.gate_up, w.down, ctx.rank, R)[1])
                 for layer, w in enumerate(harness.RANK_STATE["weights"]))
     tp_exact = _tp_step(7)
     to_ep = _switch("ep")

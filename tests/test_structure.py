@@ -113,9 +113,10 @@ def test_no_import_cycle_between_packages():
     assert not cycles, f"import cycles between packages: {where}"
 
 
-@pytest.mark.parametrize("room", ["buffer", "vocabulary", "config", "faults", "errors"])
+@pytest.mark.parametrize("room", ["buffer", "layouts", "checks", "config", "faults", "errors"])
 def test_the_core_imports_no_feature_package(room):
-    """buffer (the data plane) and the vocabulary modules import none of switch, eplb, models, bench."""
+    """buffer (the data plane) and the leaf modules (layouts, checks, config, faults, errors) import none
+    of switch, eplb, models, bench."""
     graph = package_graph()
     assert not {"switch", "eplb", "models", "bench", "apps", "launcher", "elastic"} & set(graph.get(room, {})), dict(graph[room])
 
@@ -138,8 +139,9 @@ POLICY_ROOMS = {
                                        "mooncake_ep_switch.eplb.slots", "mooncake_ep_switch.eplb.online",
                                        "mooncake_ep_switch.eplb.serving"),
     "mooncake_ep_switch.switch.planning": ("mooncake_ep_switch.buffer", "mooncake_ep_switch.eplb",
-                                           "mooncake_ep_switch.switch.umm", "mooncake_ep_switch.switch.reshard",
-                                           "mooncake_ep_switch.switch.switcher", "mooncake_ep_switch.switch.kv",
+                                           "mooncake_ep_switch.switch.unified_weights",
+                                           "mooncake_ep_switch.switch.reshard", "mooncake_ep_switch.switch.switcher",
+                                           "mooncake_ep_switch.switch.kv",
                                            "mooncake_ep_switch.switch.tp_collective"),
 }
 

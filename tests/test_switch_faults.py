@@ -32,10 +32,10 @@ def rank_killed_mid_switch(ctx, target, phase, index, how):
     from mooncake_ep_switch.switch.switcher import switch_layout
 
     full = [random_weights(8, 128, 64, seed=layer) for layer in range(MOE_LAYERS)]
-    buffer, umm, kv = _setup(ctx, "shm", 96)
+    buffer, unified, kv = _setup(ctx, "shm", 96)
     _populate(kv, ctx.rank, ctx.num_ranks, "ep")
     if target == "ep":  # get to TP first (no fault), then fail on the way back
-        report = switch_layout(buffer, "tp", weights=umm, kv_cache=kv, timeout_us=20_000_000)
+        report = switch_layout(buffer, "tp", weights=unified, kv_cache=kv, timeout_us=20_000_000)
         assert report.outcome == "completed"
     # From here on no collective may run: rank DEAD dies inside the switch.
 
@@ -43,25 +43,25 @@ def rank_killed_mid_switch(ctx, target, phase, index, how):
         if ctx.rank == DEAD and where == phase and at == index:
             _die(how)
 
-    source = umm.layout
-    report = switch_layout(buffer, target, weights=umm, kv_cache=kv, timeout_us=TIMEOUT_US, on_step=hook)
+    source = unified.layout
+    report = switch_layout(buffer, target, weights=unified, kv_cache=kv, timeout_us=TIMEOUT_US, on_step=hook)
     if phase == "enter":  # died before entering: nothing moved anywhere, everyone stays in the source
         assert report.outcome == "refused" and report.layout == source and str(DEAD) in report.reason, report
     else:
         assert report.outcome == "completed" and report.layout == target, report
         assert report.dead_ranks == (DEAD,), report
     layout = report.layout
-    assert umm.layout == layout and kv.layout == layout
+    assert unified.layout == layout and kv.layout == layout
     for layer, weights in enumerate(full):
         want = _expected_shard(weights, layout, ctx.rank, ctx.num_ranks)
-        got = umm.view(layer)
+        got = unified.view(layer)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer} weights"
     _check_sharing(kv)
     attention = _attention_here(kv, step=0)
     _check_reference(kv, attention, ctx.num_ranks, step=0)
     result = {"report": report._asdict(), "rids": sorted(kv.requests), "heads": kv.head_groups()}
     kv.destroy()
-    umm.destroy()
+    unified.destroy()
     buffer.destroy()
     return result
 
@@ -110,28 +110,28 @@ def rank_late_at_the_decision(ctx):
     from mooncake_ep_switch.switch.switcher import switch_layout
 
     full = [random_weights(8, 128, 64, seed=layer) for layer in range(MOE_LAYERS)]
-    buffer, umm, kv = _setup(ctx, "shm", 96)
+    buffer, unified, kv = _setup(ctx, "shm", 96)
     _populate(kv, ctx.rank, ctx.num_ranks, "ep")
 
     def late(where, at):
         if where == "decide":
             time.sleep(LATE_DELAYS_S.get(ctx.rank, 0.0))
 
-    first = switch_layout(buffer, "tp", weights=umm, kv_cache=kv, timeout_us=LATE_TIMEOUT_US, on_step=late)
+    first = switch_layout(buffer, "tp", weights=unified, kv_cache=kv, timeout_us=LATE_TIMEOUT_US, on_step=late)
     assert not first.dead_ranks, first  # nobody died: a late peer is never declared dead at the decision
-    after_first = (first.outcome, first.layout, umm.layout, kv.layout)
+    after_first = (first.outcome, first.layout, unified.layout, kv.layout)
     # The group is still one: the next switch (nobody late) completes on every rank, exactly.
     target = "ep" if first.layout == "tp" else "tp"
-    second = switch_layout(buffer, target, weights=umm, kv_cache=kv, timeout_us=20_000_000)
+    second = switch_layout(buffer, target, weights=unified, kv_cache=kv, timeout_us=20_000_000)
     assert second.outcome == "completed" and not second.dead_ranks, second
     for layer, weights in enumerate(full):
         want = _expected_shard(weights, target, ctx.rank, ctx.num_ranks)
-        got = umm.view(layer)
+        got = unified.view(layer)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer} weights"
     _check_sharing(kv)
     _check_reference(kv, _attention_here(kv, step=0), ctx.num_ranks, step=0)
     kv.destroy()
-    umm.destroy()
+    unified.destroy()
     buffer.destroy()
     return after_first
 

@@ -138,25 +138,25 @@ def _setup(ctx, transport, num_units):
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, PagedKVCache
     from mooncake_ep_switch.reference.moe_block import random_weights
-    from mooncake_ep_switch.switch.umm import UnifiedWeights, WeightShape
+    from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
 
     buffer = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(8, H, ctx.num_ranks, E), transport=transport)
-    umm = UnifiedWeights(buffer, WeightShape(E, H, I), 2)
-    umm.load_full([random_weights(E, H, I, seed=layer) for layer in range(2)])
+    unified = UnifiedWeights(buffer, WeightShape(E, H, I), 2)
+    unified.load_full([random_weights(E, H, I, seed=layer) for layer in range(2)])
     kv = PagedKVCache(buffer, KVCacheConfig(LAYERS, H_KV, D, PAGE, num_units))
-    return buffer, umm, kv
+    return buffer, unified, kv
 
 
 def rank_kv_switches(ctx, transport, sequence):
     from mooncake_ep_switch.switch.switcher import switch_layout
 
-    buffer, umm, kv = _setup(ctx, transport, 96)
+    buffer, unified, kv = _setup(ctx, transport, 96)
     try:
         _populate(kv, ctx.rank, ctx.num_ranks, "ep")
         phases, kv_bytes = [], []
         for step, target in enumerate(["ep"] + list(sequence)):
             if step:
-                report = switch_layout(buffer, target, weights=umm, kv_cache=kv, timeout_us=20_000_000)
+                report = switch_layout(buffer, target, weights=unified, kv_cache=kv, timeout_us=20_000_000)
                 assert report.outcome == "completed" and kv.layout == target, report
                 kv_bytes.append(report.kv_bytes)
             _check_sharing(kv)
@@ -180,7 +180,7 @@ def rank_kv_switches(ctx, transport, sequence):
         return {"phases": phases, "final_layout": kv.layout, "kv_bytes": kv_bytes}
     finally:
         kv.destroy()
-        umm.destroy()
+        unified.destroy()
         buffer.destroy()
 
 
@@ -226,28 +226,28 @@ def rank_capacity_refusal(ctx):
     from mooncake_ep_switch.switch.switcher import switch_layout
 
     # rank 2 holds 12 EP pages (48 units); the TP layout would need 21 more units there, 16 are free
-    buffer, umm, kv = _setup(ctx, "shm", 64)
+    buffer, unified, kv = _setup(ctx, "shm", 64)
     try:
         _populate(kv, ctx.rank, ctx.num_ranks, "ep")
-        weights_before = [tuple(t.clone() for t in umm.view(layer)) for layer in range(2)]
+        weights_before = [tuple(t.clone() for t in unified.view(layer)) for layer in range(2)]
         pool_before = kv.pool.clone()
         state_before = (dict(kv.requests), dict(kv.refcount), kv.free.copy())
-        report = switch_layout(buffer, "tp", weights=umm, kv_cache=kv, timeout_us=20_000_000)
+        report = switch_layout(buffer, "tp", weights=unified, kv_cache=kv, timeout_us=20_000_000)
         assert report.outcome == "refused" and "capacity" in report.reason, report
-        assert umm.layout == "ep" and kv.layout == "ep" and report.layout == "ep"
+        assert unified.layout == "ep" and kv.layout == "ep" and report.layout == "ep"
         assert all(torch.equal(a, b) for layer, saved in enumerate(weights_before)
-                   for a, b in zip(saved, umm.view(layer)))
+                   for a, b in zip(saved, unified.view(layer)))
         assert torch.equal(pool_before, kv.pool)
         assert (dict(kv.requests), dict(kv.refcount)) == state_before[:2] and (kv.free == state_before[2]).all()
         # the next switch with room works (after freeing requests)
         for rid in sorted(kv.requests, reverse=True):
             kv.free_request(rid)
-        report = switch_layout(buffer, "tp", weights=umm, kv_cache=kv, timeout_us=20_000_000)
+        report = switch_layout(buffer, "tp", weights=unified, kv_cache=kv, timeout_us=20_000_000)
         assert report.outcome == "completed", report
         return report.reason
     finally:
         kv.destroy()
-        umm.destroy()
+        unified.destroy()
         buffer.destroy()
 
 
@@ -341,7 +341,7 @@ def rank_corrupt_metadata(ctx, transport, corrupt_rank):
 
     from mooncake_ep_switch.switch.switcher import switch_layout
 
-    buffer, umm, kv = _setup(ctx, transport, 96)
+    buffer, unified, kv = _setup(ctx, transport, 96)
     try:
         _populate(kv, ctx.rank, ctx.num_ranks, "ep")
         pool_before = kv.pool.clone()
@@ -350,22 +350,22 @@ def rank_corrupt_metadata(ctx, transport, corrupt_rank):
             good = kv.encode_meta
             kv.encode_meta = lambda: _corrupt("count_2_40_negative_lengths", good())
         started = time.monotonic()
-        report = switch_layout(buffer, "tp", weights=umm, kv_cache=kv, timeout_us=20_000_000)
+        report = switch_layout(buffer, "tp", weights=unified, kv_cache=kv, timeout_us=20_000_000)
         elapsed = time.monotonic() - started
         assert report.outcome == "refused" and report.layout == "ep", report
         assert "metadata" in report.reason or "refused" in report.reason, report.reason
-        assert umm.layout == "ep" and kv.layout == "ep" and torch.equal(pool_before, kv.pool)
+        assert unified.layout == "ep" and kv.layout == "ep" and torch.equal(pool_before, kv.pool)
         assert (dict(kv.requests), dict(kv.refcount)) == state_before[:2] and (kv.free == state_before[2]).all()
         if ctx.rank == corrupt_rank:
             del kv.encode_meta
-        report = switch_layout(buffer, "tp", weights=umm, kv_cache=kv, timeout_us=20_000_000)
+        report = switch_layout(buffer, "tp", weights=unified, kv_cache=kv, timeout_us=20_000_000)
         assert report.outcome == "completed" and kv.layout == "tp", report
         _check_sharing(kv)
         _check_reference(kv, _attention_here(kv, step=0), ctx.num_ranks, step=0)
         return elapsed
     finally:
         kv.destroy()
-        umm.destroy()
+        unified.destroy()
         buffer.destroy()
 
 

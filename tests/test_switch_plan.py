@@ -10,10 +10,10 @@ from mooncake_ep_switch.switch import reshard
 from mooncake_ep_switch.switch.kv_alloc import unit_order
 from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, KVRequest, PagedKVCache, RankMeta
 from mooncake_ep_switch.reference.moe_block import random_weights, shard_ep, shard_tp
-from mooncake_ep_switch.switch.umm import WeightShape
+from mooncake_ep_switch.switch.unified_weights import WeightShape
 
 
-def _fake_umm(shape, ranks):
+def _fake_unified(shape, ranks):
     return types.SimpleNamespace(shape=shape, num_ranks=ranks,
                                  gate_up_bytes=lambda: shape.num_experts // ranks * 2 * shape.intermediate
                                  * shape.hidden * 2)
@@ -27,13 +27,13 @@ def _slot(gate_up, down):
 def test_reshard_blocks_move_every_byte_to_its_target(ranks):
     shape = WeightShape(8, 128, 64)
     full = random_weights(*shape, seed=3)
-    umm = _fake_umm(shape, ranks)
+    unified = _fake_unified(shape, ranks)
     ep = [_slot(*shard_ep(full.gate_up, full.down, r, ranks)) for r in range(ranks)]
     tp = [torch.zeros_like(ep[0]) for _ in range(ranks)]
     for way, sources, targets in (("ep->tp", ep, tp), ("tp->ep", tp, [torch.zeros_like(s) for s in ep])):
         for s in range(ranks):
             for d in range(ranks):
-                blocks = reshard.slot_chunk_blocks(umm, way, s, d, sources[s].data_ptr(), targets[d].data_ptr())
+                blocks = reshard.slot_chunk_blocks(unified, way, s, d, sources[s].data_ptr(), targets[d].data_ptr())
                 moved = reshard.copy(blocks, (targets[d].data_ptr(), targets[d].data_ptr() + targets[d].numel()),
                                      (sources[s].data_ptr(), sources[s].data_ptr() + sources[s].numel()))
                 assert moved == sources[s].numel() // ranks

@@ -34,25 +34,25 @@ def _setup(ctx, transport, num_layers, layout="ep"):
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.reference.moe_block import random_weights
     from mooncake_ep_switch.switch.tp_collective import TPAllReduce
-    from mooncake_ep_switch.switch.umm import UnifiedWeights, WeightShape
+    from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
 
     buffer = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(T, H, ctx.num_ranks, E), transport=transport)
     full = [random_weights(E, H, I, seed=20 + layer) for layer in range(num_layers)]
-    umm = UnifiedWeights(buffer, WeightShape(E, H, I), num_layers, layout=layout)
-    umm.load_full(full)
+    unified = UnifiedWeights(buffer, WeightShape(E, H, I), num_layers, layout=layout)
+    unified.load_full(full)
     all_reduce = TPAllReduce(buffer, T * ctx.num_ranks, H)
-    return buffer, full, umm, all_reduce
+    return buffer, full, unified, all_reduce
 
 
-def _forward(ctx, buffer, umm, all_reduce, full, seed):
+def _forward(ctx, buffer, unified, all_reduce, full, seed):
     """Run every layer's MoE block in the current layout on this rank's tokens; returns output per layer."""
     from mooncake_ep_switch.reference.moe_block import ep_forward_local, tp_forward
 
     active = torch.ones(ctx.num_ranks, dtype=torch.int32)
     outs = []
     for layer, weights in enumerate(full):
-        gate_up, down = umm.view(layer)
-        if umm.layout == "ep":
+        gate_up, down = unified.view(layer)
+        if unified.layout == "ep":
             out = ep_forward_local(buffer, _tokens(ctx.rank, seed + layer), weights.router, gate_up, down, TOP_K, T,
                                    active)
         else:  # TP: every rank runs every rank's tokens; keep the rows of our own
@@ -65,12 +65,12 @@ def _forward(ctx, buffer, umm, all_reduce, full, seed):
     return outs
 
 
-def _check_views(ctx, umm, full):
+def _check_views(ctx, unified, full):
     for layer, weights in enumerate(full):
-        gate_up, down = umm.view(layer)
-        want_gate_up, want_down = _expected_shard(weights, umm.layout, ctx.rank, ctx.num_ranks)
-        assert torch.equal(gate_up, want_gate_up), f"layer {layer} gate_up differs in {umm.layout}"
-        assert torch.equal(down, want_down), f"layer {layer} down differs in {umm.layout}"
+        gate_up, down = unified.view(layer)
+        want_gate_up, want_down = _expected_shard(weights, unified.layout, ctx.rank, ctx.num_ranks)
+        assert torch.equal(gate_up, want_gate_up), f"layer {layer} gate_up differs in {unified.layout}"
+        assert torch.equal(down, want_down), f"layer {layer} down differs in {unified.layout}"
 
 
 def rank_switch_sequence(ctx, transport, sequence, num_layers):
@@ -78,25 +78,25 @@ def rank_switch_sequence(ctx, transport, sequence, num_layers):
     from mooncake_ep_switch.reference.moe_block import reference_forward
     from mooncake_ep_switch.switch.switcher import switch_layout
 
-    buffer, full, umm, all_reduce = _setup(ctx, transport, num_layers)
+    buffer, full, unified, all_reduce = _setup(ctx, transport, num_layers)
     diffs, layouts = [], []
     try:
         for step, target in enumerate(["ep"] + list(sequence)):
             if step:
-                report = switch_layout(buffer, target, weights=umm, timeout_us=20_000_000)
+                report = switch_layout(buffer, target, weights=unified, timeout_us=20_000_000)
                 assert report.outcome == "completed" and report.layout == target, report
-                assert report.weight_bytes == umm.layer_bytes * num_layers * (ctx.num_ranks - 1) // ctx.num_ranks
-                assert report.weight_local_bytes == umm.layer_bytes * num_layers // ctx.num_ranks
-            assert umm.layout == target
-            _check_views(ctx, umm, full)
-            outs = _forward(ctx, buffer, umm, all_reduce, full, seed=7)
+                assert report.weight_bytes == unified.layer_bytes * num_layers * (ctx.num_ranks - 1) // ctx.num_ranks
+                assert report.weight_local_bytes == unified.layer_bytes * num_layers // ctx.num_ranks
+            assert unified.layout == target
+            _check_views(ctx, unified, full)
+            outs = _forward(ctx, buffer, unified, all_reduce, full, seed=7)
             for layer, out in enumerate(outs):
                 reference = reference_forward(_tokens(ctx.rank, 7 + layer), full[layer], TOP_K)
                 diffs.append(calc_diff(out, reference))
             layouts.append((target, [o.clone() for o in outs]))
     finally:
         all_reduce.destroy()
-        umm.destroy()
+        unified.destroy()
         buffer.destroy()
     # the same layout gives bit-identical outputs whatever switches happened in between
     for name in ("ep", "tp"):
@@ -125,22 +125,22 @@ def rank_fixed_views(ctx, switches):
     """Addresses of every (layer, layout) view before and after `switches` switches, and the overhead."""
     from mooncake_ep_switch.switch.switcher import switch_layout
 
-    buffer, full, umm, all_reduce = _setup(ctx, "shm", 3)
+    buffer, full, unified, all_reduce = _setup(ctx, "shm", 3)
     try:
         def addresses():
-            return {(layer, layout): tuple(t.data_ptr() for t in umm.view(layer, layout))
+            return {(layer, layout): tuple(t.data_ptr() for t in unified.view(layer, layout))
                     for layer in range(3) for layout in ("ep", "tp")}
 
         before = addresses()
         for index in range(switches):
-            switch_layout(buffer, "tp" if index % 2 == 0 else "ep", weights=umm)
+            switch_layout(buffer, "tp" if index % 2 == 0 else "ep", weights=unified)
             assert addresses() == before, f"a view moved after switch {index + 1}"
-        _check_views(ctx, umm, full)
-        memory = umm.memory_report()
-        return {"layout": umm.layout, "memory": memory._asdict(), "free_slot": umm.free_slot()}
+        _check_views(ctx, unified, full)
+        memory = unified.memory_report()
+        return {"layout": unified.layout, "memory": memory._asdict(), "free_slot": unified.free_slot()}
     finally:
         all_reduce.destroy()
-        umm.destroy()
+        unified.destroy()
         buffer.destroy()
 
 

@@ -135,7 +135,7 @@ def _build_structures(buffer, config: DemoConfig):
                           weights, layout=LAYOUT_TP, max_tp_tokens=config.burst_requests,
                           phy2log=initial_placement(config), redundant_per_rank=config.redundant_per_rank,
                           timeout_us=config.timeout_us)
-    _RANK_STATE.update(weights=weights, memory=memory, umm=memory.umm, all_reduce=memory.all_reduce,
+    _RANK_STATE.update(weights=weights, memory=memory, unified=memory.unified, all_reduce=memory.all_reduce,
                        slots=memory.slots, rebalancer=memory.rebalancer)
 
 
@@ -207,7 +207,7 @@ def rank_switch(ctx, target: str):
     """
     from mooncake_ep_switch.switch import switch_layout
 
-    report = switch_layout(_RANK_STATE["buffer"], target, weights=_RANK_STATE["umm"],
+    report = switch_layout(_RANK_STATE["buffer"], target, weights=_RANK_STATE["unified"],
                            timeout_us=_RANK_STATE["config"].timeout_us)
     return {"outcome": report.outcome, "total_ms": report.total_ms, "weight_bytes": report.weight_bytes,
             "reason": report.reason}
@@ -224,7 +224,7 @@ def _ep_forward(ctx, x):
     out = x
     if slots is None:  # collective transport: primaries only (no one-sided slot moves)
         for layer, weights in enumerate(state["weights"]):
-            gate_up, down = state["umm"].view(layer, LAYOUT_EP)
+            gate_up, down = state["unified"].view(layer, LAYOUT_EP)
             out = ep_forward_local(buffer, out, weights.router, gate_up, down, config.top_k, tokens, active,
                                    timeout_us=config.timeout_us)
         return out, None, None
@@ -280,7 +280,7 @@ def rank_step(ctx, step: int, command: dict):
     from mooncake_ep_switch.reference.moe_block import reference_forward, tp_forward
 
     state = _RANK_STATE
-    config, umm = state["config"], state["umm"]
+    config, unified = state["config"], state["unified"]
     if step == config.kill_step and ctx.rank == config.kill_rank:
         os.kill(os.getpid(), signal.SIGKILL)  # the failure the demo survives
     rebalancer, active = state["rebalancer"], state["active"]
@@ -288,12 +288,12 @@ def rank_step(ctx, step: int, command: dict):
     if rebalancer is not None and command.get("rebalance"):
         plan = command["rebalance"]
         rebalancer.begin(np.asarray(plan["phy2log"]), plan["commit_step"])
-    if rebalancer is not None and umm.layout == LAYOUT_EP:
+    if rebalancer is not None and unified.layout == LAYOUT_EP:
         reports = [r._asdict() for r in rebalancer.step(step, active)]
     requests = command["requests"]
     start = time.perf_counter()
     counts = None
-    if umm.layout == LAYOUT_EP:
+    if unified.layout == LAYOUT_EP:
         generator = torch.Generator().manual_seed(step * 1009 + ctx.rank)
         x = torch.randn((requests // ctx.num_ranks, config.hidden), generator=generator).to(torch.bfloat16)
         out, counts, rows = _ep_forward(ctx, x)
@@ -305,7 +305,7 @@ def rank_step(ctx, step: int, command: dict):
         x = torch.randn((requests, config.hidden), generator=generator).to(torch.bfloat16)
         out = x
         for layer, weights in enumerate(state["weights"]):
-            gate_up, down = umm.view(layer, LAYOUT_TP)
+            gate_up, down = unified.view(layer, LAYOUT_TP)
             out = tp_forward(state["all_reduce"], out, weights.router, gate_up, down, config.top_k, active,
                              timeout_us=config.timeout_us)
         seconds = time.perf_counter() - start
@@ -316,7 +316,7 @@ def rank_step(ctx, step: int, command: dict):
     for report in reports:
         report["layers"] = list(report["layers"])
     return {"seconds": seconds, "diff": calc_diff(out, reference), "tokens": x.size(0), "dead": dead,
-            "layout": umm.layout, "counts": counts, "reports": reports,
+            "layout": unified.layout, "counts": counts, "reports": reports,
             "phy2log": state["slots"].phy2log.tolist() if state["slots"] is not None else None}
 
 

@@ -10,7 +10,7 @@ from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 from mooncake_ep_switch.switch.planning.cost_model import CostModel
 from mooncake_ep_switch.switch.planning.policy import Calibration, calibrate
-from mooncake_ep_switch.vocabulary import EP, TP
+from mooncake_ep_switch.layouts import EP, TP
 
 #: The MoE layer timed by `--calibrate`: Qwen3-235B-A22B's ratio I/H = 1536/4096 = 0.375, scaled
 #: down to fit a CPU run of a few seconds; P ranks emulated in one process, one thread each.

@@ -119,7 +119,7 @@ def rank_switch_bench(ctx, shape: SwitchBenchShape, iters: int, collective_iters
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, PagedKVCache
     from mooncake_ep_switch.switch.switcher import switch_layout
-    from mooncake_ep_switch.switch.umm import UnifiedWeights, WeightShape
+    from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
 
     torch.set_num_threads(1)
     wshape = WeightShape(shape.experts, shape.hidden, shape.intermediate)
@@ -131,8 +131,8 @@ def rank_switch_bench(ctx, shape: SwitchBenchShape, iters: int, collective_iters
     result: Dict[str, List] = {"ep->tp": [], "tp->ep": []}
     scratch = torch.zeros(_FLUSH_BYTES, dtype=torch.uint8)
     with Buffer(ctx.group, size, transport="shm") as buffer:
-        umm = UnifiedWeights(buffer, wshape, shape.num_layers, prefault=True)
-        umm.local.fill_(1)
+        unified = UnifiedWeights(buffer, wshape, shape.num_layers, prefault=True)
+        unified.local.fill_(1)
         kv = PagedKVCache(buffer, config, prefault=True)
         _populate_kv(kv, ctx, shape)
         try:
@@ -140,13 +140,13 @@ def rank_switch_bench(ctx, shape: SwitchBenchShape, iters: int, collective_iters
                 for target in ("tp", "ep"):
                     _flush(scratch)
                     dist.barrier(group=ctx.group)
-                    report = switch_layout(buffer, target, weights=umm, kv_cache=kv, timeout_us=60_000_000)
+                    report = switch_layout(buffer, target, weights=unified, kv_cache=kv, timeout_us=60_000_000)
                     assert report.outcome == "completed", report
                     if iteration:
                         result["ep->tp" if target == "tp" else "tp->ep"].append(report._asdict())
         finally:
             kv.destroy()
-            umm.destroy()
+            unified.destroy()
     weight_remote = result["ep->tp"][0]["weight_bytes"]
     weight_all = weight_remote + result["ep->tp"][0]["weight_local_bytes"]
     reps = max(3, iters)
@@ -157,17 +157,17 @@ def rank_switch_bench(ctx, shape: SwitchBenchShape, iters: int, collective_iters
         result[f"memcpy_kv_{way}"] = _copy_seconds(ctx, max(r["kv_bytes"] for r in result[way]), reps, scratch)
     # The collective fallback on the same shapes (private memory, gloo all_to_all), weights only.
     with Buffer(ctx.group, 0, transport="collective") as buffer:
-        umm = UnifiedWeights(buffer, wshape, shape.num_layers)
-        umm.local.fill_(1)
+        unified = UnifiedWeights(buffer, wshape, shape.num_layers)
+        unified.local.fill_(1)
         result["collective"] = []
         for iteration in range(collective_iters + 1):
             for target in ("tp", "ep"):
                 _flush(scratch)
                 dist.barrier(group=ctx.group)
-                report = switch_layout(buffer, target, weights=umm)
+                report = switch_layout(buffer, target, weights=unified)
                 if iteration and target == "tp":
                     result["collective"].append(report.weight_ms)
-        umm.destroy()
+        unified.destroy()
     return result
 
 

@@ -82,7 +82,7 @@ class Buffer:
 
     Output memory: the tensors `dispatch` and `combine` return (recv_x, FP8 scales, recv_count, the
     handle's src_info and layout_range, the combined output) come from a pool kept by the Buffer
-    (`calls.OutputPool`), so that steady-state calls neither allocate nor page-fault tens of MB.
+    (`output_pool.OutputPool`), so that steady-state calls neither allocate nor page-fault tens of MB.
     As in Mooncake EP and DeepEP, a returned tensor stays valid, and is never written again, for
     as long as the caller holds it or anything made from it (a view or slice, its storage, the
     handle, the call's event or hook). Only when nothing outside the pool references a result any

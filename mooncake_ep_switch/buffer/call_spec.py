@@ -11,7 +11,7 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.layout import region_layout
-from mooncake_ep_switch.vocabulary import timeout_in_range
+from mooncake_ep_switch.checks import timeout_in_range
 
 MAX_SPECS = 64  # shapes kept per Buffer; more distinct shapes start the cache afresh
 _Tensor = torch.Tensor

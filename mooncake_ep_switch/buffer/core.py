@@ -14,7 +14,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from mooncake_ep_switch.buffer.call_spec import CallSpecs
-from mooncake_ep_switch.buffer.calls import OutputPool
+from mooncake_ep_switch.buffer.output_pool import OutputPool
 from mooncake_ep_switch.buffer.handle import DispatchPlan
 from mooncake_ep_switch.buffer.lifetime import Lifetime
 from mooncake_ep_switch.buffer.transport.contract import Transport

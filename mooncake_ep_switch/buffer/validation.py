@@ -14,7 +14,7 @@ the device (`CudaTransport.value_problem`), since reading them here would synchr
 import torch
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.vocabulary import INT32_MAX, check_int, check_timeout  # noqa: F401  (both re-exported)
+from mooncake_ep_switch.checks import INT32_MAX, check_int, check_timeout  # noqa: F401  (both re-exported)
 
 
 def fail(name: str, expected: str, got) -> None:

@@ -29,7 +29,7 @@ from typing import Union
 import numpy as np
 import torch
 
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_indices, describe, to_numpy
 from mooncake_ep_switch.eplb.policy.tables import Placement, expert_counts, replica_tables
 

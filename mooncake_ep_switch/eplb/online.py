@@ -46,7 +46,7 @@ import torch
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.config import settings
-from mooncake_ep_switch.vocabulary import check_int, check_timeout
+from mooncake_ep_switch.checks import check_int, check_timeout
 from mooncake_ep_switch.eplb.slots import ExpertSlots, check_phy2log
 from mooncake_ep_switch.faults import FaultPoint
 

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_loads, to_numpy
 from mooncake_ep_switch.eplb.policy.tables import Placement, expert_counts
 from mooncake_ep_switch.eplb.policy.metrics import balance_of_loads

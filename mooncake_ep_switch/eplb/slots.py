@@ -41,7 +41,7 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_indices
 from mooncake_ep_switch.buffer.ballot import Ballot
 from mooncake_ep_switch.eplb.policy.tables import expert_counts
@@ -165,7 +165,7 @@ class ExpertSlots:
         self.chunk_epoch = 0 if joined is None else joined["chunk_epoch"]
         self.active_rebalancer = None  # weakref.ref of an OnlineRebalancer, or None
         if primaries is not None:
-            from mooncake_ep_switch.switch.umm import UnifiedWeights
+            from mooncake_ep_switch.switch.unified_weights import UnifiedWeights
 
             if not isinstance(primaries, UnifiedWeights):
                 raise TypeError(f"primaries: expected a UnifiedWeights or None, got {type(primaries).__name__}")
@@ -232,7 +232,7 @@ class ExpertSlots:
                              f"r*{self.num_primary}+j (they live in the unified weight memory and do not move)")
 
     def _check_primaries_serving(self) -> None:
-        from mooncake_ep_switch.switch.umm import EP
+        from mooncake_ep_switch.switch.unified_weights import EP
 
         if self.primaries.layout != EP:
             raise RuntimeError(f"primaries: the unified weights are in layout {self.primaries.layout!r}; physical "
@@ -448,15 +448,15 @@ class ExpertSlots:
         """
         dst_base = self.region.peer_bases[self.rank]
         if src_slot < self.num_primary:
-            from mooncake_ep_switch.switch.umm import EP
+            from mooncake_ep_switch.switch.unified_weights import EP
 
             self._check_primaries_serving()
-            umm = self.primaries
-            base = umm.peer_slot_base(src_rank, umm.slot_of(layer, EP))
+            unified = self.primaries
+            base = unified.peer_slot_base(src_rank, unified.slot_of(layer, EP))
             sources = (base + src_slot * self.gate_up_bytes,
-                       base + umm.gate_up_bytes() + src_slot * self.down_bytes)
-            lo = umm.region.peer_bases[src_rank]
-            src_range = (lo, lo + umm.region_bytes)
+                       base + unified.gate_up_bytes() + src_slot * self.down_bytes)
+            lo = unified.region.peer_bases[src_rank]
+            src_range = (lo, lo + unified.region_bytes)
         else:
             src_frame = self.peer_frame(src_rank, layer, src_slot)
             src_base = self.region.peer_bases[src_rank]

@@ -24,7 +24,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from mooncake_ep_switch.switch.umm import EP
+from mooncake_ep_switch.switch.unified_weights import EP
 
 
 class ServedExperts(torch.nn.Module):
@@ -90,8 +90,8 @@ class ModelRuntime:
         self.tokens_per_rank = tokens_per_rank
         self.active = active_ranks
         self.timeout_us = timeout_us
-        self.num_experts = memory.umm.shape.num_experts
-        self.counts: List[Optional[torch.Tensor]] = [None] * memory.umm.num_layers
+        self.num_experts = memory.unified.shape.num_experts
+        self.counts: List[Optional[torch.Tensor]] = [None] * memory.unified.num_layers
 
     def attach(self, model) -> List[torch.nn.Module]:
         """Serve every MoE block of `model` through this runtime (its expert weights are dropped).
@@ -109,9 +109,9 @@ class ModelRuntime:
         from mooncake_ep_switch.models.tiny import moe_blocks
 
         blocks = moe_blocks(model)
-        shape = self.memory.umm.shape
-        if len(blocks) != self.memory.umm.num_layers:
-            raise ValueError(f"model: expected {self.memory.umm.num_layers} MoE layers, got {len(blocks)}")
+        shape = self.memory.unified.shape
+        if len(blocks) != self.memory.unified.num_layers:
+            raise ValueError(f"model: expected {self.memory.unified.num_layers} MoE layers, got {len(blocks)}")
         originals = []
         for layer, block in enumerate(blocks):
             experts = block.experts
@@ -159,7 +159,7 @@ class ModelRuntime:
 
         memory, layer = self.memory, experts.layer
         if memory.slots is None:  # primaries only: the unified memory's EP view
-            gate_up, down = memory.umm.view(layer, EP)
+            gate_up, down = memory.unified.view(layer, EP)
             out, _ = ep_round(self.buffer, x, idx, weights, self.num_experts, gate_up.size(0),
                               lambda local: (gate_up[local], down[local]), self.tokens_per_rank, self.active,
                               self.timeout_us, expert_fn=experts.mlp)
@@ -192,7 +192,7 @@ class ModelRuntime:
         all_routing = self._gather(routing)
         all_idx = all_routing[:, :top_k].to(torch.int64)
         all_weights = all_routing[:, top_k:2 * top_k]
-        gate_up, down = memory.umm.view(layer, "tp")
+        gate_up, down = memory.unified.view(layer, "tp")
         part = gate_up.size(1) // 2
         partial = torch.zeros((all_x.size(0), hidden), dtype=torch.float32)
         for expert in all_idx.unique().tolist():

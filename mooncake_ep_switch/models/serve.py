@@ -133,7 +133,7 @@ def rank_switch(ctx, target: str) -> dict:
     """
     from mooncake_ep_switch.switch import switch_layout
 
-    report = switch_layout(_STATE["buffer"], target, weights=_STATE["memory"].umm,
+    report = switch_layout(_STATE["buffer"], target, weights=_STATE["memory"].unified,
                            timeout_us=_STATE["config"].timeout_us)
     return {"outcome": report.outcome, "reason": report.reason, "total_ms": report.total_ms,
             "weight_bytes": report.weight_bytes}

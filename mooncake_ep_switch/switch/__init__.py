@@ -8,7 +8,7 @@ from mooncake_ep_switch.switch.planning.simulator import CostModel, Metrics, com
 from mooncake_ep_switch.switch.switcher import SwitchError, SwitchFenced, SwitchReport, switch_layout
 from mooncake_ep_switch.switch.tp_collective import TPAllReduce
 from mooncake_ep_switch.switch.planning.traces import bursty_trace, rollout_trace
-from mooncake_ep_switch.switch.umm import MemoryReport, UnifiedWeights, WeightShape
+from mooncake_ep_switch.switch.unified_weights import MemoryReport, UnifiedWeights, WeightShape
 
 __all__ = [
     "Calibration", "CostModel", "Decision", "KVCacheConfig", "MemoryReport", "Metrics", "PagedKVCache",

@@ -43,7 +43,8 @@ from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.switch.kv_alloc import cdiv, alloc_group, alloc_unit
 from mooncake_ep_switch.switch.kv_meta import KVRequest, RankMeta, decode_meta, encode_meta
 from mooncake_ep_switch.switch.kv_plan import KVPlan, Planner
-from mooncake_ep_switch.vocabulary import EP, LAYOUTS, check_int
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.layouts import EP, LAYOUTS
 
 _META_HEADER = 64           # bytes before the metadata payload (length word + padding)
 

@@ -4,7 +4,7 @@ from typing import Dict, List, NamedTuple, Tuple
 import numpy as np
 
 from mooncake_ep_switch.switch.kv_alloc import cdiv
-from mooncake_ep_switch.vocabulary import EP, TP
+from mooncake_ep_switch.layouts import EP, TP
 
 _LAYOUT_CODE = {EP: 1, TP: 2}
 _MAGIC = 0x4B56_4D45_5441  # "KVMETA"

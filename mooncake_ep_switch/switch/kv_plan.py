@@ -9,7 +9,7 @@ import numpy as np
 
 from mooncake_ep_switch.switch.kv_alloc import group_order, unit_order
 from mooncake_ep_switch.switch.kv_meta import KVRequest, RankMeta
-from mooncake_ep_switch.vocabulary import EP, TP
+from mooncake_ep_switch.layouts import EP, TP
 
 
 class KVPlan(NamedTuple):

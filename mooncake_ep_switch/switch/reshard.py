@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.switch.umm import EP, TP, UnifiedWeights
+from mooncake_ep_switch.switch.unified_weights import EP, TP, UnifiedWeights
 
 EP_TO_TP = "ep->tp"
 TP_TO_EP = "tp->ep"
@@ -73,12 +73,12 @@ def step_order(way: str, num_layers: int) -> List[Tuple[int, int, int]]:
     return [(layer, layer, layer + 1) for layer in reversed(range(num_layers))]
 
 
-def chunk_blocks(umm: UnifiedWeights, tp_rank: int, tp_gate_up: int, tp_down: int, ep_gate_up: int, ep_down: int,
+def chunk_blocks(unified: UnifiedWeights, tp_rank: int, tp_gate_up: int, tp_down: int, ep_gate_up: int, ep_down: int,
                  to_tp: bool) -> np.ndarray:
     """The three copy blocks of one chunk, between a TP-side and an EP-side address set.
 
     Arguments:
-        umm: the unified weights (for the shape and the rank count).
+        unified: the unified weights (for the shape and the rank count).
         tp_rank: the intermediate slice the chunk carries (the TP rank's index).
         tp_gate_up: address of the first expert's TP gate/up rows `[2I', H]` of the chunk.
         tp_down: address of the first expert's TP down `[H, I']` of the chunk.
@@ -89,9 +89,9 @@ def chunk_blocks(umm: UnifiedWeights, tp_rank: int, tp_gate_up: int, tp_down: in
     Returns:
         blocks: `[3, 6]` np.int64 for `copy_blocks`.
     """
-    experts, hidden, inter = umm.shape
-    local = experts // umm.num_ranks
-    part = inter // umm.num_ranks
+    experts, hidden, inter = unified.shape
+    local = experts // unified.num_ranks
+    part = inter // unified.num_ranks
     row = part * hidden * 2
     tp_side = [(tp_gate_up, local, row, 2 * row),
                (tp_gate_up + row, local, row, 2 * row),
@@ -108,12 +108,12 @@ def chunk_blocks(umm: UnifiedWeights, tp_rank: int, tp_gate_up: int, tp_down: in
     return blocks
 
 
-def slot_chunk_blocks(umm: UnifiedWeights, way: str, src_rank: int, dst_rank: int, src_slot_addr: int,
+def slot_chunk_blocks(unified: UnifiedWeights, way: str, src_rank: int, dst_rank: int, src_slot_addr: int,
                       dst_slot_addr: int) -> np.ndarray:
     """Blocks moving the chunk `src_rank -> dst_rank` of one layer between two slots.
 
     Arguments:
-        umm: the unified weights.
+        unified: the unified weights.
         way: `"ep->tp"` or `"tp->ep"`.
         src_rank: rank holding the layer in the source layout.
         dst_rank: rank receiving its part in the target layout.
@@ -123,17 +123,17 @@ def slot_chunk_blocks(umm: UnifiedWeights, way: str, src_rank: int, dst_rank: in
     Returns:
         blocks: `[3, 6]` np.int64.
     """
-    experts, hidden, inter = umm.shape
-    local = experts // umm.num_ranks
-    part = inter // umm.num_ranks
-    split = umm.gate_up_bytes()
+    experts, hidden, inter = unified.shape
+    local = experts // unified.num_ranks
+    part = inter // unified.num_ranks
+    split = unified.gate_up_bytes()
     if way == EP_TO_TP:  # destination TP slice dst_rank, source experts of src_rank
         tp_slot, ep_slot, owner, tp_rank = dst_slot_addr, src_slot_addr, src_rank, dst_rank
     else:                # source TP slice src_rank, destination experts of dst_rank
         tp_slot, ep_slot, owner, tp_rank = src_slot_addr, dst_slot_addr, dst_rank, src_rank
     tp_gate_up = tp_slot + owner * local * 2 * part * hidden * 2
     tp_down = tp_slot + split + owner * local * hidden * part * 2
-    return chunk_blocks(umm, tp_rank, tp_gate_up, tp_down, ep_slot, ep_slot + split, way == EP_TO_TP)
+    return chunk_blocks(unified, tp_rank, tp_gate_up, tp_down, ep_slot, ep_slot + split, way == EP_TO_TP)
 
 
 def copy(blocks: np.ndarray, dst_range: Tuple[int, int], src_range: Tuple[int, int]) -> int:
@@ -160,11 +160,11 @@ def copy(blocks: np.ndarray, dst_range: Tuple[int, int], src_range: Tuple[int, i
     return int((blocks[:, 2] * blocks[:, 3]).sum())
 
 
-def collective_layer(umm: UnifiedWeights, way: str, layer: int, staging: torch.Tensor) -> int:
-    """Reshard one layer with `all_to_all_single` over `umm.group` (the collective fallback).
+def collective_layer(unified: UnifiedWeights, way: str, layer: int, staging: torch.Tensor) -> int:
+    """Reshard one layer with `all_to_all_single` over `unified.group` (the collective fallback).
 
     Arguments:
-        umm: the unified weights (private memory).
+        unified: the unified weights (private memory).
         way: `"ep->tp"` or `"tp->ep"`.
         layer: the layer; source and destination slots follow `step_order`.
         staging: `[slot_bytes]` torch.uint8 scratch (the packing side's buffer).
@@ -172,34 +172,34 @@ def collective_layer(umm: UnifiedWeights, way: str, layer: int, staging: torch.T
     Returns:
         bytes_sent: bytes this rank sent to other ranks.
     """
-    ranks = umm.num_ranks
-    src_slot = umm.slot_of(layer, EP if way == EP_TO_TP else TP)
-    dst_slot = umm.slot_of(layer, TP if way == EP_TO_TP else EP)
-    base, split, slot = umm.base, umm.gate_up_bytes(), umm.slot_bytes
+    ranks = unified.num_ranks
+    src_slot = unified.slot_of(layer, EP if way == EP_TO_TP else TP)
+    dst_slot = unified.slot_of(layer, TP if way == EP_TO_TP else EP)
+    base, split, slot = unified.base, unified.gate_up_bytes(), unified.slot_bytes
     gate_up_chunk, down_chunk = split // ranks, (slot - split) // ranks
-    region = (base, base + umm.region_bytes)
+    region = (base, base + unified.region_bytes)
     stage = staging.data_ptr()
     stage_range = (stage, stage + staging.numel())
-    src_gate_up = umm.local[src_slot * slot:src_slot * slot + split]
-    src_down = umm.local[src_slot * slot + split:(src_slot + 1) * slot]
-    dst_gate_up = umm.local[dst_slot * slot:dst_slot * slot + split]
-    dst_down = umm.local[dst_slot * slot + split:(dst_slot + 1) * slot]
+    src_gate_up = unified.local[src_slot * slot:src_slot * slot + split]
+    src_down = unified.local[src_slot * slot + split:(src_slot + 1) * slot]
+    dst_gate_up = unified.local[dst_slot * slot:dst_slot * slot + split]
+    dst_down = unified.local[dst_slot * slot + split:(dst_slot + 1) * slot]
     stage_gate_up, stage_down = staging[:split], staging[split:slot]
     if way == EP_TO_TP:
         # Pack: chunk for d = slice d of my experts, laid out as the TP rows of my experts.
         blocks = np.concatenate([
-            chunk_blocks(umm, d, stage + d * gate_up_chunk, stage + split + d * down_chunk,
+            chunk_blocks(unified, d, stage + d * gate_up_chunk, stage + split + d * down_chunk,
                          base + src_slot * slot, base + src_slot * slot + split, to_tp=True)
             for d in range(ranks)])
         copy(blocks, stage_range, region)
-        dist.all_to_all_single(dst_gate_up, stage_gate_up, group=umm.group)
-        dist.all_to_all_single(dst_down, stage_down, group=umm.group)
+        dist.all_to_all_single(dst_gate_up, stage_gate_up, group=unified.group)
+        dist.all_to_all_single(dst_down, stage_down, group=unified.group)
     else:
         # Send in place (chunk for d = my slice of d's experts, contiguous), unpack what arrives.
-        dist.all_to_all_single(stage_gate_up, src_gate_up, group=umm.group)
-        dist.all_to_all_single(stage_down, src_down, group=umm.group)
+        dist.all_to_all_single(stage_gate_up, src_gate_up, group=unified.group)
+        dist.all_to_all_single(stage_down, src_down, group=unified.group)
         blocks = np.concatenate([
-            chunk_blocks(umm, s, stage + s * gate_up_chunk, stage + split + s * down_chunk,
+            chunk_blocks(unified, s, stage + s * gate_up_chunk, stage + split + s * down_chunk,
                          base + dst_slot * slot, base + dst_slot * slot + split, to_tp=False)
             for s in range(ranks)])
         copy(blocks, region, stage_range)

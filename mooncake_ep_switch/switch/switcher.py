@@ -56,8 +56,8 @@ from mooncake_ep_switch.errors import SwitchError, SwitchFenced  # noqa: F401 (r
 from mooncake_ep_switch.switch import reshard
 from mooncake_ep_switch.switch.kv_cache import PagedKVCache
 from mooncake_ep_switch.switch.kv_plan import KVPlan
-from mooncake_ep_switch.switch.umm import EP, INVALID, LAYOUTS, TP, UnifiedWeights
-from mooncake_ep_switch.vocabulary import check_timeout
+from mooncake_ep_switch.switch.unified_weights import EP, INVALID, LAYOUTS, TP, UnifiedWeights
+from mooncake_ep_switch.checks import check_timeout
 
 # Progress steps (low 32 bits of the progress word).
 ENTERED = 1
@@ -139,13 +139,13 @@ StepHook = Callable[[str, int], None]
 class _Control:
     """This switch's view of every rank's control words, its dead set and its fence."""
 
-    def __init__(self, umm: UnifiedWeights, seq: int, timeout_us: int):
-        self.umm = umm
-        self.rank = umm.rank
-        self.num_ranks = umm.num_ranks
+    def __init__(self, unified: UnifiedWeights, seq: int, timeout_us: int):
+        self.unified = unified
+        self.rank = unified.rank
+        self.num_ranks = unified.num_ranks
         self.seq = seq
         self.timeout_us = timeout_us
-        self.bases = umm.control.peer_bases
+        self.bases = unified.control.peer_bases
         self.dead: Set[int] = set()
 
     def addr(self, rank: int, offset: int) -> int:
@@ -165,13 +165,13 @@ class _Control:
     def write_digest(self, values: List[int]) -> None:
         if len(values) > _DIGEST_WORDS - 1:
             raise ValueError("digest too long")
-        view = self.umm.control.local[_DIGEST:_DIGEST + 8 * _DIGEST_WORDS].view(torch.int64)
+        view = self.unified.control.local[_DIGEST:_DIGEST + 8 * _DIGEST_WORDS].view(torch.int64)
         view.zero_()
         view[0] = len(values)
         view[1:1 + len(values)] = torch.tensor(values, dtype=torch.int64)
 
     def read_digest(self, rank: int) -> List[int]:
-        region = self.umm.control.local if rank == self.rank else self.umm.control.peer(rank)
+        region = self.unified.control.local if rank == self.rank else self.unified.control.peer(rank)
         view = region[_DIGEST:_DIGEST + 8 * _DIGEST_WORDS].view(torch.int64)
         count = int(view[0])
         return view[1:1 + max(0, min(count, _DIGEST_WORDS - 1))].tolist()
@@ -221,9 +221,9 @@ class _Control:
 # Helpers
 # ------------------------------------------------------------------------------------------------
 
-def _digest(umm: UnifiedWeights, kv: Optional[PagedKVCache], source: str, target: str) -> List[int]:
+def _digest(unified: UnifiedWeights, kv: Optional[PagedKVCache], source: str, target: str) -> List[int]:
     codes = {EP: 1, TP: 2}
-    values = [codes[source], codes[target], umm.num_layers, *umm.shape, umm.num_ranks]
+    values = [codes[source], codes[target], unified.num_layers, *unified.shape, unified.num_ranks]
     if kv is None:
         values.append(0)
     else:
@@ -231,23 +231,23 @@ def _digest(umm: UnifiedWeights, kv: Optional[PagedKVCache], source: str, target
     return values
 
 
-def _check_args(buffer, target, umm, kv, timeout_us) -> None:
-    if not isinstance(umm, UnifiedWeights):
-        raise TypeError(f"weights: expected a UnifiedWeights, got {type(umm).__name__}")
+def _check_args(buffer, target, unified, kv, timeout_us) -> None:
+    if not isinstance(unified, UnifiedWeights):
+        raise TypeError(f"weights: expected a UnifiedWeights, got {type(unified).__name__}")
     if target not in LAYOUTS:
         raise ValueError(f"target: expected one of {LAYOUTS}, got {target!r}")
     check_timeout(timeout_us)
-    if (umm.rank, umm.num_ranks) != (buffer.rank, buffer.num_ranks):
-        raise ValueError(f"weights: built for rank {umm.rank} of {umm.num_ranks}, the buffer is rank "
+    if (unified.rank, unified.num_ranks) != (buffer.rank, buffer.num_ranks):
+        raise ValueError(f"weights: built for rank {unified.rank} of {unified.num_ranks}, the buffer is rank "
                          f"{buffer.rank} of {buffer.num_ranks}")
-    if umm.layout not in LAYOUTS:
-        raise SwitchError(f"weights: layout is {umm.layout!r} after a failed switch; reload the weights")
+    if unified.layout not in LAYOUTS:
+        raise SwitchError(f"weights: layout is {unified.layout!r} after a failed switch; reload the weights")
     if kv is not None:
         if not isinstance(kv, PagedKVCache):
             raise TypeError(f"kv_cache: expected a PagedKVCache or None, got {type(kv).__name__}")
-        if kv.layout != umm.layout:
-            raise ValueError(f"kv_cache: expected layout {umm.layout!r} (the weights'), got {kv.layout!r}")
-        if (kv.rank, kv.num_ranks, kv.transport) != (umm.rank, umm.num_ranks, umm.transport):
+        if kv.layout != unified.layout:
+            raise ValueError(f"kv_cache: expected layout {unified.layout!r} (the weights'), got {kv.layout!r}")
+        if (kv.rank, kv.num_ranks, kv.transport) != (unified.rank, unified.num_ranks, unified.transport):
             raise ValueError("kv_cache: built on another group or transport than the weights")
 
 
@@ -294,31 +294,32 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
         report: a `SwitchReport` (bytes and times of the weight and KV phases, outcome, dead ranks).
     """
     start = time.perf_counter()
-    umm, kv = weights, kv_cache
+    unified, kv = weights, kv_cache
     hook = on_step or _noop
-    if not isinstance(umm, UnifiedWeights):
-        raise TypeError(f"weights: expected a UnifiedWeights, got {type(umm).__name__}")
-    source = umm.layout
+    if not isinstance(unified, UnifiedWeights):
+        raise TypeError(f"weights: expected a UnifiedWeights, got {type(unified).__name__}")
+    source = unified.layout
     transport = buffer.transport
     if target == source and target in LAYOUTS and (kv is None or kv.layout == source):
-        return _report(source, target, source, UNCHANGED, "", start, umm.seq, transport)
-    umm.seq += 1
-    seq = umm.seq
-    if not umm.one_sided:
-        return _switch_collective(buffer, target, umm, kv, timeout_us, start, seq)
+        return _report(source, target, source, UNCHANGED, "", start, unified.seq, transport)
+    unified.seq += 1
+    seq = unified.seq
+    if not unified.one_sided:
+        return _switch_collective(buffer, target, unified, kv, timeout_us, start, seq)
 
-    control = _Control(umm, seq, timeout_us)
+    control = _Control(unified, seq, timeout_us)
     # ---- phase 1: entry, plan, decision
     hook("enter", 0)
     try:
-        _check_args(buffer, target, umm, kv, timeout_us)
-        if umm.dead_ranks:
-            raise _Refuse(ABORT_DEAD_RANKS, f"ranks {umm.dead_ranks} died in an earlier switch; recover membership first")
-        control.write_digest(_digest(umm, kv, source, target))
+        _check_args(buffer, target, unified, kv, timeout_us)
+        if unified.dead_ranks:
+            raise _Refuse(ABORT_DEAD_RANKS,
+                          f"ranks {unified.dead_ranks} died in an earlier switch; recover membership first")
+        control.write_digest(_digest(unified, kv, source, target))
         if kv is not None:
             kv.publish_meta()
-        if umm.ballot is not None:
-            umm.ballot.prepare([seq], votes=False)  # the decision slot exists before anyone proposes
+        if unified.ballot is not None:
+            unified.ballot.prepare([seq], votes=False)  # the decision slot exists before anyone proposes
     except _Refuse as refusal:
         control.write_digest([])
         control.publish(_PROGRESS, ENTERED)
@@ -336,14 +337,14 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
     if missing:
         decision, reason = ABORT_LATE_RANK, f"ranks {missing} did not enter the switch within timeout_us={timeout_us}"
     else:
-        mine = _digest(umm, kv, source, target)
-        others = {p: control.read_digest(p) for p in range(umm.num_ranks)}
+        mine = _digest(unified, kv, source, target)
+        others = {p: control.read_digest(p) for p in range(unified.num_ranks)}
         differing = [p for p, d in others.items() if d != mine]
         if differing:
             decision, reason = ABORT_DIFFERENT_CALLS, f"ranks {differing} called with other arguments (digest {others[differing[0]]} vs {mine})"
         elif kv is not None:
             try:
-                metas = [kv.read_meta(p) for p in range(umm.num_ranks)]
+                metas = [kv.read_meta(p) for p in range(unified.num_ranks)]
                 plan = kv.plan(metas, target)
             except ValueError as error:
                 decision, reason = ABORT_DIFFERENT_CALLS, str(error)
@@ -353,21 +354,21 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
     hook("decide", 0)
     control.publish(_DECISION, decision)
     undecided = control.wait(_DECISION, 0, 0, declare=False,
-                             peers=[p for p in range(umm.num_ranks) if p not in missing and p != umm.rank])
+                             peers=[p for p in range(unified.num_ranks) if p not in missing and p != unified.rank])
     if decision == GO:
-        aborts = [p for p in range(umm.num_ranks) if p != umm.rank and p not in undecided
+        aborts = [p for p in range(unified.num_ranks) if p != unified.rank and p not in undecided
                   and _native.signal_load(control.addr(p, _DECISION)) & 0xFFFFFFFF != GO]
         if undecided:
             decision, reason = ABORT_LATE_RANK, f"ranks {undecided} did not decide within timeout_us={timeout_us}"
         elif aborts:
             code = _native.signal_load(control.addr(aborts[0], _DECISION)) & 0xFFFFFFFF
             decision, reason = code, f"rank {aborts[0]} refused: {ABORT_CODES.get(code, 'unknown reason')}"
-    if umm.ballot is not None:
+    if unified.ballot is not None:
         # One decision per switch: the first proposal wins and every rank adopts it. GO is proposed
         # only by a rank that saw every rank's GO, so a rank whose wait for a late peer ended can
         # still be told GO (the peer did decide GO), and a late rank that saw every GO is told
         # ABORT when a rank gave up first: live ranks always end in one layout.
-        final = umm.ballot.propose(seq, decision)
+        final = unified.ballot.propose(seq, decision)
         if final != decision:
             decision = final
             reason = "" if final == GO else (f"another rank decided ABORT first: "
@@ -378,22 +379,22 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
     # ---- phases 2-4 (nothing may fail silently from here: a failure leaves the layout invalid)
     prepare_ms = (time.perf_counter() - start) * 1e3
     try:
-        weight_stats = _weights_one_sided(umm, control, source, target, hook)
+        weight_stats = _weights_one_sided(unified, control, source, target, hook)
         kv_stats = _kv_one_sided(kv, plan, control, hook) if kv is not None else (0, 0, 0.0)
         commit_start = time.perf_counter()
         hook("commit", 0)
-        control.publish(_PROGRESS, W0 + umm.num_layers + 2)  # DONE
-        control.wait(_PROGRESS, W0 + umm.num_layers + 2, 1)
+        control.publish(_PROGRESS, W0 + unified.num_layers + 2)  # DONE
+        control.wait(_PROGRESS, W0 + unified.num_layers + 2, 1)
         control.check_fence()
     except BaseException as error:
-        umm.layout = INVALID
+        unified.layout = INVALID
         if kv is not None:
             kv.layout = INVALID
         if isinstance(error, SwitchError) or not isinstance(error, Exception):
             raise
-        raise SwitchError(f"switch {seq} failed on rank {umm.rank} after it started moving data ({error!r}); this "
+        raise SwitchError(f"switch {seq} failed on rank {unified.rank} after it started moving data ({error!r}); this "
                           "rank's weights and KV are invalid (the peers treat it as dead and complete)") from error
-    umm.layout = target
+    unified.layout = target
     dead = sorted(control.dead)
     lost: List[int] = []
     if kv is not None:
@@ -402,7 +403,7 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
             lost = [rid for rid, owner in plan.owner.items() if owner in control.dead]
     reason = ""
     if dead:
-        umm.dead_ranks = dead
+        unified.dead_ranks = dead
         what = (f"requests {lost} were assigned to them and are lost" if target == EP
                 else "their weight slice and KV head group are lost until a replacement receives them")
         reason = f"ranks {dead} died during the switch; the survivors completed it from their memory; {what}"
@@ -421,22 +422,22 @@ class _Refuse(Exception):
 # One-sided phases
 # ------------------------------------------------------------------------------------------------
 
-def _weights_one_sided(umm: UnifiedWeights, control: _Control, source: str, target: str,
+def _weights_one_sided(unified: UnifiedWeights, control: _Control, source: str, target: str,
                        hook: StepHook) -> Tuple[int, int, float]:
     started = time.perf_counter()
     way = reshard.direction(source, target)
-    order = reshard.step_order(way, umm.num_layers)
-    me, ranks = umm.rank, umm.num_ranks
-    bases = umm.region.peer_bases
-    ranges = [(b, b + umm.region_bytes) if b else (0, 0) for b in bases]
+    order = reshard.step_order(way, unified.num_layers)
+    me, ranks = unified.rank, unified.num_ranks
+    bases = unified.region.peer_bases
+    ranges = [(b, b + unified.region_bytes) if b else (0, 0) for b in bases]
     remote = local = 0
     for t, (_, src_slot, dst_slot) in enumerate(order):
         hook("weights", t)
         control.check_fence()
 
         def push(dest: int) -> int:
-            blocks = reshard.slot_chunk_blocks(umm, way, me, dest, umm.peer_slot_base(me, src_slot),
-                                               umm.peer_slot_base(dest, dst_slot))
+            blocks = reshard.slot_chunk_blocks(unified, way, me, dest, unified.peer_slot_base(me, src_slot),
+                                               unified.peer_slot_base(dest, dst_slot))
             return reshard.copy(blocks, ranges[dest], ranges[me])
 
         # Our own chunk first: our destination slot is the one we read in step t-1 (no wait).
@@ -458,17 +459,17 @@ def _weights_one_sided(umm: UnifiedWeights, control: _Control, source: str, targ
                 break
             control.wait(_PROGRESS, W0 + t, 1, peers=pending[:1])  # declares it dead past the deadline
         control.publish(_PROGRESS, W0 + t + 1)
-    control.wait(_PROGRESS, W0 + umm.num_layers, 1)
+    control.wait(_PROGRESS, W0 + unified.num_layers, 1)
     control.check_fence()
     # Complete on behalf of dead ranks: their remaining source slots are intact (nobody writes a
     # rank's slot before its progress says it was read), pull our chunk of every step they missed.
     for peer in sorted(control.dead):
         before = control.progress(peer)
         sent = max(0, before - W0)
-        for t in range(sent, umm.num_layers):
+        for t in range(sent, unified.num_layers):
             _, src_slot, dst_slot = order[t]
-            blocks = reshard.slot_chunk_blocks(umm, way, peer, me, umm.peer_slot_base(peer, src_slot),
-                                               umm.peer_slot_base(me, dst_slot))
+            blocks = reshard.slot_chunk_blocks(unified, way, peer, me, unified.peer_slot_base(peer, src_slot),
+                                               unified.peer_slot_base(me, dst_slot))
             remote += reshard.copy(blocks, ranges[me], ranges[peer])
         if control.progress(peer) != before:
             raise SwitchError(f"rank {peer} was declared dead but kept making progress during the pull of its "
@@ -494,7 +495,7 @@ def _kv_one_sided(kv: PagedKVCache, plan: KVPlan, control: _Control, hook: StepH
             local += moved
         else:
             remote += moved
-    kv_sent = W0 + control.umm.num_layers + 1
+    kv_sent = W0 + control.unified.num_layers + 1
     control.publish(_PROGRESS, kv_sent)
     control.wait(_PROGRESS, kv_sent, 1)
     control.check_fence()
@@ -510,18 +511,18 @@ def _kv_one_sided(kv: PagedKVCache, plan: KVPlan, control: _Control, hook: StepH
 # Collective fallback
 # ------------------------------------------------------------------------------------------------
 
-def _switch_collective(buffer, target: str, umm: UnifiedWeights, kv: Optional[PagedKVCache], timeout_us: int,
+def _switch_collective(buffer, target: str, unified: UnifiedWeights, kv: Optional[PagedKVCache], timeout_us: int,
                        start: float, seq: int) -> SwitchReport:
-    source = umm.layout
+    source = unified.layout
     transport = buffer.transport
     try:  # a local argument error still takes part in the exchange, so that the peers refuse too
-        _check_args(buffer, target, umm, kv, timeout_us)
+        _check_args(buffer, target, unified, kv, timeout_us)
         local_error = None
-        mine = (_digest(umm, kv, source, target), kv.encode_meta() if kv is not None else None)
+        mine = (_digest(unified, kv, source, target), kv.encode_meta() if kv is not None else None)
     except Exception as error:
         local_error, mine = error, ([], None)
-    gathered: List = [None] * umm.num_ranks
-    dist.all_gather_object(gathered, mine, group=umm.group)
+    gathered: List = [None] * unified.num_ranks
+    dist.all_gather_object(gathered, mine, group=unified.group)
     if local_error is not None:
         raise local_error
     digests = [g[0] for g in gathered]
@@ -540,20 +541,21 @@ def _switch_collective(buffer, target: str, umm: UnifiedWeights, kv: Optional[Pa
     try:
         started = time.perf_counter()
         way = reshard.direction(source, target)
-        staging = torch.empty(umm.slot_bytes, dtype=torch.uint8)
+        staging = torch.empty(unified.slot_bytes, dtype=torch.uint8)
         sent = 0
-        for layer, _, _ in reshard.step_order(way, umm.num_layers):
-            sent += reshard.collective_layer(umm, way, layer, staging)
-        weight_stats = (sent, umm.layer_bytes * umm.num_layers // umm.num_ranks, (time.perf_counter() - started) * 1e3)
+        for layer, _, _ in reshard.step_order(way, unified.num_layers):
+            sent += reshard.collective_layer(unified, way, layer, staging)
+        weight_stats = (sent, unified.layer_bytes * unified.num_layers // unified.num_ranks,
+                        (time.perf_counter() - started) * 1e3)
         kv_stats = _kv_collective(kv, plan) if kv is not None else (0, 0, 0.0)
     except Exception as error:
-        umm.layout = INVALID
+        unified.layout = INVALID
         if kv is not None:
             kv.layout = INVALID
         raise SwitchError(f"switch {seq} failed on the collective transport ({error}); a peer failure cannot be "
                           "survived there: weights and KV of this rank are invalid, reload them") from error
     commit_start = time.perf_counter()
-    umm.layout = target
+    unified.layout = target
     if kv is not None:
         kv.commit(plan)
     return _report(source, target, target, COMPLETED, "", start, seq, transport, weights=weight_stats, kv=kv_stats,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
-from mooncake_ep_switch.vocabulary import check_int, check_timeout
+from mooncake_ep_switch.checks import check_int, check_timeout
 
 _TAG_SPACE = (1 << 32) - 1
 _SIGNALS_BYTES = 4096

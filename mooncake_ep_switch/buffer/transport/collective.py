@@ -37,7 +37,7 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer import kernels
+from mooncake_ep_switch.buffer.transport import collective_records
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.membership.group_keys import view_group
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError
@@ -354,7 +354,7 @@ class CollectiveTransport(HostMemoryTransport):
         N, K = topk.shape
         hidden = x.size(1)
         device = x.device
-        record = kernels.record_layout(hidden, L, call.use_fp8)
+        record = collective_records.record_layout(hidden, L, call.use_fp8)
         size = record[2]
         accept = call.active_ranks.clone()  # the sources this rank accepts: its view at dispatch time
         info = torch.empty((5, R), dtype=torch.int64)
@@ -363,8 +363,8 @@ class CollectiveTransport(HostMemoryTransport):
         fixed = R * (T + 1) * size <= FIXED_MODE_MAX_BYTES
         lease = self._staging.lease(("dispatch", call.call % 2), device)
         send = lease.get(0, R * (T + 1) * size if fixed else N * min(R, K) * size)
-        records = kernels.coll_dispatch_pack(x, topk, E, R, T, accept, call.use_fp8, fixed, record, send, tokens_to,
-                                             pairs_to, row_index)
+        records = collective_records.coll_dispatch_pack(x, topk, E, R, T, accept, call.use_fp8, fixed, record, send,
+                                                        tokens_to, pairs_to, row_index)
         if fixed:
             recv = lease.get(1, send.numel())
             work = self._all_to_all(recv, send, None, None, async_op=True)
@@ -389,8 +389,8 @@ class CollectiveTransport(HostMemoryTransport):
         def receive() -> None:
             try:
                 work.wait()
-                kernels.coll_dispatch_unpack(recv, R, T, hidden, L, record, fixed, recv_tokens, accepted_by_t,
-                                             accept, call.use_fp8, outputs, rows_to_rank)
+                collective_records.coll_dispatch_unpack(recv, R, T, hidden, L, record, fixed, recv_tokens,
+                                                        accepted_by_t, accept, call.use_fp8, outputs, rows_to_rank)
             finally:
                 lease.release()
             state["accepted_by"] = [bool(a) for a in accepted_by_t.tolist()] if fixed else accepted_by
@@ -459,7 +459,7 @@ class CollectiveTransport(HostMemoryTransport):
         lease = self._staging.lease(("combine", call.call % 2), device)
         row = 2 * hidden
         send = lease.get(0, sum(plan.rows_to_rank) * row).view(torch.bfloat16).view(-1, hidden)
-        kernels.coll_combine_pack(call.x, call.layout_range, call.num_max_dispatch_tokens_per_rank, send)
+        collective_records.coll_combine_pack(call.x, call.layout_range, call.num_max_dispatch_tokens_per_rank, send)
         # Receive what we sent to every owner that accepted us (one that did not returns nothing).
         output_splits = [n if ok else 0 for n, ok in zip(plan.rows_from_rank, plan.accepted_by)]
         recv = lease.get(1, sum(output_splits) * row).view(torch.bfloat16).view(-1, hidden)
@@ -492,7 +492,7 @@ class CollectiveTransport(HostMemoryTransport):
             keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
             owner = torch.div(call.topk_idx, L, rounding_mode="floor").clamp_(min=0)
             row_index = torch.where(keep_t[owner] & (row_index >= 0), row_index + shift[owner], -1).contiguous()
-        kernels.combine_reduce(call.out, row_index, call.topk_weights, recv)
+        collective_records.combine_reduce(call.out, row_index, call.topk_weights, recv)
 
 
 class _Lease:

@@ -22,7 +22,7 @@ from mooncake_ep_switch.buffer.transport.sockets import (abort_connections, list
                                                         socket_inodes)
 from mooncake_ep_switch.config import set_transfer_engine_defaults
 from mooncake_ep_switch.errors import PeerBusy  # noqa: F401 (re-exported)
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 
 __all__ = ["PeerBusy", "PeerWrite", "TeEndpoint", "load_transfer_engine"]
 

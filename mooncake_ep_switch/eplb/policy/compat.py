@@ -34,7 +34,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_indices, as_loads, describe
 from mooncake_ep_switch.eplb.policy.greedy import hierarchical
 from mooncake_ep_switch.eplb.policy.placement import rebalance_experts as _placement

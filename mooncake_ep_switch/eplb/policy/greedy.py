@@ -20,7 +20,7 @@ Like the original, replication is vectorised over layers and packing loops over 
 import numpy as np
 import torch
 
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_loads
 from mooncake_ep_switch.eplb.policy.tables import Placement, replica_tables
 

@@ -5,7 +5,7 @@ expert's load is split evenly across its physical copies. A layer with no load c
 """
 import numpy as np
 
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_indices, as_loads
 from mooncake_ep_switch.eplb.policy.tables import Placement, expert_counts
 

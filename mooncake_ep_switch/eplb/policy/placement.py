@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_loads, describe
 from mooncake_ep_switch.eplb.policy.construct import Topology, fresh_placement
 from mooncake_ep_switch.eplb.policy.incremental import movement_aware_placement

@@ -35,7 +35,7 @@ with each GPU's redundant experts kept at their previous positions when they sta
 import numpy as np
 import torch
 
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_float, as_indices, as_loads
 from mooncake_ep_switch.eplb.policy.construct import Topology, sorted_items
 from mooncake_ep_switch.eplb.policy.tables import expert_counts

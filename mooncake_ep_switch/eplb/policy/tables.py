@@ -9,7 +9,7 @@ from typing import NamedTuple, Tuple
 import numpy as np
 import torch
 
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_indices
 
 

@@ -13,7 +13,7 @@ import torch
 
 from mooncake_ep_switch.eplb._convert import as_indices
 from mooncake_ep_switch.eplb.policy.compat import EplbArgumentError, keep_gpu_slots, rebalance_experts
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 
 __all__ = ["DefaultEplbPolicy", "compute_logical_maps"]
 

@@ -2,6 +2,6 @@
 
 `policy.SwitchPolicy` decides from the request count and a calibrated cost model; `simulator`
 replays a trace under that model (the Moebius paper's comparison); `traces` builds the traces.
-The runtime that moves weights and KV (umm, reshard, kv_*, switcher, tp_collective) is the parent
+The runtime that moves weights and KV (unified, reshard, kv_*, switcher, tp_collective) is the parent
 package `switch`.
 """

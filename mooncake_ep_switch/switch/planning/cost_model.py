@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 
 from mooncake_ep_switch.switch.planning.policy import LAYOUTS, TP, Calibration, calibrate
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 
 
 def _real(name: str, value, minimum: float = 0.0, strict: bool = False) -> float:

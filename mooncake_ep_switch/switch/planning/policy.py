@@ -26,7 +26,8 @@ from collections import deque
 from typing import Callable, Iterable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
-from mooncake_ep_switch.vocabulary import EP, LAYOUTS, TP, check_int  # noqa: F401  (layout names re-exported)
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.layouts import EP, LAYOUTS, TP  # noqa: F401  (layout names re-exported)
 
 
 #: Threshold meaning "never enter EP" (what ``calibrate()`` returns when TP always wins).

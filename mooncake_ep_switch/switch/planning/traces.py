@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence, Tuple
 
 import numpy as np
 
-from mooncake_ep_switch.vocabulary import check_int
+from mooncake_ep_switch.checks import check_int
 
 SERVING = "serving"
 ROLLOUT = "rollout"

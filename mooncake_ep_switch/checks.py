@@ -1,22 +1,12 @@
-"""The package's vocabulary: the two MoE layouts' names, and argument checks with one message style.
+"""Argument checks with one message style.
 
-Layouts. `TP` (tensor parallel: every rank holds a slice of every expert) and `EP` (expert
-parallel: every rank holds whole experts) are the layouts a MoE layer is served in; `LAYOUTS[i]` is
-also the layout's code in the simulator's plans (0 = TP, 1 = EP). ("Layout" means only this: the
-EP region's byte layout is `buffer.layout.RegionLayout`, EPLB's slot tables are placements.)
-
-Checks. Every error names the argument, what was expected and what came:
+Every error names the argument, what was expected and what came:
 ``"<name>: expected <what>, got <value>"`` (a wrong type also shows the type's name). This module
 imports nothing from the package, so buffer/, switch/, eplb/ and the top-level modules can all use
 it without an import cycle.
 """
 import operator
 from typing import Optional
-
-TP = "tp"  # tensor parallel: every rank holds a slice of every expert
-EP = "ep"  # expert parallel: every rank holds whole experts
-LAYOUTS = (TP, EP)
-
 
 def _shown(value) -> str:
     """The value as it appears after "got" for a wrong type: type name and a short repr."""

@@ -31,7 +31,8 @@ from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.ballot import Ballot
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.switch.shards import shard_ep, shard_tp
-from mooncake_ep_switch.vocabulary import EP, LAYOUTS, TP, check_int  # noqa: F401  (layout names re-exported)
+from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.layouts import EP, LAYOUTS, TP  # noqa: F401  (layout names re-exported)
 
 #: Layout of a rank whose switch failed in a way it cannot repair (collective fallback, fenced rank).
 INVALID = "invalid"

@@ -1,4 +1,5 @@
-"""Thin wrappers that hand torch tensors to the native packing kernels as raw pointers.
+"""The collective transport's records: checked wrappers that hand torch tensors to the native record
+packers and the weighted combine reduction as raw pointers.
 
 The native code (csrc/) never sees torch: it gets addresses, sizes and byte strides. These
 wrappers check the few layout facts the kernels rely on and keep the pointer plumbing in one place.
