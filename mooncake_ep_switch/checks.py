@@ -61,9 +61,14 @@ def check_int(name: str, value, minimum: Optional[int] = None, maximum: Optional
     return result
 
 
+# The timeouts `check_timeout` accepts: -1 (none) up to the native int64. The hot paths test
+# `type(t) is int and t in TIMEOUT_RANGE` (a C-level test, no Python call), the rule staying here.
+TIMEOUT_RANGE = range(-1, INT64_MAX + 1)
+
+
 def timeout_in_range(timeout_us) -> bool:
     """Whether `timeout_us` is a plain int that `check_timeout` accepts (the hot paths' cheap form of it)."""
-    return type(timeout_us) is int and -1 <= timeout_us <= INT64_MAX
+    return type(timeout_us) is int and timeout_us in TIMEOUT_RANGE
 
 
 def check_timeout(timeout_us, name: str = "timeout_us") -> int:

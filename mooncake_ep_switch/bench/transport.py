@@ -215,7 +215,7 @@ def rank_exchange_floor(ctx, shape: TransportShape, iters: int, warmup: int):
     """Seconds of the collective fallback's exchanges alone: the same `all_to_all_single` calls with
     the same per-peer byte counts as one bf16 dispatch + combine round, no packing or reduction.
 
-    Sizes follow `fallback/collective.py`: dispatch records of `collective_records.record_layout` bytes, fixed
+    Sizes follow `fallback/collective.py`: dispatch records of `record_layout` bytes, fixed
     blocks of `T + 1` records per peer when they fit `FIXED_MODE_MAX_BYTES` (else a count exchange and
     the exact records), and the combine returning one bf16 row per (token, expert) pair.
 
@@ -229,8 +229,7 @@ def rank_exchange_floor(ctx, shape: TransportShape, iters: int, warmup: int):
         result: dict with `"seconds"` (float, per round), `"bytes_sent"` (int, this rank's bytes
             per round) and `"exchanges"` (int, all_to_all_single calls per round: 2 or 3).
     """
-    from mooncake_ep_switch.buffer.transport import collective_records
-    from mooncake_ep_switch.fallback.collective import FIXED_MODE_MAX_BYTES
+    from mooncake_ep_switch.buffer.transport.collective import FIXED_MODE_MAX_BYTES, record_layout
 
     R, T, H = ctx.num_ranks, shape.tokens, shape.hidden
     local = shape.experts // R
@@ -242,7 +241,7 @@ def rank_exchange_floor(ctx, shape: TransportShape, iters: int, warmup: int):
     dist.all_to_all_single(pairs_from, pairs_to, group=ctx.group)
     tokens_from = torch.empty_like(tokens_to)
     dist.all_to_all_single(tokens_from, tokens_to, group=ctx.group)
-    record = collective_records.record_layout(H, local, False)[2]
+    record = record_layout(H, local, False)[2]
     fixed = R * (T + 1) * record <= FIXED_MODE_MAX_BYTES
     if fixed:
         d_send = d_recv = [(T + 1) * record] * R

@@ -530,7 +530,7 @@ class Buffer:
         if spec is None:
             spec, timeout_us = self._specs.validate_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                         num_experts, timeout_us, use_fp8)
-        if len(self.members) < self.num_ranks:
+        if len(self._core.members) < self.num_ranks:
             self._core.check_members(active_ranks)
 
         outputs = self._outputs.dispatch_outputs(use_fp8, spec.local, spec.rows, spec.hidden, self.num_ranks,
@@ -664,7 +664,7 @@ class Buffer:
             check_combinable_again(plan, self._core.last_plan)
         check_same_routing(plan, topk_idx)
         complete_receive(plan)  # async_finish: the layout is complete once the dispatch's event is
-        if len(self.members) < self.num_ranks:
+        if len(self._core.members) < self.num_ranks:
             self._core.check_members(active_ranks)
         if out is None:
             out = self._outputs.combine_output(topk_idx.size(0), hidden, x.device)

@@ -11,7 +11,7 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.layout import region_layout
-from mooncake_ep_switch.checks import timeout_in_range
+from mooncake_ep_switch.checks import TIMEOUT_RANGE
 
 MAX_SPECS = 64  # shapes kept per Buffer; more distinct shapes start the cache afresh
 _Tensor = torch.Tensor
@@ -85,8 +85,8 @@ class CallSpecs:
             spec: `CallSpec`, or None.
         """
         if not (type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int
-                and timeout_in_range(timeout_us) and type(use_fp8) is bool and isinstance(x, _Tensor)
-                and isinstance(topk_idx, _Tensor) and isinstance(active_ranks, _Tensor)):
+                and type(timeout_us) is int and timeout_us in TIMEOUT_RANGE and type(use_fp8) is bool
+                and isinstance(x, _Tensor) and isinstance(topk_idx, _Tensor) and isinstance(active_ranks, _Tensor)):
             return None
         xs, ks = x.shape, topk_idx.shape
         if len(xs) != 2:
@@ -113,7 +113,7 @@ class CallSpecs:
         """
         plan = getattr(handle, "plan", None)
         spec = getattr(plan, "spec", None) if type(handle) is handle_type else None
-        if not (spec is not None and spec.owner is self.owner and timeout_in_range(timeout_us)
+        if not (spec is not None and spec.owner is self.owner and type(timeout_us) is int and timeout_us in TIMEOUT_RANGE
                 and isinstance(x, _Tensor) and isinstance(topk_idx, _Tensor) and isinstance(topk_weights, _Tensor)
                 and isinstance(active_ranks, _Tensor)):
             return None
