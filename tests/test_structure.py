@@ -146,14 +146,30 @@ POLICY_ROOMS = {
 }
 
 
+def runtime_imports(room: str, modules: Dict[str, pathlib.Path]) -> List[Tuple[str, str, int]]:
+    """(module, imported runtime module, line) for every import of a runtime module by `room`'s modules."""
+    inside = [m for m in modules if m == room or m.startswith(room + ".")]
+    assert len(inside) > 3, f"{room}: expected its modules, found {inside}"
+    return [(m, target, line) for m in inside for target, line in _imports(modules[m], modules)
+            if target.startswith(POLICY_ROOMS[room])]
+
+
+def test_the_policy_reader_finds_a_runtime_import(tmp_path):
+    """The checker itself: a policy module that imports the runtime (even lazily, inside a function)
+    is found; one that imports another policy module is not."""
+    modules = {name: path for name, path in _modules().items() if name.startswith("mooncake_ep_switch.eplb.policy")}
+    planted = tmp_path / "planted.py"
+    planted.write_text("from mooncake_ep_switch.eplb.policy import tables\n"
+                       "def f():\n    from mooncake_ep_switch.eplb.slots import ExpertSlots\n    return ExpertSlots\n")
+    modules["mooncake_ep_switch.eplb.policy.planted"] = planted
+    assert runtime_imports("mooncake_ep_switch.eplb.policy", modules) == [
+        ("mooncake_ep_switch.eplb.policy.planted", "mooncake_ep_switch.eplb.slots", 3)]
+
+
 @pytest.mark.parametrize("room", sorted(POLICY_ROOMS))
 def test_policy_is_apart_from_the_runtime(room):
     """eplb.policy (placement) and switch.planning (when to switch) import no runtime module."""
-    modules = _modules()
-    inside = [m for m in modules if m == room or m.startswith(room + ".")]
-    assert len(inside) > 3, f"{room}: expected its modules, found {inside}"
-    bad = [(m, target, line) for m in inside for target, line in _imports(modules[m], modules)
-           if target.startswith(POLICY_ROOMS[room])]
+    bad = runtime_imports(room, _modules())
     assert not bad, f"{room} imports the runtime: {bad}"
 
 
