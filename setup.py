@@ -113,6 +113,7 @@ setup(
         "mooncake_ep_switch.buffer",
         "mooncake_ep_switch.buffer.membership",
         "mooncake_ep_switch.buffer.transport",
+        "mooncake_ep_switch.elastic_buffer",
         "mooncake_ep_switch.switch",
         "mooncake_ep_switch.switch.planning",
         "mooncake_ep_switch.eplb",

@@ -1,14 +1,15 @@
 """mooncake_ep_switch: fault-tolerant MoE expert-parallel communication runtime.
 
-Drop-in for Mooncake EP's / DeepEP low-latency `Buffer`, with shared-memory, Transfer Engine and
+Drop-in for Mooncake EP's / DeepEP low-latency `Buffer` and DeepEP V2's `ElasticBuffer`, with shared-memory, Transfer Engine and
 PyTorch-collective transports, elastic membership, runtime TP<->EP switching and online EPLB.
 """
 __version__ = "0.1.0"
 
 from mooncake_ep_switch.buffer.buffer import Buffer
 from mooncake_ep_switch.buffer.handle import DispatchHandle, EventOverlap
+from mooncake_ep_switch.elastic_buffer import ElasticBuffer, EPHandle
 from mooncake_ep_switch.errors import (BufferDestroyed, LeftOut, MembershipError, MooncakeEpError, PeerBusy, PeerLost,
                                        SwitchError, SwitchFenced)
 
-__all__ = ["Buffer", "DispatchHandle", "EventOverlap", "MooncakeEpError", "BufferDestroyed", "MembershipError",
+__all__ = ["Buffer", "DispatchHandle", "EventOverlap", "ElasticBuffer", "EPHandle", "MooncakeEpError", "BufferDestroyed", "MembershipError",
            "LeftOut", "SwitchError", "SwitchFenced", "PeerLost", "PeerBusy", "__version__"]

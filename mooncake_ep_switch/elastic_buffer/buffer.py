@@ -1,0 +1,619 @@
+"""`ElasticBuffer`: DeepEP V2's elastic dispatch/combine API over this runtime's fault-tolerant Buffer."""
+from typing import Optional, Tuple, Union
+
+import torch
+
+from mooncake_ep_switch.buffer.buffer import Buffer
+from mooncake_ep_switch.buffer.handle import EventOverlap
+from mooncake_ep_switch.checks import check_int, check_timeout
+from mooncake_ep_switch.elastic_buffer import layout as lay
+from mooncake_ep_switch.elastic_buffer import rows as codec
+from mooncake_ep_switch.elastic_buffer.handle import EPHandle
+
+_ALIGNMENT = 2 << 20  # V2's buffer sizes are multiples of 2 MB
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_tensor(name: str, value, dtype: torch.dtype, shape: Tuple[Optional[int], ...]) -> torch.Tensor:
+    """`value` as a tensor of `dtype` and `shape` (None: any size), else TypeError/ValueError naming it."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {value.dtype}")
+    if value.dim() != len(shape) or any(want is not None and got != want for got, want in zip(value.shape, shape)):
+        expected = "[" + ", ".join("*" if want is None else str(want) for want in shape) + "]"
+        raise ValueError(f"{name}: expected shape {expected}, got {list(value.shape)}")
+    return value
+
+
+class ElasticBuffer:
+    """DeepEP V2's `ElasticBuffer` (high-throughput dispatch/combine) that keeps serving when a rank dies.
+
+    The calls, arguments and layouts are V2's (`deep_ep/buffers/elastic.py`): not expanded, each token
+    arrives once per destination rank, rows sorted by `src_token_global_idx = src_rank * T + token`;
+    expanded, one row per (token, local expert), grouped by expert and padded to `expert_alignment`.
+    Beyond V2 and Mooncake's ElasticBuffer: `dispatch` and `combine` take `active_ranks` (int32
+    `[num_ranks]`, caller-owned) and `timeout_us`; a rank that misses its deadline is set to 0 in the
+    mask and counts as having sent nothing; inactive ranks are neither sent to nor waited for;
+    `update_ep_member()` re-admits a replacement (`elastic.join`). Every call runs on an inner
+    `Buffer` of the same group (shared memory, the Transfer Engine, the collective fallback, or CUDA
+    IPC), so every transport and every fault rule of the Buffer applies. See docs/elastic_buffer.md.
+
+    Attributes:
+        group, rank_idx, num_ranks, num_bytes, num_max_tokens_per_rank: as in V2.
+        num_scaleout_ranks, num_scaleup_ranks, scaleout_rank_idx, scaleup_rank_idx: one scale-up domain
+            (`(1, num_ranks)`): combine reduces within each rank, then across ranks (V2's non-hybrid
+            recipe).
+        num_rdma_ranks, num_nvlink_ranks: `(1, num_ranks)`.
+        runtime: the inner `Buffer`.
+    """
+
+    def __init__(self, group, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0, num_max_tokens_per_rank: int = 0,
+                 hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False, deterministic: bool = False,
+                 allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
+                 prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
+                 num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
+                 *, transport: str = "auto", disable_p2p: bool = False, store=None):
+        """Build the buffer (a collective call: every rank of `group` builds one).
+
+        Arguments:
+            group: the EP process group, or a replacement's ticket from `mooncake_ep_switch.elastic.join`.
+            num_bytes: the inner Buffer's bytes (None: `get_buffer_size_hint` of the MoE settings).
+            num_cpu_bytes: V2's Engram CPU bytes; must be 0 (Engram is not provided).
+            num_max_tokens_per_rank: `T`, the default for dispatch (and the size hint's).
+            hidden, num_topk, use_fp8_dispatch: the MoE settings sizing the buffer when `num_bytes` is None.
+            deterministic: accepted; this runtime's layouts are always deterministic (sorted).
+            allow_hybrid_mode, prefer_overlap_with_compute, sl_idx, num_allocated_qps: validated,
+                no effect here (no RDMA QPs, no SMs to share).
+            allow_multiple_reduction: True: an expanded combine reduces each rank's entries to one
+                bf16 partial before the cross-rank sum (V2's default). False is accepted for
+                non-expanded combines (the same recipe) and refused by an expanded combine.
+            num_cpu_timeout_secs: the default deadline of a call on host tensors (`timeout_us` overrides).
+            num_gpu_timeout_secs: the default deadline of a call on CUDA tensors.
+            explicitly_destroy: V2's flag; `destroy()` works either way here, and without it the
+                buffer is also released when garbage-collected.
+            transport: this runtime's keyword: "auto", "shm", "mooncake", "collective" or "cuda" (Buffer's).
+            disable_p2p: this runtime's keyword (Mooncake's Buffer's): same-host peers over the Transfer
+                Engine too, not shared memory.
+            store: this runtime's keyword: the store a group without one uses (Buffer's).
+        """
+        for name, value in (("use_fp8_dispatch", use_fp8_dispatch), ("deterministic", deterministic),
+                            ("allow_hybrid_mode", allow_hybrid_mode),
+                            ("allow_multiple_reduction", allow_multiple_reduction),
+                            ("prefer_overlap_with_compute", prefer_overlap_with_compute),
+                            ("explicitly_destroy", explicitly_destroy)):
+            _check_bool(name, value)
+        check_int("num_cpu_bytes", num_cpu_bytes, 0, 0)
+        num_max_tokens_per_rank = check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
+        hidden = check_int("hidden", hidden, 0)
+        num_topk = check_int("num_topk", num_topk, 0, codec.MAX_TOPK)
+        check_int("sl_idx", sl_idx, 0, 15)
+        num_allocated_qps = check_int("num_allocated_qps", num_allocated_qps, 0)
+        self.num_cpu_timeout_secs = check_int("num_cpu_timeout_secs", num_cpu_timeout_secs, 1, 10 ** 9)
+        self.num_gpu_timeout_secs = check_int("num_gpu_timeout_secs", num_gpu_timeout_secs, 1, 10 ** 9)
+        if num_bytes is None:
+            if num_max_tokens_per_rank == 0 or hidden == 0:
+                raise ValueError("num_bytes: expected a size, or num_max_tokens_per_rank and hidden to size the "
+                                 f"buffer, got num_bytes=None, num_max_tokens_per_rank={num_max_tokens_per_rank}, "
+                                 f"hidden={hidden}")
+        else:
+            num_bytes = check_int("num_bytes", num_bytes, 1)
+        self.allow_hybrid_mode = allow_hybrid_mode
+        self.allow_multiple_reduction = allow_multiple_reduction
+        self.prefer_overlap_with_compute = prefer_overlap_with_compute
+        self.deterministic = deterministic
+        self.explicitly_destroy = explicitly_destroy
+        self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        if num_bytes is None:
+            num_ranks = _group_size(group)
+            num_bytes = self._size_hint(num_ranks, num_max_tokens_per_rank, hidden, max(num_topk, 1))
+        self.num_bytes = num_bytes
+        self.runtime = Buffer(group, num_bytes, _check_bool("disable_p2p", disable_p2p), transport=transport,
+                              store=store)
+        self.group = self.runtime.group
+        self.rank_idx = self.runtime.rank
+        self.num_ranks = self.runtime.num_ranks
+        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
+        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
+        self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
+        self._inner_calls = 0  # inner dispatches made; a handle's combine needs one of the last two
+        self._masks = {}  # device -> the buffer's own active_ranks when the caller passes none
+
+    # ------------------------------------------------------------------ sizes and domains
+    @staticmethod
+    def _size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> int:
+        inner = codec.inner_hidden(hidden, num_topk)
+        size = Buffer.get_ep_buffer_size_hint(num_max_tokens_per_rank, inner, num_ranks,
+                                              codec.INNER_SLOTS * num_ranks)
+        return lay.align(size, _ALIGNMENT)
+
+    @staticmethod
+    def get_buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
+                             use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
+                             allow_multiple_reduction: bool = True) -> int:
+        """Bytes a buffer needs for calls of these settings (2 MB-aligned), without building one.
+
+        Arguments:
+            group: the EP process group (its size is read).
+            num_max_tokens_per_rank: `T`; hidden: `H`; num_topk: `K` (0: sized for 1).
+            use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction: accepted (the size does
+                not depend on them: one inner row width serves BF16, FP8 and combine).
+
+        Returns:
+            size: int, bytes.
+        """
+        check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+        check_int("hidden", hidden, 1)
+        num_topk = check_int("num_topk", num_topk, 0, codec.MAX_TOPK)
+        for name, value in (("use_fp8_dispatch", use_fp8_dispatch), ("allow_hybrid_mode", allow_hybrid_mode),
+                            ("allow_multiple_reduction", allow_multiple_reduction)):
+            _check_bool(name, value)
+        return ElasticBuffer._size_hint(_group_size(group), num_max_tokens_per_rank, hidden, max(num_topk, 1))
+
+    def get_logical_domain_size(self) -> Tuple[int, int]:
+        """`(num_scaleout_ranks, num_scaleup_ranks)`: `(1, num_ranks)`, one domain."""
+        return self.num_scaleout_ranks, self.num_scaleup_ranks
+
+    def get_physical_domain_size(self) -> Tuple[int, int]:
+        """`(num_rdma_ranks, num_nvlink_ranks)`: `(1, num_ranks)`."""
+        return self.num_rdma_ranks, self.num_nvlink_ranks
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
+                                rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
+                                sm_write_gbs: float = 50) -> int:
+        """V2's SM estimate, kept for callers that pass it back: 1 on host ranks (the copies run on the
+        calling thread), the device's SM count on CUDA ranks. The value passed back is ignored."""
+        check_int("num_experts", num_experts, 1)
+        check_int("num_topk", num_topk, 1, codec.MAX_TOPK)
+        if self.runtime.device is not None:
+            return torch.cuda.get_device_properties(self.runtime.device).multi_processor_count
+        return 1
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        """V2's QP estimate (no QPs here; the value passed back is ignored)."""
+        num_sms = check_int("num_sms", num_sms, 1)
+        return min(num_sms * 16 + 1 if self.allow_hybrid_mode else min(num_sms, 9), self.num_allocated_qps)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event standing for the work issued so far (complete at once on this runtime)."""
+        return EventOverlap(None)
+
+    # ------------------------------------------------------------------ lifecycle
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
+        """Wait until every active rank reached its barrier (a dispatch of no tokens: the same deadline
+        and masking as any call). The three flags are V2's, validated, no effect here."""
+        for name, value in (("use_comm_stream", use_comm_stream), ("with_cpu_sync", with_cpu_sync),
+                            ("sequential", sequential)):
+            _check_bool(name, value)
+        device = self.runtime.device
+        x = torch.empty((0, 128), dtype=torch.bfloat16, device=device)
+        topk = torch.empty((0, 1), dtype=torch.int64, device=device)
+        self._inner_dispatch(x, topk, self._mask(device), self._default_timeout(device), 1)
+
+    def update_ep_member(self, timeout_s: Optional[float] = None) -> None:
+        """Agree on the group's members and admit a pending replacement (`Buffer.update_ep_member`).
+        Handles from before it are not combined after it."""
+        if timeout_s is None:
+            self.runtime.update_ep_member()
+        else:
+            self.runtime.update_ep_member(timeout_s=timeout_s)
+
+    def destroy(self) -> None:
+        """Release the inner Buffer (idempotent); the buffer is unusable after."""
+        runtime, self.runtime = getattr(self, "runtime", None), None
+        if runtime is not None:
+            runtime.destroy()
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:
+            pass
+
+    def _alive(self) -> Buffer:
+        if self.runtime is None:
+            from mooncake_ep_switch.errors import BufferDestroyed
+            raise BufferDestroyed("ElasticBuffer: destroy() was called; build a new buffer")
+        return self.runtime
+
+    def _mask(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._masks:
+            self._masks[key] = torch.ones(self.num_ranks, dtype=torch.int32, device=device)
+        return self._masks[key]
+
+    def _default_timeout(self, device) -> int:
+        seconds = self.num_gpu_timeout_secs if device is not None and torch.device(device).type == "cuda" \
+            else self.num_cpu_timeout_secs
+        return seconds * 1_000_000
+
+    def _inner_dispatch(self, rows: torch.Tensor, inner_topk: torch.Tensor, active: torch.Tensor, timeout_us: int,
+                        num_max_tokens_per_rank: int):
+        buffer = self._alive()
+        recv, _, handle, _, _ = buffer.dispatch(rows, inner_topk, active, num_max_tokens_per_rank,
+                                                codec.INNER_SLOTS * self.num_ranks, timeout_us, use_fp8=False)
+        self._inner_calls += 1
+        return recv, handle
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, num_experts: Optional[int] = None,
+                 num_max_tokens_per_rank: Optional[int] = None, expert_alignment: Optional[int] = None,
+                 num_sms: int = 0, num_qps: int = 0, previous_event=None, previous_event_before_epilogue=None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                 handle: Optional[EPHandle] = None, do_handle_copy: bool = True, do_cpu_sync: Optional[bool] = None,
+                 do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False,
+                 *, active_ranks: Optional[torch.Tensor] = None, timeout_us: Optional[int] = None):
+        """Send each token to the ranks owning its top-k experts (V2's layouts).
+
+        Arguments:
+            x: `[num_tokens, hidden]` torch.bfloat16, or FP8 `(x, sf)`: `[num_tokens, hidden]`
+                torch.float8_e4m3fn and `[num_tokens, ceil(hidden / 128)]` torch.float32 scales
+                (passed through, not re-quantized).
+            topk_idx: `[num_tokens, num_topk]` torch.int64 expert ids in `[-1, num_experts)`, no id
+                twice in a row, `num_topk <= 31`; None with `handle`.
+            topk_weights: `[num_tokens, num_topk]` torch.float32, or None.
+            cumulative_local_expert_recv_stats: `[num_local_experts]` torch.int32; the received
+                (token, expert) pairs per local expert are added to it.
+            num_experts: `E`, a multiple of `num_ranks` (from `handle` if None).
+            num_max_tokens_per_rank: `T`, the same on every rank, `>= num_tokens` (default: the
+                constructor's, or `handle`'s).
+            expert_alignment: each local expert's received rows are padded to a multiple of it (default 1).
+            num_sms, num_qps, previous_event, previous_event_before_epilogue, allocate_on_comm_stream,
+                use_tma_aligned_col_major_sf: V2's, accepted (the last returns the FP8 scales as a
+                column-major view).
+            async_with_compute_stream: accepted; the call completes before it returns (the event is
+                complete).
+            handle: a cached `EPHandle`: the same layout again, no routing recomputed (`topk_idx` None);
+                the same handle object is returned.
+            do_handle_copy: keep a copy of `topk_idx` in the handle (else the caller's tensor).
+            do_cpu_sync: accepted; counts are always exact on the host (False with `handle`).
+            do_expand: the expanded layout. do_zero_padding: zero the padding rows (expanded only).
+            active_ranks: this runtime's keyword: `[num_ranks]` torch.int32, 1 active; a source that
+                misses the deadline is set to 0 in place and counts as having sent nothing (default:
+                the buffer's own mask).
+            timeout_us: this runtime's keyword: the per-source deadline in microseconds, -1 = none
+                (default: the constructor's timeout).
+
+        Returns:
+            recv_x: `[num_recv_tokens, hidden]` (expanded: `[num_expanded_tokens, hidden]`), the input's
+                dtype, or the FP8 tuple with `[rows, ceil(hidden / 128)]` torch.float32 scales.
+            recv_topk_idx: `[num_recv_tokens, num_topk]` torch.int64 ids local to this rank, -1 for
+                other ranks' experts (None when expanded).
+            recv_topk_weights: `[num_recv_tokens, num_topk]` torch.float32 (expanded: `[num_expanded_tokens]`,
+                one per row), or None without `topk_weights`.
+            handle: `EPHandle`.
+            event: `EventOverlap` (complete).
+        """
+        buffer = self._alive()
+        R, rank = self.num_ranks, self.rank_idx
+        use_fp8 = isinstance(x, tuple)
+        if use_fp8:
+            if len(x) != 2:
+                raise ValueError(f"x: expected a tensor or an (x, sf) pair, got a tuple of {len(x)}")
+            tokens, scales = x
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+                raise ValueError("x: expected an FP8 tensor [num_tokens, hidden] first in the pair")
+            _check_tensor("x[0]", tokens, torch.float8_e4m3fn, (None, None))
+            _check_tensor("x[1]", scales, torch.float32, (tokens.size(0), codec.num_scale_groups(tokens.size(1))))
+        else:
+            tokens, scales = _check_tensor("x", x, torch.bfloat16, (None, None)), None
+        num_tokens, hidden = tokens.shape
+        if hidden < 1:
+            raise ValueError(f"x: expected hidden >= 1, got {hidden}")
+        device = tokens.device
+        for name, value in (("async_with_compute_stream", async_with_compute_stream),
+                            ("allocate_on_comm_stream", allocate_on_comm_stream), ("do_handle_copy", do_handle_copy),
+                            ("do_expand", do_expand), ("do_zero_padding", do_zero_padding),
+                            ("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)):
+            _check_bool(name, value)
+        check_int("num_sms", num_sms, 0)
+        check_int("num_qps", num_qps, 0)
+        if do_zero_padding and not do_expand:
+            raise ValueError("do_zero_padding: expected False unless do_expand (padding exists only when expanded)")
+        if handle is not None:
+            if not isinstance(handle, EPHandle) or not isinstance(handle.route, lay.Route):
+                raise TypeError(f"handle: expected an EPHandle from this ElasticBuffer's dispatch, got "
+                                f"{type(handle).__name__}")
+            if topk_idx is not None:
+                raise ValueError("topk_idx: expected None with a cached handle (the handle's is reused)")
+            if do_cpu_sync:
+                raise ValueError("do_cpu_sync: expected None or False with a cached handle")
+            for name, given, kept in (("num_experts", num_experts, handle.num_experts),
+                                      ("num_max_tokens_per_rank", num_max_tokens_per_rank,
+                                       handle.num_max_tokens_per_rank),
+                                      ("expert_alignment", expert_alignment, handle.expert_alignment)):
+                if given is not None and given != kept:
+                    raise ValueError(f"{name}: expected the cached handle's {kept} (or None), got {given!r}")
+            num_experts, T, alignment = handle.num_experts, handle.num_max_tokens_per_rank, handle.expert_alignment
+            topk_idx = handle.topk_idx
+            if num_tokens != handle.route.num_tokens:
+                raise ValueError(f"x: expected the cached handle's {handle.route.num_tokens} tokens, got {num_tokens}")
+            if do_expand != handle.do_expand:
+                raise ValueError(f"do_expand: expected the cached handle's {handle.do_expand}, got {do_expand}")
+        else:
+            if num_experts is None:
+                raise ValueError("num_experts: expected the number of experts (no handle to take it from), got None")
+            num_experts = check_int("num_experts", num_experts, R)
+            if num_experts % R:
+                raise ValueError(f"num_experts: expected a multiple of num_ranks={R}, got {num_experts}")
+            T = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
+            T = check_int("num_max_tokens_per_rank", T, 1)
+            alignment = check_int("expert_alignment", 1 if expert_alignment is None else expert_alignment, 1, 1 << 20)
+            _check_tensor("topk_idx", topk_idx, torch.int64, (num_tokens, None))
+            if not 1 <= topk_idx.size(1) <= codec.MAX_TOPK:
+                raise ValueError(f"topk_idx: expected 1 to {codec.MAX_TOPK} columns, got {topk_idx.size(1)}")
+            if topk_idx.device != device:
+                raise ValueError(f"topk_idx: expected a tensor on {device} (as x), got one on {topk_idx.device}")
+            _check_expert_ids(topk_idx, num_experts)
+        if num_tokens > T:
+            raise ValueError(f"x: expected at most num_max_tokens_per_rank={T} tokens, got {num_tokens}")
+        num_topk = topk_idx.size(1)
+        if topk_weights is not None:
+            _check_tensor("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk))
+        L = num_experts // R
+        if cumulative_local_expert_recv_stats is not None:
+            _check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32, (L,))
+        active, timeout_us = self._call_mask(active_ranks, timeout_us, device)
+        width = codec.inner_hidden(hidden, num_topk)
+
+        # The call: one inner dispatch of byte rows (no state of this buffer changed before it).
+        inner_topk = handle.route.inner_topk if handle is not None else codec.inner_routing(topk_idx, num_experts, R,
+                                                                                            rank)
+        packed = codec.pack_dispatch_rows(tokens, scales, topk_idx, topk_weights, width)
+        recv, inner_handle = self._inner_dispatch(packed, inner_topk, active, timeout_us, T)
+        row_index, src_global = lay.inner_sources(inner_handle, 0, T)
+        got_x, got_scales, got_topk, got_weights = codec.unpack_dispatch_rows(recv[0][row_index], hidden, num_topk,
+                                                                              use_fp8)
+        if handle is not None:
+            route = handle.route
+            # The handle's layout again: rows from a source that sent nothing this time stay zero.
+            n = route.recv_src_global.numel()
+            where, known = _positions(route.recv_src_global, src_global)
+            got_x, got_scales, got_weights = (_scatter_rows(part[known], where[known], n) if part is not None
+                                              else None for part in (got_x, got_scales, got_weights))
+            local = route.recv_local_topk
+            route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_calls, False
+        else:
+            local = lay.local_topk(got_topk, rank, L)
+            route = lay.Route(inner_topk, num_tokens, num_topk, hidden, use_fp8, src_global, local, None, 0,
+                              inner_handle, self._inner_calls)
+        counts = lay.expert_counts(local, L).tolist()
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats += torch.tensor(counts, dtype=torch.int32,
+                                                               device=cumulative_local_expert_recv_stats.device)
+        weights_out = got_weights if topk_weights is not None else None
+        if do_expand:
+            if handle is None:
+                route.slots, starts = lay.expanded_slots(local, counts, alignment)
+                route.num_slots = sum(lay.align(c, alignment) for c in counts)
+            out_x, out_scales, out_weights = _expand(route, got_x, got_scales, weights_out, do_zero_padding)
+            recv_topk_out = None
+        else:
+            out_x, out_scales, out_weights, recv_topk_out = got_x, got_scales, weights_out, local.clone()
+        if out_scales is not None and use_tma_aligned_col_major_sf:
+            out_scales = out_scales.t().contiguous().t()
+        recv_x = (out_x, out_scales) if use_fp8 else out_x
+        if handle is None:
+            handle = self._new_handle(route, do_expand, num_experts, alignment, T, num_sms, topk_idx, do_handle_copy,
+                                      counts, R, src_global)
+        return recv_x, recv_topk_out, out_weights, handle, EventOverlap(None)
+
+    def _new_handle(self, route: lay.Route, do_expand: bool, num_experts: int, alignment: int, T: int, num_sms: int,
+                    topk_idx: torch.Tensor, do_handle_copy: bool, counts, R: int, src_global: torch.Tensor) -> EPHandle:
+        device = src_global.device
+        per_source = torch.bincount(torch.div(src_global, T, rounding_mode="floor"), minlength=R)[:R]
+        aligned = [lay.align(c, alignment) for c in counts]
+        if do_expand:
+            starts = [sum(aligned[:j]) for j in range(len(counts))]
+            psum_expert = torch.tensor([s + c for s, c in zip(starts, counts)], dtype=torch.int32, device=device)
+            unaligned = torch.tensor(counts, dtype=torch.int32, device=device)
+        else:
+            psum_expert = torch.cumsum(torch.tensor(aligned, dtype=torch.int64), 0).to(torch.int32).to(device)
+            unaligned = None
+        return EPHandle(do_expand=do_expand, num_experts=num_experts, expert_alignment=alignment,
+                        num_max_tokens_per_rank=T, num_sms=num_sms, topk_idx=topk_idx.clone() if do_handle_copy
+                        else topk_idx, num_recv_tokens=src_global.numel(), num_expanded_tokens=route.num_slots,
+                        num_recv_tokens_per_expert_list=aligned,
+                        psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(per_source, 0).to(torch.int32),
+                        psum_num_recv_tokens_per_expert=psum_expert, num_unaligned_recv_tokens_per_expert=unaligned,
+                        recv_src_metadata=lay.src_metadata(src_global, route.recv_local_topk, route.slots, T),
+                        dst_buffer_slot_idx=lay.dst_slots(topk_idx, num_experts, R), route=route)
+
+    def _call_mask(self, active_ranks, timeout_us, device) -> Tuple[torch.Tensor, int]:
+        if active_ranks is None:
+            active = self._mask(device)
+        else:
+            active = _check_tensor("active_ranks", active_ranks, torch.int32, (self.num_ranks,))
+        timeout_us = self._default_timeout(device) if timeout_us is None else check_timeout(timeout_us)
+        return active, timeout_us
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None, bias=None,
+                num_sms: int = 0, num_qps: int = 0, previous_event=None, previous_event_before_epilogue=None,
+                async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                *, active_ranks: Optional[torch.Tensor] = None, timeout_us: Optional[int] = None):
+        """Return each rank's partials to the tokens' owners and sum them (V2's semantics).
+
+        No top-k weights are applied (the expert side did). Not expanded, `x` holds one row per
+        received token, already summed over this rank's experts; expanded, `x` is indexed by row of
+        the expanded layout and this rank first sums each token's rows in top-k order (fp32, rounded
+        to bf16). The owner then computes, in fp32, `bias[0] + bias[1] + partials` with the partials in
+        the order of each rank's last top-k entry, and rounds to bf16: V2's reference, bit for bit,
+        on every transport. A rank that is inactive or misses the deadline contributes nothing.
+
+        Arguments:
+            x: `[num_recv_tokens, hidden]` (expanded: `[num_expanded_tokens, hidden]`) torch.bfloat16.
+            handle: the `EPHandle` of the matching dispatch.
+            topk_weights: `[num_recv_tokens, num_topk]` (expanded: `[num_expanded_tokens]`)
+                torch.float32 to gather back to the owners, or None.
+            bias: None, or one or two `[num_tokens, hidden]` torch.bfloat16 (the owner's tokens).
+            num_sms, num_qps, previous_event, previous_event_before_epilogue, allocate_on_comm_stream:
+                V2's, accepted; async_with_compute_stream: accepted, the call completes first.
+            active_ranks, timeout_us: as in `dispatch`.
+
+        Returns:
+            combined_x: `[num_tokens, hidden]` torch.bfloat16.
+            combined_topk_weights: `[num_tokens, num_topk]` torch.float32, the weights given by the
+                rank owning each entry's expert, bit for bit (0 for -1 entries and for ranks that sent
+                nothing), or None without `topk_weights`.
+            event: `EventOverlap` (complete).
+        """
+        self._alive()
+        if not isinstance(handle, EPHandle) or not isinstance(handle.route, lay.Route):
+            raise TypeError(f"handle: expected an EPHandle from this ElasticBuffer's dispatch, got "
+                            f"{type(handle).__name__}")
+        route = handle.route
+        rows = route.num_slots if handle.do_expand else route.recv_src_global.numel()
+        _check_tensor("x", x, torch.bfloat16, (rows, None))
+        hidden = x.size(1)
+        width = route.inner_handle[3]
+        if hidden + lay.align(4 * route.num_topk, 128) > width:
+            raise ValueError(f"x: expected hidden <= {width - lay.align(4 * route.num_topk, 128)} (the dispatch's "
+                             f"rows are {width} bf16 wide), got {hidden}")
+        if topk_weights is not None:
+            shape = (rows,) if handle.do_expand else (rows, route.num_topk)
+            _check_tensor("topk_weights", topk_weights, torch.float32, shape)
+        biases = codec.split_bias(bias) if isinstance(bias, (torch.Tensor, tuple, type(None))) else None
+        if biases is None or (isinstance(bias, tuple) and len(bias) != 2):
+            raise TypeError("bias: expected None, a tensor or a pair of tensors")
+        for index, part in enumerate(biases):
+            if part is not None:
+                _check_tensor(f"bias[{index}]" if isinstance(bias, tuple) else "bias", part, torch.bfloat16,
+                              (route.num_tokens, hidden))
+        for name, value in (("async_with_compute_stream", async_with_compute_stream),
+                            ("allocate_on_comm_stream", allocate_on_comm_stream)):
+            _check_bool(name, value)
+        if handle.do_expand and not self.allow_multiple_reduction:
+            raise NotImplementedError("allow_multiple_reduction=False: an expanded combine sends one partial per "
+                                      "rank (each rank's entries summed first); build the buffer with True")
+        device = x.device
+        active, timeout_us = self._call_mask(active_ranks, timeout_us, device)
+        T = handle.num_max_tokens_per_rank
+
+        # This rank's partial per received token, and its entries' weights as exact byte columns.
+        partial = _reduce_expanded(x, route.slots) if handle.do_expand else x
+        n = route.recv_src_global.numel()
+        send = torch.zeros((n, width), dtype=torch.bfloat16, device=device)
+        send[:, :hidden] = partial
+        if topk_weights is not None:
+            mine = route.recv_local_topk >= 0
+            if handle.do_expand:
+                weights = torch.where(mine, topk_weights[route.slots.clamp(min=0)], torch.zeros((), device=device))
+            else:
+                weights = torch.where(mine, topk_weights, torch.zeros((), device=device))
+            send[:, hidden:hidden + 4 * route.num_topk] = codec.encode_weight_bytes(weights.to(torch.float32))
+
+        if not self._combinable(route):  # the inner dispatch's region half was reused: lay the routing out again
+            empty = torch.zeros((route.num_tokens, width), dtype=torch.bfloat16, device=device)
+            _, inner_handle = self._inner_dispatch(empty, route.inner_topk, active, timeout_us, T)
+            route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_calls, False
+        buffer, inner_handle = self._alive(), route.inner_handle
+        inner_x = buffer.get_next_combine_buffer(inner_handle)
+        row_index, src_global = lay.inner_sources(inner_handle, 0, T)
+        where, known = _positions(route.recv_src_global, src_global)
+        inner_x[0, row_index[known]] = send[where[known]]
+        inner_x[0, row_index[~known]] = 0
+        for slot, part in ((1, biases[0]), (2, biases[1])):
+            bias_rows, bias_global = lay.inner_sources(inner_handle, slot, T)
+            inner_x[slot, bias_rows] = 0
+            if part is not None and bias_rows.numel():
+                inner_x[slot, bias_rows, :hidden] = part[bias_global - self.rank_idx * T]
+        ones = torch.ones(route.inner_topk.shape, dtype=torch.float32, device=device)
+        out, _, _ = buffer.combine(inner_x, route.inner_topk, ones, active, timeout_us, inner_handle, zero_copy=True)
+        route.combined = True
+        combined_x = out[:, :hidden].contiguous()
+        combined_weights = None
+        if topk_weights is not None:
+            combined_weights = codec.decode_weight_bytes(out[:, hidden:], route.num_topk)
+        return combined_x, combined_weights, EventOverlap(None)
+
+    def _combinable(self, route: lay.Route) -> bool:
+        """Whether the inner Buffer still combines `route`'s inner dispatch: uncombined and one of the last
+        two dispatches (its region half not reused yet), or combined and the latest one."""
+        age = self._inner_calls - route.inner_call
+        return age == 0 if route.combined else age <= 1
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self.runtime is None else f"transport={self.runtime.transport}"
+        return f"ElasticBuffer(rank {self.rank_idx}/{self.num_ranks}, {state})"
+
+
+def _group_size(group) -> int:
+    size = getattr(group, "size", None)
+    if callable(size):
+        return int(size())
+    ticket_ranks = getattr(group, "num_ranks", None)
+    if isinstance(ticket_ranks, int):
+        return ticket_ranks
+    raise TypeError(f"group: expected a process group or a join ticket, got {type(group).__name__}")
+
+
+def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Ids in [-1, num_experts) and no id twice in a row (V2's contract), ValueError naming topk_idx."""
+    if topk_idx.numel() == 0:
+        return
+    low, high = int(topk_idx.min()), int(topk_idx.max())
+    if low < -1 or high >= num_experts:
+        raise ValueError(f"topk_idx: expected expert ids in [-1, {num_experts}), got values in [{low}, {high}]")
+    ordered = torch.sort(topk_idx, dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if bool(repeated.any()):
+        row = int(torch.nonzero(repeated.any(dim=1))[0])
+        raise ValueError(f"topk_idx: expected no expert twice in a row, got row {row} = {topk_idx[row].tolist()}")
+
+
+def _positions(keys: torch.Tensor, wanted: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Where each of `wanted` sits in the ascending `keys`, and whether it is there at all."""
+    if keys.numel() == 0:
+        return torch.zeros_like(wanted), torch.zeros_like(wanted, dtype=torch.bool)
+    where = torch.searchsorted(keys, wanted).clamp(max=keys.numel() - 1)
+    return where, keys[where] == wanted
+
+
+def _scatter_rows(part: torch.Tensor, where: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.zeros((n,) + tuple(part.shape[1:]), dtype=part.dtype, device=part.device)
+    if where.numel():
+        out[where] = part
+    return out
+
+
+def _expand(route: lay.Route, x: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+            zero_padding: bool):
+    """The expanded layout's rows: row `slots[i, k]` holds token `i`'s data (and weight `k`)."""
+    token, entry = torch.nonzero(route.slots >= 0, as_tuple=True)
+    target = route.slots[token, entry]
+    make = torch.zeros if zero_padding else torch.empty
+
+    def place(part):
+        if part is None:
+            return None
+        out = make((route.num_slots,) + tuple(part.shape[1:]), dtype=part.dtype, device=part.device)
+        out[target] = part[token]
+        return out
+
+    out_weights = None
+    if weights is not None:
+        out_weights = make((route.num_slots,), dtype=torch.float32, device=weights.device)
+        out_weights[target] = weights[token, entry]
+    return place(x), place(scales), out_weights
+
+
+def _reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Each token's rows summed in top-k order in fp32 (rows not on this rank skipped), then bf16."""
+    n, num_topk = slots.shape
+    acc = torch.zeros((n, x.size(1)), dtype=torch.float32, device=x.device)
+    for k in range(num_topk):
+        column = slots[:, k]
+        here = column >= 0
+        if bool(here.any()):
+            acc[here] += x[column[here]].float()
+    return acc.to(torch.bfloat16)

@@ -1,0 +1,68 @@
+"""`EPHandle`: what an `ElasticBuffer.dispatch` returns for its combine and for cached re-dispatches."""
+from typing import Any, List, Optional
+
+import torch
+
+
+class EPHandle:
+    """Communication handle of `ElasticBuffer.dispatch`, with DeepEP V2's attributes.
+
+    Reused as a cached handle by later dispatches (same layout, no routing recomputed) and consumed
+    by `ElasticBuffer.combine` to send the partials back.
+
+    Attributes:
+        do_expand: whether the expanded layout (one row per token and local expert) is used.
+        num_experts: `E`, all experts.
+        expert_alignment: each local expert's received rows are padded to a multiple of this.
+        num_max_tokens_per_rank: `T`, the same on every rank.
+        num_sms: the SM count passed to (or chosen by) dispatch; kept for V2 callers, unused here.
+        topk_idx: `[num_tokens, num_topk]` torch.int64, the dispatch's top-k ids (a copy with
+            `do_handle_copy`).
+        num_recv_tokens: received tokens (each once per source token), exact (this runtime always
+            knows the counts on the host).
+        num_expanded_tokens: rows of the expanded layout (aligned), 0 when not expanded.
+        num_recv_tokens_per_expert_list: list of int, per local expert, received (token, expert)
+            pairs padded to `expert_alignment`.
+        psum_num_recv_tokens_per_scaleup_rank: `[num_ranks]` torch.int32, inclusive prefix sum of the
+            received tokens per source rank (one scale-up domain: every rank is a scale-up rank).
+        psum_num_recv_tokens_per_expert: `[num_local_experts]` torch.int32; not expanded, the inclusive
+            prefix sum of the aligned counts; expanded, `align(psum[i-1]) + count[i]`, V2's form.
+        num_unaligned_recv_tokens_per_expert: `[num_local_experts]` torch.int32 counts (expanded only,
+            else None).
+        recv_src_metadata: `[num_recv_tokens, 2 + num_topk]` torch.int32: column 0 the source token's
+            global index `src_rank * T + token`, column 1 `src_rank * num_topk + k` of the token's first
+            top-k entry on this rank, then per top-k entry the row of the expanded layout holding it
+            (-1: not on this rank, or not expanded).
+        dst_buffer_slot_idx: `[num_tokens, num_ranks]` torch.int32, the row each of this rank's tokens
+            takes among the rows this rank sends to each destination (-1: not sent there).
+        token_metadata_at_forward, channel_linked_list: None (V2's hybrid mode only).
+    """
+
+    def __init__(self, *, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
+                 num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
+                 num_recv_tokens_per_expert_list: List[int], psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
+                 psum_num_recv_tokens_per_expert: torch.Tensor,
+                 num_unaligned_recv_tokens_per_expert: Optional[torch.Tensor], recv_src_metadata: torch.Tensor,
+                 dst_buffer_slot_idx: torch.Tensor, route: Any):
+        self.do_expand = do_expand
+        self.num_experts = num_experts
+        self.expert_alignment = expert_alignment
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_sms = num_sms
+        self.topk_idx = topk_idx
+        self.num_recv_tokens = num_recv_tokens
+        self.num_expanded_tokens = num_expanded_tokens
+        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
+        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
+        self.recv_src_metadata = recv_src_metadata
+        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        self.token_metadata_at_forward = None
+        self.channel_linked_list = None
+        self.route = route  # this runtime's own part: the inner routing and the receive layout (layout.Route)
+
+    def __repr__(self) -> str:
+        mode = "expanded" if self.do_expand else "not expanded"
+        return (f"EPHandle({mode}, {self.num_recv_tokens} tokens received, E={self.num_experts}, "
+                f"T={self.num_max_tokens_per_rank}, alignment={self.expert_alignment})")

@@ -1,0 +1,146 @@
+"""DeepEP V2's receive layouts, computed from what the inner Buffer's dispatch delivered.
+
+Pure torch on whatever device the rows are on. Not expanded: one row per received token, sorted by
+`src_token_global_idx = src_rank * T + token` (V2's deterministic order). Expanded: one row per
+(token, local expert), grouped by local expert, tokens in the same order inside each expert, each
+expert's block padded to `expert_alignment`.
+"""
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+COUNT_MASK = 0xFFFFFFFF  # layout_range[l][s] = (begin << 32) | count (docs/protocol.md)
+
+
+def align(value: int, multiple: int) -> int:
+    """`value` rounded up to a multiple of `multiple`."""
+    return (value + multiple - 1) // multiple * multiple
+
+
+@dataclass
+class Route:
+    """What a dispatch's handle keeps for its combine and for cached re-dispatches (mutable: a cached
+    dispatch or a combine's re-dispatch moves it to the newest inner call).
+
+    Fields:
+        inner_topk: `[N, K + 2]` torch.int64, the owner's inner routing (`rows.inner_routing`).
+        num_tokens, num_topk, hidden, use_fp8: the owner's call shape.
+        recv_src_global: `[n]` torch.int64, the received tokens' `src_rank * T + token`, ascending.
+        recv_local_topk: `[n, K]` torch.int64, their top-k ids local to this rank (-1: elsewhere).
+        slots: `[n, K]` torch.int64 rows of the expanded layout (-1: not here), or None.
+        num_slots: rows of the expanded layout (0 when not expanded).
+        inner_handle: the inner Buffer's dispatch handle of `inner_call`.
+        inner_call: the ElasticBuffer's count of inner dispatches when it was made.
+        combined: whether `inner_handle` was combined already.
+    """
+
+    inner_topk: torch.Tensor
+    num_tokens: int
+    num_topk: int
+    hidden: int
+    use_fp8: bool
+    recv_src_global: torch.Tensor
+    recv_local_topk: torch.Tensor
+    slots: Optional[torch.Tensor]
+    num_slots: int
+    inner_handle: Any
+    inner_call: int
+    combined: bool = False
+
+
+def inner_sources(handle, slot: int, num_max_tokens_per_rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Where the inner dispatch put the rows of inner local expert `slot`, ascending by source.
+
+    Arguments:
+        handle: the inner dispatch's handle (src_info `[3, R*T]` torch.int32, layout_range `[3, R]`
+            torch.int64).
+        slot: inner local expert (0: data, 1 and 2: bias slots).
+        num_max_tokens_per_rank: `T`.
+
+    Returns:
+        row_index: `[m]` torch.int64 rows of the slot's block; src_global: `[m]` torch.int64
+        `src_rank * T + token`, ascending.
+    """
+    src_info, layout_range = handle[0], handle[1]
+    device = src_info.device
+    pieces, ranks = [], []
+    for source, word in enumerate(layout_range[slot].tolist()):
+        begin, count = word >> 32, word & COUNT_MASK
+        if count:
+            pieces.append(torch.arange(begin, begin + count, device=device))
+            ranks.append(torch.full((count,), source, dtype=torch.int64, device=device))
+    if not pieces:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, empty
+    row_index = torch.cat(pieces)
+    src_global = torch.cat(ranks) * num_max_tokens_per_rank + src_info[slot][row_index].to(torch.int64)
+    order = torch.argsort(src_global)  # already ascending (by source, then token); sorted to rely on nothing
+    return row_index[order], src_global[order]
+
+
+def local_topk(topk_idx: torch.Tensor, rank: int, num_local_experts: int) -> torch.Tensor:
+    """Global top-k ids `[n, K]` as ids local to `rank` (-1 for other ranks' experts and for -1)."""
+    first = rank * num_local_experts
+    inside = (topk_idx >= first) & (topk_idx < first + num_local_experts)
+    return torch.where(inside, topk_idx - first, torch.full_like(topk_idx, -1))
+
+
+def expert_counts(local: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """Received (token, local expert) pairs per local expert: `[L]` torch.int64."""
+    return torch.bincount(local[local >= 0].flatten(), minlength=num_local_experts)[:num_local_experts]
+
+
+def expanded_slots(local: torch.Tensor, counts: List[int], alignment: int) -> Tuple[torch.Tensor, List[int]]:
+    """Rows of the expanded layout: expert `j`'s block starts at the aligned sum of the blocks before it,
+    its rows in received order.
+
+    Returns:
+        slots: `[n, K]` torch.int64, the row of each (token, top-k entry), -1 where not local;
+        starts: list of int, each local expert's first row.
+    """
+    n, num_topk = local.shape
+    starts, at = [], 0
+    for count in counts:
+        starts.append(at)
+        at += align(count, alignment)
+    slots = torch.full_like(local, -1)
+    token, entry = torch.nonzero(local >= 0, as_tuple=True)
+    if token.numel():
+        expert = local[token, entry]
+        order = torch.argsort(expert * n + token)  # by expert, then received order
+        expert_sorted = expert[order]
+        firsts = torch.tensor(starts, dtype=torch.int64, device=local.device)
+        before = torch.cumsum(torch.tensor([0] + counts[:-1], dtype=torch.int64, device=local.device), 0)
+        rank_in_expert = torch.arange(order.numel(), device=local.device) - before[expert_sorted]
+        slots[token[order], entry[order]] = firsts[expert_sorted] + rank_in_expert
+    return slots, starts
+
+
+def src_metadata(src_global: torch.Tensor, local: torch.Tensor, slots: Optional[torch.Tensor],
+                 num_max_tokens_per_rank: int) -> torch.Tensor:
+    """V2's `recv_src_metadata` `[n, 2 + K]` torch.int32 (see `EPHandle`)."""
+    n, num_topk = local.shape
+    meta = torch.full((n, 2 + num_topk), -1, dtype=torch.int32, device=local.device)
+    if n == 0:
+        return meta
+    meta[:, 0] = src_global.to(torch.int32)
+    src_rank = torch.div(src_global, num_max_tokens_per_rank, rounding_mode="floor")
+    first = torch.argmax((local >= 0).to(torch.int8), dim=1)
+    meta[:, 1] = (src_rank * num_topk + first).to(torch.int32)
+    if slots is not None:
+        meta[:, 2:] = slots.to(torch.int32)
+    return meta
+
+
+def dst_slots(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """`[N, R]` torch.int32: each token's row among the rows this rank sends to each rank, -1: not sent."""
+    n = topk_idx.size(0)
+    local = num_experts // num_ranks
+    valid = topk_idx >= 0
+    owner = torch.div(topk_idx.clamp(min=0), local, rounding_mode="floor")
+    hits = torch.zeros((n, num_ranks), dtype=torch.int32, device=topk_idx.device)
+    hits.scatter_add_(1, owner, valid.to(torch.int32))
+    sends = hits > 0
+    order = torch.cumsum(sends.to(torch.int32), dim=0) - 1
+    return torch.where(sends, order, torch.full_like(order, -1)).to(torch.int32)

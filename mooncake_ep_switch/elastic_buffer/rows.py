@@ -1,0 +1,183 @@
+"""The rows an `ElasticBuffer` moves through its inner `Buffer`: byte codecs and the inner routing.
+
+DeepEP V2's dispatch sends each token once per destination rank with its top-k ids and weights;
+its combine returns one partial per rank that the owner sums, after the bias, in a fixed order. Both
+ride on the inner Buffer's dispatch and combine (every transport, every fault rule of the Buffer):
+
+* a dispatch row is raw bytes viewed as bfloat16, `[x | FP8 scales | top-k ids (int32) | top-k
+  weights (float32) | zeros]`, `inner_hidden` elements wide. The inner dispatch copies rows and
+  never computes with them, so every byte arrives as it left.
+* the inner routing of a token: columns `[bias slot 0, bias slot 1, rank groups...]`, inner expert
+  `3 * rank + j` (`j` 0: the token's data, 1 and 2: the owner's own bias slots). Rank groups are
+  ordered by the position of each rank's *last* top-k entry: the order in which V2's reference
+  accumulates the per-rank partials (`deep_ep/utils/refs.py`, grouped reduce then ordered sum).
+* a combine row is `[partial (bf16) | this rank's top-k weight bytes as small integers | zeros]`.
+  The inner combine sums rows with weight 1.0 in fp32 in the routing's column order, then rounds to
+  bfloat16: bias 0, bias 1, then the partials, as V2's reference does. A weight byte `b` becomes the
+  bfloat16 number `b` (exact up to 256); every other rank adds 0 at that column, so the sum is `b`
+  again, and the owner rebuilds each float32 weight bit for bit.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+INNER_SLOTS = 3  # inner experts per rank: data, bias 0, bias 1
+MAX_TOPK = 31  # top-k ids and weights (8 bytes each) fit the 256-byte metadata block
+_BLOCK = 128  # the inner Buffer's hidden is a multiple of 128 bfloat16 elements (256 bytes)
+
+
+def _ceil(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _row_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A 2-D tensor's rows as bytes: `[n, m]` -> `[n, m * itemsize]` torch.uint8 (also when n is 0)."""
+    shape = (tensor.size(0), tensor.size(1) * tensor.element_size())
+    if tensor.numel() == 0:
+        return torch.empty(shape, dtype=torch.uint8, device=tensor.device)
+    return tensor.contiguous().view(torch.uint8).view(shape)
+
+
+def num_scale_groups(hidden: int) -> int:
+    """FP8 scale columns of a `hidden`-wide row: one float32 per 128 channels (rounded up)."""
+    return (hidden + 127) // 128
+
+
+def dispatch_row_bytes(hidden: int, num_topk: int, use_fp8: bool) -> int:
+    """Bytes of one dispatch row before padding: the token, its scales, its top-k ids and weights."""
+    token = hidden + 4 * num_scale_groups(hidden) if use_fp8 else 2 * hidden
+    return token + 8 * num_topk
+
+
+def inner_hidden(hidden: int, num_topk: int) -> int:
+    """The inner Buffer's hidden size (bfloat16 elements) for calls of this shape.
+
+    One size serves both directions (a dispatch handle fixes the combine's hidden): a combine row is
+    `hidden` bf16 plus 4 weight bytes per top-k entry, each as one bf16 element; a dispatch row (BF16
+    or FP8) is never wider than that.
+
+    Arguments:
+        hidden: `H`, the caller's hidden size.
+        num_topk: `K`, at most `MAX_TOPK`.
+
+    Returns:
+        hidden: int, a multiple of 128.
+    """
+    combine = hidden + _ceil(4 * num_topk, _BLOCK)
+    dispatch = _ceil(dispatch_row_bytes(hidden, num_topk, False), 2 * _BLOCK) // 2
+    return _ceil(max(combine, dispatch), _BLOCK)
+
+
+def pack_dispatch_rows(x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                       topk_weights: Optional[torch.Tensor], width: int) -> torch.Tensor:
+    """Lay out each token's bytes as one inner dispatch row.
+
+    Arguments:
+        x: `[N, H]` torch.bfloat16, or torch.float8_e4m3fn with `scales`.
+        scales: `[N, ceil(H / 128)]` torch.float32 FP8 scales, or None.
+        topk_idx: `[N, K]` torch.int64 global expert ids, -1 = none.
+        topk_weights: `[N, K]` torch.float32, or None (zeros are sent).
+        width: the inner hidden (bfloat16 elements per row).
+
+    Returns:
+        rows: `[N, width]` torch.bfloat16 (raw bytes), on `x`'s device.
+    """
+    n, num_topk = topk_idx.shape
+    rows = torch.zeros((n, 2 * width), dtype=torch.uint8, device=x.device)
+    at = 0
+    for part in (x, scales):
+        if part is not None:
+            raw = _row_bytes(part)
+            rows[:, at:at + raw.size(1)] = raw
+            at += raw.size(1)
+    rows[:, at:at + 4 * num_topk] = _row_bytes(topk_idx.to(torch.int32))
+    at += 4 * num_topk
+    if topk_weights is not None:
+        rows[:, at:at + 4 * num_topk] = _row_bytes(topk_weights)
+    return rows.view(torch.bfloat16)
+
+
+def unpack_dispatch_rows(rows: torch.Tensor, hidden: int, num_topk: int, use_fp8: bool):
+    """The parts of received dispatch rows (`pack_dispatch_rows` in reverse).
+
+    Arguments:
+        rows: `[n, width]` torch.bfloat16 rows as received.
+        hidden: `H`.
+        num_topk: `K`.
+        use_fp8: whether the rows carry FP8 tokens with scales.
+
+    Returns:
+        x: `[n, H]` torch.bfloat16 or torch.float8_e4m3fn; scales: `[n, ceil(H/128)]` torch.float32 or
+        None; topk_idx: `[n, K]` torch.int64 global ids; topk_weights: `[n, K]` torch.float32.
+        Fresh contiguous tensors.
+    """
+    raw = _row_bytes(rows)
+    if raw.size(0) == 0:
+        device, groups = rows.device, num_scale_groups(hidden)
+        return (torch.empty((0, hidden), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=device),
+                torch.empty((0, groups), dtype=torch.float32, device=device) if use_fp8 else None,
+                torch.empty((0, num_topk), dtype=torch.int64, device=device),
+                torch.empty((0, num_topk), dtype=torch.float32, device=device))
+    at, scales = 0, None
+    if use_fp8:
+        x = raw[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+        at = hidden
+        groups = num_scale_groups(hidden)
+        scales = raw[:, at:at + 4 * groups].contiguous().view(torch.float32)
+        at += 4 * groups
+    else:
+        x = raw[:, :2 * hidden].contiguous().view(torch.bfloat16)
+        at = 2 * hidden
+    topk_idx = raw[:, at:at + 4 * num_topk].contiguous().view(torch.int32).to(torch.int64)
+    at += 4 * num_topk
+    topk_weights = raw[:, at:at + 4 * num_topk].contiguous().view(torch.float32)
+    return x, scales, topk_idx, topk_weights
+
+
+def inner_routing(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int) -> torch.Tensor:
+    """Each token's inner experts: its own two bias slots, then one data slot per destination rank,
+    ordered by the position of the rank's last entry in the token's top-k.
+
+    Arguments:
+        topk_idx: `[N, K]` torch.int64 global expert ids, -1 = none.
+        num_experts: `E`, a multiple of `num_ranks`.
+        num_ranks: `R`.
+        rank: this rank (the tokens' owner).
+
+    Returns:
+        inner_topk: `[N, K + 2]` torch.int64 inner expert ids (`3 * rank + j`), -1 padding last.
+    """
+    n, num_topk = topk_idx.shape
+    device = topk_idx.device
+    owner = torch.where(topk_idx >= 0, torch.div(topk_idx, num_experts // num_ranks, rounding_mode="floor"),
+                        torch.full_like(topk_idx, -1))
+    later = torch.ones(num_topk, num_topk, dtype=torch.bool, device=device).triu(1)  # [k, j]: j after k
+    same_later = ((owner.unsqueeze(2) == owner.unsqueeze(1)) & later).any(dim=2)
+    last = (owner >= 0) & ~same_later
+    positions = torch.arange(num_topk, device=device).expand(n, num_topk)
+    order = torch.sort(torch.where(last, positions, positions + num_topk), dim=1, stable=True).indices
+    groups = torch.where(last, INNER_SLOTS * owner, torch.full_like(owner, -1)).gather(1, order)
+    bias = torch.tensor([INNER_SLOTS * rank + 1, INNER_SLOTS * rank + 2], dtype=torch.int64, device=device)
+    return torch.cat([bias.expand(n, 2), groups], dim=1)
+
+
+def encode_weight_bytes(weights: torch.Tensor) -> torch.Tensor:
+    """Float32 weights `[n, K]` as `[n, 4K]` bfloat16 small integers (one per byte, exact)."""
+    return _row_bytes(weights).to(torch.bfloat16)
+
+
+def decode_weight_bytes(encoded: torch.Tensor, num_topk: int) -> torch.Tensor:
+    """`encode_weight_bytes` in reverse, after the inner combine's sum: `[n, 4K]` -> `[n, K]` float32."""
+    n = encoded.size(0)
+    if n == 0:
+        return torch.empty((0, num_topk), dtype=torch.float32, device=encoded.device)
+    return encoded[:, :4 * num_topk].to(torch.uint8).contiguous().view(torch.float32).view(n, num_topk)
+
+
+def split_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """V2's `bias`: None, one tensor, or a pair; returns the pair (None where absent)."""
+    if bias is None:
+        return None, None
+    if isinstance(bias, torch.Tensor):
+        return bias, None
+    return bias[0], bias[1]
