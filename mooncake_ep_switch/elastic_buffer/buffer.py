@@ -6,29 +6,12 @@ import torch
 from mooncake_ep_switch.buffer.buffer import Buffer
 from mooncake_ep_switch.buffer.handle import EventOverlap
 from mooncake_ep_switch.checks import check_int, check_timeout
+from mooncake_ep_switch.elastic_buffer import arguments
 from mooncake_ep_switch.elastic_buffer import layout as lay
 from mooncake_ep_switch.elastic_buffer import rows as codec
 from mooncake_ep_switch.elastic_buffer.handle import EPHandle
 
 _ALIGNMENT = 2 << 20  # V2's buffer sizes are multiples of 2 MB
-
-
-def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _check_tensor(name: str, value, dtype: torch.dtype, shape: Tuple[Optional[int], ...]) -> torch.Tensor:
-    """`value` as a tensor of `dtype` and `shape` (None: any size), else TypeError/ValueError naming it."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if value.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {value.dtype}")
-    if value.dim() != len(shape) or any(want is not None and got != want for got, want in zip(value.shape, shape)):
-        expected = "[" + ", ".join("*" if want is None else str(want) for want in shape) + "]"
-        raise ValueError(f"{name}: expected shape {expected}, got {list(value.shape)}")
-    return value
 
 
 class ElasticBuffer:
@@ -87,7 +70,7 @@ class ElasticBuffer:
                             ("allow_multiple_reduction", allow_multiple_reduction),
                             ("prefer_overlap_with_compute", prefer_overlap_with_compute),
                             ("explicitly_destroy", explicitly_destroy)):
-            _check_bool(name, value)
+            arguments.check_bool(name, value)
         check_int("num_cpu_bytes", num_cpu_bytes, 0, 0)
         num_max_tokens_per_rank = check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
         hidden = check_int("hidden", hidden, 0)
@@ -111,10 +94,10 @@ class ElasticBuffer:
         self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         if num_bytes is None:
-            num_ranks = _group_size(group)
+            num_ranks = arguments.group_size(group)
             num_bytes = self._size_hint(num_ranks, num_max_tokens_per_rank, hidden, max(num_topk, 1))
         self.num_bytes = num_bytes
-        self.runtime = Buffer(group, num_bytes, _check_bool("disable_p2p", disable_p2p), transport=transport,
+        self.runtime = Buffer(group, num_bytes, arguments.check_bool("disable_p2p", disable_p2p), transport=transport,
                               store=store)
         self.group = self.runtime.group
         self.rank_idx = self.runtime.rank
@@ -153,8 +136,8 @@ class ElasticBuffer:
         num_topk = check_int("num_topk", num_topk, 0, codec.MAX_TOPK)
         for name, value in (("use_fp8_dispatch", use_fp8_dispatch), ("allow_hybrid_mode", allow_hybrid_mode),
                             ("allow_multiple_reduction", allow_multiple_reduction)):
-            _check_bool(name, value)
-        return ElasticBuffer._size_hint(_group_size(group), num_max_tokens_per_rank, hidden, max(num_topk, 1))
+            arguments.check_bool(name, value)
+        return ElasticBuffer._size_hint(arguments.group_size(group), num_max_tokens_per_rank, hidden, max(num_topk, 1))
 
     def get_logical_domain_size(self) -> Tuple[int, int]:
         """`(num_scaleout_ranks, num_scaleup_ranks)`: `(1, num_ranks)`, one domain."""
@@ -191,7 +174,7 @@ class ElasticBuffer:
         and masking as any call). The three flags are V2's, validated, no effect here."""
         for name, value in (("use_comm_stream", use_comm_stream), ("with_cpu_sync", with_cpu_sync),
                             ("sequential", sequential)):
-            _check_bool(name, value)
+            arguments.check_bool(name, value)
         device = self.runtime.device
         x = torch.empty((0, 128), dtype=torch.bfloat16, device=device)
         topk = torch.empty((0, 1), dtype=torch.int64, device=device)
@@ -293,75 +276,16 @@ class ElasticBuffer:
             handle: `EPHandle`.
             event: `EventOverlap` (complete).
         """
-        buffer = self._alive()
+        self._alive()
         R, rank = self.num_ranks, self.rank_idx
-        use_fp8 = isinstance(x, tuple)
-        if use_fp8:
-            if len(x) != 2:
-                raise ValueError(f"x: expected a tensor or an (x, sf) pair, got a tuple of {len(x)}")
-            tokens, scales = x
-            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-                raise ValueError("x: expected an FP8 tensor [num_tokens, hidden] first in the pair")
-            _check_tensor("x[0]", tokens, torch.float8_e4m3fn, (None, None))
-            _check_tensor("x[1]", scales, torch.float32, (tokens.size(0), codec.num_scale_groups(tokens.size(1))))
-        else:
-            tokens, scales = _check_tensor("x", x, torch.bfloat16, (None, None)), None
-        num_tokens, hidden = tokens.shape
-        if hidden < 1:
-            raise ValueError(f"x: expected hidden >= 1, got {hidden}")
-        device = tokens.device
-        for name, value in (("async_with_compute_stream", async_with_compute_stream),
-                            ("allocate_on_comm_stream", allocate_on_comm_stream), ("do_handle_copy", do_handle_copy),
-                            ("do_expand", do_expand), ("do_zero_padding", do_zero_padding),
-                            ("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)):
-            _check_bool(name, value)
-        check_int("num_sms", num_sms, 0)
-        check_int("num_qps", num_qps, 0)
-        if do_zero_padding and not do_expand:
-            raise ValueError("do_zero_padding: expected False unless do_expand (padding exists only when expanded)")
-        if handle is not None:
-            if not isinstance(handle, EPHandle) or not isinstance(handle.route, lay.Route):
-                raise TypeError(f"handle: expected an EPHandle from this ElasticBuffer's dispatch, got "
-                                f"{type(handle).__name__}")
-            if topk_idx is not None:
-                raise ValueError("topk_idx: expected None with a cached handle (the handle's is reused)")
-            if do_cpu_sync:
-                raise ValueError("do_cpu_sync: expected None or False with a cached handle")
-            for name, given, kept in (("num_experts", num_experts, handle.num_experts),
-                                      ("num_max_tokens_per_rank", num_max_tokens_per_rank,
-                                       handle.num_max_tokens_per_rank),
-                                      ("expert_alignment", expert_alignment, handle.expert_alignment)):
-                if given is not None and given != kept:
-                    raise ValueError(f"{name}: expected the cached handle's {kept} (or None), got {given!r}")
-            num_experts, T, alignment = handle.num_experts, handle.num_max_tokens_per_rank, handle.expert_alignment
-            topk_idx = handle.topk_idx
-            if num_tokens != handle.route.num_tokens:
-                raise ValueError(f"x: expected the cached handle's {handle.route.num_tokens} tokens, got {num_tokens}")
-            if do_expand != handle.do_expand:
-                raise ValueError(f"do_expand: expected the cached handle's {handle.do_expand}, got {do_expand}")
-        else:
-            if num_experts is None:
-                raise ValueError("num_experts: expected the number of experts (no handle to take it from), got None")
-            num_experts = check_int("num_experts", num_experts, R)
-            if num_experts % R:
-                raise ValueError(f"num_experts: expected a multiple of num_ranks={R}, got {num_experts}")
-            T = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
-            T = check_int("num_max_tokens_per_rank", T, 1)
-            alignment = check_int("expert_alignment", 1 if expert_alignment is None else expert_alignment, 1, 1 << 20)
-            _check_tensor("topk_idx", topk_idx, torch.int64, (num_tokens, None))
-            if not 1 <= topk_idx.size(1) <= codec.MAX_TOPK:
-                raise ValueError(f"topk_idx: expected 1 to {codec.MAX_TOPK} columns, got {topk_idx.size(1)}")
-            if topk_idx.device != device:
-                raise ValueError(f"topk_idx: expected a tensor on {device} (as x), got one on {topk_idx.device}")
-            _check_expert_ids(topk_idx, num_experts)
-        if num_tokens > T:
-            raise ValueError(f"x: expected at most num_max_tokens_per_rank={T} tokens, got {num_tokens}")
-        num_topk = topk_idx.size(1)
-        if topk_weights is not None:
-            _check_tensor("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk))
-        L = num_experts // R
-        if cumulative_local_expert_recv_stats is not None:
-            _check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32, (L,))
+        call = arguments.dispatch_arguments(
+            x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
+            expert_alignment, num_sms, num_qps, async_with_compute_stream, allocate_on_comm_stream, handle,
+            do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf, R,
+            self.num_max_tokens_per_rank)
+        tokens, scales, topk_idx, use_fp8, device = call.tokens, call.scales, call.topk_idx, call.use_fp8, call.device
+        num_tokens, hidden, num_topk = call.num_tokens, call.hidden, call.num_topk
+        num_experts, T, alignment, L = call.num_experts, call.num_max_tokens_per_rank, call.alignment, call.num_local
         active, timeout_us = self._call_mask(active_ranks, timeout_us, device)
         width = codec.inner_hidden(hidden, num_topk)
 
@@ -377,8 +301,8 @@ class ElasticBuffer:
             route = handle.route
             # The handle's layout again: rows from a source that sent nothing this time stay zero.
             n = route.recv_src_global.numel()
-            where, known = _positions(route.recv_src_global, src_global)
-            got_x, got_scales, got_weights = (_scatter_rows(part[known], where[known], n) if part is not None
+            where, known = lay.positions(route.recv_src_global, src_global)
+            got_x, got_scales, got_weights = (lay.scatter_rows(part[known], where[known], n) if part is not None
                                               else None for part in (got_x, got_scales, got_weights))
             local = route.recv_local_topk
             route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_calls, False
@@ -395,7 +319,7 @@ class ElasticBuffer:
             if handle is None:
                 route.slots, starts = lay.expanded_slots(local, counts, alignment)
                 route.num_slots = sum(lay.align(c, alignment) for c in counts)
-            out_x, out_scales, out_weights = _expand(route, got_x, got_scales, weights_out, do_zero_padding)
+            out_x, out_scales, out_weights = lay.expand(route, got_x, got_scales, weights_out, do_zero_padding)
             recv_topk_out = None
         else:
             out_x, out_scales, out_weights, recv_topk_out = got_x, got_scales, weights_out, local.clone()
@@ -432,7 +356,7 @@ class ElasticBuffer:
         if active_ranks is None:
             active = self._mask(device)
         else:
-            active = _check_tensor("active_ranks", active_ranks, torch.int32, (self.num_ranks,))
+            active = arguments.check_tensor("active_ranks", active_ranks, torch.int32, (self.num_ranks,))
         timeout_us = self._default_timeout(device) if timeout_us is None else check_timeout(timeout_us)
         return active, timeout_us
 
@@ -468,39 +392,15 @@ class ElasticBuffer:
             event: `EventOverlap` (complete).
         """
         self._alive()
-        if not isinstance(handle, EPHandle) or not isinstance(handle.route, lay.Route):
-            raise TypeError(f"handle: expected an EPHandle from this ElasticBuffer's dispatch, got "
-                            f"{type(handle).__name__}")
-        route = handle.route
-        rows = route.num_slots if handle.do_expand else route.recv_src_global.numel()
-        _check_tensor("x", x, torch.bfloat16, (rows, None))
-        hidden = x.size(1)
-        width = route.inner_handle[3]
-        if hidden + lay.align(4 * route.num_topk, 128) > width:
-            raise ValueError(f"x: expected hidden <= {width - lay.align(4 * route.num_topk, 128)} (the dispatch's "
-                             f"rows are {width} bf16 wide), got {hidden}")
-        if topk_weights is not None:
-            shape = (rows,) if handle.do_expand else (rows, route.num_topk)
-            _check_tensor("topk_weights", topk_weights, torch.float32, shape)
-        biases = codec.split_bias(bias) if isinstance(bias, (torch.Tensor, tuple, type(None))) else None
-        if biases is None or (isinstance(bias, tuple) and len(bias) != 2):
-            raise TypeError("bias: expected None, a tensor or a pair of tensors")
-        for index, part in enumerate(biases):
-            if part is not None:
-                _check_tensor(f"bias[{index}]" if isinstance(bias, tuple) else "bias", part, torch.bfloat16,
-                              (route.num_tokens, hidden))
-        for name, value in (("async_with_compute_stream", async_with_compute_stream),
-                            ("allocate_on_comm_stream", allocate_on_comm_stream)):
-            _check_bool(name, value)
-        if handle.do_expand and not self.allow_multiple_reduction:
-            raise NotImplementedError("allow_multiple_reduction=False: an expanded combine sends one partial per "
-                                      "rank (each rank's entries summed first); build the buffer with True")
+        biases = arguments.combine_arguments(x, handle, topk_weights, bias, async_with_compute_stream,
+                                             allocate_on_comm_stream, self.allow_multiple_reduction)
+        route, hidden, width = handle.route, x.size(1), handle.route.inner_handle[3]
         device = x.device
         active, timeout_us = self._call_mask(active_ranks, timeout_us, device)
         T = handle.num_max_tokens_per_rank
 
         # This rank's partial per received token, and its entries' weights as exact byte columns.
-        partial = _reduce_expanded(x, route.slots) if handle.do_expand else x
+        partial = lay.reduce_expanded(x, route.slots) if handle.do_expand else x
         n = route.recv_src_global.numel()
         send = torch.zeros((n, width), dtype=torch.bfloat16, device=device)
         send[:, :hidden] = partial
@@ -519,7 +419,7 @@ class ElasticBuffer:
         buffer, inner_handle = self._alive(), route.inner_handle
         inner_x = buffer.get_next_combine_buffer(inner_handle)
         row_index, src_global = lay.inner_sources(inner_handle, 0, T)
-        where, known = _positions(route.recv_src_global, src_global)
+        where, known = lay.positions(route.recv_src_global, src_global)
         inner_x[0, row_index[known]] = send[where[known]]
         inner_x[0, row_index[~known]] = 0
         for slot, part in ((1, biases[0]), (2, biases[1])):
@@ -545,75 +445,3 @@ class ElasticBuffer:
     def __repr__(self) -> str:
         state = "destroyed" if self.runtime is None else f"transport={self.runtime.transport}"
         return f"ElasticBuffer(rank {self.rank_idx}/{self.num_ranks}, {state})"
-
-
-def _group_size(group) -> int:
-    size = getattr(group, "size", None)
-    if callable(size):
-        return int(size())
-    ticket_ranks = getattr(group, "num_ranks", None)
-    if isinstance(ticket_ranks, int):
-        return ticket_ranks
-    raise TypeError(f"group: expected a process group or a join ticket, got {type(group).__name__}")
-
-
-def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
-    """Ids in [-1, num_experts) and no id twice in a row (V2's contract), ValueError naming topk_idx."""
-    if topk_idx.numel() == 0:
-        return
-    low, high = int(topk_idx.min()), int(topk_idx.max())
-    if low < -1 or high >= num_experts:
-        raise ValueError(f"topk_idx: expected expert ids in [-1, {num_experts}), got values in [{low}, {high}]")
-    ordered = torch.sort(topk_idx, dim=1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    if bool(repeated.any()):
-        row = int(torch.nonzero(repeated.any(dim=1))[0])
-        raise ValueError(f"topk_idx: expected no expert twice in a row, got row {row} = {topk_idx[row].tolist()}")
-
-
-def _positions(keys: torch.Tensor, wanted: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Where each of `wanted` sits in the ascending `keys`, and whether it is there at all."""
-    if keys.numel() == 0:
-        return torch.zeros_like(wanted), torch.zeros_like(wanted, dtype=torch.bool)
-    where = torch.searchsorted(keys, wanted).clamp(max=keys.numel() - 1)
-    return where, keys[where] == wanted
-
-
-def _scatter_rows(part: torch.Tensor, where: torch.Tensor, n: int) -> torch.Tensor:
-    out = torch.zeros((n,) + tuple(part.shape[1:]), dtype=part.dtype, device=part.device)
-    if where.numel():
-        out[where] = part
-    return out
-
-
-def _expand(route: lay.Route, x: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-            zero_padding: bool):
-    """The expanded layout's rows: row `slots[i, k]` holds token `i`'s data (and weight `k`)."""
-    token, entry = torch.nonzero(route.slots >= 0, as_tuple=True)
-    target = route.slots[token, entry]
-    make = torch.zeros if zero_padding else torch.empty
-
-    def place(part):
-        if part is None:
-            return None
-        out = make((route.num_slots,) + tuple(part.shape[1:]), dtype=part.dtype, device=part.device)
-        out[target] = part[token]
-        return out
-
-    out_weights = None
-    if weights is not None:
-        out_weights = make((route.num_slots,), dtype=torch.float32, device=weights.device)
-        out_weights[target] = weights[token, entry]
-    return place(x), place(scales), out_weights
-
-
-def _reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Each token's rows summed in top-k order in fp32 (rows not on this rank skipped), then bf16."""
-    n, num_topk = slots.shape
-    acc = torch.zeros((n, x.size(1)), dtype=torch.float32, device=x.device)
-    for k in range(num_topk):
-        column = slots[:, k]
-        here = column >= 0
-        if bool(here.any()):
-            acc[here] += x[column[here]].float()
-    return acc.to(torch.bfloat16)

@@ -144,3 +144,51 @@ def dst_slots(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch
     sends = hits > 0
     order = torch.cumsum(sends.to(torch.int32), dim=0) - 1
     return torch.where(sends, order, torch.full_like(order, -1)).to(torch.int32)
+
+
+def positions(keys: torch.Tensor, wanted: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Where each of `wanted` sits in the ascending `keys`, and whether it is there at all."""
+    if keys.numel() == 0:
+        return torch.zeros_like(wanted), torch.zeros_like(wanted, dtype=torch.bool)
+    where = torch.searchsorted(keys, wanted).clamp(max=keys.numel() - 1)
+    return where, keys[where] == wanted
+
+
+def scatter_rows(part: torch.Tensor, where: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.zeros((n,) + tuple(part.shape[1:]), dtype=part.dtype, device=part.device)
+    if where.numel():
+        out[where] = part
+    return out
+
+
+def expand(route: Route, x: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+            zero_padding: bool):
+    """The expanded layout's rows: row `slots[i, k]` holds token `i`'s data (and weight `k`)."""
+    token, entry = torch.nonzero(route.slots >= 0, as_tuple=True)
+    target = route.slots[token, entry]
+    make = torch.zeros if zero_padding else torch.empty
+
+    def place(part):
+        if part is None:
+            return None
+        out = make((route.num_slots,) + tuple(part.shape[1:]), dtype=part.dtype, device=part.device)
+        out[target] = part[token]
+        return out
+
+    out_weights = None
+    if weights is not None:
+        out_weights = make((route.num_slots,), dtype=torch.float32, device=weights.device)
+        out_weights[target] = weights[token, entry]
+    return place(x), place(scales), out_weights
+
+
+def reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Each token's rows summed in top-k order in fp32 (rows not on this rank skipped), then bf16."""
+    n, num_topk = slots.shape
+    acc = torch.zeros((n, x.size(1)), dtype=torch.float32, device=x.device)
+    for k in range(num_topk):
+        column = slots[:, k]
+        here = column >= 0
+        if bool(here.any()):
+            acc[here] += x[column[here]].float()
+    return acc.to(torch.bfloat16)
