@@ -161,3 +161,87 @@ def test_a_rank_with_no_tokens():
     """A rank that dispatches nothing still receives, combines others' tokens, and gets an empty result."""
     values = harness.run(4, rank_v2_grid, "shm", 12, 128, 3, 8, 11, 2, timeout_s=300)
     assert all(value["cases"] == 24 for value in values)
+
+
+def rank_misuse(ctx):
+    """Every bad argument is refused with an error naming it, before anything moves; the buffer then
+    serves a valid round exactly (every rank makes the same bad calls, as an SPMD caller would)."""
+    from mooncake_ep_switch import BufferDestroyed
+
+    R, rank, T, H, K, E = ctx.num_ranks, ctx.rank, 8, 128, 3, 8
+    buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, transport="shm")
+    everyone = list(range(R))
+    all_inputs = [make_inputs(r, R, T, H, K, E, 3) for r in range(R)]
+    mine = all_inputs[rank]
+    good = dict(topk_idx=mine.topk_idx, topk_weights=mine.topk_weights, num_experts=E)
+    _, _, recv_w, handle, _ = buffer.dispatch(mine.x, **good)
+    duplicate = mine.topk_idx.clone()
+    duplicate[0, 1] = duplicate[0, 0] = 1
+    bad_dispatch = [
+        ("x", dict(x=mine.x.float())), ("x", dict(x=mine.x[0])), ("x", dict(x=(mine.fp8, mine.sf, mine.sf))),
+        ("x\\[1\\]", dict(x=(mine.fp8, mine.sf[:, :0]))),
+        ("topk_idx", dict(topk_idx=mine.topk_idx.int())), ("topk_idx", dict(topk_idx=mine.topk_idx + E)),
+        ("topk_idx", dict(topk_idx=duplicate)), ("topk_idx", dict(topk_idx=mine.topk_idx[:, :0])),
+        ("topk_idx", dict(topk_idx=torch.zeros(mine.x.size(0), 32, dtype=torch.int64))),
+        ("topk_weights", dict(topk_weights=mine.topk_weights[:, :1])),
+        ("num_experts", dict(num_experts=None)), ("num_experts", dict(num_experts=E + 1)),
+        ("num_max_tokens_per_rank", dict(num_max_tokens_per_rank=1)),
+        ("expert_alignment", dict(expert_alignment=0)), ("do_zero_padding", dict(do_zero_padding=True)),
+        ("do_expand", dict(do_expand=1)),
+        ("cumulative_local_expert_recv_stats", dict(cumulative_local_expert_recv_stats=torch.zeros(E // R))),
+        ("active_ranks", dict(active_ranks=torch.ones(R + 1, dtype=torch.int32))),
+        ("timeout_us", dict(timeout_us=2 ** 63)),
+        ("handle", dict(handle=object(), topk_idx=None)), ("topk_idx", dict(handle=handle)),
+        ("do_cpu_sync", dict(handle=handle, topk_idx=None, do_cpu_sync=True)),
+        ("do_expand", dict(handle=handle, topk_idx=None, do_expand=True)),
+    ]
+    refused = 0
+    for name, change in bad_dispatch:
+        call = dict(x=mine.x, **good)
+        call.update(change)
+        with pytest.raises((TypeError, ValueError), match=name):
+            buffer.dispatch(**call)
+        refused += 1
+    n = handle.num_recv_tokens
+    partial = torch.zeros(n, H, dtype=torch.bfloat16)
+    bad_combine = [
+        ("x", dict(x=partial[:max(n - 1, 0)] if n else torch.zeros(1, H, dtype=torch.bfloat16))),
+        ("x", dict(x=partial.float())), ("handle", dict(handle=(1, 2))),
+        ("topk_weights", dict(topk_weights=torch.zeros(n, K + 1))),
+        ("bias", dict(bias=torch.zeros(mine.x.size(0) + 1, H, dtype=torch.bfloat16))),
+        ("bias", dict(bias=(mine.bias[0],) * 3)), ("bias", dict(bias=[mine.bias[0]])),
+        ("active_ranks", dict(active_ranks=torch.ones(R, dtype=torch.int64))),
+    ]
+    for name, change in bad_combine:
+        call = dict(x=partial, handle=handle, topk_weights=recv_w)
+        call.update(change)
+        with pytest.raises((TypeError, ValueError), match=name):
+            buffer.combine(**call)
+        refused += 1
+    # Still serving: the same handle combines exactly (its layout was never touched).
+    want = expected_dispatch(all_inputs, rank, R, T, E, everyone)
+    y_recv = expert_output(want["src_global"], K, H, 3)
+    y_own = expert_output(rank * T + torch.arange(mine.x.size(0)), K, H, 3)
+    partial = ordered_sum(torch.where((want["local"] >= 0).unsqueeze(2), y_recv, torch.zeros_like(y_recv)))
+    combined, weights, _ = buffer.combine(partial, handle, topk_weights=recv_w, bias=mine.bias[1])
+    _same("combined_x after misuse", combined, expected_combine(y_own, mine.topk_idx, E, R, [mine.bias[1]], everyone))
+    _same("weights after misuse", weights, expected_weights(mine.topk_idx, mine.topk_weights, E, R, everyone))
+    buffer.destroy()
+    buffer.destroy()  # idempotent
+    with pytest.raises(BufferDestroyed):
+        buffer.dispatch(mine.x, **good)
+    constructor = [("num_cpu_bytes", dict(num_cpu_bytes=2 << 20)), ("num_topk", dict(num_topk=40)),
+                   ("num_bytes", dict(num_max_tokens_per_rank=0)), ("explicitly_destroy", dict(explicitly_destroy=1)),
+                   ("transport", dict(transport="rdma"))]
+    for name, change in constructor:
+        settings = dict(num_max_tokens_per_rank=T, hidden=H, num_topk=K)
+        settings.update(change)
+        with pytest.raises((TypeError, ValueError), match=name):
+            ElasticBuffer(ctx.group, **settings)
+        refused += 1
+    return refused
+
+
+def test_misuse_is_refused_by_name_and_the_buffer_keeps_serving():
+    refused = harness.run(2, rank_misuse, timeout_s=120)
+    assert refused[0] == refused[1] == 36

@@ -180,13 +180,30 @@ class ElasticBuffer:
         topk = torch.empty((0, 1), dtype=torch.int64, device=device)
         self._inner_dispatch(x, topk, self._mask(device), self._default_timeout(device), 1)
 
-    def update_ep_member(self, timeout_s: Optional[float] = None) -> None:
+    def update_ep_member(self, timeout_s: Optional[float] = None):
         """Agree on the group's members and admit a pending replacement (`Buffer.update_ep_member`).
-        Handles from before it are not combined after it."""
-        if timeout_s is None:
-            self.runtime.update_ep_member()
-        else:
-            self.runtime.update_ep_member(timeout_s=timeout_s)
+        Handles from before it are not combined after it.
+
+        Returns:
+            view: the agreed view (`.ranks`, `.epoch`), as `Buffer.update_ep_member` returns it.
+        """
+        buffer = self._alive()
+        view = buffer.update_ep_member() if timeout_s is None else buffer.update_ep_member(timeout_s=timeout_s)
+        self._masks.clear()  # the buffer's own mask starts again from the new members
+        return view
+
+    def active_mask(self) -> torch.Tensor:
+        """A fresh `active_ranks` for the current members (`Buffer.active_mask`): `[num_ranks]` torch.int32."""
+        return self._alive().active_mask()
+
+    def pending_joiners(self):
+        """Replacements waiting to be admitted (`Buffer.pending_joiners`): list of int ranks."""
+        return self._alive().pending_joiners()
+
+    @property
+    def members(self) -> tuple:
+        """The member ranks of the current epoch."""
+        return self._alive().members
 
     def destroy(self) -> None:
         """Release the inner Buffer (idempotent); the buffer is unusable after."""
@@ -209,7 +226,7 @@ class ElasticBuffer:
     def _mask(self, device) -> torch.Tensor:
         key = str(device)
         if key not in self._masks:
-            self._masks[key] = torch.ones(self.num_ranks, dtype=torch.int32, device=device)
+            self._masks[key] = self._alive().active_mask().to(device)
         return self._masks[key]
 
     def _default_timeout(self, device) -> int:

@@ -1,0 +1,164 @@
+"""ElasticBuffer under faults (issue 26): what neither DeepEP V2 nor Mooncake's ElasticBuffer does.
+
+A rank is SIGKILLed before a dispatch, or between a dispatch and its combine, on shared memory and
+across pretend hosts over the Transfer Engine: every survivor returns within the deadline, the dead
+rank cleared in `active_ranks`, every output exact against the reference that skips it (a rank that
+missed its deadline counts as having sent nothing). Then a replacement is re-admitted with
+`update_ep_member()` and a round is exact again with it.
+"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from mooncake_ep_switch import ElasticBuffer
+from mooncake_ep_switch.elastic import join
+from tests import harness
+from tests.harness import outcome_value
+from tests.elastic_reference import (expected_combine, expected_dispatch, expected_weights, expert_output,
+                                     make_inputs, ordered_sum)
+from tests.test_elastic_buffer import _same, check_dispatch
+
+NUM_RANKS, DEAD = 4, 2
+T, H, K = 10, 128, 4
+TIMEOUT_US = harness.FAULT_TIMEOUT_US_TE
+RANK_STATE = {}
+
+
+def _round(ctx, buffer, seed: int, num_ranks: int, kill_point=None, expand=False):
+    """One dispatch + combine over the current members; `kill_point` kills rank DEAD before the dispatch or
+    between it and the combine. Checks every output against the reference for the ranks each phase heard."""
+    R, rank, E = num_ranks, ctx.rank, 4 * num_ranks
+    all_inputs = [make_inputs(r, R, T, H, K, E, seed) for r in range(R)]
+    mine = all_inputs[rank]
+    active = buffer.active_mask()
+    if kill_point == "before_dispatch" and rank == DEAD:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    recv_x, recv_topk, recv_w, handle, _ = buffer.dispatch(mine.x, topk_idx=mine.topk_idx,
+                                                           topk_weights=mine.topk_weights, num_experts=E,
+                                                           num_max_tokens_per_rank=T, do_expand=expand,
+                                                           active_ranks=active, timeout_us=TIMEOUT_US)
+    if kill_point == "between" and rank == DEAD:
+        os.kill(os.getpid(), signal.SIGKILL)
+    heard = [r for r in range(R) if int(active[r])]
+    want = expected_dispatch(all_inputs, rank, R, T, E, heard)
+    if expand:
+        slots = handle.recv_src_metadata[:, 2:].to(torch.int64)
+        token, entry = torch.nonzero(slots >= 0, as_tuple=True)
+        _same("expanded rows", recv_x[slots[token, entry]], want["x"][token])
+    else:
+        check_dispatch(recv_x, recv_topk, recv_w, handle, want, False, 1, E // R, R, T, True)
+    y_recv = expert_output(want["src_global"], K, H, seed)
+    if expand:
+        x = torch.zeros(handle.num_expanded_tokens, H, dtype=torch.bfloat16)
+        x[slots[token, entry]] = y_recv[token, entry]
+    else:
+        x = ordered_sum(torch.where((want["local"] >= 0).unsqueeze(2), y_recv, torch.zeros_like(y_recv)))
+    combined, weights, _ = buffer.combine(x, handle, topk_weights=recv_w, bias=mine.bias[0], active_ranks=active,
+                                          timeout_us=TIMEOUT_US)
+    seconds = time.monotonic() - started
+    contributing = [r for r in range(R) if int(active[r])]
+    y_own = expert_output(rank * T + torch.arange(mine.x.size(0)), K, H, seed)
+    _same("combined_x", combined, expected_combine(y_own, mine.topk_idx, E, R, [mine.bias[0]], contributing))
+    _same("combined weights", weights, expected_weights(mine.topk_idx, mine.topk_weights, E, R, contributing))
+    return {"mask": active.tolist(), "seconds": seconds, "heard": heard}
+
+
+def rank_killed(ctx, transport, kill_point, pretend_hosts, expand):
+    """Round 1 whole; in round 2 rank DEAD is SIGKILLed at `kill_point`; survivors check everything."""
+    if pretend_hosts:
+        os.environ["MEP_HOST_ID"] = f"pretend-host-{ctx.rank}"
+    try:
+        buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, transport=transport)
+    finally:
+        os.environ.pop("MEP_HOST_ID", None)
+    first = _round(ctx, buffer, 1, ctx.num_ranks, expand=expand)
+    assert first["mask"] == [1] * ctx.num_ranks
+    second = _round(ctx, buffer, 2, ctx.num_ranks, kill_point=kill_point, expand=expand)
+    third = _round(ctx, buffer, 3, ctx.num_ranks, expand=expand)  # the dead rank stays out, exactly
+    routes = sorted(set(buffer.runtime.peer_routes()) - {"self", None})
+    buffer.destroy()
+    return {"second": second, "third": third, "routes": routes}
+
+
+@pytest.mark.parametrize("transport,pretend_hosts", [("shm", False), ("mooncake", True)], ids=["shm", "te-hosts"])
+@pytest.mark.parametrize("kill_point", ["before_dispatch", "between"])
+@pytest.mark.parametrize("expand", [False, True], ids=["flat", "expanded"])
+def test_a_killed_rank_is_skipped_and_the_rest_is_exact(transport, pretend_hosts, kill_point, expand):
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        outcomes = cluster.run(rank_killed, transport, kill_point, pretend_hosts, expand, timeout_s=90,
+                               failure_grace_s=40)
+    assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
+    without_dead = [0 if r == DEAD else 1 for r in range(NUM_RANKS)]
+    for outcome in outcomes:
+        if outcome.rank == DEAD:
+            continue
+        value = outcome_value(outcome)
+        assert value["routes"] == (["te"] if pretend_hosts else ["shm"]), value
+        assert value["second"]["mask"] == without_dead and value["third"]["mask"] == without_dead, value
+        if kill_point == "before_dispatch":
+            assert DEAD not in value["second"]["heard"], value
+        # Both phases of the fault round within their deadlines (the dead rank costs at most one each).
+        assert value["second"]["seconds"] < 2 * TIMEOUT_US / 1e6 + harness.FAULT_SLACK_S, value
+
+
+# ---------------------------------------------------------------------- a replacement re-admitted
+
+def rank_start(ctx, transport):
+    RANK_STATE["buffer"] = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
+                                         transport=transport)
+    RANK_STATE["transport"] = transport
+    return _round(ctx, RANK_STATE["buffer"], 1, 2)["mask"]
+
+
+def rank_exit(ctx):
+    os._exit(3)
+
+
+def rank_alone(ctx):
+    """The survivor moves on alone: a view of itself, then an exact round without the dead rank."""
+    buffer = RANK_STATE["buffer"]
+    view = list(buffer.update_ep_member(timeout_s=20.0).ranks)
+    return {"view": view, "round": _round(ctx, buffer, 2, 2)["mask"]}
+
+
+def rank_admit(ctx, transport):
+    """The replacement builds its ElasticBuffer from a join ticket; everyone agrees on the next view."""
+    buffer = RANK_STATE.get("buffer")
+    if buffer is None:
+        buffer = RANK_STATE["buffer"] = ElasticBuffer(join(ctx.store, ctx.rank, ctx.num_ranks),
+                                                      num_max_tokens_per_rank=T, hidden=H, num_topk=K,
+                                                      transport=transport)
+    else:
+        deadline = time.monotonic() + 60
+        while 1 not in buffer.pending_joiners():
+            assert time.monotonic() < deadline, "the replacement never showed up as pending"
+            time.sleep(0.01)
+    return list(buffer.update_ep_member(timeout_s=60.0).ranks)
+
+
+def rank_round(ctx, seed, expand):
+    return _round(ctx, RANK_STATE["buffer"], seed, 2, expand=expand)["mask"]
+
+
+def rank_close(ctx):
+    RANK_STATE.pop("buffer").destroy()
+    return True
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_a_replacement_is_readmitted_then_exact(transport):
+    with harness.fresh_cluster(2) as cluster:
+        assert harness.check_outcomes(cluster.run(rank_start, transport)) == [[1, 1]] * 2
+        cluster.run(rank_exit, ranks=[1], timeout_s=30)
+        cluster.respawn(1)  # the process only: it does nothing until told
+        alone = outcome_value(cluster.run(rank_alone, ranks=[0], timeout_s=60)[0])
+        assert alone == {"view": [0], "round": [1, 0]}, alone
+        views = harness.check_outcomes(cluster.run(rank_admit, transport, timeout_s=120))
+        assert views == [[0, 1]] * 2
+        for seed, expand in ((3, False), (4, True)):
+            assert harness.check_outcomes(cluster.run(rank_round, seed, expand)) == [[1, 1]] * 2
+        harness.check_outcomes(cluster.run(rank_close))
