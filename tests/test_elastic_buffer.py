@@ -143,8 +143,9 @@ def rank_v2_grid(ctx, transport: str, T: int, H: int, K: int, E: int, seed: int,
                     _same("expanded combined_x", combined2, reference)
                     _same("expanded combined_topk_weights", combined_w2, weights)
                     cases += 1
+    used = buffer.runtime.transport, sorted(set(buffer.runtime.peer_routes()) - {"self"})
     buffer.destroy()
-    return {"cases": cases, "received": want["src_global"].numel()}
+    return {"cases": cases, "received": want["src_global"].numel(), "transport": used[0], "routes": used[1]}
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
@@ -155,6 +156,8 @@ def test_v2_layouts_and_combine_are_exact(transport, num_ranks):
     values = harness.run(num_ranks, rank_v2_grid, transport, 12, 256, 4, E, 5, timeout_s=300)
     assert all(value["cases"] == 24 for value in values)
     assert all(value["received"] > 0 for value in values)
+    routes = {"shm": ["shm"], "mooncake": ["te"], "collective": ["collective"]}[transport]
+    assert all(value["transport"] == transport and value["routes"] == routes for value in values), values
 
 
 def test_a_rank_with_no_tokens():
@@ -245,3 +248,18 @@ def rank_misuse(ctx):
 def test_misuse_is_refused_by_name_and_the_buffer_keeps_serving():
     refused = harness.run(2, rank_misuse, timeout_s=120)
     assert refused[0] == refused[1] == 36
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_v2_layouts_on_the_emulated_cuda_device(num_ranks):
+    """The same grid on the cuda transport (device kernels, CUDA IPC regions) on the emulated device of
+    tests/emulated_device.py: the real kernels on the host block/warp emulator."""
+    from mooncake_ep_switch.launcher.launch import check_outcomes
+    from tests.emulated_device import run_emulated
+
+    E = 8 * num_ranks // 2
+    with harness.fresh_cluster(num_ranks) as cluster:
+        values = check_outcomes(cluster.run(run_emulated, __name__, "rank_v2_grid", "cuda", 12, 256, 4, E, 9,
+                                            timeout_s=600))
+    assert all(value["cases"] == 24 and value["received"] > 0 for value in values)
+    assert all(value["transport"] == "cuda" and value["routes"] == ["cuda"] for value in values), values

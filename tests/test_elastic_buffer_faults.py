@@ -162,3 +162,59 @@ def test_a_replacement_is_readmitted_then_exact(transport):
         for seed, expand in ((3, False), (4, True)):
             assert harness.check_outcomes(cluster.run(rank_round, seed, expand)) == [[1, 1]] * 2
         harness.check_outcomes(cluster.run(rank_close))
+
+
+# ---------------------------------------------------------------------- a Buffer beside it
+
+def rank_side_by_side(ctx, transport):
+    """A Buffer and an ElasticBuffer of one group, calls interleaved (Buffer dispatch, ElasticBuffer
+    dispatch, Buffer combine, ElasticBuffer combine), then rank DEAD is SIGKILLed and both serve on:
+    each exact, each masking the dead rank by itself."""
+    from tests.test_faults import Shape, _buffer, _check_round, _gather_rounds, _mock_expert
+
+    plain = _buffer(ctx, transport)
+    elastic = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, transport=transport,
+                            disable_p2p=transport == "mooncake")
+    rounds = _gather_rounds(ctx, 2)
+    R, rank, E = ctx.num_ranks, ctx.rank, 4 * ctx.num_ranks
+    masks = []
+    for round_index, all_inputs in enumerate(rounds):
+        if round_index == 1 and rank == DEAD:
+            os.kill(os.getpid(), signal.SIGKILL)
+        mine = all_inputs[rank]
+        active = torch.ones(R, dtype=torch.int32)
+        recv, count, handle, _, _ = plain.dispatch(mine.x, mine.topk_idx, active, Shape.tokens, Shape.experts,
+                                                   TIMEOUT_US, use_fp8=False)
+        ours = [make_inputs(r, R, T, H, K, E, 20 + round_index) for r in range(R)]
+        e_active = torch.ones(R, dtype=torch.int32)
+        recv_x, _, recv_w, e_handle, _ = elastic.dispatch(ours[rank].x, topk_idx=ours[rank].topk_idx,
+                                                          topk_weights=ours[rank].topk_weights, num_experts=E,
+                                                          active_ranks=e_active, timeout_us=TIMEOUT_US)
+        in_dispatch = active.tolist()
+        combined, _, _ = plain.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active, TIMEOUT_US,
+                                       handle)
+        _check_round(ctx, all_inputs, in_dispatch, active.tolist(), recv, count, handle, combined)
+        heard = [r for r in range(R) if int(e_active[r])]
+        want = expected_dispatch(ours, rank, R, T, E, heard)
+        _same("elastic recv_x", recv_x, want["x"])
+        y_recv = expert_output(want["src_global"], K, H, 20 + round_index)
+        partial = ordered_sum(torch.where((want["local"] >= 0).unsqueeze(2), y_recv, torch.zeros_like(y_recv)))
+        e_combined, _, _ = elastic.combine(partial, e_handle, topk_weights=recv_w, active_ranks=e_active,
+                                           timeout_us=TIMEOUT_US)
+        contributing = [r for r in range(R) if int(e_active[r])]
+        y_own = expert_output(rank * T + torch.arange(ours[rank].x.size(0)), K, H, 20 + round_index)
+        _same("elastic combined", e_combined, expected_combine(y_own, ours[rank].topk_idx, E, R, [], contributing))
+        masks.append((active.tolist(), e_active.tolist()))
+    plain.destroy()
+    elastic.destroy()
+    return masks
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_a_buffer_and_an_elastic_buffer_of_one_group(transport):
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        outcomes = cluster.run(rank_side_by_side, transport, timeout_s=90, failure_grace_s=40)
+    without_dead = [0 if r == DEAD else 1 for r in range(NUM_RANKS)]
+    for outcome in outcomes:
+        if outcome.rank != DEAD:
+            assert outcome_value(outcome) == [([1] * NUM_RANKS,) * 2, (without_dead,) * 2], outcome
