@@ -87,11 +87,12 @@ def check_expanded(e_x, e_topk, e_w, e_handle, want, fp8: bool, alignment: int, 
         _same("expanded weights", e_w[rows], want["weights"][token, entry])
 
 
-def rank_v2_grid(ctx, transport: str, T: int, H: int, K: int, E: int, seed: int, empty_rank=None):
+def rank_v2_grid(ctx, transport: str, T: int, H: int, K: int, E: int, seed: int, empty_rank=None, max_num_bias=2):
     """V2's tests/elastic/test_ep.py pattern over the grid; every output checked bit for bit."""
     R, rank, L = ctx.num_ranks, ctx.rank, E // ctx.num_ranks
     buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, explicitly_destroy=True,
-                           transport=transport, disable_p2p=transport == "mooncake", num_cpu_timeout_secs=30)
+                           transport=transport, disable_p2p=transport == "mooncake", num_cpu_timeout_secs=30,
+                           max_num_bias=max_num_bias)
     everyone = list(range(R))
     all_inputs = [make_inputs(r, R, T, H, K, E, seed, empty_rank) for r in range(R)]
     mine = all_inputs[rank]
@@ -101,7 +102,7 @@ def rank_v2_grid(ctx, transport: str, T: int, H: int, K: int, E: int, seed: int,
     cases = 0
     for alignment in (1, 128):
         for fp8 in (False, True):
-            for num_bias in (0, 1, 2):
+            for num_bias in range(max_num_bias + 1):
                 for run_async in (False, True):
                     x = (mine.fp8, mine.sf) if fp8 else mine.x
                     bias = None if num_bias == 0 else mine.bias[0] if num_bias == 1 else tuple(mine.bias)
@@ -153,11 +154,21 @@ def rank_v2_grid(ctx, transport: str, T: int, H: int, K: int, E: int, seed: int,
 def test_v2_layouts_and_combine_are_exact(transport, num_ranks):
     """Every output of V2's test pattern equals the reference bit for bit, over the whole grid."""
     E = 8 * num_ranks // 2
-    values = harness.run(num_ranks, rank_v2_grid, transport, 12, 256, 4, E, 5, timeout_s=300)
+    # K=6 > num_ranks: a token reaches every rank, and its inner routing (one column per rank plus the two
+    # bias slots) is still within the inner Buffer's top-k bound.
+    values = harness.run(num_ranks, rank_v2_grid, transport, 12, 256, 6, E, 5, timeout_s=300)
     assert all(value["cases"] == 24 for value in values)
     assert all(value["received"] > 0 for value in values)
     routes = {"shm": ["shm"], "mooncake": ["te"], "collective": ["collective"]}[transport]
     assert all(value["transport"] == transport and value["routes"] == routes for value in values), values
+
+
+@pytest.mark.parametrize("max_num_bias", [0, 1])
+def test_fewer_bias_slots(max_num_bias):
+    """max_num_bias 0 or 1 (fewer copies at dispatch): the grid's cases with that many biases, exact; more
+    biases than that are refused by name (rank_misuse)."""
+    values = harness.run(2, rank_v2_grid, "shm", 12, 256, 6, 8, 13, None, max_num_bias, timeout_s=300)
+    assert all(value["cases"] == 8 * (max_num_bias + 1) for value in values)
 
 
 def test_a_rank_with_no_tokens():
@@ -215,6 +226,14 @@ def rank_misuse(ctx):
         ("bias", dict(bias=(mine.bias[0],) * 3)), ("bias", dict(bias=[mine.bias[0]])),
         ("active_ranks", dict(active_ranks=torch.ones(R, dtype=torch.int64))),
     ]
+    lean = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, transport="shm", max_num_bias=1)
+    _, _, lean_w, lean_handle, _ = lean.dispatch(mine.x, **good)
+    with pytest.raises(ValueError, match="bias"):
+        lean.combine(torch.zeros(lean_handle.num_recv_tokens, H, dtype=torch.bfloat16), lean_handle,
+                     topk_weights=lean_w, bias=tuple(mine.bias))
+    lean.combine(torch.zeros(lean_handle.num_recv_tokens, H, dtype=torch.bfloat16), lean_handle, topk_weights=lean_w,
+                 bias=mine.bias[0])
+    lean.destroy()
     for name, change in bad_combine:
         call = dict(x=partial, handle=handle, topk_weights=recv_w)
         call.update(change)
@@ -235,6 +254,7 @@ def rank_misuse(ctx):
         buffer.dispatch(mine.x, **good)
     constructor = [("num_cpu_bytes", dict(num_cpu_bytes=2 << 20)), ("num_topk", dict(num_topk=40)),
                    ("num_bytes", dict(num_max_tokens_per_rank=0)), ("explicitly_destroy", dict(explicitly_destroy=1)),
+                   ("max_num_bias", dict(max_num_bias=3)),
                    ("transport", dict(transport="rdma"))]
     for name, change in constructor:
         settings = dict(num_max_tokens_per_rank=T, hidden=H, num_topk=K)
@@ -247,7 +267,7 @@ def rank_misuse(ctx):
 
 def test_misuse_is_refused_by_name_and_the_buffer_keeps_serving():
     refused = harness.run(2, rank_misuse, timeout_s=120)
-    assert refused[0] == refused[1] == 36
+    assert refused[0] == refused[1] == 37
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])

@@ -135,8 +135,8 @@ def main(argv=None) -> int:
     Arguments:
         argv: command-line arguments (`--quick`, `--out FILE`, `--device cuda` for the GPU rows), or None for
             `sys.argv[1:]`; when the
-            first is `soak` (or `hosts`), the rest go to the soak (cross-host) benchmark (`bench.soak.main`,
-            `bench.hosts.main`).
+            first is `soak` (or `hosts`, `memory`, `elastic`), the rest go to that benchmark (`bench.soak.main`,
+            `bench.hosts.main`, `bench.memory.main`, `bench.elastic_bench.main`).
 
     Returns:
         status: int, 0 (failures raise); for `soak`, its status (1 when a check or the flatness
@@ -156,6 +156,10 @@ def main(argv=None) -> int:
         from mooncake_ep_switch.bench import hosts
 
         return hosts.main(argv[1:])
+    if argv[:1] == ["elastic"]:
+        from mooncake_ep_switch.bench import elastic_bench
+
+        return elastic_bench.main(argv[1:])
     if argv[:1] == ["memory"]:
         from mooncake_ep_switch.bench import memory
 

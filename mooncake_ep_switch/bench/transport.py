@@ -43,7 +43,7 @@ def rank_inputs(rank, shape: TransportShape, seed=0):
     return x, topk, weights
 
 
-def _timed(ctx, body, iters: int, warmup: int, batches: int = 5) -> float:
+def timed(ctx, body, iters: int, warmup: int, batches: int = 5) -> float:
     """Seconds per iteration: the median over `batches` batches (each started by a barrier) of the
     batch's mean. On a machine shared with other work, one batch that a burst of foreign load hits
     moves a mean over all iterations; the median of batch means ignores it (and would show a
@@ -63,7 +63,7 @@ def _timed(ctx, body, iters: int, warmup: int, batches: int = 5) -> float:
 
 
 def rank_buffer_round(ctx, transport: str, shape: TransportShape, iters: int, warmup: int, use_fp8=False):
-    """Seconds per dispatch + combine (bf16 unless use_fp8) on this rank (see `_timed`).
+    """Seconds per dispatch + combine (bf16 unless use_fp8) on this rank (see `timed`).
 
     Runs inside a `LocalCluster` rank; collective over `ctx.group`.
 
@@ -95,13 +95,13 @@ def rank_buffer_round(ctx, transport: str, shape: TransportShape, iters: int, wa
                                                  use_fp8=use_fp8)
             buffer.combine(y, topk, weights, active, 60_000_000, handle)
 
-        seconds = _timed(ctx, body, iters, warmup)
+        seconds = timed(ctx, body, iters, warmup)
         selections = int((topk >= 0).sum())
         return {"seconds": seconds, "selections": selections, "transport": buffer.transport}
 
 
 def rank_allgather_round(ctx, shape: TransportShape, iters: int, warmup: int):
-    """Seconds per all-gather + all-reduce baseline round on this rank (see `_timed`).
+    """Seconds per all-gather + all-reduce baseline round on this rank (see `timed`).
 
     Arguments:
         ctx: the `launch.RankContext`.
@@ -123,7 +123,7 @@ def rank_allgather_round(ctx, shape: TransportShape, iters: int, warmup: int):
         allgather_combine(ctx.group, ctx.rank, ctx.num_ranks, y, weights, x.size(0), shape.tokens, shape.experts,
                           state)
 
-    return {"seconds": _timed(ctx, body, iters, warmup)}
+    return {"seconds": timed(ctx, body, iters, warmup)}
 
 
 def memcpy_seconds(num_bytes: int, repeats: int = 20) -> float:
@@ -257,7 +257,7 @@ def rank_exchange_floor(ctx, shape: TransportShape, iters: int, warmup: int):
         dist.all_to_all_single(buffers[1], buffers[0], d_recv, d_send, group=ctx.group)
         dist.all_to_all_single(buffers[3], buffers[2], c_recv, c_send, group=ctx.group)
 
-    return {"seconds": _timed(ctx, body, iters, warmup), "bytes_sent": sum(d_send) + sum(c_send),
+    return {"seconds": timed(ctx, body, iters, warmup), "bytes_sent": sum(d_send) + sum(c_send),
             "exchanges": 2 if fixed else 3}
 
 

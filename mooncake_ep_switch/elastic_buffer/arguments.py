@@ -152,7 +152,7 @@ def dispatch_arguments(x, topk_idx, topk_weights, cumulative_local_expert_recv_s
 
 
 def combine_arguments(x, handle, topk_weights, bias, async_with_compute_stream, allocate_on_comm_stream,
-                      allow_multiple_reduction: bool):
+                      allow_multiple_reduction: bool, max_num_bias: int):
     """Check `ElasticBuffer.combine`'s arguments (see its docstring); returns the two biases (None where absent)."""
     if not isinstance(handle, EPHandle) or not isinstance(handle.route, lay.Route):
         raise TypeError(f"handle: expected an EPHandle from this ElasticBuffer's dispatch, got "
@@ -171,6 +171,10 @@ def combine_arguments(x, handle, topk_weights, bias, async_with_compute_stream, 
     biases = codec.split_bias(bias) if isinstance(bias, (torch.Tensor, tuple, type(None))) else None
     if biases is None or (isinstance(bias, tuple) and len(bias) != 2):
         raise TypeError("bias: expected None, a tensor or a pair of tensors")
+    given = sum(part is not None for part in biases)
+    if given > max_num_bias:
+        raise ValueError(f"bias: expected at most {max_num_bias} bias tensor(s) (the buffer's max_num_bias), "
+                         f"got {given}")
     for index, part in enumerate(biases):
         if part is not None:
             check_tensor(f"bias[{index}]" if isinstance(bias, tuple) else "bias", part, torch.bfloat16,

@@ -41,7 +41,7 @@ class ElasticBuffer:
                  allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
                  prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
                  num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
-                 *, transport: str = "auto", disable_p2p: bool = False, store=None):
+                 *, max_num_bias: int = 2, transport: str = "auto", disable_p2p: bool = False, store=None):
         """Build the buffer (a collective call: every rank of `group` builds one).
 
         Arguments:
@@ -60,6 +60,9 @@ class ElasticBuffer:
             num_gpu_timeout_secs: the default deadline of a call on CUDA tensors.
             explicitly_destroy: V2's flag; `destroy()` works either way here, and without it the
                 buffer is also released when garbage-collected.
+            max_num_bias: this runtime's keyword: how many bias tensors (0 to 2) a combine may add. Each
+                costs one more copy of every token to its own rank at dispatch (the bias enters the
+                owner's fp32 sum first, as in V2's reference); 0 when combine is never given a bias.
             transport: this runtime's keyword: "auto", "shm", "mooncake", "collective" or "cuda" (Buffer's).
             disable_p2p: this runtime's keyword (Mooncake's Buffer's): same-host peers over the Transfer
                 Engine too, not shared memory.
@@ -77,6 +80,7 @@ class ElasticBuffer:
         num_topk = check_int("num_topk", num_topk, 0, codec.MAX_TOPK)
         check_int("sl_idx", sl_idx, 0, 15)
         num_allocated_qps = check_int("num_allocated_qps", num_allocated_qps, 0)
+        self.max_num_bias = check_int("max_num_bias", max_num_bias, 0, 2)
         self.num_cpu_timeout_secs = check_int("num_cpu_timeout_secs", num_cpu_timeout_secs, 1, 10 ** 9)
         self.num_gpu_timeout_secs = check_int("num_gpu_timeout_secs", num_gpu_timeout_secs, 1, 10 ** 9)
         if num_bytes is None:
@@ -308,7 +312,7 @@ class ElasticBuffer:
 
         # The call: one inner dispatch of byte rows (no state of this buffer changed before it).
         inner_topk = handle.route.inner_topk if handle is not None else codec.inner_routing(topk_idx, num_experts, R,
-                                                                                            rank)
+                                                                                            rank, self.max_num_bias)
         packed = codec.pack_dispatch_rows(tokens, scales, topk_idx, topk_weights, width)
         recv, inner_handle = self._inner_dispatch(packed, inner_topk, active, timeout_us, T)
         row_index, src_global = lay.inner_sources(inner_handle, 0, T)
@@ -410,40 +414,50 @@ class ElasticBuffer:
         """
         self._alive()
         biases = arguments.combine_arguments(x, handle, topk_weights, bias, async_with_compute_stream,
-                                             allocate_on_comm_stream, self.allow_multiple_reduction)
+                                             allocate_on_comm_stream, self.allow_multiple_reduction,
+                                             self.max_num_bias)
         route, hidden, width = handle.route, x.size(1), handle.route.inner_handle[3]
         device = x.device
         active, timeout_us = self._call_mask(active_ranks, timeout_us, device)
         T = handle.num_max_tokens_per_rank
 
-        # This rank's partial per received token, and its entries' weights as exact byte columns.
+        # This rank's partial per received token, and its entries' weights as exact byte columns. Only these
+        # columns are read back from the sum (the rest of a row is never looked at, so never written).
         partial = lay.reduce_expanded(x, route.slots) if handle.do_expand else x
-        n = route.recv_src_global.numel()
-        send = torch.zeros((n, width), dtype=torch.bfloat16, device=device)
-        send[:, :hidden] = partial
+        encoded, columns = None, hidden
         if topk_weights is not None:
             mine = route.recv_local_topk >= 0
             if handle.do_expand:
                 weights = torch.where(mine, topk_weights[route.slots.clamp(min=0)], torch.zeros((), device=device))
             else:
                 weights = torch.where(mine, topk_weights, torch.zeros((), device=device))
-            send[:, hidden:hidden + 4 * route.num_topk] = codec.encode_weight_bytes(weights.to(torch.float32))
+            encoded = codec.encode_weight_bytes(weights.to(torch.float32))
+            columns = hidden + encoded.size(1)
 
         if not self._combinable(route):  # the inner dispatch's region half was reused: lay the routing out again
             empty = torch.zeros((route.num_tokens, width), dtype=torch.bfloat16, device=device)
             _, inner_handle = self._inner_dispatch(empty, route.inner_topk, active, timeout_us, T)
             route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_calls, False
         buffer, inner_handle = self._alive(), route.inner_handle
-        inner_x = buffer.get_next_combine_buffer(inner_handle)
+        inner_x = buffer.get_next_combine_buffer(inner_handle)[:, :, :columns]
         row_index, src_global = lay.inner_sources(inner_handle, 0, T)
-        where, known = lay.positions(route.recv_src_global, src_global)
-        inner_x[0, row_index[known]] = send[where[known]]
-        inner_x[0, row_index[~known]] = 0
+        n = route.recv_src_global.numel()
+        if lay.same_order(route.recv_src_global, src_global, row_index):
+            # The usual case: the inner rows are the received tokens in order; write the partials in place.
+            inner_x[0, :n, :hidden].copy_(partial)
+            if encoded is not None:
+                inner_x[0, :n, hidden:].copy_(encoded)
+        else:  # a re-dispatch whose sources differ (a rank died since): match the rows by source token
+            where, known = lay.positions(route.recv_src_global, src_global)
+            send = torch.cat([partial, encoded], dim=1) if encoded is not None else partial
+            inner_x[0, row_index[known]] = send[where[known]]
+            inner_x[0, row_index[~known]] = 0
         for slot, part in ((1, biases[0]), (2, biases[1])):
             bias_rows, bias_global = lay.inner_sources(inner_handle, slot, T)
-            inner_x[slot, bias_rows] = 0
-            if part is not None and bias_rows.numel():
-                inner_x[slot, bias_rows, :hidden] = part[bias_global - self.rank_idx * T]
+            if bias_rows.numel():
+                inner_x[slot, bias_rows] = 0
+                if part is not None:
+                    inner_x[slot, bias_rows, :hidden] = part[bias_global - self.rank_idx * T]
         ones = torch.ones(route.inner_topk.shape, dtype=torch.float32, device=device)
         out, _, _ = buffer.combine(inner_x, route.inner_topk, ones, active, timeout_us, inner_handle, zero_copy=True)
         route.combined = True

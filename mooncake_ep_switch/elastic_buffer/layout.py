@@ -24,7 +24,7 @@ class Route:
     dispatch or a combine's re-dispatch moves it to the newest inner call).
 
     Fields:
-        inner_topk: `[N, K + 2]` torch.int64, the owner's inner routing (`rows.inner_routing`).
+        inner_topk: `[N, min(K, R) + num_bias]` torch.int64, the owner's inner routing (`rows.inner_routing`).
         num_tokens, num_topk, hidden, use_fp8: the owner's call shape.
         recv_src_global: `[n]` torch.int64, the received tokens' `src_rank * T + token`, ascending.
         recv_local_topk: `[n, K]` torch.int64, their top-k ids local to this rank (-1: elsewhere).
@@ -152,6 +152,14 @@ def positions(keys: torch.Tensor, wanted: torch.Tensor) -> Tuple[torch.Tensor, t
         return torch.zeros_like(wanted), torch.zeros_like(wanted, dtype=torch.bool)
     where = torch.searchsorted(keys, wanted).clamp(max=keys.numel() - 1)
     return where, keys[where] == wanted
+
+
+def same_order(keys: torch.Tensor, wanted: torch.Tensor, row_index: torch.Tensor) -> bool:
+    """Whether rows `row_index` (holding `wanted`) are rows `0..n-1` holding exactly `keys` in order."""
+    n = keys.numel()
+    if wanted.numel() != n or row_index.numel() != n:
+        return False
+    return n == 0 or (torch.equal(row_index, torch.arange(n, device=row_index.device)) and torch.equal(keys, wanted))
 
 
 def scatter_rows(part: torch.Tensor, where: torch.Tensor, n: int) -> torch.Tensor:

@@ -134,8 +134,8 @@ def unpack_dispatch_rows(rows: torch.Tensor, hidden: int, num_topk: int, use_fp8
     return x, scales, topk_idx, topk_weights
 
 
-def inner_routing(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int) -> torch.Tensor:
-    """Each token's inner experts: its own two bias slots, then one data slot per destination rank,
+def inner_routing(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int, num_bias: int = 2) -> torch.Tensor:
+    """Each token's inner experts: its own `num_bias` bias slots, then one data slot per destination rank,
     ordered by the position of the rank's last entry in the token's top-k.
 
     Arguments:
@@ -143,9 +143,11 @@ def inner_routing(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank
         num_experts: `E`, a multiple of `num_ranks`.
         num_ranks: `R`.
         rank: this rank (the tokens' owner).
+        num_bias: bias slots (0 to 2): each copies the token to its owner once more at dispatch, so
+            that a combine may add that many bias tensors first.
 
     Returns:
-        inner_topk: `[N, K + 2]` torch.int64 inner expert ids (`3 * rank + j`), -1 padding last.
+        inner_topk: `[N, min(K, R) + num_bias]` torch.int64 inner expert ids (`3 * rank + j`), -1 padding last.
     """
     n, num_topk = topk_idx.shape
     device = topk_idx.device
@@ -157,8 +159,9 @@ def inner_routing(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank
     positions = torch.arange(num_topk, device=device).expand(n, num_topk)
     order = torch.sort(torch.where(last, positions, positions + num_topk), dim=1, stable=True).indices
     groups = torch.where(last, INNER_SLOTS * owner, torch.full_like(owner, -1)).gather(1, order)
-    bias = torch.tensor([INNER_SLOTS * rank + 1, INNER_SLOTS * rank + 2], dtype=torch.int64, device=device)
-    return torch.cat([bias.expand(n, 2), groups], dim=1)
+    groups = groups[:, :min(num_topk, num_ranks)]  # at most one column per rank (the inner top-k <= 3R)
+    bias = torch.tensor([INNER_SLOTS * rank + 1, INNER_SLOTS * rank + 2][:num_bias], dtype=torch.int64, device=device)
+    return torch.cat([bias.expand(n, num_bias), groups], dim=1)
 
 
 def encode_weight_bytes(weights: torch.Tensor) -> torch.Tensor:
