@@ -283,3 +283,63 @@ def test_v2_layouts_on_the_emulated_cuda_device(num_ranks):
                                             timeout_s=600))
     assert all(value["cases"] == 24 and value["received"] > 0 for value in values)
     assert all(value["transport"] == "cuda" and value["routes"] == ["cuda"] for value in values), values
+
+
+def test_the_benchmark_round_runs():
+    """`python -m mooncake_ep_switch.bench elastic` measures this round against the Buffer's (timing lives in
+    the benchmark; here it must run and count one rank's (token, destination) pairs)."""
+    from mooncake_ep_switch.bench import elastic_bench
+    from mooncake_ep_switch.bench import transport as tb
+
+    shape = tb.TransportShape(2, 8, 128, 8, 3)
+    values = harness.run(2, elastic_bench.rank_elastic_round, "shm", shape, 2, 1, timeout_s=120)
+    for rank, value in enumerate(values):
+        x, topk, _ = tb.rank_inputs(rank, shape)
+        owner = torch.div(topk, 4, rounding_mode="floor")
+        assert value["rank_pairs"] == int((owner == 0).any(1).sum() + (owner == 1).any(1).sum())
+        assert value["seconds"] > 0 and value["transport"] == "shm"
+
+
+def rank_out_of_order(ctx, transport):
+    """Three dispatches, then their combines in reverse order, each twice: the first two handles' inner
+    region halves were reused by later dispatches, so their combines lay the routing out again first;
+    every result exact."""
+    R, rank, T, H, K, E = ctx.num_ranks, ctx.rank, 10, 128, 4, 4 * ctx.num_ranks
+    buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, transport=transport,
+                           disable_p2p=transport == "mooncake")
+    everyone = list(range(R))
+    calls = []
+    for seed in (31, 32, 33):
+        all_inputs = [make_inputs(r, R, T, H, K, E, seed) for r in range(R)]
+        mine = all_inputs[rank]
+        expand = seed == 32
+        recv_x, _, recv_w, handle, _ = buffer.dispatch(mine.x, topk_idx=mine.topk_idx, topk_weights=mine.topk_weights,
+                                                       num_experts=E, do_expand=expand)
+        calls.append((seed, all_inputs, handle, recv_w, expand))
+    before = buffer._inner_calls
+    for seed, all_inputs, handle, recv_w, expand in reversed(calls):
+        mine = all_inputs[rank]
+        want = expected_dispatch(all_inputs, rank, R, T, E, everyone)
+        y_recv = expert_output(want["src_global"], K, H, seed)
+        if expand:
+            slots = handle.recv_src_metadata[:, 2:].to(torch.int64)
+            x = torch.zeros(handle.num_expanded_tokens, H, dtype=torch.bfloat16)
+            token, entry = torch.nonzero(slots >= 0, as_tuple=True)
+            x[slots[token, entry]] = y_recv[token, entry]
+        else:
+            x = ordered_sum(torch.where((want["local"] >= 0).unsqueeze(2), y_recv, torch.zeros_like(y_recv)))
+        y_own = expert_output(rank * T + torch.arange(mine.x.size(0)), K, H, seed)
+        for _ in range(2):
+            combined, weights, _ = buffer.combine(x, handle, topk_weights=recv_w, bias=mine.bias[0])
+            _same("combined_x", combined, expected_combine(y_own, mine.topk_idx, E, R, [mine.bias[0]], everyone))
+            _same("weights", weights, expected_weights(mine.topk_idx, mine.topk_weights, E, R, everyone))
+    redispatched = buffer._inner_calls - before
+    buffer.destroy()
+    return redispatched
+
+
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_handles_combined_out_of_order_and_twice(transport):
+    redispatched = harness.run(2, rank_out_of_order, transport, timeout_s=120)
+    # the last handle combines in place twice; each older one needs its routing laid out again once
+    assert redispatched == [2, 2], redispatched

@@ -118,7 +118,14 @@ def test_the_core_imports_no_feature_package(room):
     """buffer (the data plane) and the leaf modules (layouts, checks, config, faults, errors) import none
     of switch, eplb, models, bench."""
     graph = package_graph()
-    assert not {"switch", "eplb", "models", "bench", "apps", "launcher", "elastic"} & set(graph.get(room, {})), dict(graph[room])
+    assert not {"switch", "eplb", "models", "bench", "apps", "launcher", "elastic", "elastic_buffer"} & set(
+        graph.get(room, {})), dict(graph[room])
+
+
+def test_the_elastic_buffer_sits_on_the_buffer_only():
+    """elastic_buffer/ (DeepEP V2's API) is built on the Buffer alone: no switching, EPLB or entry points."""
+    graph = package_graph()
+    assert set(graph["elastic_buffer"]) <= {"buffer", "checks", "errors", "elastic_buffer"}, dict(graph["elastic_buffer"])
 
 
 def test_no_ctypes_in_the_package():
