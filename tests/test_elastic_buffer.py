@@ -188,7 +188,8 @@ def rank_misuse(ctx):
     all_inputs = [make_inputs(r, R, T, H, K, E, 3) for r in range(R)]
     mine = all_inputs[rank]
     good = dict(topk_idx=mine.topk_idx, topk_weights=mine.topk_weights, num_experts=E)
-    _, _, recv_w, handle, _ = buffer.dispatch(mine.x, **good)
+    # Mooncake's ElasticBuffer.dispatch keywords (num_sms=None, do_cpu_sync=None) are accepted too.
+    _, _, recv_w, handle, _ = buffer.dispatch(mine.x, num_sms=None, do_cpu_sync=None, **good)
     duplicate = mine.topk_idx.clone()
     duplicate[0, 1] = duplicate[0, 0] = 1
     bad_dispatch = [

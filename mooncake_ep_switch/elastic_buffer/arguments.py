@@ -100,8 +100,9 @@ def dispatch_arguments(x, topk_idx, topk_weights, cumulative_local_expert_recv_s
                         ("do_expand", do_expand), ("do_zero_padding", do_zero_padding),
                         ("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)):
         check_bool(name, value)
-    check_int("num_sms", num_sms, 0)
-    check_int("num_qps", num_qps, 0)
+    for name, value in (("num_sms", num_sms), ("num_qps", num_qps)):
+        if value is not None:  # Mooncake's dispatch defaults num_sms to None, V2's to 0
+            check_int(name, value, 0)
     if do_zero_padding and not do_expand:
         raise ValueError("do_zero_padding: expected False unless do_expand (padding exists only when expanded)")
     if handle is not None:
