@@ -456,8 +456,10 @@ class ElasticBuffer:
             bias_rows, bias_global = lay.inner_sources(inner_handle, slot, T)
             if bias_rows.numel():
                 inner_x[slot, bias_rows] = 0
-                if part is not None:
-                    inner_x[slot, bias_rows, :hidden] = part[bias_global - self.rank_idx * T]
+                token = bias_global - self.rank_idx * T
+                own = (token >= 0) & (token < route.num_tokens)  # only this rank's tokens route to its bias slots
+                if part is not None and bool(own.any()):
+                    inner_x[slot, bias_rows[own], :hidden] = part[token[own]]
         ones = torch.ones(route.inner_topk.shape, dtype=torch.float32, device=device)
         out, _, _ = buffer.combine(inner_x, route.inner_topk, ones, active, timeout_us, inner_handle, zero_copy=True)
         route.combined = True
