@@ -207,7 +207,7 @@ def rank_misuse(ctx):
         ("active_ranks", dict(active_ranks=torch.ones(R + 1, dtype=torch.int32))),
         ("timeout_us", dict(timeout_us=2 ** 63)),
         ("handle", dict(handle=object(), topk_idx=None)), ("topk_idx", dict(handle=handle)),
-        ("do_cpu_sync", dict(handle=handle, topk_idx=None, do_cpu_sync=True)),
+        ("do_cpu_sync", dict(handle=handle, topk_idx=None, do_cpu_sync=True)), ("do_cpu_sync", dict(do_cpu_sync="no")),
         ("do_expand", dict(handle=handle, topk_idx=None, do_expand=True)),
     ]
     refused = 0
@@ -224,7 +224,8 @@ def rank_misuse(ctx):
         ("x", dict(x=partial.float())), ("handle", dict(handle=(1, 2))),
         ("topk_weights", dict(topk_weights=torch.zeros(n, K + 1))),
         ("bias", dict(bias=torch.zeros(mine.x.size(0) + 1, H, dtype=torch.bfloat16))),
-        ("bias", dict(bias=(mine.bias[0],) * 3)), ("bias", dict(bias=[mine.bias[0]])),
+        ("bias", dict(bias=(mine.bias[0],) * 3)), ("bias", dict(bias=[mine.bias[0]])), ("bias", dict(bias=())),
+        ("bias", dict(bias=(mine.bias[0],))), ("bias", dict(bias=(None, mine.bias[0]))),
         ("active_ranks", dict(active_ranks=torch.ones(R, dtype=torch.int64))),
     ]
     lean = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, transport="shm", max_num_bias=1)
@@ -234,6 +235,10 @@ def rank_misuse(ctx):
                      topk_weights=lean_w, bias=tuple(mine.bias))
     lean.combine(torch.zeros(lean_handle.num_recv_tokens, H, dtype=torch.bfloat16), lean_handle, topk_weights=lean_w,
                  bias=mine.bias[0])
+    with pytest.raises(ValueError, match="handle: expected an EPHandle returned by this ElasticBuffer"):
+        buffer.combine(torch.zeros(lean_handle.num_recv_tokens, H, dtype=torch.bfloat16), lean_handle)
+    with pytest.raises(ValueError, match="handle: expected an EPHandle returned by this ElasticBuffer"):
+        buffer.dispatch(mine.x, handle=lean_handle)
     lean.destroy()
     for name, change in bad_combine:
         call = dict(x=partial, handle=handle, topk_weights=recv_w)
@@ -268,7 +273,7 @@ def rank_misuse(ctx):
 
 def test_misuse_is_refused_by_name_and_the_buffer_keeps_serving():
     refused = harness.run(2, rank_misuse, timeout_s=120)
-    assert refused[0] == refused[1] == 37
+    assert refused[0] == refused[1] == 41
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
@@ -317,7 +322,7 @@ def rank_out_of_order(ctx, transport):
         recv_x, _, recv_w, handle, _ = buffer.dispatch(mine.x, topk_idx=mine.topk_idx, topk_weights=mine.topk_weights,
                                                        num_experts=E, do_expand=expand)
         calls.append((seed, all_inputs, handle, recv_w, expand))
-    before = buffer._inner_calls
+    before = buffer._inner_dispatches
     for seed, all_inputs, handle, recv_w, expand in reversed(calls):
         mine = all_inputs[rank]
         want = expected_dispatch(all_inputs, rank, R, T, E, everyone)
@@ -334,7 +339,7 @@ def rank_out_of_order(ctx, transport):
             combined, weights, _ = buffer.combine(x, handle, topk_weights=recv_w, bias=mine.bias[0])
             _same("combined_x", combined, expected_combine(y_own, mine.topk_idx, E, R, [mine.bias[0]], everyone))
             _same("weights", weights, expected_weights(mine.topk_idx, mine.topk_weights, E, R, everyone))
-    redispatched = buffer._inner_calls - before
+    redispatched = buffer._inner_dispatches - before
     buffer.destroy()
     return redispatched
 
@@ -342,5 +347,6 @@ def rank_out_of_order(ctx, transport):
 @pytest.mark.parametrize("transport", ["shm", "collective"])
 def test_handles_combined_out_of_order_and_twice(transport):
     redispatched = harness.run(2, rank_out_of_order, transport, timeout_s=120)
-    # the last handle combines in place twice; each older one needs its routing laid out again once
+    # The last handle combines in place twice (its second combine takes a call number, reusing the second
+    # handle's region half); the second and the first then need their routing laid out again, once each.
     assert redispatched == [2, 2], redispatched

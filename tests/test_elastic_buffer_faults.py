@@ -64,7 +64,7 @@ def _round(ctx, buffer, seed: int, num_ranks: int, kill_point=None, expand=False
     y_own = expert_output(rank * T + torch.arange(mine.x.size(0)), K, H, seed)
     _same("combined_x", combined, expected_combine(y_own, mine.topk_idx, E, R, [mine.bias[0]], contributing))
     _same("combined weights", weights, expected_weights(mine.topk_idx, mine.topk_weights, E, R, contributing))
-    return {"mask": active.tolist(), "seconds": seconds, "heard": heard}
+    return {"mask": active.tolist(), "seconds": seconds, "heard": heard, "handle": handle}
 
 
 def rank_killed(ctx, transport, kill_point, pretend_hosts, expand):
@@ -76,9 +76,11 @@ def rank_killed(ctx, transport, kill_point, pretend_hosts, expand):
     finally:
         os.environ.pop("MEP_HOST_ID", None)
     first = _round(ctx, buffer, 1, ctx.num_ranks, expand=expand)
+    first.pop("handle")
     assert first["mask"] == [1] * ctx.num_ranks
     second = _round(ctx, buffer, 2, ctx.num_ranks, kill_point=kill_point, expand=expand)
     third = _round(ctx, buffer, 3, ctx.num_ranks, expand=expand)  # the dead rank stays out, exactly
+    second.pop("handle"), third.pop("handle")
     routes = sorted(set(buffer.runtime.peer_routes()) - {"self", None})
     buffer.destroy()
     return {"second": second, "third": third, "routes": routes}
@@ -111,7 +113,9 @@ def rank_start(ctx, transport):
     RANK_STATE["buffer"] = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
                                          transport=transport)
     RANK_STATE["transport"] = transport
-    return _round(ctx, RANK_STATE["buffer"], 1, 2)["mask"]
+    result = _round(ctx, RANK_STATE["buffer"], 1, 2)
+    RANK_STATE["old_handle"] = result["handle"]
+    return result["mask"]
 
 
 def rank_exit(ctx):
@@ -122,6 +126,9 @@ def rank_alone(ctx):
     """The survivor moves on alone: a view of itself, then an exact round without the dead rank."""
     buffer = RANK_STATE["buffer"]
     view = list(buffer.update_ep_member(timeout_s=20.0).ranks)
+    old = RANK_STATE.pop("old_handle")  # a handle from before update_ep_member(): refused, nothing moves
+    with pytest.raises(ValueError, match=r"handle: expected a handle of membership epoch"):
+        buffer.combine(torch.zeros(old.num_recv_tokens, H, dtype=torch.bfloat16), old)
     return {"view": view, "round": _round(ctx, buffer, 2, 2)["mask"]}
 
 
@@ -218,3 +225,50 @@ def test_a_buffer_and_an_elastic_buffer_of_one_group(transport):
     for outcome in outcomes:
         if outcome.rank != DEAD:
             assert outcome_value(outcome) == [([1] * NUM_RANKS,) * 2, (without_dead,) * 2], outcome
+
+
+# ---------------------------------------------------------------------- a source late at the first dispatch
+
+LATE_TIMEOUT_US = harness.FAULT_TIMEOUT_US
+
+
+def rank_late_then_back(ctx):
+    """Rank 1 is late for a dispatch (rank 0 masks it and its layout has none of rank 1's tokens), then both
+    reuse the handle with fresh all-ones masks: rank 0 cannot place rank 1's rows nor make partials for
+    tokens it never received, so it clears rank 1 (no zero row is ever passed off as its partial); rank 1
+    then clears rank 0 at its combine deadline. Every output exact for the ranks each mask keeps."""
+    R, rank, E = ctx.num_ranks, ctx.rank, 8
+    buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, transport="shm")
+    all_inputs = [make_inputs(r, R, T, H, K, E, 61) for r in range(R)]
+    mine = all_inputs[rank]
+    if rank == 1:
+        time.sleep(LATE_TIMEOUT_US / 1e6 + 0.5)
+    active = torch.ones(R, dtype=torch.int32)
+    recv_x, _, recv_w, handle, _ = buffer.dispatch(mine.x, topk_idx=mine.topk_idx, topk_weights=mine.topk_weights,
+                                                   num_experts=E, active_ranks=active, timeout_us=LATE_TIMEOUT_US)
+    first_mask = active.tolist()
+    heard = [r for r in range(R) if int(active[r])]
+    want = expected_dispatch(all_inputs, rank, R, T, E, heard)
+    _same("recv_x", recv_x, want["x"])
+    again = torch.ones(R, dtype=torch.int32)
+    cached_x, _, _, _, _ = buffer.dispatch(mine.x, handle=handle, active_ranks=again, timeout_us=LATE_TIMEOUT_US)
+    _same("cached recv_x", cached_x, want["x"])  # the handle's layout: the same rows
+    cached_mask = again.tolist()
+    y_recv = expert_output(want["src_global"], K, H, 61)
+    partial = ordered_sum(torch.where((want["local"] >= 0).unsqueeze(2), y_recv, torch.zeros_like(y_recv)))
+    combine_mask = torch.ones(R, dtype=torch.int32)
+    combined, weights, _ = buffer.combine(partial, handle, topk_weights=recv_w, active_ranks=combine_mask,
+                                          timeout_us=LATE_TIMEOUT_US)
+    contributing = [r for r in range(R) if int(combine_mask[r])]
+    y_own = expert_output(rank * T + torch.arange(mine.x.size(0)), K, H, 61)
+    _same("combined_x", combined, expected_combine(y_own, mine.topk_idx, E, R, [], contributing))
+    _same("weights", weights, expected_weights(mine.topk_idx, mine.topk_weights, E, R, contributing))
+    buffer.destroy()
+    return {"first": first_mask, "cached": cached_mask, "combine": combine_mask.tolist()}
+
+
+def test_a_source_late_at_the_dispatch_is_never_summed_as_zero():
+    with harness.fresh_cluster(2) as cluster:
+        values = harness.check_outcomes(cluster.run(rank_late_then_back, timeout_s=90))
+    assert values[0] == {"first": [1, 0], "cached": [1, 0], "combine": [1, 0]}, values
+    assert values[1]["combine"] == [0, 1], values  # rank 0 sent it nothing for its tokens: cleared at the deadline

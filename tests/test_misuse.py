@@ -462,3 +462,38 @@ def rank_late_combine_hook(ctx, transport):
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])
 def test_combine_hook_after_its_half_was_reused_is_refused(transport):
     assert all(harness.run(2, rank_late_combine_hook, transport))
+
+
+# ------------------------------------------------------------------ a first combine after its half was reused
+
+def rank_first_combine_after_reuse(ctx, transport):
+    """dispatch A, dispatch B, combine B, combine B again (a call of its own, on A's region half), then
+    combine A: refused, naming `handle`, before anything moves (a fast rank's rows would land in the half
+    a slow peer still reads B's second combine from); a handle three dispatches old likewise. Every
+    other combine exact, the Buffer exact after."""
+    with _buffer(ctx, transport) as buffer:
+        active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+        first, first_all = _inputs(ctx, 50)
+        handle_a, y_a = _dispatch(ctx, buffer, first, first_all, active, "sync")
+        second, second_all = _inputs(ctx, 51)
+        handle_b, y_b = _dispatch(ctx, buffer, second, second_all, active, "sync")
+        _combine_exact(ctx, buffer, second, y_b, active, handle_b, "sync")
+        _combine_exact(ctx, buffer, second, y_b, active, handle_b, "sync")
+        calls = buffer.latest_call
+        with pytest.raises(ValueError, match=r"^handle: expected the handle of one of the last two calls.*reused"):
+            buffer.combine(y_a, first.topk_idx, first.weights, active, TIMEOUT_US, handle_a)
+        assert buffer.latest_call == calls and active.tolist() == [1] * ctx.num_ranks
+        _healthy_round(ctx, buffer, 52)
+        old, old_all = _inputs(ctx, 53)
+        handle_old, y_old = _dispatch(ctx, buffer, old, old_all, active, "sync")
+        for seed in (54, 55):
+            _healthy_round(ctx, buffer, seed)
+        with pytest.raises(ValueError, match=r"^handle: expected the handle of one of the last two calls"):
+            buffer.combine(y_old, old.topk_idx, old.weights, active, TIMEOUT_US, handle_old)
+        _healthy_round(ctx, buffer, 56)
+    return True
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_first_combine_after_its_half_was_reused_is_refused(transport):
+    assert all(harness.run(2, rank_first_combine_after_reuse, transport))

@@ -16,7 +16,7 @@ from mooncake_ep_switch.buffer import device_calls, validation
 from mooncake_ep_switch.buffer.membership import elastic_view, replacement
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
 from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, check_combinable_again,
-                                               check_same_routing, complete_receive)
+                                               check_half_free, check_same_routing, complete_receive)
 from mooncake_ep_switch.buffer.layout import region_layout
 from mooncake_ep_switch.buffer.call_spec import CallSpecs
 from mooncake_ep_switch.buffer.completion import Completions
@@ -568,6 +568,12 @@ class Buffer:
         return packed, outputs.recv_count, handle, event, hook
 
     @property
+    def latest_call(self) -> int:
+        """The call number of the latest call that took one (a dispatch, or a combine of a handle combined
+        already): the signal tag sequence; a dispatch's first combine uses the dispatch's number."""
+        return self._core.call
+
+    @property
     def group_size(self) -> int:
         """The EP group size, Mooncake's name (SGLang's dispatcher reads it); the same as `num_ranks`."""
         return self.num_ranks
@@ -662,6 +668,8 @@ class Buffer:
         again = plan.combined
         if again:
             check_combinable_again(plan, self._core.last_plan)
+        else:
+            check_half_free(plan, self._core.call)
         check_same_routing(plan, topk_idx)
         complete_receive(plan)  # async_finish: the layout is complete once the dispatch's event is
         if len(self._core.members) < self.num_ranks:

@@ -28,7 +28,8 @@ from mooncake_ep_switch.buffer import validation
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
 from mooncake_ep_switch.buffer.core import BufferCore
 from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt, StreamEvent,
-                                               check_combinable, check_same_routing, complete_receive)
+                                               check_combinable, check_half_free, check_same_routing,
+                                               complete_receive)
 from mooncake_ep_switch.buffer.lifetime import guarded, once, with_receipt
 
 
@@ -130,6 +131,7 @@ def combine(core: BufferCore, x, topk_idx, topk_weights, active_ranks, timeout_u
     _check_aligned("out", out)
     plan = core.plan_of(handle)
     check_combinable(plan)
+    check_half_free(plan, core.call)
     if tuple(topk_idx.shape) != (plan.num_tokens, plan.top_k):
         validation.fail("topk_idx", f"the dispatch's shape [{plan.num_tokens}, {plan.top_k}]", list(topk_idx.shape))
     capturing = _capturing()

@@ -64,6 +64,18 @@ def check_combinable(plan: "DispatchPlan") -> None:
                          "transports combine it again until the next dispatch)")
 
 
+def check_half_free(plan: "DispatchPlan", latest_call: int) -> None:
+    """A dispatch's first combine takes the dispatch's call number and region half, so it must come before
+    any call two numbers later reuses that half: a dispatch after next, or a handle combined again (which
+    takes a call number of its own). ValueError naming `handle` otherwise, before anything moves (peers
+    may still be reading the later call's rows from that half)."""
+    if latest_call - plan.call >= 2:
+        raise ValueError(f"handle: expected the handle of one of the last two calls ({latest_call - 1} or "
+                         f"{latest_call}), got the handle of call {plan.call}, whose region half call "
+                         f"{plan.call + 2} reused (combine a dispatch before the call after next: a dispatch, or "
+                         "a combine of a handle combined already)")
+
+
 def check_combinable_again(plan: "DispatchPlan", latest: Optional["DispatchPlan"]) -> None:
     """A handle combined already is combined again only while it is the latest dispatch: a later dispatch
     reused or is about to reuse the region half its next combine needs. ValueError naming `handle`."""

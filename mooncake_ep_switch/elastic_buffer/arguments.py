@@ -105,6 +105,8 @@ def dispatch_arguments(x, topk_idx, topk_weights, cumulative_local_expert_recv_s
             check_int(name, value, 0)
     if do_zero_padding and not do_expand:
         raise ValueError("do_zero_padding: expected False unless do_expand (padding exists only when expanded)")
+    if do_cpu_sync is not None:
+        check_bool("do_cpu_sync", do_cpu_sync)
     if handle is not None:
         if not isinstance(handle, EPHandle) or not isinstance(handle.route, lay.Route):
             raise TypeError(f"handle: expected an EPHandle from this ElasticBuffer's dispatch, got "
@@ -169,9 +171,11 @@ def combine_arguments(x, handle, topk_weights, bias, async_with_compute_stream, 
     if topk_weights is not None:
         shape = (rows,) if handle.do_expand else (rows, route.num_topk)
         check_tensor("topk_weights", topk_weights, torch.float32, shape)
-    biases = codec.split_bias(bias) if isinstance(bias, (torch.Tensor, tuple, type(None))) else None
-    if biases is None or (isinstance(bias, tuple) and len(bias) != 2):
-        raise TypeError("bias: expected None, a tensor or a pair of tensors")
+    if not (bias is None or isinstance(bias, torch.Tensor)
+            or (isinstance(bias, tuple) and len(bias) == 2 and all(isinstance(b, torch.Tensor) for b in bias))):
+        raise TypeError(f"bias: expected None, a tensor or a pair of tensors, got {type(bias).__name__}"
+                        + (f" of {len(bias)}" if isinstance(bias, tuple) else ""))
+    biases = codec.split_bias(bias)
     given = sum(part is not None for part in biases)
     if given > max_num_bias:
         raise ValueError(f"bias: expected at most {max_num_bias} bias tensor(s) (the buffer's max_num_bias), "

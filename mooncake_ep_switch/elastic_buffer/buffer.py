@@ -109,8 +109,9 @@ class ElasticBuffer:
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
         self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
-        self._inner_calls = 0  # inner dispatches made; a handle's combine needs one of the last two
+        self._inner_dispatches = 0  # inner dispatches made (a handle is combined again only before the next)
         self._masks = {}  # device -> the buffer's own active_ranks when the caller passes none
+        self._token = object()  # the owner of this buffer's handles
 
     # ------------------------------------------------------------------ sizes and domains
     @staticmethod
@@ -216,10 +217,8 @@ class ElasticBuffer:
             runtime.destroy()
 
     def __del__(self):
-        try:
-            self.destroy()
-        except Exception:
-            pass
+        # Never block in a finalizer: dropping the inner Buffer runs its own __del__ (no waiting at all).
+        self.runtime = None
 
     def _alive(self) -> Buffer:
         if self.runtime is None:
@@ -228,7 +227,8 @@ class ElasticBuffer:
         return self.runtime
 
     def _mask(self, device) -> torch.Tensor:
-        key = str(device)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        key = str(device)  # one mask per device: a host buffer's barrier and calls share the "cpu" one
         if key not in self._masks:
             self._masks[key] = self._alive().active_mask().to(device)
         return self._masks[key]
@@ -243,7 +243,7 @@ class ElasticBuffer:
         buffer = self._alive()
         recv, _, handle, _, _ = buffer.dispatch(rows, inner_topk, active, num_max_tokens_per_rank,
                                                 codec.INNER_SLOTS * self.num_ranks, timeout_us, use_fp8=False)
-        self._inner_calls += 1
+        self._inner_dispatches += 1
         return recv, handle
 
     # ------------------------------------------------------------------ dispatch
@@ -307,6 +307,8 @@ class ElasticBuffer:
         tokens, scales, topk_idx, use_fp8, device = call.tokens, call.scales, call.topk_idx, call.use_fp8, call.device
         num_tokens, hidden, num_topk = call.num_tokens, call.hidden, call.num_topk
         num_experts, T, alignment, L = call.num_experts, call.num_max_tokens_per_rank, call.alignment, call.num_local
+        if handle is not None:
+            self._check_own(handle)
         active, timeout_us = self._call_mask(active_ranks, timeout_us, device)
         width = codec.inner_hidden(hidden, num_topk)
 
@@ -323,17 +325,22 @@ class ElasticBuffer:
             # The handle's layout again: rows from a source that sent nothing this time stay zero.
             n = route.recv_src_global.numel()
             where, known = lay.positions(route.recv_src_global, src_global)
+            _clear_sources(active, src_global[~known], T)  # rows the handle's layout has no place for
             got_x, got_scales, got_weights = (lay.scatter_rows(part[known], where[known], n) if part is not None
                                               else None for part in (got_x, got_scales, got_weights))
             local = route.recv_local_topk
-            route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_calls, False
+            arrived = torch.zeros(n, dtype=torch.bool, device=local.device)
+            arrived[where[known]] = True
+            received = lay.expert_counts(local[arrived], L).tolist()
+            route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_dispatches, False
         else:
             local = lay.local_topk(got_topk, rank, L)
             route = lay.Route(inner_topk, num_tokens, num_topk, hidden, use_fp8, src_global, local, None, 0,
-                              inner_handle, self._inner_calls)
+                              inner_handle, self._inner_dispatches, self._token, self.runtime.epoch)
         counts = lay.expert_counts(local, L).tolist()
         if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += torch.tensor(counts, dtype=torch.int32,
+            stats = received if handle is not None else counts  # only the pairs that arrived in this call
+            cumulative_local_expert_recv_stats += torch.tensor(stats, dtype=torch.int32,
                                                                device=cumulative_local_expert_recv_stats.device)
         weights_out = got_weights if topk_weights is not None else None
         if do_expand:
@@ -373,6 +380,16 @@ class ElasticBuffer:
                         recv_src_metadata=lay.src_metadata(src_global, route.recv_local_topk, route.slots, T),
                         dst_buffer_slot_idx=lay.dst_slots(topk_idx, num_experts, R), route=route)
 
+    def _check_own(self, handle: EPHandle) -> None:
+        """A handle of this buffer, from its current membership epoch (ValueError naming `handle`)."""
+        route = handle.route
+        if route.owner is not self._token:
+            raise ValueError("handle: expected an EPHandle returned by this ElasticBuffer's dispatch, got one of "
+                             "another buffer")
+        if route.epoch != self.runtime.epoch:
+            raise ValueError(f"handle: expected a handle of membership epoch {self.runtime.epoch}, got one of epoch "
+                             f"{route.epoch} (update_ep_member() ran since its dispatch: dispatch again)")
+
     def _call_mask(self, active_ranks, timeout_us, device) -> Tuple[torch.Tensor, int]:
         if active_ranks is None:
             active = self._mask(device)
@@ -393,7 +410,9 @@ class ElasticBuffer:
         the expanded layout and this rank first sums each token's rows in top-k order (fp32, rounded
         to bf16). The owner then computes, in fp32, `bias[0] + bias[1] + partials` with the partials in
         the order of each rank's last top-k entry, and rounds to bf16: V2's reference, bit for bit,
-        on every transport. A rank that is inactive or misses the deadline contributes nothing.
+        on every transport (but the sign of a zero sum: +0.0 where V2 may give -0.0). A rank that is
+        inactive or misses the deadline contributes nothing; a rank that sends this rank tokens it did
+        not receive at the dispatch is cleared in `active_ranks` (it gets no partial for them).
 
         Arguments:
             x: `[num_recv_tokens, hidden]` (expanded: `[num_expanded_tokens, hidden]`) torch.bfloat16.
@@ -417,27 +436,30 @@ class ElasticBuffer:
                                              allocate_on_comm_stream, self.allow_multiple_reduction,
                                              self.max_num_bias)
         route, hidden, width = handle.route, x.size(1), handle.route.inner_handle[3]
+        self._check_own(handle)
         device = x.device
         active, timeout_us = self._call_mask(active_ranks, timeout_us, device)
         T = handle.num_max_tokens_per_rank
 
         # This rank's partial per received token, and its entries' weights as exact byte columns. Only these
         # columns are read back from the sum (the rest of a row is never looked at, so never written).
+        # The weight columns are always written (zeros without topk_weights): an owner that asks for the
+        # weights must never decode bytes a rank that passed none left there.
         partial = lay.reduce_expanded(x, route.slots) if handle.do_expand else x
-        encoded, columns = None, hidden
-        if topk_weights is not None:
-            mine = route.recv_local_topk >= 0
-            if handle.do_expand:
-                weights = torch.where(mine, topk_weights[route.slots.clamp(min=0)], torch.zeros((), device=device))
-            else:
-                weights = torch.where(mine, topk_weights, torch.zeros((), device=device))
-            encoded = codec.encode_weight_bytes(weights.to(torch.float32))
-            columns = hidden + encoded.size(1)
+        mine = route.recv_local_topk >= 0
+        if topk_weights is None:
+            weights = torch.zeros(mine.shape, dtype=torch.float32, device=device)
+        elif handle.do_expand:
+            weights = torch.where(mine, topk_weights[route.slots.clamp(min=0)], torch.zeros((), device=device))
+        else:
+            weights = torch.where(mine, topk_weights, torch.zeros((), device=device))
+        encoded = codec.encode_weight_bytes(weights.to(torch.float32))
+        columns = hidden + encoded.size(1)
 
         if not self._combinable(route):  # the inner dispatch's region half was reused: lay the routing out again
             empty = torch.zeros((route.num_tokens, width), dtype=torch.bfloat16, device=device)
             _, inner_handle = self._inner_dispatch(empty, route.inner_topk, active, timeout_us, T)
-            route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_calls, False
+            route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_dispatches, False
         buffer, inner_handle = self._alive(), route.inner_handle
         inner_x = buffer.get_next_combine_buffer(inner_handle)[:, :, :columns]
         row_index, src_global = lay.inner_sources(inner_handle, 0, T)
@@ -445,13 +467,15 @@ class ElasticBuffer:
         if lay.same_order(route.recv_src_global, src_global, row_index):
             # The usual case: the inner rows are the received tokens in order; write the partials in place.
             inner_x[0, :n, :hidden].copy_(partial)
-            if encoded is not None:
-                inner_x[0, :n, hidden:].copy_(encoded)
-        else:  # a re-dispatch whose sources differ (a rank died since): match the rows by source token
+            inner_x[0, :n, hidden:].copy_(encoded)
+        else:  # a re-dispatch whose sources differ: match the rows by source token
             where, known = lay.positions(route.recv_src_global, src_global)
-            send = torch.cat([partial, encoded], dim=1) if encoded is not None else partial
-            inner_x[0, row_index[known]] = send[where[known]]
+            inner_x[0, row_index[known]] = torch.cat([partial, encoded], dim=1)[where[known]]
             inner_x[0, row_index[~known]] = 0
+            # Tokens this rank never received (their source was out at the dispatch, in now): it has no
+            # partial for them, so it sends that source nothing; the source's deadline then clears this
+            # rank there, which is exact (a zero row would be summed as if it were this rank's partial).
+            _clear_sources(active, src_global[~known], T)
         for slot, part in ((1, biases[0]), (2, biases[1])):
             bias_rows, bias_global = lay.inner_sources(inner_handle, slot, T)
             if bias_rows.numel():
@@ -466,15 +490,24 @@ class ElasticBuffer:
         combined_x = out[:, :hidden].contiguous()
         combined_weights = None
         if topk_weights is not None:
-            combined_weights = codec.decode_weight_bytes(out[:, hidden:], route.num_topk)
+            combined_weights = codec.decode_weight_bytes(out[:, hidden:columns], route.num_topk)
         return combined_x, combined_weights, EventOverlap(None)
 
     def _combinable(self, route: lay.Route) -> bool:
-        """Whether the inner Buffer still combines `route`'s inner dispatch: uncombined and one of the last
-        two dispatches (its region half not reused yet), or combined and the latest one."""
-        age = self._inner_calls - route.inner_call
-        return age == 0 if route.combined else age <= 1
+        """Whether the inner Buffer still combines `route`'s inner dispatch (its rules, `Buffer.combine`): a
+        first combine before any call two numbers later reused the dispatch's region half (a dispatch, or
+        a combine again, takes a number); a combine again only while no dispatch followed."""
+        if route.combined:
+            return route.inner_call == self._inner_dispatches
+        return self.runtime.latest_call - route.inner_handle.plan.call <= 1
 
     def __repr__(self) -> str:
         state = "destroyed" if self.runtime is None else f"transport={self.runtime.transport}"
         return f"ElasticBuffer(rank {self.rank_idx}/{self.num_ranks}, {state})"
+
+
+def _clear_sources(active: torch.Tensor, src_global: torch.Tensor, num_max_tokens_per_rank: int) -> None:
+    """Set to 0 in `active` the source ranks of `src_global` (`src_rank * T + token`)."""
+    if src_global.numel():
+        ranks = torch.unique(torch.div(src_global, num_max_tokens_per_rank, rounding_mode="floor"))
+        active[ranks.to(active.device)] = 0

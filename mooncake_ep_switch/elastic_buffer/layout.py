@@ -30,9 +30,12 @@ class Route:
         recv_local_topk: `[n, K]` torch.int64, their top-k ids local to this rank (-1: elsewhere).
         slots: `[n, K]` torch.int64 rows of the expanded layout (-1: not here), or None.
         num_slots: rows of the expanded layout (0 when not expanded).
-        inner_handle: the inner Buffer's dispatch handle of `inner_call`.
-        inner_call: the ElasticBuffer's count of inner dispatches when it was made.
+        inner_handle: the inner Buffer's dispatch handle (its plan's `call` is the dispatch's call number).
+        inner_call: the ElasticBuffer's count of inner dispatches when `inner_handle` was made.
         combined: whether `inner_handle` was combined already.
+        owner: the ElasticBuffer's token (a handle of another buffer is refused).
+        epoch: the inner Buffer's membership epoch at the dispatch (a handle from before an
+            `update_ep_member()` is refused).
     """
 
     inner_topk: torch.Tensor
@@ -46,6 +49,8 @@ class Route:
     num_slots: int
     inner_handle: Any
     inner_call: int
+    owner: object
+    epoch: int
     combined: bool = False
 
 
