@@ -9,7 +9,7 @@ from mooncake_ep_switch.checks import check_int, check_timeout
 from mooncake_ep_switch.elastic_buffer import arguments
 from mooncake_ep_switch.elastic_buffer import layout as lay
 from mooncake_ep_switch.elastic_buffer import rows as codec
-from mooncake_ep_switch.elastic_buffer.handle import EPHandle
+from mooncake_ep_switch.elastic_buffer.handle import EPHandle, new_handle
 
 _ALIGNMENT = 2 << 20  # V2's buffer sizes are multiples of 2 MB
 
@@ -325,7 +325,7 @@ class ElasticBuffer:
             # The handle's layout again: rows from a source that sent nothing this time stay zero.
             n = route.recv_src_global.numel()
             where, known = lay.positions(route.recv_src_global, src_global)
-            _clear_sources(active, src_global[~known], T)  # rows the handle's layout has no place for
+            lay.clear_sources(active, src_global[~known], T)  # rows the handle's layout has no place for
             got_x, got_scales, got_weights = (lay.scatter_rows(part[known], where[known], n) if part is not None
                                               else None for part in (got_x, got_scales, got_weights))
             local = route.recv_local_topk
@@ -355,30 +355,9 @@ class ElasticBuffer:
             out_scales = out_scales.t().contiguous().t()
         recv_x = (out_x, out_scales) if use_fp8 else out_x
         if handle is None:
-            handle = self._new_handle(route, do_expand, num_experts, alignment, T, num_sms, topk_idx, do_handle_copy,
-                                      counts, R, src_global)
+            handle = new_handle(route, do_expand, num_experts, alignment, T, num_sms, topk_idx, do_handle_copy,
+                                counts, R, src_global)
         return recv_x, recv_topk_out, out_weights, handle, EventOverlap(None)
-
-    def _new_handle(self, route: lay.Route, do_expand: bool, num_experts: int, alignment: int, T: int, num_sms: int,
-                    topk_idx: torch.Tensor, do_handle_copy: bool, counts, R: int, src_global: torch.Tensor) -> EPHandle:
-        device = src_global.device
-        per_source = torch.bincount(torch.div(src_global, T, rounding_mode="floor"), minlength=R)[:R]
-        aligned = [lay.align(c, alignment) for c in counts]
-        if do_expand:
-            starts = [sum(aligned[:j]) for j in range(len(counts))]
-            psum_expert = torch.tensor([s + c for s, c in zip(starts, counts)], dtype=torch.int32, device=device)
-            unaligned = torch.tensor(counts, dtype=torch.int32, device=device)
-        else:
-            psum_expert = torch.cumsum(torch.tensor(aligned, dtype=torch.int64), 0).to(torch.int32).to(device)
-            unaligned = None
-        return EPHandle(do_expand=do_expand, num_experts=num_experts, expert_alignment=alignment,
-                        num_max_tokens_per_rank=T, num_sms=num_sms, topk_idx=topk_idx.clone() if do_handle_copy
-                        else topk_idx, num_recv_tokens=src_global.numel(), num_expanded_tokens=route.num_slots,
-                        num_recv_tokens_per_expert_list=aligned,
-                        psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(per_source, 0).to(torch.int32),
-                        psum_num_recv_tokens_per_expert=psum_expert, num_unaligned_recv_tokens_per_expert=unaligned,
-                        recv_src_metadata=lay.src_metadata(src_global, route.recv_local_topk, route.slots, T),
-                        dst_buffer_slot_idx=lay.dst_slots(topk_idx, num_experts, R), route=route)
 
     def _check_own(self, handle: EPHandle) -> None:
         """A handle of this buffer, from its current membership epoch (ValueError naming `handle`)."""
@@ -475,7 +454,7 @@ class ElasticBuffer:
             # Tokens this rank never received (their source was out at the dispatch, in now): it has no
             # partial for them, so it sends that source nothing; the source's deadline then clears this
             # rank there, which is exact (a zero row would be summed as if it were this rank's partial).
-            _clear_sources(active, src_global[~known], T)
+            lay.clear_sources(active, src_global[~known], T)
         for slot, part in ((1, biases[0]), (2, biases[1])):
             bias_rows, bias_global = lay.inner_sources(inner_handle, slot, T)
             if bias_rows.numel():
@@ -505,9 +484,3 @@ class ElasticBuffer:
         state = "destroyed" if self.runtime is None else f"transport={self.runtime.transport}"
         return f"ElasticBuffer(rank {self.rank_idx}/{self.num_ranks}, {state})"
 
-
-def _clear_sources(active: torch.Tensor, src_global: torch.Tensor, num_max_tokens_per_rank: int) -> None:
-    """Set to 0 in `active` the source ranks of `src_global` (`src_rank * T + token`)."""
-    if src_global.numel():
-        ranks = torch.unique(torch.div(src_global, num_max_tokens_per_rank, rounding_mode="floor"))
-        active[ranks.to(active.device)] = 0

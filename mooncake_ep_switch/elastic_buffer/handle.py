@@ -3,6 +3,8 @@ from typing import Any, List, Optional
 
 import torch
 
+from mooncake_ep_switch.elastic_buffer import layout as lay
+
 
 class EPHandle:
     """Communication handle of `ElasticBuffer.dispatch`, with DeepEP V2's attributes.
@@ -66,3 +68,26 @@ class EPHandle:
         mode = "expanded" if self.do_expand else "not expanded"
         return (f"EPHandle({mode}, {self.num_recv_tokens} tokens received, E={self.num_experts}, "
                 f"T={self.num_max_tokens_per_rank}, alignment={self.expert_alignment})")
+
+
+def new_handle(route: lay.Route, do_expand: bool, num_experts: int, alignment: int, T: int, num_sms: int,
+               topk_idx: torch.Tensor, do_handle_copy: bool, counts, R: int, src_global: torch.Tensor) -> EPHandle:
+    """The handle of a new (not cached) dispatch: V2's attributes from its route and receive counts."""
+    device = src_global.device
+    per_source = torch.bincount(torch.div(src_global, T, rounding_mode="floor"), minlength=R)[:R]
+    aligned = [lay.align(c, alignment) for c in counts]
+    if do_expand:
+        starts = [sum(aligned[:j]) for j in range(len(counts))]
+        psum_expert = torch.tensor([s + c for s, c in zip(starts, counts)], dtype=torch.int32, device=device)
+        unaligned = torch.tensor(counts, dtype=torch.int32, device=device)
+    else:
+        psum_expert = torch.cumsum(torch.tensor(aligned, dtype=torch.int64), 0).to(torch.int32).to(device)
+        unaligned = None
+    return EPHandle(do_expand=do_expand, num_experts=num_experts, expert_alignment=alignment,
+                    num_max_tokens_per_rank=T, num_sms=num_sms, topk_idx=topk_idx.clone() if do_handle_copy
+                    else topk_idx, num_recv_tokens=src_global.numel(), num_expanded_tokens=route.num_slots,
+                    num_recv_tokens_per_expert_list=aligned,
+                    psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(per_source, 0).to(torch.int32),
+                    psum_num_recv_tokens_per_expert=psum_expert, num_unaligned_recv_tokens_per_expert=unaligned,
+                    recv_src_metadata=lay.src_metadata(src_global, route.recv_local_topk, route.slots, T),
+                    dst_buffer_slot_idx=lay.dst_slots(topk_idx, num_experts, R), route=route)

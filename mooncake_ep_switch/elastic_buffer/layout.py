@@ -205,3 +205,10 @@ def reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if bool(here.any()):
             acc[here] += x[column[here]].float()
     return acc.to(torch.bfloat16)
+
+
+def clear_sources(active: torch.Tensor, src_global: torch.Tensor, num_max_tokens_per_rank: int) -> None:
+    """Set to 0 in `active` the source ranks of `src_global` (`src_rank * T + token`)."""
+    if src_global.numel():
+        ranks = torch.unique(torch.div(src_global, num_max_tokens_per_rank, rounding_mode="floor"))
+        active[ranks.to(active.device)] = 0
