@@ -20,7 +20,7 @@ TIERS = {
                "test_te_endpoint", "test_readmit_regions", "test_eplb_online", "test_hosts_eplb",
                "test_elastic_buffer_faults"},
     # pretend hosts in network namespaces (root, ip, tc)
-    "multihost": {"test_hosts", "test_hosts_eplb", "test_faults", "test_partition"},
+    "multihost": {"test_hosts", "test_hosts_eplb", "test_faults", "test_partition", "test_elastic_buffer_faults"},
     # runs only where a CUDA device is (skipped elsewhere, never failed)
     "gpu": {"test_cuda", "test_cuda_sim"},
 }

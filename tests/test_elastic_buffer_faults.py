@@ -17,6 +17,7 @@ from mooncake_ep_switch import ElasticBuffer
 from mooncake_ep_switch.elastic import join
 from tests import harness
 from tests.harness import outcome_value
+from tests.netns import make_network  # noqa: F401 - a fixture (network namespaces as hosts)
 from tests.elastic_reference import (expected_combine, expected_dispatch, expected_weights, expert_output,
                                      make_inputs, ordered_sum)
 from tests.test_elastic_buffer import _same, check_dispatch
@@ -272,3 +273,35 @@ def test_a_source_late_at_the_dispatch_is_never_summed_as_zero():
         values = harness.check_outcomes(cluster.run(rank_late_then_back, timeout_s=90))
     assert values[0] == {"first": [1, 0], "cached": [1, 0], "combine": [1, 0]}, values
     assert values[1]["combine"] == [0, 1], values  # rank 0 sent it nothing for its tokens: cleared at the deadline
+
+
+# ---------------------------------------------------------------------- two hosts as network namespaces
+
+HOST_OF = [0, 0, 1, 1]  # ranks 0, 1 on host 0 and 2, 3 on host 1 (tests/netns.py): shm inside, TE across
+
+
+def test_v2_grid_across_namespace_hosts(make_network):
+    """The V2 grid on 2 hosts x 2 ranks, each host a network namespace: same-host peers over shared memory,
+    the others over the Transfer Engine on the veths; every output bit-exact against the reference."""
+    from tests.test_elastic_buffer import rank_v2_grid
+
+    network = make_network(2)
+    with harness.fresh_cluster(4, network=network.placement(HOST_OF)) as cluster:
+        values = harness.check_outcomes(cluster.run(rank_v2_grid, "auto", 12, 256, 6, 16, 17, timeout_s=600))
+    assert all(value["cases"] == 24 and value["transport"] == "mooncake" for value in values), values
+    assert all(value["routes"] == ["shm", "te"] for value in values), values
+
+
+def test_a_rank_killed_across_namespace_hosts(make_network):
+    """Rank DEAD (host 1) SIGKILLed between a dispatch and its combine: the survivors on both hosts exact
+    without it, within the deadlines."""
+    network = make_network(2)
+    with harness.fresh_cluster(4, network=network.placement(HOST_OF)) as cluster:
+        outcomes = cluster.run(rank_killed, "auto", "between", False, False, timeout_s=120, failure_grace_s=60)
+    assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
+    without_dead = [0 if r == DEAD else 1 for r in range(NUM_RANKS)]
+    for outcome in outcomes:
+        if outcome.rank != DEAD:
+            value = outcome_value(outcome)
+            assert value["routes"] == ["shm", "te"], value
+            assert value["second"]["mask"] == without_dead and value["third"]["mask"] == without_dead, value
