@@ -64,7 +64,7 @@ class ExpertMemory:
         layout: `"ep"` or `"tp"`, the layout the weights start in.
         max_tp_tokens: the most rows one TP all-reduce sums.
         phy2log: `[L, R * (E/R + redundant_per_rank)]` initial placement (see `initial_placement`),
-            or None for primaries only; used on the `"shm"` transport only.
+            or None for primaries only; used on the `"shm"` and `"cuda"` transports only.
         redundant_per_rank: redundant experts per rank (slots beyond the primaries).
         timeout_us: vote deadline of the rebalancer's commits.
         weights_from_peers: a replacement copies what live members hold (default True); False loads
@@ -82,6 +82,7 @@ class ExpertMemory:
                  max_tp_tokens: int, phy2log=None, redundant_per_rank: int = 0, timeout_us: int = 30_000_000,
                  weights_from_peers: bool = True):
         from mooncake_ep_switch.buffer import peer_regions
+        from mooncake_ep_switch.buffer.device_region import fence
         from mooncake_ep_switch.eplb.online import OnlineRebalancer
         from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
         from mooncake_ep_switch.switch import TPAllReduce, UnifiedWeights
@@ -91,7 +92,7 @@ class ExpertMemory:
             raise TypeError(f"layers: expected a sequence of layers, a callable returning one, or None, got "
                             f"{type(layers).__name__}")
         replacement = peer_regions.joined_state(buffer, UNIFIED_KIND) is not None
-        with_slots = buffer.transport == "shm" and phy2log is not None
+        with_slots = buffer.transport in ("shm", "cuda") and phy2log is not None
         loaded: List[Sequence] = []
 
         def full_layers() -> Sequence:  # the caller's weights, read at most once and only when needed
@@ -126,6 +127,9 @@ class ExpertMemory:
                     missing = restore_from_peers(self.unified, self.slots, live)
                     if missing:
                         load_missing(self.slots, full_layers(), missing)
+                    # device copies from the peers' memory have landed before anyone is told (a rebalance
+                    # may then reuse a frame this rank read from)
+                    fence(self.slots.device, timeout_us / 1e6 if timeout_us > 0 else 30.0)
                     total = self.unified.num_layers * slot_shape.slots_per_rank
                     counts = (total - len(missing), len(missing))
                 else:

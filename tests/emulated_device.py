@@ -10,7 +10,8 @@
   memory by host tensors; the synchronous copies by `_native.copy_bytes`;
 * torch.cuda's device, streams, events, graph-capture query and `Tensor.record_stream` by host
   stand-ins, in the modules of the cuda path (`buffer/transport/cuda.py`, `buffer/device_calls.py`,
-  `buffer/handle.py`) only.
+  `buffer/handle.py`, `buffer/device_region.py`) only; the queued block copies of switches and
+  rebalances (`copy_blocks_async`) by the host's `copy_blocks`, complete when they return.
 
 Everything else is the real code: Buffer, validation, `device_calls`, `CudaTransport` (endpoints,
 connect, peer table, control block, dead words, failed sources, destroy), membership and recovery.
@@ -71,7 +72,7 @@ def install():
     if _INSTALLED:
         return _INSTALLED[0]
     from mooncake_ep_switch import _cuda_sim, _native
-    from mooncake_ep_switch.buffer import device_calls, handle
+    from mooncake_ep_switch.buffer import device_calls, device_region, handle
     from mooncake_ep_switch.buffer.transport import cuda as cuda_transport
 
     regions, opened, host = {}, {}, {}
@@ -109,6 +110,13 @@ def install():
     fake.copy_to_device = fake.copy_to_host = lambda dst, src, nbytes: _native.copy_bytes(dst, src, nbytes)
     fake.device_count, fake.device_status = (lambda: 1), (lambda: "")
 
+    def copy_blocks_async(desc_ptr, n, dst_lo, dst_hi, src_lo, src_hi, stream):
+        _native.copy_blocks(desc_ptr, n, dst_lo, dst_hi, src_lo, src_hi)  # completes at once, in order
+        blocks = torch.frombuffer(_native.MappedBytes(desc_ptr, 48 * n), dtype=torch.int64).view(n, 6) if n else None
+        return int((blocks[:, 2] * blocks[:, 3]).sum()) if n else 0
+
+    fake.copy_blocks_async = copy_blocks_async
+
     @contextlib.contextmanager
     def on_stream(stream):
         yield
@@ -122,12 +130,12 @@ def install():
     on_host.device = lambda *args: torch.device("cpu")
 
     def as_tensor(obj, device=None):
-        if isinstance(obj, cuda_transport.DeviceAllocation):  # a view of the emulated device's region
+        if isinstance(obj, cuda_transport.DeviceMemory):  # a view of the emulated device's memory
             return torch.frombuffer(_native.MappedBytes(obj.ptr, obj.nbytes, obj), dtype=torch.uint8)
         return torch.as_tensor(obj, device=device)
 
     on_host.as_tensor = as_tensor
-    for module in (cuda_transport, device_calls, handle):
+    for module in (cuda_transport, device_calls, handle, device_region):
         module.torch = on_host
     cuda_transport._cuda = fake
     cuda_transport.cuda_unavailable_reason = lambda: ""

@@ -32,6 +32,12 @@ void ipc_close(uintptr_t ptr);
 void copy_to_device(uintptr_t dst, uintptr_t src, int64_t nbytes);
 void copy_to_host(uintptr_t dst, uintptr_t src, int64_t nbytes);
 void stream_synchronize(uintptr_t stream);
+// Queue the strided copies `desc` [n][6] int64 rows (dst, src, rows, row_bytes, dst_stride, src_stride) on
+// `stream` (cudaMemcpy2DAsync / cudaMemcpyAsync, device or IPC-mapped peer addresses), after checking every
+// block lies inside [dst_lo, dst_hi) and [src_lo, src_hi) (std::invalid_argument, nothing queued).
+// Returns the bytes queued; the caller orders what follows (an event on `stream`).
+int64_t copy_blocks_async(uintptr_t desc_ptr, int64_t n, uintptr_t dst_lo, uintptr_t dst_hi, uintptr_t src_lo,
+                          uintptr_t src_hi, uintptr_t stream);
 
 // ---- kernels (ep_kernels.cu) ----
 // Offsets of docs/protocol.md's region, from the CPU layout (region_layout): bytes inside a half,

@@ -100,6 +100,59 @@ void copy_to_host(uintptr_t dst, uintptr_t src, int64_t nbytes) {
           "cudaMemcpy (to host)");
 }
 
+namespace {
+
+// One end of a block (rows of row_bytes at stride from start) inside [lo, hi), or a message saying why not.
+std::string block_outside(int64_t index, const char* side, uintptr_t start, int64_t rows, int64_t row_bytes,
+                          int64_t stride, uintptr_t lo, uintptr_t hi) {
+    const std::string name = "copy_blocks_async: block " + std::to_string(index) + " " + side;
+    if (rows < 0 || row_bytes < 0 || stride < 0) return name + " has a negative rows/row_bytes/stride";
+    if (rows == 0 || row_bytes == 0) return "";
+    if (rows > 1 && stride < row_bytes) return name + " stride " + std::to_string(stride) + " < row_bytes";
+    int64_t span = 0;
+    uintptr_t end = 0;
+    if (__builtin_mul_overflow(rows - 1, stride, &span) || __builtin_add_overflow(span, row_bytes, &span) ||
+        __builtin_add_overflow(start, uintptr_t(span), &end))
+        return name + " extent overflows";
+    if (start < lo || end > hi)
+        return name + " [" + std::to_string(start) + ", " + std::to_string(end) + ") is outside its region [" +
+               std::to_string(lo) + ", " + std::to_string(hi) + ")";
+    return "";
+}
+
+}  // namespace
+
+int64_t copy_blocks_async(uintptr_t desc_ptr, int64_t n, uintptr_t dst_lo, uintptr_t dst_hi, uintptr_t src_lo,
+                          uintptr_t src_hi, uintptr_t stream) {
+    if (n < 0) throw std::invalid_argument("copy_blocks_async: n = " + std::to_string(n) + " must be >= 0");
+    if (n > 0 && !desc_ptr) throw std::invalid_argument("copy_blocks_async: desc_ptr is null");
+    const int64_t* desc = reinterpret_cast<const int64_t*>(desc_ptr);
+    for (int64_t i = 0; i < n; ++i) {  // every block checked before the first copy is queued
+        const int64_t* d = desc + 6 * i;
+        std::string why = block_outside(i, "destination", uintptr_t(d[0]), d[2], d[3], d[4], dst_lo, dst_hi);
+        if (why.empty()) why = block_outside(i, "source", uintptr_t(d[1]), d[2], d[3], d[5], src_lo, src_hi);
+        if (!why.empty()) throw std::invalid_argument(why);
+    }
+    const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t* d = desc + 6 * i;
+        int64_t rows = d[2], width = d[3];
+        if (rows == 0 || width == 0) continue;
+        void* dst = reinterpret_cast<void*>(uintptr_t(d[0]));
+        const void* src = reinterpret_cast<const void*>(uintptr_t(d[1]));
+        total += rows * width;
+        if (rows > 1 && (d[4] != width || d[5] != width)) {
+            check(cudaMemcpy2DAsync(dst, size_t(d[4]), src, size_t(d[5]), size_t(width), size_t(rows),
+                                    cudaMemcpyDefault, s),
+                  "cudaMemcpy2DAsync");
+        } else {  // one contiguous run
+            check(cudaMemcpyAsync(dst, src, size_t(rows * width), cudaMemcpyDefault, s), "cudaMemcpyAsync");
+        }
+    }
+    return total;
+}
+
 void stream_synchronize(uintptr_t stream) {
     check(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
 }

@@ -35,7 +35,7 @@ import weakref
 from typing import Dict, List, NamedTuple, Optional, Protocol, Sequence
 
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError, View
-from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, RemoteRegion
+from mooncake_ep_switch.buffer.shared_region import RemoteRegion
 
 
 class Participant(Protocol):
@@ -282,7 +282,7 @@ class PeerRegions:
         if route is None:
             incarnation = membership.incarnation_of(peer)  # an equal (pid, fd) of a newer incarnation is remapped
             for region, endpoint in zip(regions, record["regions"]):
-                region.map_peer(peer, RegionEndpoint(*endpoint), incarnation)
+                region.map_peer(peer, region.endpoint_from(endpoint), incarnation)
             return
         bases = record.get("te_bases")
         if bases is None:
@@ -319,9 +319,23 @@ def joined_state(buffer, kind: str) -> Optional[dict]:
     return None if registry is None else registry.joined_state(kind)
 
 
+def memory_device(buffer):
+    """The CUDA device whose memory a participant on `buffer` keeps its regions in, or None (host memory).
+
+    Arguments:
+        buffer: a `Buffer` (its transport's `device`: set on the `"cuda"` transport), or any object
+            without a `runtime` (host memory).
+
+    Returns:
+        device: torch.device or None.
+    """
+    runtime = getattr(buffer, "runtime", None)
+    return None if runtime is None else runtime.device
+
+
 def group_of(buffer):
     """The process group structures on `buffer` use for collectives: its current view's group."""
     return getattr(buffer, "process_group", None) or getattr(buffer, "group", None)
 
 
-__all__ = ["Participant", "PeerRegions", "register", "joined_state", "group_of"]
+__all__ = ["Participant", "PeerRegions", "register", "joined_state", "memory_device", "group_of"]

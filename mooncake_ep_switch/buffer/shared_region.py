@@ -111,6 +111,8 @@ class SharedRegion:
         nbytes: size of every rank's region, > 0.
     """
 
+    is_device = False  # host memory (`device_region.DeviceRegion` is the device's)
+
     def __init__(self, group, rank: int, num_ranks: int, nbytes: int):
         if nbytes <= 0:
             raise ValueError(f"nbytes: expected > 0, got {nbytes}")
@@ -132,6 +134,24 @@ class SharedRegion:
         self._peer_tensors[rank] = self.local
         self.remote: List[Optional[RemoteRegion]] = [None] * num_ranks  # peers reached over the TE
         self.te = None  # the TeEndpoint this region is registered with (peers on other hosts read it)
+
+    @staticmethod
+    def endpoint_from(fields) -> RegionEndpoint:
+        """A peer's published endpoint fields (pid, fd, nbytes) as a `RegionEndpoint`.
+
+        Arguments:
+            fields: sequence of three ints from the store or the group.
+
+        Returns:
+            endpoint: a `RegionEndpoint`.
+
+        Raises:
+            ValueError: not three ints (e.g. a device region's endpoint).
+        """
+        fields = list(fields) if isinstance(fields, (list, tuple)) else []
+        if len(fields) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in fields):
+            raise ValueError(f"endpoint: expected a host region's (pid, fd, nbytes), got {fields!r:.120}")
+        return RegionEndpoint(*fields)
 
     def connect(self, ranks: Optional[List[int]] = None) -> None:
         """Exchange endpoints over `group` and map every peer (or only `ranks`).

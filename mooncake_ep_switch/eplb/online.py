@@ -44,7 +44,7 @@ from typing import Deque, List, NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 
-from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer.device_region import copy_blocks, fence
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.checks import check_int, check_timeout
 from mooncake_ep_switch.eplb.slots import ExpertSlots, check_phy2log
@@ -326,8 +326,7 @@ class OnlineRebalancer:
                 staging.frames.append(frame)
                 if slots.is_mapped(src_rank):
                     blocks, src_range = slots.source_blocks(frame, src_rank, layer, src_slot)
-                    _native.copy_blocks(blocks.ctypes.data, blocks.shape[0], *slots.region_range(slots.rank),
-                                        *src_range)
+                    copy_blocks(blocks, slots.region_range(slots.rank), src_range, slots.device)
                 else:  # a holder on another host: one-sided Transfer Engine reads
                     slots.read_remote_frame(frame, src_rank, layer, src_slot, self._read_timeout_s())
                     staging.te_bytes += slots.frame_bytes
@@ -350,8 +349,13 @@ class OnlineRebalancer:
                     or tuple(active_ranks.shape) != (slots.num_ranks,)):
                 raise ValueError(f"active_ranks: expected a [{slots.num_ranks}] torch.int32 tensor, got "
                                  f"{getattr(active_ranks, 'shape', type(active_ranks).__name__)}")
-            active = active_ranks.numpy().copy()
+            active = active_ranks.cpu().numpy().copy()
         self._stage(staging, chunk.moves.shape[0], active)
+        if not staging.error:
+            try:  # a GO says this rank's frames are complete: device copies must have landed
+                fence(slots.device, self._read_timeout_s())
+            except TimeoutError as error:
+                staging.error = f"staging failed on rank {slots.rank}: {error}"
         reason = staging.error
         if not reason and active is not None and (active == 0).any():
             reason = f"ranks {np.nonzero(active == 0)[0].tolist()} are inactive in active_ranks on rank {slots.rank}"

@@ -8,7 +8,8 @@ rebalance (`eplb.online`) stages a slot's new expert into a free frame while the
 serving, and commits by switching one table entry: no copy at the commit and no address a
 running step uses ever changes under it.
 
-Region layout (a `SharedRegion`, mapped by every rank of the host):
+Region layout (a `SharedRegion`, or a `DeviceRegion` on the "cuda" transport, mapped by every rank of
+the host):
 
     [0, 4096)                     control page: [0, 8) receives a peer's frame-table entry read
                                   over the Transfer Engine; the rest is unused
@@ -40,7 +41,7 @@ import torch
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
-from mooncake_ep_switch.buffer.shared_region import SharedRegion
+from mooncake_ep_switch.buffer.device_region import new_region
 from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_indices
 from mooncake_ep_switch.buffer.ballot import Ballot
@@ -135,9 +136,9 @@ class ExpertSlots:
                  prefault: bool = True, primaries=None):
         if not isinstance(shape, SlotShape):
             raise TypeError(f"shape: expected a SlotShape, got {type(shape).__name__}")
-        if buffer.transport not in ("shm", "mooncake"):
-            raise ValueError("buffer: expert slots are moved one-sided (shared memory, or Transfer Engine reads "
-                             f"across hosts); expected a Buffer on transport 'shm' or 'mooncake', got "
+        if buffer.transport not in ("shm", "mooncake", "cuda"):
+            raise ValueError("buffer: expert slots are moved one-sided (shared memory, CUDA IPC, or Transfer Engine "
+                             f"reads across hosts); expected a Buffer on transport 'shm', 'cuda' or 'mooncake', got "
                              f"{buffer.transport!r}")
         num_layers = check_int("shape.num_layers", shape.num_layers, 1)
         num_logical = check_int("shape.num_logical_experts", shape.num_logical_experts, 1)
@@ -173,7 +174,7 @@ class ExpertSlots:
                 raise ValueError(f"primaries: expected {num_layers} layers of shape ({num_logical}, {hidden}, {inter}), "
                                  f"got {primaries.num_layers} of {tuple(primaries.shape)}")
             if primaries.region is None:
-                raise ValueError("primaries: expected a UnifiedWeights on the 'shm' transport")
+                raise ValueError("primaries: expected a UnifiedWeights on the 'shm' or 'cuda' transport")
             self.num_primary = num_logical // self.num_ranks
             if per_rank < self.num_primary:
                 raise ValueError(f"shape.slots_per_rank: expected >= {self.num_primary} (the primaries), got {per_rank}")
@@ -188,7 +189,8 @@ class ExpertSlots:
         self.frames_offset = CONTROL_BYTES + _round_up(num_layers * per_rank * 4, _PAGE)
         self.down_offset = self.frames_offset + self.num_frames * self.gate_up_bytes
         nbytes = self.down_offset + self.num_frames * self.down_bytes
-        self.region = SharedRegion(self.group, self.rank, self.num_ranks, nbytes)
+        self.device = peer_regions.memory_device(buffer)  # the frames' CUDA device ("cuda"), None: host memory
+        self.region = new_region(self.group, self.rank, self.num_ranks, nbytes, self.device)
         self._registry = getattr(buffer, "peer_regions", None)
         self.te_reads = 0  # frames staged from another host over the Transfer Engine
         self.te_read_bytes = 0
@@ -197,7 +199,7 @@ class ExpertSlots:
         # Votes and decisions of online rebalances (None without a store: a rebalance then refuses).
         self.ballot = None if membership is None or index is None else Ballot(membership, f"eplb/{index}", self.rank,
                                                                                self.num_ranks)
-        if prefault:
+        if prefault and not self.region.is_device:
             for peer in range(self.num_ranks):
                 if self.region.peer_bases[peer]:
                     _native.prefault(self.region.peer_bases[peer], nbytes)

@@ -39,7 +39,7 @@ import torch
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
-from mooncake_ep_switch.buffer.shared_region import SharedRegion
+from mooncake_ep_switch.buffer.device_region import new_region
 from mooncake_ep_switch.switch.kv_alloc import cdiv, alloc_group, alloc_unit
 from mooncake_ep_switch.switch.kv_meta import KVRequest, RankMeta, decode_meta, encode_meta
 from mooncake_ep_switch.switch.kv_plan import KVPlan, Planner
@@ -118,17 +118,18 @@ class PagedKVCache:
         self.requests: Dict[int, KVRequest] = {}
         self.refcount: Dict[int, int] = {}
         self.free = np.ones(units, dtype=bool)
-        self.region: Optional[SharedRegion] = None
+        self.region = None  # a SharedRegion, or a DeviceRegion on the "cuda" transport
         self._private: Optional[torch.Tensor] = None
-        if self.transport == "shm":
-            self.region = SharedRegion(self.group, self.rank, ranks, self.region_bytes)
+        if self.transport in ("shm", "cuda"):
+            device = peer_regions.memory_device(buffer)
+            self.region = new_region(self.group, self.rank, ranks, self.region_bytes, device)
             self.local = self.region.local
         else:
             self._private = torch.zeros(self.region_bytes, dtype=torch.uint8)
             self.local = self._private
         self._registry = getattr(buffer, "peer_regions", None)
         peer_regions.register(buffer, self, KIND)
-        if self.region is not None and prefault:
+        if self.region is not None and not self.region.is_device and prefault:
             for peer in range(ranks):
                 if self.region.peer_bases[peer]:
                     _native.prefault(self.region.peer_bases[peer], self.region_bytes)
@@ -333,6 +334,8 @@ class PagedKVCache:
         if shared:
             raise ValueError(f"start: request {rid} would write into shared page(s) {sorted(shared)}")
         hg = self.heads_per_unit
+        device = self.pool.device  # the pool's (a CUDA device on the "cuda" transport)
+        pages, offsets, k, v = pages.to(device), offsets.to(device), k.to(device), v.to(device)
         for index, group in enumerate(self.head_groups()):
             units = pages * self.num_ranks + group if self.layout == EP else pages
             heads_slice = slice(index * hg, (index + 1) * hg)
@@ -351,7 +354,7 @@ class PagedKVCache:
             k: `[H_kv/P, num_tokens, D]` torch.bfloat16.
             v: same.
         """
-        units = torch.tensor(self.units_of(rid, group), dtype=torch.int64)
+        units = torch.tensor(self.units_of(rid, group), dtype=torch.int64).to(self.pool.device)
         n = self.requests[rid].num_tokens
         hg, dim = self.heads_per_unit, self.config.head_dim
 
@@ -427,7 +430,7 @@ class PagedKVCache:
         nbytes = int(region[:8].view(torch.int64)[0])
         if nbytes <= 0 or nbytes > self.meta_bytes - _META_HEADER or nbytes % 8:
             raise ValueError(f"metadata: rank {rank} published a metadata length of {nbytes} bytes")
-        raw = region[_META_HEADER:_META_HEADER + nbytes].clone().numpy().view(np.int64)
+        raw = region[_META_HEADER:_META_HEADER + nbytes].to("cpu", copy=True).numpy().view(np.int64)
         try:
             return self.decode_meta(raw)
         except ValueError as error:

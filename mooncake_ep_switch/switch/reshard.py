@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer import device_region
 from mooncake_ep_switch.switch.unified_weights import EP, TP, UnifiedWeights
 
 EP_TO_TP = "ep->tp"
@@ -136,7 +136,7 @@ def slot_chunk_blocks(unified: UnifiedWeights, way: str, src_rank: int, dst_rank
     return chunk_blocks(unified, tp_rank, tp_gate_up, tp_down, ep_slot, ep_slot + split, way == EP_TO_TP)
 
 
-def copy(blocks: np.ndarray, dst_range: Tuple[int, int], src_range: Tuple[int, int]) -> int:
+def copy(blocks: np.ndarray, dst_range: Tuple[int, int], src_range: Tuple[int, int], device=None) -> int:
     """Copy `blocks` (checked against the regions first); returns the bytes copied.
 
     Arguments:
@@ -144,6 +144,8 @@ def copy(blocks: np.ndarray, dst_range: Tuple[int, int], src_range: Tuple[int, i
             src_stride)`, as from `chunk_blocks`.
         dst_range: (lo, hi) int addresses every destination byte must lie in.
         src_range: (lo, hi) int addresses every source byte must lie in.
+        device: the regions' CUDA torch.device (the copies are queued there: `device_region.fence`
+            before a peer is told), or None for host memory (copied before this returns).
 
     Returns:
         nbytes: int, `sum(rows * row_bytes)` over the blocks (0 for no blocks).
@@ -152,12 +154,7 @@ def copy(blocks: np.ndarray, dst_range: Tuple[int, int], src_range: Tuple[int, i
         ValueError: (from the native `copy_blocks`) a block with a negative field, an overflow, or
             an extent outside its range; nothing is copied then.
     """
-    blocks = np.ascontiguousarray(blocks, dtype=np.int64)
-    if blocks.size == 0:
-        return 0
-    _native.copy_blocks(blocks.ctypes.data, blocks.shape[0], dst_range[0], dst_range[1], src_range[0],
-                        src_range[1])
-    return int((blocks[:, 2] * blocks[:, 3]).sum())
+    return device_region.copy_blocks(blocks, dst_range, src_range, device)
 
 
 def collective_layer(unified: UnifiedWeights, way: str, layer: int, staging: torch.Tensor) -> int:

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.buffer import register_layout_switch
+from mooncake_ep_switch.buffer.device_region import fence
 from mooncake_ep_switch.buffer.peer_words import wait_peer_words
 from mooncake_ep_switch.errors import SwitchError, SwitchFenced  # noqa: F401 (re-exported)
 from mooncake_ep_switch.switch import reshard
@@ -155,6 +156,10 @@ class _Control:
         return (self.seq << 32) | step
 
     def publish(self, offset: int, value: int) -> None:
+        """Publish this rank's word at `offset`; on device memory only after every copy and write this
+        rank queued landed (a peer that sees the word may read or overwrite what it announces)."""
+        if self.unified.device is not None:
+            fence(self.unified.device, 30.0 if self.timeout_us < 0 else max(1.0, self.timeout_us / 1e6))
         _native.signal_publish(self.addr(self.rank, offset), self.word(value))
 
     def progress(self, rank: int) -> int:
@@ -438,7 +443,7 @@ def _weights_one_sided(unified: UnifiedWeights, control: _Control, source: str, 
         def push(dest: int) -> int:
             blocks = reshard.slot_chunk_blocks(unified, way, me, dest, unified.peer_slot_base(me, src_slot),
                                                unified.peer_slot_base(dest, dst_slot))
-            return reshard.copy(blocks, ranges[dest], ranges[me])
+            return reshard.copy(blocks, ranges[dest], ranges[me], unified.device)
 
         # Our own chunk first: our destination slot is the one we read in step t-1 (no wait).
         local += push(me)
@@ -470,7 +475,7 @@ def _weights_one_sided(unified: UnifiedWeights, control: _Control, source: str, 
             _, src_slot, dst_slot = order[t]
             blocks = reshard.slot_chunk_blocks(unified, way, peer, me, unified.peer_slot_base(peer, src_slot),
                                                unified.peer_slot_base(me, dst_slot))
-            remote += reshard.copy(blocks, ranges[me], ranges[peer])
+            remote += reshard.copy(blocks, ranges[me], ranges[peer], unified.device)
         if control.progress(peer) != before:
             raise SwitchError(f"rank {peer} was declared dead but kept making progress during the pull of its "
                               f"weights (switch {control.seq}); this rank's weights are inconsistent")
@@ -490,7 +495,7 @@ def _kv_one_sided(kv: PagedKVCache, plan: KVPlan, control: _Control, hook: StepH
             continue
         mine = moves[(moves[:, 0] == me) & (moves[:, 2] == dest)]
         blocks = kv.move_blocks(mine, kv.pool_base(me), kv.pool_base(dest))
-        moved = reshard.copy(blocks, kv.region_range(dest), kv.region_range(me))
+        moved = reshard.copy(blocks, kv.region_range(dest), kv.region_range(me), control.unified.device)
         if dest == me:
             local += moved
         else:
@@ -503,7 +508,7 @@ def _kv_one_sided(kv: PagedKVCache, plan: KVPlan, control: _Control, hook: StepH
     for peer in sorted(control.dead):
         theirs = moves[(moves[:, 0] == peer) & (moves[:, 2] == me)]
         blocks = kv.move_blocks(theirs, kv.pool_base(peer), kv.pool_base(me))
-        remote += reshard.copy(blocks, kv.region_range(me), kv.region_range(peer))
+        remote += reshard.copy(blocks, kv.region_range(me), kv.region_range(peer), control.unified.device)
     return remote, local, (time.perf_counter() - started) * 1e3
 
 

@@ -13,6 +13,11 @@ each `[R][max_tokens][H]` float32, plus signal words `[2][R]`.
 
 Collective fallback: `all_gather` of the partials, then the same rank-order sum (a dead peer
 cannot be survived there: the collective fails after the group's timeout).
+
+CUDA tensors (a Buffer on the `"cuda"` transport): the partials and the sum take the host protocol
+above (one device-to-host copy of `x`, one host-to-device copy of the result), so the TP layout keeps
+the same bits and the same fault handling as on the host. The rows are few (a TP step's tokens);
+NCCL is not used: its all-reduce order is not rank order, and a dead peer hangs it.
 """
 from typing import Optional
 
@@ -56,7 +61,7 @@ class TPAllReduce:
         self.slot_bytes = max_tokens * hidden * 4
         self.half_bytes = self.num_ranks * self.slot_bytes
         self.region: Optional[SharedRegion] = None
-        if self.transport == "shm":
+        if self.transport in ("shm", "cuda"):  # host words and partials, also for CUDA tensors (staged)
             nbytes = _SIGNALS_BYTES + ((16 * self.num_ranks + 4095) // 4096) * 4096 + 2 * self.half_bytes
             self.data_offset = nbytes - 2 * self.half_bytes
             self.region = SharedRegion(self.group, self.rank, self.num_ranks, nbytes)
@@ -97,7 +102,8 @@ class TPAllReduce:
             raise ValueError(f"active_ranks: expected a [{self.num_ranks}] torch.int32 tensor, got "
                              f"{getattr(active_ranks, 'shape', None)} {getattr(active_ranks, 'dtype', type(active_ranks))}")
         timeout_us = check_timeout(timeout_us)
-        x32 = x.float().contiguous()
+        device = x.device
+        x32 = x.float().contiguous().cpu()  # CUDA partials are staged through host memory (see module docstring)
         rows = x32.size(0)
         self.call += 1
         if self.region is None:
@@ -106,7 +112,7 @@ class TPAllReduce:
             out = torch.zeros_like(x32)
             for part in parts:
                 out += part
-            return out if float32_result else out.to(torch.bfloat16)
+            return (out if float32_result else out.to(torch.bfloat16)).to(device)
 
         tag = (self.call - 1) % _TAG_SPACE + 1
         half = self.call % 2
@@ -135,7 +141,7 @@ class TPAllReduce:
                 out += x32
             elif active[s] and s not in late and rows:
                 out += self._slot(self.rank, half, s, nbytes).view(torch.float32).view(rows, self.hidden)
-        return out if float32_result else out.to(torch.bfloat16)
+        return (out if float32_result else out.to(torch.bfloat16)).to(device)
 
     # ------------------------------------------------------------------ membership (peer_regions.Participant)
     def shared_regions(self) -> list:

@@ -17,9 +17,10 @@ Inside a slot the first part is gate/up, the second down:
 
 With gate and up sliced separately a TP rank computes SiLU(gate) * up for its slice locally.
 
-On the `"shm"` transport the region is a `SharedRegion` (peers write into it); on the collective
-fallback it is private memory. A second, small shared region holds the switch's control words
-(see `switcher.py`); it is not weight memory.
+On the `"shm"` transport the region is a `SharedRegion` (peers write into it); on `"cuda"` it is a
+`DeviceRegion` (device memory peers write into over CUDA IPC, the same views on the GPU); on the
+collective fallback it is private host memory. A second, small shared region of host memory holds
+the switch's control words (see `switcher.py`); it is not weight memory.
 """
 import os
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -29,6 +30,7 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.ballot import Ballot
+from mooncake_ep_switch.buffer.device_region import new_region
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.switch.shards import shard_ep, shard_tp
 from mooncake_ep_switch.checks import check_int
@@ -147,12 +149,13 @@ class UnifiedWeights:
         self.region_bytes = (self.num_layers + 1) * self.slot_bytes
         self.seq = 0 if joined is None else joined["seq"]  # switch sequence number, advanced in step by every rank
         self.dead_ranks: List[int] = []  # ranks found dead by a switch (need membership recovery)
-        self.one_sided = self.transport == "shm"
-        self.region: Optional[SharedRegion] = None
-        self.control: Optional[SharedRegion] = None
+        self.one_sided = self.transport in ("shm", "cuda")
+        self.device = peer_regions.memory_device(buffer)  # the weights' CUDA device ("cuda"), None: host memory
+        self.region = None  # a SharedRegion, or a DeviceRegion on the "cuda" transport
+        self.control: Optional[SharedRegion] = None  # host words peers poll, on every one-sided transport
         self._private: Optional[torch.Tensor] = None
         if self.one_sided:
-            self.region = SharedRegion(self.group, self.rank, num_ranks, self.region_bytes)
+            self.region = new_region(self.group, self.rank, num_ranks, self.region_bytes, self.device)
             self.control = SharedRegion(self.group, self.rank, num_ranks, self.control_bytes_for(num_ranks))
             self.local = self.region.local
         else:
@@ -168,6 +171,8 @@ class UnifiedWeights:
             self.ballot = Ballot(membership, f"switch/{index}", self.rank, num_ranks, what="switch_layout")
         if self.one_sided and prefault:
             for region in (self.region, self.control):
+                if region.is_device:
+                    continue  # device memory is resident from cudaMalloc on
                 for peer in range(num_ranks):
                     if region.peer_bases[peer]:
                         _native.prefault(region.peer_bases[peer], region.nbytes)
@@ -335,7 +340,7 @@ class UnifiedWeights:
         region = self.region.nbytes if self.region is not None else self._private.numel()
         weights = self.num_layers * self.layer_bytes
         static = weights
-        mapped = _mapping_bytes(self.base) if self.region is not None else 0
+        mapped = _mapping_bytes(self.base) if self.region is not None and not self.region.is_device else 0
         if mapped:  # compare mapped with mapped: a static layout's mapping is page-rounded too
             region = mapped
             page = os.sysconf("SC_PAGE_SIZE")
@@ -346,7 +351,7 @@ class UnifiedWeights:
 
     # ------------------------------------------------------------------ membership (peer_regions.Participant)
     def shared_regions(self) -> list:
-        """The regions peers map: `[region, control]` on `"shm"`, none otherwise.
+        """The regions peers map: `[region, control]` on `"shm"` and `"cuda"`, none otherwise.
 
         Returns:
             regions: list of `SharedRegion`.

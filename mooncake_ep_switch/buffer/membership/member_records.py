@@ -93,7 +93,7 @@ class MemberRecords(RecordStore):
             rank: EP rank in `[0, num_ranks)`.
 
         Returns:
-            record: dict with `"kind"` (str), `"regions"` (list of `[pid, fd, nbytes]`) and, on the
+            record: dict with `"kind"` (str), `"regions"` (list of `[pid, fd or CUDA IPC handle hex, nbytes]`) and, on the
                 `"mooncake"` transport, `"te_bases"` (list of int, each region's Transfer Engine
                 address), or None when that incarnation has published none (yet).
 
@@ -102,7 +102,7 @@ class MemberRecords(RecordStore):
         """
         incarnation = self.read_counter(f"incarnation/{rank}")
         return self._read(f"regions/{index}/{rank}/{incarnation}", valid_region_record,
-                          "region record (dict: kind str, regions list of [pid, fd, nbytes], te_bases list of int)")
+                          "region record (dict: kind str, regions list of [pid, fd or IPC handle hex, nbytes], te_bases list of int)")
 
     def peer_state(self, epoch: int) -> Optional[list]:
         """What the members published for the replacements admitted into `epoch` (see `publish_peer_state`).
@@ -137,14 +137,14 @@ class MemberRecords(RecordStore):
 
         Arguments:
             index: participant index, >= 0.
-            record: dict with `"kind"` (str), `"regions"` (list of `[pid, fd, nbytes]`) and optionally
+            record: dict with `"kind"` (str), `"regions"` (list of `[pid, fd or CUDA IPC handle hex, nbytes]`) and optionally
                 `"te_bases"` (one int address >= 1 per region, the region inside 64 bits).
 
         Raises:
             ValueError: `record` is not a valid region record.
         """
         if not valid_region_record(record):
-            raise ValueError(f"record: expected a dict with kind str and regions list of [pid, fd, nbytes], got "
+            raise ValueError(f"record: expected a dict with kind str and regions list of [pid, fd or IPC handle hex, nbytes], got "
                              f"{str(record)[:120]!r}")
         self._put(f"regions/{index}/{self.rank}/{self.incarnation}", record)
 

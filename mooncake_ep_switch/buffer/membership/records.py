@@ -71,12 +71,19 @@ def valid_endpoint(value) -> bool:
     return "te_base" not in value or _is_int(value["te_base"], 1, 1 << 64)
 
 
+def _is_region_key(value) -> bool:
+    """A host region's fd (int), or a device region's CUDA IPC handle (128 lowercase hex digits)."""
+    if isinstance(value, str):
+        return len(value) == 128 and all(c in "0123456789abcdef" for c in value)
+    return _is_int(value, 0, 1 << 31)
+
+
 def valid_region_record(value) -> bool:
     if not isinstance(value, dict) or not isinstance(value.get("kind"), str):
         return False
     regions = value.get("regions")
     if not (isinstance(regions, list) and len(regions) <= 64 and all(
-            isinstance(r, list) and len(r) == 3 and _is_int(r[0], 1, 1 << 31) and _is_int(r[1], 0, 1 << 31)
+            isinstance(r, list) and len(r) == 3 and _is_int(r[0], 1, 1 << 31) and _is_region_key(r[1])
             and _is_int(r[2], 1, 1 << 62) for r in regions)):
         return False
     bases = value.get("te_bases")  # Transfer Engine addresses, one per region (a Buffer on "mooncake")

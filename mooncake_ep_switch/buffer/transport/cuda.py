@@ -46,11 +46,27 @@ def cuda_unavailable_reason() -> str:
     return ""
 
 
-class DeviceAllocation:
-    """Device memory from `cudaMalloc` (zeroed), freed when the last reference goes.
+class DeviceMemory:
+    """A range of device memory addressable here, viewable by torch without a copy.
 
-    Exposes `__cuda_array_interface__`, so `torch.as_tensor(allocation, device=...)` views it
-    without a copy and keeps it alive as long as the view lives.
+    Exposes `__cuda_array_interface__`, so `device_view(memory, device)` (`torch.as_tensor`) views it and
+    keeps it alive as long as the view lives; subclasses release the memory when the last reference goes.
+
+    Attributes:
+        ptr: the device address (0 once released).
+        nbytes: size in bytes.
+    """
+
+    ptr = 0
+    nbytes = 0
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3, "strides": None}
+
+
+class DeviceAllocation(DeviceMemory):
+    """Device memory from `cudaMalloc` (zeroed), freed when the last reference goes.
 
     Arguments:
         nbytes: bytes to allocate (> 0).
@@ -61,10 +77,6 @@ class DeviceAllocation:
         self.nbytes = nbytes
         self.ptr = _cuda.device_alloc(nbytes, device)
 
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3, "strides": None}
-
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", 0), 0
         if ptr and _cuda is not None:
@@ -72,6 +84,42 @@ class DeviceAllocation:
                 _cuda.device_free(ptr)
             except RuntimeError:
                 pass  # the context is going away with the process
+
+
+class PeerDeviceMapping(DeviceMemory):
+    """Another process's allocation opened here by its CUDA IPC handle; closed when the last reference goes
+    (the caller synchronises the device first: nothing of ours may still copy through it).
+
+    Arguments:
+        handle: the 64-byte IPC handle the owner published.
+        nbytes: the allocation's size.
+        device: the CUDA device index to open it on.
+    """
+
+    def __init__(self, handle: bytes, nbytes: int, device: int):
+        self.nbytes = nbytes
+        self.ptr = _cuda.ipc_open(handle, device)
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr and _cuda is not None:
+            try:
+                _cuda.ipc_close(ptr)
+            except RuntimeError:
+                pass  # the exporting process is gone
+
+
+def device_view(memory: DeviceMemory, device: torch.device) -> torch.Tensor:
+    """`[nbytes]` torch.uint8 view of `memory` on `device` (no copy; the view keeps `memory` alive).
+
+    Arguments:
+        memory: a `DeviceMemory`.
+        device: its CUDA torch.device.
+
+    Returns:
+        view: `[memory.nbytes]` torch.uint8 tensor aliasing the memory.
+    """
+    return torch.as_tensor(memory, device=device)
 
 
 class CudaTransport:
@@ -103,7 +151,7 @@ class CudaTransport:
         self._failed: List[int] = []
         self.region = DeviceAllocation(num_ep_buffer_bytes, self.device.index)
         self.base = self.region.ptr
-        self.local = torch.as_tensor(self.region, device=self.device)  # [nbytes] uint8 view of the region
+        self.local = device_view(self.region, self.device)  # [nbytes] uint8 view of the region
         self.handle = _cuda.ipc_handle(self.base)
         # Pinned host words the device reads and writes: [0] abort, [1 + s] set when source s failed,
         # [1 + R + s] set by the peer watcher when s's process ended (the device waits stop on it).

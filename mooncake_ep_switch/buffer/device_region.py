@@ -1,0 +1,347 @@
+"""Device memory every rank of one host writes into: a `cudaMalloc` region shared by CUDA IPC.
+
+The "cuda" transport's counterpart of `shared_region.SharedRegion`, for the structures built on a
+Buffer whose bytes live on the GPU (the switch's unified weights, the KV-cache pages, the EPLB expert
+frames). It has the same surface (`local`, `peer_bases`, `peer(rank)`, `endpoint`, `connect`,
+`map_peer`, `unmap_peer`, `destroy`), so `peer_regions.PeerRegions` publishes, maps and re-maps it
+for a replacement exactly as it does host regions; the mechanism is the cuda transport's own
+(`transport/cuda.py`: `DeviceAllocation`, the IPC handle, `PeerDeviceMapping`).
+
+- The region is allocated once (zeroed) and never moves: every view an engine holds keeps its address
+  across any number of switches and membership changes.
+- Its endpoint is (pid, IPC handle, nbytes), published in the store; a peer opens it with
+  `cudaIpcOpenMemHandle` (between processes on one GPU, or over NVLink between GPUs of one host).
+  Peers on other hosts are refused: device regions are reached only by CUDA IPC.
+- `DeviceMoves` queues the moves (batches of strided blocks, `reshard.copy`'s format) straight from
+  one device address to another (a peer's, as mapped here) on one dedicated stream per device, and
+  `fence(deadline)` waits for them (and for everything queued before on the caller's stream) before
+  the caller publishes the host word that tells a peer they landed. Nothing is staged in host memory.
+- Control words stay in host memory (`SharedRegion`) and the decisions in the store: what peers
+  *poll* is never device memory.
+
+Releasing: `unmap_peer()` and `destroy()` synchronise the device first (no copy of ours still reads
+or writes through the mapping), then drop the region's references; the memory is unmapped / freed
+when the last tensor view of it goes.
+"""
+import os
+import time
+from typing import Dict, List, NamedTuple, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mooncake_ep_switch.buffer.transport import cuda as cuda_transport
+
+
+class DeviceEndpoint(NamedTuple):
+    """How a peer on the same host opens a device region.
+
+    Fields:
+        pid: process id of the owner.
+        handle: the region's CUDA IPC handle, hex (128 characters).
+        nbytes: region size.
+    """
+
+    pid: int
+    handle: str
+    nbytes: int
+
+
+class DeviceRegion:
+    """This rank's device region plus every same-host peer's region of the same size, opened by IPC.
+
+    Arguments:
+        group: process group for the endpoint exchange in `connect` (None when endpoints go through
+            the store).
+        rank: this rank.
+        num_ranks: number of ranks.
+        nbytes: size of every rank's region, > 0.
+        device: the CUDA torch.device (the Buffer's, `Buffer.runtime.device`).
+    """
+
+    is_device = True
+
+    def __init__(self, group, rank: int, num_ranks: int, nbytes: int, device: torch.device):
+        if nbytes <= 0:
+            raise ValueError(f"nbytes: expected > 0, got {nbytes}")
+        self.group, self.rank, self.num_ranks, self.nbytes, self.device = group, rank, num_ranks, nbytes, device
+        self._index = device.index or 0
+        self._memory: List[Optional[cuda_transport.DeviceMemory]] = [None] * num_ranks
+        self._memory[rank] = cuda_transport.DeviceAllocation(nbytes, self._index)
+        self.base = self._memory[rank].ptr
+        self.local = cuda_transport.device_view(self._memory[rank], device)
+        self.endpoint = DeviceEndpoint(os.getpid(), cuda_transport._cuda.ipc_handle(self.base).hex(), nbytes)
+        self.peer_bases: List[int] = [0] * num_ranks
+        self.peer_bases[rank] = self.base
+        self.peer_endpoints: List[Optional[DeviceEndpoint]] = [None] * num_ranks
+        self.peer_endpoints[rank] = self.endpoint
+        self._peer_incarnations: List[Optional[int]] = [None] * num_ranks
+        self._peer_tensors: List[Optional[torch.Tensor]] = [None] * num_ranks
+        self._peer_tensors[rank] = self.local
+        self.remote: List[None] = [None] * num_ranks  # device regions are never reached over the Transfer Engine
+        self.te = None
+
+    def endpoint_from(self, fields) -> DeviceEndpoint:
+        """A peer's published endpoint fields as a `DeviceEndpoint`, validated.
+
+        Arguments:
+            fields: sequence (pid, handle hex, nbytes) from the store or the group.
+
+        Returns:
+            endpoint: a `DeviceEndpoint`.
+
+        Raises:
+            ValueError: not three fields of those types (e.g. a host region's (pid, fd, nbytes)).
+        """
+        fields = list(fields) if isinstance(fields, (list, tuple)) else []
+        ok = len(fields) == 3
+        if ok:
+            pid, handle, nbytes = fields
+            ok = (isinstance(pid, int) and pid > 0 and isinstance(handle, str)
+                  and len(handle) == 2 * cuda_transport.IPC_HANDLE_BYTES and isinstance(nbytes, int))
+        if not ok:
+            raise ValueError(f"endpoint: expected a device region's (pid, 128-hex-digit IPC handle, nbytes), got "
+                             f"{fields!r:.120}")
+        return DeviceEndpoint(pid, handle, nbytes)
+
+    def connect(self, ranks: Optional[List[int]] = None) -> None:
+        """Exchange endpoints over `group` and open every peer's region (or only `ranks`); collective.
+
+        Arguments:
+            ranks: the peers to open, or None for every rank of the group.
+        """
+        endpoints: List = [None] * self.num_ranks
+        dist.all_gather_object(endpoints, tuple(self.endpoint), group=self.group)
+        for peer in range(self.num_ranks) if ranks is None else ranks:
+            if endpoints[peer] is not None:
+                self.map_peer(peer, self.endpoint_from(endpoints[peer]))
+        dist.barrier(group=self.group)  # nobody frees its region before every rank opened it
+
+    def map_peer(self, rank: int, endpoint: DeviceEndpoint, incarnation: Optional[int] = None) -> None:
+        """Open `rank`'s region at `endpoint`; a different endpoint or incarnation replaces the old one.
+
+        Arguments:
+            rank: the peer's rank (this rank: no-op).
+            endpoint: the peer's `DeviceEndpoint`.
+            incarnation: the peer's incarnation that published it (None: unknown, opened anew).
+
+        Raises:
+            ValueError: the peer's region has another size, or a malformed handle.
+            RuntimeError: the CUDA runtime cannot open the handle (e.g. its process ended).
+        """
+        if rank == self.rank:
+            return
+        if endpoint.nbytes != self.nbytes:
+            raise ValueError(f"endpoint: expected a region of {self.nbytes} bytes for rank {rank}, "
+                             f"got {endpoint.nbytes}")
+        if (self.peer_bases[rank] and self.peer_endpoints[rank] == endpoint and incarnation is not None
+                and self._peer_incarnations[rank] == incarnation):
+            return
+        self.unmap_peer(rank)
+        memory = cuda_transport.PeerDeviceMapping(bytes.fromhex(endpoint.handle), self.nbytes, self._index)
+        self._memory[rank] = memory
+        self.peer_bases[rank] = memory.ptr
+        self.peer_endpoints[rank] = endpoint
+        self._peer_incarnations[rank] = incarnation
+
+    def peer(self, rank: int) -> torch.Tensor:
+        """`[nbytes]` torch.uint8 view (on this device) of `rank`'s region as opened here.
+
+        Arguments:
+            rank: any rank; this rank gives `local`.
+
+        Returns:
+            view: the tensor (cached); it keeps the mapping open while it lives.
+
+        Raises:
+            RuntimeError: `rank` is not mapped.
+        """
+        if not self.peer_bases[rank]:
+            raise RuntimeError(f"rank: peer {rank} is not mapped")
+        if self._peer_tensors[rank] is None:
+            self._peer_tensors[rank] = cuda_transport.device_view(self._memory[rank], self.device)
+        return self._peer_tensors[rank]
+
+    def unmap_peer(self, rank: int) -> None:
+        """Close one peer's mapping (after every copy of ours through it ended); no-op if not mapped.
+
+        Arguments:
+            rank: the peer's rank.
+        """
+        if rank == self.rank or not self.peer_bases[rank]:
+            return
+        torch.cuda.synchronize(self.device)
+        self._peer_tensors[rank] = None
+        self._memory[rank] = None
+        self.peer_bases[rank] = 0
+        self.peer_endpoints[rank] = None
+
+    def register_te(self, te) -> None:
+        """Refused: a device region is reached only over CUDA IPC by ranks of its host."""
+        raise RuntimeError("register_te: device regions are not registered with a Transfer Engine (the 'cuda' "
+                           "transport reaches its peers over CUDA IPC on one host)")
+
+    def set_remote(self, rank: int, remote) -> None:
+        """Refused: see `register_te`."""
+        raise ValueError(f"rank {rank} is on another host; a device region is reached only over CUDA IPC")
+
+    def read_peer(self, rank: int, ranges, timeout_s: float) -> None:
+        """Refused: no peer of a device region is remote."""
+        raise RuntimeError(f"read_peer: rank {rank!r} is not reached over the Transfer Engine from rank {self.rank}")
+
+    def destroy(self) -> None:
+        """Close every peer mapping and release this rank's region (freed once no view holds it); idempotent."""
+        if not self.base:
+            return
+        for peer in range(self.num_ranks):
+            self.unmap_peer(peer)
+        self._peer_tensors = [None] * self.num_ranks
+        self._memory = [None] * self.num_ranks
+        self.local = None
+        self.peer_bases[self.rank] = 0
+        self.base = 0
+
+
+class DeviceMoves:
+    """The copies of switches and rebalances into device regions, on one dedicated stream.
+
+    Arguments:
+        device: the CUDA torch.device.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.queued_bytes = 0
+
+    def copy(self, blocks: np.ndarray, dst_range, src_range) -> int:
+        """Queue `blocks` after everything queued so far on the caller's stream (checked first).
+
+        Arguments:
+            blocks: `[n, 6]` int64 rows `(dst, src, rows, row_bytes, dst_stride, src_stride)`, device
+                addresses as mapped here.
+            dst_range: (lo, hi) int addresses every destination byte must lie in.
+            src_range: (lo, hi) int addresses every source byte must lie in.
+
+        Returns:
+            nbytes: int, the bytes queued.
+
+        Raises:
+            ValueError: a block outside its range (nothing queued).
+        """
+        blocks = np.ascontiguousarray(blocks, dtype=np.int64)
+        if blocks.size == 0:
+            return 0
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        queued = cuda_transport._cuda.copy_blocks_async(blocks.ctypes.data, blocks.shape[0], dst_range[0],
+                                                        dst_range[1], src_range[0], src_range[1],
+                                                        stream=self.stream.cuda_stream)
+        self.queued_bytes += queued
+        return queued
+
+    def fence(self, timeout_s: float) -> None:
+        """Wait until every queued move and everything queued before on the caller's stream completed.
+
+        Polls an event (yielding) up to `timeout_s`; the caller's stream then also waits for the moves.
+
+        Arguments:
+            timeout_s: deadline in seconds (> 0).
+
+        Raises:
+            TimeoutError: the device did not finish in time (a wedged device, never a slow peer:
+                copies do not wait for anybody).
+        """
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        deadline = time.monotonic() + timeout_s
+        pause = 1e-5
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the device did not finish {self.queued_bytes} queued bytes of moves within "
+                                   f"{timeout_s:.3g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+_MOVES: Dict[str, DeviceMoves] = {}
+
+
+def moves_for(device: torch.device) -> DeviceMoves:
+    """The process's `DeviceMoves` of `device` (made on first use).
+
+    Arguments:
+        device: a CUDA torch.device.
+
+    Returns:
+        moves: the `DeviceMoves`.
+    """
+    key = str(device)
+    moves = _MOVES.get(key)
+    if moves is None:
+        moves = _MOVES[key] = DeviceMoves(device)
+    return moves
+
+
+def copy_blocks(blocks: np.ndarray, dst_range, src_range, device: Optional[torch.device]) -> int:
+    """Copy `blocks` between regions (every block checked against its range first): on the host with the
+    native `copy_blocks` when `device` is None, else queued on `device`'s `DeviceMoves` stream (call
+    `fence` before telling a peer they landed).
+
+    Arguments:
+        blocks: `[n, 6]` int64 rows `(dst, src, rows, row_bytes, dst_stride, src_stride)`.
+        dst_range: (lo, hi) int addresses every destination byte must lie in.
+        src_range: (lo, hi) int addresses every source byte must lie in.
+        device: the regions' CUDA torch.device, or None (host memory).
+
+    Returns:
+        nbytes: int, `sum(rows * row_bytes)` (0 for no blocks).
+
+    Raises:
+        ValueError: a block with a negative field, an overflow, or an extent outside its range; nothing
+            is copied then.
+    """
+    blocks = np.ascontiguousarray(blocks, dtype=np.int64)
+    if blocks.size == 0:
+        return 0
+    if device is not None:
+        return moves_for(device).copy(blocks, dst_range, src_range)
+    from mooncake_ep_switch import _native
+
+    _native.copy_blocks(blocks.ctypes.data, blocks.shape[0], dst_range[0], dst_range[1], src_range[0], src_range[1])
+    return int((blocks[:, 2] * blocks[:, 3]).sum())
+
+
+def fence(device: Optional[torch.device], timeout_s: float) -> None:
+    """Wait until the moves queued on `device` completed (`DeviceMoves.fence`); no-op for host memory
+    (None: host copies complete before they return).
+
+    Arguments:
+        device: a CUDA torch.device, or None.
+        timeout_s: deadline in seconds (> 0).
+    """
+    if device is not None:
+        moves_for(device).fence(timeout_s)
+
+
+def new_region(group, rank: int, num_ranks: int, nbytes: int, device: Optional[torch.device]):
+    """The region a participant's peers write into: a `DeviceRegion` on `device`, a host `SharedRegion`
+    when `device` is None.
+
+    Arguments:
+        group, rank, num_ranks, nbytes: as `SharedRegion` / `DeviceRegion`.
+        device: the CUDA torch.device of the Buffer's transport, or None (host memory).
+
+    Returns:
+        region: a `DeviceRegion` or a `SharedRegion`.
+    """
+    if device is None:
+        from mooncake_ep_switch.buffer.shared_region import SharedRegion
+
+        return SharedRegion(group, rank, num_ranks, nbytes)
+    return DeviceRegion(group, rank, num_ranks, nbytes, device)
+
+
+__all__ = ["DeviceEndpoint", "DeviceRegion", "DeviceMoves", "copy_blocks", "fence", "moves_for", "new_region"]
