@@ -74,6 +74,7 @@ def install():
     from mooncake_ep_switch import _cuda_sim, _native
     from mooncake_ep_switch.buffer import device_calls, device_region, handle
     from mooncake_ep_switch.buffer.transport import cuda as cuda_transport
+    from mooncake_ep_switch.buffer.transport import device_memory
 
     regions, opened, host = {}, {}, {}
     fake = types.SimpleNamespace()
@@ -130,14 +131,14 @@ def install():
     on_host.device = lambda *args: torch.device("cpu")
 
     def as_tensor(obj, device=None):
-        if isinstance(obj, cuda_transport.DeviceMemory):  # a view of the emulated device's memory
+        if isinstance(obj, device_memory.DeviceMemory):  # a view of the emulated device's memory
             return torch.frombuffer(_native.MappedBytes(obj.ptr, obj.nbytes, obj), dtype=torch.uint8)
         return torch.as_tensor(obj, device=device)
 
     on_host.as_tensor = as_tensor
-    for module in (cuda_transport, device_calls, handle, device_region):
+    for module in (cuda_transport, device_calls, handle, device_region, device_memory):
         module.torch = on_host
-    cuda_transport._cuda = fake
+    cuda_transport._cuda = device_memory._cuda = fake
     cuda_transport.cuda_unavailable_reason = lambda: ""
     torch.Tensor.record_stream = lambda self, stream: None
     _INSTALLED.append(fake)

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason
 from mooncake_ep_switch.launcher.launch import check_outcomes
@@ -253,6 +254,9 @@ def rank_eplb(ctx) -> dict:
         buffer = Buffer(ctx.group, size, transport=transport)
         slots = ExpertSlots(buffer, SlotShape(MOE_LAYERS, EPLB_EXPERTS, EPLB_SLOTS, H, I), old, spare_frames=EPLB_SLOTS)
         slots.load(weights)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)  # no rank stages from a peer's frame before that peer loaded it
         rebalancer = OnlineRebalancer(slots, timeout_us=TIMEOUT_US, frames_per_step=1)
         device = buffer.runtime.device or torch.device("cpu")
         try:
@@ -307,3 +311,129 @@ def test_emulated_online_eplb_abort_then_commit_match_the_host_path():
 @gpu
 def test_gpu_online_eplb_abort_then_commit_match_the_host_path():
     _eplb(emulated=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Re-admission: a replacement's slots copied from the members' device copies, then a switch and a commit
+# ---------------------------------------------------------------------------------------------
+_STATE = {}
+
+
+def _memory(buffer, loader):
+    from mooncake_ep_switch.expert_memory import ExpertMemory
+    from mooncake_ep_switch.switch import WeightShape
+    from tests import test_readmit_regions as readmit
+
+    return ExpertMemory(buffer, WeightShape(readmit.EXPERTS, readmit.HIDDEN, readmit.INTER), loader, layout="ep",
+                        max_tp_tokens=readmit.R * readmit.TOKENS, phy2log=readmit.COVERED,
+                        redundant_per_rank=readmit.REDUNDANT, timeout_us=readmit.TIMEOUT_US)
+
+
+def _slots_exact(memory, weights) -> bool:
+    slots = memory.slots
+    return all(torch.equal(slots.expert(layer, slot)[0].cpu(), weights[layer].gate_up[expert])
+               and torch.equal(slots.expert(layer, slot)[1].cpu(), weights[layer].down[expert])
+               for layer in range(slots.shape.num_layers) for slot, expert in enumerate(slots.local_experts(layer)))
+
+
+def rank_readmit_setup(ctx) -> dict:
+    """Members: a "cuda" Buffer and ExpertMemory (placement COVERED: every slot of rank DEAD has a copy on a
+    member), one switch EP -> TP -> EP; rank DEAD is then SIGKILLed. A replacement: its Buffer only."""
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.elastic import join
+    from tests import test_readmit_regions as readmit
+
+    _use_device()
+    size = Buffer.get_ep_buffer_size_hint(readmit.TOKENS, readmit.HIDDEN, readmit.R, readmit.R * readmit.PER_RANK)
+    if ctx.group is None:  # the replacement: builds its memory once admitted
+        _STATE["buffer"] = Buffer(join(ctx.store, ctx.rank, ctx.num_ranks), size, transport="cuda")
+        return {}
+    buffer = _STATE["buffer"] = Buffer(ctx.group, size, transport="cuda")
+    memory = _STATE["memory"] = _memory(buffer, readmit._load)
+    switched = [buffer.switch_layout(target, weights=memory.unified, timeout_us=TIMEOUT_US).outcome
+                for target in ("tp", "ep")]
+    if ctx.rank == readmit.DEAD:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"switched": switched, "regions": [type(r).__name__ for r in memory.slots.shared_regions()]}
+
+
+def rank_readmit(ctx) -> dict:
+    """update_ep_member() everywhere; the replacement then builds its ExpertMemory (weights from peers)."""
+    from tests import test_readmit_regions as readmit
+
+    buffer = _STATE["buffer"]
+    deadline = time.monotonic() + 60
+    while ctx.rank != readmit.DEAD and readmit.DEAD not in buffer.pending_joiners():
+        assert time.monotonic() < deadline, "the replacement never asked to join"
+        time.sleep(0.01)
+    view = buffer.update_ep_member(timeout_s=60)
+    result = {"view": list(view.ranks)}
+    if ctx.rank == readmit.DEAD:
+        loads = []
+        memory = _STATE["memory"] = _memory(buffer, lambda: loads.append(1) or readmit._load())
+        result.update(restored=tuple(memory.restored), loads=len(loads), slots_exact=_slots_exact(memory, readmit._load()),
+                      seq=memory.unified.seq, device=str(memory.slots.region.local.device))
+    return result
+
+
+def rank_after_readmit(ctx) -> dict:
+    """Every rank: switch EP -> TP (views exact) -> EP, then an online rebalance committed (frames exact)."""
+    from mooncake_ep_switch.reference.moe_block import shard_tp
+    from tests import test_readmit_regions as readmit
+
+    buffer, memory = _STATE["buffer"], _STATE["memory"]
+    weights = readmit._load()
+    to_tp = buffer.switch_layout("tp", weights=memory.unified, timeout_us=TIMEOUT_US).outcome
+    views = all(torch.equal(memory.unified.view(layer, "tp")[0].cpu(), shard_tp(w.gate_up, w.down, ctx.rank, readmit.R)[0])
+                and torch.equal(memory.unified.view(layer, "tp")[1].cpu(), shard_tp(w.gate_up, w.down, ctx.rank, readmit.R)[1])
+                for layer, w in enumerate(weights))
+    to_ep = buffer.switch_layout("ep", weights=memory.unified, timeout_us=TIMEOUT_US).outcome
+    target = readmit._placement(1)
+    memory.rebalancer.begin(target, commit_step=3)
+    reports = []
+    for step in range(1, 5):
+        reports += memory.rebalancer.step(step, None)
+    result = {"switches": [to_tp, to_ep], "tp_views": views,
+              "reports": [(r.outcome, r.commit_step) for r in reports],
+              "placement": bool(np.array_equal(memory.slots.phy2log, target)), "frames": _slots_exact(memory, weights)}
+    memory.destroy()
+    buffer.destroy()
+    return result
+
+
+def _readmitted(emulated: bool) -> None:
+    from tests import test_readmit_regions as readmit
+
+    with harness.fresh_cluster(readmit.R) as cluster:
+        outcomes = cluster.run(*on_device(rank_readmit_setup, emulated), timeout_s=120, failure_grace_s=30)
+        assert not outcomes[readmit.DEAD].ok and outcomes[readmit.DEAD].exitcode == -signal.SIGKILL
+        for outcome in outcomes:
+            if outcome.rank != readmit.DEAD:
+                value = harness.outcome_value(outcome)
+                assert value["switched"] == ["completed", "completed"], value
+                assert value["regions"] == ["DeviceRegion"], value
+        cluster.respawn(readmit.DEAD)
+        check_outcomes(cluster.run(*on_device(rank_readmit_setup, emulated), ranks=[readmit.DEAD], timeout_s=120))
+        admitted = check_outcomes(cluster.run(*on_device(rank_readmit, emulated), timeout_s=120))
+        assert [value["view"] for value in admitted] == [list(range(readmit.R))] * readmit.R
+        replacement = admitted[readmit.DEAD]
+        # every slot of the replacement copied from the members' device copies; the loader never called
+        assert replacement["restored"] == (readmit.LAYERS * readmit.PER_RANK, 0, False), replacement
+        assert replacement["loads"] == 0 and replacement["slots_exact"], replacement
+        assert replacement["seq"] == 2, replacement  # the members' switch sequence was taken over
+        if not emulated:
+            assert replacement["device"].startswith("cuda"), replacement
+        after = check_outcomes(cluster.run(*on_device(rank_after_readmit, emulated), timeout_s=120))
+    for rank, result in enumerate(after):
+        assert result["switches"] == ["completed", "completed"] and result["tp_views"], (rank, result)
+        assert result["reports"] and all(outcome == "committed" for outcome, _ in result["reports"]), (rank, result)
+        assert result["reports"][0][1] == 3 and result["placement"] and result["frames"], (rank, result)
+
+
+def test_emulated_replacement_restores_from_device_copies_then_switch_and_commit():
+    _readmitted(emulated=True)
+
+
+@gpu
+def test_gpu_replacement_restores_from_device_copies_then_switch_and_commit():
+    _readmitted(emulated=False)

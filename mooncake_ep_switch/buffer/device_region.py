@@ -5,7 +5,7 @@ Buffer whose bytes live on the GPU (the switch's unified weights, the KV-cache p
 frames). It has the same surface (`local`, `peer_bases`, `peer(rank)`, `endpoint`, `connect`,
 `map_peer`, `unmap_peer`, `destroy`), so `peer_regions.PeerRegions` publishes, maps and re-maps it
 for a replacement exactly as it does host regions; the mechanism is the cuda transport's own
-(`transport/cuda.py`: `DeviceAllocation`, the IPC handle, `PeerDeviceMapping`).
+(`transport/device_memory.py`: `DeviceAllocation`, the IPC handle, `PeerDeviceMapping`).
 
 - The region is allocated once (zeroed) and never moves: every view an engine holds keeps its address
   across any number of switches and membership changes.
@@ -31,7 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.transport import cuda as cuda_transport
+from mooncake_ep_switch.buffer.transport import device_memory
+from mooncake_ep_switch.buffer.transport.cuda import IPC_HANDLE_BYTES
 
 
 class DeviceEndpoint(NamedTuple):
@@ -67,11 +68,11 @@ class DeviceRegion:
             raise ValueError(f"nbytes: expected > 0, got {nbytes}")
         self.group, self.rank, self.num_ranks, self.nbytes, self.device = group, rank, num_ranks, nbytes, device
         self._index = device.index or 0
-        self._memory: List[Optional[cuda_transport.DeviceMemory]] = [None] * num_ranks
-        self._memory[rank] = cuda_transport.DeviceAllocation(nbytes, self._index)
+        self._memory: List[Optional[device_memory.DeviceMemory]] = [None] * num_ranks
+        self._memory[rank] = device_memory.DeviceAllocation(nbytes, self._index)
         self.base = self._memory[rank].ptr
-        self.local = cuda_transport.device_view(self._memory[rank], device)
-        self.endpoint = DeviceEndpoint(os.getpid(), cuda_transport._cuda.ipc_handle(self.base).hex(), nbytes)
+        self.local = device_memory.device_view(self._memory[rank], device)
+        self.endpoint = DeviceEndpoint(os.getpid(), device_memory.ipc_handle_hex(self._memory[rank]), nbytes)
         self.peer_bases: List[int] = [0] * num_ranks
         self.peer_bases[rank] = self.base
         self.peer_endpoints: List[Optional[DeviceEndpoint]] = [None] * num_ranks
@@ -99,7 +100,7 @@ class DeviceRegion:
         if ok:
             pid, handle, nbytes = fields
             ok = (isinstance(pid, int) and pid > 0 and isinstance(handle, str)
-                  and len(handle) == 2 * cuda_transport.IPC_HANDLE_BYTES and isinstance(nbytes, int))
+                  and len(handle) == 2 * IPC_HANDLE_BYTES and isinstance(nbytes, int))
         if not ok:
             raise ValueError(f"endpoint: expected a device region's (pid, 128-hex-digit IPC handle, nbytes), got "
                              f"{fields!r:.120}")
@@ -139,7 +140,7 @@ class DeviceRegion:
                 and self._peer_incarnations[rank] == incarnation):
             return
         self.unmap_peer(rank)
-        memory = cuda_transport.PeerDeviceMapping(bytes.fromhex(endpoint.handle), self.nbytes, self._index)
+        memory = device_memory.PeerDeviceMapping(bytes.fromhex(endpoint.handle), self.nbytes, self._index)
         self._memory[rank] = memory
         self.peer_bases[rank] = memory.ptr
         self.peer_endpoints[rank] = endpoint
@@ -160,7 +161,7 @@ class DeviceRegion:
         if not self.peer_bases[rank]:
             raise RuntimeError(f"rank: peer {rank} is not mapped")
         if self._peer_tensors[rank] is None:
-            self._peer_tensors[rank] = cuda_transport.device_view(self._memory[rank], self.device)
+            self._peer_tensors[rank] = device_memory.device_view(self._memory[rank], self.device)
         return self._peer_tensors[rank]
 
     def unmap_peer(self, rank: int) -> None:
@@ -234,9 +235,7 @@ class DeviceMoves:
         if blocks.size == 0:
             return 0
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        queued = cuda_transport._cuda.copy_blocks_async(blocks.ctypes.data, blocks.shape[0], dst_range[0],
-                                                        dst_range[1], src_range[0], src_range[1],
-                                                        stream=self.stream.cuda_stream)
+        queued = device_memory.queue_copies(blocks, dst_range, src_range, self.stream.cuda_stream)
         self.queued_bytes += queued
         return queued
 

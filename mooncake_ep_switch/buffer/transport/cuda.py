@@ -21,6 +21,7 @@ import torch
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.layout import RegionLayout, RegionLayouts, check_half_not_reused
 from mooncake_ep_switch.buffer.transport.members import connect_view
+from mooncake_ep_switch.buffer.transport.device_memory import DeviceAllocation, device_view
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 from mooncake_ep_switch.errors import BufferDestroyed
 
@@ -44,82 +45,6 @@ def cuda_unavailable_reason() -> str:
         status = _cuda.device_status()
         return "no CUDA device" + (f" ({status})" if status and status != "no CUDA device" else "")
     return ""
-
-
-class DeviceMemory:
-    """A range of device memory addressable here, viewable by torch without a copy.
-
-    Exposes `__cuda_array_interface__`, so `device_view(memory, device)` (`torch.as_tensor`) views it and
-    keeps it alive as long as the view lives; subclasses release the memory when the last reference goes.
-
-    Attributes:
-        ptr: the device address (0 once released).
-        nbytes: size in bytes.
-    """
-
-    ptr = 0
-    nbytes = 0
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3, "strides": None}
-
-
-class DeviceAllocation(DeviceMemory):
-    """Device memory from `cudaMalloc` (zeroed), freed when the last reference goes.
-
-    Arguments:
-        nbytes: bytes to allocate (> 0).
-        device: the CUDA device index.
-    """
-
-    def __init__(self, nbytes: int, device: int):
-        self.nbytes = nbytes
-        self.ptr = _cuda.device_alloc(nbytes, device)
-
-    def __del__(self):
-        ptr, self.ptr = getattr(self, "ptr", 0), 0
-        if ptr and _cuda is not None:
-            try:
-                _cuda.device_free(ptr)
-            except RuntimeError:
-                pass  # the context is going away with the process
-
-
-class PeerDeviceMapping(DeviceMemory):
-    """Another process's allocation opened here by its CUDA IPC handle; closed when the last reference goes
-    (the caller synchronises the device first: nothing of ours may still copy through it).
-
-    Arguments:
-        handle: the 64-byte IPC handle the owner published.
-        nbytes: the allocation's size.
-        device: the CUDA device index to open it on.
-    """
-
-    def __init__(self, handle: bytes, nbytes: int, device: int):
-        self.nbytes = nbytes
-        self.ptr = _cuda.ipc_open(handle, device)
-
-    def __del__(self):
-        ptr, self.ptr = getattr(self, "ptr", 0), 0
-        if ptr and _cuda is not None:
-            try:
-                _cuda.ipc_close(ptr)
-            except RuntimeError:
-                pass  # the exporting process is gone
-
-
-def device_view(memory: DeviceMemory, device: torch.device) -> torch.Tensor:
-    """`[nbytes]` torch.uint8 view of `memory` on `device` (no copy; the view keeps `memory` alive).
-
-    Arguments:
-        memory: a `DeviceMemory`.
-        device: its CUDA torch.device.
-
-    Returns:
-        view: `[memory.nbytes]` torch.uint8 tensor aliasing the memory.
-    """
-    return torch.as_tensor(memory, device=device)
 
 
 class CudaTransport:
