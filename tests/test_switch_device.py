@@ -437,3 +437,54 @@ def test_emulated_replacement_restores_from_device_copies_then_switch_and_commit
 @gpu
 def test_gpu_replacement_restores_from_device_copies_then_switch_and_commit():
     _readmitted(emulated=False)
+
+
+def test_emulated_switch_bench_rounds_run():
+    """The device switch benchmark's rank body (`bench.switch_cuda_bench`) on the emulated device, tiny shape."""
+    from mooncake_ep_switch.bench.switch_bench import SwitchBenchShape
+    from mooncake_ep_switch.bench.switch_cuda_bench import rank_switch_rounds
+
+    shape = SwitchBenchShape(2, 2, 4, 128, 32, 2, 2, 16, 4, 2, 16)
+    with harness.fresh_cluster(2) as cluster:
+        results = check_outcomes(cluster.run(run_emulated_bench, shape, timeout_s=120))
+    for result in results:
+        for way in ("ep->tp", "tp->ep"):
+            assert len(result[way]) == 1 and result[way][0]["weight_bytes"] > 0, result
+            assert result[way][0]["kv_bytes"] + result[way][0]["kv_local_bytes"] > 0, result
+    del rank_switch_rounds
+
+
+def run_emulated_bench(ctx, shape):
+    from tests.emulated_device import run_emulated
+
+    return run_emulated(ctx, "mooncake_ep_switch.bench.switch_cuda_bench", "rank_switch_rounds", shape, 1)
+
+
+def test_emulated_demo_steps_switch_and_rebalance_on_the_cuda_transport():
+    """`demo --device cuda`'s rank functions on the emulated device: TP steps, a switch to EP, EP steps with an
+    online rebalance committed, every step against the single-process reference."""
+    from mooncake_ep_switch.apps.demo import DemoConfig, initial_placement
+    from tests.emulated_device import run_emulated
+
+    config = DemoConfig(num_ranks=2, steps=8, transport="cuda", kill_step=-1, low_requests=8, burst_requests=16)
+    module = "mooncake_ep_switch.apps.demo"
+    target = initial_placement(config)
+    per_rank = config.experts // 2 + config.redundant_per_rank
+    for rank in range(2):  # each rank's redundant slot takes the next expert
+        target[:, (rank + 1) * per_rank - 1] = (target[:, (rank + 1) * per_rank - 1] + 1) % config.experts
+    with harness.fresh_cluster(2) as cluster:
+        assert check_outcomes(cluster.run(run_emulated, module, "rank_setup", config, timeout_s=120)) == ["cuda"] * 2
+        steps = [check_outcomes(cluster.run(run_emulated, module, "rank_step", 0, {"requests": 16}, timeout_s=120))]
+        switched = check_outcomes(cluster.run(run_emulated, module, "rank_switch", "ep", timeout_s=120))
+        command = {"requests": 16, "rebalance": {"phy2log": target.tolist(), "commit_step": 3}}
+        steps.append(check_outcomes(cluster.run(run_emulated, module, "rank_step", 1, command, timeout_s=120)))
+        for step in (2, 3, 4):
+            steps.append(check_outcomes(cluster.run(run_emulated, module, "rank_step", step, {"requests": 16},
+                                                    timeout_s=120)))
+        check_outcomes(cluster.run(run_emulated, module, "rank_teardown", timeout_s=60))
+    assert [r["outcome"] for r in switched] == ["completed"] * 2, switched
+    assert [s[0]["layout"] for s in steps] == ["tp"] + ["ep"] * 4
+    assert all(r["diff"] < 1e-4 and not r["dead"] for step in steps for r in step), steps
+    outcomes = [(report["outcome"], report["commit_step"]) for step in steps for report in step[0]["reports"]]
+    assert outcomes and all(o == "committed" for o, _ in outcomes) and outcomes[0][1] == 3, outcomes  # a chunk per layer
+    assert steps[-1][0]["phy2log"] == target.tolist()

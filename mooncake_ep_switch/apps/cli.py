@@ -5,24 +5,17 @@ import sys
 
 def _demo(args) -> int:
     if args.device == "cuda":
-        from mooncake_ep_switch.apps.cuda_demo import CudaDemoConfig, run_cuda_demo
+        from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason
 
         if args.model is not None or args.transport not in ("auto", "cuda"):
             raise SystemExit("demo --device cuda: runs the built-in MoE stack over the 'cuda' transport "
                              "(no --model, --transport auto or cuda)")
-        defaults = CudaDemoConfig()
-        steps = defaults.steps if args.steps is None else args.steps
-        kill_step = steps // 2 if args.kill_step is None else args.kill_step
-        config = CudaDemoConfig(num_ranks=args.ranks, steps=steps, kill_step=kill_step,
-                                kill_rank=min(2, args.ranks - 1))
-        try:
-            return 0 if run_cuda_demo(config) else 1
-        except RuntimeError as error:
-            if "no CUDA device" not in str(error) and "was not built" not in str(error):
-                raise
-            print(error, file=sys.stderr)
+        reason = cuda_unavailable_reason()
+        if reason:
+            print(f"demo --device cuda: {reason}", file=sys.stderr)
             return 2
-    if args.transport == "cuda":
+        args.transport = "cuda"  # the whole demo (switches, online EPLB, a rank replaced) on device memory
+    if args.transport == "cuda" and args.device != "cuda":
         raise SystemExit("demo: --transport cuda needs --device cuda")
     transport = _host_transport(args.transport)
     if args.model is not None:
@@ -37,8 +30,10 @@ def _demo(args) -> int:
     if kill_step is None:  # a step a little past the middle of the burst
         first, end = (int(round(f * steps)) for f in defaults.burst)
         kill_step = first + (end - first) * 4 // 5
+    # Ranks sharing one GPU are time-sliced: a live peer can be late by several slices.
+    timeout_us = 3_000_000 if transport == "cuda" else defaults.timeout_us
     config = DemoConfig(num_ranks=args.ranks, steps=steps, transport=transport, out_dir=args.out,
-                        kill_step=kill_step, kill_rank=min(2, args.ranks - 1))
+                        kill_step=kill_step, kill_rank=min(2, args.ranks - 1), timeout_us=timeout_us)
     metrics = run_demo(config)
     return 0 if metrics["correct"] else 1
 
@@ -79,8 +74,9 @@ def main(argv=None) -> int:
     demo.add_argument("--steps", type=int, default=None, help="decode steps (default 40)")
     demo.add_argument("--transport", default="auto", choices=["auto", "host", "cuda", "shm", "mooncake", "collective"])
     demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                      help="cpu: the main demo on CPU ranks; cuda: GPU ranks serve an MoE stack in EP over the "
-                           "'cuda' transport, a rank killed and replaced (mooncake_ep_switch.apps.cuda_demo)")
+                      help="cpu: the main demo on CPU ranks; cuda: the same demo (TP<->EP switches, online EPLB, "
+                           "a rank killed and replaced) with rank processes on GPU 0, weights and frames in device "
+                           "memory, over the 'cuda' transport")
     demo.add_argument("--out", default="mep_demo_out", help="directory for metrics.json and timeline.png")
     demo.add_argument("--kill-step", type=int, default=None,
                       help="step (inside the burst) at which a rank is SIGKILLed and replaced; -1: none")

@@ -135,8 +135,10 @@ def _build_structures(buffer, config: DemoConfig):
                           weights, layout=LAYOUT_TP, max_tp_tokens=config.burst_requests,
                           phy2log=initial_placement(config), redundant_per_rank=config.redundant_per_rank,
                           timeout_us=config.timeout_us)
+    device = _RANK_STATE["device"]
     _RANK_STATE.update(weights=weights, memory=memory, unified=memory.unified, all_reduce=memory.all_reduce,
-                       slots=memory.slots, rebalancer=memory.rebalancer)
+                       slots=memory.slots, rebalancer=memory.rebalancer,
+                       routers=[w.router.to(device) for w in weights])  # routing runs where the tokens are
 
 
 def rank_setup(ctx, config: DemoConfig):
@@ -159,9 +161,13 @@ def rank_setup(ctx, config: DemoConfig):
     physical = ctx.num_ranks * (config.experts // ctx.num_ranks + config.redundant_per_rank)
     size = Buffer.get_ep_buffer_size_hint(tokens, config.hidden, ctx.num_ranks, physical)
     replacement = ctx.group is None
+    if config.transport == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(0)  # rank processes share GPU 0 (CUDA IPC between them, as NVLink between GPUs)
     group = join(ctx.store, ctx.rank, ctx.num_ranks) if replacement else ctx.group
     buffer = Buffer(group, size, transport=config.transport)
-    _RANK_STATE.update(buffer=buffer, config=config, active=buffer.active_mask())
+    # Tokens, routers, expert weights and the KV-free layer stack live on the Buffer's device ("cuda"), else the CPU.
+    device = buffer.runtime.device or torch.device("cpu")
+    _RANK_STATE.update(buffer=buffer, config=config, active=buffer.active_mask(), device=device)
     if not replacement:  # a replacement builds the rest once admitted (rank_readmit)
         _build_structures(buffer, config)
     return buffer.transport
@@ -223,15 +229,15 @@ def _ep_forward(ctx, x):
     tokens = config.burst_requests // ctx.num_ranks
     out = x
     if slots is None:  # collective transport: primaries only (no one-sided slot moves)
-        for layer, weights in enumerate(state["weights"]):
+        for layer, router in enumerate(state["routers"]):
             gate_up, down = state["unified"].view(layer, LAYOUT_EP)
-            out = ep_forward_local(buffer, out, weights.router, gate_up, down, config.top_k, tokens, active,
+            out = ep_forward_local(buffer, out, router, gate_up, down, config.top_k, tokens, active,
                                    timeout_us=config.timeout_us)
         return out, None, None
     counts, rows = [], []
-    for layer, weights in enumerate(state["weights"]):
+    for layer, router in enumerate(state["routers"]):
         row = state["memory"].dispatch_row(layer)
-        out, count = physical_ep_forward(buffer, out, weights.router, slots, layer, config.top_k, tokens, active, row,
+        out, count = physical_ep_forward(buffer, out, router, slots, layer, config.top_k, tokens, active, row,
                                          timeout_us=config.timeout_us)
         counts.append(count.tolist())
         rows.append(row)
@@ -296,28 +302,35 @@ def rank_step(ctx, step: int, command: dict):
     if unified.layout == LAYOUT_EP:
         generator = torch.Generator().manual_seed(step * 1009 + ctx.rank)
         x = torch.randn((requests // ctx.num_ranks, config.hidden), generator=generator).to(torch.bfloat16)
-        out, counts, rows = _ep_forward(ctx, x)
-        seconds = time.perf_counter() - start
+        out, counts, rows = _ep_forward(ctx, x.to(state["device"]))
+        seconds = _finished(start)
         dead = [r for r in range(ctx.num_ranks) if not int(active[r])]  # what the timeouts found
         reference = _ep_reference(ctx, x, rows, dead)
     else:  # TP: the same tokens on every rank
         generator = torch.Generator().manual_seed(step * 1009)
         x = torch.randn((requests, config.hidden), generator=generator).to(torch.bfloat16)
-        out = x
-        for layer, weights in enumerate(state["weights"]):
+        out = x.to(state["device"])
+        for layer, router in enumerate(state["routers"]):
             gate_up, down = unified.view(layer, LAYOUT_TP)
-            out = tp_forward(state["all_reduce"], out, weights.router, gate_up, down, config.top_k, active,
+            out = tp_forward(state["all_reduce"], out, router, gate_up, down, config.top_k, active,
                              timeout_us=config.timeout_us)
-        seconds = time.perf_counter() - start
+        seconds = _finished(start)
         dead = [r for r in range(ctx.num_ranks) if not int(active[r])]
         reference = x
         for weights in state["weights"]:
             reference = reference_forward(reference, weights, config.top_k)
     for report in reports:
         report["layers"] = list(report["layers"])
-    return {"seconds": seconds, "diff": calc_diff(out, reference), "tokens": x.size(0), "dead": dead,
+    return {"seconds": seconds, "diff": calc_diff(out.cpu(), reference), "tokens": x.size(0), "dead": dead,
             "layout": unified.layout, "counts": counts, "reports": reports,
             "phy2log": state["slots"].phy2log.tolist() if state["slots"] is not None else None}
+
+
+def _finished(start: float) -> float:
+    """Seconds since `start`, once this rank's device (if any) finished what the step queued."""
+    if _RANK_STATE["device"].type == "cuda":
+        torch.cuda.synchronize(_RANK_STATE["device"])
+    return time.perf_counter() - start
 
 
 def rank_teardown(ctx):
@@ -410,7 +423,8 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
     control = _Controller(config)
     if config.kill_step >= 0 and control.trace[config.kill_step] < config.switch_threshold:
         raise ValueError(f"kill_step: expected a step inside the burst (EP layout), got {config.kill_step}")
-    print(f"mooncake_ep_switch demo: {config.num_ranks} CPU ranks, {config.layers} MoE layers x {config.experts} "
+    where = "rank processes on GPU 0" if config.transport == "cuda" else "CPU ranks"
+    print(f"mooncake_ep_switch demo: {config.num_ranks} {where}, {config.layers} MoE layers x {config.experts} "
           f"experts (top-{config.top_k}, hidden {config.hidden}), {config.steps} decode steps, "
           f"{config.low_requests} -> {config.burst_requests} -> {config.low_requests} requests", file=stream)
     steps, events, recovery, switches, rebalances = [], [], None, [], []

@@ -7,7 +7,9 @@ driver time-sliced them):
     bytes on the same GPU in the same run (DeepEP's convention: one rank's dispatch + combine bytes
     over its round time, never summed over ranks);
   * the T=1 round trip (dispatch + combine) at H=7168, eager and from a graph;
-  * the CPU shm transport at the same shape in the same run, beside them.
+  * the CPU shm transport at the same shape in the same run, beside them;
+  * the TP<->EP switch on device memory: weight reshard and KV redistribution in GB/s against a
+    device-to-device copy of the same bytes (`bench.switch_cuda_bench`).
 Timing: per rank, CUDA events around batches started by a barrier; the median batch mean; the
 slowest rank counts. Value checks (`MEP_CUDA_CHECK_VALUES`) are off in the timed ranks: they
 synchronise once per call by design.
@@ -178,6 +180,9 @@ def run(quick: bool = False) -> List[dict]:
                  "baseline_ms": results[(False, False)]["seconds"] * 1e3,
                  "speedup": results[(False, False)]["seconds"] / shm["seconds"],
                  "note": f"{per_rank / shm['seconds'] / 1e9:.2f} GB/s per rank on the CPU"})
+    from mooncake_ep_switch.bench import switch_cuda_bench
+
+    rows += switch_cuda_bench.run(quick, where)  # the switch's weight reshard and KV moves on device memory
     for graph, result in latency.items():
         rows.append({"benchmark": f"cuda T=1 round trip dispatch+combine ({'CUDA graph' if graph else 'eager'})",
                      "shape": "R=2 T=1 hidden=7168 E=32 K=8", "ours_ms": result["seconds"] * 1e3,

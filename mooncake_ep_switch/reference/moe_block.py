@@ -170,7 +170,7 @@ def tp_partial(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, dow
     """
     topk_idx, topk_weights = route(x, router, top_k)
     part = gate_up.size(1) // 2
-    out = torch.zeros((x.size(0), x.size(1)), dtype=torch.float32)
+    out = torch.zeros((x.size(0), x.size(1)), dtype=torch.float32, device=x.device)
     xf = x.float()
     for k in range(top_k):
         for expert in topk_idx[:, k].unique().tolist():
