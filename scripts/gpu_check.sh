@@ -3,14 +3,17 @@
 # Every stage has a hard cap AND the whole run ends by one deadline (MEP_CHECK_BUDGET_S, default 420 s),
 # so a hang in one stage still leaves the others' logs; stages are stopped with SIGINT so pytest prints
 # its summary. At most 8 files under $OUT (only those come back from a lent machine): env.txt build.log
-# kernels.log transport.log graph_fault.log bench.log bench.md summary.txt.
-#   MEP_STAGES="build kernels probe transport graph fault bench rest mps"   (default: all, in this order)
+# kernels.log transport.log switch.log bench.log bench.md summary.txt.
+#   MEP_STAGES="build kernels probe transport graph fault switch demo bench rest mps"   (default: all, in this order)
 #     build      setup.py build_ext --inplace, parallel; FAILS (exit 1) when _cuda is missing or sees no device
 #     kernels    tests/test_cuda_sim.py -k gpu: the nvcc kernels alone in one process against the CPU kernels
 #     probe      scripts/gpu_probe.py: H=7168 bit-exactness, an R=8 E=256 round past 2^31, kernel-only times
 #     transport  tests/test_cuda.py round trips at R=2 and R=4 (rank processes on the one GPU), against shm
 #     graph      the CUDA graph replay test (again with CUDA_MODULE_LOADING=EAGER if it fails)
 #     fault      a rank SIGKILLed between dispatch and combine, and before dispatch; Xid lines from dmesg
+#     switch     tests/test_switch_device.py -k gpu: TP<->EP switches of weights and KV, a rank killed in a
+#                switch, an EPLB abort and commit, a replacement restored from device copies (vs the host path)
+#     demo       python -m mooncake_ep_switch demo --device cuda (switches, online EPLB, a rank replaced)
 #     bench      python -m mooncake_ep_switch.bench --device cuda --quick
 #     rest       the rest of tests/test_cuda.py, with whatever budget is left
 #     mps        the R=4 rounds again under MPS, if the image has nvidia-cuda-mps-control
@@ -94,14 +97,17 @@ if [ -n "${MEP_TRANSPORT_TESTS:-}" ]; then read -r -a TRANSPORT <<< "$MEP_TRANSP
     "$T::test_cuda_matches_shm[async-fp8-4]" "$T::test_cuda_two_dispatches_in_a_row[async]"
     "$T::test_cuda_zero_copy_and_out[True-True]" "$T::test_cuda_inactive_rank[4]"); fi
 want transport && stage transport 170 "$OUT/transport.log" "${PT[@]}" --maxfail=3 "${TRANSPORT[@]}"
-if want graph && ! stage graph 70 "$OUT/graph_fault.log" "${PT[@]}" "$T::test_cuda_graph_replays_match_eager"; then
+if want graph && ! stage graph 70 "$OUT/transport.log" "${PT[@]}" "$T::test_cuda_graph_replays_match_eager"; then
   # A lazily loaded kernel inside a capture is the first suspect: the same test with every module loaded eagerly.
-  CUDA_MODULE_LOADING=EAGER stage graph-eager 60 "$OUT/graph_fault.log" "${PT[@]}" "$T::test_cuda_graph_replays_match_eager"
+  CUDA_MODULE_LOADING=EAGER stage graph-eager 60 "$OUT/transport.log" "${PT[@]}" "$T::test_cuda_graph_replays_match_eager"
 fi
-want fault && stage fault 110 "$OUT/graph_fault.log" "${PT[@]}" "$T::test_cuda_rank_killed[between]" \
+want fault && stage fault 110 "$OUT/transport.log" "${PT[@]}" "$T::test_cuda_rank_killed[between]" \
   "$T::test_cuda_rank_killed[before_dispatch]"
 want fault && xid fault >> "$SUM" 2>&1
-want bench && stage bench 110 "$OUT/bench.log" $PY -m mooncake_ep_switch.bench --device cuda --quick --out "$OUT/bench.md"
+want switch && stage switch 170 "$OUT/switch.log" "${PT[@]}" tests/test_switch_device.py -k gpu
+want switch && xid switch >> "$SUM" 2>&1
+want demo && stage demo 120 "$OUT/switch.log" $PY -m mooncake_ep_switch demo --device cuda --out /tmp/mep_demo_out
+want bench && stage bench 150 "$OUT/bench.log" $PY -m mooncake_ep_switch.bench --device cuda --quick --out "$OUT/bench.md"
 if want rest; then
   # Whatever budget is left: the rest of the transport file (the stages above ran the rest of its tests).
   DESELECT=()
@@ -130,8 +136,8 @@ wait_left=$(( DEADLINE - $(date +%s) - 3 ))
 { echo "--- pip wheel (offline, --no-build-isolation):"; tail -3 /tmp/mep_pip.log 2>/dev/null
   xid end
   echo "--- GPU processes left:"; timeout 10 nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader
-  echo "--- grep of results:"; grep -hE "passed|failed|error|EXACT|LARGE|TIME |PROBE|SKIPPED" \
-    "$OUT"/kernels.log "$OUT"/transport.log "$OUT"/graph_fault.log "$OUT"/bench.log 2>/dev/null | tail -40
+  echo "--- grep of results:"; grep -hE "passed|failed|error|EXACT|LARGE|TIME |PROBE|SKIPPED|demo (PASS|FAIL)" \
+    "$OUT"/kernels.log "$OUT"/transport.log "$OUT"/switch.log "$OUT"/bench.log 2>/dev/null | tail -40
 } >> "$SUM" 2>&1
 [ -n "${PIP_PID:-}" ] && kill -- -"$PIP_PID" 2>/dev/null
 cat "$SUM"

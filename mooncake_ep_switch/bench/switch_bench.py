@@ -82,7 +82,7 @@ def _copy_seconds(ctx, nbytes: int, iters: int, scratch: torch.Tensor, streaming
     return statistics.median(times)
 
 
-def _populate_kv(kv, ctx, shape: SwitchBenchShape) -> None:
+def populate_kv(kv, ctx, shape: SwitchBenchShape) -> None:
     """Requests of varied length on every rank (EP), some sharing a prefix, last pages partial."""
     generator = torch.Generator().manual_seed(ctx.rank)
     for index in range(shape.requests):
@@ -134,7 +134,7 @@ def rank_switch_bench(ctx, shape: SwitchBenchShape, iters: int, collective_iters
         unified = UnifiedWeights(buffer, wshape, shape.num_layers, prefault=True)
         unified.local.fill_(1)
         kv = PagedKVCache(buffer, config, prefault=True)
-        _populate_kv(kv, ctx, shape)
+        populate_kv(kv, ctx, shape)
         try:
             for iteration in range(iters + 1):  # the first round trip warms up
                 for target in ("tp", "ep"):

@@ -14,7 +14,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch.bench.switch_bench import SwitchBenchShape, _populate_kv
+from mooncake_ep_switch.bench.switch_bench import SwitchBenchShape, populate_kv
 from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 
 
@@ -46,7 +46,7 @@ def rank_switch_rounds(ctx, shape: SwitchBenchShape, iters: int) -> Dict[str, Li
                                  shape.num_layers)
         unified.local.fill_(1)
         kv = PagedKVCache(buffer, config)
-        _populate_kv(kv, ctx, shape)
+        populate_kv(kv, ctx, shape)
         result["device"] = str(unified.local.device)
         try:
             for iteration in range(iters + 1):
