@@ -42,6 +42,9 @@ class _Stream:
     def wait_event(self, event) -> None:
         pass
 
+    def synchronize(self) -> None:
+        pass
+
 
 class _Event:
     """A host stand-in for torch.cuda.Event (everything before it has completed)."""
@@ -111,7 +114,7 @@ def install():
     fake.copy_to_device = fake.copy_to_host = lambda dst, src, nbytes: _native.copy_bytes(dst, src, nbytes)
     fake.device_count, fake.device_status = (lambda: 1), (lambda: "")
 
-    def copy_blocks_async(desc_ptr, n, dst_lo, dst_hi, src_lo, src_hi, stream):
+    def copy_blocks_async(desc_ptr, n, dst_lo, dst_hi, src_lo, src_hi, stream, device_desc=0):
         _native.copy_blocks(desc_ptr, n, dst_lo, dst_hi, src_lo, src_hi)  # completes at once, in order
         blocks = torch.frombuffer(_native.MappedBytes(desc_ptr, 48 * n), dtype=torch.int64).view(n, 6) if n else None
         return int((blocks[:, 2] * blocks[:, 3]).sum()) if n else 0

@@ -488,3 +488,53 @@ def test_emulated_demo_steps_switch_and_rebalance_on_the_cuda_transport():
     outcomes = [(report["outcome"], report["commit_step"]) for step in steps for report in step[0]["reports"]]
     assert outcomes and all(o == "committed" for o, _ in outcomes) and outcomes[0][1] == 3, outcomes  # a chunk per layer
     assert steps[-1][0]["phy2log"] == target.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# The device block copies themselves (one runtime copy per block, or one kernel for many blocks)
+# ---------------------------------------------------------------------------------------------
+def _random_blocks(generator: np.random.Generator, count: int, dst_base: int, src_base: int, nbytes: int,
+                   aligned: bool) -> np.ndarray:
+    """`count` blocks with disjoint destinations inside `[dst_base, dst_base + nbytes)`, sources anywhere."""
+    rows = []
+    at = 0
+    for _ in range(count):
+        height = int(generator.integers(1, 6))
+        width = int(generator.integers(1, 300)) * (16 if aligned else 1)
+        dst_stride = width + int(generator.integers(0, 4)) * (16 if aligned else 1)
+        src_stride = width + int(generator.integers(0, 64)) * (16 if aligned else 1)
+        src_span = (height - 1) * src_stride + width
+        src_at = int(generator.integers(0, nbytes - src_span)) // (16 if aligned else 1) * (16 if aligned else 1)
+        at += int(generator.integers(0, 3)) * (16 if aligned else 1) + (0 if aligned else int(generator.integers(0, 3)))
+        rows.append((dst_base + at, src_base + src_at, height, width, dst_stride, src_stride))
+        at += (height - 1) * dst_stride + width
+        assert at < nbytes
+    return np.asarray(rows, dtype=np.int64)
+
+
+@gpu
+@pytest.mark.parametrize("count, aligned", [(3, True), (3, False), (40, True), (40, False), (300, True)])
+def test_gpu_block_copies_match_the_host_copy(count, aligned):
+    from mooncake_ep_switch import _native
+    from mooncake_ep_switch.buffer.device_region import DeviceMoves
+
+    device = torch.device("cuda", 0)
+    nbytes = 1 << 22
+    generator = np.random.default_rng(count * 2 + aligned)
+    src_host = torch.from_numpy(generator.integers(0, 256, nbytes, dtype=np.uint8))
+    dst_host = torch.zeros(nbytes, dtype=torch.uint8)
+    src, dst = src_host.to(device), dst_host.to(device)
+    host_blocks = _random_blocks(generator, count, dst_host.data_ptr(), src_host.data_ptr(), nbytes, aligned)
+    shift = np.asarray([dst.data_ptr() - dst_host.data_ptr(), src.data_ptr() - src_host.data_ptr(), 0, 0, 0, 0])
+    device_blocks = host_blocks + shift[None, :]
+    _native.copy_blocks(host_blocks.ctypes.data, count, dst_host.data_ptr(), dst_host.data_ptr() + nbytes,
+                        src_host.data_ptr(), src_host.data_ptr() + nbytes)
+    moves = DeviceMoves(device)
+    queued = moves.copy(device_blocks, (dst.data_ptr(), dst.data_ptr() + nbytes), (src.data_ptr(), src.data_ptr() + nbytes))
+    moves.fence(10.0)
+    assert queued == int((host_blocks[:, 2] * host_blocks[:, 3]).sum())
+    assert torch.equal(dst.cpu(), dst_host)
+    outside = device_blocks.copy()
+    outside[-1, 0] = dst.data_ptr() + nbytes  # the last block's destination starts at its region's end
+    with pytest.raises(ValueError, match="outside its region"):
+        moves.copy(outside, (dst.data_ptr(), dst.data_ptr() + nbytes), (src.data_ptr(), src.data_ptr() + nbytes))

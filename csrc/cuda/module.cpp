@@ -36,8 +36,9 @@ PYBIND11_MODULE(_cuda, m) {
     m.def("stream_synchronize", &mep_cuda::stream_synchronize, release(), "stream"_a, "cudaStreamSynchronize.");
 
     m.def("copy_blocks_async", &mep_cuda::copy_blocks_async, release(), "desc_ptr"_a, "n"_a, "dst_lo"_a, "dst_hi"_a,
-          "src_lo"_a, "src_hi"_a, "stream"_a,
+          "src_lo"_a, "src_hi"_a, "stream"_a, "device_desc"_a = 0,
           "Queue bounds-checked strided copies [n][6] (dst, src, rows, row_bytes, dst_stride, src_stride) on a "
-          "stream; returns the bytes queued.");
+          "stream (one kernel for n >= 8 when device_desc, device memory for the table, is given); returns the "
+          "bytes queued.");
     mep_cuda::bind_kernels(m);
 }

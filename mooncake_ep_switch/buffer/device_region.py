@@ -215,6 +215,7 @@ class DeviceMoves:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.queued_bytes = 0
+        self._table: Optional[torch.Tensor] = None  # device copy of the block table (many-block moves)
 
     def copy(self, blocks: np.ndarray, dst_range, src_range) -> int:
         """Queue `blocks` after everything queued so far on the caller's stream (checked first).
@@ -235,9 +236,18 @@ class DeviceMoves:
         if blocks.size == 0:
             return 0
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        queued = device_memory.queue_copies(blocks, dst_range, src_range, self.stream.cuda_stream)
+        queued = device_memory.queue_copies(blocks, dst_range, src_range, self.stream.cuda_stream,
+                                            self._table_for(blocks.shape[0]))
         self.queued_bytes += queued
         return queued
+
+    def _table_for(self, num_blocks: int) -> int:
+        """Address of device memory for `num_blocks` table rows (grown when needed; the old one is released only
+        after the stream finished with it)."""
+        if self._table is None or self._table.numel() < 6 * num_blocks:
+            self.stream.synchronize()
+            self._table = torch.empty(6 * max(num_blocks, 1024), dtype=torch.int64, device=self.device)
+        return self._table.data_ptr()
 
     def fence(self, timeout_s: float) -> None:
         """Wait until every queued move and everything queued before on the caller's stream completed.

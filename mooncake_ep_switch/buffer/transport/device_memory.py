@@ -101,7 +101,7 @@ def ipc_handle_hex(memory: DeviceAllocation) -> str:
     return _cuda.ipc_handle(memory.ptr).hex()
 
 
-def queue_copies(blocks, dst_range, src_range, stream: int) -> int:
+def queue_copies(blocks, dst_range, src_range, stream: int, device_table: int = 0) -> int:
     """Queue bounds-checked strided copies on a CUDA stream (`_cuda.copy_blocks_async`).
 
     Arguments:
@@ -109,6 +109,8 @@ def queue_copies(blocks, dst_range, src_range, stream: int) -> int:
         dst_range: (lo, hi) int addresses every destination byte must lie in.
         src_range: (lo, hi) int addresses every source byte must lie in.
         stream: the `cudaStream_t` as an int.
+        device_table: device memory for `[n, 6]` int64 (0: none): with it, 8 blocks or more are copied by one
+            kernel (the table is copied there on `stream` first) instead of one runtime copy per block.
 
     Returns:
         nbytes: int, the bytes queued.
@@ -117,7 +119,7 @@ def queue_copies(blocks, dst_range, src_range, stream: int) -> int:
         ValueError: a block outside its range (nothing queued).
     """
     return _cuda.copy_blocks_async(blocks.ctypes.data, blocks.shape[0], dst_range[0], dst_range[1], src_range[0],
-                                   src_range[1], stream=stream)
+                                   src_range[1], stream=stream, device_desc=device_table)
 
 
 __all__ = ["DeviceMemory", "DeviceAllocation", "PeerDeviceMapping", "device_view", "ipc_handle_hex", "queue_copies"]
