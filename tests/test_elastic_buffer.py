@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mooncake_ep_switch import ElasticBuffer, EPHandle
+from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason
 from tests import harness
 from tests.elastic_reference import (expected_combine, expected_dispatch, expected_weights, expert_output,
                                      make_inputs, ordered_sum)
@@ -22,6 +23,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    got = got.cpu()  # outputs of a "cuda" buffer on a GPU; the references live on the CPU
     assert got.shape == want.shape and got.dtype == want.dtype, f"{name}: {got.shape} {got.dtype} vs {want.shape} {want.dtype}"
     assert torch.equal(_bits(got), _bits(want)), f"{name}: bits differ"
 
@@ -59,7 +61,7 @@ def check_dispatch(recv_x, recv_topk, recv_w, handle, want, fp8: bool, alignment
 def check_expanded(e_x, e_topk, e_w, e_handle, want, fp8: bool, alignment: int, L: int, zero_padding: bool) -> None:
     """Expanded: row `slot[i, k]` holds token i (and weight k), expert blocks aligned, in received order."""
     assert e_topk is None and e_handle.do_expand
-    slots = e_handle.recv_src_metadata[:, 2:].to(torch.int64)
+    slots = e_handle.recv_src_metadata[:, 2:].to(torch.int64).cpu()
     local = want["local"]
     _same("expanded slots cover the local entries", slots >= 0, local >= 0)
     counts = [int((local == j).sum()) for j in range(L)]
@@ -90,12 +92,16 @@ def check_expanded(e_x, e_topk, e_w, e_handle, want, fp8: bool, alignment: int, 
 def rank_v2_grid(ctx, transport: str, T: int, H: int, K: int, E: int, seed: int, empty_rank=None, max_num_bias=2):
     """V2's tests/elastic/test_ep.py pattern over the grid; every output checked bit for bit."""
     R, rank, L = ctx.num_ranks, ctx.rank, E // ctx.num_ranks
+    if transport == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(0)  # rank processes on GPU 0 (the emulated device has none)
     buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, explicitly_destroy=True,
                            transport=transport, disable_p2p=transport == "mooncake", num_cpu_timeout_secs=30,
                            max_num_bias=max_num_bias)
     everyone = list(range(R))
     all_inputs = [make_inputs(r, R, T, H, K, E, seed, empty_rank) for r in range(R)]
-    mine = all_inputs[rank]
+    device = buffer.runtime.device or torch.device("cpu")  # a GPU's for "cuda" on a GPU, else the host's
+    mine = type(all_inputs[rank])(*(None if t is None else [b.to(device) for b in t] if isinstance(t, list)
+                                    else t.to(device) for t in all_inputs[rank]))
     want = expected_dispatch(all_inputs, rank, R, T, E, everyone)
     y_recv = expert_output(want["src_global"], K, H, seed)  # [n, K, H]: the expert side's outputs
     y_own = expert_output(rank * T + torch.arange(mine.x.size(0)), K, H, seed)
@@ -127,19 +133,21 @@ def rank_v2_grid(ctx, transport: str, T: int, H: int, K: int, E: int, seed: int,
                     # Combine: each rank's partial of a received token is its entries' outputs summed in
                     # top-k order (not expanded: by the caller; expanded: by combine from the slot rows).
                     partial = ordered_sum(torch.where((want["local"] >= 0).unsqueeze(2), y_recv,
-                                                      torch.zeros_like(y_recv)))
-                    biases = [] if bias is None else [bias] if num_bias == 1 else list(bias)
-                    reference = expected_combine(y_own, mine.topk_idx, E, R, biases, everyone)
-                    weights = expected_weights(mine.topk_idx, mine.topk_weights, E, R, everyone)
+                                                      torch.zeros_like(y_recv))).to(device)
+                    host = all_inputs[rank]
+                    host_biases = [] if bias is None else [host.bias[0]] if num_bias == 1 else list(host.bias)
+                    reference = expected_combine(y_own, host.topk_idx, E, R, host_biases, everyone)
+                    weights = expected_weights(host.topk_idx, host.topk_weights, E, R, everyone)
                     combined, combined_w, event = buffer.combine(partial, handle, topk_weights=recv_w, bias=bias,
                                                                  async_with_compute_stream=run_async)
                     event.current_stream_wait()
                     _same("combined_x", combined, reference)
                     _same("combined_topk_weights", combined_w, weights)
-                    slots = e_handle.recv_src_metadata[:, 2:].to(torch.int64)
+                    slots = e_handle.recv_src_metadata[:, 2:].to(torch.int64).cpu()
                     expanded_y = torch.randn(e_handle.num_expanded_tokens, H).to(torch.bfloat16)  # padding: junk
                     token, entry = torch.nonzero(slots >= 0, as_tuple=True)
                     expanded_y[slots[token, entry]] = y_recv[token, entry]
+                    expanded_y = expanded_y.to(device)
                     combined2, combined_w2, _ = buffer.combine(expanded_y, e_handle, topk_weights=e_w, bias=bias)
                     _same("expanded combined_x", combined2, reference)
                     _same("expanded combined_topk_weights", combined_w2, weights)
@@ -287,6 +295,17 @@ def test_v2_layouts_on_the_emulated_cuda_device(num_ranks):
     with harness.fresh_cluster(num_ranks) as cluster:
         values = check_outcomes(cluster.run(run_emulated, __name__, "rank_v2_grid", "cuda", 12, 256, 4, E, 9,
                                             timeout_s=600))
+    assert all(value["cases"] == 24 and value["received"] > 0 for value in values)
+    assert all(value["transport"] == "cuda" and value["routes"] == ["cuda"] for value in values), values
+
+
+@pytest.mark.skipif(bool(cuda_unavailable_reason()), reason="no CUDA device")
+def test_v2_layouts_on_the_gpu():
+    """The same grid on a GPU (rank processes on GPU 0, CUDA tensors in and out), every output exact."""
+    from mooncake_ep_switch.launcher.launch import check_outcomes
+
+    with harness.fresh_cluster(2) as cluster:
+        values = check_outcomes(cluster.run(rank_v2_grid, "cuda", 12, 256, 4, 8, 9, timeout_s=300))
     assert all(value["cases"] == 24 and value["received"] > 0 for value in values)
     assert all(value["transport"] == "cuda" and value["routes"] == ["cuda"] for value in values), values
 
