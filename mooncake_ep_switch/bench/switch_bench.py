@@ -99,6 +99,33 @@ def populate_kv(kv, ctx, shape: SwitchBenchShape) -> None:
             kv.write(rid, layer, start, k, k)
 
 
+def switch_round_trips(ctx, buffer, unified, kv, iters: int, before=None) -> Dict[str, List[dict]]:
+    """`iters` timed EP -> TP -> EP round trips after one warm-up, every switch started by a barrier.
+
+    Arguments:
+        ctx: the `launch.RankContext` (its group).
+        buffer: the Buffer; unified: its `UnifiedWeights`; kv: its `PagedKVCache`.
+        iters: timed round trips.
+        before: called before every switch's barrier (e.g. a cache flush), or None.
+
+    Returns:
+        reports: dict `"ep->tp"` / `"tp->ep"` -> list of `SwitchReport._asdict()` of the timed switches.
+    """
+    from mooncake_ep_switch.switch.switcher import switch_layout
+
+    result: Dict[str, List] = {"ep->tp": [], "tp->ep": []}
+    for iteration in range(iters + 1):  # the first round trip warms up
+        for target in ("tp", "ep"):
+            if before is not None:
+                before()
+            dist.barrier(group=ctx.group)
+            report = switch_layout(buffer, target, weights=unified, kv_cache=kv, timeout_us=60_000_000)
+            assert report.outcome == "completed", report
+            if iteration:
+                result["ep->tp" if target == "tp" else "tp->ep"].append(report._asdict())
+    return result
+
+
 def rank_switch_bench(ctx, shape: SwitchBenchShape, iters: int, collective_iters: int):
     """One rank: switch back and forth `iters` times; memcpy baselines; the collective fallback.
 
@@ -136,14 +163,7 @@ def rank_switch_bench(ctx, shape: SwitchBenchShape, iters: int, collective_iters
         kv = PagedKVCache(buffer, config, prefault=True)
         populate_kv(kv, ctx, shape)
         try:
-            for iteration in range(iters + 1):  # the first round trip warms up
-                for target in ("tp", "ep"):
-                    _flush(scratch)
-                    dist.barrier(group=ctx.group)
-                    report = switch_layout(buffer, target, weights=unified, kv_cache=kv, timeout_us=60_000_000)
-                    assert report.outcome == "completed", report
-                    if iteration:
-                        result["ep->tp" if target == "tp" else "tp->ep"].append(report._asdict())
+            result.update(switch_round_trips(ctx, buffer, unified, kv, iters, before=lambda: _flush(scratch)))
         finally:
             kv.destroy()
             unified.destroy()

@@ -12,9 +12,8 @@ import statistics
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
-from mooncake_ep_switch.bench.switch_bench import SwitchBenchShape, populate_kv
+from mooncake_ep_switch.bench.switch_bench import SwitchBenchShape, populate_kv, switch_round_trips
 from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 
 
@@ -31,7 +30,6 @@ def rank_switch_rounds(ctx, shape: SwitchBenchShape, iters: int) -> Dict[str, Li
     """
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, PagedKVCache
-    from mooncake_ep_switch.switch.switcher import switch_layout
     from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
 
     if torch.cuda.is_available():
@@ -40,7 +38,7 @@ def rank_switch_rounds(ctx, shape: SwitchBenchShape, iters: int) -> Dict[str, Li
     units += (-units) % ctx.num_ranks
     config = KVCacheConfig(shape.kv_layers, shape.kv_heads, shape.head_dim, shape.page_size, units)
     size = Buffer.get_ep_buffer_size_hint(8, shape.hidden, ctx.num_ranks, shape.experts)
-    result: Dict[str, List] = {"ep->tp": [], "tp->ep": []}
+    result: Dict[str, object] = {}
     with Buffer(ctx.group, size, transport="cuda") as buffer:
         unified = UnifiedWeights(buffer, WeightShape(shape.experts, shape.hidden, shape.intermediate),
                                  shape.num_layers)
@@ -49,13 +47,7 @@ def rank_switch_rounds(ctx, shape: SwitchBenchShape, iters: int) -> Dict[str, Li
         populate_kv(kv, ctx, shape)
         result["device"] = str(unified.local.device)
         try:
-            for iteration in range(iters + 1):
-                for target in ("tp", "ep"):
-                    dist.barrier(group=ctx.group)
-                    report = switch_layout(buffer, target, weights=unified, kv_cache=kv, timeout_us=60_000_000)
-                    assert report.outcome == "completed", report
-                    if iteration:
-                        result["ep->tp" if target == "tp" else "tp->ep"].append(report._asdict())
+            result.update(switch_round_trips(ctx, buffer, unified, kv, iters))
         finally:
             kv.destroy()
             unified.destroy()

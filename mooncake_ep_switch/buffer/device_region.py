@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mooncake_ep_switch.buffer.shared_region import SharedRegion, peer_is_current
 from mooncake_ep_switch.buffer.transport import device_memory
 from mooncake_ep_switch.buffer.transport.cuda import IPC_HANDLE_BYTES
 
@@ -77,7 +78,7 @@ class DeviceRegion:
         self.peer_bases[rank] = self.base
         self.peer_endpoints: List[Optional[DeviceEndpoint]] = [None] * num_ranks
         self.peer_endpoints[rank] = self.endpoint
-        self._peer_incarnations: List[Optional[int]] = [None] * num_ranks
+        self.peer_incarnations: List[Optional[int]] = [None] * num_ranks
         self._peer_tensors: List[Optional[torch.Tensor]] = [None] * num_ranks
         self._peer_tensors[rank] = self.local
         self.remote: List[None] = [None] * num_ranks  # device regions are never reached over the Transfer Engine
@@ -131,20 +132,14 @@ class DeviceRegion:
             ValueError: the peer's region has another size, or a malformed handle.
             RuntimeError: the CUDA runtime cannot open the handle (e.g. its process ended).
         """
-        if rank == self.rank:
-            return
-        if endpoint.nbytes != self.nbytes:
-            raise ValueError(f"endpoint: expected a region of {self.nbytes} bytes for rank {rank}, "
-                             f"got {endpoint.nbytes}")
-        if (self.peer_bases[rank] and self.peer_endpoints[rank] == endpoint and incarnation is not None
-                and self._peer_incarnations[rank] == incarnation):
+        if rank == self.rank or peer_is_current(self, rank, endpoint, incarnation):
             return
         self.unmap_peer(rank)
         memory = device_memory.PeerDeviceMapping(bytes.fromhex(endpoint.handle), self.nbytes, self._index)
         self._memory[rank] = memory
         self.peer_bases[rank] = memory.ptr
         self.peer_endpoints[rank] = endpoint
-        self._peer_incarnations[rank] = incarnation
+        self.peer_incarnations[rank] = incarnation
 
     def peer(self, rank: int) -> torch.Tensor:
         """`[nbytes]` torch.uint8 view (on this device) of `rank`'s region as opened here.
@@ -195,6 +190,7 @@ class DeviceRegion:
         """Close every peer mapping and release this rank's region (freed once no view holds it); idempotent."""
         if not self.base:
             return
+        torch.cuda.synchronize(self.device)  # no queued move of ours still reads or writes this region
         for peer in range(self.num_ranks):
             self.unmap_peer(peer)
         self._peer_tensors = [None] * self.num_ranks
@@ -347,8 +343,6 @@ def new_region(group, rank: int, num_ranks: int, nbytes: int, device: Optional[t
         region: a `DeviceRegion` or a `SharedRegion`.
     """
     if device is None:
-        from mooncake_ep_switch.buffer.shared_region import SharedRegion
-
         return SharedRegion(group, rank, num_ranks, nbytes)
     return DeviceRegion(group, rank, num_ranks, nbytes, device)
 

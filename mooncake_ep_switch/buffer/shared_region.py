@@ -100,6 +100,29 @@ class RemoteRegion(NamedTuple):
     nbytes: int
 
 
+def peer_is_current(region, rank: int, endpoint, incarnation: Optional[int]) -> bool:
+    """Whether `region` already maps `rank` at `endpoint` as published by `incarnation`; first checks the size.
+
+    Shared by the host (`SharedRegion`) and device (`device_region.DeviceRegion`) regions' `map_peer`.
+
+    Arguments:
+        region: the region (its `nbytes`, `peer_bases`, `peer_endpoints` and `peer_incarnations` are read).
+        rank: the peer's rank.
+        endpoint: the peer's endpoint (a NamedTuple whose `nbytes` is the peer region's size).
+        incarnation: the peer's incarnation that published it, or None when unknown (never current then).
+
+    Returns:
+        current: bool, True when nothing needs to be (re-)mapped.
+
+    Raises:
+        ValueError: the peer's region has another size than `region`.
+    """
+    if endpoint.nbytes != region.nbytes:
+        raise ValueError(f"endpoint: expected a region of {region.nbytes} bytes for rank {rank}, got {endpoint.nbytes}")
+    return bool(region.peer_bases[rank] and region.peer_endpoints[rank] == endpoint and incarnation is not None
+                and region.peer_incarnations[rank] == incarnation)
+
+
 class SharedRegion:
     """This rank's region plus mappings of every peer's region of the same size.
 
@@ -129,7 +152,7 @@ class SharedRegion:
         self.peer_bases[rank] = self.base
         self.peer_endpoints: List[Optional[RegionEndpoint]] = [None] * num_ranks
         self.peer_endpoints[rank] = self.endpoint
-        self._peer_incarnations: List[Optional[int]] = [None] * num_ranks  # who published each mapped endpoint
+        self.peer_incarnations: List[Optional[int]] = [None] * num_ranks  # who published each mapped endpoint
         self._peer_tensors: List[Optional[torch.Tensor]] = [None] * num_ranks
         self._peer_tensors[rank] = self.local
         self.remote: List[Optional[RemoteRegion]] = [None] * num_ranks  # peers reached over the TE
@@ -194,20 +217,14 @@ class SharedRegion:
                 resizing) of that size: a forged endpoint never maps another file of this user.
             FileNotFoundError: no such process or descriptor (e.g. the peer died).
         """
-        if rank == self.rank:
-            return
-        if endpoint.nbytes != self.nbytes:
-            raise ValueError(f"endpoint: expected a region of {self.nbytes} bytes for rank {rank}, "
-                             f"got {endpoint.nbytes}")
-        if (self.peer_bases[rank] and self.peer_endpoints[rank] == endpoint and incarnation is not None
-                and self._peer_incarnations[rank] == incarnation):
+        if rank == self.rank or peer_is_current(self, rank, endpoint, incarnation):
             return
         self.unmap_peer(rank)
         base = _native.region_map_peer(endpoint.pid, endpoint.fd, self.nbytes)
         self._mappings[rank] = Mapping(base, self.nbytes)
         self.peer_bases[rank] = base
         self.peer_endpoints[rank] = endpoint
-        self._peer_incarnations[rank] = incarnation
+        self.peer_incarnations[rank] = incarnation
 
     def register_te(self, te) -> None:
         """Register this region with a Transfer Engine endpoint, so peers on other hosts can read it.
