@@ -11,7 +11,8 @@
 * torch.cuda's device, streams, events, graph-capture query and `Tensor.record_stream` by host
   stand-ins, in the modules of the cuda path (`buffer/transport/cuda.py`, `buffer/device_calls.py`,
   `buffer/handle.py`, `buffer/device_region.py`) only; the queued block copies of switches and
-  rebalances (`copy_blocks_async`) by the host's `copy_blocks`, complete when they return.
+  rebalances (`copy_blocks_async`) by the host's `copy_blocks`, checked when queued and run only when
+  the rank next waits for the device (an event query, a synchronize): a missing fence shows here.
 
 Everything else is the real code: Buffer, validation, `device_calls`, `CudaTransport` (endpoints,
 connect, peer table, control block, dead words, failed sources, destroy), membership and recovery.
@@ -26,10 +27,22 @@ import types
 import torch
 
 _INSTALLED = []
+# Block copies queued by `copy_blocks_async` and not yet run: they land only when something waits for the
+# device (an event query, a stream or device synchronize), as on a GPU, where a copy queued on a stream has
+# not landed until the caller synchronised with it. A path that tells a peer about its copies without
+# waiting for them first leaves the peer reading stale bytes here too (and a killed rank's queued copies
+# never land).
+_QUEUED = []
+
+
+def _run_queued() -> None:
+    while _QUEUED:
+        _QUEUED.pop(0)()
 
 
 class _Stream:
-    """A host stand-in for torch.cuda.Stream (launches complete in order on the host)."""
+    """A host stand-in for torch.cuda.Stream (kernels complete in order on the host; queued block copies
+    land at the next wait)."""
 
     cuda_stream = 0
 
@@ -43,11 +56,11 @@ class _Stream:
         pass
 
     def synchronize(self) -> None:
-        pass
+        _run_queued()
 
 
 class _Event:
-    """A host stand-in for torch.cuda.Event (everything before it has completed)."""
+    """A host stand-in for torch.cuda.Event: querying it waits for everything queued before."""
 
     def __init__(self, *args, **kwargs):
         pass
@@ -56,7 +69,11 @@ class _Event:
         pass
 
     def query(self) -> bool:
+        _run_queued()
         return True
+
+    def synchronize(self) -> None:
+        _run_queued()
 
 
 class _TorchOnTheHost(types.ModuleType):
@@ -115,9 +132,23 @@ def install():
     fake.device_count, fake.device_status = (lambda: 1), (lambda: "")
 
     def copy_blocks_async(desc_ptr, n, dst_lo, dst_hi, src_lo, src_hi, stream, device_desc=0):
-        _native.copy_blocks(desc_ptr, n, dst_lo, dst_hi, src_lo, src_hi)  # completes at once, in order
-        blocks = torch.frombuffer(_native.MappedBytes(desc_ptr, 48 * n), dtype=torch.int64).view(n, 6) if n else None
-        return int((blocks[:, 2] * blocks[:, 3]).sum()) if n else 0
+        """Checked now (as the device's: nothing queued on a bad block), copied at the next wait."""
+        if n < 0:
+            raise ValueError(f"copy_blocks_async: n = {n} must be >= 0")
+        if n == 0:
+            return 0
+        blocks = torch.frombuffer(_native.MappedBytes(desc_ptr, 48 * n), dtype=torch.int64).view(n, 6).clone()
+        for index, (dst, src, rows, width, dst_stride, src_stride) in enumerate(blocks.tolist()):
+            for side, start, stride, lo, hi in (("destination", dst, dst_stride, dst_lo, dst_hi),
+                                                ("source", src, src_stride, src_lo, src_hi)):
+                if rows < 0 or width < 0 or stride < 0 or (rows > 1 and width and stride < width):
+                    raise ValueError(f"copy_blocks_async: block {index} {side} has a bad rows/row_bytes/stride")
+                end = start + (rows - 1) * stride + width if rows and width else start
+                if rows and width and (start < lo or end > hi):
+                    raise ValueError(f"copy_blocks_async: block {index} {side} [{start}, {end}) is outside its "
+                                     f"region [{lo}, {hi})")
+        _QUEUED.append(lambda: _native.copy_blocks(blocks.data_ptr(), n, dst_lo, dst_hi, src_lo, src_hi))
+        return int((blocks[:, 2] * blocks[:, 3]).sum())
 
     fake.copy_blocks_async = copy_blocks_async
 
@@ -125,10 +156,13 @@ def install():
     def on_stream(stream):
         yield
 
+    def synchronize(device=None):
+        _run_queued()
+
     cuda = types.SimpleNamespace(
         current_device=lambda: 0, current_stream=lambda device=None: _Stream(), Stream=_Stream, Event=_Event,
-        stream=on_stream, synchronize=lambda device=None: None, is_current_stream_capturing=lambda: False,
-        is_available=lambda: True)
+        stream=on_stream, synchronize=synchronize, is_current_stream_capturing=lambda: False,
+        is_available=lambda: True, device=lambda device=None: contextlib.nullcontext())
     on_host = _TorchOnTheHost("torch")
     on_host.cuda = cuda
     on_host.device = lambda *args: torch.device("cpu")
