@@ -96,7 +96,7 @@ def install():
     from mooncake_ep_switch.buffer.transport import cuda as cuda_transport
     from mooncake_ep_switch.buffer.transport import device_memory
 
-    regions, opened, host = {}, {}, {}
+    regions, opened, host, sizes = {}, {}, {}, {}
     fake = types.SimpleNamespace()
     for name in ("Call", "Region", "check_values", "combine_recv", "combine_send", "dispatch_recv",
                  "dispatch_scratch_bytes", "dispatch_send"):
@@ -119,15 +119,19 @@ def install():
 
     def ipc_open(handle_bytes, device):
         pid, fd, nbytes = struct.unpack("<qqq", handle_bytes[:24])
-        ptr = _native.region_map_peer(pid, fd, nbytes)
-        opened[ptr] = nbytes
+        held = os.stat(f"/proc/{pid}/fd/{fd}").st_size  # what the driver knows of the allocation
+        ptr = _native.region_map_peer(pid, fd, min(nbytes, held))
+        opened[ptr], sizes[ptr] = min(nbytes, held), held
         return ptr
+
+    def allocation_bytes(ptr):
+        return sizes[ptr] if ptr in sizes else regions[ptr][1]
 
     fake.device_alloc, fake.device_free = device_alloc, device_free
     fake.mapped_host_alloc, fake.mapped_host_free = mapped_host_alloc, lambda ptr: host.pop(ptr)
     fake.ipc_handle = lambda base: struct.pack("<qqq", os.getpid(), *regions[base]).ljust(64, b"\0")
-    fake.ipc_open = ipc_open
-    fake.ipc_close = lambda ptr: _native.region_unmap(ptr, opened.pop(ptr))
+    fake.ipc_open, fake.allocation_bytes = ipc_open, allocation_bytes
+    fake.ipc_close = lambda ptr: _native.region_unmap(ptr, opened.pop(ptr)) or sizes.pop(ptr, None)
     fake.copy_to_device = fake.copy_to_host = lambda dst, src, nbytes: _native.copy_bytes(dst, src, nbytes)
     fake.device_count, fake.device_status = (lambda: 1), (lambda: "")
 

@@ -494,13 +494,13 @@ def test_emulated_demo_steps_switch_and_rebalance_on_the_cuda_transport():
 # The device block copies themselves (one runtime copy per block, or one kernel for many blocks)
 # ---------------------------------------------------------------------------------------------
 def _random_blocks(generator: np.random.Generator, count: int, dst_base: int, src_base: int, nbytes: int,
-                   aligned: bool) -> np.ndarray:
+                   aligned: bool, max_rows: int = 5, max_width: int = 300) -> np.ndarray:
     """`count` blocks with disjoint destinations inside `[dst_base, dst_base + nbytes)`, sources anywhere."""
     rows = []
     at = 0
     for _ in range(count):
-        height = int(generator.integers(1, 6))
-        width = int(generator.integers(1, 300)) * (16 if aligned else 1)
+        height = int(generator.integers(1, max_rows + 1))
+        width = int(generator.integers(1, max_width + 1)) * (16 if aligned else 1)
         dst_stride = width + int(generator.integers(0, 4)) * (16 if aligned else 1)
         src_stride = width + int(generator.integers(0, 64)) * (16 if aligned else 1)
         src_span = (height - 1) * src_stride + width
@@ -513,8 +513,11 @@ def _random_blocks(generator: np.random.Generator, count: int, dst_base: int, sr
 
 
 @gpu
-@pytest.mark.parametrize("count, aligned", [(3, True), (3, False), (40, True), (40, False), (300, True)])
-def test_gpu_block_copies_match_the_host_copy(count, aligned):
+@pytest.mark.parametrize("count, aligned, max_rows, max_width", [
+    (3, True, 5, 300), (3, False, 5, 300), (40, True, 5, 300), (40, False, 5, 300), (300, True, 5, 300),
+    (30, True, 60, 16),      # more rows than the kernel's grid has in y
+    (70000, True, 1, 1)])    # more blocks than its grid has in x
+def test_gpu_block_copies_match_the_host_copy(count, aligned, max_rows, max_width):
     from mooncake_ep_switch import _native
     from mooncake_ep_switch.buffer.device_region import DeviceMoves
 
@@ -524,7 +527,8 @@ def test_gpu_block_copies_match_the_host_copy(count, aligned):
     src_host = torch.from_numpy(generator.integers(0, 256, nbytes, dtype=np.uint8))
     dst_host = torch.zeros(nbytes, dtype=torch.uint8)
     src, dst = src_host.to(device), dst_host.to(device)
-    host_blocks = _random_blocks(generator, count, dst_host.data_ptr(), src_host.data_ptr(), nbytes, aligned)
+    host_blocks = _random_blocks(generator, count, dst_host.data_ptr(), src_host.data_ptr(), nbytes, aligned,
+                                 max_rows, max_width)
     shift = np.asarray([dst.data_ptr() - dst_host.data_ptr(), src.data_ptr() - src_host.data_ptr(), 0, 0, 0, 0])
     device_blocks = host_blocks + shift[None, :]
     _native.copy_blocks(host_blocks.ctypes.data, count, dst_host.data_ptr(), dst_host.data_ptr() + nbytes,
@@ -536,5 +540,88 @@ def test_gpu_block_copies_match_the_host_copy(count, aligned):
     assert torch.equal(dst.cpu(), dst_host)
     outside = device_blocks.copy()
     outside[-1, 0] = dst.data_ptr() + nbytes  # the last block's destination starts at its region's end
+    before = dst.clone()
     with pytest.raises(ValueError, match="outside its region"):
         moves.copy(outside, (dst.data_ptr(), dst.data_ptr() + nbytes), (src.data_ptr(), src.data_ptr() + nbytes))
+    moves.fence(10.0)
+    assert torch.equal(dst, before), "a refused call queued some of its blocks"
+
+
+def rank_owner_gone(ctx, how: str) -> dict:
+    """Rank 0 exports 64 MiB of 0xA5 by IPC; rank 1 opens it; rank 0 then frees it and allocates 64 MiB of
+    0x5A (`how="free"`), or is SIGKILLed (`"kill"`); rank 1 reads what it still maps."""
+    from mooncake_ep_switch.buffer.transport import device_memory
+
+    torch.cuda.set_device(0)
+    device, nbytes = torch.device("cuda", 0), 64 << 20
+    mine = device_memory.DeviceAllocation(nbytes, 0) if ctx.rank == 0 else None
+    if mine is not None:
+        device_memory.device_view(mine, device).fill_(0xA5)
+        torch.cuda.synchronize()
+    handles = [None, None]
+    dist.all_gather_object(handles, device_memory.ipc_handle_hex(mine) if mine is not None else None, group=ctx.group)
+    peer = device_memory.PeerDeviceMapping(bytes.fromhex(handles[0]), nbytes, 0) if ctx.rank == 1 else None
+    dist.barrier(group=ctx.group)
+    if ctx.rank == 0:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        del mine  # cudaFree while rank 1 still maps it
+        again = device_memory.DeviceAllocation(nbytes, 0)
+        device_memory.device_view(again, device).fill_(0x5A)
+        torch.cuda.synchronize()
+        ctx.store.set("owner_gone", "freed")
+        time.sleep(1.0)  # alive (and holding the new allocation) while rank 1 reads
+        return {}
+    if how == "free":
+        ctx.store.wait(["owner_gone"])
+    else:
+        time.sleep(2.0)  # the owner's process is gone by then
+    values = torch.unique(device_memory.device_view(peer, device).cpu()).tolist()
+    return {"values": values}
+
+
+@gpu
+@pytest.mark.parametrize("how", ["free", "kill"])
+def test_gpu_peer_memory_outlives_its_owner(how):
+    """What the survivors of a switch rely on: memory a peer still maps keeps its bytes after its owner frees it or
+    dies (CUDA does not promise this for legacy IPC; this checks the driver the GPU run has)."""
+    with harness.fresh_cluster(2) as cluster:
+        outcomes = cluster.run(rank_owner_gone, how, timeout_s=120, failure_grace_s=20)
+    reader = harness.outcome_value(outcomes[1])
+    assert reader["values"] == [0xA5], reader
+
+
+def rank_forged_endpoints(ctx) -> list:
+    """A device region refuses peer endpoints that are malformed or claim more bytes than their allocation,
+    and keeps its current mapping of that peer."""
+    from mooncake_ep_switch.buffer.device_region import DeviceEndpoint, DeviceRegion
+
+    device = torch.device("cpu")  # the emulated device's tensors live on the host
+    region, small, other = (DeviceRegion(None, 0, 2, n, device) for n in (4096, 1024, 4096))
+    errors = []
+    for fields in ([os.getpid(), "zz" * 64, 4096], [True, small.endpoint.handle, 4096], [os.getpid(), "ab", 4096],
+                   [os.getpid(), small.endpoint.handle, 4096.0]):
+        try:
+            region.endpoint_from(fields)
+        except ValueError as error:
+            errors.append(str(error)[:40])
+    region.map_peer(1, other.endpoint)
+    mapped = region.peer_bases[1]
+    try:
+        region.map_peer(1, DeviceEndpoint(os.getpid(), small.endpoint.handle, 4096))  # 1024 bytes behind it
+    except ValueError as error:
+        errors.append(str(error))
+    kept = region.peer_bases[1] == mapped and region.peer_endpoints[1] == other.endpoint
+    for item in (region, small, other):
+        item.destroy()
+    return errors + [kept]
+
+
+def test_emulated_forged_device_endpoints_are_refused():
+    from tests.emulated_device import run_emulated
+
+    with harness.fresh_cluster(1) as cluster:
+        result = check_outcomes(cluster.run(run_emulated, __name__, "rank_forged_endpoints", timeout_s=60))[0]
+    assert len(result) == 6 and result[-1] is True, result
+    assert all(text.startswith("endpoint: expected a device region") for text in result[:4]), result
+    assert "holds 1024 bytes, its owner published 4096" in result[4], result

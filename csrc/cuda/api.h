@@ -28,13 +28,17 @@ void mapped_host_free(uintptr_t ptr);
 std::string ipc_handle(uintptr_t ptr);
 uintptr_t ipc_open(const std::string& handle, int device);
 void ipc_close(uintptr_t ptr);
+// Bytes from `ptr` to the end of the device allocation holding it (cuMemGetAddressRange): an opened peer
+// handle is checked against the size its owner claimed.
+int64_t allocation_bytes(uintptr_t ptr);
 // Synchronous copies (membership changes only: never on the dispatch/combine path).
 void copy_to_device(uintptr_t dst, uintptr_t src, int64_t nbytes);
 void copy_to_host(uintptr_t dst, uintptr_t src, int64_t nbytes);
 void stream_synchronize(uintptr_t stream);
 // Queue the strided copies `desc` [n][6] int64 rows (dst, src, rows, row_bytes, dst_stride, src_stride) on
 // `stream` (cudaMemcpy2DAsync / cudaMemcpyAsync, device or IPC-mapped peer addresses), after checking every
-// block lies inside [dst_lo, dst_hi) and [src_lo, src_hi) (std::invalid_argument, nothing queued).
+// block lies inside [dst_lo, dst_hi) and [src_lo, src_hi) (std::invalid_argument, nothing queued). A runtime
+// failure while queuing (a broken device) raises std::runtime_error and may leave earlier blocks queued.
 // With `device_desc` (device memory for n * 6 int64, 0 = none) and n >= 8 blocks, the table is copied there
 // on `stream` and one kernel copies every block (KV moves: many small blocks). Returns the bytes queued;
 // the caller orders what follows (an event on `stream`).

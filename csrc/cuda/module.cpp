@@ -29,6 +29,8 @@ PYBIND11_MODULE(_cuda, m) {
     m.def("ipc_open", [](py::bytes handle, int device) { return mep_cuda::ipc_open(std::string(handle), device); },
           "handle"_a, "device"_a, "Map another process's allocation by its IPC handle; returns the address here.");
     m.def("ipc_close", &mep_cuda::ipc_close, "ptr"_a, "Unmap an allocation opened with ipc_open.");
+    m.def("allocation_bytes", &mep_cuda::allocation_bytes, "ptr"_a,
+          "Bytes from ptr to the end of the device allocation holding it (cuMemGetAddressRange).");
     m.def("copy_to_device", &mep_cuda::copy_to_device, release(), "dst"_a, "src"_a, "nbytes"_a,
           "Synchronous host-to-device copy.");
     m.def("copy_to_host", &mep_cuda::copy_to_host, release(), "dst"_a, "src"_a, "nbytes"_a,

@@ -1,6 +1,7 @@
 // CUDA runtime plumbing for the device data plane: device and mapped host memory, IPC handles,
 // synchronous copies for membership changes. Errors become std::runtime_error (RuntimeError in
 // Python) naming the call and the runtime's message.
+#include <cuda.h>  // driver types only: the driver's functions are reached through the runtime (no libcuda link)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -84,6 +85,25 @@ uintptr_t ipc_open(const std::string& bytes, int device) {
     void* ptr = nullptr;
     check(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
     return reinterpret_cast<uintptr_t>(ptr);
+}
+
+int64_t allocation_bytes(uintptr_t ptr) {
+    using GetRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+    static GetRange get_range = nullptr;
+    if (!get_range) {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        check(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found),
+              "cudaGetDriverEntryPointByVersion(cuMemGetAddressRange)");
+        if (found != cudaDriverEntryPointSuccess || !fn)
+            throw std::runtime_error("cuMemGetAddressRange: not provided by this driver");
+        get_range = reinterpret_cast<GetRange>(fn);
+    }
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    const CUresult status = get_range(&base, &size, CUdeviceptr(ptr));
+    if (status != CUDA_SUCCESS) throw std::runtime_error("cuMemGetAddressRange: error " + std::to_string(int(status)));
+    return int64_t(uintptr_t(base) + size - ptr);
 }
 
 void ipc_close(uintptr_t ptr) {
@@ -172,6 +192,7 @@ int64_t copy_blocks_async(uintptr_t desc_ptr, int64_t n, uintptr_t dst_lo, uintp
         check(cudaMemcpyAsync(reinterpret_cast<void*>(device_desc), desc, size_t(n) * 6 * sizeof(int64_t),
                               cudaMemcpyHostToDevice, s),
               "cudaMemcpyAsync (copy table)");
+        cudaGetLastError();  // an earlier, unrelated launch error is not this kernel's
         const dim3 grid(unsigned(std::min<int64_t>(n, 65535)), unsigned(std::min<int64_t>(std::max<int64_t>(max_rows, 1), 16)));
         k_copy_blocks<<<grid, 256, 0, s>>>(reinterpret_cast<const int64_t*>(device_desc), n);
         check_launch("k_copy_blocks");

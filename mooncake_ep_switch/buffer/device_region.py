@@ -19,9 +19,10 @@ for a replacement exactly as it does host regions; the mechanism is the cuda tra
 - Control words stay in host memory (`SharedRegion`) and the decisions in the store: what peers
   *poll* is never device memory.
 
-Releasing: `unmap_peer()` and `destroy()` synchronise the device first (no copy of ours still reads
-or writes through the mapping), then drop the region's references; the memory is unmapped / freed
-when the last tensor view of it goes.
+Releasing: `unmap_peer()` and `destroy()` first wait, with a deadline, for this rank's queued moves
+(no copy of ours still reads or writes through the mapping), then drop the region's references; the
+memory is unmapped / freed when the last tensor view of it goes (never, if the device did not finish
+in time: leaked rather than reused under a copy).
 """
 import os
 import time
@@ -100,8 +101,8 @@ class DeviceRegion:
         ok = len(fields) == 3
         if ok:
             pid, handle, nbytes = fields
-            ok = (isinstance(pid, int) and pid > 0 and isinstance(handle, str)
-                  and len(handle) == 2 * IPC_HANDLE_BYTES and isinstance(nbytes, int))
+            ok = (type(pid) is int and pid > 0 and isinstance(handle, str) and len(handle) == 2 * IPC_HANDLE_BYTES
+                  and all(c in "0123456789abcdef" for c in handle) and type(nbytes) is int and nbytes > 0)
         if not ok:
             raise ValueError(f"endpoint: expected a device region's (pid, 128-hex-digit IPC handle, nbytes), got "
                              f"{fields!r:.120}")
@@ -130,12 +131,14 @@ class DeviceRegion:
 
         Raises:
             ValueError: the peer's region has another size, or a malformed handle.
-            RuntimeError: the CUDA runtime cannot open the handle (e.g. its process ended).
+            RuntimeError: the CUDA runtime cannot open the handle (e.g. its process ended); the old
+                mapping of `rank`, if any, is kept.
+            TimeoutError: the device did not finish the moves through the old mapping (it is kept).
         """
         if rank == self.rank or peer_is_current(self, rank, endpoint, incarnation):
             return
-        self.unmap_peer(rank)
         memory = device_memory.PeerDeviceMapping(bytes.fromhex(endpoint.handle), self.nbytes, self._index)
+        self.unmap_peer(rank)  # the new mapping opened: only now is the old one given up
         self._memory[rank] = memory
         self.peer_bases[rank] = memory.ptr
         self.peer_endpoints[rank] = endpoint
@@ -167,7 +170,9 @@ class DeviceRegion:
         """
         if rank == self.rank or not self.peer_bases[rank]:
             return
-        torch.cuda.synchronize(self.device)
+        if not _moves_landed(self.device):
+            raise TimeoutError(f"rank {rank}'s region: the device did not finish this rank's moves within "
+                               f"{DRAIN_TIMEOUT_S} s; it stays mapped")
         self._peer_tensors[rank] = None
         self._memory[rank] = None
         self.peer_bases[rank] = 0
@@ -190,9 +195,11 @@ class DeviceRegion:
         """Close every peer mapping and release this rank's region (freed once no view holds it); idempotent."""
         if not self.base:
             return
-        torch.cuda.synchronize(self.device)  # no queued move of ours still reads or writes this region
-        for peer in range(self.num_ranks):
-            self.unmap_peer(peer)
+        if not _moves_landed(self.device):  # a wedged device: never free what a queued move may still touch
+            _NEVER_RELEASED.append([m for m in self._memory if m is not None])
+        else:
+            for peer in range(self.num_ranks):
+                self.unmap_peer(peer)
         self._peer_tensors = [None] * self.num_ranks
         self._memory = [None] * self.num_ranks
         self.local = None
@@ -210,8 +217,9 @@ class DeviceMoves:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.queued_bytes = 0
-        self._table: Optional[torch.Tensor] = None  # device copy of the block table (many-block moves)
+        self.unfenced_bytes = 0  # queued since the last fence
+        # (event, tensors) of calls whose block tables may still be read by the device: kept until it has
+        self._in_flight: List[tuple] = []
 
     def copy(self, blocks: np.ndarray, dst_range, src_range) -> int:
         """Queue `blocks` after everything queued so far on the caller's stream (checked first).
@@ -228,22 +236,27 @@ class DeviceMoves:
         Raises:
             ValueError: a block outside its range (nothing queued).
         """
-        blocks = np.ascontiguousarray(blocks, dtype=np.int64)
-        if blocks.size == 0:
+        blocks = block_table(blocks)
+        if blocks.shape[0] == 0:
             return 0
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        queued = device_memory.queue_copies(blocks, dst_range, src_range, self.stream.cuda_stream,
-                                            self._table_for(blocks.shape[0]))
-        self.queued_bytes += queued
+        self._in_flight = [entry for entry in self._in_flight if not entry[0].query()]
+        kept, table = (), 0
+        if blocks.shape[0] >= KERNEL_MIN_BLOCKS:
+            # One kernel: its table goes up from pinned memory (an upload from pageable memory would make the
+            # driver wait for the stream, with no deadline), into device memory both kept until it landed.
+            pinned = torch.empty(blocks.size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            pinned.copy_(torch.from_numpy(blocks.reshape(-1)))
+            on_device = torch.empty(blocks.size, dtype=torch.int64, device=self.device)
+            blocks, kept, table = pinned.numpy().reshape(-1, 6), (pinned, on_device), on_device.data_ptr()
+        with torch.cuda.device(self.device):
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            queued = device_memory.queue_copies(blocks, dst_range, src_range, self.stream.cuda_stream, table)
+        if kept:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            self._in_flight.append((event, kept))
+        self.unfenced_bytes += queued
         return queued
-
-    def _table_for(self, num_blocks: int) -> int:
-        """Address of device memory for `num_blocks` table rows (grown when needed; the old one is released only
-        after the stream finished with it)."""
-        if self._table is None or self._table.numel() < 6 * num_blocks:
-            self.stream.synchronize()
-            self._table = torch.empty(6 * max(num_blocks, 1024), dtype=torch.int64, device=self.device)
-        return self._table.data_ptr()
 
     def fence(self, timeout_s: float) -> None:
         """Wait until every queued move and everything queued before on the caller's stream completed.
@@ -264,14 +277,49 @@ class DeviceMoves:
         pause = 1e-5
         while not event.query():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the device did not finish {self.queued_bytes} queued bytes of moves within "
+                raise TimeoutError(f"the device did not finish {self.unfenced_bytes} queued bytes of moves within "
                                    f"{timeout_s:.3g} s")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.unfenced_bytes = 0
+        self._in_flight.clear()
 
 
 _MOVES: Dict[str, DeviceMoves] = {}
+#: Seconds `unmap_peer()` and `destroy()` wait for this rank's queued moves before giving up.
+DRAIN_TIMEOUT_S = 30.0
+#: Below this many blocks a move is one runtime copy per block, from this many on one kernel (csrc/cuda).
+KERNEL_MIN_BLOCKS = 8
+# Device memory a wedged device might still touch: never released (destroy() after a failed drain).
+_NEVER_RELEASED: List[list] = []
+
+
+def _moves_landed(device: torch.device) -> bool:
+    """Whether this process's moves on `device` (and the caller's stream) finished within `DRAIN_TIMEOUT_S`."""
+    try:
+        moves_for(device).fence(DRAIN_TIMEOUT_S)
+    except TimeoutError:
+        return False
+    return True
+
+
+def block_table(blocks) -> np.ndarray:
+    """`blocks` as a C-contiguous `[n, 6]` np.int64 table, or a ValueError naming the shape it has.
+
+    Arguments:
+        blocks: rows `(dst, src, rows, row_bytes, dst_stride, src_stride)` (np array or convertible).
+
+    Returns:
+        table: `[n, 6]` np.int64 (n may be 0).
+    """
+    table = np.ascontiguousarray(blocks, dtype=np.int64)
+    if table.size == 0:
+        return table.reshape(0, 6)
+    if table.ndim != 2 or table.shape[1] != 6:
+        raise ValueError(f"blocks: expected an [n, 6] table of (dst, src, rows, row_bytes, dst_stride, src_stride), "
+                         f"got shape {list(table.shape)}")
+    return table
 
 
 def moves_for(device: torch.device) -> DeviceMoves:
@@ -308,8 +356,8 @@ def copy_blocks(blocks: np.ndarray, dst_range, src_range, device: Optional[torch
         ValueError: a block with a negative field, an overflow, or an extent outside its range; nothing
             is copied then.
     """
-    blocks = np.ascontiguousarray(blocks, dtype=np.int64)
-    if blocks.size == 0:
+    blocks = block_table(blocks)
+    if blocks.shape[0] == 0:
         return 0
     if device is not None:
         return moves_for(device).copy(blocks, dst_range, src_range)
@@ -347,4 +395,4 @@ def new_region(group, rank: int, num_ranks: int, nbytes: int, device: Optional[t
     return DeviceRegion(group, rank, num_ranks, nbytes, device)
 
 
-__all__ = ["DeviceEndpoint", "DeviceRegion", "DeviceMoves", "copy_blocks", "fence", "moves_for", "new_region"]
+__all__ = ["DeviceEndpoint", "DeviceRegion", "DeviceMoves", "block_table", "copy_blocks", "fence", "moves_for", "new_region"]

@@ -395,6 +395,11 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
         unified.layout = INVALID
         if kv is not None:
             kv.layout = INVALID
+        if unified.device is not None:  # nothing this rank queued may land in a peer after it gave up
+            try:
+                fence(unified.device, 30.0)
+            except Exception:  # a wedged device: the original error says more
+                pass
         if isinstance(error, SwitchError) or not isinstance(error, Exception):
             raise
         raise SwitchError(f"switch {seq} failed on rank {unified.rank} after it started moving data ({error!r}); this "

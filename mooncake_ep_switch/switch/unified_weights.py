@@ -30,7 +30,7 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.ballot import Ballot
-from mooncake_ep_switch.buffer.device_region import new_region
+from mooncake_ep_switch.buffer.device_region import fence, new_region
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.switch.shards import shard_ep, shard_tp
 from mooncake_ep_switch.checks import check_int
@@ -301,6 +301,7 @@ class UnifiedWeights:
                 raise ValueError(f"{name}: expected a {list(dst.shape)} torch.bfloat16 tensor for layout "
                                  f"{self.layout!r}, got {list(src.shape)} {src.dtype}")
             dst.copy_(src)
+        fence(self.device, 30.0)  # device memory: the load landed before any peer can be told of it
 
     def load_full(self, layers: Sequence) -> None:
         """Load every layer from full (unsharded) weights, taking this rank's shard of the current layout.

@@ -21,7 +21,7 @@ import torch
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.layout import RegionLayout, RegionLayouts, check_half_not_reused
 from mooncake_ep_switch.buffer.transport.members import connect_view
-from mooncake_ep_switch.buffer.transport.device_memory import DeviceAllocation, device_view
+from mooncake_ep_switch.buffer.transport.device_memory import DeviceAllocation, device_view, open_peer
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 from mooncake_ep_switch.errors import BufferDestroyed
 
@@ -162,7 +162,7 @@ class CudaTransport:
             return
         self._drop(peer)
         self.watch.watch_process(peer, pid)
-        self._opened[peer] = (handle, _cuda.ipc_open(handle, self.device.index))
+        self._opened[peer] = (handle, open_peer(handle, nbytes, self.device.index))
         self._bases[peer] = self._opened[peer][1]
 
     def _drop(self, peer: int) -> None:

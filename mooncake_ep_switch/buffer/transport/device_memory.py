@@ -65,7 +65,7 @@ class PeerDeviceMapping(DeviceMemory):
 
     def __init__(self, handle: bytes, nbytes: int, device: int):
         self.nbytes = nbytes
-        self.ptr = _cuda.ipc_open(handle, device)
+        self.ptr = open_peer(handle, nbytes, device)
 
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", 0), 0
@@ -74,6 +74,30 @@ class PeerDeviceMapping(DeviceMemory):
                 _cuda.ipc_close(ptr)
             except RuntimeError:
                 pass  # the exporting process is gone
+
+
+def open_peer(handle: bytes, nbytes: int, device: int) -> int:
+    """Open a peer's allocation by its IPC handle and check it holds the `nbytes` its owner claimed.
+
+    Arguments:
+        handle: the 64-byte IPC handle the owner published.
+        nbytes: the size the owner published.
+        device: the CUDA device index to open it on.
+
+    Returns:
+        ptr: int, the allocation's address here.
+
+    Raises:
+        ValueError: the allocation behind the handle is smaller than `nbytes` (it is closed again).
+        RuntimeError: the CUDA runtime cannot open the handle.
+    """
+    ptr = _cuda.ipc_open(handle, device)
+    held = _cuda.allocation_bytes(ptr)
+    if held < nbytes:
+        _cuda.ipc_close(ptr)
+        raise ValueError(f"endpoint: the device allocation behind the IPC handle holds {held} bytes, its owner "
+                         f"published {nbytes}")
+    return ptr
 
 
 def device_view(memory: DeviceMemory, device: torch.device) -> torch.Tensor:
@@ -122,4 +146,4 @@ def queue_copies(blocks, dst_range, src_range, stream: int, device_table: int = 
                                    src_range[1], stream=stream, device_desc=device_table)
 
 
-__all__ = ["DeviceMemory", "DeviceAllocation", "PeerDeviceMapping", "device_view", "ipc_handle_hex", "queue_copies"]
+__all__ = ["DeviceMemory", "DeviceAllocation", "PeerDeviceMapping", "open_peer", "device_view", "ipc_handle_hex", "queue_copies"]
