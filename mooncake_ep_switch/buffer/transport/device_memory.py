@@ -31,6 +31,17 @@ class DeviceMemory:
     def __cuda_array_interface__(self) -> dict:
         return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3, "strides": None}
 
+    def _release(self, ptr: int) -> None:
+        """Give the memory at `ptr` back (the subclass's runtime call)."""
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr and _cuda is not None:
+            try:
+                self._release(ptr)
+            except RuntimeError:
+                pass  # the context is going away with the process, or the exporting process is gone
+
 
 class DeviceAllocation(DeviceMemory):
     """Device memory from `cudaMalloc` (zeroed), freed when the last reference goes.
@@ -44,18 +55,13 @@ class DeviceAllocation(DeviceMemory):
         self.nbytes = nbytes
         self.ptr = _cuda.device_alloc(nbytes, device)
 
-    def __del__(self):
-        ptr, self.ptr = getattr(self, "ptr", 0), 0
-        if ptr and _cuda is not None:
-            try:
-                _cuda.device_free(ptr)
-            except RuntimeError:
-                pass  # the context is going away with the process
+    def _release(self, ptr: int) -> None:
+        _cuda.device_free(ptr)
 
 
 class PeerDeviceMapping(DeviceMemory):
     """Another process's allocation opened here by its CUDA IPC handle; closed when the last reference goes
-    (the caller synchronises the device first: nothing of ours may still copy through it).
+    (the caller waits for its moves first: nothing of ours may still copy through it).
 
     Arguments:
         handle: the 64-byte IPC handle the owner published.
@@ -67,13 +73,8 @@ class PeerDeviceMapping(DeviceMemory):
         self.nbytes = nbytes
         self.ptr = open_peer(handle, nbytes, device)
 
-    def __del__(self):
-        ptr, self.ptr = getattr(self, "ptr", 0), 0
-        if ptr and _cuda is not None:
-            try:
-                _cuda.ipc_close(ptr)
-            except RuntimeError:
-                pass  # the exporting process is gone
+    def _release(self, ptr: int) -> None:
+        _cuda.ipc_close(ptr)
 
 
 def open_peer(handle: bytes, nbytes: int, device: int) -> int:
