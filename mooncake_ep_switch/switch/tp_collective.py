@@ -82,7 +82,8 @@ class TPAllReduce:
 
         Arguments:
             x: `[N, H]` torch.float32 (or torch.bfloat16, widened), `N <= max_tokens`; every rank
-                passes the same N.
+                passes the same N. A CUDA tensor (a Buffer on the "cuda" transport) is staged through
+                host memory; the result comes back on its device.
             active_ranks: `[R]` torch.int32 (1 active, 0 inactive), caller-owned; sources that miss
                 the deadline are set to 0 in place. Inactive ranks are neither sent to nor waited for.
             timeout_us: deadline for the whole receive in microseconds, -1 = none.
@@ -90,8 +91,8 @@ class TPAllReduce:
                 one passing zeros in a row, that row arrives bit-exact (an all-gather of rows).
 
         Returns:
-            out: `[N, H]` torch.bfloat16, `bf16(sum over active ranks in rank order of float32 x_r)`
-                (torch.float32 and unrounded with `float32_result`).
+            out: `[N, H]` torch.bfloat16 on `x`'s device, `bf16(sum over active ranks in rank order of
+                float32 x_r)` (torch.float32 and unrounded with `float32_result`).
         """
         if x.dim() != 2 or x.size(1) != self.hidden or x.size(0) > self.max_tokens or x.dtype not in (
                 torch.float32, torch.bfloat16):

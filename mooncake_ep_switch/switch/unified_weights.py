@@ -115,12 +115,14 @@ class UnifiedWeights:
     Collective at construction (every rank of `buffer.group` builds one with the same arguments).
 
     Arguments:
-        buffer: a `mooncake_ep_switch.Buffer`; its group, rank, size and transport are used.
+        buffer: a `mooncake_ep_switch.Buffer`; its group, rank, size and transport are used (on
+            the "cuda" transport the weights live in device memory shared by CUDA IPC and the
+            views are CUDA tensors; docs/switching.md, "On device memory").
         shape: the `WeightShape` of every layer.
         num_layers: `L`, number of MoE layers, >= 1.
         layout: `"ep"` or `"tp"`, the layout the weights are loaded in.
         prefault: populate page tables of this and every peer's region now, so the first switch
-            does not fault pages inside its copies.
+            does not fault pages inside its copies (host memory only).
     """
 
     def __init__(self, buffer, shape: WeightShape, num_layers: int, layout: str = EP, *, prefault: bool = True):
