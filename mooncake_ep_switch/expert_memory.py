@@ -82,7 +82,7 @@ class ExpertMemory:
                  max_tp_tokens: int, phy2log=None, redundant_per_rank: int = 0, timeout_us: int = 30_000_000,
                  weights_from_peers: bool = True):
         from mooncake_ep_switch.buffer import peer_regions
-        from mooncake_ep_switch.buffer.device_region import fence
+        from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence
         from mooncake_ep_switch.eplb.online import OnlineRebalancer
         from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
         from mooncake_ep_switch.switch import TPAllReduce, UnifiedWeights
@@ -92,7 +92,7 @@ class ExpertMemory:
             raise TypeError(f"layers: expected a sequence of layers, a callable returning one, or None, got "
                             f"{type(layers).__name__}")
         replacement = peer_regions.joined_state(buffer, UNIFIED_KIND) is not None
-        with_slots = buffer.transport in ("shm", "cuda") and phy2log is not None
+        with_slots = peer_regions.one_sided(buffer) and phy2log is not None
         loaded: List[Sequence] = []
 
         def full_layers() -> Sequence:  # the caller's weights, read at most once and only when needed
@@ -129,7 +129,7 @@ class ExpertMemory:
                         load_missing(self.slots, full_layers(), missing)
                     # device copies from the peers' memory have landed before anyone is told (a rebalance
                     # may then reuse a frame this rank read from)
-                    fence(self.slots.device, timeout_us / 1e6 if timeout_us > 0 else 30.0)
+                    fence(self.slots.device, timeout_us / 1e6 if timeout_us > 0 else DRAIN_TIMEOUT_S)
                     total = self.unified.num_layers * slot_shape.slots_per_rank
                     counts = (total - len(missing), len(missing))
                 else:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason
 from mooncake_ep_switch.launcher.launch import check_outcomes
 from tests import harness
-from tests.test_cuda import on_device
+from tests.test_cuda import _use_device, on_device
 from tests.test_switch_kv import H_KV, LAYERS as KV_LAYERS, D, PAGE, _all_specs, _dense, _populate
 from tests.test_switch_weights import E, H, I, _expected_shard
 
@@ -33,11 +33,6 @@ MOE_LAYERS, UNITS = 2, 96
 TIMEOUT_US = 20_000_000
 FAULT_TIMEOUT_US = 3_000_000  # ranks time-sliced on one GPU are late by several slices
 KILL_RANKS, KILLED = 4, 2
-
-
-def _use_device() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)
 
 
 def _digest(tensor: torch.Tensor) -> str:

@@ -191,7 +191,7 @@ def rank_switch_bench(ctx, shape: SwitchBenchShape, iters: int, collective_iters
     return result
 
 
-def _slowest(results, way: str, key: str) -> float:
+def slowest(results, way: str, key: str) -> float:
     """Median over iterations of the slowest rank's value."""
     per_iter = zip(*[[r[key] for r in res[way]] for res in results])
     return statistics.median(max(values) for values in per_iter)
@@ -223,7 +223,7 @@ def measure(shape: SwitchBenchShape, iters: int, collective_iters: int) -> List[
     weight_bytes = results[0]["ep->tp"][0]["weight_bytes"]
     expert_bytes = weight_bytes * ranks // (ranks - 1)
     for way in ("ep->tp", "tp->ep"):
-        ours = _slowest(results, way, "weight_ms") / 1e3
+        ours = slowest(results, way, "weight_ms") / 1e3
         rows.append({
             "benchmark": f"weight reshard {way.upper()} (shm direct)", "shape": label,
             "ours_ms": ours * 1e3, "baseline": "memcpy of the moved bytes, all ranks at once",
@@ -233,24 +233,24 @@ def measure(shape: SwitchBenchShape, iters: int, collective_iters: int) -> List[
                      f"vs copying all {expert_bytes / 2**20:.1f} MiB: memcpy {memcpy_all / ours:.2f}x, "
                      f"streaming copy {stream_all / ours:.2f}x")})
     coll = statistics.median(max(values) for values in zip(*[r["collective"] for r in results])) / 1e3
-    ours = _slowest(results, "ep->tp", "weight_ms") / 1e3
+    ours = slowest(results, "ep->tp", "weight_ms") / 1e3
     rows.append({"benchmark": "weight reshard EP->TP: shm direct vs collective", "shape": label,
                  "ours_ms": ours * 1e3, "baseline": "collective fallback (gloo all_to_all + packing)",
                  "baseline_ms": coll * 1e3, "speedup": coll / ours, "note": ""})
     kv_label = (f"R={ranks} L={shape.kv_layers} H_kv={shape.kv_heads} D={shape.head_dim} page={shape.page_size} "
                 f"{shape.requests} req/rank")
     for way in ("ep->tp", "tp->ep"):
-        ours = _slowest(results, way, "kv_ms") / 1e3
+        ours = slowest(results, way, "kv_ms") / 1e3
         base = max(r[f"memcpy_kv_{way}"] for r in results)
         kv_bytes = max(r["kv_bytes"] for res in results for r in res[way])
         rows.append({"benchmark": f"KV redistribution {way.upper()} (shm direct)", "shape": kv_label,
                      "ours_ms": ours * 1e3, "baseline": "memcpy of the moved KV bytes, all ranks at once",
                      "baseline_ms": base * 1e3, "speedup": base / ours,
                      "note": f"{kv_bytes / 2**20:.1f} MiB on the busiest rank; whole switch "
-                             f"{_slowest(results, way, 'total_ms'):.1f} ms = prepare "
-                             f"{_slowest(results, way, 'prepare_ms'):.1f} + weights "
-                             f"{_slowest(results, way, 'weight_ms'):.1f} + KV {ours * 1e3:.1f} + commit "
-                             f"{_slowest(results, way, 'commit_ms'):.1f} (slowest rank each)"})
+                             f"{slowest(results, way, 'total_ms'):.1f} ms = prepare "
+                             f"{slowest(results, way, 'prepare_ms'):.1f} + weights "
+                             f"{slowest(results, way, 'weight_ms'):.1f} + KV {ours * 1e3:.1f} + commit "
+                             f"{slowest(results, way, 'commit_ms'):.1f} (slowest rank each)"})
     return rows
 
 

@@ -8,12 +8,11 @@ device-to-device copy of the same bytes on the same GPU in the same run (rank 0 
 the GPU to itself). Bytes: every byte a rank copies (the chunks for its peers and its own chunk,
 which also changes slot), per rank, never summed over ranks.
 """
-import statistics
 from typing import Dict, List
 
 import torch
 
-from mooncake_ep_switch.bench.switch_bench import SwitchBenchShape, populate_kv, switch_round_trips
+from mooncake_ep_switch.bench.switch_bench import SwitchBenchShape, populate_kv, slowest, switch_round_trips
 from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 
 
@@ -54,10 +53,6 @@ def rank_switch_rounds(ctx, shape: SwitchBenchShape, iters: int) -> Dict[str, Li
     return result
 
 
-def _slowest(results, way: str, key: str) -> float:
-    return statistics.median(max(values) for values in zip(*[[r[key] for r in res[way]] for res in results]))
-
-
 def measure(cluster, shape: SwitchBenchShape, iters: int, where: str) -> List[dict]:
     """Rows of one shape: reshard and KV both ways against a device copy of the same bytes.
 
@@ -84,14 +79,14 @@ def measure(cluster, shape: SwitchBenchShape, iters: int, where: str) -> List[di
                 f"page={shape.page_size} {shape.requests} req/rank")
     rows = []
     for way in ("ep->tp", "tp->ep"):
-        ours = _slowest(results, way, "weight_ms") / 1e3
+        ours = slowest(results, way, "weight_ms") / 1e3
         rows.append({"benchmark": f"cuda weight reshard {way.upper()} (device regions, CUDA IPC)", "shape": label,
                      "ours_ms": ours * 1e3, "baseline": "device-to-device copy of the same bytes (rank 0 alone)",
                      "baseline_ms": copy[weight_bytes] * 1e3, "speedup": copy[weight_bytes] / ours,
                      "note": f"{weight_bytes / 2**20:.1f} MiB copied per rank: {weight_bytes / ours / 1e9:.1f} GB/s "
                              f"vs copy {weight_bytes / copy[weight_bytes] / 1e9:.1f} GB/s; {where}"})
     for way in ("ep->tp", "tp->ep"):
-        ours = _slowest(results, way, "kv_ms") / 1e3
+        ours = slowest(results, way, "kv_ms") / 1e3
         nbytes = kv_bytes[way]
         base = copy.get(nbytes, 0.0)
         rows.append({"benchmark": f"cuda KV redistribution {way.upper()} (device regions, CUDA IPC)",
@@ -99,9 +94,9 @@ def measure(cluster, shape: SwitchBenchShape, iters: int, where: str) -> List[di
                      "baseline": "device-to-device copy of the busiest rank's KV bytes (rank 0 alone)",
                      "baseline_ms": base * 1e3, "speedup": base / ours if ours else 0.0,
                      "note": f"{nbytes / 2**20:.1f} MiB on the busiest rank: {nbytes / ours / 1e9:.1f} GB/s; whole "
-                             f"switch {_slowest(results, way, 'total_ms'):.1f} ms (prepare "
-                             f"{_slowest(results, way, 'prepare_ms'):.1f}, commit "
-                             f"{_slowest(results, way, 'commit_ms'):.1f}); {where}"})
+                             f"switch {slowest(results, way, 'total_ms'):.1f} ms (prepare "
+                             f"{slowest(results, way, 'prepare_ms'):.1f}, commit "
+                             f"{slowest(results, way, 'commit_ms'):.1f}); {where}"})
     return rows
 
 

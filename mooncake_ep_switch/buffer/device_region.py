@@ -287,7 +287,8 @@ class DeviceMoves:
 
 
 _MOVES: Dict[str, DeviceMoves] = {}
-#: Seconds `unmap_peer()` and `destroy()` wait for this rank's queued moves before giving up.
+#: Seconds a wait for this rank's queued moves (or loads) may take when no call deadline applies: `unmap_peer()`,
+#: `destroy()`, the loads, a failed switch's drain.
 DRAIN_TIMEOUT_S = 30.0
 #: Below this many blocks a move is one runtime copy per block, from this many on one kernel (csrc/cuda).
 KERNEL_MIN_BLOCKS = 8
@@ -395,4 +396,4 @@ def new_region(group, rank: int, num_ranks: int, nbytes: int, device: Optional[t
     return DeviceRegion(group, rank, num_ranks, nbytes, device)
 
 
-__all__ = ["DeviceEndpoint", "DeviceRegion", "DeviceMoves", "block_table", "copy_blocks", "fence", "moves_for", "new_region"]
+__all__ = ["DRAIN_TIMEOUT_S", "DeviceEndpoint", "DeviceRegion", "DeviceMoves", "block_table", "copy_blocks", "fence", "moves_for", "new_region"]

@@ -319,6 +319,23 @@ def joined_state(buffer, kind: str) -> Optional[dict]:
     return None if registry is None else registry.joined_state(kind)
 
 
+#: The transports whose ranks map each other's memory (host regions on "shm", device regions on "cuda"):
+#: structures on them move one-sided; on the others they keep private memory and use collectives.
+ONE_SIDED = ("shm", "cuda")
+
+
+def one_sided(buffer) -> bool:
+    """Whether structures on `buffer` keep regions their peers map (its transport is one of `ONE_SIDED`).
+
+    Arguments:
+        buffer: a `Buffer`, or any object with a `transport` name.
+
+    Returns:
+        one_sided: bool.
+    """
+    return buffer.transport in ONE_SIDED
+
+
 def memory_device(buffer):
     """The CUDA device whose memory a participant on `buffer` keeps its regions in, or None (host memory).
 
@@ -338,4 +355,4 @@ def group_of(buffer):
     return getattr(buffer, "process_group", None) or getattr(buffer, "group", None)
 
 
-__all__ = ["Participant", "PeerRegions", "register", "joined_state", "memory_device", "group_of"]
+__all__ = ["Participant", "PeerRegions", "register", "joined_state", "memory_device", "one_sided", "ONE_SIDED", "group_of"]

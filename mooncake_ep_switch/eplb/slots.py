@@ -41,7 +41,7 @@ import torch
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
-from mooncake_ep_switch.buffer.device_region import fence, new_region
+from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence, new_region
 from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_indices
 from mooncake_ep_switch.buffer.ballot import Ballot
@@ -299,7 +299,7 @@ class ExpertSlots:
                 gate_up, down = self.expert(index, local_slot)
                 gate_up.copy_(weights.gate_up[expert])
                 down.copy_(weights.down[expert])
-        fence(self.device, 30.0)  # device frames: loaded before any peer can stage from them
+        fence(self.device, DRAIN_TIMEOUT_S)  # device frames: loaded before any peer can stage from them
 
     def take_free_frame(self) -> int:
         """Take a free frame for staging: one that no abandoned Transfer Engine read may still land in.

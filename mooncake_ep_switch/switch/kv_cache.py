@@ -120,7 +120,7 @@ class PagedKVCache:
         self.free = np.ones(units, dtype=bool)
         self.region = None  # a SharedRegion, or a DeviceRegion on the "cuda" transport
         self._private: Optional[torch.Tensor] = None
-        if self.transport in ("shm", "cuda"):
+        if peer_regions.one_sided(buffer):
             device = peer_regions.memory_device(buffer)
             self.region = new_region(self.group, self.rank, ranks, self.region_bytes, device)
             self.local = self.region.local

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.buffer import register_layout_switch
-from mooncake_ep_switch.buffer.device_region import fence
+from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence
 from mooncake_ep_switch.buffer.peer_words import wait_peer_words
 from mooncake_ep_switch.errors import SwitchError, SwitchFenced  # noqa: F401 (re-exported)
 from mooncake_ep_switch.switch import reshard
@@ -159,7 +159,7 @@ class _Control:
         """Publish this rank's word at `offset`; on device memory only after every copy and write this
         rank queued landed (a peer that sees the word may read or overwrite what it announces)."""
         if self.unified.device is not None:
-            fence(self.unified.device, 30.0 if self.timeout_us < 0 else max(1.0, self.timeout_us / 1e6))
+            fence(self.unified.device, DRAIN_TIMEOUT_S if self.timeout_us < 0 else max(1.0, self.timeout_us / 1e6))
         _native.signal_publish(self.addr(self.rank, offset), self.word(value))
 
     def progress(self, rank: int) -> int:
@@ -397,7 +397,7 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
             kv.layout = INVALID
         if unified.device is not None:  # nothing this rank queued may land in a peer after it gave up
             try:
-                fence(unified.device, 30.0)
+                fence(unified.device, DRAIN_TIMEOUT_S)
             except Exception:  # a wedged device: the original error says more
                 pass
         if isinstance(error, SwitchError) or not isinstance(error, Exception):

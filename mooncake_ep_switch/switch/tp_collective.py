@@ -61,7 +61,7 @@ class TPAllReduce:
         self.slot_bytes = max_tokens * hidden * 4
         self.half_bytes = self.num_ranks * self.slot_bytes
         self.region: Optional[SharedRegion] = None
-        if self.transport in ("shm", "cuda"):  # host words and partials, also for CUDA tensors (staged)
+        if peer_regions.one_sided(buffer):  # host words and partials, also for CUDA tensors (staged)
             nbytes = _SIGNALS_BYTES + ((16 * self.num_ranks + 4095) // 4096) * 4096 + 2 * self.half_bytes
             self.data_offset = nbytes - 2 * self.half_bytes
             self.region = SharedRegion(self.group, self.rank, self.num_ranks, nbytes)

@@ -30,7 +30,7 @@ import torch
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.ballot import Ballot
-from mooncake_ep_switch.buffer.device_region import fence, new_region
+from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence, new_region
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.switch.shards import shard_ep, shard_tp
 from mooncake_ep_switch.checks import check_int
@@ -151,7 +151,7 @@ class UnifiedWeights:
         self.region_bytes = (self.num_layers + 1) * self.slot_bytes
         self.seq = 0 if joined is None else joined["seq"]  # switch sequence number, advanced in step by every rank
         self.dead_ranks: List[int] = []  # ranks found dead by a switch (need membership recovery)
-        self.one_sided = self.transport in ("shm", "cuda")
+        self.one_sided = peer_regions.one_sided(buffer)
         self.device = peer_regions.memory_device(buffer)  # the weights' CUDA device ("cuda"), None: host memory
         self.region = None  # a SharedRegion, or a DeviceRegion on the "cuda" transport
         self.control: Optional[SharedRegion] = None  # host words peers poll, on every one-sided transport
@@ -303,7 +303,7 @@ class UnifiedWeights:
                 raise ValueError(f"{name}: expected a {list(dst.shape)} torch.bfloat16 tensor for layout "
                                  f"{self.layout!r}, got {list(src.shape)} {src.dtype}")
             dst.copy_(src)
-        fence(self.device, 30.0)  # device memory: the load landed before any peer can be told of it
+        fence(self.device, DRAIN_TIMEOUT_S)  # device memory: the load landed before any peer can be told of it
 
     def load_full(self, layers: Sequence) -> None:
         """Load every layer from full (unsharded) weights, taking this rank's shard of the current layout.
