@@ -9,12 +9,15 @@ missed its deadline counts as having sent nothing). Then a replacement is re-adm
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mooncake_ep_switch import ElasticBuffer
+from mooncake_ep_switch.buffer.membership.protocol import View
 from mooncake_ep_switch.elastic import join
+from mooncake_ep_switch.elastic_buffer.handle import admitted_since, check_usable
 from tests import harness
 from tests.harness import outcome_value
 from tests.netns import make_network  # noqa: F401 - a fixture (network namespaces as hosts)
@@ -106,6 +109,92 @@ def test_a_killed_rank_is_skipped_and_the_rest_is_exact(transport, pretend_hosts
             assert DEAD not in value["second"]["heard"], value
         # Both phases of the fault round within their deadlines (the dead rank costs at most one each).
         assert value["second"]["seconds"] < 2 * TIMEOUT_US / 1e6 + harness.FAULT_SLACK_S, value
+
+
+# ---------------------------------------------------------------------- a cached handle after a death
+
+def rank_cached_after_death(ctx, transport):
+    """Issue 43 item 5: rank DEAD is SIGKILLed between a dispatch and its combine; the survivors combine, then
+    dispatch again with the same handle (V2's cached layout) and combine it again. On the collective
+    fallback the death moves the membership epoch inside the combine (the survivors agree on a view
+    without the dead rank); the handle must stay usable there as on shared memory, the dead rank masked:
+    the cached rows from it zero, every other row and every combined output exact without it."""
+    R, rank, E = ctx.num_ranks, ctx.rank, 4 * ctx.num_ranks
+    buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, transport=transport)
+    _round(ctx, buffer, 1, R)
+    second = _round(ctx, buffer, 2, R, kill_point="between")  # its combine is exact without DEAD (_round checks)
+    handle = second["handle"]
+    all_inputs = [make_inputs(r, R, T, H, K, E, 2) for r in range(R)]
+    mine = all_inputs[rank]
+    active = torch.tensor(second["mask"], dtype=torch.int32)  # the mask the survivor kept using
+    recv_x, recv_topk, recv_w, again, _ = buffer.dispatch(mine.x, topk_weights=mine.topk_weights, handle=handle,
+                                                          active_ranks=active, timeout_us=TIMEOUT_US)
+    assert again is handle
+    want = expected_dispatch(all_inputs, rank, R, T, E, range(R))  # the handle's layout: DEAD's rows included
+    from_dead = (torch.div(want["src_global"], T, rounding_mode="floor") == DEAD).unsqueeze(1)
+    _same("cached recv_x", recv_x, torch.where(from_dead, torch.zeros_like(want["x"]), want["x"]))
+    _same("cached recv_topk_idx", recv_topk, want["local"])
+    _same("cached recv_topk_weights", recv_w, torch.where(from_dead, torch.zeros_like(want["weights"]),
+                                                          want["weights"]))
+    dispatch_mask = active.tolist()
+    y_recv = expert_output(want["src_global"], K, H, 2)
+    partial = ordered_sum(torch.where((want["local"] >= 0).unsqueeze(2), y_recv, torch.zeros_like(y_recv)))
+    combined, weights, _ = buffer.combine(partial, handle, topk_weights=recv_w, bias=mine.bias[0],
+                                          active_ranks=active, timeout_us=TIMEOUT_US)
+    contributing = [r for r in range(R) if int(active[r])]
+    y_own = expert_output(rank * T + torch.arange(mine.x.size(0)), K, H, 2)
+    _same("cached combined_x", combined, expected_combine(y_own, mine.topk_idx, E, R, [mine.bias[0]], contributing))
+    _same("cached combined weights", weights, expected_weights(mine.topk_idx, mine.topk_weights, E, R, contributing))
+    epoch = buffer.runtime.epoch
+    buffer.destroy()
+    return {"second": second["mask"], "dispatch": dispatch_mask, "combine": active.tolist(), "epoch": epoch}
+
+
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_a_cached_handle_serves_the_survivors_after_a_death(transport):
+    """Issue 43 item 5: on the collective fallback a cached re-dispatch after a death was refused ("expected a
+    handle of membership epoch 1 ... update_ep_member() ran since its dispatch", which nobody called); the
+    transports now agree: the handle serves the survivors, the dead rank masked, every output exact."""
+    with harness.fresh_cluster(NUM_RANKS) as cluster:
+        outcomes = cluster.run(rank_cached_after_death, transport, timeout_s=120, failure_grace_s=40)
+    assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
+    without_dead = [0 if r == DEAD else 1 for r in range(NUM_RANKS)]
+    for outcome in outcomes:
+        if outcome.rank != DEAD:
+            value = outcome_value(outcome)
+            assert value["second"] == value["dispatch"] == value["combine"] == without_dead, value
+            # The collective fallback moved to a view without DEAD; shared memory only masks it.
+            assert value["epoch"] == (1 if transport == "collective" else 0), value
+
+
+class _Views:
+    """A `Membership` stand-in: the sealed views by epoch (epoch 0 is every rank)."""
+
+    def __init__(self, views):
+        self.views = views
+
+    def view(self, epoch):
+        return View(epoch, tuple(self.views[epoch]))
+
+
+def test_a_handle_is_refused_once_a_view_admitted_a_rank():
+    """The rule behind the test above: epochs that only lost ranks keep a handle; an epoch that let a rank in
+    (a replacement, or a rank left out and back: a new process without the handle) or an update_ep_member()
+    of this buffer refuses it, by name."""
+    membership = _Views({0: [0, 1, 2, 3], 1: [0, 1, 3], 2: [0, 1, 2, 3], 3: [0, 1, 2]})
+    assert admitted_since(membership, 0, 1) == [] and admitted_since(membership, 2, 3) == []
+    assert admitted_since(membership, 0, 2) == [2] and admitted_since(membership, 1, 3) == [2]
+    assert admitted_since(None, 0, 0) == []
+    owner = object()
+    handle = SimpleNamespace(route=SimpleNamespace(owner=owner, epoch=0, generation=0))
+    check_usable(handle, owner, 0, SimpleNamespace(epoch=1, membership=membership))
+    assert handle.route.epoch == 1  # checked once for epoch 1
+    with pytest.raises(ValueError, match=r"handle: .*ranks \[2\] were admitted since \(epoch 2\)"):
+        check_usable(handle, owner, 0, SimpleNamespace(epoch=2, membership=membership))
+    with pytest.raises(ValueError, match=r"handle: .*update_ep_member\(\) ran since its dispatch"):
+        check_usable(handle, owner, 1, SimpleNamespace(epoch=1, membership=membership))
+    with pytest.raises(ValueError, match=r"handle: .*one of another buffer"):
+        check_usable(handle, object(), 0, SimpleNamespace(epoch=1, membership=membership))
 
 
 # ---------------------------------------------------------------------- a replacement re-admitted

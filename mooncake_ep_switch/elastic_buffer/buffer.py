@@ -9,7 +9,7 @@ from mooncake_ep_switch.checks import check_int, check_timeout
 from mooncake_ep_switch.elastic_buffer import arguments
 from mooncake_ep_switch.elastic_buffer import layout as lay
 from mooncake_ep_switch.elastic_buffer import rows as codec
-from mooncake_ep_switch.elastic_buffer.handle import EPHandle, new_handle
+from mooncake_ep_switch.elastic_buffer.handle import EPHandle, check_usable, new_handle
 
 _ALIGNMENT = 2 << 20  # V2's buffer sizes are multiples of 2 MB
 
@@ -112,6 +112,7 @@ class ElasticBuffer:
         self._inner_dispatches = 0  # inner dispatches made (a handle is combined again only before the next)
         self._masks = {}  # device -> the buffer's own active_ranks when the caller passes none
         self._token = object()  # the owner of this buffer's handles
+        self._generation = 0  # update_ep_member() calls made (a handle from before one is refused)
 
     # ------------------------------------------------------------------ sizes and domains
     @staticmethod
@@ -187,13 +188,18 @@ class ElasticBuffer:
 
     def update_ep_member(self, timeout_s: Optional[float] = None):
         """Agree on the group's members and admit a pending replacement (`Buffer.update_ep_member`).
-        Handles from before it are not combined after it.
+        Handles from before it are refused after it (by dispatch and combine): dispatch again.
 
         Returns:
             view: the agreed view (`.ranks`, `.epoch`), as `Buffer.update_ep_member` returns it.
         """
         buffer = self._alive()
-        view = buffer.update_ep_member() if timeout_s is None else buffer.update_ep_member(timeout_s=timeout_s)
+        epoch = buffer.epoch
+        try:
+            view = buffer.update_ep_member() if timeout_s is None else buffer.update_ep_member(timeout_s=timeout_s)
+        finally:
+            if buffer.epoch != epoch:  # a view was adopted (also if connecting to it failed after): handles go
+                self._generation += 1
         self._masks.clear()  # the buffer's own mask starts again from the new members
         return view
 
@@ -336,7 +342,8 @@ class ElasticBuffer:
         else:
             local = lay.local_topk(got_topk, rank, L)
             route = lay.Route(inner_topk, num_tokens, num_topk, hidden, use_fp8, src_global, local, None, 0,
-                              inner_handle, self._inner_dispatches, self._token, self.runtime.epoch)
+                              inner_handle, self._inner_dispatches, self._token, self.runtime.epoch,
+                              self._generation)
         counts = lay.expert_counts(local, L).tolist()
         if cumulative_local_expert_recv_stats is not None:
             stats = received if handle is not None else counts  # only the pairs that arrived in this call
@@ -360,14 +367,8 @@ class ElasticBuffer:
         return recv_x, recv_topk_out, out_weights, handle, EventOverlap(None)
 
     def _check_own(self, handle: EPHandle) -> None:
-        """A handle of this buffer, from its current membership epoch (ValueError naming `handle`)."""
-        route = handle.route
-        if route.owner is not self._token:
-            raise ValueError("handle: expected an EPHandle returned by this ElasticBuffer's dispatch, got one of "
-                             "another buffer")
-        if route.epoch != self.runtime.epoch:
-            raise ValueError(f"handle: expected a handle of membership epoch {self.runtime.epoch}, got one of epoch "
-                             f"{route.epoch} (update_ep_member() ran since its dispatch: dispatch again)")
+        """A handle of this buffer still valid for its members (`handle.check_usable`; ValueError naming `handle`)."""
+        check_usable(handle, self._token, self._generation, self.runtime)
 
     def _call_mask(self, active_ranks, timeout_us, device) -> Tuple[torch.Tensor, int]:
         if active_ranks is None:

@@ -91,3 +91,57 @@ def new_handle(route: lay.Route, do_expand: bool, num_experts: int, alignment: i
                     psum_num_recv_tokens_per_expert=psum_expert, num_unaligned_recv_tokens_per_expert=unaligned,
                     recv_src_metadata=lay.src_metadata(src_global, route.recv_local_topk, route.slots, T),
                     dst_buffer_slot_idx=lay.dst_slots(topk_idx, num_experts, R), route=route)
+
+
+def check_usable(handle: EPHandle, owner: object, generation: int, runtime) -> None:
+    """Refuse a handle that its buffer no longer serves: another buffer's, one from before an
+    `update_ep_member()`, or one from before a view that admitted a rank (a new process without it).
+
+    An epoch that only lost members keeps the handle usable, the lost ranks masked: the collective
+    fallback agrees on a view without a dead rank inside the call that met the death, where shared
+    memory and the Transfer Engine only mask it; the transports agree on the handle either way.
+
+    Arguments:
+        handle: the `EPHandle` given to a dispatch or combine.
+        owner: the buffer's token (`route.owner` of its handles).
+        generation: the buffer's count of `update_ep_member()` calls.
+        runtime: the buffer's inner `Buffer` (its `epoch`, and its `membership` for the views since).
+
+    Raises:
+        ValueError: naming `handle`, the expectation and what came.
+    """
+    route = handle.route
+    if route.owner is not owner:
+        raise ValueError("handle: expected an EPHandle returned by this ElasticBuffer's dispatch, got one of "
+                         "another buffer")
+    epoch = runtime.epoch
+    if route.generation != generation:
+        raise ValueError(f"handle: expected a handle of membership epoch {epoch}, got one of epoch "
+                         f"{route.epoch} (update_ep_member() ran since its dispatch: dispatch again)")
+    if route.epoch != epoch:
+        admitted = admitted_since(runtime.membership, route.epoch, epoch)
+        if admitted:
+            raise ValueError(f"handle: expected a handle whose dispatch saw every member, got one of epoch "
+                             f"{route.epoch}; ranks {admitted} were admitted since (epoch {epoch}): dispatch again")
+        route.epoch = epoch  # checked once: the views since its dispatch only lost ranks
+
+
+def admitted_since(membership, epoch: int, current: int) -> List[int]:
+    """Ranks that a view after `epoch` (up to `current`) holds and the view before it did not: admitted
+    replacements, or ranks left out and let back in (each a new process without the handle).
+
+    Arguments:
+        membership: the inner Buffer's `Membership` (None: no store, so no view ever changes).
+        epoch, current: membership epochs, `epoch <= current`.
+
+    Returns:
+        admitted: sorted list of int ranks.
+    """
+    if membership is None:
+        return []
+    admitted, before = set(), set(membership.view(epoch).ranks)
+    for later in range(epoch + 1, current + 1):
+        ranks = set(membership.view(later).ranks)
+        admitted |= ranks - before
+        before = ranks
+    return sorted(admitted)

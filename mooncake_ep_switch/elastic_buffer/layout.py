@@ -34,8 +34,11 @@ class Route:
         inner_call: the ElasticBuffer's count of inner dispatches when `inner_handle` was made.
         combined: whether `inner_handle` was combined already.
         owner: the ElasticBuffer's token (a handle of another buffer is refused).
-        epoch: the inner Buffer's membership epoch at the dispatch (a handle from before an
-            `update_ep_member()` is refused).
+        epoch: the inner Buffer's membership epoch the handle was last checked in (its dispatch's; moved
+            on when the epoch moved without admitting anyone: the collective fallback's view without a
+            dead rank, agreed inside a call).
+        generation: the ElasticBuffer's count of `update_ep_member()` calls at the dispatch (a handle
+            from before one is refused).
     """
 
     inner_topk: torch.Tensor
@@ -51,6 +54,7 @@ class Route:
     inner_call: int
     owner: object
     epoch: int
+    generation: int
     combined: bool = False
 
 
