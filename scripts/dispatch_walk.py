@@ -6,7 +6,13 @@ Two readings of one traced call (sys.setprofile, the package's own modules only)
   calls only: the module of every function the call enters, in order (consecutive repeats collapse);
   calls and returns: also the module control returns to (the hub's round trips count).
 """
+import argparse
 import sys, os
+
+_parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+_parser.add_argument("transport", choices=["shm", "collective"], help="the Buffer's transport to trace")
+TRANSPORT = _parser.parse_args().transport
+
 import torch, torch.distributed as dist
 try:
     from mooncake_ep_switch.launcher.launch import host_store
@@ -18,7 +24,7 @@ from mooncake_ep_switch import Buffer
 import mooncake_ep_switch
 ROOT = os.path.dirname(mooncake_ep_switch.__file__) + "/"
 T, H, E = 8, 256, 4
-buf = Buffer(dist.group.WORLD, Buffer.get_ep_buffer_size_hint(T, H, 1, E), transport=sys.argv[1])
+buf = Buffer(dist.group.WORLD, Buffer.get_ep_buffer_size_hint(T, H, 1, E), transport=TRANSPORT)
 x = (torch.arange(4 * H) % 7).view(4, H).to(torch.bfloat16)
 topk = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
 active = torch.ones(1, dtype=torch.int32)

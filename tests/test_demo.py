@@ -1,5 +1,6 @@
 """The main job runs end to end (shortened) and its correctness check holds."""
 import json
+import os
 import subprocess
 import sys
 
@@ -44,3 +45,41 @@ def test_demo_collective_transport(tmp_path):
     metrics, _ = _run(out, "--steps", "8", "--transport", "collective", "--ranks", "2", "--kill-step", "-1")
     assert metrics["transport"] == "collective" and metrics["correct"]
     assert {s["layout"] for s in metrics["steps"]} == {"tp", "ep"}
+
+
+def _hide(tmp_path, module: str) -> dict:
+    """Environment in which `import <module>` fails as if it were not installed (a shadowing package that
+    raises ModuleNotFoundError), for the demo's processes and its rank processes alike."""
+    fake = tmp_path / "hidden" / module
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(f"raise ModuleNotFoundError({module + ' is hidden by the test'!r}, "
+                                      f"name={module!r})\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "hidden"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def test_demo_without_matplotlib_ends_with_its_verdict(tmp_path):
+    # The PNG is the optional extra `plot`: without it the demo still writes metrics.json, prints its summary
+    # and verdict, says in one line how to get the PNG, and exits 0 (it used to die in a traceback at the end).
+    out = tmp_path / "demo"
+    result = subprocess.run([sys.executable, "-m", "mooncake_ep_switch", "demo", "--out", str(out), "--steps", "8",
+                             "--ranks", "2", "--kill-step", "-1"], capture_output=True, text=True, timeout=240,
+                            env=_hide(tmp_path, "matplotlib"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    hints = [line for line in result.stdout.splitlines() if "matplotlib is not installed" in line]
+    assert len(hints) == 1 and "pip install" in hints[0], result.stdout
+    assert "PASS" in result.stdout.splitlines()[-3] or "PASS" in result.stdout
+    assert json.loads((out / "metrics.json").read_text())["correct"]
+    assert not (out / "timeline.png").exists()
+    # Not a terminal: progress lines every few steps instead of one line rewritten in place.
+    assert sum("step " in line and "/8" in line for line in result.stdout.splitlines()) >= 2
+
+
+def test_model_demo_without_transformers_says_what_to_install(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mooncake_ep_switch", "demo", "--model", "qwen3_moe"],
+                            capture_output=True, text=True, timeout=120, env=_hide(tmp_path, "transformers"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert "transformers" in result.stderr and "pip install" in result.stderr

@@ -1,6 +1,16 @@
-"""Command line: `mooncake-ep [demo|bench|simulate]` (also `python -m mooncake_ep_switch`)."""
+"""Command line: `mooncake-ep [demo|bench|simulate]` (also `python -m mooncake_ep_switch`).
+
+Subcommands (each has its own `--help`):
+  demo      serve a small MoE model on local CPU ranks (the default when no subcommand is given)
+  bench     benchmarks with in-run baselines; `bench --help` lists its own subcommands
+            (soak, hosts, elastic, memory, --device cuda)
+  simulate  replay serving and RL-rollout traces through the TP<->EP switch policy
+"""
 import argparse
+import importlib
 import sys
+
+from mooncake_ep_switch.version import version_line
 
 
 def _demo(args) -> int:
@@ -19,6 +29,10 @@ def _demo(args) -> int:
         raise SystemExit("demo: --transport cuda needs --device cuda")
     transport = _host_transport(args.transport)
     if args.model is not None:
+        if not _importable("transformers"):
+            print(f"demo --model {args.model}: needs Hugging Face transformers (the `models` extra): "
+                  "pip install -e '.[models]' or pip install 'transformers>=5,<6'", file=sys.stderr)
+            return 2
         from mooncake_ep_switch.models.demo import run_model_demo
 
         return 0 if run_model_demo(args.model, args.ranks, transport) else 1
@@ -38,16 +52,25 @@ def _demo(args) -> int:
     return 0 if metrics["correct"] else 1
 
 
+def _importable(module: str) -> bool:
+    """Whether `module` imports (an optional extra is installed and works)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def _host_transport(requested: str) -> str:
     """The CPU demos feed CPU tensors: their "auto" is "host" (the choice among the host transports,
     never the "cuda" one that "auto" picks on a machine with a GPU)."""
     return "host" if requested == "auto" else requested
 
 
-def _bench(args) -> int:
+def _bench(rest) -> int:
     from mooncake_ep_switch.bench.__main__ import main as bench_main
 
-    return bench_main(args.rest)
+    return bench_main(rest)
 
 
 def _simulate(args) -> int:
@@ -67,12 +90,22 @@ def main(argv=None) -> int:
         status: int exit status (demo: 0 when its outputs were correct, else 1; bench and simulate:
             their own status).
     """
-    parser = argparse.ArgumentParser(prog="mooncake-ep", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mooncake-ep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command")
-    demo = sub.add_parser("demo", help="serve a small MoE model on local CPU ranks (default)")
-    demo.add_argument("--ranks", type=int, default=4)
+    demo = sub.add_parser("demo", help="serve a small MoE model on local CPU ranks (default)",
+                          description="Serve a small MoE model on local CPU ranks under a bursty load: TP<->EP "
+                                      "switches, an online EPLB rebalance, a rank SIGKILLed and replaced; every step "
+                                      "checked against the single-process reference. Writes metrics.json and "
+                                      "timeline.png (the PNG needs the `plot` extra).")
+    demo.add_argument("--ranks", type=int, default=4,
+                      help="local rank processes (default 4; the experts must divide evenly among them)")
     demo.add_argument("--steps", type=int, default=None, help="decode steps (default 40)")
-    demo.add_argument("--transport", default="auto", choices=["auto", "host", "cuda", "shm", "mooncake", "collective"])
+    demo.add_argument("--transport", default="auto", choices=["auto", "host", "cuda", "shm", "mooncake", "collective"],
+                      help="the Buffers' transport: auto/host (shared memory between ranks of this host), shm, "
+                           "mooncake (the Transfer Engine over TCP), collective (the PyTorch-collective fallback), "
+                           "cuda (with --device cuda)")
     demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                       help="cpu: the main demo on CPU ranks; cuda: the same demo (TP<->EP switches, online EPLB, "
                            "a rank killed and replaced) with rank processes on GPU 0, weights and frames in device "
@@ -83,26 +116,24 @@ def main(argv=None) -> int:
     demo.add_argument("--model", default=None, choices=["qwen3_moe", "mixtral", "deepseek_v3"],
                       help="instead: a tiny random transformers MoE model generating greedily over EP, TP and "
                            "EPLB, checked against the single-process model (needs the `models` extra)")
-    bench = sub.add_parser("bench", help="transport, switch and EPLB benchmarks with in-run baselines; "
-                                         "`bench soak`: the soak benchmark (resources over 10^4 rounds)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", add_help=False,
+                   help="transport, switch and EPLB benchmarks with in-run baselines; `bench --help` lists "
+                        "them (soak, hosts, elastic, memory, --device cuda)")
     from mooncake_ep_switch.apps.simulate_cli import add_arguments as add_simulate_arguments
 
     simulate = sub.add_parser("simulate", help="replay bursty and RL-rollout traces through the TP<->EP switch "
                                                "policy under a step-latency model; checks the paper's result")
     add_simulate_arguments(simulate)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in ("demo", "bench", "simulate") and argv[0] not in ("-h", "--help")):
+    if not argv or (argv[0] not in ("demo", "bench", "simulate") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["demo"] + argv  # flags without a subcommand are the demo's
-    if argv[0] == "bench" and not {"-h", "--help"} & set(argv[1:2]):
-        # Everything after `bench` is the benchmark's own (argparse's REMAINDER drops a leading --flag).
-        return _bench(argparse.Namespace(rest=argv[1:]))
+    if argv[0] == "bench":
+        # Everything after `bench` is the benchmark's own, `--help` included (it lists its subcommands).
+        return _bench(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
-    if args.command == "simulate":
-        return _simulate(args)
-    return _bench(args)
+    return _simulate(args)
 
 
 if __name__ == "__main__":

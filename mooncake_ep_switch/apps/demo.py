@@ -79,6 +79,7 @@ class DemoConfig(NamedTuple):
 
 _RANK_STATE = {}
 CHECK_LIMIT = 1e-4  # calc_diff against the single-process reference (bf16 activations)
+PROGRESS_EVERY = 5  # steps between progress lines when the output is not a terminal
 LAYOUT_TP, LAYOUT_EP = "tp", "ep"
 
 
@@ -428,6 +429,7 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
           f"experts (top-{config.top_k}, hidden {config.hidden}), {config.steps} decode steps, "
           f"{config.low_requests} -> {config.burst_requests} -> {config.low_requests} requests", file=stream)
     steps, events, recovery, switches, rebalances = [], [], None, [], []
+    terminal = stream.isatty()  # a terminal gets one line rewritten in place; a log a line every few steps
     with LocalCluster(config.num_ranks) as cluster:
         transport = check_outcomes(cluster.run(rank_setup, config, timeout_s=120))[0]
         for step in range(config.steps):
@@ -491,11 +493,14 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
                             "_failed_at": failed_at}
                 events.append({"step": step, "kind": "rejoin",
                                "label": f"rank {config.kill_rank} rejoined {recovery['replace_seconds']:.1f} s"})
-            if stream.isatty():
-                print(f"\r  step {step + 1}/{config.steps}  {layout.upper()}  {requests:4d} req  "
-                      f"{requests / step_seconds:8.0f} tok/s  calc_diff {worst:.1e}  ranks {len(values)}   ",
-                      end="", file=stream, flush=True)
-        if stream.isatty():
+            line = (f"  step {step + 1}/{config.steps}  {layout.upper()}  {requests:4d} req  "
+                    f"{requests / step_seconds:8.0f} tok/s  calc_diff {worst:.1e}  ranks {len(values)}")
+            if terminal:
+                print(f"\r{line}   ", end="", file=stream, flush=True)
+            elif step % PROGRESS_EVERY == PROGRESS_EVERY - 1 or dead or step == config.kill_step or \
+                    step == config.steps - 1:
+                print(line, file=stream, flush=True)  # a log gets a line every few steps, and every event
+        if terminal:
             print(file=stream)
         check_outcomes(cluster.run(rank_teardown, timeout_s=60))
     if recovery is not None:
@@ -550,12 +555,17 @@ def _balance_around_rebalance(metrics):
 
 
 def _plot(metrics, config: DemoConfig, stream):
+    """Write the timeline PNG; without matplotlib (the optional extra `plot`) one line says so and how to get it."""
+    from mooncake_ep_switch.apps.timeline import plot_demo_timeline
+
     try:
-        from mooncake_ep_switch.apps.timeline import plot_demo_timeline
-    except ImportError as error:  # matplotlib is the optional extra `plot`
-        print(f"  (no timeline PNG: {error})", file=stream)
+        return plot_demo_timeline(metrics, os.path.join(config.out_dir, "timeline.png"))
+    except ImportError as error:
+        if (error.name or "").split(".")[0] != "matplotlib":
+            raise
+        print(f"  (no timeline PNG: matplotlib is not installed; pip install -e '.[plot]' or pip install "
+              "matplotlib)", file=stream)
         return None
-    return plot_demo_timeline(metrics, os.path.join(config.out_dir, "timeline.png"))
 
 
 def _summary(metrics, config: DemoConfig, stream) -> None:

@@ -1,5 +1,8 @@
 """`python -m mooncake_ep_switch.bench`: transport, switch and EPLB benchmarks with ratios to in-run baselines.
 
+Subcommands (each takes `--help`): soak, elastic, memory, hosts; `--device cuda` for the GPU rows; none for the
+table below (`--quick`, `--out FILE`). Also `mooncake-ep bench ...`.
+
 Rows:
   * collective fallback vs an all-gather + all-reduce implementation (R=4 T=128 H=1024 E=32 K=8),
     and the floor: the fallback's exchanges alone with the same bytes;
@@ -17,6 +20,9 @@ dispatch + combine rounds over shm and 10^3 over the Transfer Engine, resources 
 the "cuda" transport against a device-to-device copy, eager and from a CUDA graph, the CPU shm figure beside).
 `python -m mooncake_ep_switch.bench memory [--quick]` prints a rank's resident memory per transport
 (`bench.memory`: what the Buffer keeps resident against its region, apart from the caller's tensors).
+`python -m mooncake_ep_switch.bench elastic [--quick]` compares DeepEP V2's `ElasticBuffer` with the legacy Buffer
+on the same tokens and routing (`bench.elastic_bench`: shm, Transfer Engine and collective, per rank against one
+core's memcpy).
 `python -m mooncake_ep_switch.bench hosts [...]` runs the cross-host benchmark (`bench.hosts`: two
 network namespaces, Transfer Engine vs the gloo collective over the same veths vs shm on one host,
 bytes on the wire against the routed bytes; needs root).

@@ -18,7 +18,8 @@ every source's inputs from the seeds and checks, exactly: `recv_count`, the vali
 (by source rank, then token), and the combined output. This reference shares no code with the
 runtime.
 
-Every `--sample-every` rounds (after the round completed, nothing in flight) a rank samples: VmRSS and
+`--samples` times per transport, evenly spaced over the rounds (after a round completed, nothing in flight), a
+rank samples: VmRSS and
 Threads from /proc/self/status, open fds (/proc/self/fd), Python threads (`threading.active_count`),
 its shared-memory handles (fds and mappings of memfd or /dev/shm objects), the output pool's bytes,
 the number of GC-tracked Python objects, and the machine-wide /dev/shm entry count (other processes
@@ -546,7 +547,7 @@ def main(argv=None) -> int:
                         help="tracemalloc from the Buffer's creation on: where Python allocations grow (slower)")
     parser.add_argument("--quick", action="store_true",
                         help="300 rounds over shm and 150 over the TE; RSS growth is printed but not judged (its "
-                             "plateau comes after ~1000 shm / ~250 TE rounds); fds, threads and checks are")
+                             "plateau comes after ~1000 shm / ~250 TE rounds); fds, threads and checks are judged as in a full run")
     parser.add_argument("--out", default=None, help="also write every sample and verdict (json) to this file")
     args = parser.parse_args(argv)
     if args.quick:
