@@ -100,10 +100,22 @@ else:
     print("mooncake_ep_switch: nvcc not found on the PATH: the CUDA data plane (mooncake_ep_switch._cuda) is "
           "not built; the 'cuda' transport will be unavailable")
 
+def read_version() -> str:
+    """`__version__` from mooncake_ep_switch/version.py (read, not imported: the package needs torch)."""
+    with open(os.path.join("mooncake_ep_switch", "version.py"), encoding="utf-8") as handle:
+        return re.search(r'^__version__ = "([^"]+)"', handle.read(), re.M).group(1)
+
+
 setup(
     name="mooncake_ep_switch",
-    version="0.1.0",
+    version=read_version(),
     description="Fault-tolerant MoE expert-parallel dispatch/combine with runtime TP<->EP switching and EPLB",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    classifiers=["Programming Language :: Python :: 3",
+                 "Operating System :: POSIX :: Linux", "Typing :: Typed"],
     python_requires=">=3.10",
     packages=[
         "mooncake_ep_switch",
@@ -123,15 +135,18 @@ setup(
         "mooncake_ep_switch.models",
     ],
     package_dir={"mooncake_ep_switch.fallback": "fallback"},
+    package_data={"mooncake_ep_switch": ["py.typed"]},
     ext_modules=extensions,
     cmdclass={"build_ext": BuildWithCuda},
     # torch is pinned by the install script *before* this package is installed (an open range
-    # with no torch present would pull a multi-GB CUDA build); this range only checks it.
-    install_requires=["torch>=2.4", "numpy"],
+    # with no torch present would pull a multi-GB CUDA build); this range only checks it. The lower bounds are
+    # what is tested: torch 2.13 (CPU, CI) and 2.11 (+cu130, the GPU runs); numpy 2.x.
+    install_requires=["torch>=2.11", "numpy>=2.0"],
+    # Every extra is described in the README ("Extras").
     extras_require={
         "test": ["pytest>=7", "pytest-timeout", "hypothesis"],
-        "mooncake": ["mooncake-transfer-engine-non-cuda"],
-        "mooncake-cuda": ["mooncake-transfer-engine"],
+        "mooncake": ["mooncake-transfer-engine-non-cuda>=0.3.13"],
+        "mooncake-cuda": ["mooncake-transfer-engine>=0.3.13"],
         "nccl": ["nvidia-nccl-cu12"],
         "plot": ["matplotlib"],
         # transformers 5 fuses a MoE layer's experts into [E, 2I, H] / [E, H, I] tensors, the
