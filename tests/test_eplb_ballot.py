@@ -98,3 +98,32 @@ def test_region_records_with_bad_transfer_engine_addresses_are_refused(store):
         store.set(f"p/regions/0/1/{owner.incarnation}", json.dumps(dict(good, te_bases=bad)))
         with pytest.raises(MembershipError, match="not a valid region record"):
             reader.region_record(0, 1)
+
+
+def test_plan_records_agree_the_next_base_and_name_a_different_plan(store):
+    """Issue 43: the vote records carry their plan; `agreed_base` numbers a rebalance from the
+    largest epoch a peer passed (the end of a decided plan, the base of one still voting) and
+    `difference` names another begin() argument or another numbering."""
+    from mooncake_ep_switch.eplb.epochs import Plan, agreed_base, difference
+
+    ballots = _ballots(store)
+    for ballot in ballots:
+        ballot.prepare([1, 2, 3, 4])
+    assert agreed_base(ballots[0], 0) == 0  # nobody voted yet: the own count
+    ballots[1].vote(2, 2, 11, (1, 3, 0xAB, 5, 1))  # epoch 2 of a plan 2..3, undecided: it still votes in it
+    assert agreed_base(ballots[0], 0) == 1 and agreed_base(ballots[0], 4) == 4
+    ballots[1].propose(2, 2)  # aborted: that plan is over, its dropped chunk 3 is used too
+    assert agreed_base(ballots[0], 0) == 3
+    ballots[2].vote(4, 1, 12, (3, 4, 0xAB, 9, 1))  # a plan 4..4 begun first there: its base
+    assert agreed_base(ballots[0], 2) == 3
+    store.set("p/eplb/4/vote/2", json.dumps([4, 1, 12, 9, 4, 0, 0, 0]))  # malformed (epoch not in base+1..end)
+    assert agreed_base(ballots[0], 2) == 3
+
+    mine = Plan(3, 4, 0xAB, 9, 1)
+    assert difference(4, mine, {2: [4, 1, 12, 3, 4, 0xAB, 9, 1]}) == ""
+    assert "new_phy2log (digest 0xcd there, digest 0xab here)" in difference(4, mine, {2: [4, 1, 12, 3, 4, 0xCD, 9, 1]})
+    assert "another commit_step (7 there, 9 here)" in difference(4, mine, {2: [4, 1, 12, 3, 4, 0xAB, 7, 1]})
+    assert "chunk epochs differ: rank 2 numbered its rebalance's chunks 7..7, this rank 4..4" in difference(
+        4, mine, {2: [7, 1, 12, 6, 7, 0xAB, 9, 1]})
+    assert difference(4, mine, {2: [3, 1, 12, 2, 3, 0xCD, 5, 1]}) == ""  # an older vote: maybe just late
+    assert difference(4, mine, {2: None, 1: [0] * 8}) == ""

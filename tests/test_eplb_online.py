@@ -343,3 +343,110 @@ def rank_second_rebalancer(ctx):
 def test_second_rebalancer_of_the_same_slots_continues_their_epochs():
     results = harness.run(R, rank_second_rebalancer)
     assert all(result == results[0] for result in results)
+
+
+def _moved_copies(old, layers):
+    """`old` with every rank's redundant copy (slot 2) of `layers` moved to the next expert."""
+    target = old.copy()
+    for layer in layers:
+        for rank in range(R):
+            target[layer, rank * SLOTS_PER_RANK + 2] = (2 * rank + 3) % EXPERTS
+    return target
+
+
+def _run_steps(rebalancer, steps):
+    return [(r.epoch, r.outcome, r.reason, r.commit_step) for step in steps for r in rebalancer.step(step, None)]
+
+
+def rank_mismatched_begin(ctx, odd_rank):
+    """Issue 43: rank `odd_rank` calls begin() once with another target (one chunk instead of two:
+    one spare frame makes every layer its own chunk, and the first chunk's layer-0 rows are the
+    same on every rank). Every rank must refuse it, naming new_phy2log, before anything commits;
+    the next begin() with the same arguments everywhere then commits."""
+    buffer, weights, slots, rebalancer = _setup(ctx, spare_frames=1)
+    old = slots.phy2log.copy()
+    target = _moved_copies(old, range(LAYERS))
+    mine = _moved_copies(old, [0]) if ctx.rank == odd_rank else target
+    dist.barrier(group=ctx.group)
+    planned = [c.epoch for c in rebalancer.begin(mine, commit_step=3)]
+    first = _run_steps(rebalancer, range(1, 6))
+    first_placement_old = bool(np.array_equal(slots.phy2log, old))
+    dist.barrier(group=ctx.group)  # serving steps are collective: nobody begins while a peer still votes
+    again = [c.epoch for c in rebalancer.begin(target, commit_step=8)]
+    second = _run_steps(rebalancer, range(6, 11))
+    result = {"planned": planned, "first": first, "first_placement_old": first_placement_old, "again": again,
+              "second": second, "placement_is_target": bool(np.array_equal(slots.phy2log, target)),
+              "frames_ok": _frames_match_checkpoint(slots, weights), "free_frames": len(slots.free_frames),
+              "in_progress": rebalancer.in_progress}
+    slots.destroy()
+    buffer.destroy()
+    return result
+
+
+def test_begin_with_different_targets_is_refused_by_name_and_the_next_rebalance_commits():
+    odd = 3
+    results = harness.run(R, rank_mismatched_begin, odd)
+    assert results[odd]["planned"] == [1] and results[0]["planned"] == [1, 2]  # the chunk counts differ
+    for rank, result in enumerate(results):
+        first = result["first"]
+        assert first and all(outcome == "aborted" for _, outcome, _, _ in first), (rank, first)
+        reason = first[0][2]
+        assert "plans differ" in reason and "new_phy2log" in reason, (rank, reason)
+        assert first[0][3] == 3 and result["first_placement_old"], (rank, first)
+        # Numbered alike again (from the largest epoch used, 2) and committed at the agreed steps.
+        assert result["again"] == [3, 4], (rank, result["again"])
+        assert [(e, o, s) for e, o, _, s in result["second"]] == [(3, "committed", 8), (4, "committed", 9)], \
+            (rank, result["second"])
+        assert result["placement_is_target"] and result["frames_ok"], f"rank {rank}"
+        assert result["free_frames"] == 1 and not result["in_progress"], f"rank {rank}"
+
+
+def rank_diverged_epochs(ctx, behind, ahead):
+    """Chunk epochs diverged before a rebalance (a rank's count set back or forward, as a replacement
+    given a wrong `epoch` would have): a rank behind numbers like its peers at once; a rank ahead
+    makes one rebalance abort, naming the epochs, and the next one commits everywhere."""
+    buffer, weights, slots, rebalancer = _setup(ctx)
+    old = slots.phy2log.copy()
+    target = _moved_copies(old, range(LAYERS))
+    rebalancer.begin(target, commit_step=2)
+    first = _run_steps(rebalancer, range(1, 3))
+    dist.barrier(group=ctx.group)
+    if ctx.rank == behind:
+        slots.chunk_epoch = 0
+    result = {"first": first}
+    if ahead is not None:
+        if ctx.rank == ahead:
+            slots.chunk_epoch += 5
+        result["ahead"] = [c.epoch for c in rebalancer.begin(old, commit_step=5)]
+        dist.barrier(group=ctx.group)  # every rank planned before any votes (else the later ones number as it)
+        result["ahead_reports"] = _run_steps(rebalancer, range(3, 7))
+        result["ahead_placement"] = bool(np.array_equal(slots.phy2log, target))
+        dist.barrier(group=ctx.group)
+    result["last"] = [c.epoch for c in rebalancer.begin(old, commit_step=9)]
+    result["last_reports"] = _run_steps(rebalancer, range(7, 11))
+    result.update(placement_is_old=bool(np.array_equal(slots.phy2log, old)),
+                  frames_ok=_frames_match_checkpoint(slots, weights), free_frames=len(slots.free_frames))
+    slots.destroy()
+    buffer.destroy()
+    return result
+
+
+@pytest.mark.parametrize("ahead", [None, 1], ids=["behind", "behind-and-ahead"])
+def test_diverged_chunk_epochs_are_resynchronised(ahead):
+    behind = 2
+    results = harness.run(R, rank_diverged_epochs, behind, ahead)
+    last_epoch = 2 if ahead is None else 8
+    for rank, result in enumerate(results):
+        assert [(e, o) for e, o, _, _ in result["first"]] == [(1, "committed")], (rank, result["first"])
+        if ahead is not None:
+            # The rank ahead numbered 7, its peers 2: aborted everywhere, the placement kept.
+            assert result["ahead"] == ([7] if rank == ahead else [2]), (rank, result["ahead"])
+            reports = result["ahead_reports"]
+            assert [(o, s) for _, o, _, s in reports] == [("aborted", 5)], (rank, reports)
+            assert "chunk epochs differ" in reports[0][2], (rank, reports[0][2])
+            assert result["ahead_placement"], f"rank {rank}"
+        assert result["last"] == [last_epoch], (rank, result["last"])
+        assert [(e, o, s) for e, o, _, s in result["last_reports"]] == [(last_epoch, "committed", 9)], \
+            (rank, result["last_reports"])
+        assert result["placement_is_old"] and result["frames_ok"], f"rank {rank}"
+        assert result["free_frames"] == SLOTS_PER_RANK, f"rank {rank}"

@@ -11,7 +11,10 @@ Keys, under the membership's prefix and the ballot's name (`eplb/<participant in
 `ExpertSlots`, `switch/<participant index>/` for a `UnifiedWeights`: the participant's index in the
 Buffer's peer regions, the same on every rank and for a replacement):
 
-    vote/<rank>          [epoch, vote, digest]   this rank's latest vote (GO 1 / ABORT 2) and digest
+    vote/<rank>          [epoch, vote, digest, base, end, target, commit_step, steps_per_chunk]
+                                                 this rank's latest vote (GO 1 / ABORT 2), the chunk's
+                                                 digest and its plan: the chunk epochs `base + 1 .. end`
+                                                 and a digest and the values of `begin`'s arguments
     decision/<e % 256>   [epoch, decision]       the decision of chunk epoch `e` (COMMIT 1 / ABORT 2);
                                                  an older epoch's record means "undecided"
 
@@ -32,6 +35,8 @@ from mooncake_ep_switch.buffer.membership.records import RecordStore
 
 DECISION_SLOTS = 256
 _CAS_ATTEMPTS = 1000  # each failed compare-and-set means another rank stored something: bounded
+VOTE_FIELDS = 8  # epoch, vote, digest and the five plan fields (see the module docstring)
+SUPERSEDED = -1  # `decisions()`: the slot holds a later epoch (this one was decided long ago)
 
 
 def _is_int(value) -> bool:
@@ -90,20 +95,56 @@ class Ballot:
         keys = [self._vote_key(r) for r in range(self.num_ranks)] if votes else []
         keys += sorted({self._decision_key(e) for e in epochs})
         for key in keys:
-            initial = [0, 0, 0] if key.startswith("vote/") else [0, 0]
+            initial = [0] * VOTE_FIELDS if key.startswith("vote/") else [0, 0]
             self.store.compare_set(key, "", self._records.encode_record(key, initial))
 
     # ------------------------------------------------------------------ votes
-    def vote(self, epoch: int, vote: int, digest: int) -> None:
+    def vote(self, epoch: int, vote: int, digest: int, plan: Tuple[int, ...] = (0, 0, 0, 0, 0)) -> None:
         """Publish this rank's vote and plan digest for `epoch` (one record, replaced per epoch).
 
         Arguments:
             epoch: the chunk epoch.
             vote: 1 (GO) or 2 (ABORT).
             digest: the chunk's 31-bit plan digest.
+            plan: `(base, end, target_digest, commit_step, steps_per_chunk)` of the rebalance the
+                chunk belongs to (`eplb.epochs`): how peers name a different plan and agree on epochs.
         """
         key = self._vote_key(self.rank)
-        self.store.set(key, self._records.encode_record(key, [epoch, vote, digest]))
+        self.store.set(key, self._records.encode_record(key, [epoch, vote, digest, *plan]))
+
+    def records(self, ranks: List[int]) -> Dict[int, Optional[List[int]]]:
+        """The latest vote records of `ranks` as stored, in one store round trip.
+
+        Arguments:
+            ranks: ranks whose records to read (their keys exist: `prepare`).
+
+        Returns:
+            records: rank -> the record's `VOTE_FIELDS` ints (see the module docstring), or None
+                when malformed or forged.
+        """
+        keys = [self._vote_key(r) for r in ranks]
+        raws = self.store.multi_get(keys) if keys else []
+        return {rank: self._decode(key, raw, VOTE_FIELDS) for rank, key, raw in zip(ranks, keys, raws)}
+
+    def decisions(self, epochs: Iterable[int]) -> Dict[int, Optional[int]]:
+        """The decisions stored for `epochs`, in one store round trip.
+
+        Arguments:
+            epochs: chunk epochs whose decision slots exist (`prepare`).
+
+        Returns:
+            decisions: epoch -> 1 (COMMIT), 2 (ABORT), None (undecided) or `SUPERSEDED` (the slot
+                holds an epoch 256 or more later: this one was decided long ago).
+        """
+        epochs = sorted(set(epochs))
+        keys = [self._decision_key(e) for e in epochs]
+        out: Dict[int, Optional[int]] = {}
+        for epoch, raw in zip(epochs, self.store.multi_get(keys) if keys else []):
+            try:
+                out[epoch] = self._decision_of(epoch, raw)
+            except RuntimeError:
+                out[epoch] = SUPERSEDED
+        return out
 
     def read(self, ranks: List[int], epoch: int) -> Tuple[Dict[int, Tuple[int, int]], Optional[int]]:
         """The votes of `ranks` on `epoch` and its decision, in one store round trip.
@@ -125,7 +166,7 @@ class Ballot:
         raws = self.store.multi_get(keys)
         votes = {}
         for rank, key, raw in zip(ranks, keys, raws):
-            record = self._decode(key, raw, 3)
+            record = self._decode(key, raw, VOTE_FIELDS)
             if record is None:
                 votes[rank] = (0, 0)
             elif record[0] == epoch:

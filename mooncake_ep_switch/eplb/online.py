@@ -47,6 +47,7 @@ import torch
 from mooncake_ep_switch.buffer.device_region import copy_blocks, fence
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.checks import check_int, check_timeout
+from mooncake_ep_switch.eplb import epochs
 from mooncake_ep_switch.eplb.slots import ExpertSlots, check_phy2log
 from mooncake_ep_switch.faults import FaultPoint
 
@@ -65,7 +66,8 @@ class RebalanceChunk(NamedTuple):
         commit_step: serving step at whose start the chunk commits.
         moves: `[n, 3]` int64 rows `(layer, local_slot, new_logical_expert)`, this rank's changed slots.
         target: `[len(layers), R * slots_per_rank]` int64, the new placement of the chunk's layers.
-        digest: 32-bit checksum of `epoch`, `layers` and `target` (compared between ranks).
+        digest: 31-bit checksum of `epoch`, `layers`, `target` and the plan's arguments and base
+            epoch (compared between ranks).
     """
 
     epoch: int
@@ -151,6 +153,7 @@ class OnlineRebalancer:
         slots.chunk_epoch = max(slots.chunk_epoch, check_int("epoch", epoch, 0))
         self._queue: Deque[RebalanceChunk] = deque()
         self._staging: Optional[_Staging] = None
+        self._plan: Optional[epochs.Plan] = None  # the plan of the chunks in the queue
         self._holder_use = np.zeros(slots.num_ranks, dtype=np.int64)
         self._fault = FaultPoint.parse(settings().fault_point)
 
@@ -192,7 +195,10 @@ class OnlineRebalancer:
             steps_per_chunk: steps between the commits of consecutive chunks, >= 1.
 
         Returns:
-            chunks: the `RebalanceChunk`s, in commit order (empty when nothing changes).
+            chunks: the `RebalanceChunk`s, in commit order (empty when nothing changes). They are
+                numbered from the largest chunk epoch this rank or a peer passed (`eplb.epochs`),
+                so ranks whose counts diverged number alike again; a peer that planned from other
+                arguments makes the first commit step abort on every rank, naming the argument.
         """
         if self._queue:
             raise RuntimeError(f"begin: a rebalance is in progress ({len(self._queue)} chunks left); wait for it")
@@ -216,6 +222,9 @@ class OnlineRebalancer:
             raise ValueError(f"new_phy2log: layer {layer} changes {int(per_rank_changes[layer, rank])} slots of rank "
                              f"{rank}, more than its spare_frames={slots.spare_frames}; build the ExpertSlots "
                              "with more spare frames")
+        slots.ballot.prepare((), votes=True)  # the vote keys exist before they are read
+        slots.chunk_epoch = epochs.agreed_base(slots.ballot, slots.chunk_epoch)
+        base, digest_of_target = self.epoch, epochs.target_digest(target)
         chunks: List[RebalanceChunk] = []
         layers: List[int] = []
         load = np.zeros(slots.num_ranks, dtype=np.int64)
@@ -228,8 +237,9 @@ class OnlineRebalancer:
                     for layer in layers for s in np.nonzero(changed[layer])[0]
                     if s // per_rank == slots.rank]
             moves = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+            header = [epoch, *layers, base, digest_of_target, commit_step, steps_per_chunk]
             digest = zlib.crc32(np.ascontiguousarray(target[layers]).tobytes(),
-                                zlib.crc32(np.asarray([epoch, *layers], dtype=np.int64).tobytes())) & 0x7FFFFFFF
+                                zlib.crc32(np.asarray(header, dtype=np.int64).tobytes())) & 0x7FFFFFFF
             chunks.append(RebalanceChunk(epoch, tuple(layers), commit_step + len(chunks) * steps_per_chunk,
                                          moves, target[layers].copy(), digest))
             layers.clear()
@@ -243,8 +253,9 @@ class OnlineRebalancer:
             layers.append(layer)
             load += per_rank_changes[layer]
         close()
-        slots.ballot.prepare(c.epoch for c in chunks)  # every key the commit steps read exists
+        slots.ballot.prepare((c.epoch for c in chunks), votes=False)  # every key the commit steps read exists
         slots.chunk_epoch += len(chunks)
+        self._plan = epochs.Plan(base, slots.chunk_epoch, digest_of_target, commit_step, steps_per_chunk)
         slots.active_rebalancer = weakref.ref(self)
         self._queue.extend(chunks)
         self._staging = None
@@ -363,7 +374,7 @@ class OnlineRebalancer:
         me = slots.rank
         if self._fault is not None:
             self._fault.hit("eplb_before_vote", me, chunk.epoch)
-        slots.ballot.vote(chunk.epoch, vote, chunk.digest)
+        slots.ballot.vote(chunk.epoch, vote, chunk.digest, tuple(self._plan))
         if self._fault is not None:
             self._fault.hit("eplb_after_vote", me, chunk.epoch)
         if vote == GO:
@@ -394,7 +405,9 @@ class OnlineRebalancer:
         """Wait for every peer's vote on `chunk`; "" when all voted GO with our digest, else why not.
 
         The wait ends early when the epoch is already decided (it can only be ABORT then), when a
-        peer votes ABORT, or when a peer's process is seen to end (`Buffer.dead_peers()`)."""
+        peer votes ABORT, or when a peer's process is seen to end (`Buffer.dead_peers()`). Unless
+        every peer voted GO, the peers' records are read once more to name a plan or numbering of
+        the chunks that differs from this rank's (`eplb.epochs`)."""
         slots = self.slots
         peers = [p for p in range(slots.num_ranks) if p != slots.rank]
 
@@ -402,6 +415,16 @@ class OnlineRebalancer:
             return sorted(set(pending) & set(slots.dead_peers()))
 
         votes, gone, decided = slots.ballot.wait_votes(peers, chunk.epoch, self.timeout_us, ended)
+        reason = self._vote_reason(chunk, peers, votes, gone, decided)
+        if reason:
+            records = slots.ballot.records(peers)
+            named = epochs.difference(chunk.epoch, self._plan, records)
+            hint = "" if named else epochs.behind_hint(self._plan, records, [p for p in peers if p not in votes])
+            reason = named or (f"{reason}; {hint}" if hint else reason)
+        return reason
+
+    def _vote_reason(self, chunk: RebalanceChunk, peers: List[int], votes, gone: List[int],
+                     decided: Optional[int]) -> str:
         for peer in peers:
             if peer in votes and votes[peer][0] != GO:
                 return f"rank {peer} voted to abort epoch {chunk.epoch}"
