@@ -538,3 +538,236 @@ def test_quorum_rule():
     assert quorum([0, 1], [0, 1, 2, 3]) and not quorum([2, 3], [0, 1, 2, 3])  # a tie: the half with rank 0
     assert quorum([3], [0, 1, 2, 3], gone=[0, 1, 2])  # the others are known dead: the survivor goes on
     assert quorum([1], [0, 1], gone=[0]) and not quorum([1], [0, 1]) and quorum([0], [0, 1])
+
+
+# ---------------------------------------------------------------------- replacement admission (issue 43 items 1-2)
+ADMIT_RANKS, REPLACED = 4, 2  # the experts divide among 4 ranks (not 3); rank 2 is replaced
+
+
+def _size_admit():
+    return Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, ADMIT_RANKS, Shape.experts)
+
+
+def _replacement_group(ctx, name):
+    """A replacement process's process group as Mooncake's PG recovery hands one (tests/test_elastic.py's
+    `_lazy_group`, under key prefix `name` so that two replacements of one rank do not meet)."""
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore(name, ctx.store), rank=ctx.rank,
+                                world_size=ctx.num_ranks)
+    finally:
+        del os.environ["TORCH_GLOO_LAZY_INIT"]
+    return dist.group.WORLD
+
+
+def rank_two_plain_buffers(ctx):
+    """Every rank builds Buffers b1 then b2 of one group (a round on each); rank 2 is then SIGKILLed."""
+    buffers = RANK_STATE["two"] = [Buffer(ctx.group, _size_admit(), transport="shm") for _ in range(2)]
+    for index, buffer in enumerate(buffers):
+        _round2(ctx, buffer, 60 + index, size=ADMIT_RANKS)
+    if ctx.rank == REPLACED:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [b.membership.prefix for b in buffers]
+
+
+def rank_plain_rebuild_crossed(ctx):
+    """The replacement rebuilds b1 then b2 with plain Buffer(group, bytes); the members update b2 first
+    (it times out there: the replacement waits in b1, the Buffer it builds first), then b1, then b2 again
+    once the replacement is listed there. Returns each Buffer's keys and the views."""
+    if ctx.group is None:
+        group = _replacement_group(ctx, "replacement")
+        buffers = RANK_STATE["two"] = [Buffer(group, _size_admit(), transport="shm") for _ in range(2)]
+        return {"prefixes": [b.membership.prefix for b in buffers], "members": [list(b.members) for b in buffers]}
+    b1, b2 = RANK_STATE["two"]
+    views = [list(b2.update_ep_member(timeout_s=12.0).ranks), list(b1.update_ep_member(timeout_s=60.0).ranks)]
+    if REPLACED not in b2.members:  # sealed out of b2 meanwhile: admitted there once it is listed (docs/recovery.md 3)
+        deadline = time.monotonic() + 60
+        while REPLACED not in b2.pending_joiners():
+            assert time.monotonic() < deadline, "the replacement's second Buffer never asked to join b2"
+            time.sleep(0.05)
+        views.append(list(b2.update_ep_member(timeout_s=60.0).ranks))
+    return {"prefixes": [b1.membership.prefix, b2.membership.prefix], "views": views,
+            "members": [list(b1.members), list(b2.members)]}
+
+
+def rank_rounds_on_both(ctx, seed):
+    """A round on b1 and on b2 with an all-ones mask on every rank: exact, and nobody masked."""
+    masks = []
+    for index, buffer in enumerate(RANK_STATE["two"]):
+        masks.append(_round2(ctx, buffer, seed + index, active=torch.ones(ADMIT_RANKS, dtype=torch.int32), size=ADMIT_RANKS))
+    for buffer in RANK_STATE.pop("two"):
+        buffer.destroy()
+    return masks
+
+
+def test_plain_replacement_lands_in_its_own_buffer_whatever_order_the_members_update():
+    """Issue 43 item 1. Ranks build b1 then b2 of one group; rank 2 is SIGKILLed; its replacement rebuilds
+    b1 then b2 with plain Buffer(group, bytes) while the members call b2.update_ep_member() first. Before,
+    the replacement's first Buffer joined the members' b2 and its second their b1 (rows crossed between
+    the Buffers under an all-ones mask). Now the first lands in b1 and the second in b2 (construction
+    order, as elastic.join()), and a round on each Buffer with every rank is exact."""
+    with harness.fresh_cluster(ADMIT_RANKS) as cluster:
+        outcomes = cluster.run(rank_two_plain_buffers, timeout_s=90, failure_grace_s=20)
+        assert not outcomes[REPLACED].ok and outcomes[REPLACED].exitcode == -9, outcomes[REPLACED]
+        built = [outcome_value(o) for o in outcomes if o.rank != REPLACED]
+        assert all(b == built[0] for b in built) and built[0][0] != built[0][1], built
+        cluster.respawn(REPLACED)
+        results = harness.check_outcomes(cluster.run(rank_plain_rebuild_crossed, timeout_s=150))
+        assert [r["prefixes"] for r in results] == [built[0]] * ADMIT_RANKS, (built, results)  # b1 in b1, b2 in b2
+        assert all(r["members"] == [[0, 1, 2, 3]] * 2 for r in results), results
+        masks = harness.check_outcomes(cluster.run(rank_rounds_on_both, 70, timeout_s=90))
+        assert masks == [[[1] * ADMIT_RANKS] * 2] * ADMIT_RANKS, masks
+        processes = list(cluster.processes)
+    assert not any(p.is_alive() for p in processes)
+
+
+def rank_one_buffer(ctx):
+    buffer = RANK_STATE["buffer"] = Buffer(ctx.group, _size_admit(), transport="shm")
+    _round2(ctx, buffer, 80, size=ADMIT_RANKS)
+    if ctx.rank == REPLACED:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return buffer.membership.prefix
+
+
+def _second_replacement_main():
+    """A second process for rank 2 (started by the first replacement with `python -c`): builds a plain
+    Buffer(group, bytes) when told to (a line on stdin); prints one JSON line: ["ok", members, incarnation,
+    mask of a round] or ["error", message]."""
+    import sys
+    from datetime import timedelta
+
+    from mooncake_ep_switch import _native
+    from mooncake_ep_switch.launcher.launch import RankContext
+
+    _native.set_parent_death_signal(int(signal.SIGKILL))
+    host, port = sys.argv[1], int(sys.argv[2])
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+    ctx = RankContext(REPLACED, ADMIT_RANKS, None, dist.PrefixStore("world", store), (host, port))
+    group = _replacement_group(ctx, "replacement-b")
+    print("ready", flush=True)
+    sys.stdin.readline()
+    try:
+        buffer = Buffer(group, _size_admit(), transport="shm")
+    except MembershipError as error:
+        print(json.dumps(["error", str(error)]), flush=True)
+        os._exit(0)
+    result = ["ok", list(buffer.members), buffer.membership.incarnation,
+              _round2(ctx, buffer, 81, active=torch.ones(ADMIT_RANKS, dtype=torch.int32), size=ADMIT_RANKS)]
+    buffer.destroy()
+    print(json.dumps(result), flush=True)
+    os._exit(0)
+
+
+def _read_line(stream, seconds):
+    """One line of `stream` (a pipe), or AssertionError after `seconds`."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], seconds)
+    assert ready, f"no line within {seconds} s"
+    return stream.readline().strip()
+
+
+def rank_two_replacements(ctx):
+    """Ranks 0, 1, 3: update_ep_member() (again once a replacement is listed, if it was sealed out meanwhile),
+    then a round with an all-ones mask. Rank 2 (`REPLACED`): this process and a second one it starts each
+    build a plain Buffer(group, bytes) at once; each reports whether it was admitted."""
+    import pathlib
+    import subprocess
+    import sys
+
+    if ctx.group is not None:
+        buffer = RANK_STATE["buffer"]
+        views = [list(buffer.update_ep_member(timeout_s=60.0).ranks)]
+        if REPLACED not in buffer.members:
+            deadline = time.monotonic() + 60
+            while REPLACED not in buffer.pending_joiners():
+                assert time.monotonic() < deadline, "no replacement of rank 2 asked to join"
+                time.sleep(0.05)
+            views.append(list(buffer.update_ep_member(timeout_s=60.0).ranks))
+        return {"views": views,
+                "mask": _round2(ctx, buffer, 81, active=torch.ones(ADMIT_RANKS, dtype=torch.int32), size=ADMIT_RANKS)}
+    other = subprocess.Popen(
+        [sys.executable, "-c", "from tests.test_membership_faults import _second_replacement_main as m; m()",
+         ctx.store_addr[0], str(ctx.store_addr[1])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=str(pathlib.Path(__file__).resolve().parents[1]))
+    try:
+        assert _read_line(other.stdout, 90) == "ready", "the second replacement did not start"
+        group = _replacement_group(ctx, "replacement-a")
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        try:
+            buffer = Buffer(group, _size_admit(), transport="shm")
+            mine = ["ok", list(buffer.members), buffer.membership.incarnation,
+                    _round2(ctx, buffer, 81, active=torch.ones(ADMIT_RANKS, dtype=torch.int32), size=ADMIT_RANKS)]
+            RANK_STATE["buffer"] = buffer
+        except MembershipError as error:
+            mine = ["error", str(error)]
+        theirs = json.loads(_read_line(other.stdout, 120))
+        assert other.wait(30) == 0
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait(10)
+    return {"replacements": [mine, theirs]}
+
+
+def test_two_replacements_of_one_rank_exactly_one_is_admitted():
+    """Issue 43 item 2. Rank 2 of 4 is SIGKILLed; two new processes each build a plain Buffer(group, bytes)
+    for rank 2 while ranks 0, 1 and 3 call update_ep_member(). Before, both constructors returned with
+    every rank as members (the ready record is last-writer-wins; admission checked the rank id only) and the one the
+    members did not talk to masked every peer. Now exactly one is admitted (its all-ones round exact, nobody
+    masked) and the other's constructor raises MembershipError naming the incarnation that holds rank 2."""
+    with harness.fresh_cluster(ADMIT_RANKS) as cluster:
+        outcomes = cluster.run(rank_one_buffer, timeout_s=90, failure_grace_s=20)
+        assert not outcomes[REPLACED].ok and outcomes[REPLACED].exitcode == -9, outcomes[REPLACED]
+        cluster.respawn(REPLACED)
+        results = harness.check_outcomes(cluster.run(rank_two_replacements, timeout_s=240))
+        replacements = results[REPLACED]["replacements"]
+        admitted = [r for r in replacements if r[0] == "ok"]
+        refused = [r for r in replacements if r[0] == "error"]
+        assert len(admitted) == 1 and len(refused) == 1, replacements
+        _, members, incarnation, mask = admitted[0]
+        assert members == [0, 1, 2, 3] and mask == [1] * ADMIT_RANKS, replacements
+        assert f"incarnation {incarnation}" in refused[0][1] and f"rank {REPLACED}" in refused[0][1], replacements
+        for rank in (0, 1, 3):
+            assert results[rank]["views"][-1] == [0, 1, 2, 3] and results[rank]["mask"] == [1] * ADMIT_RANKS, results
+        harness.check_outcomes(cluster.run(rank_teardown, timeout_s=60))
+        processes = list(cluster.processes)
+    assert not any(p.is_alive() for p in processes)
+
+
+def test_a_rank_sealed_with_one_incarnation_refuses_another(store):
+    """Issue 43 item 2 at the protocol: two joiners of rank 2 (incarnations taken one after the other) and
+    members 0 and 1 agree; exactly one joiner adopts the view, the other raises naming the one admitted,
+    and the members read the admitted incarnation's endpoint. A third that takes the rank from the
+    incarnation the members hold, by compare-and-set, after another did, is refused before it writes."""
+    members = [Membership(store, r, 3, prefix="p") for r in range(2)]
+    original = Membership(store, 2, 3, prefix="p")
+    for member in members + [original]:
+        member.bind_incarnation(0, member.rank, member.incarnation)
+    first, second = Membership(store, 2, 3, prefix="p"), Membership(store, 2, 3, prefix="p")
+    for joiner in (first, second):
+        joiner.publish_endpoint({"region": [1000 + joiner.incarnation, 3, 4096], "host_id": "h"})
+    results = {}
+
+    def run(key, membership, joining):
+        try:
+            results[key] = membership.agree_next_view(0, [0, 1, 2], time.monotonic() + 8.0, joining=joining)
+        except MembershipError as error:
+            results[key] = error
+
+    threads = [threading.Thread(target=run, args=(k, m, j)) for k, m, j in
+               [("first", first, True), ("second", second, True), (0, members[0], False), (1, members[1], False)]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    adopted = [k for k in ("first", "second") if isinstance(results[k], View)]
+    refused = [k for k in ("first", "second") if isinstance(results[k], MembershipError)]
+    assert len(adopted) == 1 and len(refused) == 1, results
+    winner = first if adopted == ["first"] else second
+    assert results[adopted[0]].ranks == (0, 1, 2) and results[0] == results[1] == results[adopted[0]], results
+    assert f"incarnation {winner.incarnation}" in str(results[refused[0]]), results
+    assert members[0].endpoint(2)["region"] == [1000 + winner.incarnation, 3, 4096]
+    with pytest.raises(MembershipError, match=f"incarnation {winner.incarnation}"):
+        Membership(store, 2, 3, prefix="p", replaces=original.incarnation)

@@ -142,8 +142,13 @@ class Buffer:
                     self.joining, self.group = True, None
             generation = generation_of(prefix)
             self._release_generation = weakref.finalize(self, release)
-            self.membership = core.membership = Membership(store, self.rank, self.num_ranks, prefix,
-                                                           secret=self.settings.job_secret)
+            # A plain Buffer(group) that replaces the rank takes it from the incarnation the members hold, by
+            # CAS: of two replacements of one rank, the second raises here, naming the one that holds it.
+            self.membership = core.membership = Membership(
+                store, self.rank, self.num_ranks, prefix, secret=self.settings.job_secret,
+                replaces=choice.holder if choice is not None and choice.replacing else None)
+            if not self.joining:  # epoch 0 holds this incarnation of the rank (a replacement takes it from this one)
+                self.membership.bind_incarnation(0, self.rank, self.membership.incarnation)
         self.epoch = self.membership.epoch() if self.joining else 0
         # A joiner is no member until admitted (dispatch and combine refuse until then).
         self.members = () if self.joining else tuple(range(self.num_ranks))
@@ -449,6 +454,8 @@ class Buffer:
         if self.membership is not None:  # a joiner that gave up waiting gives up joining now
             try:
                 self.membership.stop_pending(withdraw=wait_s > 0, wait_s=min(wait_s, 1.0))
+                if wait_s > 0:  # a replacement's plain Buffer(group) no longer waits for this generation
+                    self.membership.close()
             except Exception:  # noqa: BLE001 - the store is gone: nothing to withdraw from
                 pass
         self.peer_regions.clear()

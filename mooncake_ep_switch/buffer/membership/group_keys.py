@@ -149,6 +149,12 @@ def held_generations(base: str, rank: int) -> Tuple[Set[int], bool]:
         return held, key in _BUILT
 
 
+def joined_generations(base: str, rank: int) -> Set[int]:
+    """The generations of group `base` that live joined Buffers (replacements) of this process hold as `rank`."""
+    with _JOINED_LOCK:
+        return {n for n, count in _JOINED.get((base, rank), {}).items() if count > 0}
+
+
 def generation_of(prefix: str) -> int:
     """The generation `n` of a key prefix `"<group prefix>/g<n>"` (what `generation_prefix` returns)."""
     return int(prefix.rsplit("/g", 1)[1])

@@ -7,8 +7,9 @@ builds on it). Every read is validated; a record that fails is refused with `Mem
 from typing import Iterable, Optional
 
 from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOINING, MAX_STATE_BYTES, STATES,  # noqa: F401
-                                                          MembershipError, RecordStore, valid_endpoint,
-                                                          valid_peer_state, valid_region_record, valid_state)
+                                                          MembershipError, RecordStore, valid_endpoint, valid_incarnation,
+                                                          valid_peer_state, valid_ready, valid_region_record,
+                                                          valid_state)
 
 
 class MemberRecords(RecordStore):
@@ -21,17 +22,31 @@ class MemberRecords(RecordStore):
         prefix: key prefix (one EP group generation per prefix).
         secret: per-job secret (bytes or str) that authenticates every record, or None.
         take_incarnation: take a new incarnation of `rank` (a Buffer); False: a read-only observer.
+        replaces: take the incarnation only from this one (compare-and-set: a plain `Buffer(group)` that
+            replaces the rank takes it from the incarnation the members hold), or None: from whichever is current.
+
+    Raises:
+        MembershipError: with `replaces`, another process or Buffer took the rank from that incarnation
+            first (the error names the incarnation that holds it now); nothing was written.
     """
 
     def __init__(self, store, rank: int, num_ranks: int, prefix: str = "mep", secret=None,
-                 take_incarnation: bool = True):
+                 take_incarnation: bool = True, replaces: Optional[int] = None):
         import torch.distributed as dist
 
         super().__init__(dist.PrefixStore(prefix, store), prefix, secret)
         self.rank = rank
         self.num_ranks = num_ranks
         # An observer (take_incarnation=False) only reads: it takes no incarnation and writes nothing.
-        self.incarnation = self.bump_counter(f"incarnation/{rank}") if take_incarnation else None
+        self.incarnation = None
+        if take_incarnation:
+            self.incarnation = self.bump_counter(f"incarnation/{rank}", expected=replaces)
+            if self.incarnation < 0:
+                holder = self.read_counter(f"incarnation/{rank}")
+                raise MembershipError(
+                    f"rank {rank} is already taken over: incarnation {holder} (another replacement process or "
+                    f"Buffer) took it from incarnation {replaces}, which this Buffer was replacing. Exactly one "
+                    "replacement of a rank is admitted; this one was not built")
 
     def _state_record(self, rank: int) -> Optional[dict]:
         return self._read(f"state/{rank}", valid_state, "state record")
@@ -64,7 +79,7 @@ class MemberRecords(RecordStore):
             MembershipError: that incarnation has published no endpoint yet, or the record is
                 malformed or fails authentication.
         """
-        incarnation = self.read_counter(f"incarnation/{rank}")
+        incarnation = self.incarnation_of(rank)
         found = self._read(f"endpoint/{rank}/{incarnation}", valid_endpoint,
                            "endpoint (dict: region [pid, fd, nbytes], host_id str, te_session str, te_base int)")
         if found is None:
@@ -85,6 +100,84 @@ class MemberRecords(RecordStore):
         """
         return self.read_counter(f"incarnation/{rank}")
 
+    def admitted_incarnation(self, epoch: int, rank: int) -> Optional[int]:
+        """The incarnation of `rank` that the sealer of `epoch` admitted (`bind_incarnation`), or None.
+
+        Arguments:
+            epoch: epoch number (>= 1).
+            rank: EP rank in `[0, num_ranks)`.
+
+        Returns:
+            incarnation: int, or None when that epoch bound no incarnation of the rank.
+
+        Raises:
+            MembershipError: the record is malformed or fails authentication.
+        """
+        return self._read(f"admitted/{epoch}/{rank}", valid_incarnation, "admitted incarnation (int >= 1)")
+
+    def bind_incarnation(self, epoch: int, rank: int, incarnation: int) -> int:
+        """Bind `rank` to `incarnation` in `epoch`, once (compare-and-set): a sealer does it for every rank of
+        its view before sealing, so a rank of a sealed view has exactly one incarnation.
+
+        Arguments:
+            epoch: the epoch being sealed.
+            rank: EP rank in `[0, num_ranks)`.
+            incarnation: the incarnation the sealer found ready.
+
+        Returns:
+            bound: the incarnation the rank is bound to (another sealer's, when it bound one first).
+
+        Raises:
+            MembershipError: the record already there is malformed or fails authentication.
+        """
+        key = f"admitted/{epoch}/{rank}"
+        text = self.encode_record(key, int(incarnation))
+        stored = self.store.compare_set(key, "", text)
+        if stored.decode(errors="replace") == text:
+            return int(incarnation)
+        value = self._decode(key, stored)
+        if not valid_incarnation(value):
+            raise MembershipError(f"store record {self.prefix}/{key} is not a valid admitted incarnation: "
+                                  f"{str(value)[:120]!r}; refused")
+        return value
+
+    def _bound(self, target: int, rank: int, incarnation: int) -> bool:
+        """Bind `rank` to `incarnation` in `target` (`bind_incarnation`); False when another incarnation was bound
+        first or the record is malformed (the rank stays out of this sealer's view)."""
+        try:
+            return self.bind_incarnation(target, rank, incarnation) == incarnation
+        except MembershipError:
+            return False
+
+    def _check_admitted(self, target: int) -> None:
+        """Raise when the view of `target` admitted another incarnation of this rank (another process or Buffer
+        took it over): this one is no member and must not act as one."""
+        try:
+            bound = self.admitted_incarnation(target, self.rank)
+        except MembershipError:
+            bound = None  # no readable binding: a view sealed without one (the counter decides, as before)
+        if bound is not None and bound != self.incarnation:
+            raise MembershipError(
+                f"rank {self.rank} is held by incarnation {bound} (another replacement process or Buffer), admitted "
+                f"into epoch {target}; this Buffer is incarnation {self.incarnation} and was not admitted. Exactly "
+                "one replacement of a rank is admitted: destroy this Buffer")
+
+    def _still_mine(self, target: int, call: int) -> None:
+        """A waiting joiner: raise once another incarnation took this rank (another replacement process or Buffer),
+        before it writes anything more; else re-post its readiness if that other one overwrote it."""
+        holder = self.read_counter(f"incarnation/{self.rank}")
+        if holder != self.incarnation:
+            raise MembershipError(
+                f"rank {self.rank} is held by incarnation {holder} (another replacement process or Buffer took it "
+                f"while this one, incarnation {self.incarnation}, waited to be admitted into epoch {target}). Exactly "
+                "one replacement of a rank is admitted: destroy this Buffer")
+        try:
+            record = self._read(f"ready/{target}/{self.rank}", valid_ready, "ready record")
+        except MembershipError:
+            record = None
+        if record is None or record["incarnation"] != self.incarnation:
+            self._put(f"ready/{target}/{self.rank}", {"incarnation": self.incarnation, "call": int(call)})
+
     def region_record(self, index: int, rank: int) -> Optional[dict]:
         """The shared regions `rank`'s current incarnation published for participant `index`.
 
@@ -100,7 +193,7 @@ class MemberRecords(RecordStore):
         Raises:
             MembershipError: the record is malformed or fails authentication.
         """
-        incarnation = self.read_counter(f"incarnation/{rank}")
+        incarnation = self.incarnation_of(rank)
         return self._read(f"regions/{index}/{rank}/{incarnation}", valid_region_record,
                           "region record (dict: kind str, regions list of [pid, fd or IPC handle hex, nbytes], te_bases list of int)")
 
@@ -166,6 +259,28 @@ class MemberRecords(RecordStore):
         if len(text) > MAX_STATE_BYTES:
             raise ValueError(f"states: {len(text)} bytes encoded, at most {MAX_STATE_BYTES}")
         self.store.set(key, text)
+
+    def close(self) -> None:
+        """Record that this incarnation's Buffer was destroyed (`closed/<rank>`), so a plain `Buffer(group)`
+        of a replacement does not wait for this generation (replacement.py). Observers write nothing."""
+        if self.incarnation is not None:
+            self._put(f"closed/{self.rank}", self.incarnation)
+
+    def closed(self, rank: int) -> bool:
+        """Whether `rank`'s current incarnation destroyed its Buffer of this generation (`close`); a malformed
+        record counts as not closed.
+
+        Arguments:
+            rank: EP rank in `[0, num_ranks)`.
+
+        Returns:
+            closed: bool.
+        """
+        try:
+            found = self._read(f"closed/{rank}", valid_incarnation, "closed incarnation (int >= 1)")
+            return found is not None and found == self.incarnation_of(rank)
+        except MembershipError:
+            return False
 
     def reincarnate(self) -> int:
         """Take a new incarnation of this rank (a left-out rank that rejoins).

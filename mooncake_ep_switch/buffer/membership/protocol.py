@@ -7,6 +7,8 @@ Buffer generation of one EP group, see `group_prefix` and `generation_prefix`):
     epoch                       current epoch number (0 before any change)
     view/<e>                    JSON list of the member ranks of epoch e (sealed once, by CAS)
     ready/<e>/<rank>            JSON {"incarnation", "call"}: rank asks to be in epoch e
+    admitted/<e>/<rank>         the incarnation of rank that view/<e> admits (bound once, by CAS, before the seal)
+    closed/<rank>               the incarnation whose Buffer of this generation was destroyed
     state/<rank>                JSON {"state", "incarnation", "epoch"}: active, inactive or joining
     incarnation/<rank>          counter, bumped by every process (or rejoining Buffer) taking the rank id
     endpoint/<rank>/<inc>       JSON endpoint of that incarnation (region pid/fd, TE session)
@@ -26,7 +28,10 @@ Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; 
    or joiners registered for e+1 whose heartbeat still moves (a joiner that died while waiting is
    not sealed in; checking costs the sealer at most `JOINER_PROOF_S`, only when joiners wait). The
    CAS picks one view; every rank adopts it, so no rank decides alone and all agree. The sealed
-   view always holds its sealer, so it is never empty.
+   view always holds its sealer, so it is never empty. Before the view, the sealer binds every rank
+   of it to the incarnation it found ready (`admitted/<e+1>/<rank>`, by CAS: one incarnation per rank
+   and epoch); a process whose incarnation is not the bound one never adopts the view (it raises,
+   naming the incarnation that holds the rank), and peers read the bound incarnation's endpoint.
 2. A joiner (a replacement process, or a member that was left out) never seals. It posts
    `ready/<e+1>`, then sets its state to joining for e+1 (so a member that sees it joining also
    finds it ready: members never wait for joiners), and waits up to its deadline for a member to
@@ -145,6 +150,23 @@ class Membership(MemberRecords):
     """
 
     # ------------------------------------------------------------------ reads
+    def incarnation_of(self, rank: int) -> int:
+        """The incarnation of `rank` whose endpoint and regions count: the one the current epoch's sealed view
+        admitted (`admitted/<e>/<rank>`), else the newest one taken (the counter: no view bound the rank, e.g.
+        a joiner not admitted yet; epoch 0 of a group's Buffer binds the incarnation that built it).
+
+        Arguments:
+            rank: EP rank in `[0, num_ranks)`.
+
+        Returns:
+            incarnation: int, 0 when no process took the rank yet.
+
+        Raises:
+            MembershipError: the counter or the admitted record is malformed or fails authentication.
+        """
+        bound = self.admitted_incarnation(self.epoch(), rank)
+        return bound if bound is not None else self.read_counter(f"incarnation/{rank}")
+
     def epoch(self) -> int:
         """Current epoch number.
 
@@ -310,6 +332,8 @@ class Membership(MemberRecords):
         while not self.sealed(target):
             # Proof of life: a joiner's for the sealer (rule 2: a dead joiner is never sealed in); a member's
             # for a plain Buffer(group) of a rank being replaced (replacement.py: the members are updating).
+            if joining:
+                self._still_mine(target, call)
             beats += 1
             self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{WAITING_BEAT if joining else MEMBER_BEAT}:{beats}")
             if time.monotonic() >= deadline:
@@ -356,6 +380,8 @@ class Membership(MemberRecords):
         if not set(ranks) & set(members):
             raise MembershipError(f"the sealed view of epoch {target} ({list(ranks)}) holds no member of epoch "
                                   f"{current} ({list(members)}): not sealed by this job's ranks; refused")
+        if self.rank in ranks:
+            self._check_admitted(target)
         if self.rank not in ranks:
             raise LeftOut(f"rank {self.rank} was left out of epoch {target} (members {list(ranks)}): it was not "
                           "ready before the view was sealed, so it is no longer a member. Call "
@@ -405,11 +431,13 @@ class Membership(MemberRecords):
         """Seal `view/<target>` (rule 1): ready members of the current view and ready registered joiners,
         when they are a quorum of the members (rule 5). Returns whether the seal was attempted (the CAS
         then picked one view, this one or another rank's); False: no quorum, nothing written."""
-        candidates = []
+        candidates, ready = [], {}
         for rank in range(self.num_ranks):
             try:
-                if self.ready_record(target, rank) is None:
+                record = self.ready_record(target, rank)
+                if record is None:
                     continue
+                ready[rank] = record["incarnation"]
                 if rank not in members:
                     record = self._state_record(rank)
                     if record is None or record["state"] != JOINING or record["epoch"] != target:
@@ -424,6 +452,15 @@ class Membership(MemberRecords):
         if self.rank not in candidates:  # own readiness unreadable: the store was tampered with
             raise MembershipError(f"rank {self.rank}'s own readiness for epoch {target} does not read back "
                                   "intact; refusing to seal")
+        if not self.quorum([r for r in candidates if r in members], members, gone):
+            return False
+        # One incarnation per rank of the view (two replacements of one rank: the one another sealer bound
+        # first, or the one ready now; the other is never sealed in).
+        candidates = [r for r in candidates if self._bound(target, r, ready[r])]
+        if self.rank not in candidates:
+            raise MembershipError(f"rank {self.rank} was bound to incarnation {self.admitted_incarnation(target, self.rank)} "
+                                  f"in epoch {target}, this one is {self.incarnation}: another process or Buffer "
+                                  "holds this rank; refusing to seal")
         if not self.quorum([r for r in candidates if r in members], members, gone):
             return False
         self.store.compare_set(f"view/{target}", "", self.encode_record(f"view/{target}", candidates))
@@ -459,6 +496,8 @@ class Membership(MemberRecords):
             beats, epoch = 0, target
             while not stop.wait(PENDING_BEAT_S):
                 try:
+                    if self.read_counter(f"incarnation/{self.rank}") != incarnation:
+                        return  # another process or Buffer took this rank: write nothing more for it
                     beats += 1
                     self.store.set(f"alive/{self.rank}", f"{incarnation}:{PENDING_BEAT}:{beats}")
                     moved = False

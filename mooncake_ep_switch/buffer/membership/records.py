@@ -53,6 +53,10 @@ def valid_ready(value) -> bool:
             and _is_int(value.get("call"), 0, 1 << 62))
 
 
+def valid_incarnation(value) -> bool:
+    return _is_int(value, 1, MAX_COUNTER)
+
+
 def valid_state(value) -> bool:
     return (isinstance(value, dict) and value.get("state") in STATES
             and _is_int(value.get("incarnation"), 0, MAX_COUNTER) and _is_int(value.get("epoch"), 0, MAX_COUNTER))

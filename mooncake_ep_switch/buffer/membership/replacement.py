@@ -13,17 +13,25 @@ n-th Buffer of the group):
   waits, until the connect timeout, for one of:
   - every other rank reached `n + 1`: they build theirs too (a second Buffer of the group, a rebuild,
     a whole job restarted on a store that outlived it): a new Buffer;
-  - the members of a generation `g` are inside `update_ep_member()`: a member's readiness for its next
-    epoch carries its current incarnation and its member heartbeat (`alive/<rank>`, written while it
-    waits) moves: the Buffer replaces this rank in `g`;
-  - this rank was sealed out of a generation `g` and no other rank's counter moved for
-    `LEFT_OUT_GRACE_S`: it replaces this rank in `g` (it registers as joining, so the members'
-    `pending_joiners()` list it and their serving loop admits it).
-  A replacement sets its counter back to `n`, joins `g` as a new incarnation of this rank and waits
-  to be admitted; the Buffers of `g` this process still holds are then left out (their calls refuse;
-  their `update_ep_member()` finds the rank taken over). If it is not admitted, the incarnation it took
-  is given back while no view was sealed meanwhile, so a Buffer of `g` this process still holds
-  goes on as before.
+  - the members of its target generation `g` are inside `update_ep_member()`: a member's readiness for
+    its next epoch carries its current incarnation and its member heartbeat (`alive/<rank>`, written
+    while it waits) moves: the Buffer replaces this rank in `g`;
+  - this rank was sealed out of `g` and no other rank's counter moved for `LEFT_OUT_GRACE_S`: it
+    replaces this rank in `g` (it registers as joining, so the members' `pending_joiners()` list it
+    and their serving loop admits it).
+  The target is fixed by construction order, as `elastic.join()` does, never by which generation's
+  members happen to update first: of the generations whose members still hold a Buffer (not every
+  other rank `closed` it with `destroy()`), the first that no live Buffer of this process holds; when
+  every one is held, the first held only by a member Buffer of this process (Mooncake's test: the Buffer
+  it replaces). So a process rebuilding Buffers A and B replaces the rank in A, then in B, whatever order
+  the members call `update_ep_member()` in (members that update B first wait for the rank there until
+  their deadline and seal it out; it joins B afterwards as a left-out rank does).
+  A replacement sets its counter back to `n`, takes a new incarnation of this rank in `g` from the one
+  the members hold, by compare-and-set (two replacements of one rank: the second is refused, naming the
+  incarnation that took it), and waits to be admitted; the Buffers of `g` this process still holds are
+  then left out (their calls refuse; their `update_ep_member()` finds the rank taken over). If it is not
+  admitted, the incarnation it took is given back while no view was sealed meanwhile, so a Buffer of
+  `g` this process still holds goes on as before.
 """
 import threading
 import time
@@ -32,7 +40,8 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.membership.group_keys import generation_of, generation_prefix, held_generations, hold_joined
+from mooncake_ep_switch.buffer.membership.group_keys import (generation_of, generation_prefix, held_generations,
+                                                             hold_joined, joined_generations)
 from mooncake_ep_switch.buffer.membership.protocol import MEMBER_BEAT_MARK, Membership, MembershipError
 from mooncake_ep_switch.buffer.membership.records import RecordStore
 
@@ -56,6 +65,8 @@ class GenerationChoice(NamedTuple):
         generation: `n`.
         replacing: the Buffer replaces this rank in a live generation (it joins as `elastic.join()` does).
         superseding: it replaces a Buffer this process still holds (left out once this one is admitted).
+        holder: the incarnation of this rank the members hold (a replacement takes the rank from it, by
+            compare-and-set), or None.
     """
 
     prefix: str
@@ -63,6 +74,7 @@ class GenerationChoice(NamedTuple):
     generation: int
     replacing: bool
     superseding: bool
+    holder: Optional[int] = None
 
 
 def choose_generation(store, rank: int, num_ranks: int, base: str, secret, deadline: float) -> GenerationChoice:
@@ -100,9 +112,10 @@ def choose_generation(store, rank: int, num_ranks: int, base: str, secret, deadl
         return choice
     choice.release()
     _step_back(counters, rank, choice.generation, own)
+    replaced, holder = replaced
     held, _ = held_generations(base, rank)
     return GenerationChoice(f"{base}/g{replaced}", hold_joined(base, rank, replaced), replaced, True,
-                            replaced in held)
+                            replaced in held, holder)
 
 
 def _member(store, rank: int, num_ranks: int, base: str) -> GenerationChoice:
@@ -111,14 +124,14 @@ def _member(store, rank: int, num_ranks: int, base: str) -> GenerationChoice:
 
 
 def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int, base: str, secret, own: int,
-                         mine: int, deadline: float) -> Optional[int]:
-    """None once every other rank reached generation `mine` (a new Buffer); else the generation this Buffer
-    replaces this rank in: one whose members are inside `update_ep_member()` (a member's readiness for its
-    next epoch, with its current incarnation, and its heartbeat moving), or one this rank was sealed out
-    of while no other rank moves on for `LEFT_OUT_GRACE_S`."""
+                         mine: int, deadline: float) -> Optional[Tuple[int, int]]:
+    """None once every other rank reached generation `mine` (a new Buffer); else (generation, holder): the
+    target generation (`_target`) once its members are inside `update_ep_member()` (a member's readiness for
+    its next epoch, with its current incarnation, and its heartbeat moving), or once this rank was sealed
+    out of it while no other rank moves on for `LEFT_OUT_GRACE_S`; `holder` is the incarnation of this
+    rank the members hold there."""
     others = [r for r in range(num_ranks) if r != rank]
     first = [counters.read_counter(str(r)) for r in others]
-    generations = range(1, max([own] + first) + 1)
     observers: Dict[int, Membership] = {}
     beats: Dict[Tuple[int, int], bytes] = {}
     pause, quiet_since = 0.001, time.monotonic()
@@ -128,12 +141,9 @@ def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int
             return None
         if reached != first:
             first, quiet_since = reached, time.monotonic()
-        sealed_out = None
-        for generation in generations:
-            observer = observers.get(generation)
-            if observer is None:
-                observer = observers[generation] = Membership(store, rank, num_ranks, f"{base}/g{generation}",
-                                                              secret=secret, take_incarnation=False)
+        target = _target(store, rank, num_ranks, base, secret, max(reached + [0]), observers)
+        if target is not None:
+            observer = observers[target]
             epoch = observer.epoch()
             members = observer.view(epoch).ranks
             for member in members:
@@ -141,22 +151,44 @@ def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int
                     continue
                 beat = observer.read_raw(f"alive/{member}")
                 if beat is not None and MEMBER_BEAT_MARK in beat:
-                    if beats.get((generation, member), beat) != beat:
-                        return generation  # its members are waiting for this rank in update_ep_member()
-                    beats[(generation, member)] = beat
-            if sealed_out is None and rank not in members:
-                sealed_out = generation
-        if sealed_out is not None and time.monotonic() - quiet_since >= LEFT_OUT_GRACE_S:
-            return sealed_out
+                    if beats.get((target, member), beat) != beat:
+                        # its members are waiting for this rank in update_ep_member()
+                        return target, observer.incarnation_of(rank)
+                    beats[(target, member)] = beat
+            if rank not in members and time.monotonic() - quiet_since >= LEFT_OUT_GRACE_S:
+                return target, observer.incarnation_of(rank)
         if time.monotonic() >= deadline:
             behind = [r for r, value in zip(others, reached) if value < mine]
+            where = "" if target is None else f" (it replaces rank {rank} in Buffer #{target}, the first of the group " \
+                "this process holds none of, by construction order, as elastic.join() does)"
             raise MembershipError(
                 f"Buffer: rank {rank} builds Buffer #{mine} of its group: ranks {behind} neither built theirs nor "
                 f"called update_ep_member() on a Buffer of the group that this one could replace rank {rank} in, "
-                "before the deadline. A new Buffer is built by every rank; a replacement is admitted by the "
+                f"before the deadline{where}. A new Buffer is built by every rank; a replacement is admitted by the "
                 "others' update_ep_member(), called while it is being built")
         time.sleep(pause)
         pause = min(pause * 2, _POLL_MAX_S)
+
+
+def _target(store, rank: int, num_ranks: int, base: str, secret, newest: int,
+            observers: Dict[int, Membership]) -> Optional[int]:
+    """The generation a replacement's Buffer replaces this rank in, by construction order: of generations
+    1..`newest` that are not closed (every other member destroyed its Buffer of it), the first no live Buffer
+    of this process holds, else the first only a member Buffer of this process holds (the one it replaces);
+    None when there is none."""
+    held, _ = held_generations(base, rank)
+    joined = joined_generations(base, rank)
+    live = []
+    for generation in range(1, newest + 1):
+        observer = observers.get(generation)
+        if observer is None:
+            observer = observers[generation] = Membership(store, rank, num_ranks, f"{base}/g{generation}",
+                                                          secret=secret, take_incarnation=False)
+        others = [r for r in observer.view(observer.epoch()).ranks if r != rank]
+        if others and all(observer.closed(r) for r in others):
+            continue  # every other member destroyed its Buffer of this generation: nobody to replace it with
+        live.append(generation)
+    return next((g for g in live if g not in held), next((g for g in live if g not in joined), None))
 
 
 def _step_back(counters: RecordStore, rank: int, mine: int, own: int) -> None:
