@@ -132,3 +132,153 @@ def test_recorder_remap_refuses_ids_outside_the_slots():
         recorder.remap(old, np.array([[0, 1, 2, 1 << 34]]))
     assert time.monotonic() - started < 1.0
     recorder.remap(old, np.array([[3, 2, 1, 0]]))  # still usable
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving through a death: the maps with a mask (issue 36 item 1)
+# ---------------------------------------------------------------------------------------------
+
+def _copies_by_loop(table, num_logical, alive, slots_per_rank):
+    """{(layer, expert): [live slots ascending]}, by plain loops."""
+    result = {}
+    for layer, row in enumerate(table.tolist()):
+        for expert in range(num_logical):
+            result[(layer, expert)] = [s for s, e in enumerate(row) if e == expert and alive[s // slots_per_rank]]
+    return result
+
+
+def _random_case(seed):
+    rng = np.random.default_rng(seed)
+    weight = rng.zipf(1.4, (4, 24)).astype(float)
+    placement = place_experts(weight, 48, 4, 2, 8)  # 8 GPUs of 6 slots, 24 redundant copies
+    alive = np.ones(8, dtype=np.int32)
+    alive[rng.choice(8, size=int(rng.integers(1, 4)), replace=False)] = 0
+    return placement, alive
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_masked_map_uses_live_copies_only_and_reports_the_lost(seed):
+    from mooncake_ep_switch.eplb import live_copies
+
+    placement, alive = _random_case(seed)
+    table = placement.phy2log.numpy()
+    base = build_dispatch_map(placement, num_gpus=8, ranks_per_host=4).numpy()
+    masked = build_dispatch_map(placement, num_gpus=8, ranks_per_host=4, active_ranks=torch.from_numpy(alive)).numpy()
+    copies = _copies_by_loop(table, 24, alive, 6)
+    live = live_copies(placement, 8, alive)
+    lost = 0
+    for (layer, expert), slots in copies.items():
+        assert bool(live.lost[layer, expert]) == (not slots)
+        assert int(live.logcnt[layer, expert]) == len(slots)
+        assert live.log2phy[layer, expert, :len(slots)].tolist() == slots
+        for rank in range(8):
+            got = int(masked[rank, layer, expert])
+            if not slots:
+                assert got == -1
+            elif base[rank, layer, expert] in slots:
+                assert got == base[rank, layer, expert], "a live choice must be kept"
+            else:
+                assert got in slots
+        lost += not slots
+    assert 0 < lost < 24 * 4  # every seed masks a rank holding the only copy of some expert
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_masked_map_spreads_the_load_evenly_over_live_copies(seed):
+    placement, alive = _random_case(seed)
+    base = build_dispatch_map(placement, 8, 4).numpy()
+    masked = build_dispatch_map(placement, 8, 4, active_ranks=alive).numpy()
+    copies = _copies_by_loop(placement.phy2log.numpy(), 24, alive, 6)
+    sources = [r for r in range(8) if alive[r]]
+    checked = 0
+    for (layer, expert), slots in copies.items():
+        if len(slots) < 2:
+            continue
+        kept = Counter(int(base[r, layer, expert]) for r in sources if base[r, layer, expert] in slots)
+        after = Counter(int(masked[r, layer, expert]) for r in sources)
+        before_spread = max(kept[s] for s in slots) - min(kept[s] for s in slots)
+        spread = max(after[s] for s in slots) - min(after[s] for s in slots)
+        assert spread <= max(1, before_spread), (layer, expert, slots, kept, after)
+        assert sum(after.values()) == len(sources)
+        checked += len(sources) != sum(kept.values())  # some source had to move
+    assert checked, "the case should move some source onto a multi-copy expert"
+
+
+def test_masked_map_of_the_all_live_mask_is_the_unmasked_map():
+    placement, _ = _random_case(0)
+    everyone = np.ones(8, dtype=bool)
+    assert torch.equal(build_dispatch_map(placement, 8, 4, active_ranks=everyone), build_dispatch_map(placement, 8, 4))
+
+
+def test_logical_to_physical_maps_an_expert_without_live_copy_to_minus_one():
+    row = np.array([4, -1, 2, 0])
+    out = logical_to_physical(np.array([[0, 1], [-1, 3], [1, 2]]), row)
+    assert out.tolist() == [[4, -1], [-1, 0], [-1, 2]]
+
+
+def test_spread_over_live_copies_only():
+    # 4 ranks x 2 slots; expert 0 on slots 0 (rank 0), 2 (rank 1), 6 (rank 3); expert 3 only on slot 7 (rank 3).
+    phy2log = np.array([[0, 1, 0, 2, 1, 2, 0, 3]])
+    placement = placement_from_phy2log(phy2log, num_logical=4, num_gpus=4)
+    mask = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
+    topk = np.stack([np.zeros(40, dtype=np.int64), np.full(40, 3)], axis=1)
+    out = spread_to_physical(topk, placement.log2phy[0], placement.logcnt[0], source_rank=1, active_ranks=mask,
+                             slots_per_rank=2)
+    assert sorted(Counter(out[:, 0].tolist()).items()) == [(0, 20), (2, 20)]  # rank 3's copy gets nothing
+    assert (out[:, 1] == -1).all()  # expert 3: no live copy
+    # Without a mask: all three copies.
+    plain = spread_to_physical(topk[:, :1], placement.log2phy[0], placement.logcnt[0])
+    assert sorted(Counter(plain[:, 0].tolist())) == [0, 2, 6]
+
+
+def test_rerouted_entries_spread_evenly_over_live_copies():
+    from mooncake_ep_switch.eplb.live import compact_live, lost_entries, reroute_entries
+    from mooncake_ep_switch.eplb.policy.tables import replica_tables
+
+    # 4 ranks x 2 slots: expert 0 on slots 0 (rank 0), 2 (rank 1), 6 (rank 3); expert 3 only on slot 7.
+    row = np.array([0, 1, 0, 2, 1, 2, 0, 3])
+    alive = np.array([True, True, True, False])
+    log2phy, _ = replica_tables(row[None], 4, 3)
+    live, count = compact_live(log2phy[0], alive, 2)
+    topk = np.array([[0, 3]] * 30 + [[1, -1]] * 2)
+    physical = np.where(topk == 0, 6, np.where(topk == 3, 7, np.where(topk == 1, 1, -1)))  # 0 and 3 on rank 3
+    out = reroute_entries(topk, physical.copy(), live, count, alive, 2, first_token=5)
+    assert sorted(Counter(out[:30, 0].tolist()).items()) == [(0, 15), (2, 15)]
+    assert (out[:30, 1] == -1).all() and out[30:].tolist() == [[1, -1]] * 2
+    assert lost_entries(topk, out, alive, 2) == 30
+    assert lost_entries(topk, physical, alive, 2) == 60  # the unrouted entries: both on rank 3
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: build_dispatch_map(np.arange(8)[None], 4, 2, active_ranks=np.ones(3, dtype=np.int32)), ValueError,
+         r"active_ranks: expected shape \[4\], got numpy.ndarray of shape \[3\]"),
+        (lambda: build_dispatch_map(np.arange(8)[None], 4, 2, active_ranks=torch.ones(4)), TypeError,
+         "active_ranks: expected an integer or bool dtype, got torch.Tensor of shape \\[4\\] and dtype torch.float32"),
+        (lambda: build_dispatch_map(np.arange(8)[None], 4, 2, active_ranks=[1, 1, 1, 0]), TypeError,
+         "active_ranks: expected a torch.Tensor or numpy.ndarray, got list"),
+        (lambda: build_dispatch_map(np.arange(8)[None], 4, 2, active_ranks=np.array([1, 2, 1, 1])), ValueError,
+         "active_ranks: expected 0 \\(masked\\) or 1 \\(live\\) entries, got 1..2"),
+        (lambda: spread_to_physical(np.zeros((1, 1), dtype=np.int64), np.array([[0]]), np.array([1]),
+                                    active_ranks=np.ones(2, dtype=np.int32)), ValueError,
+         "active_ranks: expected together with slots_per_rank"),
+        (lambda: spread_to_physical(np.zeros((1, 1), dtype=np.int64), np.array([[0]]), np.array([1]),
+                                    active_ranks=np.ones((2, 2), dtype=np.int32), slots_per_rank=1), ValueError,
+         r"active_ranks: expected shape \[2\]"),
+        (lambda: spread_to_physical(np.zeros((1, 1), dtype=np.int64), np.array([[5]]), np.array([1]),
+                                    active_ranks=np.ones(2, dtype=np.int32), slots_per_rank=2), ValueError,
+         "log2phy_row: expected slots < 4"),
+    ],
+    ids=["short", "float", "list", "two", "no-slots-per-rank", "2d", "slot-past-mask"],
+)
+def test_bad_masks_are_refused_by_name(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_live_copies_refuses_a_bad_mask():
+    from mooncake_ep_switch.eplb import live_copies
+
+    with pytest.raises(ValueError, match=r"active_ranks: expected shape \[2\]"):
+        live_copies(np.array([[0, 1, 1, 0]]), 2, np.ones(4, dtype=np.int32))

@@ -7,9 +7,10 @@
 from mooncake_ep_switch.eplb.policy.budget import RedundancyAdvice, suggest_redundancy
 from mooncake_ep_switch.eplb.policy.greedy import greedy_rebalance_experts
 from mooncake_ep_switch.eplb.policy.tables import Placement, placement_from_phy2log
-from mooncake_ep_switch.eplb.maps import build_dispatch_map, logical_to_physical, spread_to_physical
+from mooncake_ep_switch.eplb.maps import (LiveCopies, build_dispatch_map, live_copies, logical_to_physical,
+                                         spread_to_physical)
 from mooncake_ep_switch.eplb.online import OnlineRebalancer, RebalanceChunk, RebalanceReport
-from mooncake_ep_switch.eplb.serving import physical_ep_forward
+from mooncake_ep_switch.eplb.serving import physical_ep_forward, physical_ep_round
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 from mooncake_ep_switch.eplb.policy.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
 from mooncake_ep_switch.eplb.policy.placement import rebalance_experts as place_experts
@@ -27,6 +28,7 @@ __all__ = [
     "RebalanceChunk",
     "RebalanceReport",
     "SlotShape",
+    "LiveCopies",
     "LoadBalance",
     "Placement",
     "RedundancyAdvice",
@@ -37,9 +39,11 @@ __all__ = [
     "gpu_loads",
     "greedy_rebalance_experts",
     "layer_balancedness",
+    "live_copies",
     "logical_to_physical",
     "moved_copies",
     "physical_ep_forward",
+    "physical_ep_round",
     "place_experts",
     "place_redundant_experts",
     "placement_from_phy2log",

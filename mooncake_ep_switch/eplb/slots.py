@@ -193,6 +193,8 @@ class ExpertSlots:
         self.region = new_region(self.group, self.rank, self.num_ranks, nbytes, self.device)
         self._registry = getattr(buffer, "peer_regions", None)
         self.te_reads = 0  # frames staged from another host over the Transfer Engine
+        # [L] top-k entries eplb.serving lost (expert on no live copy), cumulative: diff it per step
+        self.lost_contributions = np.zeros(num_layers, dtype=np.int64)
         self.te_read_bytes = 0
         index = peer_regions.register(buffer, self, KIND)
         membership = getattr(buffer, "membership", None)
