@@ -8,7 +8,7 @@ from mooncake_ep_switch.buffer.buffer import Buffer
 from mooncake_ep_switch.buffer.handle import DispatchHandle, EventOverlap
 from mooncake_ep_switch.elastic_buffer import ElasticBuffer, EPHandle
 from mooncake_ep_switch.errors import (BufferDestroyed, LeftOut, MembershipError, MooncakeEpError, PeerBusy, PeerLost,
-                                       SwitchError, SwitchFenced)
+                                       StoreUnavailable, SwitchError, SwitchFenced)
 
 __all__ = ["Buffer", "DispatchHandle", "EventOverlap", "ElasticBuffer", "EPHandle", "MooncakeEpError", "BufferDestroyed", "MembershipError",
-           "LeftOut", "SwitchError", "SwitchFenced", "PeerLost", "PeerBusy", "__version__"]
+           "LeftOut", "SwitchError", "SwitchFenced", "PeerLost", "PeerBusy", "StoreUnavailable", "__version__"]

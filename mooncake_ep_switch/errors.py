@@ -12,6 +12,7 @@ Buffer is gone", or one family below. Each class also keeps the builtin base it 
     ├── SwitchError (RuntimeError)       a layout switch failed; the layout is "invalid"
     │   └── SwitchFenced                 peers declared this rank dead during the switch
     ├── PeerLost (RuntimeError)          a collective failed because a peer of the group is gone
+    ├── StoreUnavailable (TimeoutError)  the group's store did not answer by the operation's deadline
     └── PeerBusy (ConnectionError)       a transfer refused: abandoned transfers with that peer may still land
 
 This module imports nothing of the package: every room may raise these.
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 __all__ = ["MooncakeEpError", "BufferDestroyed", "MembershipError", "LeftOut", "SwitchError", "SwitchFenced",
-           "PeerLost", "PeerBusy"]
+           "PeerLost", "PeerBusy", "StoreUnavailable"]
 
 
 class MooncakeEpError(Exception):
@@ -69,6 +70,25 @@ class SwitchFenced(SwitchError):
 
 class PeerLost(MooncakeEpError, RuntimeError):
     """A collective failed because a peer of the group is gone (gloo: connection reset)."""
+
+
+class StoreUnavailable(MooncakeEpError, TimeoutError):
+    """The group's store did not answer a call by the deadline of the operation in progress (its host is
+    stalled or unreachable: `buffer/membership/store_deadline.py`). Not a `MembershipError` (no record was
+    read, nothing was decided): the operation can be called again once the store answers; the data plane
+    never needs the store.
+
+    Attributes:
+        store: the store, `"host:port"` when known.
+        operation: the operation whose deadline passed (e.g. "update_ep_member").
+        timeout_s: that operation's budget in seconds.
+    """
+
+    def __init__(self, message: str, store: str = "", operation: str = "", timeout_s: float = 0.0):
+        super().__init__(message)
+        self.store = store
+        self.operation = operation
+        self.timeout_s = timeout_s
 
 
 class PeerBusy(MooncakeEpError, ConnectionError):

@@ -6,7 +6,10 @@ failed rank's traceback. Fault tests use `fresh_cluster()` so that killed ranks 
 cached ones. Every run has a deadline.
 """
 import os
+import select
 import signal
+import subprocess
+import sys
 import time
 from typing import Dict, Optional
 
@@ -100,3 +103,57 @@ def stop_process(pid: int, timeout_s: float = 10.0) -> None:
     the process may run on (answer a write, beat a heartbeat) for a while after it returned."""
     os.kill(pid, signal.SIGSTOP)
     wait_stopped(pid, timeout_s)
+
+
+_STORE_HOST = """
+import sys
+from mooncake_ep_switch.launcher.launch import host_store
+store = host_store("127.0.0.1", 0, None, timeout_s=60)
+print(store.port, flush=True)
+sys.stdin.read()  # until the test closes the pipe (or dies)
+"""
+
+
+class StoreHost:
+    """A TCPStore hosted by a process of its own (`launch.host_store`), which a test stops (SIGSTOP, a host
+    that stalls without a TCP reset) and resumes; use it in a `with` block.
+
+    Arguments:
+        timeout_s: deadline for the process to start listening.
+    """
+
+    def __init__(self, timeout_s: float = 60.0):
+        self.process = subprocess.Popen([sys.executable, "-c", _STORE_HOST], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        if not ready:
+            self.close()
+            raise AssertionError(f"the store host did not start within {timeout_s} s")
+        self.addr = ("127.0.0.1", int(self.process.stdout.readline()))
+
+    def stop(self) -> None:
+        """SIGSTOP the store's process and return once it is stopped."""
+        stop_process(self.process.pid)
+
+    def resume(self) -> None:
+        """SIGCONT the store's process."""
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        """End the store's process (resumed first) and reap it."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.stdin.close()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.process.stdout.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -24,6 +24,7 @@ from mooncake_ep_switch.buffer.core import BufferCore
 from mooncake_ep_switch.buffer.lifetime import DESTROY_WAIT_S, with_receipt
 from mooncake_ep_switch.buffer.membership.group_keys import generation_of, generation_prefix, resolve_group
 from mooncake_ep_switch.buffer.membership.protocol import Membership, MembershipError, View
+from mooncake_ep_switch.buffer.membership.store_deadline import bounded, store_deadline
 from mooncake_ep_switch.buffer.peer_regions import PeerRegions
 from mooncake_ep_switch.buffer.transport.contract import Transport
 from mooncake_ep_switch.buffer.transport.select import TRANSPORTS, make_transport
@@ -112,6 +113,12 @@ class Buffer:
 
     def __init__(self, group, num_ep_buffer_bytes: int = 0, disable_p2p: bool = False, *, transport: str = "auto",
                  store=None):
+        # Every store call of the construction (a replacement's too) ends by the connect timeout: a stalled
+        # store host raises StoreUnavailable then (membership/store_deadline.py).
+        with store_deadline(time.monotonic() + settings().connect_timeout_s, "Buffer construction"):
+            self._construct(group, num_ep_buffer_bytes, disable_p2p, transport, store)
+
+    def _construct(self, group, num_ep_buffer_bytes, disable_p2p, transport, store) -> None:
         num_ep_buffer_bytes = validation.check_int("num_ep_buffer_bytes", num_ep_buffer_bytes, 0)
         if not isinstance(disable_p2p, bool):
             raise TypeError(f"disable_p2p: expected a bool, got {type(disable_p2p).__name__}")
@@ -123,7 +130,8 @@ class Buffer:
         core = self._core = BufferCore(identity.rank, identity.num_ranks, self.settings, joining=identity.joining,
                                        fault=FaultPoint.parse(self.settings.fault_point))
         self.group, self.rank, self.num_ranks = identity.group, identity.rank, identity.num_ranks
-        prefix, store = identity.prefix, identity.store
+        prefix, store = identity.prefix, bounded(identity.store)  # calls that end by the operation's deadline
+        self._store = store
         self.num_ep_buffer_bytes = num_ep_buffer_bytes
         self.disable_p2p = disable_p2p
         self.membership = None
@@ -453,11 +461,14 @@ class Buffer:
             release_generation()
         if self.membership is not None:  # a joiner that gave up waiting gives up joining now
             try:
-                self.membership.stop_pending(withdraw=wait_s > 0, wait_s=min(wait_s, 1.0))
-                if wait_s > 0:  # a replacement's plain Buffer(group) no longer waits for this generation
-                    self.membership.close()
+                with store_deadline(time.monotonic() + wait_s, "destroy"):  # a stalled store: give up then
+                    self.membership.stop_pending(withdraw=wait_s > 0, wait_s=min(wait_s, 1.0))
+                    if wait_s > 0:  # a replacement's plain Buffer(group) no longer waits for this generation
+                        self.membership.close()
             except Exception:  # noqa: BLE001 - the store is gone: nothing to withdraw from
                 pass
+        if getattr(self, "_store", None) is not None:
+            self._store.close()  # its worker thread ends (one still waiting for a stalled store: when it answers)
         self.peer_regions.clear()
         impl, outputs = self._transport, self._outputs
 

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from mooncake_ep_switch.buffer.device_region import copy_blocks, fence
+from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.checks import check_int, check_timeout
 from mooncake_ep_switch.eplb import epochs
@@ -320,6 +321,13 @@ class OnlineRebalancer:
         self._holder_use[best // per_rank] += 1
         return best // per_rank, best % per_rank
 
+    def _store_step(self):
+        """Deadline of one store step of a commit (vote, vote wait, decision): `timeout_us` from now; with -1
+        none of its own (the store's timeout bounds each call). Raised past it: `StoreUnavailable`, the chunk
+        stays queued and the next `step()` commits it with the decision the peers stored."""
+        return store_deadline(None if self.timeout_us < 0 else time.monotonic() + self.timeout_us / 1e6,
+                              "an online EPLB commit")
+
     def _read_timeout_s(self) -> float:
         return 30.0 if self.timeout_us < 0 else max(0.05, self.timeout_us / 1e6)
 
@@ -374,12 +382,15 @@ class OnlineRebalancer:
         me = slots.rank
         if self._fault is not None:
             self._fault.hit("eplb_before_vote", me, chunk.epoch)
-        slots.ballot.vote(chunk.epoch, vote, chunk.digest, tuple(self._plan))
+        with self._store_step():  # each store step ends by timeout_us (a stalled store host: StoreUnavailable)
+            slots.ballot.vote(chunk.epoch, vote, chunk.digest, tuple(self._plan))
         if self._fault is not None:
             self._fault.hit("eplb_after_vote", me, chunk.epoch)
         if vote == GO:
-            reason = self._collect_votes(chunk)
-        decision = slots.ballot.propose(chunk.epoch, DECIDE_ABORT if reason else DECIDE_COMMIT)
+            with self._store_step():
+                reason = self._collect_votes(chunk)
+        with self._store_step():  # a budget of its own: a rank frozen past the vote wait still adopts the decision
+            decision = slots.ballot.propose(chunk.epoch, DECIDE_ABORT if reason else DECIDE_COMMIT)
         if decision == DECIDE_COMMIT and vote != GO:  # impossible: a COMMIT needs this rank's GO
             raise RuntimeError(f"online EPLB: epoch {chunk.epoch} was decided COMMIT although rank {me} voted ABORT")
         if decision == DECIDE_ABORT and not reason:

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.buffer import register_layout_switch
 from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence
+from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
 from mooncake_ep_switch.buffer.peer_words import wait_peer_words
 from mooncake_ep_switch.errors import SwitchError, SwitchFenced  # noqa: F401 (re-exported)
 from mooncake_ep_switch.switch import reshard
@@ -266,6 +267,12 @@ def _report(source, target, layout, outcome, reason, start, seq, transport, dead
                         float(prepare_ms), float(commit_ms), total, transport, seq)
 
 
+def _store_deadline(timeout_us: int) -> Optional[float]:
+    """Deadline of one store step of a switch (its decision record): `timeout_us` from now, None for -1
+    (then the store's own timeout bounds each call)."""
+    return None if timeout_us < 0 else time.monotonic() + timeout_us / 1e6
+
+
 def _noop(phase: str, index: int) -> None:
     return None
 
@@ -324,7 +331,8 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
         if kv is not None:
             kv.publish_meta()
         if unified.ballot is not None:
-            unified.ballot.prepare([seq], votes=False)  # the decision slot exists before anyone proposes
+            with store_deadline(_store_deadline(timeout_us), "switch_layout"):  # a stalled store: StoreUnavailable
+                unified.ballot.prepare([seq], votes=False)  # the decision slot exists before anyone proposes
     except _Refuse as refusal:
         control.write_digest([])
         control.publish(_PROGRESS, ENTERED)
@@ -373,7 +381,8 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
         # only by a rank that saw every rank's GO, so a rank whose wait for a late peer ended can
         # still be told GO (the peer did decide GO), and a late rank that saw every GO is told
         # ABORT when a rank gave up first: live ranks always end in one layout.
-        final = unified.ballot.propose(seq, decision)
+        with store_deadline(_store_deadline(timeout_us), "switch_layout"):  # nothing moved yet if it raises
+            final = unified.ballot.propose(seq, decision)
         if final != decision:
             decision = final
             reason = "" if final == GO else (f"another rank decided ABORT first: "

@@ -12,6 +12,7 @@ from typing import Optional
 
 from mooncake_ep_switch.buffer.core import BufferCore
 from mooncake_ep_switch.buffer.membership.protocol import LeftOut, MembershipError, View, check_seconds
+from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
 
 # How long survivors of a lost collective wait for a member that is not known dead to meet the failure
 # too, before they seal the next view without it (it is then left out and rejoins).
@@ -31,6 +32,12 @@ def update_ep_member(core: BufferCore, timeout_s: Optional[float] = None) -> Vie
     timeout_s = check_seconds("timeout_s", timeout_s, allow_none=True)
     membership = core.require_membership("update_ep_member")
     deadline = time.monotonic() + (core.settings.connect_timeout_s if timeout_s is None else timeout_s)
+    with store_deadline(deadline, "update_ep_member"):  # a stalled store host: StoreUnavailable at the deadline
+        return _agree_and_connect(core, membership, deadline)
+
+
+def _agree_and_connect(core: BufferCore, membership, deadline: float) -> View:
+    """update_ep_member() until `deadline`: agree on the next view (or be admitted), connect, hand over regions."""
     # Calls that ran without the host (CUDA graph replays) count too: the agreed number is above them.
     # (On the cuda transport this waits for the device, so the failures read next are all there.)
     core.call = core.transport.latest_call(core.call)

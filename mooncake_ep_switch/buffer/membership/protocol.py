@@ -73,11 +73,13 @@ from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOIN
                                                           MAX_RECORD_BYTES, MAX_STATE_BYTES, STATES, MembershipError,
                                                           RecordStore, rank_list, valid_ready, valid_state)
 from mooncake_ep_switch.buffer.membership.member_records import MemberRecords
+from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
 from mooncake_ep_switch.errors import LeftOut  # noqa: F401 (re-exported)
 
 JOINER_BEAT_S = 0.02  # a waiting joiner refreshes alive/<rank> this often
 PENDING_BEAT_S = 0.1  # a joiner that gave up waiting for now (still registered) beats this often
 PENDING_STOP_S = 5.0  # how long stopping that beat waits for its thread (one store call)
+PENDING_CALL_S = 1.0  # deadline of one pending beat's store calls (a stalled store host: it skips that beat)
 WAITING_BEAT, PENDING_BEAT, MEMBER_BEAT = "w", "p", "m"  # alive/<rank> = "<incarnation>:<w|p|m>:<count>"
 MEMBER_BEAT_MARK = f":{MEMBER_BEAT}:".encode()  # a member waiting in agree_next_view (replacement.py reads it)
 _PENDING: "weakref.WeakSet[Membership]" = weakref.WeakSet()  # memberships with a pending beat running
@@ -495,20 +497,21 @@ class Membership(MemberRecords):
         def run() -> None:
             beats, epoch = 0, target
             while not stop.wait(PENDING_BEAT_S):
-                try:
-                    if self.read_counter(f"incarnation/{self.rank}") != incarnation:
-                        return  # another process or Buffer took this rank: write nothing more for it
-                    beats += 1
-                    self.store.set(f"alive/{self.rank}", f"{incarnation}:{PENDING_BEAT}:{beats}")
-                    moved = False
-                    for _ in range(_MAX_EPOCH_SKIP):
-                        if stop.is_set() or not self.sealed(epoch):
-                            break
-                        epoch, moved = epoch + 1, True
-                    if moved and not stop.is_set():  # sealed without this rank: register for the next one
-                        self._put(f"ready/{epoch}/{self.rank}", {"incarnation": incarnation, "call": int(call)})
-                        self.set_state(JOINING, epoch=epoch)
-                    self._pending_epoch = epoch
+                try:  # a stalled store host holds one beat at most PENDING_CALL_S (+ the grace), never forever
+                    with store_deadline(time.monotonic() + PENDING_CALL_S, "a pending joiner's beat"):
+                        if self.read_counter(f"incarnation/{self.rank}") != incarnation:
+                            return  # another process or Buffer took this rank: write nothing more for it
+                        beats += 1
+                        self.store.set(f"alive/{self.rank}", f"{incarnation}:{PENDING_BEAT}:{beats}")
+                        moved = False
+                        for _ in range(_MAX_EPOCH_SKIP):
+                            if stop.is_set() or not self.sealed(epoch):
+                                break
+                            epoch, moved = epoch + 1, True
+                        if moved and not stop.is_set():  # sealed without this rank: register for the next one
+                            self._put(f"ready/{epoch}/{self.rank}", {"incarnation": incarnation, "call": int(call)})
+                            self.set_state(JOINING, epoch=epoch)
+                        self._pending_epoch = epoch
                 except Exception:  # noqa: BLE001 - the store is unreachable for now: keep beating
                     continue
 

@@ -1,0 +1,263 @@
+"""Store calls that end by the deadline of the operation in progress (a stalled store host).
+
+A TCPStore client waits for the server's reply without a deadline of the caller's: when the
+process hosting the store stops (SIGSTOP, a host lost without a TCP reset) the server's kernel
+still accepts the request, and `check`, `get`, `compare_set`, `multi_get`, `add` and `wait` block
+until the host answers again; `set_timeout()` does not bound that wait (torch 2.13: still blocked
+after 8 s with a 1 s timeout), at best the client's own timeout (60 s from `connect_store`, 300 s
+by default) does. Every membership operation (update_ep_member, a Buffer's construction and join,
+switch_layout's decision, an online EPLB commit) must instead fail at its own deadline.
+
+`BoundedStore` wraps the group's store (a `torch.distributed.Store` itself, so `PrefixStore` and
+gloo take it as they took the store) and makes every call on a worker thread that owns a client of
+its own (`clone()` of a TCPStore, so the caller's client is never left mid-protocol). The caller
+waits until the deadline that the operation in progress set with `store_deadline()` (a context
+variable: threads do not inherit it), at least `STORE_GRACE_S` for a call made at or past it (an
+error path reading who was missing, a process that was frozen and wakes late); without one, until
+the store's own timeout. A call that gets no answer in time raises `StoreUnavailable` naming the
+store, the call and the deadline; its client (possibly mid-protocol) is never used again: the next
+call gets a fresh client and worker. The abandoned worker ends when the host answers (or the connection fails); idle workers
+end after `IDLE_S`. A write the stalled call had sent may still land when the host resumes, as
+any delayed message would.
+"""
+import contextlib
+import contextvars
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Iterator, Optional, Tuple
+
+import torch.distributed as dist
+
+from mooncake_ep_switch.errors import StoreUnavailable
+
+__all__ = ["BoundedStore", "STORE_GRACE_S", "bounded", "store_deadline"]
+
+STORE_GRACE_S = 0.5  # a call an operation makes at or past its deadline (error paths) still gets this long
+IDLE_S = 2.0  # a worker with nothing to do for this long ends (the next call starts one)
+
+# (deadline as time.monotonic(), what set it, its budget in seconds) of the operation in progress.
+_DEADLINE: "contextvars.ContextVar[Optional[Tuple[float, str, float]]]" = contextvars.ContextVar(
+    "mep_store_deadline", default=None)
+
+
+@contextlib.contextmanager
+def store_deadline(deadline: Optional[float], what: str) -> Iterator[None]:
+    """Bound every `BoundedStore` call made in this block (by this thread) by `deadline`.
+
+    Nested blocks keep the earlier deadline (an operation inside another never outlives it).
+
+    Arguments:
+        deadline: `time.monotonic()` value, or None for no bound of its own (an enclosing one holds).
+        what: the operation, named in the `StoreUnavailable` message (e.g. "update_ep_member").
+
+    Returns:
+        a context manager.
+    """
+    outer = _DEADLINE.get()
+    if deadline is None or (outer is not None and outer[0] <= deadline):
+        yield
+        return
+    token = _DEADLINE.set((deadline, what, max(0.0, deadline - time.monotonic())))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+class _Job:
+    """One store call: run on a worker, waited for by its caller."""
+
+    __slots__ = ("fn", "done", "value", "error", "retry")
+
+    def __init__(self, fn: Callable[[Any], Any]):
+        self.fn = fn
+        self.done = threading.Event()
+        self.value = None
+        self.error: Optional[BaseException] = None
+        self.retry = False  # its worker was abandoned before it ran: run it on the next one
+
+
+class _Lane:
+    """A client of the store and the worker thread that makes its calls, one at a time."""
+
+    def __init__(self, make_client: Callable[[], Any], name: str):
+        self._make_client = make_client
+        self._client = None
+        self._jobs: Deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._name = name
+        self.abandoned = False
+
+    def submit(self, job: _Job) -> bool:
+        """Queue `job`; False when this lane was abandoned (use another)."""
+        with self._cond:
+            if self.abandoned:
+                return False
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"mep-store-{self._name}", daemon=True)
+                self._thread.start()
+            else:
+                self._cond.notify()
+        return True
+
+    def abandon(self) -> None:
+        """Never use this lane again: queued calls go to the next lane, the worker ends after its call."""
+        with self._cond:
+            self.abandoned = True
+            jobs, self._jobs = list(self._jobs), deque()
+            self._cond.notify()
+        for job in jobs:
+            job.retry = True
+            job.done.set()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._jobs and not self.abandoned:
+                    self._cond.wait(IDLE_S)
+                if self.abandoned or not self._jobs:
+                    self._thread = None
+                    self._client = None  # an idle lane makes a fresh client when it is used again
+                    return
+                job = self._jobs.popleft()
+            try:
+                if self._client is None:
+                    self._client = self._make_client()
+                job.value = job.fn(self._client)
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                job.error = error
+                if isinstance(error, dist.DistNetworkError):
+                    self._client = None  # the connection broke: the next call connects anew
+            finally:
+                job.done.set()
+
+
+def _root(store):
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class BoundedStore(dist.Store):
+    """A `torch.distributed.Store` whose calls end by the deadline of the operation in progress.
+
+    Arguments:
+        store: the store to delegate to (a TCPStore, possibly under PrefixStores, or any Store).
+            A TCPStore is cloned (a client of this wrapper's own); other stores are called as given.
+    """
+
+    def __init__(self, store):
+        super().__init__()
+        self.inner = store
+        root = _root(store)
+        host, port = getattr(root, "host", None), getattr(root, "port", None)
+        self.name = f"{host}:{port}" if host is not None and port is not None else type(root).__name__
+        default = getattr(store, "timeout", None)
+        self.default_s = default.total_seconds() if default is not None and default.total_seconds() > 0 else 300.0
+        if default is not None:
+            super().set_timeout(default)
+        clone = isinstance(root, dist.TCPStore)
+        self._make_client = (lambda: store.clone()) if clone else (lambda: store)
+        self._lock = threading.Lock()
+        self._lane: Optional[_Lane] = None
+
+    def close(self) -> None:
+        """Let the worker end (a call still in flight ends when the store answers); later calls start a new one."""
+        with self._lock:
+            lane, self._lane = self._lane, None
+        if lane is not None:
+            lane.abandon()
+
+    def _current(self) -> _Lane:
+        with self._lock:
+            if self._lane is None:
+                self._lane = _Lane(self._make_client, self.name)
+            return self._lane
+
+    def _call(self, op: str, key, fn: Callable[[Any], Any]):
+        found = _DEADLINE.get()
+        now = time.monotonic()
+        if found is None:
+            what, budget = "a store call", self.default_s
+            until = now + budget
+        else:  # a call made past the deadline (an error path, a process that was frozen) still gets the grace
+            deadline, what, budget = found
+            until = max(deadline, now + STORE_GRACE_S)
+        while True:
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                break
+            lane, job = self._current(), _Job(fn)
+            if not lane.submit(job):
+                continue
+            if not job.done.wait(remaining):
+                with self._lock:
+                    if self._lane is lane:
+                        self._lane = None
+                lane.abandon()
+                break
+            if job.retry:
+                continue
+            if job.error is not None:
+                raise job.error
+            return job.value
+        raise StoreUnavailable(
+            f"the store at {self.name} did not answer {op}({key!r}) by the deadline of {what} ({budget:.3g} s): its "
+            "host is stalled or unreachable. Nothing waits on it any more; the data plane (dispatch/combine) goes "
+            "on, and the operation can be called again once the store answers", store=self.name, operation=what,
+            timeout_s=budget)
+
+    # ------------------------------------------------------------------ torch.distributed.Store
+    def set(self, key, value):
+        return self._call("set", key, lambda s: s.set(key, value))
+
+    def get(self, key):
+        return self._call("get", key, lambda s: s.get(key))
+
+    def check(self, keys):
+        return self._call("check", keys, lambda s: s.check(keys))
+
+    def compare_set(self, key, expected, desired):
+        return self._call("compare_set", key, lambda s: s.compare_set(key, expected, desired))
+
+    def add(self, key, amount):
+        return self._call("add", key, lambda s: s.add(key, amount))
+
+    def append(self, key, value):
+        return self._call("append", key, lambda s: s.append(key, value))
+
+    def delete_key(self, key):
+        return self._call("delete_key", key, lambda s: s.delete_key(key))
+
+    def multi_get(self, keys):
+        return self._call("multi_get", keys, lambda s: s.multi_get(keys))
+
+    def multi_set(self, keys, values):
+        return self._call("multi_set", keys, lambda s: s.multi_set(keys, values))
+
+    def num_keys(self):
+        return self._call("num_keys", "", lambda s: s.num_keys())
+
+    def wait(self, keys, timeout=None):
+        # A wait legitimately lasts its timeout (the keys are not there yet): the store's own timeout
+        # error ends it then; StoreUnavailable only when the store does not even answer that.
+        if timeout is None:
+            return self._call("wait", keys, lambda s: s.wait(keys))
+        return self._call("wait", keys, lambda s: s.wait(keys, timeout))
+
+
+def bounded(store):
+    """`store` wrapped in a `BoundedStore` (None and an already wrapped store are returned as given).
+
+    Arguments:
+        store: a torch.distributed Store, or None.
+
+    Returns:
+        store: a `BoundedStore`, or None.
+    """
+    if store is None or isinstance(store, BoundedStore):
+        return store
+    return BoundedStore(store)
