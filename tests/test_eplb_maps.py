@@ -232,21 +232,25 @@ def test_spread_over_live_copies_only():
 
 
 def test_rerouted_entries_spread_evenly_over_live_copies():
-    from mooncake_ep_switch.eplb.live import compact_live, lost_entries, reroute_entries
+    from mooncake_ep_switch.eplb.live import compact_live, lost_entries, reroute_entries, slot_ok
     from mooncake_ep_switch.eplb.policy.tables import replica_tables
 
     # 4 ranks x 2 slots: expert 0 on slots 0 (rank 0), 2 (rank 1), 6 (rank 3); expert 3 only on slot 7.
-    row = np.array([0, 1, 0, 2, 1, 2, 0, 3])
+    table = np.array([0, 1, 0, 2, 1, 2, 0, 3])
     alive = np.array([True, True, True, False])
-    log2phy, _ = replica_tables(row[None], 4, 3)
+    log2phy, _ = replica_tables(table[None], 4, 3)
     live, count = compact_live(log2phy[0], alive, 2)
-    topk = np.array([[0, 3]] * 30 + [[1, -1]] * 2)
-    physical = np.where(topk == 0, 6, np.where(topk == 3, 7, np.where(topk == 1, 1, -1)))  # 0 and 3 on rank 3
-    out = reroute_entries(topk, physical.copy(), live, count, alive, 2, first_token=5)
+    row = np.array([6, 1, -1, 7])  # this rank's map: experts 0 and 3 on rank 3, expert 2 on no slot
+    topk = np.array([[0, 3]] * 30 + [[1, -1]] * 2 + [[2, 1]] * 4)
+    physical = np.where(topk >= 0, row[np.maximum(topk, 0)], -1)
+    ok = slot_ok(alive, 2)
+    out = reroute_entries(topk, physical.copy(), row, live, count, ok, first_token=5)
     assert sorted(Counter(out[:30, 0].tolist()).items()) == [(0, 15), (2, 15)]
-    assert (out[:30, 1] == -1).all() and out[30:].tolist() == [[1, -1]] * 2
-    assert lost_entries(topk, out, alive, 2) == 30
-    assert lost_entries(topk, physical, alive, 2) == 60  # the unrouted entries: both on rank 3
+    assert (out[:30, 1] == -1).all() and out[30:32].tolist() == [[1, -1]] * 2
+    assert sorted(Counter(out[32:, 0].tolist()).items()) == [(3, 2), (5, 2)]  # a -1 row entry with live copies
+    assert lost_entries(topk, out, ok) == 30
+    assert lost_entries(topk, physical, ok) == 64  # unrouted: 0 and 3 on rank 3, 2 on no slot
+    assert lost_entries(topk, physical, slot_ok(np.ones(4, dtype=bool), 2)) == 4
 
 
 @pytest.mark.parametrize(

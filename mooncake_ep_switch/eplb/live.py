@@ -108,27 +108,41 @@ def reroute_map(result: np.ndarray, log2phy: np.ndarray, alive: np.ndarray, slot
     return np.where(masked, np.where(count[None] > 0, new, -1), result)
 
 
-def reroute_entries(topk: np.ndarray, physical: np.ndarray, live: np.ndarray, count: np.ndarray,
-                    alive: np.ndarray, slots_per_rank: int, first_token: int) -> np.ndarray:
-    """Send a rank's top-k entries that point at a masked rank (or at no slot) to live copies.
+def slot_ok(alive: np.ndarray, slots_per_rank: int) -> np.ndarray:
+    """Which slots a mask leaves live, with one extra False entry that index -1 (no slot) reads.
 
-    Token t's entries of expert e go to live copy `(first_token + t) % count[e]`: each rerouted
-    expert's tokens are spread evenly over its live copies, whichever ranks send them. Entries of
-    an expert without a live copy become -1.
+    Arguments:
+        alive: `[R]` bool live ranks.
+        slots_per_rank: slots per rank.
+
+    Returns:
+        ok: `[R * slots_per_rank + 1]` bool; `ok[s]` for slot s, `ok[-1]` False.
+    """
+    return np.append(np.repeat(alive, slots_per_rank), False)
+
+
+def reroute_entries(topk: np.ndarray, physical: np.ndarray, row: np.ndarray, live: np.ndarray, count: np.ndarray,
+                    ok: np.ndarray, first_token: int) -> np.ndarray:
+    """Send a rank's top-k entries whose dispatch-map slot is on a masked rank (or is -1) to live copies.
+
+    Token t's entries of such an expert e go to live copy `(first_token + t) % count[e]`: each
+    rerouted expert's tokens are spread evenly over its live copies, whichever ranks send them.
+    Entries of an expert without a live copy become -1. Two gathers over the entries when nothing
+    needs rerouting.
 
     Arguments:
         topk: `[N, K]` int64 logical experts (-1 = none).
-        physical: `[N, K]` int64 slots from the dispatch map (-1 = none), modified and returned.
+        physical: `[N, K]` int64, `row[topk]` (-1 kept), modified and returned.
+        row: `[E]` int64 dispatch-map row (-1 = no slot).
         live, count: one layer's `compact_live` tables, `[E, W]` and `[E]`.
-        alive: `[R]` bool live ranks.
-        slots_per_rank: slots per rank.
+        ok: `slot_ok(alive, slots_per_rank)`.
         first_token: index of token 0 in the spreading pattern (the source rank, plus an offset).
 
     Returns:
         physical: the same array, every entry of an expert with a live copy on a live slot.
     """
-    off = (physical < 0) | ~alive[np.maximum(physical, 0) // slots_per_rank]
-    rows, cols = np.nonzero(off & (topk >= 0))
+    off = np.append(~ok[row], False)  # per expert, and False for topk == -1
+    rows, cols = np.nonzero(off[topk])
     if rows.size:
         expert = topk[rows, cols]
         copies = count[expert]
@@ -137,18 +151,16 @@ def reroute_entries(topk: np.ndarray, physical: np.ndarray, live: np.ndarray, co
     return physical
 
 
-def lost_entries(topk: np.ndarray, physical: np.ndarray, alive: np.ndarray, slots_per_rank: int) -> int:
+def lost_entries(topk: np.ndarray, physical: np.ndarray, ok: np.ndarray) -> int:
     """Top-k entries (token x k) with an expert whose contribution is lost: mapped to no slot, or to
     a slot on a masked rank.
 
     Arguments:
         topk: `[N, K]` int64 logical experts (-1 = none, not counted).
-        physical: `[N, K]` int64 slots (-1 = none).
-        alive: `[R]` bool live ranks.
-        slots_per_rank: slots per rank.
+        physical: `[N, K]` int64 slots (-1 = none; -1 wherever `topk` is -1).
+        ok: `slot_ok(alive, slots_per_rank)`.
 
     Returns:
         lost: the number of such entries.
     """
-    gone = (physical < 0) | ~alive[np.maximum(physical, 0) // slots_per_rank]
-    return int((gone & (topk >= 0)).sum())
+    return int((~ok[physical]).sum()) - int((topk < 0).sum())

@@ -5,14 +5,15 @@ every logical expert with a copy on a live rank is served by live copies from th
 on (`live.reroute_entries`), and only the entries of experts with no live copy are lost. Every round
 adds the entries it lost to `slots.lost_contributions` (docs/eplb.md, "Serving through a death").
 """
+import weakref
 from typing import Tuple
 
+import numpy as np
 import torch
 
 from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_indices
-from mooncake_ep_switch.eplb.live import alive_ranks, compact_live, lost_entries, reroute_entries
-from mooncake_ep_switch.eplb.maps import logical_to_physical
+from mooncake_ep_switch.eplb.live import alive_ranks, compact_live, lost_entries, reroute_entries, slot_ok
 from mooncake_ep_switch.eplb.policy.tables import expert_counts, replica_tables
 from mooncake_ep_switch.eplb.slots import ExpertSlots
 from mooncake_ep_switch.reference.moe_block import ep_round, route
@@ -95,17 +96,37 @@ def physical_ep_round(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weig
     row = as_indices("dispatch_row", dispatch_row, 1, upper=slots.num_slots, allow_negative_one=True)
     if row.shape != (num_logical,):
         raise ValueError(f"dispatch_row: expected shape [{num_logical}], got {list(row.shape)}")
+    if isinstance(topk_idx, torch.Tensor) and topk_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_idx: expected an int32 or int64 tensor, got dtype {topk_idx.dtype}")
     logical = as_indices("topk_idx", topk_idx, 2, upper=num_logical, allow_negative_one=True)
-    physical = logical_to_physical(logical, row)
-    if fault_aware and not alive.all():
-        table = slots.phy2log[layer:layer + 1]
-        log2phy, _ = replica_tables(table, num_logical, int(expert_counts(table, num_logical).max()))
-        live, count = compact_live(log2phy[0], alive, per_rank)
-        physical = reroute_entries(logical, physical, live, count, alive, per_rank, slots.rank)
+    physical = np.where(logical >= 0, row[np.maximum(logical, 0)], -1)
+    if fault_aware and not (alive.all() and (row >= 0).all()):
+        live, count = _live_tables(slots, layer, alive)
+        physical = reroute_entries(logical, physical, row, live, count, slot_ok(alive, per_rank), slots.rank)
     mapped = torch.from_numpy(physical).to(topk_idx.device)
     out, recv_count = ep_round(buffer, x, mapped, topk_weights, slots.num_slots, per_rank,
                                lambda local_slot: slots.expert(layer, local_slot), tokens_per_rank, active_ranks,
                                timeout_us, expert_fn=expert_fn)
-    after = alive_ranks("active_ranks", active_ranks, slots.num_ranks) & alive
-    slots.lost_contributions[layer] += lost_entries(logical, physical, after, per_rank)
+    after = alive_ranks("active_ranks", active_ranks, slots.num_ranks) & alive  # a peer found dead meanwhile too
+    if not (after.all() and (row >= 0).all()):  # else every entry had a live slot
+        slots.lost_contributions[layer] += lost_entries(logical, physical, slot_ok(after, per_rank))
     return out, recv_count.clone()
+
+
+# Per ExpertSlots and layer: (phy2log row, mask bytes, live copies, live counts) of the last masked round.
+_LIVE = weakref.WeakKeyDictionary()
+
+
+def _live_tables(slots: ExpertSlots, layer: int, alive: np.ndarray):
+    """One layer's live copies under `alive` (`live.compact_live`), cached until the row or the mask changes."""
+    cache = _LIVE.setdefault(slots, {})
+    row = slots.phy2log[layer]
+    hit = cache.get(layer)
+    if hit is not None and hit[1] == alive.tobytes() and np.array_equal(hit[0], row):
+        return hit[2], hit[3]
+    table = row[None]
+    num_logical = slots.shape.num_logical_experts
+    log2phy, _ = replica_tables(table, num_logical, int(expert_counts(table, num_logical).max()))
+    live, count = compact_live(log2phy[0], alive, slots.shape.slots_per_rank)
+    cache[layer] = (row.copy(), alive.tobytes(), live, count)
+    return live, count
