@@ -1,4 +1,4 @@
-"""Argument checks with one message style.
+"""Argument checks with one message style (integers, deadlines and flags).
 
 Every error names the argument, what was expected and what came:
 ``"<name>: expected <what>, got <value>"`` (a wrong type also shows the type's name). This module
@@ -7,6 +7,9 @@ it without an import cycle.
 """
 import operator
 from typing import Optional
+
+import numpy as np
+
 
 def _shown(value) -> str:
     """The value as it appears after "got" for a wrong type: type name and a short repr."""
@@ -91,3 +94,42 @@ def check_timeout(timeout_us, name: str = "timeout_us") -> int:
     if not -1 <= value <= INT64_MAX:
         raise ValueError(f"{name}: expected {expected}, got {value}")
     return value
+
+
+def check_flag(name: str, value, allow_none: bool = False) -> Optional[bool]:
+    """Check a flag the way the peers' bindings take one (DeepEP's and Mooncake's pybind11 `bool`).
+
+    Accepted: a bool, a NumPy bool (`np.bool_`), and the integers 0 and 1 (Python or NumPy), as the
+    callers of DeepEP and Mooncake pass them (`--allow-hybrid-mode 1`, `async_with_compute_stream=0`).
+    Refused, naming the argument: every other value, among them 2, -1, 1.0, "yes", a tensor, and None
+    unless `allow_none` (pybind11 would turn 2, 1.0 or None into a bool; a flag given so is a caller's
+    mistake here). Every flag of an API that mirrors a peer's (`Buffer`, `ElasticBuffer`,
+    `deep_ep.Buffer`) passes here, so the rule is the same at every call site.
+
+    Arguments:
+        name: the argument's name, for error messages.
+        value: the value to check.
+        allow_none: None is accepted (and returned) too, for flags whose None means a default.
+
+    Returns:
+        flag: the value as a Python bool (None when `allow_none` and None came).
+
+    Raises:
+        TypeError: not a bool, a NumPy bool or an integer (`"<name>: expected a bool (or 0/1), got <type>
+            <repr>"`).
+        ValueError: an integer other than 0 and 1 (`"<name>: expected a bool (or 0/1), got <value>"`).
+    """
+    if value is True or value is False:
+        return value
+    expected = "None, a bool (or 0/1)" if allow_none else "a bool (or 0/1)"
+    if value is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name}: expected {expected}, got {_shown(value)}")
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected {expected}, got {_shown(value)}")
+    if value == 0 or value == 1:
+        return bool(value)
+    raise ValueError(f"{name}: expected {expected}, got {int(value)}")

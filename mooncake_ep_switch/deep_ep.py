@@ -12,19 +12,13 @@ import torch
 from mooncake_ep_switch.buffer.buffer import Buffer as _Buffer
 from mooncake_ep_switch.buffer.handle import EventOverlap
 from mooncake_ep_switch.buffer.validation import check_tensor
-from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.checks import check_flag, check_int
 
 topk_idx_t = torch.int64  # DeepEP's `deep_ep.topk_idx_t`: the dtype of topk_idx
 DEFAULT_TIMEOUT_US = 10_000_000  # DeepEP's kernels give up after ~10-100 s; ours, per call and source
 __all__ = ["Buffer", "EventOverlap", "topk_idx_t", "DEFAULT_TIMEOUT_US"]
 
 _INV_448 = torch.tensor(1.0 / 448.0, dtype=torch.float32)  # DeepEP's kFinfoAmaxInvE4M3, a float32 constant
-
-
-def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
-    return value
 
 
 def _pow2_fp8(rows: torch.Tensor, use_ue8m0: bool):
@@ -75,14 +69,16 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None,
                  *, transport: str = "auto", timeout_us: int = DEFAULT_TIMEOUT_US, store=None) -> None:
-        check_int("num_nvl_bytes", num_nvl_bytes, 0)
+        num_nvl_bytes = check_int("num_nvl_bytes", num_nvl_bytes, 0)
         num_rdma_bytes = check_int("num_rdma_bytes", num_rdma_bytes, 0)
         check_int("num_qps_per_rank", num_qps_per_rank, 1)
-        for name, value in (("low_latency_mode", low_latency_mode), ("allow_mnnvl", allow_mnnvl),
-                            ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
-                            ("use_fabric", use_fabric), ("explicitly_destroy", explicitly_destroy),
-                            ("enable_shrink", enable_shrink)):
-            _check_bool(name, value)
+        low_latency_mode = check_flag("low_latency_mode", low_latency_mode)
+        check_flag("allow_mnnvl", allow_mnnvl)
+        allow_nvlink_for_low_latency_mode = check_flag("allow_nvlink_for_low_latency_mode",
+                                                       allow_nvlink_for_low_latency_mode)
+        check_flag("use_fabric", use_fabric)
+        explicitly_destroy = check_flag("explicitly_destroy", explicitly_destroy)
+        enable_shrink = check_flag("enable_shrink", enable_shrink)
         if group is None:
             raise (ValueError("group: expected a process group, got None (and no comm)") if comm is None else
                    NotImplementedError("comm: expected None (mpi4py communicators are not supported), got a "
@@ -219,7 +215,7 @@ class Buffer:
         """
         state = self._check_shrink("low_latency_update_mask_buffer")
         rank = check_int("rank_to_mask", rank_to_mask, 0, self.group_size - 1)
-        state[rank] = 0 if _check_bool("mask", mask) else 1
+        state[rank] = 0 if check_flag("mask", mask) else 1
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Write the mask into `mask_status`: `[num_ranks]` torch.int32, 1 = masked, 0 = unmasked.
@@ -290,9 +286,10 @@ class Buffer:
             handle: for `low_latency_combine`, a 5-tuple (src_info, layout_range, T, hidden, E).
             event: `EventOverlap`; hook: the receive phase when `return_recv_hook`, else None.
         """
-        for name, value in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
-                            ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
-            _check_bool(name, value)
+        use_fp8, round_scale, use_ue8m0 = (check_flag("use_fp8", use_fp8), check_flag("round_scale", round_scale),
+                                           check_flag("use_ue8m0", use_ue8m0))
+        async_finish = check_flag("async_finish", async_finish)
+        return_recv_hook = check_flag("return_recv_hook", return_recv_hook)
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0: expected True only with round_scale=True (UE8M0 scales are powers of "
                              "two), got use_ue8m0=True with round_scale=False")
@@ -359,7 +356,10 @@ class Buffer:
         Returns:
             combined_x: `[num_tokens, hidden]` torch.bfloat16; event: `EventOverlap`; hook: as in dispatch.
         """
-        if _check_bool("use_logfmt", use_logfmt) and _check_bool("zero_copy", zero_copy):
+        use_logfmt, zero_copy = check_flag("use_logfmt", use_logfmt), check_flag("zero_copy", zero_copy)
+        async_finish = check_flag("async_finish", async_finish)
+        return_recv_hook = check_flag("return_recv_hook", return_recv_hook)
+        if use_logfmt and zero_copy:
             raise ValueError("use_logfmt, zero_copy: expected at most one of them True, got both (as in DeepEP)")
         if combine_wait_recv_cost_stats is not None:
             check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, 1,

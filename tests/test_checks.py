@@ -1,9 +1,10 @@
-"""The shared integer checker (mooncake_ep_switch/checks.py): what it accepts, and its one message style."""
+"""The shared checkers (mooncake_ep_switch/checks.py): integers and flags, what they accept, and their one
+message style."""
 import numpy as np
 import pytest
 import torch
 
-from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.checks import check_flag, check_int
 
 
 @pytest.mark.parametrize("value, minimum, expected", [
@@ -48,3 +49,36 @@ def test_long_values_are_shortened():
         check_int("n", "x" * 200, 1)
     text = str(caught.value)
     assert text.startswith("n: expected an int >= 1, got str 'xxx") and text.endswith("...") and len(text) < 120
+
+
+@pytest.mark.parametrize("value, expected", [
+    (True, True), (False, False), (1, True), (0, False), (np.bool_(True), True), (np.bool_(False), False),
+    (np.int64(1), True), (np.uint8(0), False), (np.int32(1), True),
+])
+def test_flags_as_the_peers_bindings_take_them(value, expected):
+    """issue 42 item 1: DeepEP's and Mooncake's callers pass 0/1 and NumPy bools where a bool is declared."""
+    result = check_flag("f", value)
+    assert result is expected
+
+
+@pytest.mark.parametrize("value, error, message", [
+    (2, ValueError, "f: expected a bool (or 0/1), got 2"),
+    (-1, ValueError, "f: expected a bool (or 0/1), got -1"),
+    (np.int64(2), ValueError, "f: expected a bool (or 0/1), got 2"),
+    ("yes", TypeError, "f: expected a bool (or 0/1), got str 'yes'"),
+    (1.0, TypeError, "f: expected a bool (or 0/1), got float 1.0"),
+    (np.float32(1.0), TypeError, f"f: expected a bool (or 0/1), got float32 {np.float32(1.0)!r}"),
+    (None, TypeError, "f: expected a bool (or 0/1), got NoneType None"),
+    (torch.tensor(True), TypeError, "f: expected a bool (or 0/1), got Tensor tensor(True)"),
+])
+def test_anything_else_is_refused_by_name(value, error, message):
+    with pytest.raises(error) as caught:
+        check_flag("f", value)
+    assert str(caught.value) == message
+
+
+def test_none_only_where_it_means_a_default():
+    assert check_flag("f", None, allow_none=True) is None
+    assert check_flag("f", np.bool_(True), allow_none=True) is True
+    with pytest.raises(ValueError, match=r"^f: expected None, a bool \(or 0/1\), got 2$"):
+        check_flag("f", 2, allow_none=True)

@@ -353,7 +353,7 @@ def rank_bad_arguments(ctx):
         for kwargs, error, text in (
                 (dict(low_latency_mode=False), NotImplementedError, "low_latency_mode: expected True"),
                 (dict(low_latency_mode=True, num_qps_per_rank=0), ValueError, "num_qps_per_rank"),
-                (dict(low_latency_mode=True, enable_shrink=1), TypeError, "enable_shrink: expected a bool"),
+                (dict(low_latency_mode=True, enable_shrink=2), ValueError, "enable_shrink: expected a bool"),
                 (dict(low_latency_mode=True, timeout_us=-1), ValueError, "timeout_us: expected an int >= 1"),
                 (dict(low_latency_mode=True, transport="nvshmem"), ValueError, "transport")):
             with pytest.raises(error, match=text):
@@ -373,7 +373,7 @@ def rank_bad_arguments(ctx):
              "cumulative_local_expert_recv_stats"),
             (dict(dispatch_wait_recv_cost_stats=torch.zeros(2, 2, dtype=torch.int64)), "dispatch_wait_recv_cost"),
             (dict(use_ue8m0=True), "use_ue8m0"),
-            (dict(round_scale=1), "round_scale: expected a bool"),
+            (dict(round_scale=1.0), "round_scale: expected a bool"),
             (dict(async_finish=True, return_recv_hook=True), "async_finish, return_recv_hook"),
         ]
         for kwargs, text in cases:

@@ -210,7 +210,7 @@ def rank_misuse(ctx):
         ("num_experts", dict(num_experts=None)), ("num_experts", dict(num_experts=E + 1)),
         ("num_max_tokens_per_rank", dict(num_max_tokens_per_rank=1)),
         ("expert_alignment", dict(expert_alignment=0)), ("do_zero_padding", dict(do_zero_padding=True)),
-        ("do_expand", dict(do_expand=1)),
+        ("do_expand", dict(do_expand=2)),
         ("cumulative_local_expert_recv_stats", dict(cumulative_local_expert_recv_stats=torch.zeros(E // R))),
         ("active_ranks", dict(active_ranks=torch.ones(R + 1, dtype=torch.int32))),
         ("timeout_us", dict(timeout_us=2 ** 63)),
@@ -267,7 +267,7 @@ def rank_misuse(ctx):
     with pytest.raises(BufferDestroyed):
         buffer.dispatch(mine.x, **good)
     constructor = [("num_cpu_bytes", dict(num_cpu_bytes=2 << 20)), ("num_topk", dict(num_topk=40)),
-                   ("num_bytes", dict(num_max_tokens_per_rank=0)), ("explicitly_destroy", dict(explicitly_destroy=1)),
+                   ("num_bytes", dict(num_max_tokens_per_rank=0)), ("explicitly_destroy", dict(explicitly_destroy="1")),
                    ("max_num_bias", dict(max_num_bias=3)),
                    ("transport", dict(transport="rdma"))]
     for name, change in constructor:

@@ -14,7 +14,7 @@ the device (`CudaTransport.value_problem`), since reading them here would synchr
 import torch
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.checks import INT32_MAX, check_int, check_timeout  # noqa: F401  (both re-exported)
+from mooncake_ep_switch.checks import INT32_MAX, check_flag, check_int, check_timeout  # noqa: F401  (re-exported)
 
 
 def fail(name: str, expected: str, got) -> None:
@@ -125,7 +125,7 @@ def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, 
         num_max_dispatch_tokens_per_rank: `T`, >= 1.
         num_experts: `E`, >= 1 and a multiple of `R`.
         timeout_us: microseconds, or -1 for no deadline.
-        use_fp8: bool, or None for True (Mooncake's default).
+        use_fp8: a flag (`checks.check_flag`: bool, np.bool_, 0/1), or None for True (Mooncake's default).
         num_ranks: `R`, ranks of the group.
         device: the Buffer's CUDA device, or None for CPU tensors.
 
@@ -136,7 +136,7 @@ def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, 
         use_fp8: bool.
 
     Raises:
-        TypeError: a wrong Python type (e.g. a non-bool `use_fp8`).
+        TypeError: a wrong Python type (e.g. a `use_fp8` that is no flag).
         ValueError: any other violation; nothing has been written.
     """
     tokens_per_rank = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, INT32_MAX)
@@ -151,10 +151,9 @@ def check_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, 
     check_topk_idx(topk_idx, x.size(0), num_experts, device)
     check_active_ranks(active_ranks, num_ranks, device)
     timeout_us = check_timeout(timeout_us)
+    use_fp8 = check_flag("use_fp8", use_fp8, allow_none=True)
     if use_fp8 is None:
         use_fp8 = True  # Mooncake's default
-    if not isinstance(use_fp8, bool):
-        raise TypeError(f"use_fp8: expected None or a bool, got {type(use_fp8).__name__}")
     return tokens_per_rank, num_experts, timeout_us, use_fp8
 
 

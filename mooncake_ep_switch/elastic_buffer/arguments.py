@@ -5,17 +5,16 @@ from typing import Optional, Tuple
 
 import torch
 
-from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.checks import check_flag, check_int
 from mooncake_ep_switch.elastic_buffer import layout as lay
 from mooncake_ep_switch.elastic_buffer import rows as codec
 from mooncake_ep_switch.elastic_buffer.handle import EPHandle
 
 
 def check_bool(name: str, value) -> bool:
-    """`value` if it is a bool, else TypeError naming `name`."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
-    return value
+    """`value` as a bool by the peers' rule (`checks.check_flag`: a bool, np.bool_ or 0/1), else
+    TypeError/ValueError naming `name`."""
+    return check_flag(name, value)
 
 
 def check_tensor(name: str, value, dtype: torch.dtype, shape: Tuple[Optional[int], ...]) -> torch.Tensor:
