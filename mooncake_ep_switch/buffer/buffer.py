@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer import device_calls, validation
+from mooncake_ep_switch.buffer import device_calls, mooncake_runtime, validation
 from mooncake_ep_switch.buffer.membership import elastic_view, replacement
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
 from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, check_combinable_again,
@@ -28,6 +28,7 @@ from mooncake_ep_switch.buffer.membership.store_deadline import bounded, store_d
 from mooncake_ep_switch.buffer.peer_regions import PeerRegions
 from mooncake_ep_switch.buffer.transport.contract import Transport
 from mooncake_ep_switch.buffer.transport.select import TRANSPORTS, make_transport
+from mooncake_ep_switch.checks import check_flag
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
 
@@ -53,7 +54,7 @@ def register_layout_switch(function: Callable) -> None:
     _LAYOUT_SWITCH = function
 
 
-class Buffer:
+class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
     """Expert-parallel communication buffer for MoE dispatch and combine.
 
     Arguments:
@@ -61,7 +62,9 @@ class Buffer:
         num_ep_buffer_bytes: bytes of the EP region per rank (see `get_ep_buffer_size_hint`).
             0 is accepted by the `"collective"` transport only (it allocates per call).
         disable_p2p: never use shared memory between ranks of one host (Mooncake's meaning:
-            peers are reached through the inter-host path).
+            peers are reached through the inter-host path). Flags here (`disable_p2p`, `use_fp8`,
+            `async_finish`, `return_recv_hook`, `zero_copy`, `_use_fallback`) are taken as the peers'
+            bindings take them: a bool, np.bool_ or 0/1 (`checks.check_flag`).
         transport: `"auto"` (every rank on this host: device kernels over CUDA IPC when a CUDA
             device is usable, else shared memory; else the Transfer Engine when installed, else
             collectives), `"host"` (the same choice without `"cuda"`: CPU tensors on a GPU machine),
@@ -120,8 +123,7 @@ class Buffer:
 
     def _construct(self, group, num_ep_buffer_bytes, disable_p2p, transport, store) -> None:
         num_ep_buffer_bytes = validation.check_int("num_ep_buffer_bytes", num_ep_buffer_bytes, 0)
-        if not isinstance(disable_p2p, bool):
-            raise TypeError(f"disable_p2p: expected a bool, got {type(disable_p2p).__name__}")
+        disable_p2p = check_flag("disable_p2p", disable_p2p)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
         identity = resolve_group(group, store)
@@ -319,7 +321,9 @@ class Buffer:
     def runtime(self) -> Transport:
         """The transport that moves this Buffer's bytes (DeepEP's name for its native runtime): what the
         runtime's own modules and benchmarks may use of it is declared in `buffer/transport/contract.py`
-        (`Transport`: `peer_routes()`, `transfer_engine()`, `te_peer()`, ...)."""
+        (`Transport`: `peer_routes()`, `transfer_engine()`, `te_peer()`, ...), and it answers Mooncake's
+        runtime queries (`ibgda_disabled()`, `p2p_enabled()`, `use_fast_path()`, `is_roce()`:
+        `contract.RuntimeQueries`, for the transport the Buffer was built on)."""
         return self._transport
 
     def output_pool_bytes(self) -> int:
@@ -345,11 +349,12 @@ class Buffer:
         """The process group of the current view, for structures that run collectives on it.
 
         Returns:
-            group: on the `"collective"` transport, the group the transport runs on now (a
-                per-epoch gloo group after a membership change); otherwise the constructor's group
+            group: on the `"collective"` transport (or switched onto it by `_use_fallback`), the group
+                the transport runs on now (a per-epoch gloo group after a membership change);
+                otherwise the constructor's group
                 (None for a replacement: its shared regions are mapped through the store).
         """
-        return self._transport.group if self.transport == "collective" else self.group
+        return self._transport.group if self._use_fallback else self.group
 
     def active_mask(self) -> torch.Tensor:
         """A fresh `active_ranks` tensor for the current view.
@@ -533,6 +538,9 @@ class Buffer:
         """
         if self._core.destroyed:
             self._core.check_alive()
+        if type(async_finish) is not bool or type(return_recv_hook) is not bool:
+            async_finish = check_flag("async_finish", async_finish)
+            return_recv_hook = check_flag("return_recv_hook", return_recv_hook)
         if self.device is not None:
             return device_calls.dispatch(self._core, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                          num_experts, timeout_us, use_fp8, async_finish, return_recv_hook)
@@ -548,6 +556,7 @@ class Buffer:
         if spec is None:
             spec, timeout_us = self._specs.validate_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                         num_experts, timeout_us, use_fp8)
+            use_fp8 = spec.use_fp8  # a flag given as np.bool_ or 0/1, as a bool
         if len(self._core.members) < self.num_ranks:
             self._core.check_members(active_ranks)
 
@@ -603,8 +612,16 @@ class Buffer:
 
     @property
     def _use_fallback(self) -> bool:
-        """Whether the Buffer runs on the collective fallback, Mooncake's name (its tests read it)."""
-        return self.transport == "collective"
+        """Whether the Buffer's calls run on the collective fallback, Mooncake's name: built on the
+        `"collective"` transport, or switched there by setting it. Mooncake's tests set it on every
+        rank together, between the same calls (`mooncake_runtime.set_use_fallback`: True moves the
+        next calls onto the fallback, exact, False back; a Buffer that cannot switch says why)."""
+        return mooncake_runtime.on_fallback(self._transport)
+
+    @_use_fallback.setter
+    def _use_fallback(self, value) -> None:
+        self._transport = self._core.transport = mooncake_runtime.set_use_fallback(
+            self._core, value, self.group, self._survivors_view)
 
     def get_next_combine_buffer(self, handle) -> torch.Tensor:
         """The buffer to write expert outputs into for a zero-copy `combine` of this handle.
@@ -625,6 +642,7 @@ class Buffer:
         self._check_alive()
         _, _, tokens, hidden, experts = validation.check_handle(handle, self.num_ranks, self.device)
         plan = self._core.plan_of(handle)
+        mooncake_runtime.check_handle_side(self._transport, plan.transport_plan)
         shape = (experts // self.num_ranks, self.num_ranks * tokens, hidden)
         self._specs.check_capacity(tokens, hidden, experts)
         return self._transport.combine_buffer(plan.call, shape, handle[0].device)
@@ -662,8 +680,10 @@ class Buffer:
         """
         if self._core.destroyed:
             self._core.check_alive()
-        if not isinstance(zero_copy, bool):
-            raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
+        if type(zero_copy) is not bool or type(async_finish) is not bool or type(return_recv_hook) is not bool:
+            zero_copy = check_flag("zero_copy", zero_copy)
+            async_finish = check_flag("async_finish", async_finish)
+            return_recv_hook = check_flag("return_recv_hook", return_recv_hook)
         if zero_copy:  # the outputs are in the handle's combine buffer already: whatever `x` is, use that
             x = self.get_next_combine_buffer(handle)
         if self.device is not None:
@@ -689,6 +709,7 @@ class Buffer:
         else:
             check_half_free(plan, self._core.call)
         check_same_routing(plan, topk_idx)
+        mooncake_runtime.check_handle_side(self._transport, plan.transport_plan)  # the side it was dispatched on
         complete_receive(plan)  # async_finish: the layout is complete once the dispatch's event is
         if len(self._core.members) < self.num_ranks:
             self._core.check_members(active_ranks)

@@ -263,6 +263,11 @@ class CollectiveTransport(HostMemoryTransport):
     """
 
     name = "collective"
+    fast_path = False  # Mooncake's runtime queries (contract.RuntimeQueries): the fallback itself
+
+    def maps_peer_memory(self) -> bool:
+        """False: the collectives never map a peer's memory (Mooncake's `p2p_enabled()` is False)."""
+        return False
 
     def __init__(self, group, rank: int, num_ranks: int, view_change=None, settings=None):
         self.group = group

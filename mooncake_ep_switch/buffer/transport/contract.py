@@ -3,8 +3,10 @@
 `Buffer` resolves the transport once (`transport/select.py make_transport`, rules in docs/transports.md) and
 then calls only what `Transport` declares; nothing is probed with `hasattr`. The implementations:
 `buffer.transport.one_sided.OneSidedTransport` (`"shm"`, `"mooncake"`),
-`buffer.transport.cuda.CudaTransport` (`"cuda"`) and
-`buffer.transport.collective.CollectiveTransport` (`"collective"`).
+`buffer.transport.cuda.CudaTransport` (`"cuda"`),
+`buffer.transport.collective.CollectiveTransport` (`"collective"`), and
+`buffer.transport.fallback.FallbackSwitch` (a Buffer switched by `_use_fallback`). Every one also
+answers Mooncake's runtime queries (`RuntimeQueries`), which callers reach as `buffer.runtime`.
 """
 from typing import Callable, List, Optional, Protocol, Tuple
 
@@ -74,7 +76,57 @@ class Transport(Protocol):
         """Release every resource (idempotent)."""
 
 
-class HostMemoryTransport:
+class RuntimeQueries:
+    """Mooncake's `ep.Buffer` queries (its diagnostic scripts call them on `buffer.runtime`), answered for
+    what the transport does here. Mixed into every transport; each says two facts about itself:
+    `maps_peer_memory()` (same-host peers are reached through memory mapped from them) and
+    `fast_path` (calls take the one-sided path rather than the collective fallback)."""
+
+    fast_path = True
+
+    def maps_peer_memory(self) -> bool:
+        """Whether same-host peers may be reached through their mapped memory (shm, CUDA IPC)."""
+        return True
+
+    def ibgda_disabled(self) -> bool:
+        """Mooncake's `ibgda_disabled()`: True here on every transport, truthfully: no transport of this
+        runtime posts RDMA from GPU kernels (the Transfer Engine's writes are host-initiated).
+
+        Returns:
+            disabled: bool, True.
+        """
+        return True
+
+    def is_roce(self) -> bool:
+        """Mooncake's `is_roce()`: whether the IBGDA NIC runs RoCE; False, there is no IBGDA NIC in use.
+
+        Returns:
+            roce: bool, False.
+        """
+        return False
+
+    def p2p_enabled(self) -> bool:
+        """Mooncake's `p2p_enabled()` (its `not disable_p2p`): whether same-host peers may be reached
+        through peer-to-peer memory: True on `"shm"` and `"cuda"`, `not disable_p2p` on `"mooncake"`,
+        False on `"collective"` (it never maps a peer's memory).
+
+        Returns:
+            enabled: bool.
+        """
+        return bool(self.maps_peer_memory())
+
+    def use_fast_path(self) -> bool:
+        """Mooncake's `use_fast_path()`: whether calls take the one-sided path (True on `"shm"`,
+        `"mooncake"` and `"cuda"`) rather than the collective fallback (False on `"collective"`). Like
+        Mooncake's, it describes the runtime the Buffer was built on, not its `_use_fallback` switch.
+
+        Returns:
+            fast: bool.
+        """
+        return bool(self.fast_path)
+
+
+class HostMemoryTransport(RuntimeQueries):
     """What the transports that move host memory share: they take CPU tensors (`device` None) and
     every call runs through the Buffer, so its count of dispatches is the last call number."""
 

@@ -20,6 +20,7 @@ import torch
 
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
 from mooncake_ep_switch.buffer.layout import RegionLayout, RegionLayouts, check_half_not_reused
+from mooncake_ep_switch.buffer.transport.contract import RuntimeQueries
 from mooncake_ep_switch.buffer.transport.members import connect_view
 from mooncake_ep_switch.buffer.transport.device_memory import DeviceAllocation, device_view, open_peer
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
@@ -47,8 +48,9 @@ def cuda_unavailable_reason() -> str:
     return ""
 
 
-class CudaTransport:
-    """Dispatch/combine by device kernels writing into peers' IPC-mapped device regions.
+class CudaTransport(RuntimeQueries):
+    """Dispatch/combine by device kernels writing into peers' IPC-mapped device regions (Mooncake's
+    runtime queries: peers' memory mapped, the fast path).
 
     Arguments:
         rank: this rank.

@@ -138,6 +138,10 @@ class OneSidedTransport(HostMemoryTransport):
         elif name != "shm":
             raise ValueError(f"name: expected 'shm' or 'mooncake', got {name!r}")
 
+    def maps_peer_memory(self) -> bool:
+        """Whether same-host peers are mapped through shared memory (`allow_shm`: not `disable_p2p`)."""
+        return self.allow_shm
+
     # ------------------------------------------------------------------ routes
     def peer_routes(self) -> List[Optional[str]]:
         """How each rank is reached: "self", "shm", "te", or None (see `contract.Transport`)."""
