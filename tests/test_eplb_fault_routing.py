@@ -177,21 +177,15 @@ def _serve_through_death(transport, emulated=False):
     _check(outcomes)
 
 
-@pytest.mark.slow
-@pytest.mark.faults
 @pytest.mark.parametrize("transport", ["shm", "mooncake", "collective"])
 def test_serving_through_a_death_uses_live_copies(transport):
     _serve_through_death(transport)
 
 
-@pytest.mark.slow
-@pytest.mark.faults
 def test_emulated_serving_through_a_death_uses_live_copies():
     _serve_through_death("cuda", emulated=True)
 
 
 @gpu
-@pytest.mark.slow
-@pytest.mark.faults
 def test_gpu_serving_through_a_death_uses_live_copies():
     _serve_through_death("cuda")
