@@ -109,15 +109,17 @@ def test_plan_records_agree_the_next_base_and_name_a_different_plan(store):
     ballots = _ballots(store)
     for ballot in ballots:
         ballot.prepare([1, 2, 3, 4])
-    assert agreed_base(ballots[0], 0) == 0  # nobody voted yet: the own count
-    ballots[1].vote(2, 2, 11, (1, 3, 0xAB, 5, 1))  # epoch 2 of a plan 2..3, undecided: it still votes in it
-    assert agreed_base(ballots[0], 0) == 1 and agreed_base(ballots[0], 4) == 4
+    other, this = (0xAB, 5, 1), (0xAB, 9, 1)  # the arguments of an earlier rebalance, of this one
+    assert agreed_base(ballots[0], 0, this) == 0  # nobody voted yet: the own count
+    ballots[1].vote(2, 2, 11, (1, 3, *other))  # epoch 2 of a plan 2..3, undecided: it still votes in it
+    assert agreed_base(ballots[0], 0, this) == 1 and agreed_base(ballots[0], 4, this) == 4
     ballots[1].propose(2, 2)  # aborted: that plan is over, its dropped chunk 3 is used too
-    assert agreed_base(ballots[0], 0) == 3
-    ballots[2].vote(4, 1, 12, (3, 4, 0xAB, 9, 1))  # a plan 4..4 begun first there: its base
-    assert agreed_base(ballots[0], 2) == 3
+    assert agreed_base(ballots[0], 0, this) == 3
+    assert agreed_base(ballots[0], 0, other) == 1  # this very rebalance, aborted there first: number alike
+    ballots[2].vote(4, 1, 12, (3, 4, *this))  # this rebalance begun first there (plan 4..4): its base
+    assert agreed_base(ballots[0], 2, this) == 3
     store.set("p/eplb/4/vote/2", json.dumps([4, 1, 12, 9, 4, 0, 0, 0]))  # malformed (epoch not in base+1..end)
-    assert agreed_base(ballots[0], 2) == 3
+    assert agreed_base(ballots[0], 2, this) == 3
 
     mine = Plan(3, 4, 0xAB, 9, 1)
     assert difference(4, mine, {2: [4, 1, 12, 3, 4, 0xAB, 9, 1]}) == ""

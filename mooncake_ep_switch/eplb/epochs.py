@@ -11,13 +11,15 @@ its peers' (say a replacement given the wrong `epoch`). So:
   whose vote wait did not end in every GO reads the peers' records and names what differs
   (`difference`): another argument of `begin()`, or the same rebalance numbered from another epoch.
 - `begin()` numbers from the largest epoch the peers' records show they passed (`agreed_base`):
-  the end of a peer's plan whose last vote was decided (the plan is over: the chunks after an
-  aborted one are dropped), else the base of the plan it is voting in (this rebalance, begun there
-  first). Counts that diverged therefore meet again at the next `begin()`, and a refused plan costs
-  one aborted rebalance, never the ones after it.
+  the end of a peer's earlier rebalance whose last vote was decided (the plan is over: the chunks
+  after an aborted one are dropped), else the base of the plan it is voting in or, with this
+  rebalance's arguments, began here first. Counts that diverged therefore meet again at the next
+  `begin()`, and a refused plan costs one aborted rebalance, never the ones after it. A rebalance is
+  told from an earlier one by its arguments: the serving steps are numbered alike on every rank and
+  go forward, so a later rebalance has a later `commit_step`.
 """
 import zlib
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -63,27 +65,28 @@ def _plan_of(record: Optional[List[int]]) -> Optional[Plan]:
     return plan if plan.base < record[0] <= plan.end else None
 
 
-def agreed_base(ballot, own: int) -> int:
+def agreed_base(ballot, own: int, arguments: Tuple[int, int, int]) -> int:
     """The epoch a new rebalance numbers its chunks from: `own`, raised to what the peers passed.
 
     Arguments:
         ballot: the slots' `Ballot` (its vote keys exist: `Ballot.prepare`).
         own: this rank's chunk epoch.
+        arguments: `(target_digest, commit_step, steps_per_chunk)` of this rebalance.
 
     Returns:
         base: max of `own` and, per peer with a vote record, the end of its plan if its last vote
-            is decided, else that plan's base. Two store round trips.
+            is decided and the plan is another rebalance (other arguments), else that plan's base
+            (it still votes in it, or it is this rebalance, begun and aborted there first: this
+            rank then numbers alike and adopts that decision). Two store round trips.
     """
     peers = [p for p in range(ballot.num_ranks) if p != ballot.rank]
-    plans = {}
-    for peer, record in ballot.records(peers).items():
-        plan = _plan_of(record)
-        if plan is not None:
-            plans[record[0]] = max(plans.get(record[0], (0, 0)), (plan.base, plan.end))
-    decided = ballot.decisions(plans) if plans else {}
+    plans = [(record[0], plan) for record in ballot.records(peers).values()
+             for plan in [_plan_of(record)] if plan is not None]
+    decided = ballot.decisions(epoch for epoch, _ in plans) if plans else {}
     base = own
-    for epoch, (plan_base, plan_end) in plans.items():
-        base = max(base, plan_end if decided.get(epoch) is not None else plan_base)
+    for epoch, plan in plans:
+        over = decided.get(epoch) is not None and tuple(plan[2:]) != tuple(arguments)
+        base = max(base, plan.end if over else plan.base)
     return base
 
 

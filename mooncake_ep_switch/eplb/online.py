@@ -224,8 +224,10 @@ class OnlineRebalancer:
                              f"{rank}, more than its spare_frames={slots.spare_frames}; build the ExpertSlots "
                              "with more spare frames")
         slots.ballot.prepare((), votes=True)  # the vote keys exist before they are read
-        slots.chunk_epoch = epochs.agreed_base(slots.ballot, slots.chunk_epoch)
-        base, digest_of_target = self.epoch, epochs.target_digest(target)
+        digest_of_target = epochs.target_digest(target)
+        slots.chunk_epoch = epochs.agreed_base(slots.ballot, slots.chunk_epoch,
+                                               (digest_of_target, commit_step, steps_per_chunk))
+        base = self.epoch
         chunks: List[RebalanceChunk] = []
         layers: List[int] = []
         load = np.zeros(slots.num_ranks, dtype=np.int64)
