@@ -7,6 +7,7 @@ full weights with plain torch indexing, and the forward reference is the single-
 """
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests import harness
 from tests.reference import calc_diff
@@ -189,3 +190,51 @@ def rank_all_reduce(ctx, skip_rank):
 
 def test_tp_all_reduce_deterministic_and_fault_aware():
     harness.run(4, rank_all_reduce, 3)
+
+
+UNCHANGED_TIMEOUT_US = 10_000_000
+
+
+def rank_one_rank_already_in_target(ctx):
+    """Rank 1 reloads the EP layout (as after a failed switch) while rank 0 stays in TP; both ask
+    for "ep". Rank 1 is "unchanged", rank 0 must refuse (at once: rank 1 refuses in its words), and
+    once rank 0 reloads EP too the next switch completes: the switch sequence stayed in step."""
+    import time
+
+    from mooncake_ep_switch.switch.switcher import switch_layout
+
+    buffer, full, unified, all_reduce = _setup(ctx, "shm", 2)
+    try:
+        first = switch_layout(buffer, "tp", weights=unified, timeout_us=UNCHANGED_TIMEOUT_US)
+        assert first.outcome == "completed", first
+        if ctx.rank == 1:
+            unified.layout = "ep"
+            unified.load_full(full)
+        dist.barrier(group=ctx.group)
+        started = time.perf_counter()
+        mixed = switch_layout(buffer, "ep", weights=unified, timeout_us=UNCHANGED_TIMEOUT_US)
+        mixed_s = time.perf_counter() - started
+        dist.barrier(group=ctx.group)
+        if ctx.rank == 0:  # reload EP: now every rank is in EP
+            unified.layout = "ep"
+            unified.load_full(full)
+        last = switch_layout(buffer, "tp", weights=unified, timeout_us=UNCHANGED_TIMEOUT_US)
+        if last.outcome == "completed":
+            _check_views(ctx, unified, full)
+        return {"mixed": (mixed.outcome, mixed.layout, mixed.reason), "mixed_s": mixed_s,
+                "last": (last.outcome, last.layout, last.reason), "seq": unified.seq}
+    finally:
+        all_reduce.destroy()
+        unified.destroy()
+        buffer.destroy()
+
+
+def test_a_rank_already_in_the_target_keeps_the_switch_sequence_in_step():
+    results = harness.run(2, rank_one_rank_already_in_target)
+    assert results[1]["mixed"][:2] == ("unchanged", "ep"), results[1]
+    outcome, layout, reason = results[0]["mixed"]
+    assert (outcome, layout) == ("refused", "tp") and "other arguments" in reason, results[0]
+    assert results[0]["mixed_s"] < UNCHANGED_TIMEOUT_US / 1e6 / 2, results[0]["mixed_s"]  # not at its deadline
+    for result in results:
+        assert result["last"] == ("completed", "tp", ""), result
+    assert results[0]["seq"] == results[1]["seq"] == 3

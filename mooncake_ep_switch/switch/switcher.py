@@ -287,7 +287,10 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
 
     Every rank of the group calls it with the same arguments between two engine steps. After it
     returns, the views `weights.view(layer, target)` hold the target layout (same addresses as
-    always) and `kv_cache` holds the requests in the target layout.
+    always) and `kv_cache` holds the requests in the target layout. A rank already in `target`
+    returns "unchanged", still advancing the switch sequence number like its peers; on the one-sided
+    transport it also refuses in its words, so a peer in another layout (reloaded after a failed
+    switch) refuses at once rather than at its deadline, and the next switch finds every rank in step.
 
     Arguments:
         buffer: the `mooncake_ep_switch.Buffer` of the group (its rank, size and transport are used).
@@ -313,6 +316,10 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
     source = unified.layout
     transport = buffer.transport
     if target == source and target in LAYOUTS and (kv is None or kv.layout == source):
+        check_timeout(timeout_us)
+        unified.seq += 1  # every call advances it: a rank already in `target` stays in step with its peers
+        if unified.one_sided:
+            _refuse_unchanged(unified, kv, target, timeout_us)
         return _report(source, target, source, UNCHANGED, "", start, unified.seq, transport)
     unified.seq += 1
     seq = unified.seq
@@ -428,6 +435,15 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
         reason = f"ranks {dead} died during the switch; the survivors completed it from their memory; {what}"
     return _report(source, target, target, COMPLETED, reason, start, seq, transport, dead, lost,
                    weight_stats, kv_stats, prepare_ms, (time.perf_counter() - commit_start) * 1e3)
+
+
+def _refuse_unchanged(unified: UnifiedWeights, kv: Optional[PagedKVCache], target: str, timeout_us: int) -> None:
+    """A rank already in `target` enters the switch in its words and refuses it: a peer that is not
+    (it reloaded another layout) refuses at once, naming different calls, instead of at its deadline."""
+    control = _Control(unified, unified.seq, timeout_us)
+    control.write_digest(_digest(unified, kv, target, target))
+    control.publish(_PROGRESS, ENTERED)
+    control.publish(_DECISION, ABORT_DIFFERENT_CALLS)
 
 
 class _Refuse(Exception):
