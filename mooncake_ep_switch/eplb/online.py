@@ -33,7 +33,9 @@ when it wakes, what they decided without it; a rank that dies before voting make
 abort, one that dies after voting GO lets the chunk commit everywhere (its slots are lost either
 way, as they were in the old placement). No rank holds the decision, so any rank may die. Limits:
 a rank that falls 256 epochs behind (its decision slot reused) raises instead of guessing; the
-rebalance needs the Buffer's store (`ExpertSlots.ballot`).
+rebalance needs the Buffer's store (`ExpertSlots.ballot`). Ranks that called `begin` with different
+arguments abort at the first commit step, told which argument differs, and the next `begin` numbers
+every rank's chunks alike again (`eplb.epochs`).
 """
 import time
 import weakref
