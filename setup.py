@@ -101,9 +101,9 @@ else:
           "not built; the 'cuda' transport will be unavailable")
 
 def read_version() -> str:
-    """`__version__` from mooncake_ep_switch/version.py (read, not imported: the package needs torch)."""
+    """`VERSION` from mooncake_ep_switch/version.py (read, not imported: the package needs torch)."""
     with open(os.path.join("mooncake_ep_switch", "version.py"), encoding="utf-8") as handle:
-        return re.search(r'^__version__ = "([^"]+)"', handle.read(), re.M).group(1)
+        return re.search(r'^VERSION = "([^"]+)"', handle.read(), re.M).group(1)
 
 
 setup(

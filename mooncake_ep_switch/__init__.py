@@ -3,7 +3,7 @@
 Drop-in for Mooncake EP's / DeepEP low-latency `Buffer` and DeepEP V2's `ElasticBuffer`, with shared-memory, Transfer Engine and
 PyTorch-collective transports, elastic membership, runtime TP<->EP switching and online EPLB.
 """
-from mooncake_ep_switch.version import __version__
+from mooncake_ep_switch.version import VERSION as __version__
 from mooncake_ep_switch.buffer.buffer import Buffer
 from mooncake_ep_switch.buffer.handle import DispatchHandle, EventOverlap
 from mooncake_ep_switch.elastic_buffer import ElasticBuffer, EPHandle

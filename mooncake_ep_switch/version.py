@@ -1,6 +1,7 @@
 """The package's version and the peer APIs it mirrors (one place: setup.py, `--version` and the README read it)."""
 
-__version__ = "0.2.0"
+VERSION = "0.2.0"
+__version__ = VERSION  # the conventional name (re-exported by the package)
 
 # What "drop-in" means for this release: the peer APIs whose callers run unchanged against ours.
 MIRRORS = (
@@ -17,4 +18,4 @@ def version_line() -> str:
         line: str, e.g. "mooncake_ep_switch 0.2.0 (mirrors Mooncake EP: ...; DeepEP V1: ...; DeepEP V2: ...)".
     """
     mirrored = "; ".join(f"{name}: {what}" for name, what in MIRRORS)
-    return f"mooncake_ep_switch {__version__} (mirrors {mirrored})"
+    return f"mooncake_ep_switch {VERSION} (mirrors {mirrored})"

@@ -4,7 +4,7 @@ import importlib.resources
 import os
 
 import mooncake_ep_switch
-from mooncake_ep_switch.version import MIRRORS, __version__
+from mooncake_ep_switch.version import MIRRORS, VERSION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,10 +14,10 @@ def _metadata():
 
 
 def test_version_is_one_value_everywhere():
-    assert mooncake_ep_switch.__version__ == __version__ == _metadata()["Version"]
+    assert mooncake_ep_switch.__version__ == VERSION == _metadata()["Version"]
     assert len(MIRRORS) == 3
     with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as handle:
-        assert f"## {__version__}" in handle.read()
+        assert f"## {VERSION}" in handle.read()
 
 
 def test_metadata_carries_the_licence():
