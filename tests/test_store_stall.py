@@ -47,6 +47,7 @@ def _check_stalled(outcomes, addr, operation):
         assert kind == "StoreUnavailable", (kind, message)
         assert f"{addr[0]}:{addr[1]}" in message and operation in message, message
         assert seconds <= DEADLINE_S + LATE_S, f"{operation} failed after {seconds:.2f} s, deadline {DEADLINE_S} s"
+        print(f"{operation}: StoreUnavailable after {seconds:.2f} s (deadline {DEADLINE_S} s)")
 
 
 def _store_workers() -> int:
