@@ -369,3 +369,52 @@ def test_a_buffer_that_cannot_switch_says_why_and_stays_as_it_was():
     with pytest.raises(ValueError, match=r"^_use_fallback: expected a bool \(or 0/1\), got 2$"):
         mooncake_runtime.set_use_fallback(core, 2, object(), None)
     assert core.transport is host_like
+
+
+def rank_switch_after_a_view_change(ctx, fail_rank):
+    """A rank exits while the Buffer runs on its own transport; the survivors agree on the next view
+    (update_ep_member), and only then switch: the fallback is built for a later view (a group of the
+    survivors, made through the store) and is exact there; then back, exact again."""
+    R = ctx.num_ranks
+    buffer = _buffer_for(ctx, "shm")
+    rounds = iter(_gather_rounds(ctx, 4))
+    everyone = [1] * R
+    assert _grid_round(ctx, buffer, next(rounds), torch.ones(R, dtype=torch.int32)) == (everyone, everyone)
+    all_inputs = next(rounds)
+    dist.barrier(group=ctx.group)
+    if ctx.rank == fail_rank:
+        os._exit(0)
+    without = [0 if r == fail_rank else 1 for r in range(R)]
+    assert _grid_round(ctx, buffer, all_inputs, torch.ones(R, dtype=torch.int32),
+                       timeout_us=DEATH_TIMEOUT_US) == (without, without)
+    view = buffer.update_ep_member()
+    buffer._use_fallback = True
+    routes = buffer.peer_routes()
+    assert _grid_round(ctx, buffer, next(rounds), buffer.active_mask(), zero_copy=True) == (without, without)
+    buffer._use_fallback = False
+    assert _grid_round(ctx, buffer, next(rounds), buffer.active_mask()) == (without, without)
+    buffer.destroy()
+    return {"epoch": view.epoch, "members": list(view.ranks), "routes": routes}
+
+
+def _buffer_for(ctx, transport):
+    size = Buffer.get_ep_buffer_size_hint(Shape.tokens, Shape.hidden, ctx.num_ranks, Shape.experts)
+    return Buffer(ctx.group, size, disable_p2p=transport == "mooncake", transport=transport)
+
+
+def test_use_fallback_after_a_view_change_builds_the_fallback_for_that_view():
+    """The fallback is built when first needed, also in a later view: on a group of the survivors."""
+    fail_rank, num_ranks = 2, 4
+    with harness.fresh_cluster(num_ranks) as cluster:
+        outcomes = cluster.run(rank_switch_after_a_view_change, fail_rank, timeout_s=150, failure_grace_s=40)
+        processes = list(cluster.processes)
+    assert not any(process.is_alive() for process in processes), "leftover rank processes"
+    assert not outcomes[fail_rank].ok and outcomes[fail_rank].exitcode == 0, outcomes[fail_rank]
+    for outcome in outcomes:
+        if outcome.rank == fail_rank:
+            continue
+        assert outcome.ok, outcome.error
+        rank = outcome.rank
+        assert outcome.value == {"epoch": 1, "members": [0, 1, 3],
+                                 "routes": ["self" if r == rank else None if r == fail_rank else "collective"
+                                            for r in range(num_ranks)]}, outcome.value

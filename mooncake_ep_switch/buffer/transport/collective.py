@@ -285,8 +285,10 @@ class CollectiveTransport(HostMemoryTransport):
         self.view_change = view_change
 
     def peer_routes(self) -> List[Optional[str]]:
-        """Every other rank is reached through the process group's collectives (see `contract.Transport`)."""
-        return ["self" if peer == self.rank else "collective" for peer in range(self.num_ranks)]
+        """Every other member of the current view is reached through the process group's collectives; a rank
+        outside it is not reached (None; see `contract.Transport`)."""
+        return ["self" if peer == self.rank else "collective" if peer in self.members else None
+                for peer in range(self.num_ranks)]
 
     def endpoint(self) -> dict:
         """What peers need to watch this rank (collectives themselves need no peer metadata).
