@@ -131,7 +131,9 @@ def rank_rebalance(ctx):
             "placement_is_target": bool(np.array_equal(slots.phy2log, target.numpy())),
             "frames_ok": _frames_match_checkpoint(slots, weights),
             "exact_before": exact_before, "steps_exact": step_ok,
-            "same_output": torch.equal(before, after), "exact_after": _close(after, reference_after),
+            # Not bit for bit: after the rebalance a logical expert's tokens reach other replicas, so its
+            # fp32 GEMMs run on batches of other sizes, which some CPUs' kernels sum in another order.
+            "same_output": _close(before, after), "exact_after": _close(after, reference_after),
             "max_before": _rank_loads(slot_counts).max(axis=1).tolist(),
             "max_after": _rank_loads(slot_counts_after).max(axis=1).tolist(),
             "slot_counts_after": slot_counts_after.tolist(), "target": target.tolist(),
@@ -150,7 +152,7 @@ def test_online_rebalance_keeps_outputs_and_spreads_traffic():
         assert result["committed"], result["reports"]
         assert result["placement_is_target"] and result["frames_ok"], f"rank {rank}"
         assert result["exact_before"] and result["exact_after"] and all(result["steps_exact"]), f"rank {rank}"
-        assert result["same_output"], f"rank {rank}: output changed across the rebalance"
+        assert result["same_output"], f"rank {rank}: output changed across the rebalance (beyond GEMM order)"
         assert result["free_frames"] == SLOTS_PER_RANK, "frames leaked"
         assert result["chunks"] == first["chunks"], "ranks planned different chunks"
     # Every changed slot was staged exactly once, by its owner, and some weights crossed ranks.

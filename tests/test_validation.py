@@ -283,8 +283,12 @@ def rank_out_of_native_range(ctx, transport):
             buffer.combine(y, topk, weights, active, 2 ** 63, handle)
         out, _, _ = buffer.combine(y, topk, weights, active, 5_000_000, handle)
         assert active.tolist() == [1] * ctx.num_ranks, f"a rejected call cost a peer: {active.tolist()}"
-        # Every expert doubles its rows: the combine is twice the weighted sum of the token, exactly.
-        want = (2 * (weights * (topk >= 0)).sum(1, keepdim=True) * x.float()).to(torch.bfloat16)
+        # Every expert doubles its rows: the combine is the fp32 sum over k of w_k * 2x in top-k order, exactly.
+        # Summed here in that order, elementwise: torch's .sum(1) adds in an order of the CPU's kernels.
+        acc = torch.zeros(x.shape, dtype=torch.float32)
+        for k in range(topk.size(1)):
+            acc += torch.where(topk[:, k:k + 1] >= 0, weights[:, k:k + 1], 0.0) * (2 * x.float())
+        want = acc.to(torch.bfloat16)
         assert torch.equal(out, want)
         # A second exact round after it, on the same Buffer.
         recv, _, handle, _, _ = buffer.dispatch(x, topk, active, T, E, 5_000_000, use_fp8=False)
