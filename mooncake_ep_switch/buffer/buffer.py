@@ -7,6 +7,7 @@ layouts are Mooncake EP's, so engines written for it work unchanged.
 """
 import time
 import weakref
+from time import perf_counter
 from typing import Callable, Optional
 
 import torch
@@ -311,7 +312,11 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
                 process, members could not be reached before the deadline, or a store record is
                 malformed or forged.
         """
-        return elastic_view.update_ep_member(self._core, timeout_s)
+        core = self._core
+        if not core.destroyed and len(core.transport.failed_sources) != core.stats.seen:
+            # masks not counted yet (the "cuda" transport's, flagged by the device): before the list is cleared
+            core.stats.observe(core, -1, "dispatch/combine", core.call)
+        return elastic_view.update_ep_member(core, timeout_s)
 
     def _survivors_view(self, deadline: float) -> View:
         """The collective fallback's recovery from a lost peer (`elastic_view.survivors_view`)."""
@@ -333,6 +338,27 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
             nbytes: int.
         """
         return self._outputs.pooled_bytes()
+
+    def stats(self) -> dict:
+        """A snapshot of this Buffer's counters, for an engine to export (docs/observability.md;
+        `mooncake_ep_switch.metrics` exports it to Prometheus). Reading it costs nothing on the calls'
+        path and never blocks; it may be called from another thread (a scrape).
+
+        Returns:
+            stats: dict with
+                `rank`, `num_ranks`, `transport` (the name of the transport running the calls now),
+                `epoch` (the membership epoch: it moves with every `update_ep_member()` and every view
+                the collective fallback's recovery agrees), `members` (ranks in that view),
+                `calls` (`dispatches + combines`), `dispatches`, `combines` (calls issued, hook and
+                async ones included), `dispatch_bytes` (bytes of bf16 token rows given to dispatch:
+                num_tokens * hidden * 2 per call), `combine_bytes` (bytes of bf16 rows combine
+                returned: num_tokens * hidden * 2 per call), `wait_s` (seconds spent in the transport
+                sending and waiting for rows; 0 on `"cuda"`, whose calls return before the device ran),
+                `masks` ({`"deadline"`, `"process_end"`, `"link"`: count}: ranks the calls masked in
+                `active_ranks`, by cause as the transport saw it; on `"cuda"` counted when
+                `update_ep_member()` reads the device's flags).
+        """
+        return self._core.stats.snapshot(self._core)
 
     def peer_routes(self) -> list:
         """How this rank reaches each rank now.
@@ -542,8 +568,12 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
             async_finish = check_flag("async_finish", async_finish)
             return_recv_hook = check_flag("return_recv_hook", return_recv_hook)
         if self.device is not None:
-            return device_calls.dispatch(self._core, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
-                                         num_experts, timeout_us, use_fp8, async_finish, return_recv_hook)
+            result = device_calls.dispatch(self._core, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+                                           num_experts, timeout_us, use_fp8, async_finish, return_recv_hook)
+            stats = self._core.stats
+            stats.dispatches += 1
+            stats.dispatch_bytes += x.numel() * 2
+            return result
         if async_finish and return_recv_hook:
             raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
         if use_fp8 is None:
@@ -570,13 +600,19 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
             call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, core.call,
                                 core.epoch)
             receipt = None
+            stats, transport = core.stats, self._transport
             if not (async_finish or return_recv_hook):
-                transport_plan = self._transport.dispatch_sync(call, outputs)  # send and receive in one native call
+                start = perf_counter()
+                transport_plan = transport.dispatch_sync(call, outputs)  # send and receive in one native call
+                stats.wait_s += perf_counter() - start
                 receive = None
             else:
-                transport_plan, receive = self._transport.dispatch(call, outputs)
-                if async_finish or return_recv_hook:
-                    receive, receipt = with_receipt(receive)
+                transport_plan, receive = transport.dispatch(call, outputs)
+                receive, receipt = with_receipt(stats.timed(receive, core, timeout_us, "dispatch", core.call))
+            stats.dispatches += 1
+            stats.dispatch_bytes += spec.hidden * x.size(0) * 2
+            if len(transport.failed_sources) != stats.seen:  # a peer was masked: count and log it
+                stats.observe(core, timeout_us, "dispatch", core.call)
             # combine() checks its topk_idx against this copy: rows exist only for dispatched pairs.
             plan = DispatchPlan(core.call, x.size(0), topk_idx.size(1), use_fp8, core.epoch, transport_plan, spec, receipt,
                                 topk_idx.clone(), outputs.src_info.data_ptr())
@@ -687,8 +723,12 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
         if zero_copy:  # the outputs are in the handle's combine buffer already: whatever `x` is, use that
             x = self.get_next_combine_buffer(handle)
         if self.device is not None:
-            return device_calls.combine(self._core, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
-                                        async_finish, return_recv_hook, out)
+            result = device_calls.combine(self._core, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
+                                          async_finish, return_recv_hook, out)
+            stats = self._core.stats
+            stats.combines += 1
+            stats.combine_bytes += result[0].numel() * 2
+            return result
         if async_finish and return_recv_hook:
             raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
         # Hot path: a handle this Buffer returned (its fields were validated when it was made) and
@@ -727,10 +767,20 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
             call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens,
                                hidden, experts, self._core.call if again else plan.call, plan.transport_plan, out)
             plan.mark_combined()
+            core, transport = self._core, self._transport
+            stats = core.stats
             if not (async_finish or return_recv_hook):
-                self._transport.combine_sync(call)  # send and receive in one native call
+                start = perf_counter()
+                transport.combine_sync(call)  # send and receive in one native call
+                stats.wait_s += perf_counter() - start
+                stats.combines += 1
+                stats.combine_bytes += out.size(0) * hidden * 2
+                if len(transport.failed_sources) != stats.seen:  # an owner was masked: count and log it
+                    stats.observe(core, timeout_us, "combine", call.call)
                 return out, EventOverlap(None, (x, topk_idx, topk_weights)), None
-            receive = self._transport.combine(call)
+            receive = stats.timed(transport.combine(call), core, timeout_us, "combine", call.call)
+            stats.combines += 1
+            stats.combine_bytes += out.size(0) * hidden * 2
             event, hook = self._completions.complete(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights))
         finally:
             life.leave()

@@ -17,6 +17,7 @@ from mooncake_ep_switch.buffer.call_spec import CallSpecs
 from mooncake_ep_switch.buffer.output_pool import OutputPool
 from mooncake_ep_switch.buffer.handle import DispatchPlan
 from mooncake_ep_switch.buffer.lifetime import Lifetime
+from mooncake_ep_switch.buffer.stats import CallStats
 from mooncake_ep_switch.buffer.transport.contract import Transport
 from mooncake_ep_switch.errors import BufferDestroyed, MembershipError
 
@@ -43,6 +44,7 @@ class BufferCore:
         call: the call counter (the tag of the latest call).
         last_plan, prev_plan: the plans of the last two dispatches (handles of older ones are refused).
         destroyed: destroy() ran.
+        stats: the `CallStats` counters of `Buffer.stats()` (and the log lines of masks).
     """
 
     rank: int
@@ -64,6 +66,7 @@ class BufferCore:
     last_plan: Optional[DispatchPlan] = None
     prev_plan: Optional[DispatchPlan] = None
     destroyed: bool = False
+    stats: CallStats = field(default_factory=CallStats)
 
     def check_alive(self) -> None:
         """Raises BufferDestroyed once the Buffer was destroyed."""

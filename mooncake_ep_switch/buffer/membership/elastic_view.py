@@ -7,6 +7,7 @@ or rebuilds its shared regions (`peer_regions.PeerRegions`). The functions take 
 `BufferCore` (core.py), read and update its view state (`epoch`, `members`, `joining`, `rejoin`,
 the call counter) and use its transport, membership and peer regions; nothing else of the Buffer.
 """
+import logging
 import time
 from typing import Optional
 
@@ -22,6 +23,8 @@ JOINER_ADMIT_SHARE = 0.75  # a joiner waits this much of it to be admitted, the 
 MEMBER_AGREE_SHARE = 0.5  # a member waits this much for the others (a dead one cannot eat the connect time)
 CONNECT_ATTEMPT_SHARE = 0.5  # one connect attempt takes this much of what is left (a member that died
 MIN_CONNECT_ATTEMPT_S = 2.0  # after the seal is found missing in time to agree again), at least this long
+
+log = logging.getLogger("mooncake_ep_switch.membership")
 
 __all__ = ["left_out", "left_out_by_replacement", "survivors_view", "update_ep_member"]
 
@@ -75,8 +78,10 @@ def _agree_and_connect(core: BufferCore, membership, deadline: float) -> View:
         # Every member starts its call counter at one agreed value above every tag used so far.
         core.call = membership.max_call(view.epoch, view.ranks) + 2
         admitted = core.joining
+        _log_view(core, view, "admitted into" if admitted else "agreed")
         core.epoch, core.members, core.joining = view.epoch, view.ranks, False
         core.transport.failed_sources.clear()
+        core.stats.resync(core.transport)  # masks are counted from the cleared list on
         try:
             # Half the remaining budget per attempt: a member that died after the view was
             # sealed is found missing in time to agree again without it.
@@ -97,6 +102,7 @@ def _agree_and_connect(core: BufferCore, membership, deadline: float) -> View:
                 core.peer_regions.readmit(view, deadline)
             except MembershipError as error:
                 core.transport.failed_sources.extend(error.missing)  # the next update_ep_member() drops them
+                core.stats.resync(core.transport)  # evidence, no mask of a call
                 raise
         return view
 
@@ -105,12 +111,24 @@ def left_out(core: BufferCore, error: LeftOut) -> None:
     """This rank is no member any more (a view was sealed without it): dispatch and combine
     refuse until `update_ep_member()` admits it again as a new incarnation."""
     if not core.joining:
+        log.warning("rank %d was left out of epoch %d (a view was sealed without it): dispatch and combine refuse "
+                    "until update_ep_member() admits it again", core.rank, core.epoch)
         core.joining, core.rejoin, core.members = True, True, ()
+
+
+def _log_view(core: BufferCore, view: View, how: str) -> None:
+    """One INFO line per view a Buffer takes: the epoch, its members, who left and who joined."""
+    if log.isEnabledFor(logging.INFO):
+        before, after = set(core.members), set(view.ranks)
+        log.info("rank %d %s epoch %d (was %d): members %s, left %s, joined %s", core.rank, how, view.epoch,
+                 core.epoch, list(view.ranks), sorted(before - after), sorted(after - before))
 
 
 def left_out_by_replacement(core: BufferCore) -> None:
     """A newer Buffer of this process was admitted in place of this rank (Mooncake's recovery,
     `replacement.py`): the Buffer of `core` is left out for good; its `update_ep_member()` finds the rank taken over."""
+    log.info("rank %d: a newer Buffer of this process replaced this one (epoch %d); its calls refuse from now on",
+             core.rank, core.epoch)
     core.joining, core.rejoin, core.members = True, True, ()
 
 
@@ -135,6 +153,7 @@ def survivors_view(core: BufferCore, deadline: float) -> View:
     except LeftOut as error:
         left_out(core, error)
         raise
+    _log_view(core, view, "agreed (a collective lost a peer)")
     core.epoch, core.members = view.epoch, view.ranks
     core.transport.connect_members(view, membership, max(deadline, time.monotonic() + 5.0))
     return view

@@ -362,6 +362,18 @@ class CollectiveTransport(HostMemoryTransport):
             return []
         return self.watch.dead_ranks()
 
+    def mask_cause(self, rank: int) -> str:
+        """Why a call masked `rank`: a collective failed and the survivors agreed on a view without it;
+        `"process_end"` when the peer watcher saw its process end, else `"link"`.
+
+        Arguments:
+            rank: a rank this transport appended to `failed_sources`.
+
+        Returns:
+            cause: `"process_end"` or `"link"`.
+        """
+        return "process_end" if rank in self.dead_peers() else "link"
+
     def destroy(self) -> None:
         """Stop the peer watcher; drop cached buffers."""
         if self.watch is not None:

@@ -60,6 +60,9 @@ class Transport(Protocol):
     def dead_peers(self) -> List[int]:
         """Ranks whose process this transport saw end (never a live rank; [] where it cannot tell)."""
 
+    def mask_cause(self, rank: int) -> str:
+        """Why a call masked `rank` (it is in `failed_sources`): "process_end", "link" or "deadline"."""
+
     def peer_routes(self) -> List[Optional[str]]:
         """How this rank reaches each rank now: "self", "shm", "te", "cuda" or "collective" (None:
         not reached, a rank outside the view). A list of `num_ranks` entries, a copy."""
@@ -83,6 +86,19 @@ class RuntimeQueries:
     `fast_path` (calls take the one-sided path rather than the collective fallback)."""
 
     fast_path = True
+
+    def mask_cause(self, rank: int) -> str:
+        """Why a call masked `rank` (not one of Mooncake's queries; every transport answers it for
+        `Buffer.stats()` and the log line of the mask): its process ended (`dead_peers()`), else its
+        deadline passed. Transports that also see failed links say `"link"` for those.
+
+        Arguments:
+            rank: a rank this transport appended to `failed_sources`.
+
+        Returns:
+            cause: `"process_end"` or `"deadline"`.
+        """
+        return "process_end" if rank in self.dead_peers() else "deadline"
 
     def maps_peer_memory(self) -> bool:
         """Whether same-host peers may be reached through their mapped memory (shm, CUDA IPC)."""

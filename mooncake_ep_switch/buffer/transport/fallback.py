@@ -16,6 +16,7 @@ Rules it keeps:
 * a rank found dead by either transport is reported once (one `failed_sources` list), and
   `dead_peers()` is what either transport's peer watcher saw end.
 """
+import logging
 from typing import Callable, List, Optional
 
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
@@ -23,6 +24,8 @@ from mooncake_ep_switch.buffer.transport.collective import CollectiveTransport
 from mooncake_ep_switch.buffer.transport.contract import RuntimeQueries, Transport
 
 __all__ = ["FallbackSwitch"]
+
+log = logging.getLogger("mooncake_ep_switch.transport")
 
 
 class _Routed:
@@ -104,6 +107,8 @@ class FallbackSwitch(RuntimeQueries):
                 self._collective_epoch = view.epoch
         self.on_fallback = on_fallback
         self.switches += 1
+        log.info("rank %d: calls now run on %s (_use_fallback=%s, epoch %d)", self.native.rank,
+                 self.active.name, on_fallback, view.epoch)
 
     # ------------------------------------------------------------------ membership (contract.Transport)
     def endpoint(self) -> dict:
@@ -123,6 +128,11 @@ class FallbackSwitch(RuntimeQueries):
         if self.collective is not None:
             found.update(self.collective.dead_peers())
         return sorted(found)
+
+    def mask_cause(self, rank: int) -> str:
+        """Why a call masked `rank`, as the transport running the calls now saw it (a process either
+        transport's peer watcher saw end: `"process_end"`)."""
+        return "process_end" if rank in self.dead_peers() else self.active.mask_cause(rank)
 
     def peer_routes(self) -> List[Optional[str]]:
         """How the calls reach each rank now (the active transport's routes)."""

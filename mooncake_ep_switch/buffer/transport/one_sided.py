@@ -18,7 +18,7 @@ A failed or timed-out write marks the destination inactive in the caller's `acti
 as evidence for membership) instead of raising or hanging.
 """
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 
@@ -112,6 +112,7 @@ class OneSidedTransport(HostMemoryTransport):
         self._layouts = RegionLayouts(num_ranks, num_ep_buffer_bytes)  # (T, hidden, E) -> layout that fits
         self.te_peers: Dict[int, TePeer] = {}
         self.failed_sources: List[int] = []
+        self._link_failed: Set[int] = set()  # peers a Transfer Engine write failed to (mask_cause: "link")
         # Address of an int64 word the owner raises to stop every native receive wait (RuntimeError):
         # Buffer.destroy() never waits for a call with no deadline. 0 = none.
         self.abort_ptr = 0
@@ -266,6 +267,24 @@ class OneSidedTransport(HostMemoryTransport):
             self._halves[offset] = halves
         return halves
 
+    def mask_cause(self, rank: int) -> str:
+        """Why a call masked `rank`: its process ended (the peer watcher), a Transfer Engine write to it
+        failed or timed out (`"link"`, reported once per failed write), else a receive's deadline passed.
+
+        Arguments:
+            rank: a rank this transport appended to `failed_sources`.
+
+        Returns:
+            cause: `"process_end"`, `"link"` or `"deadline"`.
+        """
+        if rank in self.dead_peers():
+            self._link_failed.discard(rank)
+            return "process_end"
+        if rank in self._link_failed:
+            self._link_failed.discard(rank)
+            return "link"
+        return "deadline"
+
     def _te_timeout(self, timeout_us: int) -> float:
         return DEFAULT_TE_TIMEOUT_S if timeout_us < 0 else max(0.05, timeout_us / 1e6)
 
@@ -287,6 +306,7 @@ class OneSidedTransport(HostMemoryTransport):
         for index in sorted(self.te.write_each(writes, timeout_s, in_flight=direct)):
             active[targets[index]] = 0
             self.failed_sources.append(targets[index])
+            self._link_failed.add(targets[index])
 
     def _staging_bases(self, offset: int, targets: List[int]) -> List[int]:
         """Half bases for a native send into the staging copy (by destination) for `targets`."""

@@ -23,6 +23,7 @@ peer is watched again (a replacement admitted with `update_ep_member`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -33,6 +34,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 __all__ = ["PeerWatch"]
+
+log = logging.getLogger("mooncake_ep_switch.transport")
 
 _PROBE_TIMEOUT_S = 0.5  # confirming a closed watch connection: connect() to the peer's listener
 
@@ -319,6 +322,12 @@ class PeerWatch:
             del self._watched[peer]
             if verdict == "gone":
                 self.dead[peer] = 1
+        if verdict == "gone":
+            log.warning("rank %d: the process of rank %d ended (seen by its %s); waits for it stop now",
+                        self.rank, peer, "pidfd" if watched.kind == "pid" else "watch connection")
+        else:
+            log.info("rank %d: the watch connection of rank %d closed and its process could not be confirmed "
+                     "alive or gone; its deadlines decide", self.rank, peer)
         _close(watched)  # "unknown": not watched any more; the deadline decides
 
     @staticmethod
