@@ -7,7 +7,6 @@ from mooncake_ep_switch.buffer.buffer import Buffer
 from mooncake_ep_switch.buffer.handle import EventOverlap
 from mooncake_ep_switch.checks import check_int, check_timeout
 from mooncake_ep_switch.elastic_buffer import arguments
-from mooncake_ep_switch.elastic_buffer import entry_combine as entries
 from mooncake_ep_switch.elastic_buffer import layout as lay
 from mooncake_ep_switch.elastic_buffer import rows as codec
 from mooncake_ep_switch.elastic_buffer.handle import EPHandle, check_usable, new_handle
@@ -433,8 +432,6 @@ class ElasticBuffer:
         device = x.device
         active, timeout_us = self._call_mask(active_ranks, timeout_us, device)
         T = handle.num_max_tokens_per_rank
-        if handle.do_expand and not self.allow_multiple_reduction:
-            return self._combine_entries(x, handle, topk_weights, biases, active, timeout_us, T)
 
         # This rank's partial per received token, and its entries' weights as exact byte columns. Only these
         # columns are read back from the sum (the rest of a row is never looked at, so never written).
@@ -486,27 +483,6 @@ class ElasticBuffer:
         combined_weights = None
         if topk_weights is not None:
             combined_weights = codec.decode_weight_bytes(out[:, hidden:columns], route.num_topk)
-        return combined_x, combined_weights, EventOverlap(None)
-
-    def _combine_entries(self, x, handle: EPHandle, topk_weights, biases, active, timeout_us: int, T: int):
-        """`allow_multiple_reduction=False`, expanded: every entry back on its own, one reduction on the
-        owner (`entry_combine`: an inner dispatch of empty rows per valid entry, then its combine)."""
-        route, hidden, device = handle.route, x.size(1), x.device
-        K = route.num_topk
-        inner_topk, valid = entries.entry_routing(handle.topk_idx, handle.num_experts, self.num_ranks)
-        width = entries.entry_width(hidden)
-        empty = torch.zeros((inner_topk.size(0), width), dtype=torch.bfloat16, device=device)
-        buffer = self._alive()
-        _, _, inner_handle, _, _ = buffer.dispatch(empty, inner_topk, active, T * K, self.num_ranks, timeout_us,
-                                                   use_fp8=False)
-        self._inner_dispatches += 1
-        inner_x = buffer.get_next_combine_buffer(inner_handle)
-        weights = topk_weights if topk_weights is not None else torch.zeros(x.size(0), device=device)
-        entries.fill_entries(inner_x, inner_handle, x, weights, route.recv_src_global, route.slots, K, T, active)
-        ones = torch.ones(inner_topk.shape, dtype=torch.float32, device=device)
-        out, _, _ = buffer.combine(inner_x, inner_topk, ones, active, timeout_us, inner_handle, zero_copy=True)
-        combined_x = entries.ordered_sum(entries.entries_of(out, hidden, valid), valid, biases)
-        combined_weights = entries.decode_entry_weights(out, hidden, valid) if topk_weights is not None else None
         return combined_x, combined_weights, EventOverlap(None)
 
     def _combinable(self, route: lay.Route) -> bool:
