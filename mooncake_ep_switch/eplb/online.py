@@ -37,6 +37,7 @@ rebalance needs the Buffer's store (`ExpertSlots.ballot`). Ranks that called `be
 arguments abort at the first commit step, told which argument differs, and the next `begin` numbers
 every rank's chunks alike again (`eplb.epochs`).
 """
+import logging
 import time
 import weakref
 import zlib
@@ -58,6 +59,8 @@ GO, ABORT = 1, 2
 DECIDE_COMMIT, DECIDE_ABORT = 1, 2
 COMMITTED = "committed"
 ABORTED = "aborted"
+
+log = logging.getLogger("mooncake_ep_switch.eplb")
 
 
 class RebalanceChunk(NamedTuple):
@@ -412,6 +415,9 @@ class OnlineRebalancer:
             slots.publish_table()
             slots.version += 1
             outcome = COMMITTED
+        log.log(logging.WARNING if reason else logging.INFO, "rank %d: rebalance epoch %d of layers %s %s at step %d "
+                "(%d experts moved)%s", me, chunk.epoch, list(chunk.layers), outcome, step, int(chunk.moves.shape[0]),
+                f": {reason}" if reason else "")
         return RebalanceReport(chunk.epoch, chunk.layers, outcome, reason, int(chunk.moves.shape[0]),
                                staging.moved_bytes, staging.remote_bytes, staging.te_bytes, staging.stage_ms,
                                (time.perf_counter() - started) * 1e3, step)

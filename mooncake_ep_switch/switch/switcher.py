@@ -43,6 +43,7 @@ Collective fallback: entry metadata is exchanged with `all_gather_object`, weigh
 fails after the group's timeout): the survivors raise `SwitchError` and mark their weights and KV
 "invalid"; reload from a checkpoint. Refusals (capacity, mismatched calls) are still all-or-nothing.
 """
+import logging
 import time
 from typing import Callable, List, NamedTuple, Optional, Set, Tuple
 
@@ -82,6 +83,8 @@ _PROGRESS, _DECISION, _DIGEST, _DIGEST_WORDS, _DECL = 0, 8, 64, 48, 512
 COMPLETED = "completed"
 REFUSED = "refused"
 UNCHANGED = "unchanged"
+
+log = logging.getLogger("mooncake_ep_switch.switch")
 
 
 class SwitchReport(NamedTuple):
@@ -262,6 +265,9 @@ def _report(source, target, layout, outcome, reason, start, seq, transport, dead
     total = (time.perf_counter() - start) * 1e3
     if outcome != COMPLETED:
         prepare_ms = total
+    log.log(logging.WARNING if outcome == REFUSED else logging.INFO,
+            "switch #%d %s -> %s: %s in %.1f ms, layout now %s%s%s", seq, source, target, outcome, total, layout,
+            f" ({reason})" if reason else "", f", dead ranks {sorted(dead)}" if dead else "")
     return SwitchReport(source, target, layout, outcome, reason, tuple(sorted(dead)), tuple(sorted(lost)),
                         int(weights[0]), int(weights[1]), float(weights[2]), int(kv[0]), int(kv[1]), float(kv[2]),
                         float(prepare_ms), float(commit_ms), total, transport, seq)
