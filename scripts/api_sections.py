@@ -21,6 +21,7 @@ FULL_COVERAGE = (
     "mooncake_ep_switch.eplb.online",
     "mooncake_ep_switch.apps.timeline",
     "mooncake_ep_switch.deep_ep",
+    "mooncake_ep_switch.metrics",
 )
 
 TOP = "mooncake_ep_switch"
@@ -33,6 +34,7 @@ SIMULATOR = "mooncake_ep_switch.switch.planning.simulator"
 TRACES = "mooncake_ep_switch.switch.planning.traces"
 SIMULATE_CLI = "mooncake_ep_switch.apps.simulate_cli"
 DEEP_EP = "mooncake_ep_switch.deep_ep"
+METRICS = "mooncake_ep_switch.metrics"
 
 PREAMBLE = """\
 Every public call of `mooncake_ep_switch`, generated from the docstrings of the code (so the text
@@ -206,6 +208,15 @@ Serving on physical experts and moving them while serving (names importable from
         Entry(EPLB, "RebalanceReport"),
         Entry(EPLB, "physical_ep_forward"),
         Entry(EPLB, "physical_ep_round"),
+    )),
+    Section("Metrics export (`mooncake_ep_switch.metrics`)", intro="""\
+`Buffer.stats()` as samples, and an optional Prometheus collector (needs `prometheus_client`); the loggers
+and the fields are in [observability.md](observability.md).
+""", items=(
+        Entry(METRICS, "register_prometheus", prefix="metrics."),
+        Entry(METRICS, "PrometheusCollector", prefix="metrics."),
+        Entry(METRICS, "stats_samples", prefix="metrics."),
+        Entry(METRICS, "Sample", prefix="metrics."),
     )),
     Section("Command line and plots", intro="""\
 `mooncake-ep` (also `python -m mooncake_ep_switch`) has three subcommands:

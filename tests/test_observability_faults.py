@@ -68,7 +68,7 @@ def test_a_killed_rank_is_one_mask_and_the_epoch_moves(transport):
         warned = [r for r in value["records"] if r[0] == "WARNING" and r[1] == "mooncake_ep_switch.buffer"]
         assert len(warned) == 1 and f"masked rank {DEAD}" in warned[0][2] and f"[cause: {cause}]" in warned[0][2]
         assert not [r for r in value["records"] if "MICROSECONDS" in r[2]], "a 2.5 s deadline is no unit mistake"
-        views = [r for r in value["records"] if r[0] == "INFO" and r[1] == "mooncake_ep_switch.membership"]
+        views = [r for r in value["records"] if r[0] == "INFO" and r[1] == "mooncake_ep_switch.buffer.membership"]
         assert views and f"epoch {value['updated']['epoch']}" in views[-1][2] and f"left [{DEAD}]" in " ".join(
             r[2] for r in views), views
     assert not any(process.is_alive() for process in processes)

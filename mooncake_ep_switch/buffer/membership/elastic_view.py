@@ -24,7 +24,7 @@ MEMBER_AGREE_SHARE = 0.5  # a member waits this much for the others (a dead one 
 CONNECT_ATTEMPT_SHARE = 0.5  # one connect attempt takes this much of what is left (a member that died
 MIN_CONNECT_ATTEMPT_S = 2.0  # after the seal is found missing in time to agree again), at least this long
 
-log = logging.getLogger("mooncake_ep_switch.membership")
+log = logging.getLogger("mooncake_ep_switch.buffer.membership")
 
 __all__ = ["left_out", "left_out_by_replacement", "survivors_view", "update_ep_member"]
 

@@ -25,7 +25,7 @@ from mooncake_ep_switch.buffer.transport.contract import RuntimeQueries, Transpo
 
 __all__ = ["FallbackSwitch"]
 
-log = logging.getLogger("mooncake_ep_switch.transport")
+log = logging.getLogger("mooncake_ep_switch.buffer.transport")
 
 
 class _Routed:

@@ -35,7 +35,7 @@ import torch
 
 __all__ = ["PeerWatch"]
 
-log = logging.getLogger("mooncake_ep_switch.transport")
+log = logging.getLogger("mooncake_ep_switch.buffer.transport")
 
 _PROBE_TIMEOUT_S = 0.5  # confirming a closed watch connection: connect() to the peer's listener
 
