@@ -143,3 +143,27 @@ def expected_weights(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_exp
     owner = torch.div(topk_idx.clamp(min=0), num_experts // num_ranks, rounding_mode="floor")
     keep = (topk_idx >= 0) & torch.isin(owner, torch.tensor(list(contributing), dtype=torch.int64))
     return torch.where(keep, topk_weights, torch.zeros_like(topk_weights))
+
+
+def expected_combine_entries(y: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                             biases: Sequence[torch.Tensor], contributing: Sequence[int]) -> torch.Tensor:
+    """`allow_multiple_reduction=False` with the expanded layout: no reduction before the owner's, which
+    sums in fp32 from the bias every entry in top-k order (entries of -1 and of ranks not in
+    `contributing` add nothing), rounding to bf16 once.
+
+    Arguments:
+        y: `[N, K, H]` bf16 expert outputs per entry. topk_idx: `[N, K]` int64. biases: zero, one or two
+            `[N, H]` bf16.
+    """
+    n, num_topk, hidden = y.shape
+    result = torch.zeros(n, hidden, dtype=torch.float32)
+    if biases:
+        result = biases[0].float()
+        for extra in biases[1:]:
+            result = result + extra.float()
+    for t in range(n):
+        for k in range(num_topk):
+            expert = int(topk_idx[t, k])
+            here = expert >= 0 and expert // (num_experts // num_ranks) in contributing
+            result[t] += y[t, k].float() if here else torch.zeros(hidden)  # V2's ref adds the zeroed entries too
+    return result.to(torch.bfloat16)

@@ -12,8 +12,8 @@ import torch
 from mooncake_ep_switch import ElasticBuffer, EPHandle
 from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason
 from tests import harness
-from tests.elastic_reference import (expected_combine, expected_dispatch, expected_weights, expert_output,
-                                     make_inputs, ordered_sum)
+from tests.elastic_reference import (expected_combine, expected_combine_entries, expected_dispatch, expected_weights,
+                                     expert_output, make_inputs, ordered_sum)
 
 TIMEOUT_US = harness.FAULT_TIMEOUT_US_TE
 
@@ -89,14 +89,23 @@ def check_expanded(e_x, e_topk, e_w, e_handle, want, fp8: bool, alignment: int, 
         _same("expanded weights", e_w[rows], want["weights"][token, entry])
 
 
-def rank_v2_grid(ctx, transport: str, T: int, H: int, K: int, E: int, seed: int, empty_rank=None, max_num_bias=2):
-    """V2's tests/elastic/test_ep.py pattern over the grid; every output checked bit for bit."""
+def rank_v2_grid(ctx, transport: str, T: int, H: int, K: int, E: int, seed: int, empty_rank=None, max_num_bias=2,
+                 v2=None):
+    """V2's tests/elastic/test_ep.py pattern over the grid; every output checked bit for bit.
+
+    `v2`: the flags of one scenario of V2's program as its argparse gives them (ints: deterministic,
+    allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, do_cpu_sync); with
+    allow_multiple_reduction 0 the expanded combine takes no weights (as V2's program) and its
+    reference has no reduction before the owner's. Without `v2`: V2's defaults, as bools."""
+    v2 = dict(v2 or {})
+    do_cpu_sync = v2.pop("do_cpu_sync", True)
+    multiple = v2.get("allow_multiple_reduction", True)
     R, rank, L = ctx.num_ranks, ctx.rank, E // ctx.num_ranks
     if transport == "cuda" and torch.cuda.is_available():
         torch.cuda.set_device(0)  # rank processes on GPU 0 (the emulated device has none)
     buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, explicitly_destroy=True,
                            transport=transport, disable_p2p=transport == "mooncake", num_cpu_timeout_secs=30,
-                           max_num_bias=max_num_bias)
+                           max_num_bias=max_num_bias, **v2)
     everyone = list(range(R))
     all_inputs = [make_inputs(r, R, T, H, K, E, seed, empty_rank) for r in range(R)]
     device = buffer.runtime.device or torch.device("cpu")  # a GPU's for "cuda" on a GPU, else the host's
@@ -113,7 +122,8 @@ def rank_v2_grid(ctx, transport: str, T: int, H: int, K: int, E: int, seed: int,
                     x = (mine.fp8, mine.sf) if fp8 else mine.x
                     bias = None if num_bias == 0 else mine.bias[0] if num_bias == 1 else tuple(mine.bias)
                     common = dict(num_experts=E, num_max_tokens_per_rank=T, expert_alignment=alignment,
-                                  async_with_compute_stream=run_async)
+                                  async_with_compute_stream=run_async, do_cpu_sync=do_cpu_sync,
+                                  do_handle_copy=int(cases % 2 == 0) if v2 else True)
                     recv_x, recv_topk, recv_w, handle, event = buffer.dispatch(
                         x, topk_idx=mine.topk_idx, topk_weights=mine.topk_weights, **common)
                     event.current_stream_wait() if run_async else None
@@ -148,9 +158,19 @@ def rank_v2_grid(ctx, transport: str, T: int, H: int, K: int, E: int, seed: int,
                     token, entry = torch.nonzero(slots >= 0, as_tuple=True)
                     expanded_y[slots[token, entry]] = y_recv[token, entry]
                     expanded_y = expanded_y.to(device)
-                    combined2, combined_w2, _ = buffer.combine(expanded_y, e_handle, topk_weights=e_w, bias=bias)
-                    _same("expanded combined_x", combined2, reference)
-                    _same("expanded combined_topk_weights", combined_w2, weights)
+                    if multiple:
+                        combined2, combined_w2, _ = buffer.combine(expanded_y, e_handle, topk_weights=e_w, bias=bias)
+                        _same("expanded combined_x", combined2, reference)
+                        _same("expanded combined_topk_weights", combined_w2, weights)
+                    else:  # one reduction, on the owner (V2's program passes no weights here)
+                        combined2, combined_w2, _ = buffer.combine(expanded_y, e_handle, bias=bias)
+                        assert combined_w2 is None
+                        _same("expanded combined_x (one reduction)", combined2,
+                              expected_combine_entries(y_own, host.topk_idx, E, R, host_biases, everyone))
+                    if v2.get("deterministic"):  # V2's program: the same dispatch again gives the same bits
+                        again_x, again_topk, again_w, again, _ = buffer.dispatch(
+                            x, topk_idx=mine.topk_idx, topk_weights=mine.topk_weights, **common)
+                        check_dispatch(again_x, again_topk, again_w, again, want, fp8, alignment, L, R, T, True)
                     cases += 1
     used = buffer.runtime.transport, sorted(set(buffer.runtime.peer_routes()) - {"self"})
     buffer.destroy()

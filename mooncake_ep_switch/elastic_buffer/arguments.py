@@ -176,6 +176,8 @@ def combine_arguments(x, handle, topk_weights, bias, async_with_compute_stream, 
                         + (f" of {len(bias)}" if isinstance(bias, tuple) else ""))
     biases = codec.split_bias(bias)
     given = sum(part is not None for part in biases)
+    if handle.do_expand and not allow_multiple_reduction:
+        max_num_bias = 2  # one reduction on the owner: its own bias rows are added there, never sent
     if given > max_num_bias:
         raise ValueError(f"bias: expected at most {max_num_bias} bias tensor(s) (the buffer's max_num_bias), "
                          f"got {given}")
@@ -186,7 +188,4 @@ def combine_arguments(x, handle, topk_weights, bias, async_with_compute_stream, 
     for name, value in (("async_with_compute_stream", async_with_compute_stream),
                         ("allocate_on_comm_stream", allocate_on_comm_stream)):
         check_bool(name, value)
-    if handle.do_expand and not allow_multiple_reduction:
-        raise NotImplementedError("allow_multiple_reduction=False: an expanded combine sends one partial per "
-                                  "rank (each rank's entries summed first); build the buffer with True")
     return biases

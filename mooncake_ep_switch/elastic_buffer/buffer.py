@@ -7,6 +7,7 @@ from mooncake_ep_switch.buffer.buffer import Buffer
 from mooncake_ep_switch.buffer.handle import EventOverlap
 from mooncake_ep_switch.checks import check_int, check_timeout
 from mooncake_ep_switch.elastic_buffer import arguments
+from mooncake_ep_switch.elastic_buffer import entry_combine as entries
 from mooncake_ep_switch.elastic_buffer import layout as lay
 from mooncake_ep_switch.elastic_buffer import rows as codec
 from mooncake_ep_switch.elastic_buffer.handle import EPHandle, check_usable, new_handle
@@ -53,9 +54,8 @@ class ElasticBuffer:
             deterministic: accepted; this runtime's layouts are always deterministic (sorted).
             allow_hybrid_mode, prefer_overlap_with_compute, sl_idx, num_allocated_qps: validated,
                 no effect here (no RDMA QPs, no SMs to share).
-            allow_multiple_reduction: True: an expanded combine reduces each rank's entries to one
-                bf16 partial before the cross-rank sum (V2's default). False is accepted for
-                non-expanded combines (the same recipe) and refused by an expanded combine.
+            allow_multiple_reduction: True: an expanded combine sums each rank's entries to one bf16 partial
+                first (V2's default); False: every entry goes back on its own, one reduction on the owner.
             num_cpu_timeout_secs: the default deadline of a call on host tensors (`timeout_us` overrides).
             num_gpu_timeout_secs: the default deadline of a call on CUDA tensors.
             explicitly_destroy: V2's flag; `destroy()` works either way here, and without it the
@@ -383,10 +383,8 @@ class ElasticBuffer:
         check_usable(handle, self._token, self._generation, self.runtime)
 
     def _call_mask(self, active_ranks, timeout_us, device) -> Tuple[torch.Tensor, int]:
-        if active_ranks is None:
-            active = self._mask(device)
-        else:
-            active = arguments.check_tensor("active_ranks", active_ranks, torch.int32, (self.num_ranks,))
+        active = self._mask(device) if active_ranks is None else arguments.check_tensor(
+            "active_ranks", active_ranks, torch.int32, (self.num_ranks,))
         timeout_us = self._default_timeout(device) if timeout_us is None else check_timeout(timeout_us)
         return active, timeout_us
 
@@ -397,14 +395,14 @@ class ElasticBuffer:
                 *, active_ranks: Optional[torch.Tensor] = None, timeout_us: Optional[int] = None):
         """Return each rank's partials to the tokens' owners and sum them (V2's semantics).
 
-        No top-k weights are applied (the expert side did). Not expanded, `x` holds one row per
-        received token, already summed over this rank's experts; expanded, `x` is indexed by row of
-        the expanded layout and this rank first sums each token's rows in top-k order (fp32, rounded
-        to bf16). The owner then computes, in fp32, `bias[0] + bias[1] + partials` with the partials in
-        the order of each rank's last top-k entry, and rounds to bf16: V2's reference, bit for bit,
-        on every transport (but the sign of a zero sum: +0.0 where V2 may give -0.0). A rank that is
-        inactive or misses the deadline contributes nothing; a rank that sends this rank tokens it did
-        not receive at the dispatch is cleared in `active_ranks` (it gets no partial for them).
+        No top-k weights are applied (the expert side did). Not expanded, `x` holds one row per received
+        token, summed over this rank's experts; expanded, `x` is indexed by expanded row and this rank
+        first sums each token's rows in top-k order (fp32, to bf16), or with `allow_multiple_reduction`
+        False sends each row on its own (`entry_combine`). The owner computes, in fp32, `bias[0] +
+        bias[1] + partials` (ranks ordered by their last top-k entry; each entry in top-k order
+        without multiple reduction), rounded to bf16: V2's reference bit for bit (but the sign of a
+        zero sum). A rank inactive or late contributes nothing; one that sends tokens this rank did
+        not receive at the dispatch is cleared in `active_ranks`.
 
         Arguments:
             x: `[num_recv_tokens, hidden]` (expanded: `[num_expanded_tokens, hidden]`) torch.bfloat16.
@@ -432,6 +430,10 @@ class ElasticBuffer:
         device = x.device
         active, timeout_us = self._call_mask(active_ranks, timeout_us, device)
         T = handle.num_max_tokens_per_rank
+        if handle.do_expand and not self.allow_multiple_reduction:
+            combined_x, combined_weights = entries.combine(x, handle, topk_weights, biases, active, timeout_us, T,
+                                                           self.num_ranks, self._inner_dispatch, self._alive)
+            return combined_x, combined_weights, EventOverlap(None)
 
         # This rank's partial per received token, and its entries' weights as exact byte columns. Only these
         # columns are read back from the sum (the rest of a row is never looked at, so never written).
@@ -480,9 +482,8 @@ class ElasticBuffer:
         out, _, _ = buffer.combine(inner_x, route.inner_topk, ones, active, timeout_us, inner_handle, zero_copy=True)
         route.combined = True
         combined_x = out[:, :hidden].contiguous()
-        combined_weights = None
-        if topk_weights is not None:
-            combined_weights = codec.decode_weight_bytes(out[:, hidden:columns], route.num_topk)
+        combined_weights = None if topk_weights is None else codec.decode_weight_bytes(out[:, hidden:columns],
+                                                                                      route.num_topk)
         return combined_x, combined_weights, EventOverlap(None)
 
     def _combinable(self, route: lay.Route) -> bool:
