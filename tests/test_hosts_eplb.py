@@ -22,6 +22,13 @@ TIMEOUT_US = harness.FAULT_TIMEOUT_US_TE  # dispatch/combine and the vote over t
 ACROSS = (1, 3)  # ranks whose new expert is held only on the other host
 
 
+def _placement(network):
+    """Ranks start inside their hosts' namespaces and reach the store over their veths, as on real hosts: a
+    rank that connected in the root namespace and moved afterwards could not open another store client
+    (the Buffer's bounded store calls use clones of the client)."""
+    return network.placement([r // RANKS_PER_HOST for r in range(NUM_RANKS)])
+
+
 def rank_rebalance_across_hosts(ctx, names, addresses, faulty, how, corrupt_table):
     host = ctx.rank // RANKS_PER_HOST
     enter_host(names[host], addresses[host], host_id=names[host])
@@ -31,7 +38,7 @@ def rank_rebalance_across_hosts(ctx, names, addresses, faulty, how, corrupt_tabl
 
 def _run(network, env=None, corrupt_table=None):
     assert test_eplb_online.R == NUM_RANKS
-    with harness.fresh_cluster(NUM_RANKS, env=env) as cluster:
+    with harness.fresh_cluster(NUM_RANKS, env=env, network=_placement(network)) as cluster:
         outcomes = cluster.run(rank_rebalance_across_hosts, network.names, network.addresses,
                                *((-1, "none") if env is None else (2, "kill")), corrupt_table, timeout_s=120,
                                failure_grace_s=30)
@@ -194,7 +201,7 @@ def test_replacement_on_the_other_host_is_read_over_the_transfer_engine(make_net
     remote address of its slots (a new process, a new engine), so a rebalance that stages from the
     replacement (rank 0) and into it (from rank 1) commits everywhere, frames and rows exact."""
     network = make_network(NUM_HOSTS)
-    with harness.fresh_cluster(NUM_RANKS) as cluster:
+    with harness.fresh_cluster(NUM_RANKS, network=_placement(network)) as cluster:
         assert harness.check_outcomes(cluster.run(rank_readmit_setup, network.names, network.addresses,
                                                   timeout_s=60)) == ["mooncake"] * NUM_RANKS
         outcomes = cluster.run(rank_readmit_kill, timeout_s=60, failure_grace_s=30)
@@ -285,10 +292,10 @@ def test_abandoned_staging_read_never_lands_in_a_committed_frame(make_network):
     it: a slot committed as expert 0 served expert 7's weights, with no error. Now a free frame an
     abandoned read may still land in is skipped until the engine has finished that read."""
     network = make_network(NUM_HOSTS)
-    with harness.fresh_cluster(NUM_RANKS) as cluster:
+    with harness.fresh_cluster(NUM_RANKS, network=_placement(network)) as cluster:
         assert all(harness.check_outcomes(cluster.run(rank_slow_setup, network.names, network.addresses,
                                                       timeout_s=90)))
-        network.set_rate(1, SLOW_RATE)
+        network.set_rate(1, SLOW_RATE, spare_store=True)  # the data path is slow, not the store
         try:
             results = harness.check_outcomes(cluster.run(rank_slow_rebalances, timeout_s=120))
         finally:

@@ -144,10 +144,16 @@ class Network:
         """Bring host `host`'s veth down (a link outage: its peers and the store) or up again."""
         ip("-n", self.names[host], "link", "set", self.devices[host], "up" if up else "down")
 
-    def set_rate(self, host: int, rate: str = "") -> None:
+    def set_rate(self, host: int, rate: str = "", spare_store: bool = False) -> None:
         """Limit what host `host` sends on its veth to `rate` (tc's units, e.g. "256kbit"): a slow link
         with a short queue (tbf, at most 200 ms of backlog, so small packets behind a transfer still
         arrive within that); "" removes the limit.
+
+        Arguments:
+            host: the host index.
+            rate: a tc rate, or "" to remove the limit.
+            spare_store: leave packets to the store's address unlimited (a slow data link while the
+                control plane keeps its own path, as a store on a separate management network would).
 
         Raises:
             ValueError: `rate` is not a tc rate.
@@ -156,10 +162,20 @@ class Network:
         if rate and not re.fullmatch(r"\d+(?:\.\d+)?(?:bit|kbit|mbit|gbit)", rate):
             raise ValueError(f"rate: expected a tc rate such as '256kbit' (or '' for none), got {rate!r}")
         device = self.devices[host]
-        ip("netns", "exec", self.names[host], "tc", "qdisc", "del", "dev", device, "root", check=False)
-        if rate:
-            ip("netns", "exec", self.names[host], "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", rate,
-               "burst", "16kb", "latency", "200ms")
+        tc = ("netns", "exec", self.names[host], "tc")
+        ip(*tc, "qdisc", "del", "dev", device, "root", check=False)
+        if rate and not spare_store:
+            ip(*tc, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate, "burst", "16kb", "latency", "200ms")
+        elif rate:
+            # Two htb classes (htb, not prio: some kernels lack sch_prio): packets to the store in 1:1, unlimited;
+            # everything else in 1:2 (the default) behind the same tbf as above.
+            ip(*tc, "qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", "2", "r2q", "100000")
+            for klass in ("1:1", "1:2"):
+                ip(*tc, "class", "add", "dev", device, "parent", "1:", "classid", klass, "htb", "rate", "10gbit")
+            ip(*tc, "qdisc", "add", "dev", device, "parent", "1:2", "handle", "20:", "tbf", "rate", rate, "burst",
+               "16kb", "latency", "200ms")
+            ip(*tc, "filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match",
+               "ip", "dst", f"{self.store_address}/32", "flowid", "1:1")
 
     def tx_bytes(self, host: int) -> int:
         """Bytes host `host` has sent on its veth so far (headers included: bytes on the wire)."""
