@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer import device_calls, mooncake_runtime, validation
+from mooncake_ep_switch.buffer import device_calls, events, mooncake_runtime, validation
 from mooncake_ep_switch.buffer.membership import elastic_view, replacement
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
 from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, check_combinable_again,
@@ -316,11 +316,33 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
         if not core.destroyed and len(core.transport.failed_sources) != core.stats.seen:
             # masks not counted yet (the "cuda" transport's, flagged by the device): before the list is cleared
             core.stats.observe(core, -1, "dispatch/combine", core.call)
-        return elastic_view.update_ep_member(core, timeout_s)
+        before, was_joining = core.members, core.joining
+        view = elastic_view.update_ep_member(core, timeout_s)
+        events.view_changed(core.events, core.rank, before, was_joining, view.epoch, view.ranks)
+        return view
 
     def _survivors_view(self, deadline: float) -> View:
         """The collective fallback's recovery from a lost peer (`elastic_view.survivors_view`)."""
-        return elastic_view.survivors_view(self._core, deadline)
+        core = self._core
+        before = core.members
+        view = elastic_view.survivors_view(core, deadline)
+        events.view_changed(core.events, core.rank, before, False, view.epoch, view.ranks)
+        return view
+
+    def subscribe(self, callback=None) -> events.Subscription:
+        """Subscribe to this Buffer's typed events (buffer/events.py; docs/recovery.md, "Events").
+
+        Arguments:
+            callback: called with each event on the thread that found it (quick; it must not call
+                the Buffer), or None: the events queue up for `Subscription.poll()` / iteration.
+
+        Returns:
+            subscription: a `Subscription`; `close()` ends it.
+
+        Raises:
+            TypeError: `callback` is neither None nor callable.
+        """
+        return self._core.events.subscribe(callback)
 
     @property
     def runtime(self) -> Transport:
@@ -417,7 +439,9 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
             ranks: list of int, ascending.
         """
         membership = self._require_membership("pending_joiners")
-        return membership.joining(None if self.joining else self.epoch + 1)
+        ranks = membership.joining(None if self.joining else self.epoch + 1)
+        events.joiners_seen(self._core.events, ranks, self.epoch)
+        return ranks
 
     def switch_layout(self, target: str, **kwargs):
         """Switch the MoE layers between tensor- and expert-parallel layouts (after Moebius).

@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from mooncake_ep_switch.buffer.call_spec import CallSpecs
+from mooncake_ep_switch.buffer.events import EventBus
 from mooncake_ep_switch.buffer.output_pool import OutputPool
 from mooncake_ep_switch.buffer.handle import DispatchPlan
 from mooncake_ep_switch.buffer.lifetime import Lifetime
@@ -45,6 +46,7 @@ class BufferCore:
         last_plan, prev_plan: the plans of the last two dispatches (handles of older ones are refused).
         destroyed: destroy() ran.
         stats: the `CallStats` counters of `Buffer.stats()` (and the log lines of masks).
+        events: the `EventBus` of `Buffer.subscribe()` (buffer/events.py).
     """
 
     rank: int
@@ -67,6 +69,7 @@ class BufferCore:
     prev_plan: Optional[DispatchPlan] = None
     destroyed: bool = False
     stats: CallStats = field(default_factory=CallStats)
+    events: EventBus = field(default_factory=EventBus)
 
     def check_alive(self) -> None:
         """Raises BufferDestroyed once the Buffer was destroyed."""

@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Callable, Dict
 
+from mooncake_ep_switch.buffer.events import REASONS, PeerMasked
+
 __all__ = ["CallStats", "MASK_CAUSES", "SHORT_TIMEOUT_FLOOR_US"]
 
 log = logging.getLogger("mooncake_ep_switch.buffer")
@@ -82,6 +84,9 @@ class CallStats:
             mean_us = self.wait_s / calls * 1e6 if calls else 0.0
         for rank, cause in found:
             key = (core.epoch, rank, cause)
+            if core.events.active and not any(k[:2] == key[:2] for k in self._logged):  # first mask of the rank
+                dead = cause == "process_end" or rank in core.transport.dead_peers()
+                core.events.emit(PeerMasked(rank, "dead" if dead else REASONS.get(cause, cause), core.epoch))
             level = logging.DEBUG if key in self._logged else logging.WARNING
             self._logged.add(key)
             if log.isEnabledFor(level):

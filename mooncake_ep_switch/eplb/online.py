@@ -52,6 +52,8 @@ from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.checks import check_int, check_timeout
 from mooncake_ep_switch.eplb import epochs
+from mooncake_ep_switch.eplb.coverage import check_live_target, load_frame
+from mooncake_ep_switch.eplb.live import alive_ranks
 from mooncake_ep_switch.eplb.slots import ExpertSlots, check_phy2log
 from mooncake_ep_switch.faults import FaultPoint
 
@@ -99,6 +101,8 @@ class RebalanceReport(NamedTuple):
         stage_ms: staging time spent in `step()` calls before and at the commit step.
         stall_ms: time of the commit step's own work (finishing staging, vote, wait, commit).
         commit_step: the step at which it committed or aborted.
+        loaded_bytes: weight bytes this rank copied from the `loader` (a coverage epoch's experts
+            that no live rank held).
     """
 
     epoch: int
@@ -112,6 +116,7 @@ class RebalanceReport(NamedTuple):
     stage_ms: float
     stall_ms: float
     commit_step: int
+    loaded_bytes: int = 0
 
 
 class _Staging:
@@ -124,6 +129,7 @@ class _Staging:
         self.moved_bytes = 0
         self.remote_bytes = 0
         self.te_bytes = 0
+        self.loaded_bytes = 0
         self.stage_ms = 0.0
         self.error = ""
 
@@ -160,6 +166,8 @@ class OnlineRebalancer:
         self._queue: Deque[RebalanceChunk] = deque()
         self._staging: Optional[_Staging] = None
         self._plan: Optional[epochs.Plan] = None  # the plan of the chunks in the queue
+        self._live: Optional[np.ndarray] = None  # a coverage epoch's voting ranks ([R] bool), None: all
+        self._loader = None
         self._holder_use = np.zeros(slots.num_ranks, dtype=np.int64)
         self._fault = FaultPoint.parse(settings().fault_point)
 
@@ -190,7 +198,8 @@ class OnlineRebalancer:
         return tuple(self._queue)
 
     # ------------------------------------------------------------------ planning
-    def begin(self, new_phy2log, commit_step: int, *, steps_per_chunk: int = 1) -> Tuple[RebalanceChunk, ...]:
+    def begin(self, new_phy2log, commit_step: int, *, steps_per_chunk: int = 1, live=None,
+              loader=None) -> Tuple[RebalanceChunk, ...]:
         """Start moving to `new_phy2log`; every rank calls it with the same arguments.
 
         Arguments:
@@ -199,6 +208,12 @@ class OnlineRebalancer:
             commit_step: serving step at whose start the first chunk commits (staging runs in the
                 `step()` calls before it).
             steps_per_chunk: steps between the commits of consecutive chunks, >= 1.
+            live: `[R]` 0/1 torch tensor or numpy array, the ranks taking part (a coverage epoch while
+                a rank is dead, `eplb.coverage`), or None (every rank). Only they stage and vote; a
+                0 rank's slots must stay as they are and every expert needs a copy on a 1 rank.
+                Every live rank passes the same mask (it is part of the plan's digest).
+            loader: `loader(layer, expert) -> (gate_up [2I, H], down [H, I])` torch.bfloat16, the
+                checkpoint's weights of an expert no live rank holds (None: its staging fails).
 
         Returns:
             chunks: the `RebalanceChunk`s, in commit order (empty when nothing changes). They are
@@ -217,6 +232,13 @@ class OnlineRebalancer:
         target = check_phy2log("new_phy2log", new_phy2log, shape.num_layers, slots.num_slots,
                                shape.num_logical_experts, shape.slots_per_rank)
         slots.check_primaries("new_phy2log", target)
+        if live is not None:
+            live = alive_ranks("live", live, slots.num_ranks)
+            if not live[slots.rank]:
+                raise ValueError(f"live: expected this rank ({slots.rank}) among the live ranks, got {live.astype(int).tolist()}")
+            check_live_target(target, slots.phy2log, live, shape.slots_per_rank, shape.num_logical_experts)
+        if loader is not None and not callable(loader):
+            raise TypeError(f"loader: expected a callable(layer, expert) or None, got {type(loader).__name__}")
         commit_step = check_int("commit_step", commit_step, 0)
         steps_per_chunk = check_int("steps_per_chunk", steps_per_chunk, 1)
         per_rank = shape.slots_per_rank
@@ -230,6 +252,8 @@ class OnlineRebalancer:
                              "with more spare frames")
         slots.ballot.prepare((), votes=True)  # the vote keys exist before they are read
         digest_of_target = epochs.target_digest(target)
+        if live is not None:  # ranks that disagree on who takes part differ in the plan's digest
+            digest_of_target = zlib.crc32(live.tobytes(), digest_of_target) & 0x7FFFFFFF
         slots.chunk_epoch = epochs.agreed_base(slots.ballot, slots.chunk_epoch,
                                                (digest_of_target, commit_step, steps_per_chunk))
         base = self.epoch
@@ -265,6 +289,7 @@ class OnlineRebalancer:
         slots.chunk_epoch += len(chunks)
         self._plan = epochs.Plan(base, slots.chunk_epoch, digest_of_target, commit_step, steps_per_chunk)
         slots.active_rebalancer = weakref.ref(self)
+        self._live, self._loader = live, loader
         self._queue.extend(chunks)
         self._staging = None
         return tuple(chunks)
@@ -312,6 +337,10 @@ class OnlineRebalancer:
         slots = self.slots
         per_rank = slots.shape.slots_per_rank
         holders = np.nonzero(slots.phy2log[layer] == expert)[0]
+        if self._live is not None:  # a coverage epoch: live holders only, none: the loader
+            holders = holders[self._live[holders // per_rank]]
+            if not holders.size:
+                return -1, -1
         ranks = holders // per_rank
         mine = holders[ranks == slots.rank]
         if mine.size:
@@ -350,14 +379,17 @@ class OnlineRebalancer:
                 src_rank, src_slot = self._source(layer, expert, active)
                 frame = slots.take_free_frame()
                 staging.frames.append(frame)
-                if slots.is_mapped(src_rank):
+                if src_rank < 0:  # no live copy anywhere: the checkpoint
+                    load_frame(slots, self._loader, frame, layer, expert)
+                    staging.loaded_bytes += slots.frame_bytes
+                elif slots.is_mapped(src_rank):
                     blocks, src_range = slots.source_blocks(frame, src_rank, layer, src_slot)
                     copy_blocks(blocks, slots.region_range(slots.rank), src_range, slots.device)
                 else:  # a holder on another host: one-sided Transfer Engine reads
                     slots.read_remote_frame(frame, src_rank, layer, src_slot, self._read_timeout_s())
                     staging.te_bytes += slots.frame_bytes
                 staging.moved_bytes += slots.frame_bytes
-                if src_rank != slots.rank:
+                if 0 <= src_rank != slots.rank:
                     staging.remote_bytes += slots.frame_bytes
                 staging.next_move += 1
                 budget -= 1
@@ -383,8 +415,10 @@ class OnlineRebalancer:
             except TimeoutError as error:
                 staging.error = f"staging failed on rank {slots.rank}: {error}"
         reason = staging.error
-        if not reason and active is not None and (active == 0).any():
-            reason = f"ranks {np.nonzero(active == 0)[0].tolist()} are inactive in active_ranks on rank {slots.rank}"
+        inactive = [] if active is None else [r for r in np.nonzero(active == 0)[0].tolist()
+                                                if self._live is None or self._live[r]]
+        if not reason and inactive:  # a coverage epoch's excluded ranks are no reason
+            reason = f"ranks {inactive} are inactive in active_ranks on rank {slots.rank}"
         vote = ABORT if reason else GO
         me = slots.rank
         if self._fault is not None:
@@ -415,12 +449,14 @@ class OnlineRebalancer:
             slots.publish_table()
             slots.version += 1
             outcome = COMMITTED
+            if self._live is not None and len(self._queue) == 1:  # the coverage plan's last chunk
+                slots.coverage.committed(chunk.epoch, chunk.layers, self._live)
         log.log(logging.WARNING if reason else logging.INFO, "rank %d: rebalance epoch %d of layers %s %s at step %d "
                 "(%d experts moved)%s", me, chunk.epoch, list(chunk.layers), outcome, step, int(chunk.moves.shape[0]),
                 f": {reason}" if reason else "")
         return RebalanceReport(chunk.epoch, chunk.layers, outcome, reason, int(chunk.moves.shape[0]),
                                staging.moved_bytes, staging.remote_bytes, staging.te_bytes, staging.stage_ms,
-                               (time.perf_counter() - started) * 1e3, step)
+                               (time.perf_counter() - started) * 1e3, step, staging.loaded_bytes)
 
     def _collect_votes(self, chunk: RebalanceChunk) -> str:
         """Wait for every peer's vote on `chunk`; "" when all voted GO with our digest, else why not.
@@ -430,7 +466,7 @@ class OnlineRebalancer:
         every peer voted GO, the peers' records are read once more to name a plan or numbering of
         the chunks that differs from this rank's (`eplb.epochs`)."""
         slots = self.slots
-        peers = [p for p in range(slots.num_ranks) if p != slots.rank]
+        peers = [p for p in range(slots.num_ranks) if p != slots.rank and (self._live is None or self._live[p])]
 
         def ended(pending: List[int]) -> List[int]:
             return sorted(set(pending) & set(slots.dead_peers()))

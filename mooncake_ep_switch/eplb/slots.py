@@ -44,6 +44,7 @@ from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence, new_region
 from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_indices
+from mooncake_ep_switch.eplb.coverage import CoverageWatch
 from mooncake_ep_switch.buffer.ballot import Ballot
 from mooncake_ep_switch.eplb.policy.tables import expert_counts
 
@@ -214,6 +215,7 @@ class ExpertSlots:
         self.free_frames: List[int] = list(range(num_layers * self.num_redundant, self.num_frames))
         self.version = 0 if joined is None else joined["version"]  # advanced at every committed placement change
         self.publish_table()
+        self.coverage = CoverageWatch(self, buffer)  # ExpertsUncovered / CoverageRestored events (eplb.coverage)
 
     # ------------------------------------------------------------------ placement
     def check_primaries(self, name: str, table: np.ndarray) -> None:
@@ -514,6 +516,8 @@ class ExpertSlots:
 
     def destroy(self) -> None:
         """Unmap the region; views of the frames become invalid; idempotent."""
+        if getattr(self, "coverage", None) is not None:
+            self.coverage.close()
         if getattr(self, "_registry", None) is not None:
             self._registry.remove(self)
             self._registry = None

@@ -13,6 +13,7 @@ from typing import Optional
 
 from mooncake_ep_switch.buffer.core import BufferCore
 from mooncake_ep_switch.buffer.membership.protocol import LeftOut, MembershipError, View, check_seconds
+from mooncake_ep_switch.buffer.events import RankLeftOut
 from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
 
 # How long survivors of a lost collective wait for a member that is not known dead to meet the failure
@@ -114,6 +115,8 @@ def left_out(core: BufferCore, error: LeftOut) -> None:
         log.warning("rank %d was left out of epoch %d (a view was sealed without it): dispatch and combine refuse "
                     "until update_ep_member() admits it again", core.rank, core.epoch)
         core.joining, core.rejoin, core.members = True, True, ()
+        if core.events.active:
+            core.events.emit(RankLeftOut((core.rank,), core.epoch + 1))
 
 
 def _log_view(core: BufferCore, view: View, how: str) -> None:

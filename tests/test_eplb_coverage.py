@@ -1,0 +1,296 @@
+"""Coverage restored online (issue 36 items 2 and 4): a coverage epoch while a rank is dead, and the events.
+
+R=4 ranks serve two MoE layers on physical experts with `fault_aware=True` (the placement of
+test_eplb_fault_routing: layer 1 holds expert SOLE_EXPERT on rank DEAD only). DEAD is SIGKILLed at
+step 2. The engine's policy here is the documented one (docs/recovery.md, "Events"): when its
+subscription shows `ExpertsUncovered`, it begins a coverage epoch (`eplb.coverage.restore_coverage`)
+that commits at the next step; the uncovered expert's weights come from the loader (no live rank
+holds it). Checked on every survivor:
+
+* outputs: the full reference before the death; the reference without SOLE_EXPERT in layer 1 from
+  the call after the death is known until the coverage epoch commits (layer 0 full: every expert
+  of DEAD has a live copy); the full reference for both layers from the commit step on, with no
+  entry lost;
+* one decision: every survivor commits the same epoch and ends on the same placement, which gives
+  SOLE_EXPERT a copy on a survivor and leaves DEAD's slots as they were;
+* events, in order: PeerMasked(DEAD, "dead"), ExpertsUncovered({1: (SOLE_EXPERT,)}), CoverageRestored;
+* bad placements (an expert with no copy at all / none on a live rank / a change to a dead rank's
+  slot) are refused naming `new_phy2log`, nothing changed.
+
+A second death (or a freeze) during the coverage epoch yields one decision on every survivor; a
+replacement shows JoinerPending then JoinerAdmitted. The time from the death to full coverage is
+printed (docs/benchmarks.md).
+"""
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import harness
+from tests.harness import RANK_STATE, outcome_value, rank_teardown
+from tests.reference import calc_diff
+from tests.test_eplb_fault_routing import (DEAD, EXPERTS, HIDDEN, INTER, LAYERS, LIMIT, PLACEMENT, R, SLOTS_PER_RANK,
+                                           SOLE_EXPERT, TOKENS, TOP_K, _inputs)
+
+TIMEOUT_US = harness.FAULT_TIMEOUT_US
+STEPS = 5
+
+
+def _setup(ctx, timeout_us=TIMEOUT_US):
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.eplb.online import OnlineRebalancer
+    from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+    from mooncake_ep_switch.reference.moe_block import random_weights
+
+    size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, ctx.num_ranks, R * SLOTS_PER_RANK)
+    buffer = Buffer(ctx.group, size, transport="shm")
+    weights = [random_weights(EXPERTS, HIDDEN, INTER, seed=300 + layer) for layer in range(LAYERS)]
+    slots = ExpertSlots(buffer, SlotShape(LAYERS, EXPERTS, SLOTS_PER_RANK, HIDDEN, INTER),
+                        np.asarray(PLACEMENT, dtype=np.int64), spare_frames=1)
+    slots.load(weights)
+    rebalancer = OnlineRebalancer(slots, timeout_us=timeout_us, frames_per_step=1)
+    loads = []
+
+    def loader(layer, expert):  # the checkpoint
+        loads.append((layer, expert))
+        return weights[layer].gate_up[expert], weights[layer].down[expert]
+
+    return buffer, weights, slots, rebalancer, loader, loads
+
+
+def _bad_placements(slots, rebalancer):
+    """Each refused begin(): (message or None); and whether anything changed."""
+    alive = np.ones(R, dtype=np.int32)
+    alive[DEAD] = 0
+    no_copy = slots.phy2log.copy()
+    no_copy[1, DEAD * SLOTS_PER_RANK] = 1  # expert 6's only slot now holds 1: no copy of 6 at all
+    dead_slot = slots.phy2log.copy()
+    dead_slot[0, DEAD * SLOTS_PER_RANK + 1] = 0  # a change on the dead rank (and 6 has no live copy)
+    before = (slots.phy2log.copy(), slots.chunk_epoch, len(slots.free_frames))
+    errors = []
+    for target, live in ((no_copy, None), (slots.phy2log.copy(), alive), (dead_slot, alive)):
+        try:
+            rebalancer.begin(target, 3, live=live)
+            errors.append(None)
+        except ValueError as error:
+            errors.append(str(error))
+    unchanged = (np.array_equal(before[0], slots.phy2log) and before[1:] == (slots.chunk_epoch,
+                 len(slots.free_frames)) and not rebalancer.in_progress)
+    return errors, unchanged
+
+
+def rank_coverage(ctx, death_file):
+    from mooncake_ep_switch.buffer.events import CoverageRestored, ExpertsUncovered
+    from mooncake_ep_switch.eplb.coverage import restore_coverage
+    from mooncake_ep_switch.eplb.maps import build_dispatch_map
+    from mooncake_ep_switch.eplb.serving import physical_ep_forward
+    from mooncake_ep_switch.reference.moe_block import reference_forward
+
+    buffer, weights, slots, rebalancer, loader, loads = _setup(ctx)
+    subscription = buffer.subscribe()
+    try:
+        bad, unchanged = _bad_placements(slots, rebalancer)
+        active = buffer.active_mask()
+        rows = build_dispatch_map(slots.phy2log, R, R)[ctx.rank]
+        dist.barrier(group=ctx.group)
+        events, steps, reports, restored_at = [], [], [], None
+        for step in range(1, STEPS + 1):
+            if step == 2 and ctx.rank == DEAD:
+                with open(death_file, "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            new = list(subscription)
+            events += new
+            if any(isinstance(e, ExpertsUncovered) for e in new):  # the engine's policy: cover at the next step
+                restore_coverage(rebalancer, active, step + 1, loader)
+            done = rebalancer.step(step, active)
+            reports += done
+            if any(r.outcome == "committed" for r in done):
+                restored_at = time.time()
+                rows = build_dispatch_map(slots.phy2log, R, R)[ctx.rank]  # a committed placement: a new map
+            x = _inputs(ctx.rank, step)
+            layers = []
+            for layer in range(LAYERS):
+                masked_before = not int(active[DEAD])
+                lost_before = int(slots.lost_contributions[layer])
+                out, _ = physical_ep_forward(buffer, x, weights[layer].router, slots, layer, TOP_K, TOKENS, active,
+                                             rows[layer], timeout_us=TIMEOUT_US, fault_aware=True)
+                if not int(active[DEAD]) and not masked_before:  # met the death: the unmasked row's skips
+                    skip = {e for e in range(EXPERTS) if int(rows[layer][e]) // SLOTS_PER_RANK == DEAD}
+                elif masked_before and layer == 1 and not any(r.outcome == "committed" for r in reports):
+                    skip = {SOLE_EXPERT}
+                else:
+                    skip = set()
+                expected = reference_forward(x, weights[layer], TOP_K, skip_experts=skip)
+                full = reference_forward(x, weights[layer], TOP_K)
+                layers.append({"skip": sorted(skip), "diff": calc_diff(out, expected), "diff_full": calc_diff(out, full),
+                               "lost": int(slots.lost_contributions[layer]) - lost_before})
+            steps.append(layers)
+        events += list(subscription)
+        restored = [e for e in events if isinstance(e, CoverageRestored)]
+        return {"bad": bad, "unchanged": unchanged, "steps": steps, "phy2log": slots.phy2log.tolist(),
+                "reports": [(r.epoch, r.outcome, r.reason, r.commit_step, r.loaded_bytes, r.remote_bytes)
+                            for r in reports],
+                "events": [(type(e).__name__, e) for e in events], "loads": loads,
+                "restored_at": restored_at, "seconds": restored[0].seconds if restored else None,
+                "stall_ms": [r.stall_ms for r in reports], "frame_bytes": slots.frame_bytes}
+    finally:
+        subscription.close()
+        slots.destroy()
+        buffer.destroy()
+
+
+def test_coverage_epoch_while_a_rank_is_dead_restores_the_full_reference(tmp_path):
+    death_file = str(tmp_path / "death")
+    with harness.fresh_cluster(R) as cluster:
+        outcomes = cluster.run(rank_coverage, death_file, timeout_s=180, failure_grace_s=60)
+    assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
+    died = float(open(death_file).read())
+    survivors = [o for o in outcomes if o.rank != DEAD]
+    for o in survivors:
+        assert o.ok, o.error
+    placements = {str(o.value["phy2log"]) for o in survivors}
+    assert len(placements) == 1, "survivors ended on different placements"
+    final = np.asarray(survivors[0].value["phy2log"])
+    assert (final[1][:DEAD * SLOTS_PER_RANK] == SOLE_EXPERT).sum() == 1, final  # a copy on a survivor
+    assert np.array_equal(final[:, DEAD * SLOTS_PER_RANK:], np.asarray(PLACEMENT)[:, DEAD * SLOTS_PER_RANK:])
+    figures = []
+    for o in survivors:
+        result = o.value
+        where = f"rank {o.rank}"
+        bad = result["bad"]
+        assert all(b is not None and b.startswith("new_phy2log:") for b in bad), bad
+        assert "none of expert 6" in bad[0] and "on the live ranks" in bad[1] and "live excludes" in bad[2], bad
+        assert result["unchanged"], f"{where}: a refused begin() changed something"
+        committed = [r for r in result["reports"] if r[1] == "committed"]
+        assert [r[0] for r in result["reports"]] == [committed[0][0]] and committed[0][3] == 4, (where,
+                                                                                                  result["reports"])
+        mine = o.rank
+        assert committed[0][4] == result["frame_bytes"] * sum(
+            1 for s in range(SLOTS_PER_RANK) if final[1][mine * SLOTS_PER_RANK + s] == SOLE_EXPERT
+            and PLACEMENT[1][mine * SLOTS_PER_RANK + s] != SOLE_EXPERT), (where, committed)
+        for step, layers in enumerate(result["steps"], start=1):
+            for layer, value in enumerate(layers):
+                at = f"{where} step {step} layer {layer}: {value}"
+                assert value["diff"] < LIMIT, at
+                if step == 3 and layer == 1:  # the death is known, the epoch not committed: masked reference
+                    assert value["skip"] == [SOLE_EXPERT] and value["lost"] > 0, at
+                if step >= 4 or step == 1:  # committed at step 3's successor: the full reference, nothing lost
+                    assert value["skip"] == [] and value["diff_full"] < LIMIT and value["lost"] == 0, at
+        kinds = [name for name, _ in result["events"]]
+        assert kinds == ["PeerMasked", "ExpertsUncovered", "CoverageRestored"], (where, result["events"])
+        masked, uncovered, restored = (e for _, e in result["events"])
+        assert (masked.rank, masked.reason) == (DEAD, "dead"), masked
+        assert uncovered.layers == {1: (SOLE_EXPERT,)} and uncovered.ranks == (DEAD,), uncovered
+        assert restored.layers == (1,) and restored.epoch == committed[0][0], restored
+        figures.append((result["restored_at"] - died, result["seconds"], max(result["stall_ms"])))
+    assert sum(len(o.value["loads"]) for o in survivors) == 1, "one survivor loads SOLE_EXPERT from the checkpoint"
+    print(f"\ndeath -> full coverage (weights from the loader), per survivor: "
+          + ", ".join(f"{total * 1e3:.0f} ms (uncovered -> restored {seen * 1e3:.0f} ms, commit stall {stall:.1f} ms)"
+                      for total, seen, stall in figures))
+
+
+def rank_fault_in_coverage_epoch(ctx, how):
+    """DEAD is SIGKILLed; the survivors see it end and begin a coverage epoch at once; rank VICTIM dies
+    or freezes before voting in it (MEP_FAULT_POINT). Returns the epoch's reports and the placement."""
+    from mooncake_ep_switch.eplb.coverage import restore_coverage
+
+    buffer, _, slots, rebalancer, loader, _ = _setup(ctx)
+    try:
+        pids = [None] * ctx.num_ranks
+        dist.all_gather_object(pids, os.getpid(), group=ctx.group)
+        if ctx.rank == DEAD:
+            os.kill(os.getpid(), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while DEAD not in buffer.dead_peers():
+            assert time.monotonic() < deadline, "the peer watcher never saw DEAD end"
+            time.sleep(0.01)
+        active = buffer.active_mask()
+        active[DEAD] = 0  # as a dispatch that met the death would have set it
+        restore_coverage(rebalancer, active, 1, loader)
+        reports = rebalancer.step(1, active)
+        if how == "stop" and ctx.rank == 0:  # decided: let the frozen rank go on and adopt the decision
+            harness.wait_stopped(pids[VICTIM], 60.0)
+            os.kill(pids[VICTIM], signal.SIGCONT)
+        return {"reports": [(r.epoch, r.outcome, r.reason) for r in reports], "phy2log": slots.phy2log.tolist(),
+                "free_frames": len(slots.free_frames), "in_progress": rebalancer.in_progress}
+    finally:
+        slots.destroy()
+        buffer.destroy()
+
+
+VICTIM = 2
+
+
+@pytest.mark.parametrize("point, how, outcome", [
+    ("eplb_before_vote", "kill", "aborted"),
+    ("eplb_after_vote", "kill", "committed"),
+    ("eplb_before_vote", "stop", "aborted"),
+])
+def test_rank_killed_or_stopped_during_the_coverage_epoch_yields_one_decision(point, how, outcome):
+    env = {"MEP_FAULT_POINT": f"{point}:{VICTIM}:1:{how}"}
+    with harness.fresh_cluster(R, env=env) as cluster:
+        outcomes = cluster.run(rank_fault_in_coverage_epoch, how, timeout_s=120, failure_grace_s=60)
+    assert not outcomes[DEAD].ok
+    alive = [o for o in outcomes if o.rank != DEAD and (how == "stop" or o.rank != VICTIM)]
+    for o in alive:
+        assert o.ok, o.error
+    assert {str(o.value["phy2log"]) for o in alive} == {str(alive[0].value["phy2log"])}, "placements differ"
+    for o in alive:
+        result = o.value
+        assert [(r[0], r[1]) for r in result["reports"]] == [(1, outcome)], (o.rank, result["reports"])
+        assert result["free_frames"] == 1 and not result["in_progress"], (o.rank, result)
+    covered = (np.asarray(alive[0].value["phy2log"])[1][:DEAD * SLOTS_PER_RANK] == SOLE_EXPERT).any()
+    assert covered == (outcome == "committed")
+
+
+def rank_subscribe(ctx):
+    from mooncake_ep_switch import Buffer
+
+    buffer = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(8, 128, ctx.num_ranks, 4), transport="shm")
+    RANK_STATE["buffer"] = buffer
+    RANK_STATE["events"] = buffer.subscribe()
+    return True
+
+
+def rank_exit(ctx):
+    os._exit(3)  # the process ends (a SIGKILL leaves the harness's cluster marked broken for respawn)
+
+
+def rank_member_update(ctx, wait_for_joiner):
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.elastic import join
+
+    buffer = RANK_STATE.get("buffer")
+    if buffer is None:  # the replacement
+        buffer = RANK_STATE["buffer"] = Buffer(join(ctx.store, ctx.rank, ctx.num_ranks),
+                                               Buffer.get_ep_buffer_size_hint(8, 128, ctx.num_ranks, 4),
+                                               transport="shm")
+    deadline = time.monotonic() + 60
+    while wait_for_joiner and ctx.rank == 0 and 1 not in buffer.pending_joiners():
+        assert time.monotonic() < deadline, "the replacement never showed up"
+        time.sleep(0.01)
+    view = buffer.update_ep_member(timeout_s=30.0)
+    events = list(RANK_STATE["events"]) if "events" in RANK_STATE else []
+    return {"view": list(view.ranks), "epoch": view.epoch, "events": [(type(e).__name__, e) for e in events]}
+
+
+def test_subscriber_sees_a_rank_left_out_then_its_replacement_pending_and_admitted():
+    with harness.fresh_cluster(2) as cluster:
+        harness.check_outcomes(cluster.run(rank_subscribe))
+        cluster.run(rank_exit, ranks=[1], timeout_s=30)
+        cluster.respawn(1)  # the process only: it does nothing until told
+        left = outcome_value(cluster.run(rank_member_update, False, ranks=[0], timeout_s=60)[0])
+        assert left["view"] == [0], left
+        assert [name for name, _ in left["events"]] == ["RankLeftOut"], left
+        assert tuple(left["events"][0][1]) == ((1,), left["epoch"]), left
+        both = [outcome_value(o) for o in cluster.run(rank_member_update, True, timeout_s=90)]
+        assert [b["view"] for b in both] == [[0, 1]] * 2, both
+        events = both[0]["events"]
+        assert [name for name, _ in events] == ["JoinerPending", "JoinerAdmitted"], events
+        assert events[0][1].ranks == (1,) and tuple(events[1][1]) == ((1,), both[0]["epoch"]), events
+        harness.check_outcomes(cluster.run(rank_teardown))
