@@ -8,6 +8,7 @@ from mooncake_ep_switch.buffer.handle import EventOverlap
 from mooncake_ep_switch.checks import check_int, check_timeout
 from mooncake_ep_switch.elastic_buffer import arguments
 from mooncake_ep_switch.elastic_buffer import entry_combine as entries
+from mooncake_ep_switch.elastic_buffer import inner_rows
 from mooncake_ep_switch.elastic_buffer import layout as lay
 from mooncake_ep_switch.elastic_buffer import rows as codec
 from mooncake_ep_switch.elastic_buffer.handle import EPHandle, check_usable, new_handle
@@ -111,6 +112,7 @@ class ElasticBuffer:
         self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
         self._inner_dispatches = 0  # inner dispatches made (a handle is combined again only before the next)
         self._masks = {}  # device -> the buffer's own active_ranks when the caller passes none
+        self._ones_cache = {}  # (width, device) -> the inner combine's weights of 1.0
         self._token = object()  # the owner of this buffer's handles
         self._generation = 0  # update_ep_member() calls made (a handle from before one is refused)
 
@@ -335,9 +337,8 @@ class ElasticBuffer:
                                                                                             rank, self.max_num_bias)
         packed = codec.pack_dispatch_rows(tokens, scales, topk_idx, topk_weights, width)
         recv, inner_handle = self._inner_dispatch(packed, inner_topk, active, timeout_us, T)
-        row_index, src_global = lay.inner_sources(inner_handle, 0, T)
-        got_x, got_scales, got_topk, got_weights = codec.unpack_dispatch_rows(recv[0][row_index], hidden, num_topk,
-                                                                              use_fp8)
+        rows, src_global = inner_rows.inner_sources(inner_handle, 0, T, as_slice=True)
+        got_x, got_scales, got_topk, got_weights = codec.unpack_dispatch_rows(recv[0][rows], hidden, num_topk, use_fp8)
         if handle is not None:
             route = handle.route
             # The handle's layout again: rows from a source that sent nothing this time stay zero.
@@ -351,11 +352,12 @@ class ElasticBuffer:
             arrived[where[known]] = True
             received = lay.expert_counts(local[arrived], L).tolist()
             route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_dispatches, False
+            route.inner_rows = (inner_handle, rows, src_global)
         else:
             local = lay.local_topk(got_topk, rank, L)
             route = lay.Route(inner_topk, num_tokens, num_topk, hidden, use_fp8, src_global, local, None, 0,
                               inner_handle, self._inner_dispatches, self._token, self.runtime.epoch,
-                              self._generation)
+                              self._generation, inner_rows=(inner_handle, rows, src_global))
         counts = lay.expert_counts(local, L).tolist()
         if cumulative_local_expert_recv_stats is not None:
             stats = received if handle is not None else counts  # only the pairs that arrived in this call
@@ -456,35 +458,25 @@ class ElasticBuffer:
             route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_dispatches, False
         buffer, inner_handle = self._alive(), route.inner_handle
         inner_x = buffer.get_next_combine_buffer(inner_handle)[:, :, :columns]
-        row_index, src_global = lay.inner_sources(inner_handle, 0, T)
-        n = route.recv_src_global.numel()
-        if lay.same_order(route.recv_src_global, src_global, row_index):
-            # The usual case: the inner rows are the received tokens in order; write the partials in place.
-            inner_x[0, :n, :hidden].copy_(partial)
-            inner_x[0, :n, hidden:].copy_(encoded)
-        else:  # a re-dispatch whose sources differ: match the rows by source token
-            where, known = lay.positions(route.recv_src_global, src_global)
-            inner_x[0, row_index[known]] = torch.cat([partial, encoded], dim=1)[where[known]]
-            inner_x[0, row_index[~known]] = 0
-            # Tokens this rank never received (their source was out at the dispatch, in now): it has no
-            # partial for them, so it sends that source nothing; the source's deadline then clears this
-            # rank there, which is exact (a zero row would be summed as if it were this rank's partial).
-            lay.clear_sources(active, src_global[~known], T)
-        for slot, part in ((1, biases[0]), (2, biases[1])):
-            bias_rows, bias_global = lay.inner_sources(inner_handle, slot, T)
-            if bias_rows.numel():
-                inner_x[slot, bias_rows] = 0
-                token = bias_global - self.rank_idx * T
-                own = (token >= 0) & (token < route.num_tokens)  # only this rank's tokens route to its bias slots
-                if part is not None and bool(own.any()):
-                    inner_x[slot, bias_rows[own], :hidden] = part[token[own]]
-        ones = torch.ones(route.inner_topk.shape, dtype=torch.float32, device=device)
+        inner_rows.write_partials(inner_x, route, partial, encoded, active, T)
+        inner_rows.write_biases(inner_x, inner_handle, biases, self.max_num_bias, self.rank_idx, route.num_tokens, T)
+        ones = self._ones(route.inner_topk.shape, device)
         out, _, _ = buffer.combine(inner_x, route.inner_topk, ones, active, timeout_us, inner_handle, zero_copy=True)
         route.combined = True
         combined_x = out[:, :hidden].contiguous()
         combined_weights = None if topk_weights is None else codec.decode_weight_bytes(out[:, hidden:columns],
                                                                                       route.num_topk)
         return combined_x, combined_weights, EventOverlap(None)
+
+    def _ones(self, shape, device) -> torch.Tensor:
+        """The inner combine's weights (all 1.0: the rows are summed as they are): rows of one kept tensor
+        per width and device, grown when a call has more tokens."""
+        rows, width = shape
+        key = (width, str(device))
+        ones = self._ones_cache.get(key)
+        if ones is None or ones.size(0) < rows:
+            ones = self._ones_cache[key] = torch.ones((max(rows, 1), width), dtype=torch.float32, device=device)
+        return ones[:rows]
 
     def _combinable(self, route: lay.Route) -> bool:
         """Whether the inner Buffer still combines `route`'s inner dispatch (its rules, `Buffer.combine`): a

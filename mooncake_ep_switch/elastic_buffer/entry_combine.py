@@ -19,6 +19,7 @@ bias never travels. The cost is K inner rounds of empty rows (V2 too sends K row
 import torch
 
 from mooncake_ep_switch.elastic_buffer import layout as lay
+from mooncake_ep_switch.elastic_buffer.inner_rows import inner_sources
 from mooncake_ep_switch.elastic_buffer import rows as codec
 
 
@@ -47,7 +48,7 @@ def fill_entries(inner_x: torch.Tensor, inner_handle, k: int, x: torch.Tensor, w
             dispatch) is cleared in it: this rank has no row for it, so it sends that source nothing.
     """
     hidden = x.size(1)
-    row_index, src_global = lay.inner_sources(inner_handle, 0, T)
+    row_index, src_global = inner_sources(inner_handle, 0, T)
     if row_index.numel() == 0:
         return
     where, known = lay.positions(recv_src_global, src_global)

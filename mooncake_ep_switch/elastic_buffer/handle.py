@@ -42,10 +42,14 @@ class EPHandle:
 
     def __init__(self, *, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
                  num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
-                 num_recv_tokens_per_expert_list: List[int], psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
+                 num_recv_tokens_per_expert_list: List[int],
+                 psum_num_recv_tokens_per_scaleup_rank: Optional[torch.Tensor],
                  psum_num_recv_tokens_per_expert: torch.Tensor,
-                 num_unaligned_recv_tokens_per_expert: Optional[torch.Tensor], recv_src_metadata: torch.Tensor,
-                 dst_buffer_slot_idx: torch.Tensor, route: Any):
+                 num_unaligned_recv_tokens_per_expert: Optional[torch.Tensor], recv_src_metadata: Optional[torch.Tensor],
+                 dst_buffer_slot_idx: Optional[torch.Tensor], route: Any, num_ranks: int = 0):
+        """Keep the attributes. `psum_num_recv_tokens_per_scaleup_rank`, `recv_src_metadata` and
+        `dst_buffer_slot_idx` may be None: each is then computed from `route` (and `num_ranks`) when
+        first read, and kept (a round that never reads them never pays for them)."""
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
@@ -55,14 +59,41 @@ class EPHandle:
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
+        self._psum_per_rank = psum_num_recv_tokens_per_scaleup_rank
         self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
         self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.recv_src_metadata = recv_src_metadata
-        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        self._src_metadata = recv_src_metadata
+        self._dst_slots = dst_buffer_slot_idx
+        self._num_ranks = num_ranks
         self.token_metadata_at_forward = None
         self.channel_linked_list = None
         self.route = route  # this runtime's own part: the inner routing and the receive layout (layout.Route)
+
+    @property
+    def psum_num_recv_tokens_per_scaleup_rank(self) -> torch.Tensor:
+        """`[num_ranks]` torch.int32 (see the class docstring), computed when first read."""
+        if self._psum_per_rank is None:
+            src_global, T = self.route.recv_src_global, self.num_max_tokens_per_rank
+            per_source = torch.bincount(torch.div(src_global, T, rounding_mode="floor"),
+                                        minlength=self._num_ranks)[:self._num_ranks]
+            self._psum_per_rank = torch.cumsum(per_source, 0).to(torch.int32)
+        return self._psum_per_rank
+
+    @property
+    def recv_src_metadata(self) -> torch.Tensor:
+        """`[num_recv_tokens, 2 + num_topk]` torch.int32 (see the class docstring), computed when first read."""
+        if self._src_metadata is None:
+            route = self.route
+            self._src_metadata = lay.src_metadata(route.recv_src_global, route.recv_local_topk, route.slots,
+                                                  self.num_max_tokens_per_rank)
+        return self._src_metadata
+
+    @property
+    def dst_buffer_slot_idx(self) -> torch.Tensor:
+        """`[num_tokens, num_ranks]` torch.int32 (see the class docstring), computed when first read."""
+        if self._dst_slots is None:
+            self._dst_slots = lay.dst_slots(self.topk_idx, self.num_experts, self._num_ranks)
+        return self._dst_slots
 
     def __repr__(self) -> str:
         mode = "expanded" if self.do_expand else "not expanded"
@@ -74,7 +105,6 @@ def new_handle(route: lay.Route, do_expand: bool, num_experts: int, alignment: i
                topk_idx: torch.Tensor, do_handle_copy: bool, counts, R: int, src_global: torch.Tensor) -> EPHandle:
     """The handle of a new (not cached) dispatch: V2's attributes from its route and receive counts."""
     device = src_global.device
-    per_source = torch.bincount(torch.div(src_global, T, rounding_mode="floor"), minlength=R)[:R]
     aligned = [lay.align(c, alignment) for c in counts]
     if do_expand:
         starts = [sum(aligned[:j]) for j in range(len(counts))]
@@ -83,14 +113,13 @@ def new_handle(route: lay.Route, do_expand: bool, num_experts: int, alignment: i
     else:
         psum_expert = torch.cumsum(torch.tensor(aligned, dtype=torch.int64), 0).to(torch.int32).to(device)
         unaligned = None
+    # The source metadata, the destination slots and the per-rank prefix sum are computed when first read.
     return EPHandle(do_expand=do_expand, num_experts=num_experts, expert_alignment=alignment,
                     num_max_tokens_per_rank=T, num_sms=num_sms, topk_idx=topk_idx.clone() if do_handle_copy
                     else topk_idx, num_recv_tokens=src_global.numel(), num_expanded_tokens=route.num_slots,
-                    num_recv_tokens_per_expert_list=aligned,
-                    psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(per_source, 0).to(torch.int32),
+                    num_recv_tokens_per_expert_list=aligned, psum_num_recv_tokens_per_scaleup_rank=None,
                     psum_num_recv_tokens_per_expert=psum_expert, num_unaligned_recv_tokens_per_expert=unaligned,
-                    recv_src_metadata=lay.src_metadata(src_global, route.recv_local_topk, route.slots, T),
-                    dst_buffer_slot_idx=lay.dst_slots(topk_idx, num_experts, R), route=route)
+                    recv_src_metadata=None, dst_buffer_slot_idx=None, route=route, num_ranks=R)
 
 
 def check_usable(handle: EPHandle, owner: object, generation: int, runtime) -> None:

@@ -33,6 +33,7 @@ class Route:
         inner_handle: the inner Buffer's dispatch handle (its plan's `call` is the dispatch's call number).
         inner_call: the ElasticBuffer's count of inner dispatches when `inner_handle` was made.
         combined: whether `inner_handle` was combined already.
+        inner_rows: where `inner_handle` put the data rows, kept once computed (`inner_rows.data_rows`).
         owner: the ElasticBuffer's token (a handle of another buffer is refused).
         epoch: the inner Buffer's membership epoch the handle was last checked in (its dispatch's; moved
             on when the epoch moved without admitting anyone: the collective fallback's view without a
@@ -56,36 +57,7 @@ class Route:
     epoch: int
     generation: int
     combined: bool = False
-
-
-def inner_sources(handle, slot: int, num_max_tokens_per_rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Where the inner dispatch put the rows of inner local expert `slot`, ascending by source.
-
-    Arguments:
-        handle: the inner dispatch's handle (src_info `[3, R*T]` torch.int32, layout_range `[3, R]`
-            torch.int64).
-        slot: inner local expert (0: data, 1 and 2: bias slots).
-        num_max_tokens_per_rank: `T`.
-
-    Returns:
-        row_index: `[m]` torch.int64 rows of the slot's block; src_global: `[m]` torch.int64
-        `src_rank * T + token`, ascending.
-    """
-    src_info, layout_range = handle[0], handle[1]
-    device = src_info.device
-    pieces, ranks = [], []
-    for source, word in enumerate(layout_range[slot].tolist()):
-        begin, count = word >> 32, word & COUNT_MASK
-        if count:
-            pieces.append(torch.arange(begin, begin + count, device=device))
-            ranks.append(torch.full((count,), source, dtype=torch.int64, device=device))
-    if not pieces:
-        empty = torch.empty(0, dtype=torch.int64, device=device)
-        return empty, empty
-    row_index = torch.cat(pieces)
-    src_global = torch.cat(ranks) * num_max_tokens_per_rank + src_info[slot][row_index].to(torch.int64)
-    order = torch.argsort(src_global)  # already ascending (by source, then token); sorted to rely on nothing
-    return row_index[order], src_global[order]
+    inner_rows: Optional[tuple] = None  # (inner_handle, rows, src_global) of its slot 0 (`inner_rows.data_rows`)
 
 
 def local_topk(topk_idx: torch.Tensor, rank: int, num_local_experts: int) -> torch.Tensor:

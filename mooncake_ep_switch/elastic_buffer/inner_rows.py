@@ -1,0 +1,144 @@
+"""Where the inner Buffer's dispatch put an `ElasticBuffer` call's rows, and the combine rows written there.
+
+The inner dispatch lays each inner local expert's rows (slot 0: the tokens' data, 1 and 2: the bias
+slots) out as one block per source rank (`layout_range[slot][source] = (begin << 32) | count`). When
+the blocks follow each other and the tokens ascend (the usual case), a slot's rows are one `slice`:
+read and written in place, no index gathered. The slot-0 rows of a route's inner dispatch are kept in
+the route, computed once per inner dispatch.
+"""
+from typing import Tuple, Union
+
+import torch
+
+from mooncake_ep_switch.elastic_buffer import layout as lay
+
+Rows = Union[slice, torch.Tensor]  # rows of a slot's block: a slice when contiguous and ascending
+
+
+def inner_sources(handle, slot: int, num_max_tokens_per_rank: int, as_slice: bool = False) -> Tuple[Rows, torch.Tensor]:
+    """Where the inner dispatch put the rows of inner local expert `slot`, ascending by source.
+
+    Arguments:
+        handle: the inner dispatch's handle (src_info `[3, R*T]` torch.int32, layout_range `[3, R]`
+            torch.int64).
+        slot: inner local expert (0: data, 1 and 2: bias slots).
+        num_max_tokens_per_rank: `T`.
+        as_slice: return the rows as a `slice` when they are contiguous and already ascending.
+
+    Returns:
+        row_index: `[m]` torch.int64 rows of the slot's block (or a `slice` of them); src_global: `[m]`
+        torch.int64 `src_rank * T + token`, ascending.
+    """
+    src_info, layout_range = handle[0], handle[1]
+    device = src_info.device
+    words = [(source, word >> 32, word & lay.COUNT_MASK) for source, word in enumerate(layout_range[slot].tolist())]
+    words = [(source, begin, count) for source, begin, count in words if count]
+    if not words:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return (slice(0, 0) if as_slice else empty), empty
+    first, stop = words[0][1], words[0][1]
+    contiguous = True
+    for _, begin, count in words:
+        contiguous = contiguous and begin == stop
+        stop = begin + count
+    if contiguous:
+        ranks = torch.repeat_interleave(torch.tensor([s for s, _, _ in words], dtype=torch.int64, device=device),
+                                        torch.tensor([c for _, _, c in words], dtype=torch.int64, device=device))
+        src_global = ranks * num_max_tokens_per_rank + src_info[slot][first:stop].to(torch.int64)
+        if src_global.numel() < 2 or bool((src_global[1:] > src_global[:-1]).all()):
+            return (slice(first, stop) if as_slice else torch.arange(first, stop, device=device)), src_global
+        row_index = torch.arange(first, stop, device=device)
+    else:
+        row_index = torch.cat([torch.arange(begin, begin + count, device=device) for _, begin, count in words])
+        ranks = torch.cat([torch.full((count,), source, dtype=torch.int64, device=device)
+                           for source, _, count in words])
+        src_global = ranks * num_max_tokens_per_rank + src_info[slot][row_index].to(torch.int64)
+    order = torch.argsort(src_global)  # not ascending as laid out: sorted
+    return row_index[order], src_global[order]
+
+
+def as_index(rows: Rows, device) -> torch.Tensor:
+    """`rows` as a `[m]` torch.int64 index."""
+    if isinstance(rows, slice):
+        return torch.arange(rows.start, rows.stop, device=device)
+    return rows
+
+
+def data_rows(route: lay.Route, num_max_tokens_per_rank: int) -> Tuple[Rows, torch.Tensor]:
+    """Slot 0's rows of `route.inner_handle` (`inner_sources` with `as_slice`), computed once per inner
+    dispatch and kept in the route."""
+    cached = route.inner_rows
+    if cached is None or cached[0] is not route.inner_handle:
+        rows, src_global = inner_sources(route.inner_handle, 0, num_max_tokens_per_rank, as_slice=True)
+        cached = route.inner_rows = (route.inner_handle, rows, src_global)
+    return cached[1], cached[2]
+
+
+def in_received_order(route: lay.Route, rows: Rows, src_global: torch.Tensor) -> bool:
+    """Whether `rows` (holding `src_global`) are rows `0..n-1` holding the received tokens in order."""
+    n = route.recv_src_global.numel()
+    if src_global.numel() != n:
+        return False
+    if isinstance(rows, slice):
+        if rows.start != 0 and n:
+            return False
+        return src_global is route.recv_src_global or torch.equal(route.recv_src_global, src_global)
+    return lay.same_order(route.recv_src_global, src_global, rows)
+
+
+def write_partials(inner_x: torch.Tensor, route: lay.Route, partial: torch.Tensor, encoded: torch.Tensor,
+                   active: torch.Tensor, num_max_tokens_per_rank: int) -> None:
+    """Write this rank's partials and weight bytes into the data block of the inner combine buffer.
+
+    Arguments:
+        inner_x: `[3, R*T, columns]` the combine buffer's view (`hidden + encoded` columns).
+        route: the handle's route (its inner dispatch is the one `inner_x` belongs to).
+        partial: `[n, hidden]` torch.bfloat16, one per received token; encoded: `[n, 4K]` weight bytes.
+        active: `active_ranks`; sources whose tokens this rank never received are cleared in it.
+        num_max_tokens_per_rank: `T`.
+    """
+    hidden = partial.size(1)
+    rows, src_global = data_rows(route, num_max_tokens_per_rank)
+    if in_received_order(route, rows, src_global):
+        # The usual case: the inner rows are the received tokens in order; write the partials in place.
+        n = route.recv_src_global.numel()
+        inner_x[0, :n, :hidden].copy_(partial)
+        inner_x[0, :n, hidden:].copy_(encoded)
+        return
+    # A re-dispatch whose sources differ: match the rows by source token.
+    row_index = as_index(rows, inner_x.device)
+    where, known = lay.positions(route.recv_src_global, src_global)
+    inner_x[0, row_index[known]] = torch.cat([partial, encoded], dim=1)[where[known]]
+    inner_x[0, row_index[~known]] = 0
+    # Tokens this rank never received (their source was out at the dispatch, in now): it has no partial
+    # for them, so it sends that source nothing; the source's deadline then clears this rank there,
+    # which is exact (a zero row would be summed as if it were this rank's partial).
+    lay.clear_sources(active, src_global[~known], num_max_tokens_per_rank)
+
+
+def write_biases(inner_x: torch.Tensor, inner_handle, biases, num_bias: int, rank: int, num_tokens: int,
+                 num_max_tokens_per_rank: int) -> None:
+    """Fill the bias slots of the inner combine buffer: this rank's own tokens' bias rows (zeros where no
+    bias is given), summed first by the inner combine. Nothing to do with `num_bias` 0 (no bias slots).
+
+    Arguments:
+        inner_x: the combine buffer's view; inner_handle: its inner dispatch's handle.
+        biases: the pair of `[num_tokens, hidden]` torch.bfloat16 biases (None where absent).
+        num_bias: the bias slots the routing has (the buffer's `max_num_bias`).
+        rank: this rank; num_tokens: its tokens; num_max_tokens_per_rank: `T`.
+    """
+    for slot in range(1, 1 + num_bias):
+        part = biases[slot - 1]
+        rows, bias_global = inner_sources(inner_handle, slot, num_max_tokens_per_rank, as_slice=True)
+        if bias_global.numel() == 0:
+            continue
+        inner_x[slot, rows] = 0
+        if part is None:
+            continue
+        hidden = part.size(1)
+        token = bias_global - rank * num_max_tokens_per_rank
+        own = (token >= 0) & (token < num_tokens)  # only this rank's tokens route to its bias slots
+        if bool(own.all()) and isinstance(rows, slice):
+            inner_x[slot, rows, :hidden] = part[token]
+        elif bool(own.any()):
+            inner_x[slot, as_index(rows, inner_x.device)[own], :hidden] = part[token[own]]
