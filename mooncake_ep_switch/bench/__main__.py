@@ -1,6 +1,6 @@
 """`python -m mooncake_ep_switch.bench`: transport, switch and EPLB benchmarks with ratios to in-run baselines.
 
-Subcommands (each takes `--help`): soak, elastic, memory, hosts; `--device cuda` for the GPU rows; none for the
+Subcommands (each takes `--help`): soak, elastic, memory, membership, hosts; `--device cuda` for the GPU rows; none for the
 table below (`--quick`, `--out FILE`). Also `mooncake-ep bench ...`.
 
 Rows:
@@ -23,6 +23,9 @@ the "cuda" transport against a device-to-device copy, eager and from a CUDA grap
 `python -m mooncake_ep_switch.bench elastic [--quick]` compares DeepEP V2's `ElasticBuffer` with the legacy Buffer
 on the same tokens and routing (`bench.elastic_bench`: shm, Transfer Engine and collective, per rank against one
 core's memcpy).
+`python -m mooncake_ep_switch.bench membership [--quick] [--ranks 8,16]` drives the membership control plane
+alone (`bench.membership_bench`: ranks as threads on one TCPStore, no data plane): time and store operations
+to agree on a view after a death and to admit a joiner, R=8..256.
 `python -m mooncake_ep_switch.bench hosts [...]` runs the cross-host benchmark (`bench.hosts`: two
 network namespaces, Transfer Engine vs the gloo collective over the same veths vs shm on one host,
 bytes on the wire against the routed bytes; needs root).
@@ -141,8 +144,9 @@ def main(argv=None) -> int:
     Arguments:
         argv: command-line arguments (`--quick`, `--out FILE`, `--device cuda` for the GPU rows), or None for
             `sys.argv[1:]`; when the
-            first is `soak` (or `hosts`, `memory`, `elastic`), the rest go to that benchmark (`bench.soak.main`,
-            `bench.hosts.main`, `bench.memory.main`, `bench.elastic_bench.main`).
+            first is `soak` (or `hosts`, `memory`, `elastic`, `membership`), the rest go to that benchmark
+            (`bench.soak.main`, `bench.hosts.main`, `bench.memory.main`, `bench.elastic_bench.main`,
+            `bench.membership_bench.main`).
 
     Returns:
         status: int, 0 (failures raise); for `soak`, its status (1 when a check or the flatness
@@ -170,6 +174,10 @@ def main(argv=None) -> int:
         from mooncake_ep_switch.bench import memory
 
         return memory.main(argv[1:])
+    if argv[:1] == ["membership"]:
+        from mooncake_ep_switch.bench import membership_bench
+
+        return membership_bench.main(argv[1:])
 
     def rows_of(quick: bool) -> list:
         rows = run_transport_rows(quick=quick)

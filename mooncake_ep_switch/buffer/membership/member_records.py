@@ -7,7 +7,8 @@ builds on it). Every read is validated; a record that fails is refused with `Mem
 from typing import Iterable, Optional
 
 from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOINING, MAX_STATE_BYTES, STATES,  # noqa: F401
-                                                          MembershipError, RecordStore, valid_endpoint, valid_incarnation,
+                                                          MembershipError, RecordStore, valid_admission, valid_endpoint,
+                                                          valid_incarnation,
                                                           valid_peer_state, valid_ready, valid_region_record,
                                                           valid_state)
 
@@ -37,6 +38,8 @@ class MemberRecords(RecordStore):
         super().__init__(dist.PrefixStore(prefix, store), prefix, secret)
         self.rank = rank
         self.num_ranks = num_ranks
+        self._admissions = {}  # epoch -> admission record (written once, by compare-and-set: cached when read)
+        self._views = {}  # epoch -> sealed view ranks (sealed once, by compare-and-set: cached when read)
         # An observer (take_incarnation=False) only reads: it takes no incarnation and writes nothing.
         self.incarnation = None
         if take_incarnation:
@@ -113,7 +116,46 @@ class MemberRecords(RecordStore):
         Raises:
             MembershipError: the record is malformed or fails authentication.
         """
+        admission = self.admission(epoch)
+        if admission is not None:
+            return dict(admission["ranks"]).get(rank)
         return self._read(f"admitted/{epoch}/{rank}", valid_incarnation, "admitted incarnation (int >= 1)")
+
+    def admission(self, epoch: int) -> Optional[dict]:
+        """The admission record the sealer of `epoch` wrote before its view (`admitted/<epoch>`), or None.
+
+        One record binds every rank of the view to one incarnation, by compare-and-set (the first sealer's
+        binding holds for every later one), and carries the largest call counter of those ranks. It is
+        written once, so a record read is kept.
+
+        Arguments:
+            epoch: epoch number (>= 1).
+
+        Returns:
+            admission: dict with `"ranks"` (list of `[rank, incarnation]`, ascending) and `"call"` (int), or
+                None when that epoch has none (yet).
+
+        Raises:
+            MembershipError: the record is malformed or fails authentication.
+        """
+        found = self._admissions.get(epoch)
+        if found is None:
+            found = self._read(f"admitted/{epoch}", lambda v: valid_admission(v, self.num_ranks),
+                               "admission record (dict: ranks [[rank, incarnation], ...] ascending, call int)")
+            if found is not None:
+                self._admissions[epoch] = found
+        return found
+
+    def keep_admission(self, epoch: int, raw: bytes) -> Optional[dict]:
+        """Decode, check and keep the admission record of `epoch` read as `raw` (None: not valid)."""
+        try:
+            found = self._decode(f"admitted/{epoch}", raw)
+        except MembershipError:
+            return None
+        if not valid_admission(found, self.num_ranks):
+            return None
+        self._admissions[epoch] = found
+        return found
 
     def bind_incarnation(self, epoch: int, rank: int, incarnation: int) -> int:
         """Bind `rank` to `incarnation` in `epoch`, once (compare-and-set): a sealer does it for every rank of

@@ -5,9 +5,13 @@ A gloo or nccl group cannot lose a member, so membership lives in the torch.dist
 Buffer generation of one EP group, see `group_prefix` and `generation_prefix`):
 
     epoch                       current epoch number (0 before any change)
-    view/<e>                    JSON list of the member ranks of epoch e (sealed once, by CAS)
+    view/<e>                    the member ranks of epoch e (sealed once, by CAS): a sealer writes
+                                {"view": [ranks], "admission": the admission record below}; a plain
+                                JSON list of ranks is read too
     ready/<e>/<rank>            JSON {"incarnation", "call"}: rank asks to be in epoch e
-    admitted/<e>/<rank>         the incarnation of rank that view/<e> admits (bound once, by CAS, before the seal)
+    admitted/<e>                JSON {"ranks": [[rank, incarnation], ...], "call"}: the incarnation of every
+                                rank view/<e> admits and their largest call (bound once, by CAS, before the seal)
+    admitted/<e>/<rank>         the incarnation of rank bound in epoch e by itself (epoch 0, the Buffer's construction)
     closed/<rank>               the incarnation whose Buffer of this generation was destroyed
     state/<rank>                JSON {"state", "incarnation", "epoch"}: active, inactive or joining
     incarnation/<rank>          counter, bumped by every process (or rejoining Buffer) taking the rank id
@@ -32,6 +36,11 @@ Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; 
    of it to the incarnation it found ready (`admitted/<e+1>/<rank>`, by CAS: one incarnation per rank
    and epoch); a process whose incarnation is not the bound one never adopts the view (it raises,
    naming the incarnation that holds the rank), and peers read the bound incarnation's endpoint.
+   One member does that work before the deadline: the lowest rank of the ranks it waits for that it
+   does not know dead (it checks their readiness with one batched call per round); the others block on
+   `view/<e+1>` (`WAIT_SLICE_S` at a time, beating between) and read it with one call, so a change costs
+   O(R) store operations in all (sealing.py). At the deadline every member seals with whoever is ready
+   (after giving that lowest rank `LEADER_GRACE_S`), as before.
 2. A joiner (a replacement process, or a member that was left out) never seals. It posts
    `ready/<e+1>`, then sets its state to joining for e+1 (so a member that sees it joining also
    finds it ready: members never wait for joiners), and waits up to its deadline for a member to
@@ -40,8 +49,10 @@ Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; 
    keeps a pending beat and re-registers it for each next epoch, so `joining()` keeps listing it;
    sealers admit only joiners whose beat says they wait, so it is admitted once it calls
    `update_ep_member()` again. It withdraws (state inactive) when its Buffer is destroyed.
-3. Adopting a view sets the adopter's state active and every non-member's state inactive, unless that
-   rank has registered as joining for a later epoch. A joiner that died is therefore listed by
+3. The sealer whose view won sets every member's state active (one `multi_set`), advances the epoch
+   counter and sets every non-member's state inactive, unless that rank has registered as joining for a
+   later epoch (an adopter of a view sealed without an admission record does it itself, as before; a
+   sealer that dies in between leaves the states of the epoch before, which no rule reads). A joiner that died is therefore listed by
    `joining()` only until the next seal (which costs the members at most `JOINER_PROOF_S` for it),
    and never again unless a process registers for that rank anew.
 4. A member that finds a view sealed without it was left out: it is no longer a member (dispatch
@@ -66,14 +77,18 @@ import numbers
 import threading
 import time
 import weakref
+from datetime import timedelta
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence
+
+import torch.distributed as dist
 
 # The record layer; names other modules import from here are re-exported.
 from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOINING, MAX_COUNTER,  # noqa: F401
                                                           MAX_RECORD_BYTES, MAX_STATE_BYTES, STATES, MembershipError,
-                                                          RecordStore, rank_list, valid_ready, valid_state)
-from mooncake_ep_switch.buffer.membership.member_records import MemberRecords
-from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
+                                                          RecordStore, rank_list, valid_ready, valid_state, view_record)
+from mooncake_ep_switch.buffer.membership.member_records import MemberRecords  # noqa: F401 (re-exported)
+from mooncake_ep_switch.buffer.membership.sealing import SealingRecords, posted, quorum
+from mooncake_ep_switch.buffer.membership.store_deadline import BoundedStore, remaining_s, store_deadline
 from mooncake_ep_switch.errors import LeftOut  # noqa: F401 (re-exported)
 
 JOINER_BEAT_S = 0.02  # a waiting joiner refreshes alive/<rank> this often
@@ -83,6 +98,10 @@ PENDING_CALL_S = 1.0  # deadline of one pending beat's store calls (a stalled st
 WAITING_BEAT, PENDING_BEAT, MEMBER_BEAT = "w", "p", "m"  # alive/<rank> = "<incarnation>:<w|p|m>:<count>"
 MEMBER_BEAT_MARK = f":{MEMBER_BEAT}:".encode()  # a member waiting in agree_next_view (replacement.py reads it)
 _PENDING: "weakref.WeakSet[Membership]" = weakref.WeakSet()  # memberships with a pending beat running
+JOINER_CHECK_BEATS = 5  # a waiting joiner checks that it still holds its rank every this many beats
+WAIT_SLICE_S = 0.5  # a member waiting for the sealer blocks on the view's keys this long at a time, then beats
+MEMBER_BEAT_S = 0.1  # a waiting member refreshes alive/<rank> at most this often
+LEADER_GRACE_S = 0.2  # past its deadline a member gives the lowest waiting member this long to seal first
 JOINER_PROOF_S = 1.0  # a sealer admits only joiners whose heartbeat moved within this long
 _MAX_EPOCH_SKIP = 1 << 12  # sealed views past the epoch counter that epoch() walks over
 
@@ -137,7 +156,7 @@ def check_seconds(name: str, value, allow_none: bool = False) -> Optional[float]
     return seconds
 
 
-class Membership(MemberRecords):
+class Membership(SealingRecords):
     """Read and change the EP membership kept in a store.
 
     Arguments:
@@ -150,6 +169,8 @@ class Membership(MemberRecords):
             are then only validated).
         take_incarnation: take a new incarnation of `rank` (default); False: a read-only observer.
     """
+
+    _blocking_waits: Optional[bool] = None  # whether the store is a BoundedStore (a client of its own per call lane)
 
     # ------------------------------------------------------------------ reads
     def incarnation_of(self, rank: int) -> int:
@@ -193,8 +214,26 @@ class Membership(MemberRecords):
         return epoch
 
     def _view_record(self, epoch: int) -> Optional[tuple]:
-        return self._read(f"view/{epoch}", lambda v: rank_list(v, self.num_ranks) is not None,
-                          f"view (non-empty ascending list of distinct ranks in [0, {self.num_ranks}))")
+        found = self._views.get(epoch)  # sealed once, by compare-and-set: a view read is kept
+        if found is None and epoch > 0:  # epoch 0 is every rank: no view of it is ever sealed
+            raw = self.read_raw(f"view/{epoch}")
+            if raw is not None:
+                found = self._decode_view(epoch, raw)
+        return found
+
+    def _decode_view(self, epoch: int, raw: bytes) -> tuple:
+        """The ranks of the view record `raw` of `epoch` (kept, with the admission record it carries)."""
+        value = self._decode(f"view/{epoch}", raw)
+        found = view_record(value, self.num_ranks)
+        if found is None:
+            raise MembershipError(f"store record {self.prefix}/view/{epoch} is not a valid view (non-empty ascending "
+                                  f"list of distinct ranks in [0, {self.num_ranks}), or a sealer's record of one): "
+                                  f"{str(value)[:120]!r}; refused")
+        ranks, admission = found
+        self._views[epoch] = ranks
+        if admission is not None:
+            self._admissions.setdefault(epoch, admission)
+        return ranks
 
     def sealed(self, epoch: int) -> bool:
         """Whether a view of `epoch` was sealed (its content is not checked).
@@ -325,60 +364,137 @@ class Membership(MemberRecords):
         if not joining and self.rank not in members:
             raise LeftOut(f"rank {self.rank} is not a member of epoch {current} (members {list(members)}); "
                           "call update_ep_member() to rejoin", current, members)
-        self._put(f"ready/{target}/{self.rank}", {"incarnation": self.incarnation, "call": int(call)})
-        if joining:  # after the readiness: whoever sees this rank joining also finds it ready
-            self.set_state(JOINING, epoch=target)
         waiting = sorted(set(int(r) for r in expected if r in members) | {self.rank})
+        if joining:
+            self._put(f"ready/{target}/{self.rank}", {"incarnation": self.incarnation, "call": int(call)})
+            self.set_state(JOINING, epoch=target)  # after the readiness: whoever sees it joining finds it ready
+            self._await_admission(current, target, members, deadline, call)
+            fast = False
+        else:  # readiness and the first member beat in one call
+            self.store.multi_set([f"ready/{target}/{self.rank}", f"alive/{self.rank}"],
+                                 [self.encode_record(f"ready/{target}/{self.rank}",
+                                                     {"incarnation": self.incarnation, "call": int(call)}),
+                                  f"{self.incarnation}:{MEMBER_BEAT}:1"])
+            fast = self._await_seal(target, members, waiting, deadline, dead, stall_deadline)
+        return self._take_view(current, target, members, fast, joining)
+
+    def _await_admission(self, current: int, target: int, members: tuple, deadline: float, call: int) -> None:
+        """A joiner waits for a member to seal `target` (rule 2), beating `JOINER_BEAT_S`; at its deadline it
+        stays registered with a pending beat and raises."""
         pause = 0.001
         beats = 0
         while not self.sealed(target):
-            # Proof of life: a joiner's for the sealer (rule 2: a dead joiner is never sealed in); a member's
-            # for a plain Buffer(group) of a rank being replaced (replacement.py: the members are updating).
-            if joining:
+            # Proof of life for the sealer (rule 2: a dead joiner is never sealed in); every few beats, whether
+            # another incarnation took the rank (four reads: not on every beat).
+            if beats % JOINER_CHECK_BEATS == 0:
                 self._still_mine(target, call)
             beats += 1
-            self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{WAITING_BEAT if joining else MEMBER_BEAT}:{beats}")
+            self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{WAITING_BEAT}:{beats}")
             if time.monotonic() >= deadline:
-                if joining:
-                    if self.sealed(target):
-                        break  # a member sealed meanwhile: adopt it (this rank may be in it)
-                    self._start_pending(target, call)
-                    if self.sealed(target):  # sealed between the check and the pending beat: adopt it
-                        self.stop_pending()
-                        break
-                    raise MembershipError(
-                        f"rank {self.rank} was not admitted: no member of epoch {current} (members "
-                        f"{list(members)}) sealed epoch {target} before the deadline. It stays registered: "
-                        "the members' pending_joiners() keep listing this rank, and it is admitted when it "
-                        "waits again; call update_ep_member() again (with the members calling theirs), or "
-                        "destroy() the Buffer to give up")
-                if self._still_coming(waiting, target, dead, stall_deadline):
-                    time.sleep(pause)
-                    pause = min(pause * 2, 0.02)
-                    continue
-                gone = set(dead()) if dead is not None else set()
-                if self._seal(target, members, gone) or self.sealed(target):
+                if self.sealed(target):
+                    break  # a member sealed meanwhile: adopt it (this rank may be in it)
+                self._start_pending(target, call)
+                if self.sealed(target):  # sealed between the check and the pending beat: adopt it
+                    self.stop_pending()
                     break
-                raise MembershipError(self._no_quorum(target, members, gone))
+                raise MembershipError(
+                    f"rank {self.rank} was not admitted: no member of epoch {current} (members "
+                    f"{list(members)}) sealed epoch {target} before the deadline. It stays registered: "
+                    "the members' pending_joiners() keep listing this rank, and it is admitted when it "
+                    "waits again; call update_ep_member() again (with the members calling theirs), or "
+                    "destroy() the Buffer to give up")
+            time.sleep(pause)
+            pause = min(pause * 2, JOINER_BEAT_S)
+
+    def _await_seal(self, target: int, members: tuple, waiting: List[int], deadline: float, dead,
+                    stall_deadline: Optional[float]) -> bool:
+        """A member waits until `view/<target>` is sealed (rule 1). The lowest rank of `waiting` it does not
+        know dead seals: it polls the readiness of `waiting` (one batched check per round) and seals once
+        every one posted (the others block on the view's keys, `WAIT_SLICE_S` at a time, beating between);
+        at the deadline whoever is ready seals (the others give that sealer `LEADER_GRACE_S` first).
+        Returns True when the view was seen by that wait (it is there: read with one get)."""
+        pause, graced, beats = 0.001, False, 1
+        next_beat = time.monotonic() + MEMBER_BEAT_S
+        while True:
             gone = set(dead()) if dead is not None else set()
             # With a stall deadline (a collective lost a peer) ranks known dead are not waited for; without,
             # they are waited for until the deadline as before (a replacement may be registering for them).
             skip = gone if stall_deadline is not None else set()
-            if not joining and all(self.store.check([f"ready/{target}/{r}"]) for r in waiting if r not in skip):
-                if self._seal(target, members, gone):
+            leads = min(r for r in waiting if r == self.rank or r not in gone) == self.rank
+            now = time.monotonic()
+            past = now >= deadline
+            if past and not self._still_coming(waiting, target, dead, stall_deadline):
+                if not leads and not graced:
+                    graced = True
+                    if self._wait_sealed(target, LEADER_GRACE_S):
+                        return True
+                    continue
+                if self.sealed(target) or self.seal_view(target, members, gone, waiting, self._alive) or self.sealed(target):
+                    return False
+                raise MembershipError(self._no_quorum(target, members, gone))
+            if leads:
+                if self.sealed(target):
+                    return False
+                if posted(self, target, [r for r in waiting if r not in skip]):
+                    if self.seal_view(target, members, gone, waiting, self._alive):
+                        return False
+                    # Not a quorum yet (this rank was told not to wait for members that may be alive): wait
+                    # for more members, or for another side's seal, until the deadline.
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+            else:
+                until = stall_deadline if past else deadline
+                if self._wait_sealed(target, min(WAIT_SLICE_S, max(until - time.monotonic(), 0.001))):
+                    return True
+            if time.monotonic() >= next_beat:  # for a plain Buffer(group) of a rank being replaced (replacement.py)
+                beats += 1
+                self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{MEMBER_BEAT}:{beats}")
+                next_beat = time.monotonic() + MEMBER_BEAT_S
+
+    def _wait_sealed(self, target: int, seconds: float) -> bool:
+        """Block up to `seconds` (within the operation's store deadline) until the view of `target` is
+        there; False when it is not."""
+        keys = [f"view/{target}"]
+        left = remaining_s()
+        if left is not None:
+            seconds = min(seconds, max(left - 0.05, 0.001))
+        if self._blocking_waits is None:
+            root = self.store
+            while isinstance(root, dist.PrefixStore) or hasattr(root, "inner"):  # prefixes, wrappers (counting)
+                root = root.underlying_store if isinstance(root, dist.PrefixStore) else root.inner
+                if isinstance(root, BoundedStore):
                     break
-                # Not a quorum yet (this rank was told not to wait for members that may be alive): wait
-                # for more members, or for another side's seal, until the deadline.
-            time.sleep(pause)
-            pause = min(pause * 2, JOINER_BEAT_S if joining else 0.02)
-        ranks = self._view_record(target)
+            self._blocking_waits = isinstance(root, BoundedStore)
+        if not self._blocking_waits:
+            # A client shared by several threads (tests, observers): a blocking wait would hold its lock.
+            until, pause = time.monotonic() + seconds, 0.001
+            while not self.store.check(keys):
+                if time.monotonic() >= until:
+                    return False
+                time.sleep(min(pause, max(until - time.monotonic(), 0.0)))
+                pause = min(pause * 2, 0.02)
+            return True
+        try:
+            self.store.wait(keys, timedelta(seconds=seconds))  # the wrapper's own client: blocking holds nobody
+            return True
+        except dist.DistStoreError:
+            return False
+
+    def _take_view(self, current: int, target: int, members: tuple, fast: bool, joining: bool) -> View:
+        """Read, check and adopt the sealed view of `target` (rules 1, 3 and 4); `fast`: its keys are there."""
+        ranks = self._decode_view(target, bytes(self.store.get(f"view/{target}"))) if fast else self._view_record(target)
+        admission = self._admissions.get(target)  # the one the view carries (a sealer's record of it)
         if ranks is None:
             raise MembershipError(f"the view of epoch {target} disappeared from the store after it was sealed")
         ranks = tuple(ranks)
-        unready = [r for r in ranks if self._read(f"ready/{target}/{r}", valid_ready, "ready record") is None]
-        if unready:
-            raise MembershipError(f"the sealed view of epoch {target} ({list(ranks)}) lists ranks {unready} that "
-                                  "posted no readiness for it: not sealed by this job's ranks; refused")
+        self._views[target] = ranks
+        # A view whose admission record covers it was sealed by a member that read every rank ready.
+        covered = admission is not None and set(ranks) <= {r for r, _ in admission["ranks"]}
+        if not covered:
+            unready = [r for r in ranks if self._read(f"ready/{target}/{r}", valid_ready, "ready record") is None]
+            if unready:
+                raise MembershipError(f"the sealed view of epoch {target} ({list(ranks)}) lists ranks {unready} that "
+                                      "posted no readiness for it: not sealed by this job's ranks; refused")
         if not set(ranks) & set(members):
             raise MembershipError(f"the sealed view of epoch {target} ({list(ranks)}) holds no member of epoch "
                                   f"{current} ({list(members)}): not sealed by this job's ranks; refused")
@@ -390,8 +506,12 @@ class Membership(MemberRecords):
                           "update_ep_member() to rejoin: it registers this rank as joining (the members' "
                           "pending_joiners() lists it) and returns once a member's update_ep_member() "
                           "admits it", target, ranks)
-        self._adopt(current, View(target, ranks))
-        return View(target, ranks)
+        view = View(target, ranks)
+        if not covered:
+            self._adopt(current, view)  # a view sealed without an admission record: every adopter settles it
+        elif joining:
+            self.set_state(ACTIVE, epoch=target)  # the sealer set it too (rule 3); a joiner's own write is cheap
+        return view
 
     def _still_coming(self, waiting: Sequence[int], target: int, dead, stall_deadline: Optional[float]) -> bool:
         """Past its deadline, whether a member keeps waiting: some expected rank not known dead has not
@@ -399,7 +519,7 @@ class Membership(MemberRecords):
         if dead is None or stall_deadline is None or time.monotonic() >= stall_deadline:
             return False
         gone = set(dead())
-        return any(r not in gone and not self.store.check([f"ready/{target}/{r}"]) for r in waiting)
+        return not posted(self, target, [r for r in waiting if r not in gone])
 
     @staticmethod
     def quorum(ready: Iterable[int], members: Sequence[int], gone: Iterable[int] = ()) -> bool:
@@ -414,12 +534,7 @@ class Membership(MemberRecords):
         Returns:
             sealable: bool.
         """
-        gone, ready = set(gone), set(ready)
-        counted = [r for r in members if r not in gone]
-        have = [r for r in counted if r in ready]
-        if not counted:
-            return bool(have)
-        return 2 * len(have) > len(counted) or (2 * len(have) == len(counted) and min(counted) in have)
+        return quorum(ready, members, gone)
 
     def _no_quorum(self, target: int, members: tuple, gone: set) -> str:
         counted = [r for r in members if r not in gone]
@@ -428,45 +543,6 @@ class Membership(MemberRecords):
                 f"epoch {target - 1} not known dead) are ready, not a majority (half of them must include rank "
                 f"{min(counted)}). The others may be alive behind a cut link or stalled: the side with a majority "
                 "seals, and a rank it leaves out rejoins. Call update_ep_member() again")
-
-    def _seal(self, target: int, members: tuple, gone: Iterable[int] = ()) -> bool:
-        """Seal `view/<target>` (rule 1): ready members of the current view and ready registered joiners,
-        when they are a quorum of the members (rule 5). Returns whether the seal was attempted (the CAS
-        then picked one view, this one or another rank's); False: no quorum, nothing written."""
-        candidates, ready = [], {}
-        for rank in range(self.num_ranks):
-            try:
-                record = self.ready_record(target, rank)
-                if record is None:
-                    continue
-                ready[rank] = record["incarnation"]
-                if rank not in members:
-                    record = self._state_record(rank)
-                    if record is None or record["state"] != JOINING or record["epoch"] != target:
-                        continue
-            except MembershipError:
-                continue  # a malformed record keeps that rank out; it never breaks the seal
-            candidates.append(rank)
-        joiners = [r for r in candidates if r not in members]
-        if joiners:
-            alive = self._alive(joiners)
-            candidates = [r for r in candidates if r in members or r in alive]
-        if self.rank not in candidates:  # own readiness unreadable: the store was tampered with
-            raise MembershipError(f"rank {self.rank}'s own readiness for epoch {target} does not read back "
-                                  "intact; refusing to seal")
-        if not self.quorum([r for r in candidates if r in members], members, gone):
-            return False
-        # One incarnation per rank of the view (two replacements of one rank: the one another sealer bound
-        # first, or the one ready now; the other is never sealed in).
-        candidates = [r for r in candidates if self._bound(target, r, ready[r])]
-        if self.rank not in candidates:
-            raise MembershipError(f"rank {self.rank} was bound to incarnation {self.admitted_incarnation(target, self.rank)} "
-                                  f"in epoch {target}, this one is {self.incarnation}: another process or Buffer "
-                                  "holds this rank; refusing to seal")
-        if not self.quorum([r for r in candidates if r in members], members, gone):
-            return False
-        self.store.compare_set(f"view/{target}", "", self.encode_record(f"view/{target}", candidates))
-        return True
 
     def _alive(self, joiners: List[int]) -> set:
         """The joiners whose heartbeat moves within `JOINER_PROOF_S` while they wait inside
@@ -574,7 +650,8 @@ class Membership(MemberRecords):
             self.store.compare_set(key, "" if raw is None else raw.decode(errors="replace"), inactive)
 
     def max_call(self, epoch: int, ranks: Iterable[int]) -> int:
-        """Largest call counter the members of `epoch` posted with their readiness.
+        """Largest call counter the members of `epoch` posted with their readiness (the one the sealer's
+        admission record carries when it admitted every rank of `ranks`: one read, the same for every member).
 
         Arguments:
             epoch: epoch number whose `ready` records are read.
@@ -583,6 +660,13 @@ class Membership(MemberRecords):
         Returns:
             call: int, the maximum, or 0 when none posted.
         """
+        ranks = list(ranks)
+        try:  # the sealer's admission record carries the largest call of the ranks it admitted
+            admission = self.admission(epoch)
+        except MembershipError:
+            admission = None
+        if admission is not None and set(ranks) <= {r for r, _ in admission["ranks"]}:
+            return admission["call"]
         best = 0
         for rank in ranks:
             try:

@@ -95,6 +95,32 @@ def valid_region_record(value) -> bool:
         _is_int(b, 1, 1 << 64) and b + r[2] <= 1 << 64 for b, r in zip(bases, regions)))
 
 
+def valid_admission(value, num_ranks: int) -> bool:
+    """The admission record of a sealed epoch: {"ranks": [[rank, incarnation], ...] ascending, "call": int}."""
+    if not isinstance(value, dict) or not _is_int(value.get("call"), 0, 1 << 62):
+        return False
+    pairs = value.get("ranks")
+    if not isinstance(pairs, list) or not pairs or len(pairs) > num_ranks:
+        return False
+    if not all(isinstance(p, list) and len(p) == 2 and _is_int(p[0], 0, num_ranks) and _is_int(p[1], 1, MAX_COUNTER)
+               for p in pairs):
+        return False
+    ranks = [p[0] for p in pairs]
+    return ranks == sorted(set(ranks))
+
+
+def view_record(value, num_ranks: int) -> Optional[tuple]:
+    """(ranks, admission or None) of a sealed view record, or None if it is not one. A view is a rank list
+    (`rank_list`), or, as a sealer writes it, {"view": rank list, "admission": its admission record}."""
+    if isinstance(value, dict) and set(value) == {"view", "admission"}:
+        ranks = rank_list(value["view"], num_ranks)
+        if ranks is None or not valid_admission(value["admission"], num_ranks):
+            return None
+        return ranks, value["admission"]
+    ranks = rank_list(value, num_ranks)
+    return None if ranks is None else (ranks, None)
+
+
 def valid_peer_state(value) -> bool:
     return isinstance(value, list) and all(
         isinstance(item, dict) and _is_int(item.get("index"), 0, MAX_COUNTER) and isinstance(item.get("kind"), str)

@@ -17,7 +17,7 @@ error path reading who was missing, a process that was frozen and wakes late); w
 the store's own timeout. A call that gets no answer in time raises `StoreUnavailable` naming the
 store, the call and the deadline; its client (possibly mid-protocol) is never used again: the next
 call gets a fresh client and worker. The abandoned worker ends when the host answers (or the connection fails); idle workers
-end after `IDLE_S`. A write the stalled call had sent may still land when the host resumes, as
+end after `IDLE_S` (their client is kept for the next call: no reconnection burst when every rank calls at once). A write the stalled call had sent may still land when the host resumes, as
 any delayed message would.
 """
 import contextlib
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.errors import StoreUnavailable
 
-__all__ = ["BoundedStore", "STORE_GRACE_S", "bounded", "store_deadline"]
+__all__ = ["BoundedStore", "STORE_GRACE_S", "bounded", "remaining_s", "store_deadline"]
 
 STORE_GRACE_S = 0.5  # a call an operation makes at or past its deadline (error paths) still gets this long
 IDLE_S = 2.0  # a worker with nothing to do for this long ends (the next call starts one)
@@ -63,6 +63,16 @@ def store_deadline(deadline: Optional[float], what: str) -> Iterator[None]:
         yield
     finally:
         _DEADLINE.reset(token)
+
+
+def remaining_s() -> Optional[float]:
+    """Seconds left until the deadline of the operation in progress (`store_deadline`), or None without one.
+
+    Returns:
+        seconds: float (negative once past it), or None.
+    """
+    found = _DEADLINE.get()
+    return None if found is None else found[0] - time.monotonic()
 
 
 class _Job:
@@ -120,7 +130,11 @@ class _Lane:
                     self._cond.wait(IDLE_S)
                 if self.abandoned or not self._jobs:
                     self._thread = None
-                    self._client = None  # an idle lane makes a fresh client when it is used again
+                    if self.abandoned:
+                        self._client = None
+                    # An idle lane keeps its client (no call is in flight on it): when every rank of a group
+                    # calls again at once (update_ep_member after a death), nobody reconnects, so the store
+                    # host sees no burst of connections (R at once took seconds at R=64).
                     return
                 job = self._jobs.popleft()
             try:

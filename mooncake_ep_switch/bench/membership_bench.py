@@ -1,0 +1,255 @@
+"""The membership control plane alone at scale: ranks as threads on one TCPStore, no data plane.
+
+`python -m mooncake_ep_switch.bench membership [--quick] [--ranks 8,16,...]`. Every rank is a thread with
+its own store client, wrapped as a Buffer wraps it (`BoundedStore`: every call on a worker with a
+deadline) and counted (`CountingStore`). Rows, per group size R:
+
+* death: rank 0 is dead; the other R-1 call `agree_next_view()` at once, as the survivors'
+  `update_ep_member()` does (expected: the other survivors), then `max_call()` of the view;
+* join: a replacement of rank 0 waits to be admitted (it is listed by `joining()`), then the R-1
+  members agree again and admit it.
+
+Each row gives the wall time from the start until the last rank returned and the store operations
+all ranks made in that time (setup excluded), also per rank. Prints a markdown table.
+"""
+import argparse
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, List, Optional
+
+import torch.distributed as dist
+
+from mooncake_ep_switch.buffer.membership.protocol import Membership
+from mooncake_ep_switch.buffer.membership.store_deadline import BoundedStore
+from mooncake_ep_switch.launcher.launch import host_store
+
+__all__ = ["CountingStore", "agree_after_death", "admit_joiner", "main"]
+
+SIZES = (8, 16, 32, 64, 128, 256)
+QUICK_SIZES = (8, 32)
+
+
+class CountingStore(dist.Store):
+    """A `torch.distributed.Store` that counts the calls made on it (by name) and passes them on.
+
+    Arguments:
+        inner: the store to delegate to.
+        counts: a shared `Counter` to add to (several ranks' wrappers may share one), or None for its own.
+        lock: the lock guarding `counts` (shared with it), or None for its own.
+    """
+
+    def __init__(self, inner, counts: Optional[Counter] = None, lock: Optional[threading.Lock] = None):
+        super().__init__()
+        self.inner = inner
+        self.counts = Counter() if counts is None else counts
+        self._lock = threading.Lock() if lock is None else lock
+
+    def _count(self, op: str) -> None:
+        with self._lock:
+            self.counts[op] += 1
+
+    def set(self, key, value):
+        self._count("set")
+        return self.inner.set(key, value)
+
+    def get(self, key):
+        self._count("get")
+        return self.inner.get(key)
+
+    def check(self, keys):
+        self._count("check")
+        return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        self._count("compare_set")
+        return self.inner.compare_set(key, expected, desired)
+
+    def add(self, key, amount):
+        self._count("add")
+        return self.inner.add(key, amount)
+
+    def append(self, key, value):
+        self._count("append")
+        return self.inner.append(key, value)
+
+    def delete_key(self, key):
+        self._count("delete_key")
+        return self.inner.delete_key(key)
+
+    def multi_get(self, keys):
+        self._count("multi_get")
+        return self.inner.multi_get(keys)
+
+    def multi_set(self, keys, values):
+        self._count("multi_set")
+        return self.inner.multi_set(keys, values)
+
+    def num_keys(self):
+        self._count("num_keys")
+        return self.inner.num_keys()
+
+    def wait(self, keys, timeout=None):
+        self._count("wait")
+        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+
+class Group:
+    """R ranks' memberships on one store server, each with its own bounded, counted client."""
+
+    def __init__(self, num_ranks: int, prefix: str = "bench"):
+        self.server = host_store("127.0.0.1", 0, None, timeout_s=60)
+        self.num_ranks, self.prefix = num_ranks, prefix
+        self.counts, self.lock = Counter(), threading.Lock()
+        self.bounded: List[BoundedStore] = []
+        self.kept: list = []
+        with ThreadPoolExecutor(16) as pool:  # connecting takes ~0.1 s a client: not one after the other
+            self.members = list(pool.map(self.member, range(num_ranks)))
+
+    def member(self, rank: int) -> Membership:
+        client = dist.TCPStore("127.0.0.1", self.server.port, None, False, timeout=self.server.timeout,
+                               wait_for_workers=False)
+        bounded = BoundedStore(client)
+        with self.lock:
+            self.bounded.append(bounded)
+        counted = CountingStore(bounded, self.counts, self.lock)
+        membership = Membership(counted, rank, self.num_ranks, prefix=self.prefix)
+        with self.lock:
+            self.kept.append((client, counted))  # the Store objects PrefixStore calls into stay alive
+        return membership
+
+    def operations(self) -> int:
+        with self.lock:
+            return sum(self.counts.values())
+
+    def reset(self) -> None:
+        with self.lock:
+            self.counts.clear()
+
+    def close(self) -> None:
+        for bounded in self.bounded:
+            bounded.close()
+
+
+def _run_all(calls: Dict[object, Callable[[], object]], timeout_s: float) -> Dict[object, object]:
+    """Run every call on its own thread, released together; returns key -> result or exception."""
+    results: Dict[object, object] = {}
+    start = threading.Barrier(len(calls))
+
+    def run(key, fn):
+        start.wait(timeout_s)
+        try:
+            results[key] = fn()
+        except Exception as error:  # noqa: BLE001 - reported to the caller
+            results[key] = error
+
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    if any(thread.is_alive() for thread in threads):
+        raise TimeoutError(f"ranks did not return within {timeout_s} s")
+    return results
+
+
+def _member_call(member: Membership, current: int, expected, deadline_s: float, dead=None):
+    def call():
+        view = member.agree_next_view(current, expected, time.monotonic() + deadline_s, dead=dead)
+        member.max_call(view.epoch, view.ranks)
+        return view
+    return call
+
+
+def agree_after_death(group: Group, dead_rank: int = 0, deadline_s: float = 60.0) -> dict:
+    """Rank `dead_rank` is dead; the others agree on the next view. Returns seconds, ops and the views."""
+    survivors = [r for r in range(group.num_ranks) if r != dead_rank]
+    current = group.members[survivors[0]].epoch()
+    group.reset()
+    started = time.monotonic()
+    results = _run_all({r: _member_call(group.members[r], current, survivors, deadline_s, dead=lambda: {dead_rank})
+                        for r in survivors}, deadline_s + 30)
+    seconds = time.monotonic() - started
+    return {"seconds": seconds, "ops": group.operations(), "results": results, "counts": dict(group.counts)}
+
+
+def admit_joiner(group: Group, rank: int = 0, deadline_s: float = 60.0) -> dict:
+    """A replacement of `rank` waits to be admitted; the other ranks (the current view) agree and admit it."""
+    members = [r for r in range(group.num_ranks) if r != rank]
+    current = group.members[members[0]].epoch()
+    joiner = group.members[rank] = group.member(rank)
+    outcome: Dict[str, object] = {}
+
+    def join():
+        try:
+            outcome["joiner"] = joiner.agree_next_view(current, (), time.monotonic() + deadline_s, joining=True)
+        except Exception as error:  # noqa: BLE001 - reported to the caller
+            outcome["joiner"] = error
+
+    group.reset()
+    started = time.monotonic()
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    observer = Membership(group.server, rank, group.num_ranks, prefix=group.prefix, take_incarnation=False)
+    while rank not in observer.joining(current + 1):  # an uncounted client of its own  # the members call once they see it pending
+        if time.monotonic() - started > deadline_s:
+            raise TimeoutError("the joiner was never listed as joining")
+        time.sleep(0.001)
+    results = _run_all({r: _member_call(group.members[r], current, members, deadline_s) for r in members},
+                       deadline_s + 30)
+    thread.join(deadline_s + 30)
+    seconds = time.monotonic() - started
+    results[rank] = outcome.get("joiner")
+    return {"seconds": seconds, "ops": group.operations(), "results": results, "counts": dict(group.counts)}
+
+
+def _check(results: dict, expected: tuple) -> None:
+    wrong = {r: v for r, v in results.items() if getattr(v, "ranks", None) != expected}
+    if wrong:
+        raise RuntimeError(f"ranks did not agree on {expected}: {dict(list(wrong.items())[:4])}")
+
+
+def rows(sizes) -> List[dict]:
+    """Measure each size; returns one dict per (size, scenario)."""
+    found = []
+    for size in sizes:
+        group = Group(size)
+        try:
+            death = agree_after_death(group)
+            _check(death["results"], tuple(range(1, size)))
+            found.append({"R": size, "step": "view after a death", "seconds": death["seconds"], "ops": death["ops"]})
+            join = admit_joiner(group)
+            _check(join["results"], tuple(range(size)))
+            found.append({"R": size, "step": "joiner admitted", "seconds": join["seconds"], "ops": join["ops"]})
+        finally:
+            group.close()
+        print(f"R={size} done", file=sys.stderr, flush=True)
+    return found
+
+
+def main(argv=None) -> int:
+    """Print the membership control plane's table (see the module docstring).
+
+    Arguments:
+        argv: command-line arguments (`--quick`, `--ranks 8,16`), default `sys.argv[1:]`.
+
+    Returns:
+        exit status 0.
+    """
+    parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch.bench membership")
+    parser.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} only")
+    parser.add_argument("--ranks", default=None, help="comma-separated group sizes (default 8..256)")
+    args = parser.parse_args(argv)
+    sizes = [int(v) for v in args.ranks.split(",")] if args.ranks else (QUICK_SIZES if args.quick else SIZES)
+    print("| R | step | seconds | store ops | ops per rank |")
+    print("|---|---|---|---|---|")
+    for row in rows(sizes):
+        print(f"| {row['R']} | {row['step']} | {row['seconds']:.3f} | {row['ops']} | {row['ops'] / row['R']:.1f} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
