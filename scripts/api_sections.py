@@ -35,6 +35,7 @@ TRACES = "mooncake_ep_switch.switch.planning.traces"
 SIMULATE_CLI = "mooncake_ep_switch.apps.simulate_cli"
 DEEP_EP = "mooncake_ep_switch.deep_ep"
 METRICS = "mooncake_ep_switch.metrics"
+EVENTS = "mooncake_ep_switch.buffer.events"
 
 PREAMBLE = """\
 Every public call of `mooncake_ep_switch`, generated from the docstrings of the code (so the text
@@ -208,6 +209,21 @@ Serving on physical experts and moving them while serving (names importable from
         Entry(EPLB, "RebalanceReport"),
         Entry(EPLB, "physical_ep_forward"),
         Entry(EPLB, "physical_ep_round"),
+        Entry(EPLB, "restore_coverage"),
+        Entry(EPLB, "coverage_placement"),
+        Entry(EPLB, "uncovered_experts"),
+    )),
+    Section("Events (`mooncake_ep_switch.buffer.events`)", intro="""\
+What `Buffer.subscribe()` delivers, for the engine's policy; what to do on each is in
+[recovery.md](recovery.md) ("Events") and [eplb.md](eplb.md) ("Coverage restored online").
+""", items=(
+        Entry(EVENTS, "Subscription", prefix="events."),
+        Entry(EVENTS, "PeerMasked", prefix="events."),
+        Entry(EVENTS, "ExpertsUncovered", prefix="events."),
+        Entry(EVENTS, "CoverageRestored", prefix="events."),
+        Entry(EVENTS, "JoinerPending", prefix="events."),
+        Entry(EVENTS, "JoinerAdmitted", prefix="events."),
+        Entry(EVENTS, "RankLeftOut", prefix="events."),
     )),
     Section("Metrics export (`mooncake_ep_switch.metrics`)", intro="""\
 `Buffer.stats()` as samples, and an optional Prometheus collector (needs `prometheus_client`); the loggers

@@ -10,6 +10,7 @@ from mooncake_ep_switch.eplb.policy.tables import Placement, placement_from_phy2
 from mooncake_ep_switch.eplb.maps import (LiveCopies, build_dispatch_map, live_copies, logical_to_physical,
                                          spread_to_physical)
 from mooncake_ep_switch.eplb.online import OnlineRebalancer, RebalanceChunk, RebalanceReport
+from mooncake_ep_switch.eplb.coverage import coverage_placement, restore_coverage, uncovered_experts
 from mooncake_ep_switch.eplb.serving import physical_ep_forward, physical_ep_round
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 from mooncake_ep_switch.eplb.policy.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
@@ -36,6 +37,7 @@ __all__ = [
     "build_dispatch_map",
     "compute_logical_maps",
     "counts_from_topk",
+    "coverage_placement",
     "gpu_loads",
     "greedy_rebalance_experts",
     "layer_balancedness",
@@ -48,6 +50,8 @@ __all__ = [
     "place_redundant_experts",
     "placement_from_phy2log",
     "rebalance_experts",
+    "restore_coverage",
     "spread_to_physical",
     "suggest_redundancy",
+    "uncovered_experts",
 ]
