@@ -37,17 +37,18 @@ from tests.test_eplb_fault_routing import (DEAD, EXPERTS, HIDDEN, INTER, LAYERS,
                                            SOLE_EXPERT, TOKENS, TOP_K, _inputs)
 
 TIMEOUT_US = harness.FAULT_TIMEOUT_US
+TIMEOUTS = {"shm": harness.FAULT_TIMEOUT_US, "mooncake": harness.FAULT_TIMEOUT_US_TE}
 STEPS = 5
 
 
-def _setup(ctx, timeout_us=TIMEOUT_US):
+def _setup(ctx, timeout_us=TIMEOUT_US, transport="shm"):
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.eplb.online import OnlineRebalancer
     from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
     from mooncake_ep_switch.reference.moe_block import random_weights
 
     size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, ctx.num_ranks, R * SLOTS_PER_RANK)
-    buffer = Buffer(ctx.group, size, transport="shm")
+    buffer = Buffer(ctx.group, size, transport=transport)
     weights = [random_weights(EXPERTS, HIDDEN, INTER, seed=300 + layer) for layer in range(LAYERS)]
     slots = ExpertSlots(buffer, SlotShape(LAYERS, EXPERTS, SLOTS_PER_RANK, HIDDEN, INTER),
                         np.asarray(PLACEMENT, dtype=np.int64), spare_frames=1)
@@ -83,14 +84,15 @@ def _bad_placements(slots, rebalancer):
     return errors, unchanged
 
 
-def rank_coverage(ctx, death_file):
+def rank_coverage(ctx, death_file, transport):
     from mooncake_ep_switch.buffer.events import CoverageRestored, ExpertsUncovered
     from mooncake_ep_switch.eplb.coverage import restore_coverage
     from mooncake_ep_switch.eplb.maps import build_dispatch_map
     from mooncake_ep_switch.eplb.serving import physical_ep_forward
     from mooncake_ep_switch.reference.moe_block import reference_forward
 
-    buffer, weights, slots, rebalancer, loader, loads = _setup(ctx)
+    timeout_us = TIMEOUTS[transport]
+    buffer, weights, slots, rebalancer, loader, loads = _setup(ctx, timeout_us, transport)
     subscription = buffer.subscribe()
     try:
         bad, unchanged = _bad_placements(slots, rebalancer)
@@ -118,7 +120,7 @@ def rank_coverage(ctx, death_file):
                 masked_before = not int(active[DEAD])
                 lost_before = int(slots.lost_contributions[layer])
                 out, _ = physical_ep_forward(buffer, x, weights[layer].router, slots, layer, TOP_K, TOKENS, active,
-                                             rows[layer], timeout_us=TIMEOUT_US, fault_aware=True)
+                                             rows[layer], timeout_us=timeout_us, fault_aware=True)
                 if not int(active[DEAD]) and not masked_before:  # met the death: the unmasked row's skips
                     skip = {e for e in range(EXPERTS) if int(rows[layer][e]) // SLOTS_PER_RANK == DEAD}
                 elif masked_before and layer == 1 and not any(r.outcome == "committed" for r in reports):
@@ -144,10 +146,11 @@ def rank_coverage(ctx, death_file):
         buffer.destroy()
 
 
-def test_coverage_epoch_while_a_rank_is_dead_restores_the_full_reference(tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_coverage_epoch_while_a_rank_is_dead_restores_the_full_reference(tmp_path, transport):
     death_file = str(tmp_path / "death")
     with harness.fresh_cluster(R) as cluster:
-        outcomes = cluster.run(rank_coverage, death_file, timeout_s=180, failure_grace_s=60)
+        outcomes = cluster.run(rank_coverage, death_file, transport, timeout_s=180, failure_grace_s=60)
     assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
     died = float(open(death_file).read())
     survivors = [o for o in outcomes if o.rank != DEAD]
@@ -189,7 +192,7 @@ def test_coverage_epoch_while_a_rank_is_dead_restores_the_full_reference(tmp_pat
         assert restored.layers == (1,) and restored.epoch == committed[0][0], restored
         figures.append((result["restored_at"] - died, result["seconds"], max(result["stall_ms"])))
     assert sum(len(o.value["loads"]) for o in survivors) == 1, "one survivor loads SOLE_EXPERT from the checkpoint"
-    print(f"\ndeath -> full coverage (weights from the loader), per survivor: "
+    print(f"\n{transport}: death -> full coverage (weights from the loader), per survivor: "
           + ", ".join(f"{total * 1e3:.0f} ms (uncovered -> restored {seen * 1e3:.0f} ms, commit stall {stall:.1f} ms)"
                       for total, seen, stall in figures))
 
