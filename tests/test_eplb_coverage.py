@@ -1,7 +1,8 @@
 """Coverage restored online (issue 36 items 2 and 4): a coverage epoch while a rank is dead, and the events.
 
-R=4 ranks serve two MoE layers on physical experts with `fault_aware=True` (the placement of
-test_eplb_fault_routing: layer 1 holds expert SOLE_EXPERT on rank DEAD only). DEAD is SIGKILLed at
+R=4 ranks serve two MoE layers on physical experts with `fault_aware=True`, on shared memory and the
+Transfer Engine (the placement of test_eplb_fault_routing: layer 1 holds expert SOLE_EXPERT on rank
+DEAD only). DEAD is SIGKILLed at
 step 2. The engine's policy here is the documented one (docs/recovery.md, "Events"): when its
 subscription shows `ExpertsUncovered`, it begins a coverage epoch (`eplb.coverage.restore_coverage`)
 that commits at the next step; the uncovered expert's weights come from the loader (no live rank
