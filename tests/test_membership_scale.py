@@ -75,3 +75,34 @@ def test_no_view_without_a_quorum_then_one_with_it():
         assert all(v == View(1, tuple(majority)) for v in results.values()) and len(results) == len(majority), results
     finally:
         group.close()
+
+
+def test_a_barrier_costs_two_store_operations_per_rank_and_names_the_missing():
+    group = _group()
+    try:
+        def barrier(ranks, name, deadline_s):
+            out = {}
+
+            def run(rank):
+                try:
+                    group.members[rank].barrier(name, range(R), time.monotonic() + deadline_s)
+                    out[rank] = None
+                except MembershipError as error:
+                    out[rank] = error
+
+            threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            return out
+
+        late = barrier(range(1, R), "late", 3.0)  # rank 0 never comes
+        assert len(late) == R - 1 and all(
+            isinstance(e, MembershipError) and e.missing == (0,) for e in late.values()), late
+        group.reset()
+        everyone = barrier(range(R), "all", 30.0)
+        assert everyone == {r: None for r in range(R)}
+        assert group.operations() <= 2 * R + R // 4, group.counts  # a set and one wait each (a slow one: another)
+    finally:
+        group.close()

@@ -454,10 +454,15 @@ class Membership(SealingRecords):
     def _wait_sealed(self, target: int, seconds: float) -> bool:
         """Block up to `seconds` (within the operation's store deadline) until the view of `target` is
         there; False when it is not."""
-        keys = [f"view/{target}"]
+        return self._wait_keys([f"view/{target}"], seconds)
+
+    def _wait_keys(self, keys: List[str], seconds: float) -> bool:
+        """Block up to `seconds` (within the operation's store deadline) until every key of `keys` is there
+        (one store call on a `BoundedStore`); False when they are not."""
         left = remaining_s()
         if left is not None:
             seconds = min(seconds, max(left - 0.05, 0.001))
+        seconds = max(seconds, 0.001)
         if self._blocking_waits is None:
             root = self.store
             while isinstance(root, dist.PrefixStore) or hasattr(root, "inner"):  # prefixes, wrappers (counting)
@@ -691,12 +696,14 @@ class Membership(SealingRecords):
         ranks = list(ranks)
         self.store.set(f"barrier/{name}/{self.rank}", "1")
         keys = [f"barrier/{name}/{r}" for r in ranks]
-        try:
-            self.wait_for(lambda: True if self.store.check(keys) else None, deadline,
-                          f"barrier {name!r} of {ranks}")
-        except MembershipError as error:
-            missing = [r for r in ranks if not self.store.check([f"barrier/{name}/{r}"])]
-            raise MembershipError(f"{error}; missing ranks {missing}", missing) from None
+        # One blocking wait on every rank's key (slices of WAIT_SLICE_S), not a poll of them per round.
+        while not self._wait_keys(keys, min(WAIT_SLICE_S, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                missing = [r for r in ranks if not self.store.check([f"barrier/{name}/{r}"])]
+                if not missing:
+                    return
+                raise MembershipError(f"deadline passed while waiting for barrier {name!r} of {ranks}; missing "
+                                      f"ranks {missing}", missing)
 
     def wait_for(self, predicate, deadline: float, what: str):
         """Poll `predicate()` (returns a value or None) with backoff until `deadline`.

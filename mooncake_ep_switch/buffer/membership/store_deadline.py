@@ -17,7 +17,8 @@ error path reading who was missing, a process that was frozen and wakes late); w
 the store's own timeout. A call that gets no answer in time raises `StoreUnavailable` naming the
 store, the call and the deadline; its client (possibly mid-protocol) is never used again: the next
 call gets a fresh client and worker. The abandoned worker ends when the host answers (or the connection fails); idle workers
-end after `IDLE_S` (their client is kept for the next call: no reconnection burst when every rank calls at once). A write the stalled call had sent may still land when the host resumes, as
+end after `IDLE_S` (their client is kept for the next call: no burst of reconnections when every rank
+calls at once). A write the stalled call had sent may still land when the host resumes, as
 any delayed message would.
 """
 import contextlib
