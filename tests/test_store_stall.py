@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from mooncake_ep_switch import Buffer
 from mooncake_ep_switch.elastic import connect_store, join
@@ -218,6 +219,9 @@ def rank_start_eplb(ctx, addr):
     slots = RANK_STATE["slots"] = ExpertSlots(RANK_STATE["buffer"], shape, np.asarray(OLD_PLACEMENT), spare_frames=3)
     RANK_STATE["weights"] = [random_weights(EPLB_EXPERTS, EPLB_HIDDEN, EPLB_INTER, seed=40)]
     slots.load(RANK_STATE["weights"])
+    # Every rank's frames are loaded before any rank stages from them (a peer's frame read before the peer
+    # loaded it is staged as garbage: this test's frame check failed 1 run in ~10 under load without it).
+    dist.barrier(group=ctx.group)
     rebalancer = RANK_STATE["rebalancer"] = OnlineRebalancer(slots, timeout_us=int(DEADLINE_S * 1e6),
                                                              frames_per_step=1)
     rebalancer.begin(np.asarray(NEW_PLACEMENT), commit_step=COMMIT_STEP)
