@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mooncake_ep_switch import Buffer, ElasticBuffer
+from mooncake_ep_switch.buffer.events import EventBus
 from mooncake_ep_switch.buffer.stats import CallStats
 from mooncake_ep_switch.errors import BufferDestroyed
 from mooncake_ep_switch.metrics import PrometheusCollector, register_prometheus, stats_samples
@@ -167,7 +168,9 @@ class _Transport:
 
 
 def _core(transport):
-    return SimpleNamespace(transport=transport, rank=0, num_ranks=4, epoch=3, members=(0, 1, 2, 3), stats=CallStats())
+    # What CallStats reads of a BufferCore, the event bus included (a mask is also a PeerMasked event).
+    return SimpleNamespace(transport=transport, rank=0, num_ranks=4, epoch=3, members=(0, 1, 2, 3), stats=CallStats(),
+                           events=EventBus())
 
 
 def _observe(core, rank, timeout_us, seconds=0.0005):
