@@ -161,6 +161,7 @@ def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int
             behind = [r for r, value in zip(others, reached) if value < mine]
             where = "" if target is None else f" (it replaces rank {rank} in Buffer #{target}, the first of the group " \
                 "this process holds none of, by construction order, as elastic.join() does)"
+            where += _held_by_another(observers.get(target), rank, target)
             raise MembershipError(
                 f"Buffer: rank {rank} builds Buffer #{mine} of its group: ranks {behind} neither built theirs nor "
                 f"called update_ep_member() on a Buffer of the group that this one could replace rank {rank} in, "
@@ -189,6 +190,25 @@ def _target(store, rank: int, num_ranks: int, base: str, secret, newest: int,
             continue  # every other member destroyed its Buffer of this generation: nobody to replace it with
         live.append(generation)
     return next((g for g in live if g not in held), next((g for g in live if g not in joined), None))
+
+
+def _held_by_another(observer: Optional[Membership], rank: int, generation: Optional[int]) -> str:
+    """Why a replacement that timed out was not needed, when the store says so: `rank` is a member of the
+    generation's current view with an incarnation admitted there after a change (another replacement of the
+    rank was admitted first); "" otherwise (the records are only read to name the holder)."""
+    if observer is None:
+        return ""
+    try:
+        epoch = observer.epoch()
+        if epoch < 1 or rank not in observer.view(epoch).ranks:
+            return ""
+        holder = observer.admitted_incarnation(epoch, rank)
+    except MembershipError:
+        return ""
+    if holder is None:
+        return ""
+    return (f". Rank {rank} is already taken over there: incarnation {holder} holds it (admitted in epoch {epoch} of "
+            f"Buffer #{generation}); exactly one replacement of a rank is admitted, and this one was not")
 
 
 def _step_back(counters: RecordStore, rank: int, mine: int, own: int) -> None:
