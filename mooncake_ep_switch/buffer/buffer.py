@@ -8,7 +8,7 @@ layouts are Mooncake EP's, so engines written for it work unchanged.
 import time
 import weakref
 from time import perf_counter
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,13 @@ from mooncake_ep_switch.buffer.transport.select import TRANSPORTS, make_transpor
 from mooncake_ep_switch.checks import check_flag
 from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.faults import FaultPoint
+
+# What dispatch/combine return: (recv_x or its FP8 (rows, scales), recv_count, handle, event, hook) and
+# (combined_x, event, hook); the event is a StreamEvent (an EventOverlap) on the cuda transport, the hook None
+# unless return_recv_hook.
+DispatchResult = Tuple[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], torch.Tensor, DispatchHandle,
+                       EventOverlap, Optional[Callable[[], None]]]
+CombineResult = Tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]
 
 _LAYOUT_SWITCH: Optional[Callable] = None  # set by mooncake_ep_switch.switch (register_layout_switch)
 
@@ -557,7 +564,7 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, active_ranks: torch.Tensor,
                  num_max_dispatch_tokens_per_rank: int, num_experts: int, timeout_us: int,
                  use_fp8: Optional[bool] = None, async_finish: bool = False, return_recv_hook: bool = False,
-                 diagnostic=None):
+                 diagnostic=None) -> DispatchResult:
         """Send every token to the ranks owning its selected experts, packed per local expert.
 
         Arguments:
@@ -710,7 +717,7 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 active_ranks: torch.Tensor, timeout_us: int, handle, zero_copy: bool = False,
                 async_finish: bool = False, return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
-                diagnostic=None):
+                diagnostic=None) -> CombineResult:
         """Return expert outputs to their token owners and reduce them with the routing weights.
 
         `combined[t] = bf16(sum_k topk_weights[t, k] * y(topk_idx[t, k], t))`, in float32 and in top-k
