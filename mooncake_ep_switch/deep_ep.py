@@ -5,7 +5,7 @@ came; nothing changes before one is raised), keeps DeepEP's per-Buffer state (a 
 shrink-mode mask, as a Buffer-owned `active_ranks`), and lets `mooncake_ep_switch.Buffer` move the
 bytes. Only the low-latency mode exists; DeepEP's normal-mode calls raise NotImplementedError.
 """
-from typing import Optional
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -262,7 +262,9 @@ class Buffer:
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+                             return_recv_hook: bool = False
+                             ) -> Tuple[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], torch.Tensor, tuple,
+                                        EventOverlap, Optional[Callable[[], None]]]:
         """Send every token to the ranks owning its top-k experts (DeepEP's `low_latency_dispatch`).
 
         Arguments:
@@ -337,7 +339,8 @@ class Buffer:
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
+                            ) -> Tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]:
         """Return expert outputs to their tokens' ranks, reduced with the weights (DeepEP's `low_latency_combine`).
 
         `out[t] = bf16(sum_k topk_weights[t, k] * y(topk_idx[t, k], t))` in float32, skipping -1 and

@@ -275,7 +275,9 @@ class ElasticBuffer:
                  async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
                  handle: Optional[EPHandle] = None, do_handle_copy: bool = True, do_cpu_sync: Optional[bool] = None,
                  do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False,
-                 *, active_ranks: Optional[torch.Tensor] = None, timeout_us: Optional[int] = None):
+                 *, active_ranks: Optional[torch.Tensor] = None, timeout_us: Optional[int] = None
+                 ) -> Tuple[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], Optional[torch.Tensor],
+                        Optional[torch.Tensor], EPHandle, EventOverlap]:
         """Send each token to the ranks owning its top-k experts (V2's layouts).
 
         Arguments:
@@ -394,7 +396,8 @@ class ElasticBuffer:
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None, bias=None,
                 num_sms: int = 0, num_qps: int = 0, previous_event=None, previous_event_before_epilogue=None,
                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
-                *, active_ranks: Optional[torch.Tensor] = None, timeout_us: Optional[int] = None):
+                *, active_ranks: Optional[torch.Tensor] = None, timeout_us: Optional[int] = None
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
         """Return each rank's partials to the tokens' owners and sum them (V2's semantics).
 
         No top-k weights are applied (the expert side did). Not expanded, `x` holds one row per received
