@@ -266,7 +266,10 @@ def rank_eplb(ctx) -> dict:
             aborted = {"reports": [(r.epoch, r.outcome) for r in reports],
                        "placement_old": bool(np.array_equal(slots.phy2log, old)), "frames": _frames_exact(slots, weights),
                        "digest": _digest(slots.region.local)}
-            # 2. the same placement change with every rank active: committed at step 6 on every rank
+            # 2. the same placement change with every rank active: committed at step 6 on every rank. Ranks begin
+            # after a serving step (a collective), as an engine does: a rank still waiting for the aborted epoch's
+            # votes must not see a peer's next plan (docs/eplb.md: ranks in lockstep between begin() and the votes).
+            dist.barrier(group=ctx.group)
             rebalancer.begin(target, commit_step=6)
             reports = []
             for step in range(4, 8):
