@@ -637,22 +637,7 @@ class Membership(SealingRecords):
         if value == current:  # the first adopter advances it; a CAS from a stale value does nothing
             self.store.compare_set("epoch", "" if text is None else text, str(view.epoch))
         self.set_state(ACTIVE, epoch=view.epoch)
-        for rank in range(self.num_ranks):
-            if rank in view.ranks:
-                continue
-            key = f"state/{rank}"
-            raw = self.read_raw(key)
-            try:
-                record = None if raw is None else self._decode(key, raw)
-            except MembershipError:
-                record = None
-            if valid_state(record) and record["state"] == INACTIVE:
-                continue
-            if valid_state(record) and record["state"] == JOINING and record["epoch"] > view.epoch:
-                continue  # registered for a later epoch: still joining
-            inactive = self.encode_record(key, {"state": INACTIVE, "incarnation": self.read_counter(f"incarnation/{rank}"),
-                                          "epoch": view.epoch})
-            self.store.compare_set(key, "" if raw is None else raw.decode(errors="replace"), inactive)
+        self._deactivate_non_members(view.ranks, view.epoch, skip_unreadable=False)
 
     def max_call(self, epoch: int, ranks: Iterable[int]) -> int:
         """Largest call counter the members of `epoch` posted with their readiness (the one the sealer's

@@ -171,8 +171,14 @@ class SealingRecords(MemberRecords):
         keys = [f"state/{r}" for r in ranks]
         self.store.multi_set(keys, [self.encode_record(k, {"state": ACTIVE, "incarnation": bound[r], "epoch": target})
                                        for k, r in zip(keys, ranks)])
+        self._deactivate_non_members(ranks, target, skip_unreadable=True)
+
+    def _deactivate_non_members(self, members, epoch: int, skip_unreadable: bool) -> None:
+        """Rule 3 for the ranks outside `members`: set each inactive for `epoch` (CAS on its state record) unless
+        it already is, or registered as joining for a later epoch. `skip_unreadable`: a rank whose incarnation
+        counter does not read as a count is left as it is (else the MembershipError propagates)."""
         for rank in range(self.num_ranks):
-            if rank in ranks:
+            if rank in members:
                 continue
             key = f"state/{rank}"
             raw = self.read_raw(key)
@@ -182,11 +188,13 @@ class SealingRecords(MemberRecords):
                 record = None
             if valid_state(record) and record["state"] == INACTIVE:
                 continue
-            if valid_state(record) and record["state"] == JOINING and record["epoch"] > target:
+            if valid_state(record) and record["state"] == JOINING and record["epoch"] > epoch:
                 continue  # registered for a later epoch: still joining
             try:
                 incarnation = self.read_counter(f"incarnation/{rank}")
             except MembershipError:
-                continue
-            inactive = self.encode_record(key, {"state": INACTIVE, "incarnation": incarnation, "epoch": target})
+                if skip_unreadable:
+                    continue
+                raise
+            inactive = self.encode_record(key, {"state": INACTIVE, "incarnation": incarnation, "epoch": epoch})
             self.store.compare_set(key, "" if raw is None else raw.decode(errors="replace"), inactive)
