@@ -257,3 +257,35 @@ def test_prometheus_exporter_reports_the_counters():
     collector = register_prometheus(_Stub(core.stats.snapshot(core)), registry=registry)
     assert "mooncake_ep_calls_total{" not in prometheus_client.generate_latest(registry).decode()
     registry.unregister(collector)
+
+
+def rank_elastic_events(ctx, key):
+    """Rank 0's ElasticBuffer dispatches with timeout_us=10 while rank 1, alive, waits for it (a store key) and
+    never sends: rank 0's subscription gets PeerMasked(1, "stalled"), as a Buffer's would."""
+    from mooncake_ep_switch.buffer.events import PeerMasked
+
+    buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=T, hidden=HIDDEN, num_topk=TOP_K, transport="shm")
+    try:
+        if ctx.rank == 1:
+            ctx.store.wait([key], datetime.timedelta(seconds=60))
+            return None
+        seen = []
+        subscription = buffer.subscribe(seen.append)
+        queued = buffer.subscribe()
+        inputs = structured_inputs(0, T, HIDDEN, EXPERTS, TOP_K, seed=7)
+        try:
+            buffer.dispatch(inputs.x, inputs.topk_idx, num_experts=EXPERTS, timeout_us=10)
+        finally:
+            ctx.store.set(key, "done")
+        subscription.close()
+        polled = list(iter(queued.poll, None))
+        return {"seen": [tuple(e) for e in seen if isinstance(e, PeerMasked)],
+                "polled": [tuple(e) for e in polled if isinstance(e, PeerMasked)]}
+    finally:
+        buffer.destroy()
+
+
+def test_elastic_buffer_subscription_gets_the_inner_buffers_events():
+    value = harness.run(2, rank_elastic_events, f"elastic-events/{uuid.uuid4().hex}")[0]
+    assert value["seen"] == [(1, "stalled", 0)], value
+    assert value["polled"] == value["seen"], value

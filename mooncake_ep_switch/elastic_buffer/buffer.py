@@ -213,6 +213,20 @@ class ElasticBuffer:
         """Replacements waiting to be admitted (`Buffer.pending_joiners`): list of int ranks."""
         return self._alive().pending_joiners()
 
+    def subscribe(self, callback=None):
+        """Subscribe to the inner Buffer's typed events (`Buffer.subscribe`; buffer/events.py): the same events.
+
+        Arguments:
+            callback: called with each event, or None: events queue up for `poll()` / iteration.
+
+        Returns:
+            subscription: a `Subscription`; `close()` ends it.
+
+        Raises:
+            TypeError: `callback` is neither None nor callable. BufferDestroyed: the buffer was destroyed.
+        """
+        return self._alive().subscribe(callback)
+
     def stats(self) -> dict:
         """A snapshot of the inner Buffer's counters (`Buffer.stats()`: calls, bytes, masks by cause,
         time in waits, membership epoch), for an engine to export (docs/observability.md).
