@@ -44,7 +44,7 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
     """Ids in [-1, num_experts) and no id twice in a row (V2's contract), ValueError naming topk_idx."""
     if topk_idx.numel() == 0:
         return
-    low, high = int(topk_idx.min()), int(topk_idx.max())
+    low, high = (int(value) for value in torch.aminmax(topk_idx))
     if low < -1 or high >= num_experts:
         raise ValueError(f"topk_idx: expected expert ids in [-1, {num_experts}), got values in [{low}, {high}]")
     ordered = torch.sort(topk_idx, dim=1).values

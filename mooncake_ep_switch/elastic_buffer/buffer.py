@@ -370,7 +370,7 @@ class ElasticBuffer:
             route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_dispatches, False
             route.inner_rows = (inner_handle, rows, src_global)
         else:
-            local = lay.local_topk(got_topk, rank, L)
+            local = lay.local_ids(got_topk, rank, L, num_experts)
             route = lay.Route(inner_topk, num_tokens, num_topk, hidden, use_fp8, src_global, local, None, 0,
                               inner_handle, self._inner_dispatches, self._token, self.runtime.epoch,
                               self._generation, inner_rows=(inner_handle, rows, src_global))
@@ -459,14 +459,14 @@ class ElasticBuffer:
         # The weight columns are always written (zeros without topk_weights): an owner that asks for the
         # weights must never decode bytes a rank that passed none left there.
         partial = lay.reduce_expanded(x, route.slots) if handle.do_expand else x
-        mine = route.recv_local_topk >= 0
+        others = route.others()
         if topk_weights is None:
-            weights = torch.zeros(mine.shape, dtype=torch.float32, device=device)
+            weights = torch.zeros(others.shape, dtype=torch.float32, device=device)
         elif handle.do_expand:
-            weights = torch.where(mine, topk_weights[route.slots.clamp(min=0)], torch.zeros((), device=device))
+            weights = topk_weights[route.slots.clamp(min=0)].masked_fill_(others, 0.0)
         else:
-            weights = torch.where(mine, topk_weights, torch.zeros((), device=device))
-        encoded = codec.encode_weight_bytes(weights.to(torch.float32))
+            weights = topk_weights.masked_fill(others, 0.0)
+        encoded = codec.weight_bytes(weights)  # copied into the bf16 columns as numbers (encode_weight_bytes)
         columns = hidden + encoded.size(1)
 
         if not self._combinable(route):  # the inner dispatch's region half was reused: lay the routing out again

@@ -1,4 +1,5 @@
 """`EPHandle`: what an `ElasticBuffer.dispatch` returns for its combine and for cached re-dispatches."""
+import itertools
 from typing import Any, List, Optional
 
 import torch
@@ -111,7 +112,7 @@ def new_handle(route: lay.Route, do_expand: bool, num_experts: int, alignment: i
         psum_expert = torch.tensor([s + c for s, c in zip(starts, counts)], dtype=torch.int32, device=device)
         unaligned = torch.tensor(counts, dtype=torch.int32, device=device)
     else:
-        psum_expert = torch.cumsum(torch.tensor(aligned, dtype=torch.int64), 0).to(torch.int32).to(device)
+        psum_expert = torch.tensor(list(itertools.accumulate(aligned)), dtype=torch.int32, device=device)
         unaligned = None
     # The source metadata, the destination slots and the per-rank prefix sum are computed when first read.
     return EPHandle(do_expand=do_expand, num_experts=num_experts, expert_alignment=alignment,

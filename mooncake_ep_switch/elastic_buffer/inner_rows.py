@@ -42,9 +42,10 @@ def inner_sources(handle, slot: int, num_max_tokens_per_rank: int, as_slice: boo
         contiguous = contiguous and begin == stop
         stop = begin + count
     if contiguous:
-        ranks = torch.repeat_interleave(torch.tensor([s for s, _, _ in words], dtype=torch.int64, device=device),
-                                        torch.tensor([c for _, _, c in words], dtype=torch.int64, device=device))
-        src_global = ranks * num_max_tokens_per_rank + src_info[slot][first:stop].to(torch.int64)
+        offsets = torch.tensor([source * num_max_tokens_per_rank for source, _, _ in words], dtype=torch.int64,
+                               device=device)
+        counts = torch.tensor([count for _, _, count in words], dtype=torch.int64, device=device)
+        src_global = torch.repeat_interleave(offsets, counts, output_size=stop - first) + src_info[slot][first:stop]
         if src_global.numel() < 2 or bool((src_global[1:] > src_global[:-1]).all()):
             return (slice(first, stop) if as_slice else torch.arange(first, stop, device=device)), src_global
         row_index = torch.arange(first, stop, device=device)
@@ -93,7 +94,8 @@ def write_partials(inner_x: torch.Tensor, route: lay.Route, partial: torch.Tenso
     Arguments:
         inner_x: `[3, R*T, columns]` the combine buffer's view (`hidden + encoded` columns).
         route: the handle's route (its inner dispatch is the one `inner_x` belongs to).
-        partial: `[n, hidden]` torch.bfloat16, one per received token; encoded: `[n, 4K]` weight bytes.
+        partial: `[n, hidden]` torch.bfloat16, one per received token; encoded: `[n, 4K]` weight bytes
+            (`rows.weight_bytes`, torch.uint8, each written as the bf16 number it is).
         active: `active_ranks`; sources whose tokens this rank never received are cleared in it.
         num_max_tokens_per_rank: `T`.
     """
@@ -108,7 +110,7 @@ def write_partials(inner_x: torch.Tensor, route: lay.Route, partial: torch.Tenso
     # A re-dispatch whose sources differ: match the rows by source token.
     row_index = as_index(rows, inner_x.device)
     where, known = lay.positions(route.recv_src_global, src_global)
-    inner_x[0, row_index[known]] = torch.cat([partial, encoded], dim=1)[where[known]]
+    inner_x[0, row_index[known]] = torch.cat([partial, encoded.to(partial.dtype)], dim=1)[where[known]]
     inner_x[0, row_index[~known]] = 0
     # Tokens this rank never received (their source was out at the dispatch, in now): it has no partial
     # for them, so it sends that source nothing; the source's deadline then clears this rank there,

@@ -58,6 +58,13 @@ class Route:
     generation: int
     combined: bool = False
     inner_rows: Optional[tuple] = None  # (inner_handle, rows, src_global) of its slot 0 (`inner_rows.data_rows`)
+    _others: Optional[torch.Tensor] = None  # recv_local_topk < 0, kept once computed (`others`)
+
+    def others(self) -> torch.Tensor:
+        """`[n, K]` torch.bool, the received top-k entries of other ranks' experts (and -1), computed once."""
+        if self._others is None:
+            self._others = self.recv_local_topk < 0
+        return self._others
 
 
 def local_topk(topk_idx: torch.Tensor, rank: int, num_local_experts: int) -> torch.Tensor:
@@ -67,9 +74,25 @@ def local_topk(topk_idx: torch.Tensor, rank: int, num_local_experts: int) -> tor
     return torch.where(inside, topk_idx - first, torch.full_like(topk_idx, -1))
 
 
+def local_ids(topk_idx: torch.Tensor, rank: int, num_local_experts: int, num_experts: int) -> torch.Tensor:
+    """`local_topk` by one lookup: global ids in `[-1, num_experts)` (IndexError outside) as ids local to
+    `rank`, -1 elsewhere. The table is kept per rank, shape and device (never written)."""
+    key = (rank, num_local_experts, num_experts, str(topk_idx.device))
+    table = _LOCAL_TABLES.get(key)
+    if table is None:
+        table = torch.full((num_experts + 1,), -1, dtype=torch.int64, device=topk_idx.device)
+        first = rank * num_local_experts
+        table[1 + first:1 + first + num_local_experts] = torch.arange(num_local_experts, device=topk_idx.device)
+        table = _LOCAL_TABLES[key] = table
+    return table[topk_idx + 1]
+
+
+_LOCAL_TABLES = {}
+
+
 def expert_counts(local: torch.Tensor, num_local_experts: int) -> torch.Tensor:
     """Received (token, local expert) pairs per local expert: `[L]` torch.int64."""
-    return torch.bincount(local[local >= 0].flatten(), minlength=num_local_experts)[:num_local_experts]
+    return torch.bincount(local.flatten() + 1, minlength=num_local_experts + 1)[1:]  # bin 0: the -1 entries
 
 
 def expanded_slots(local: torch.Tensor, counts: List[int], alignment: int) -> Tuple[torch.Tensor, List[int]]:

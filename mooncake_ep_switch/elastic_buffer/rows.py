@@ -82,19 +82,24 @@ def pack_dispatch_rows(x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx
     Returns:
         rows: `[N, width]` torch.bfloat16 (raw bytes), on `x`'s device.
     """
-    n, num_topk = topk_idx.shape
-    rows = torch.zeros((n, 2 * width), dtype=torch.uint8, device=x.device)
-    at = 0
-    for part in (x, scales):
-        if part is not None:
-            raw = _row_bytes(part)
-            rows[:, at:at + raw.size(1)] = raw
-            at += raw.size(1)
-    rows[:, at:at + 4 * num_topk] = _row_bytes(topk_idx.to(torch.int32))
-    at += 4 * num_topk
-    if topk_weights is not None:
-        rows[:, at:at + 4 * num_topk] = _row_bytes(topk_weights)
-    return rows.view(torch.bfloat16)
+    n = topk_idx.size(0)
+    parts = [_row_bytes(part) for part in (x, scales, topk_idx.to(torch.int32), topk_weights) if part is not None]
+    pad = 2 * width - sum(part.size(1) for part in parts)  # zeros (also the weights' bytes without weights)
+    if pad:
+        parts.append(_zero_bytes(pad, x.device).expand(n, pad))
+    return torch.cat(parts, dim=1).view(torch.bfloat16)  # one copy of every byte
+
+
+_ZERO_BYTES = {}
+
+
+def _zero_bytes(columns: int, device) -> torch.Tensor:
+    """`[1, columns]` torch.uint8 zeros, kept per width and device (never written; expanded, not copied)."""
+    key = (columns, str(device))
+    zeros = _ZERO_BYTES.get(key)
+    if zeros is None:
+        zeros = _ZERO_BYTES[key] = torch.zeros((1, columns), dtype=torch.uint8, device=device)
+    return zeros
 
 
 def unpack_dispatch_rows(rows: torch.Tensor, hidden: int, num_topk: int, use_fp8: bool):
@@ -151,22 +156,42 @@ def inner_routing(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank
     """
     n, num_topk = topk_idx.shape
     device = topk_idx.device
-    owner = torch.where(topk_idx >= 0, torch.div(topk_idx, num_experts // num_ranks, rounding_mode="floor"),
-                        torch.full_like(topk_idx, -1))
-    later = torch.ones(num_topk, num_topk, dtype=torch.bool, device=device).triu(1)  # [k, j]: j after k
-    same_later = ((owner.unsqueeze(2) == owner.unsqueeze(1)) & later).any(dim=2)
-    last = (owner >= 0) & ~same_later
-    positions = torch.arange(num_topk, device=device).expand(n, num_topk)
-    order = torch.sort(torch.where(last, positions, positions + num_topk), dim=1, stable=True).indices
-    groups = torch.where(last, INNER_SLOTS * owner, torch.full_like(owner, -1)).gather(1, order)
-    groups = groups[:, :min(num_topk, num_ranks)]  # at most one column per rank (the inner top-k <= 3R)
+    owner = torch.div(topk_idx, num_experts // num_ranks, rounding_mode="floor")  # -1 (no expert) stays -1
+    # last[:, 1 + r]: rank r's last top-k position minus (K + 1) (negative), or 0 where the token has no
+    # expert on r (column 0 collects the -1 entries and is dropped). One scatter, whatever R.
+    last = torch.zeros((n, num_ranks + 1), dtype=torch.int64, device=device)
+    last.scatter_reduce_(1, owner + 1, _entry_keys(num_topk, device).expand(n, num_topk), "amax", include_self=False)
+    key, rank_order = torch.sort(last[:, 1:], dim=1)  # present ranks by last position; absent (0) after
+    width = min(num_topk, num_ranks)  # at most one column per rank (the inner top-k <= 3R)
+    groups = (rank_order[:, :width] * INNER_SLOTS).masked_fill_(key[:, :width] >= 0, -1)
+    if num_bias == 0:
+        return groups
     bias = torch.tensor([INNER_SLOTS * rank + 1, INNER_SLOTS * rank + 2][:num_bias], dtype=torch.int64, device=device)
     return torch.cat([bias.expand(n, num_bias), groups], dim=1)
 
 
+_ENTRY_KEYS = {}
+
+
+def _entry_keys(num_topk: int, device) -> torch.Tensor:
+    """`[K]` torch.int64 `k - (K + 1)` (kept per K and device, never written): the scatter values of
+    `inner_routing`, increasing with the top-k position and all negative."""
+    key = (num_topk, str(device))
+    keys = _ENTRY_KEYS.get(key)
+    if keys is None:
+        keys = _ENTRY_KEYS[key] = torch.arange(num_topk, dtype=torch.int64, device=device) - (num_topk + 1)
+    return keys
+
+
 def encode_weight_bytes(weights: torch.Tensor) -> torch.Tensor:
     """Float32 weights `[n, K]` as `[n, 4K]` bfloat16 small integers (one per byte, exact)."""
-    return _row_bytes(weights).to(torch.bfloat16)
+    return weight_bytes(weights).to(torch.bfloat16)
+
+
+def weight_bytes(weights: torch.Tensor) -> torch.Tensor:
+    """Float32 weights `[n, K]` as their `[n, 4K]` torch.uint8 bytes: `encode_weight_bytes` before the
+    conversion, which a `copy_` into bfloat16 columns does on the way (the same numbers)."""
+    return _row_bytes(weights)
 
 
 def decode_weight_bytes(encoded: torch.Tensor, num_topk: int) -> torch.Tensor:
