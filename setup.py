@@ -133,6 +133,7 @@ setup(
         "mooncake_ep_switch.reference",
         "mooncake_ep_switch.fallback",
         "mooncake_ep_switch.models",
+        "mooncake_ep_switch.store",
     ],
     package_dir={"mooncake_ep_switch.fallback": "fallback"},
     package_data={"mooncake_ep_switch": ["py.typed"]},
@@ -149,6 +150,8 @@ setup(
         "mooncake-cuda": ["mooncake-transfer-engine>=0.3.13"],
         "nccl": ["nvidia-nccl-cu12"],
         "plot": ["matplotlib"],
+        # the etcd store (mooncake_ep_switch.store): etcd3gw speaks etcd v3's JSON gateway, pure Python
+        "etcd": ["etcd3gw>=2.4"],
         # transformers 5 fuses a MoE layer's experts into [E, 2I, H] / [E, H, I] tensors, the
         # layout mooncake_ep_switch.models serves; 5.x does not change torch.
         "models": ["transformers>=5.0,<6"],

@@ -3,6 +3,7 @@
 Settings are an immutable NamedTuple; `settings()` reads the environment once per call so that
 tests and spawned ranks can set variables before they construct a Buffer.
 """
+import hashlib
 import os
 import secrets
 import socket
@@ -129,6 +130,21 @@ def new_job_secret() -> str:
         secret: str, 64 hex digits (256 random bits).
     """
     return secrets.token_hex(32)
+
+
+def etcd_job_id() -> Optional[str]:
+    """The job's identity on an etcd store's prefix (`store/connect.py`): `MEP_JOB_ID`, else a digest
+    of `MEP_JOB_SECRET` (never the secret itself; a replacement inherits it), else None.
+
+    Returns:
+        job: str, or None.
+    """
+    if os.environ.get("MEP_JOB_ID"):
+        return os.environ["MEP_JOB_ID"]
+    secret = os.environ.get("MEP_JOB_SECRET", "")
+    if secret:
+        return "secret-" + hashlib.sha256(b"mep-etcd-owner\0" + secret.encode()).hexdigest()[:16]
+    return None
 
 
 # How long the Transfer Engine's TCP transport lets one transfer make no progress (or wait for its

@@ -10,7 +10,7 @@ A replacement process (same rank id as the dead one) does::
 and every survivor, when `buffer.pending_joiners()` is non-empty (the joiner is waiting inside
 `update_ep_member()`) or after it saw failures, calls `buffer.update_ep_member()` too: only members
 seal the next view, a joiner never does. The store must outlive every rank (a TCPStore hosted by
-the launcher or the torchrun agent); `connect_store()` opens a client to it.
+the launcher or the torchrun agent, or an etcd cluster); `connect_store()` opens a client to it.
 
 The ticket names the group as the members' Buffers did: `group_ranks` (the global ranks of the
 EP group, default every rank of a `num_ranks` world) and, when the members passed `store=` to
@@ -25,26 +25,53 @@ from mooncake_ep_switch.buffer.membership.join_ticket import JoinTicket  # noqa:
 from mooncake_ep_switch.checks import check_int
 
 
-def connect_store(host: str, port: int, timeout_s: float = 60.0):
-    """Open a client of the group's TCPStore.
+def connect_store(host: str, port: Optional[int] = None, timeout_s: float = 60.0, *, user: Optional[str] = None,
+                  password: Optional[str] = None, ca_cert: Optional[str] = None, cert: Optional[str] = None,
+                  key: Optional[str] = None, job: Optional[str] = None):
+    """Open a client of the group's store: the launcher's TCPStore, or an etcd cluster by URL.
+
+    `connect_store(host, port)` opens a TCPStore client. `connect_store("etcd://h1:2379,h2:2379,h3:2379/prefix")`
+    opens an `EtcdStore` (no single point of failure: any one member of a 3-member cluster may be
+    lost), checks that the cluster answers and claims `prefix` for this job (docs/recovery.md, "The
+    etcd store"); `etcds://` for HTTPS. Every check comes before the one write (the prefix's owner record).
 
     Arguments:
-        host: store host (the launcher's or agent's address).
-        port: store port.
+        host: store host (the launcher's or agent's address), or an etcd URL
+            `etcd://[user:password@]host:port[,host:port...]/prefix[?job=&ca=&cert=&key=]`.
+        port: the TCPStore's port (None with an etcd URL).
         timeout_s: deadline for connecting and for each store operation (finite, > 0).
+        user, password: etcd credentials (instead of the URL's `user:password@`).
+        ca_cert, cert, key: etcd TLS files: CA bundle, client certificate and its key (with `etcds://`).
+        job: the job's identity on the etcd prefix (default: `MEP_JOB_ID`, else derived from
+            `MEP_JOB_SECRET`); a prefix claimed by another job is refused.
 
     Returns:
-        store: a `torch.distributed.TCPStore` client.
+        store: a `torch.distributed.TCPStore` client, or a `mooncake_ep_switch.store.EtcdStore`.
 
     Raises:
-        TypeError, ValueError: `timeout_s` is not a finite number of seconds > 0.
+        TypeError, ValueError: `timeout_s` is not a finite number of seconds > 0; a malformed etcd URL
+            (naming `host`), a port with an etcd URL or none without, etcd options with a TCPStore, a
+            prefix another job owns.
+        FileNotFoundError: a TLS file that does not exist.
+        StoreUnavailable: no etcd member answered within `timeout_s`.
+        PermissionError: the etcd cluster refused the credentials or certificate.
     """
     import torch.distributed as dist
 
     from mooncake_ep_switch.buffer.membership.protocol import check_seconds
+    from mooncake_ep_switch.store.connect import connect_etcd, is_etcd_url
 
     timeout_s = check_seconds("timeout_s", timeout_s)
-
+    etcd_options = dict(user=user, password=password, ca_cert=ca_cert, cert=cert, key=key, job=job)
+    if is_etcd_url(host) or (isinstance(host, str) and "://" in host):
+        if port is not None:
+            raise ValueError(f"port: expected None with an etcd URL (its ports are in the URL), got {port!r}")
+        return connect_etcd(host, timeout_s, argument="host", **etcd_options)
+    given = [name for name, value in etcd_options.items() if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: etcd options, but host {host!r} is not an etcd:// URL")
+    if port is None:
+        raise ValueError(f"port: expected the TCPStore's port with host {host!r}, got None")
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 

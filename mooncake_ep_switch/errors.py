@@ -13,6 +13,7 @@ Buffer is gone", or one family below. Each class also keeps the builtin base it 
     │   └── SwitchFenced                 peers declared this rank dead during the switch
     ├── PeerLost (RuntimeError)          a collective failed because a peer of the group is gone
     ├── StoreUnavailable (TimeoutError)  the group's store did not answer by the operation's deadline
+    ├── StoreRefused (RuntimeError)      the group's store (an etcd cluster) refused a request
     └── PeerBusy (ConnectionError)       a transfer refused: abandoned transfers with that peer may still land
 
 This module imports nothing of the package: every room may raise these.
@@ -22,7 +23,7 @@ from __future__ import annotations
 from typing import Sequence
 
 __all__ = ["MooncakeEpError", "BufferDestroyed", "MembershipError", "LeftOut", "SwitchError", "SwitchFenced",
-           "PeerLost", "PeerBusy", "StoreUnavailable"]
+           "PeerLost", "PeerBusy", "StoreUnavailable", "StoreRefused"]
 
 
 class MooncakeEpError(Exception):
@@ -89,6 +90,12 @@ class StoreUnavailable(MooncakeEpError, TimeoutError):
         self.store = store
         self.operation = operation
         self.timeout_s = timeout_s
+
+
+class StoreRefused(MooncakeEpError, RuntimeError):
+    """The group's store refused a request that reached it (an etcd cluster's answer other than "unavailable",
+    "unauthenticated" or "permission denied", which raise `StoreUnavailable` and `PermissionError`); the
+    message names the store, the call and the cluster's reason (`store/etcd_client.py`)."""
 
 
 class PeerBusy(MooncakeEpError, ConnectionError):

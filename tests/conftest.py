@@ -20,7 +20,7 @@ TIERS = {
     "faults": {"test_faults", "test_membership_faults", "test_switch_faults", "test_partition", "test_peer_watch",
                "test_te_endpoint", "test_readmit_regions", "test_eplb_online", "test_hosts_eplb",
                "test_elastic_buffer_faults", "test_store_stall", "test_eplb_fault_routing",
-               "test_eplb_coverage", "test_observability_faults"},
+               "test_eplb_coverage", "test_observability_faults", "test_etcd_store"},
     # pretend hosts in network namespaces (root, ip, tc)
     "multihost": {"test_hosts", "test_hosts_eplb", "test_faults", "test_partition", "test_elastic_buffer_faults"},
     # runs only where a CUDA device is (skipped elsewhere, never failed)
@@ -62,3 +62,27 @@ def _no_leaked_regions():
     yield
     leaked = _memfd_regions() - before
     assert not leaked, f"memfd regions left open by the test process: fds {sorted(leaked)}"
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster():
+    """A 3-member etcd cluster on loopback ports (data on /dev/shm), started once for the session.
+
+    Tests that kill or stop a member restore it before they end. Skipped where Debian's etcd-server or
+    the etcd3gw client is missing (scripts/install.sh installs both), except under CI, where it fails.
+    """
+    import shutil
+
+    from mooncake_ep_switch.store import LocalEtcdCluster
+
+    try:
+        import etcd3gw  # noqa: F401
+        missing = None if shutil.which("etcd") else "etcd (Debian's etcd-server)"
+    except ImportError:
+        missing = "the etcd3gw client (pip install -e '.[etcd]')"
+    if missing is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{missing} is not installed: scripts/install.sh installs it")
+        pytest.skip(f"{missing} is not installed: scripts/install.sh installs it")
+    with LocalEtcdCluster(3, data_root="/dev/shm" if os.path.isdir("/dev/shm") else None) as cluster:
+        yield cluster

@@ -9,8 +9,16 @@ from mooncake_ep_switch.launcher.launch import host_store
 
 
 @pytest.fixture()
-def store():
-    return host_store("127.0.0.1", 0, 1, timeout_s=30)
+def store(request):
+    if getattr(request, "param", "tcp") == "etcd":  # the runtime unchanged on an etcd cluster (issue 38)
+        import uuid
+
+        from mooncake_ep_switch.elastic import connect_store
+
+        url = request.getfixturevalue("etcd_cluster").url(f"mem-{uuid.uuid4().hex[:10]}")
+        yield connect_store(url, timeout_s=30, job="test-membership")  # one client for every thread, as below
+        return
+    yield host_store("127.0.0.1", 0, 1, timeout_s=30)
 
 
 def _agree_all(members, expected, deadline_s, late=(), joiners=()):
@@ -33,6 +41,7 @@ def _agree_all(members, expected, deadline_s, late=(), joiners=()):
     return results, errors
 
 
+@pytest.mark.parametrize("store", ["tcp", "etcd"], indirect=True)
 def test_survivors_and_a_joiner_agree_on_one_view(store):
     members = [Membership(store, r, 4) for r in range(4)]
     assert members[0].epoch() == 0 and members[0].view().ranks == (0, 1, 2, 3)

@@ -169,7 +169,8 @@ class BoundedStore(dist.Store):
         self.inner = store
         root = _root(store)
         host, port = getattr(root, "host", None), getattr(root, "port", None)
-        self.name = f"{host}:{port}" if host is not None and port is not None else type(root).__name__
+        self.name = f"{host}:{port}" if host is not None and port is not None else getattr(
+            root, "url", type(root).__name__)  # an EtcdStore names its cluster and prefix
         default = getattr(store, "timeout", None)
         self.default_s = default.total_seconds() if default is not None and default.total_seconds() > 0 else 300.0
         if default is not None:

@@ -1,0 +1,208 @@
+"""A local etcd cluster of several members on loopback ports (tests, the demo, one-host jobs).
+
+Each member is Debian's `etcd` (package `etcd-server`, 3.4; `scripts/install.sh` installs it) with
+its data directory in a temporary directory that `close()` removes. The members are started through
+`setpriv --pdeathsig KILL` when util-linux's `setpriv` is there, so they die with the process (the
+thread) that started them even when it is SIGKILLed; `close()` kills them otherwise. Ports are free
+loopback ports picked at start.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import List, Optional, Sequence
+
+__all__ = ["LocalEtcdCluster"]
+
+
+def _free_ports(count: int, host: str) -> List[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class LocalEtcdCluster:
+    """`members` etcd processes forming one cluster on `host`.
+
+    Arguments:
+        members: number of members (>= 1; 3 tolerates the loss of one).
+        host: loopback address to listen on.
+        data_root: directory the temporary data directory is made in (None: the system's temporary
+            directory; `/dev/shm` makes every write skip the disk, for tests).
+        binary: the etcd executable.
+        timeout_s: seconds for the cluster to elect a leader at `start()`.
+    """
+
+    def __init__(self, members: int = 3, host: str = "127.0.0.1", data_root: Optional[str] = None,
+                 binary: str = "etcd", timeout_s: float = 30.0):
+        if not isinstance(members, int) or isinstance(members, bool) or members < 1:
+            raise ValueError(f"members: expected an int >= 1, got {members!r}")
+        self.host = host
+        self.count = members
+        self.binary = shutil.which(binary)
+        if self.binary is None:
+            raise FileNotFoundError(f"binary: {binary!r} is not on PATH (install Debian's etcd-server: "
+                                    "scripts/install.sh)")
+        self.timeout_s = timeout_s
+        self.data_root = data_root
+        self.directory: Optional[str] = None
+        self.client_ports: List[int] = []
+        self.peer_ports: List[int] = []
+        self.processes: List[Optional[subprocess.Popen]] = [None] * members
+        self._token = f"mep-{uuid.uuid4().hex[:12]}"
+
+    # ------------------------------------------------------------------ lifetime
+    def start(self) -> "LocalEtcdCluster":
+        """Start every member and wait until the cluster has a leader.
+
+        Returns:
+            self.
+
+        Raises:
+            RuntimeError: a member exited, or no leader within `timeout_s` (its log is in the message).
+        """
+        self.directory = tempfile.mkdtemp(prefix="mep-etcd-", dir=self.data_root)
+        ports = _free_ports(2 * self.count, self.host)
+        self.client_ports, self.peer_ports = ports[:self.count], ports[self.count:]
+        try:
+            for index in range(self.count):
+                self.start_member(index, new=True)
+            self.wait_healthy(range(self.count), self.timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __enter__(self) -> "LocalEtcdCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill every member and remove the data directory."""
+        for index in range(self.count):
+            self.kill(index)
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+    # ------------------------------------------------------------------ members
+    @property
+    def endpoints(self) -> List[str]:
+        """`host:port` of every member's client listener."""
+        return [f"{self.host}:{port}" for port in self.client_ports]
+
+    def url(self, prefix: str) -> str:
+        """The `etcd://` URL of this cluster with key prefix `prefix` (for `elastic.connect_store`)."""
+        return f"etcd://{','.join(self.endpoints)}/{prefix}"
+
+    def start_member(self, index: int, new: bool = False) -> None:
+        """Start member `index` (again: it rejoins with its data directory)."""
+        assert self.directory is not None and self.processes[index] is None
+        name = f"m{index}"
+        peers = ",".join(f"m{i}=http://{self.host}:{port}" for i, port in enumerate(self.peer_ports))
+        client = f"http://{self.host}:{self.client_ports[index]}"
+        command = [self.binary, "--name", name, "--data-dir", os.path.join(self.directory, name),
+                   "--listen-client-urls", client, "--advertise-client-urls", client,
+                   "--listen-peer-urls", f"http://{self.host}:{self.peer_ports[index]}",
+                   "--initial-advertise-peer-urls", f"http://{self.host}:{self.peer_ports[index]}",
+                   "--initial-cluster", peers, "--initial-cluster-token", self._token,
+                   "--initial-cluster-state", "new" if new else "existing",
+                   "--logger", "zap", "--log-outputs", "stderr", "--log-level", "error"]
+        setpriv = shutil.which("setpriv")
+        if setpriv is not None:  # dies with the thread that started it, even one that was SIGKILLed
+            command = [setpriv, "--pdeathsig", "KILL", "--"] + command
+        log = open(os.path.join(self.directory, f"{name}.log"), "ab")
+        try:
+            self.processes[index] = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                                     start_new_session=True)
+        finally:
+            log.close()
+
+    def kill(self, index: int) -> None:
+        """SIGKILL member `index` and reap it (nothing when it is not running)."""
+        process, self.processes[index] = self.processes[index], None
+        if process is not None:
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+            process.wait(10)
+
+    def restart(self, index: int, timeout_s: Optional[float] = None) -> None:
+        """Start a killed member `index` again and wait until it serves."""
+        self.start_member(index)
+        self.wait_healthy([index], self.timeout_s if timeout_s is None else timeout_s)
+
+    def _request(self, index: int, path: str, payload=None, timeout_s: float = 1.0):
+        url = f"http://{self.host}:{self.client_ports[index]}{path}"
+        data = None if payload is None else json.dumps(payload).encode()
+        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout_s) as response:
+            return json.loads(response.read())
+
+    def wait_healthy(self, indices: Sequence[int], timeout_s: float) -> None:
+        """Wait until every member of `indices` answers and sees a leader.
+
+        Raises:
+            RuntimeError: one exited or did not by `timeout_s` (its log in the message).
+        """
+        deadline = time.monotonic() + timeout_s
+        for index in indices:
+            while True:
+                process = self.processes[index]
+                if process is None or process.poll() is not None:
+                    raise RuntimeError(f"etcd member m{index} exited: {self.log(index)}")
+                try:
+                    if self._request(index, "/health").get("health") == "true":
+                        break
+                except (OSError, ValueError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd member m{index} not healthy after {timeout_s} s: {self.log(index)}")
+                time.sleep(0.05)
+
+    def log(self, index: int) -> str:
+        """The tail of member `index`'s log."""
+        try:
+            with open(os.path.join(self.directory or "", f"m{index}.log"), "rb") as handle:
+                return handle.read()[-2000:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def leader(self, timeout_s: float = 10.0) -> int:
+        """Index of the current leader, as a running member reports it (waits for an election).
+
+        Raises:
+            RuntimeError: no running member names a leader by `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ids = {}
+            leader = None
+            for index, process in enumerate(self.processes):
+                if process is None or process.poll() is not None:
+                    continue
+                try:
+                    status = self._request(index, "/v3/maintenance/status", {})
+                except (OSError, ValueError):
+                    continue
+                ids[status["header"]["member_id"]] = index
+                leader = status.get("leader", leader)
+            if leader in ids:
+                return ids[leader]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no etcd leader among the running members after {timeout_s} s")
+            time.sleep(0.05)

@@ -1,0 +1,280 @@
+"""`EtcdStore`: a `torch.distributed.Store` kept by an etcd v3 cluster (no single point of failure).
+
+The membership records, join tickets, switch decisions and EPLB ballots that the runtime keeps in
+the launcher's TCPStore can live in an etcd cluster instead, which survives the loss of any member
+while a quorum remains. `EtcdStore` subclasses torch's Store, so `PrefixStore`, `BoundedStore` and
+gloo's rendezvous take it as they take a TCPStore (keep a reference to it: torch's wrappers hold
+only its C++ half).
+
+Keys live under `<prefix>/k/` of one job's prefix (`num_keys` counts those); `<prefix>/owner` names
+the job that claimed the prefix (`connect.connect_etcd`), `<prefix>/ops/` holds the results of
+recent `add`/`append` calls under a lease (so a call retried after a lost answer returns its first
+result instead of applying twice). Every operation is one etcd transaction, or a loop of
+compare-and-swap transactions on the key's revision (`add`, `append`), hence atomic; reads are
+linearizable (etcd's default). `get`, `wait` and `multi_get` wait for their keys by polling (1 ms,
+doubling to 50 ms) up to the timeout, then raise `DistStoreError` as a TCPStore does. A request
+that meets a dead or leaderless member goes to the next one (`etcd_client.EtcdConnection`); with no
+member answering, `StoreUnavailable` names the store when the operation's timeout passes.
+"""
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from mooncake_ep_switch.errors import StoreRefused
+from mooncake_ep_switch.store.etcd_client import EtcdConnection, b64, unb64
+
+__all__ = ["EtcdStore"]
+
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+_POLL_MAX_S = 0.05
+_LAST_READ_S = 1.0  # a wait's read made at or past its timeout still gets this long (then: the timeout error)
+
+
+def _bytes(value) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The end of the key range of every key starting with `prefix` (its last byte + 1)."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+def _range_result(response: Dict[str, Any]) -> List[Dict[str, Any]]:
+    return response.get("response_range", {}).get("kvs", []) or []
+
+
+class EtcdStore(dist.Store):
+    """A `torch.distributed.Store` whose keys live in an etcd v3 cluster under one job's prefix.
+
+    Build it with `elastic.connect_store("etcd://h1:2379,h2:2379,h3:2379/prefix")`, which checks the
+    cluster and claims the prefix for the job; the constructor itself sends nothing.
+
+    Arguments:
+        connection: the cluster (`etcd_client.EtcdConnection`: endpoints, credentials, TLS).
+        prefix: the job's key prefix (non-empty, no leading or trailing "/").
+        timeout: default timeout of every operation (as a TCPStore's `timeout`).
+    """
+
+    def __init__(self, connection: EtcdConnection, prefix: str, timeout: timedelta = timedelta(seconds=300)):
+        super().__init__()
+        self.connection = connection
+        self.prefix = prefix
+        self.url = f"{connection.name}/{prefix}"
+        self._keys = f"{prefix}/k/".encode()
+        self.owner_key = f"{prefix}/owner".encode()
+        self._ops = f"{prefix}/ops/".encode()
+        super().set_timeout(timeout)
+
+    def __repr__(self) -> str:
+        return f"EtcdStore({self.url!r})"
+
+    # ------------------------------------------------------------------ plumbing
+    def _timeout_s(self, timeout: Optional[timedelta] = None) -> float:
+        value = (timeout if timeout is not None else self.timeout).total_seconds()
+        return value if value > 0 else 300.0
+
+    def _key(self, key: str) -> bytes:
+        return self._keys + _bytes(key)
+
+    def _txn(self, compare: List[Dict[str, Any]], success: List[Dict[str, Any]], failure: List[Dict[str, Any]],
+             deadline: float, what: str) -> Dict[str, Any]:
+        return self.connection.call("kv/txn", {"compare": compare, "success": success, "failure": failure},
+                                    deadline, what)
+
+    def _read(self, keys: Sequence[str], deadline: float, what: str, count_only: bool = False) -> List[Optional[bytes]]:
+        """Values of `keys` (None where missing), read at one revision."""
+        out: List[Optional[bytes]] = []
+        revision = None
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            ranges = []
+            for key in keys[start:start + MAX_TXN_OPS]:
+                request = {"key": b64(self._key(key))}
+                if count_only:
+                    request["count_only"] = True
+                if revision is not None:
+                    request["revision"] = revision
+                ranges.append({"request_range": request})
+            reply = self._txn([], ranges, [], deadline, what)
+            if revision is None:
+                revision = reply.get("header", {}).get("revision")
+            for response in reply.get("responses", []):
+                if count_only:
+                    out.append(b"" if int(response.get("response_range", {}).get("count", 0) or 0) else None)
+                else:
+                    kvs = _range_result(response)
+                    out.append(unb64(kvs[0].get("value")) if kvs else None)
+        return out
+
+    def _wait_for(self, keys: Sequence[str], timeout_s: float, what: str) -> None:
+        """Return once every key of `keys` exists; `DistStoreError` after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        pause = 0.001
+        while True:
+            found = self._read(keys, max(deadline, time.monotonic() + _LAST_READ_S), what, count_only=True)
+            if all(value is not None for value in found):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [k for k, v in zip(keys, found) if v is None]
+                raise dist.DistStoreError(f"the etcd store {self.url}: {what} timed out after {timeout_s:.3g} s "
+                                          f"waiting for keys {missing}")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    # ------------------------------------------------------------------ torch.distributed.Store
+    def set(self, key, value) -> None:
+        """Set `key` to `value` (str or bytes)."""
+        deadline = time.monotonic() + self._timeout_s()
+        self.connection.call("kv/put", {"key": b64(self._key(key)), "value": b64(_bytes(value))}, deadline, "set")
+
+    def get(self, key) -> bytes:
+        """The value of `key`, waiting up to the store's timeout for it to be set.
+
+        Raises:
+            DistStoreError: the key was not set within the timeout.
+        """
+        timeout_s = self._timeout_s()
+        deadline = time.monotonic() + timeout_s
+        pause = 0.001
+        while True:
+            value = self._read([key], max(deadline, time.monotonic() + _LAST_READ_S), "get")[0]
+            if value is not None:
+                return value
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(f"the etcd store {self.url}: get timed out after {timeout_s:.3g} s "
+                                          f"waiting for key {key!r}")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def check(self, keys) -> bool:
+        """True when every key of `keys` is set (no wait)."""
+        deadline = time.monotonic() + self._timeout_s()
+        return all(value is not None for value in self._read(list(keys), deadline, "check", count_only=True))
+
+    def wait(self, keys, timeout: Optional[timedelta] = None) -> None:
+        """Wait until every key of `keys` is set, up to `timeout` (the store's timeout by default).
+
+        Raises:
+            DistStoreError: a key was still missing at the timeout.
+        """
+        self._wait_for(list(keys), self._timeout_s(timeout), "wait")
+
+    def multi_get(self, keys) -> List[bytes]:
+        """The values of `keys`, read at one revision once every one is set (waits as `get`)."""
+        keys = list(keys)
+        timeout_s = self._timeout_s()
+        self._wait_for(keys, timeout_s, "multi_get")
+        values = self._read(keys, time.monotonic() + timeout_s, "multi_get")
+        if any(value is None for value in values):  # deleted meanwhile: wait again, as a TCPStore would
+            return self.multi_get(keys)
+        return values  # type: ignore[return-value]
+
+    def multi_set(self, keys, values) -> None:
+        """Set every key of `keys` to its value, in one transaction (per 128 keys)."""
+        keys, values = list(keys), list(values)
+        if len(keys) != len(values):
+            raise ValueError(f"values: expected {len(keys)} values (one per key), got {len(values)}")
+        deadline = time.monotonic() + self._timeout_s()
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            puts = [{"request_put": {"key": b64(self._key(k)), "value": b64(_bytes(v))}}
+                    for k, v in zip(keys[start:start + MAX_TXN_OPS], values[start:start + MAX_TXN_OPS])]
+            self._txn([], puts, [], deadline, "multi_set")
+
+    def compare_set(self, key, expected, desired) -> bytes:
+        """Set `key` to `desired` if its value is `expected` (or it is missing and `expected` is empty).
+
+        Returns:
+            the value after the call: `desired` when set, else the current value (`expected` when the
+            key is missing and `expected` is not empty, as a TCPStore answers).
+        """
+        expected, desired = _bytes(expected), _bytes(desired)
+        deadline = time.monotonic() + self._timeout_s()
+        name = b64(self._key(key))
+        put = [{"request_put": {"key": name, "value": b64(desired)}}]
+        read = [{"request_range": {"key": name}}]
+        absent = [{"key": name, "result": "EQUAL", "target": "CREATE", "create_revision": 0}]
+        equal = [{"key": name, "result": "EQUAL", "target": "VALUE", "value": b64(expected)}]
+        # A retried request whose first attempt was applied finds `desired` and returns it: success either way.
+        while True:
+            if not expected:
+                reply = self._txn(absent, put, read, deadline, "compare_set")
+                if reply.get("succeeded"):
+                    return desired
+                kvs = _range_result(reply["responses"][0])
+                if kvs and unb64(kvs[0].get("value")):
+                    return unb64(kvs[0].get("value"))
+                # present with an empty value: compare that value below
+            reply = self._txn(equal, put, read, deadline, "compare_set")
+            if reply.get("succeeded"):
+                return desired
+            kvs = _range_result(reply["responses"][0])
+            if kvs:
+                return unb64(kvs[0].get("value"))
+            if expected:
+                return expected  # missing: a TCPStore answers `expected` (and sets nothing)
+            # deleted between the two transactions: start again
+
+    def _update(self, key: str, change, what: str) -> bytes:
+        """Apply `change(old value or None) -> new value` atomically; the new value, applied once."""
+        deadline = time.monotonic() + self._timeout_s()
+        name = b64(self._key(key))
+        marker = b64(self._ops + uuid.uuid4().hex.encode())
+        snapshot = [{"request_range": {"key": name}}, {"request_range": {"key": marker}}]
+        while True:
+            try:
+                # The key and this call's result marker at one revision: an attempt whose answer was lost (sent
+                # again, or applied late by a new leader) either left its marker here, or has the same guard as
+                # the next attempt (the key unchanged since), so at most one of them applies.
+                reply = self._txn([], snapshot, [], deadline, what)
+                kvs, done = (_range_result(response) for response in reply["responses"])
+                if done:
+                    return unb64(done[0].get("value"))
+                new = change(unb64(kvs[0].get("value")) if kvs else None)
+                guard = ({"key": name, "result": "EQUAL", "target": "MOD", "mod_revision": kvs[0]["mod_revision"]}
+                         if kvs else {"key": name, "result": "EQUAL", "target": "CREATE", "create_revision": 0})
+                lease = self.connection.lease(deadline, what)
+                success = [{"request_put": {"key": name, "value": b64(new)}},
+                           {"request_put": {"key": marker, "value": b64(new), "lease": lease}}]
+                if self._txn([guard], success, [], deadline, what).get("succeeded"):
+                    return new
+            except StoreRefused as error:
+                if "lease not found" not in str(error):
+                    raise
+                self.connection.forget_lease()  # refused as a whole (nothing applied): a new lease, again
+
+    def add(self, key, amount) -> int:
+        """Add `amount` to the integer at `key` (0 when missing); the new value."""
+        amount = int(amount)
+        return int(self._update(key, lambda old: str(int(old or b"0") + amount).encode(), "add"))
+
+    def append(self, key, value) -> None:
+        """Append `value` to the bytes at `key` (created when missing)."""
+        value = _bytes(value)
+        self._update(key, lambda old: (old or b"") + value, "append")
+
+    def delete_key(self, key) -> bool:
+        """Delete `key`; True when it existed."""
+        deadline = time.monotonic() + self._timeout_s()
+        reply = self.connection.call("kv/deleterange", {"key": b64(self._key(key))}, deadline, "delete_key")
+        return int(reply.get("deleted", 0) or 0) > 0
+
+    def num_keys(self) -> int:
+        """Number of keys set under this store's prefix."""
+        deadline = time.monotonic() + self._timeout_s()
+        reply = self.connection.call("kv/range", {"key": b64(self._keys), "range_end": b64(_prefix_end(self._keys)),
+                                                  "count_only": True}, deadline, "num_keys")
+        return int(reply.get("count", 0) or 0)
+
+    def has_extended_api(self) -> bool:
+        """True: `append`, `multi_get`, `multi_set` are implemented."""
+        return True
+
+    def clone(self) -> "EtcdStore":
+        """A store of the same cluster, prefix and timeout with HTTP sessions of its own."""
+        return EtcdStore(EtcdConnection(**self.connection.options()), self.prefix, self.timeout)

@@ -1,0 +1,317 @@
+"""EtcdStore against a real 3-member etcd cluster on loopback ports (issue 38 items 1 and 2).
+
+Every operation is checked against torch's own HashStore running the same script (the reference);
+timeouts; a member killed between operations, the leader killed during a compare_set race (exactly
+one winner per key); failover past a dead endpoint; the quorum lost (two members stopped) and
+restored; and the bad inputs of `elastic.connect_store`, each a clear error within the connect
+timeout with nothing written. The cluster is the session's (`etcd_cluster` in conftest.py); a test
+that kills or stops a member brings it back before it ends.
+"""
+import os
+import signal
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from mooncake_ep_switch.buffer.membership.store_deadline import BoundedStore, store_deadline
+from mooncake_ep_switch.elastic import connect_store
+from mooncake_ep_switch.errors import StoreUnavailable
+from mooncake_ep_switch.store.etcd_client import b64
+
+SLACK_S = 2.0  # scheduling slack on a loaded 2-core box
+
+
+def _prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+def _total_keys(cluster) -> int:
+    """Every key of the cluster (all jobs), read from a running member."""
+    for index, process in enumerate(cluster.processes):
+        if process is not None and process.poll() is None:
+            reply = cluster._request(index, "/v3/kv/range", {"key": b64(b"\0"), "range_end": b64(b"\0"),
+                                                             "count_only": True}, timeout_s=5)
+            return int(reply.get("count", 0) or 0)
+    raise AssertionError("no member running")
+
+
+@pytest.fixture
+def store(etcd_cluster):
+    return connect_store(etcd_cluster.url(_prefix()), timeout_s=20, job="tests")
+
+
+def _script(s, full=True):
+    out = []
+    s.set("a", b"1")
+    out += [s.get("a"), s.check(["a"]), s.check(["a", "b"])]
+    out += [s.compare_set("a", b"1", b"2"), s.compare_set("a", b"1", b"3"), s.get("a")]
+    out += [s.compare_set("b", b"", b"new"), s.compare_set("c", b"x", b"y"), s.check(["c"])]
+    s.set("e", b"")
+    out += [s.compare_set("e", b"", b"filled"), s.get("e")]
+    out += [s.add("n", 5), s.add("n", -2), s.get("n")]
+    s.append("l", b"ab")
+    s.append("l", b"cd")
+    out.append(s.get("l"))
+    s.multi_set(["m1", "m2"], [b"x", b"y"])
+    out.append(s.multi_get(["m1", "m2", "a"]))
+    if full:  # torch's PrefixStore does not pass these two on to a Python Store
+        out += [s.num_keys(), s.delete_key("m1"), s.delete_key("m1"), s.check(["m1"]), s.num_keys()]
+    return out
+
+
+def test_every_operation_answers_as_torchs_hashstore(store):
+    expected = _script(dist.HashStore())
+    assert _script(store) == expected
+    # Through the wrappers the runtime puts around a group's store (a BoundedStore under a PrefixStore).
+    bounded = BoundedStore(store)
+    try:
+        assert _script(dist.PrefixStore("grp", bounded), full=False) == _script(dist.PrefixStore("grp", dist.HashStore()),
+                                                                                  full=False)
+    finally:
+        bounded.close()
+    assert store.get("grp/a") == b"2", "the PrefixStore's keys are the etcd store's keys"
+
+
+def test_an_add_whose_answer_was_lost_is_applied_once(store, monkeypatch):
+    """The member applied the add, its answer never came: the retry (on another member) finds the result
+    the first attempt left and returns it instead of adding again."""
+    import importlib
+
+    client = importlib.import_module("etcd3gw.client")  # (etcd3gw's package also has a function `client`)
+    exceptions = importlib.import_module("etcd3gw.exceptions")
+    real, lost = client.Etcd3Client.post, []
+
+    def post(self, url, *args, json=None, **kwargs):
+        reply = real(self, url, *args, json=json, **kwargs)
+        if url.endswith("/kv/txn") and "lease" in str(json) and not lost:
+            lost.append(url)
+            raise exceptions.ConnectionTimeoutError("the answer was lost")
+        return reply
+
+    store.add("n", 1)
+    monkeypatch.setattr(client.Etcd3Client, "post", post)
+    assert store.add("n", 1) == 2 and lost
+    store.append("s", b"ab")
+    monkeypatch.undo()
+    assert store.get("n") == b"2" and store.get("s") == b"ab"
+
+
+def test_waits_end_at_their_timeout_and_when_the_key_comes(store):
+    store.set_timeout(timedelta(seconds=0.3))
+    for call in (lambda: store.get("missing"), lambda: store.multi_get(["missing"]),
+                 lambda: store.wait(["missing"]), lambda: store.wait(["missing"], timedelta(seconds=0.2))):
+        start = time.monotonic()
+        with pytest.raises(dist.DistStoreError, match=r"the etcd store etcd://.*timed out.*missing"):
+            call()
+        assert 0.15 <= time.monotonic() - start < 0.3 + SLACK_S
+    store.set_timeout(timedelta(seconds=20))
+    setter = threading.Timer(0.3, lambda: store.clone().set("late", b"v"))
+    start = time.monotonic()
+    setter.start()
+    try:
+        assert store.get("late") == b"v"
+        store.wait(["late"], timedelta(seconds=5))
+    finally:
+        setter.join()
+    assert time.monotonic() - start < 0.3 + SLACK_S
+
+
+def test_a_member_killed_between_operations(etcd_cluster, store):
+    store.set("before", b"1")
+    for phase in range(2):  # the store's first endpoint, then the leader (whichever member it is by then)
+        victim = 0 if phase == 0 else etcd_cluster.leader()
+        etcd_cluster.kill(victim)
+        try:
+            start = time.monotonic()
+            assert store.get("before") == b"1"
+            assert store.compare_set("cas", b"", f"p{phase}".encode()) == b"p0"
+            assert store.add("count", 2) == 2 * (phase + 1)
+            store.set(f"after{phase}", b"x")
+            assert store.multi_get(["before", f"after{phase}"]) == [b"1", b"x"]
+            assert time.monotonic() - start < 5 + SLACK_S, "failover took longer than an election"
+        finally:
+            etcd_cluster.restart(victim)
+
+
+def test_exactly_one_winner_of_a_compare_set_race_while_the_leader_dies(etcd_cluster):
+    prefix, threads_n, keys = _prefix(), 6, 8
+    base = connect_store(etcd_cluster.url(prefix), timeout_s=20, job="race")
+    endpoints = etcd_cluster.endpoints
+    stores = []
+    for t in range(threads_n):  # each thread's first endpoint differs
+        rotated = endpoints[t % 3:] + endpoints[:t % 3]
+        stores.append(connect_store(f"etcd://{','.join(rotated)}/{prefix}", timeout_s=20, job="race"))
+    results = [[None] * keys for _ in range(threads_n)]
+    errors = []
+    progress = threading.Semaphore(0)
+    start = threading.Barrier(threads_n)
+
+    def contend(t):
+        try:
+            start.wait(10)
+            for k in range(keys):
+                results[t][k] = stores[t].compare_set(f"k{k}", b"", f"t{t}".encode())
+                progress.release()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(repr(error))
+
+    workers = [threading.Thread(target=contend, args=(t,)) for t in range(threads_n)]
+    for worker in workers:
+        worker.start()
+    for _ in range(threads_n * 2):  # a quarter of the way in
+        assert progress.acquire(timeout=30)
+    leader = etcd_cluster.leader()
+    etcd_cluster.kill(leader)
+    try:
+        for worker in workers:
+            worker.join(60)
+        assert not errors and not any(w.is_alive() for w in workers), errors
+        for k in range(keys):
+            winners = [t for t in range(threads_n) if results[t][k] == f"t{t}".encode()]
+            assert len(winners) == 1, (k, [results[t][k] for t in range(threads_n)])
+            stored = base.get(f"k{k}")
+            assert {results[t][k] for t in range(threads_n)} == {stored} == {f"t{winners[0]}".encode()}
+    finally:
+        etcd_cluster.restart(leader)
+
+
+def test_failover_past_a_dead_endpoint_and_the_quorum_lost_and_restored(etcd_cluster):
+    prefix = _prefix()
+    with socket_pair() as (dead, _):  # a port nobody listens on, first in the list
+        start = time.monotonic()
+        store = connect_store(f"etcd://127.0.0.1:{dead},{','.join(etcd_cluster.endpoints)}/{prefix}", timeout_s=10,
+                              job="q")
+    store.set("k", b"1")
+    assert store.get("k") == b"1" and time.monotonic() - start < 1 + SLACK_S
+    # Two of three members stopped: no quorum. A membership operation's deadline ends the call with an
+    # error naming the store; the record is untouched; it works again once the members resume.
+    bounded = BoundedStore(store)
+    stopped = [i for i in range(3) if i != etcd_cluster.leader()][:1] + [etcd_cluster.leader()]
+    for index in stopped:
+        os.kill(etcd_cluster.processes[index].pid, signal.SIGSTOP)
+    try:
+        begin = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=rf"etcd://.*{prefix}.*update_ep_member") as caught:
+            with store_deadline(time.monotonic() + 1.0, "update_ep_member"):
+                bounded.compare_set("k", b"1", b"2")
+        assert time.monotonic() - begin < 1.0 + SLACK_S
+        assert prefix in caught.value.store
+        store.set_timeout(timedelta(seconds=0.5))
+        with pytest.raises(StoreUnavailable, match=r"did not answer get"):
+            store.get("k")
+    finally:
+        for index in stopped:
+            os.kill(etcd_cluster.processes[index].pid, signal.SIGCONT)
+        bounded.close()
+    store.set_timeout(timedelta(seconds=20))
+    value = store.get("k")  # the stalled compare_set may have landed once the quorum came back
+    assert value in (b"1", b"2")
+    assert store.compare_set("k", value, b"3") == b"3"
+
+
+@pytest.mark.parametrize("url, part", [
+    ("etcd://", "no key prefix"),
+    ("etcd://127.0.0.1:2379", "no key prefix"),
+    ("etcd://127.0.0.1/job", "is not host:port"),
+    ("etcd://127.0.0.1:99999/job", "is not host:port"),
+    ("etcd://h:1,h:1/job", "named twice"),
+    ("etcd://user@h:1/job", "user:password@"),
+    ("etcd://h:1/job?color=red", "unknown option 'color'"),
+    ("etcd://h:1/bad prefix", "may only hold"),
+    ("http://h:1/job", "scheme must be etcd"),
+])
+def test_a_malformed_url_is_refused_naming_the_argument(url, part):
+    with pytest.raises(ValueError, match=r"^host: expected an etcd URL etcd://") as caught:
+        connect_store(url)
+    assert part in str(caught.value)
+
+
+def test_bad_input_is_refused_within_the_timeout_with_nothing_written(etcd_cluster):
+    before = _total_keys(etcd_cluster)
+    with pytest.raises(ValueError, match="port: expected None with an etcd URL"):
+        connect_store(etcd_cluster.url("p"), 2379)
+    with pytest.raises(ValueError, match="user: given both"):
+        connect_store("etcd://a:b@h:1/p", user="a")
+    with pytest.raises(ValueError, match="certificates need HTTPS"):
+        connect_store("etcd://h:1/p", ca_cert=__file__)
+    with pytest.raises(FileNotFoundError, match="cert: no such file"):
+        connect_store("etcds://h:1/p", cert="/nonexistent.pem", key="/nonexistent.key")
+    # An unreachable cluster: every endpoint refused until the connect timeout, naming the store.
+    with socket_pair() as (a, b):
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=rf"etcd://127.0.0.1:{a},127.0.0.1:{b} did not answer connect"):
+            connect_store(f"etcd://127.0.0.1:{a},127.0.0.1:{b}/p", timeout_s=1)
+        assert 1 <= time.monotonic() - start < 1 + SLACK_S
+    assert _total_keys(etcd_cluster) == before
+    # A prefix another job claimed: refused, nothing written; the same job connects again (a replacement).
+    prefix = _prefix()
+    connect_store(etcd_cluster.url(prefix), timeout_s=5, job="job-a").set("x", b"1")
+    claimed = _total_keys(etcd_cluster)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"^host: the prefix '{prefix}' .* is used by another job \('job-a'"):
+        connect_store(etcd_cluster.url(prefix), timeout_s=5, job="job-b")
+    with pytest.raises(ValueError, match="used by another job"):
+        connect_store(etcd_cluster.url(prefix), timeout_s=5)  # no identity at all
+    assert time.monotonic() - start < 5
+    assert connect_store(etcd_cluster.url(prefix) + "?job=job-a", timeout_s=5).get("x") == b"1"
+    assert _total_keys(etcd_cluster) == claimed
+
+
+class socket_pair:
+    """Two loopback ports nobody listens on (bound, never listening, closed at the end)."""
+
+    def __enter__(self):
+        import socket
+
+        self.sockets = [socket.socket(), socket.socket()]
+        for sock in self.sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in self.sockets]
+
+    def __exit__(self, *exc):
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_wrong_credentials_are_refused_and_right_ones_work(etcd_cluster):
+    def gateway(path, payload, token=None):
+        import json
+        import urllib.request
+
+        request = urllib.request.Request(f"http://{etcd_cluster.endpoints[0]}/v3/{path}", json.dumps(payload).encode(),
+                                         {"Authorization": token} if token else {})
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return json.loads(reply.read())
+
+    gateway("auth/role/add", {"name": "root"})
+    gateway("auth/user/add", {"name": "root", "password": "sesame"})
+    gateway("auth/user/grant", {"user": "root", "role": "root"})
+    gateway("auth/enable", {})
+    try:
+        hosts = ",".join(etcd_cluster.endpoints)
+        before = _total_keys_as_root(gateway)
+        start = time.monotonic()
+        with pytest.raises(PermissionError, match=r"etcd://.*refused connect .*authentication failed.*user:password@"):
+            connect_store(f"etcd://root:wrong@{hosts}/{_prefix()}", timeout_s=5)
+        assert time.monotonic() - start < 5
+        with pytest.raises(PermissionError, match="authentication failed"):
+            connect_store(f"etcd://{hosts}/{_prefix()}", timeout_s=5, user="nobody", password="x")
+        assert _total_keys_as_root(gateway) == before
+        store = connect_store(f"etcd://root:sesame@{hosts}/{_prefix()}", timeout_s=5, job="auth")
+        store.set("k", b"v")
+        assert store.get("k") == b"v" and store.add("n", 3) == 3
+    finally:
+        token = gateway("auth/authenticate", {"name": "root", "password": "sesame"})["token"]
+        gateway("auth/disable", {}, token)
+        gateway("auth/user/delete", {"name": "root"})
+        gateway("auth/role/delete", {"role": "root"})
+
+
+def _total_keys_as_root(gateway) -> int:
+    token = gateway("auth/authenticate", {"name": "root", "password": "sesame"})["token"]
+    reply = gateway("kv/range", {"key": b64(b"\0"), "range_end": b64(b"\0"), "count_only": True}, token)
+    return int(reply.get("count", 0) or 0)
