@@ -315,3 +315,39 @@ def _total_keys_as_root(gateway) -> int:
     token = gateway("auth/authenticate", {"name": "root", "password": "sesame"})["token"]
     reply = gateway("kv/range", {"key": b64(b"\0"), "range_end": b64(b"\0"), "count_only": True}, token)
     return int(reply.get("count", 0) or 0)
+
+
+def test_members_die_with_a_sigkilled_starter_and_its_data_is_removed_later(tmp_path):
+    """A process that started a cluster is SIGKILLed: its members end with it (setpriv --pdeathsig), and
+    the next cluster started in the same directory removes the orphaned data."""
+    import subprocess
+    import sys
+
+    from mooncake_ep_switch.store import LocalEtcdCluster
+
+    pytest.importorskip("etcd3gw")
+    if not __import__("shutil").which("setpriv"):
+        pytest.skip("util-linux's setpriv is not installed")
+    import mooncake_ep_switch.store.etcd_cluster as module
+
+    # The module alone (it imports nothing of the package): no torch import in the starter.
+    code = ("import importlib.util as u, time; "
+            f"s = u.spec_from_file_location('etcd_cluster', {module.__file__!r}); m = u.module_from_spec(s); "
+            "s.loader.exec_module(m); "
+            f"c = m.LocalEtcdCluster(1, data_root={str(tmp_path)!r}).start(); "
+            "print(c.processes[0].pid, c.directory, flush=True); time.sleep(120)")
+    starter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, directory = starter.stdout.readline().split()
+    finally:
+        starter.kill()
+        starter.wait(10)
+        starter.stdout.close()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, f"etcd member {pid} outlived the process that started it"
+        time.sleep(0.02)
+    assert os.path.isdir(directory)
+    with LocalEtcdCluster(1, data_root=str(tmp_path)) as cluster:
+        assert not os.path.exists(directory) and os.path.isdir(cluster.directory)
+    assert os.listdir(tmp_path) == []

@@ -3,8 +3,9 @@
 Each member is Debian's `etcd` (package `etcd-server`, 3.4; `scripts/install.sh` installs it) with
 its data directory in a temporary directory that `close()` removes. The members are started through
 `setpriv --pdeathsig KILL` when util-linux's `setpriv` is there, so they die with the process (the
-thread) that started them even when it is SIGKILLed; `close()` kills them otherwise. Ports are free
-loopback ports picked at start.
+thread) that started them even when it is SIGKILLed; `close()` kills them otherwise. The data of a
+cluster whose starter was SIGKILLed is removed by the next `start()` in the same directory (its name
+carries the starter's pid). Ports are free loopback ports picked at start.
 """
 import json
 import os
@@ -33,6 +34,27 @@ def _free_ports(count: int, host: str) -> List[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _remove_orphans(data_root: Optional[str]) -> None:
+    """Remove the data directories of clusters whose starting process is gone (it was SIGKILLed: its
+    members died with it, `setpriv --pdeathsig`, but nobody removed their data, ~370 MB per cluster)."""
+    root = data_root or tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 4 or parts[:2] != ["mep", "etcd"] or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue  # its owner is alive
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except PermissionError:
+            continue  # another user's live process
 
 
 class LocalEtcdCluster:
@@ -75,7 +97,8 @@ class LocalEtcdCluster:
         Raises:
             RuntimeError: a member exited, or no leader within `timeout_s` (its log is in the message).
         """
-        self.directory = tempfile.mkdtemp(prefix="mep-etcd-", dir=self.data_root)
+        _remove_orphans(self.data_root)
+        self.directory = tempfile.mkdtemp(prefix=f"mep-etcd-{os.getpid()}-", dir=self.data_root)
         ports = _free_ports(2 * self.count, self.host)
         self.client_ports, self.peer_ports = ports[:self.count], ports[self.count:]
         try:
