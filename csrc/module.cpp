@@ -194,6 +194,20 @@ PYBIND11_MODULE(_native, m) {
     m.def("combine_reduce", &mep::combine_reduce, release(), "out_ptr"_a, "num_tokens"_a, "hidden"_a, "top_k"_a,
           "row_index_ptr"_a, "weights_ptr"_a, "rows_base_ptr"_a, "row_stride"_a,
           "out[t] = bf16(sum_k in order of w[t,k] * row(row_index[t,k])), -1 skipped, fp32, no FMA.");
+    // ---- the ElasticBuffer's rows on host tensors (dataplane/elastic.cpp) ----
+    m.def("elastic_pack_rows", &mep::elastic_pack_rows, release(), "x_ptr"_a, "x_bytes"_a, "scales_ptr"_a,
+          "scales_bytes"_a, "topk_ptr"_a, "num_tokens"_a, "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a,
+          "num_bias"_a, "weights_ptr"_a, "rows_ptr"_a, "row_bytes"_a, "inner_topk_ptr"_a,
+          "Check int64 top-k ids (in [-1, E), none twice in a row), then write each token's inner routing "
+          "[num_bias + min(K, R)] int64 and its dispatch row [x | scales | ids int32 | weights f32 (0 if "
+          "weights_ptr is 0) | zeros] of row_bytes. Returns [0, -1], or [1, row] (an id out of range) / "
+          "[2, row] (an id twice) with nothing written.");
+    m.def("elastic_unpack_rows", &mep::elastic_unpack_rows, release(), "rows_ptr"_a, "row_stride"_a, "num_rows"_a,
+          "x_bytes"_a, "scales_bytes"_a, "top_k"_a, "first_expert"_a, "num_local"_a, "x_ptr"_a, "scales_ptr"_a,
+          "local_ptr"_a, "weights_ptr"_a, "counts_ptr"_a,
+          "Split received dispatch rows: the token bytes, scale bytes, top-k ids made local (int64, -1 "
+          "outside [first_expert, first_expert + num_local)), weight bytes; counts[j] (int64) = entries "
+          "of local expert j.");
     // ---- collective transport records (dataplane/kernels.cpp) ----
     m.def("coll_dispatch_pack", &mep::coll_dispatch_pack, release(), "x"_a, "num_tokens"_a, "hidden"_a, "topk"_a,
           "top_k"_a, "num_experts"_a, "num_ranks"_a, "max_tokens"_a, "active"_a, py::kw_only(), "use_fp8"_a, "fixed"_a,

@@ -79,6 +79,16 @@ void scatter_fp8_rows(uintptr_t data_ptr, uintptr_t scales_ptr, int64_t n, int64
 void combine_reduce(uintptr_t out_ptr, int64_t num_tokens, int64_t hidden, int64_t top_k, uintptr_t row_index_ptr,
                     uintptr_t weights_ptr, uintptr_t rows_base_ptr, int64_t row_stride);
 
+// ---- the ElasticBuffer's rows on host tensors (elastic.cpp) ----
+std::vector<int64_t> elastic_pack_rows(uintptr_t x_ptr, int64_t x_bytes, uintptr_t scales_ptr, int64_t scales_bytes,
+                                       uintptr_t topk_ptr, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                                       int64_t num_ranks, int64_t rank, int64_t num_bias, uintptr_t weights_ptr,
+                                       uintptr_t rows_ptr, int64_t row_bytes, uintptr_t inner_topk_ptr);
+void elastic_unpack_rows(uintptr_t rows_ptr, int64_t row_stride, int64_t num_rows, int64_t x_bytes,
+                         int64_t scales_bytes, int64_t top_k, int64_t first_expert, int64_t num_local,
+                         uintptr_t x_ptr, uintptr_t scales_ptr, uintptr_t local_ptr, uintptr_t weights_ptr,
+                         uintptr_t counts_ptr);
+
 // ---- collective transport records (kernels.cpp); record format at coll_dispatch_pack there ----
 int64_t coll_dispatch_pack(uintptr_t x, int64_t num_tokens, int64_t hidden, uintptr_t topk, int64_t top_k,
                            int64_t num_experts, int64_t num_ranks, int64_t max_tokens, uintptr_t active, bool use_fp8,

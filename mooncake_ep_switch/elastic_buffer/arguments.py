@@ -40,19 +40,7 @@ def group_size(group) -> int:
     raise TypeError(f"group: expected a process group or a join ticket, got {type(group).__name__}")
 
 
-def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
-    """Ids in [-1, num_experts) and no id twice in a row (V2's contract), ValueError naming topk_idx."""
-    if topk_idx.numel() == 0:
-        return
-    low, high = (int(value) for value in torch.aminmax(topk_idx))
-    if low < -1 or high >= num_experts:
-        raise ValueError(f"topk_idx: expected expert ids in [-1, {num_experts}), got values in [{low}, {high}]")
-    ordered = torch.sort(topk_idx, dim=1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    if bool(repeated.any()):
-        row = int(torch.nonzero(repeated.any(dim=1))[0])
-        raise ValueError(f"topk_idx: expected no expert twice in a row, got row {row} = {topk_idx[row].tolist()}")
-
+check_expert_ids = codec.check_expert_ids  # kept here too: the checks of the arguments
 
 
 @dataclass(frozen=True)
@@ -140,7 +128,7 @@ def dispatch_arguments(x, topk_idx, topk_weights, cumulative_local_expert_recv_s
             raise ValueError(f"topk_idx: expected 1 to {codec.MAX_TOPK} columns, got {topk_idx.size(1)}")
         if topk_idx.device != device:
             raise ValueError(f"topk_idx: expected a tensor on {device} (as x), got one on {topk_idx.device}")
-        check_expert_ids(topk_idx, num_experts)
+        # The ids themselves (range, none twice in a row) are checked by the dispatch, with the routing.
     if num_tokens > T:
         raise ValueError(f"x: expected at most num_max_tokens_per_rank={T} tokens, got {num_tokens}")
     num_topk = topk_idx.size(1)

@@ -349,32 +349,23 @@ class ElasticBuffer:
         width = codec.inner_hidden(hidden, num_topk)
 
         # The call: one inner dispatch of byte rows (no state of this buffer changed before it).
-        inner_topk = handle.route.inner_topk if handle is not None else codec.inner_routing(topk_idx, num_experts, R,
-                                                                                            rank, self.max_num_bias)
-        packed = codec.pack_dispatch_rows(tokens, scales, topk_idx, topk_weights, width)
+        packed, inner_topk = codec.route_and_pack(tokens, scales, topk_idx, topk_weights, width, num_experts, R, rank,
+                                                  self.max_num_bias, None if handle is None else handle.route.inner_topk)
         recv, inner_handle = self._inner_dispatch(packed, inner_topk, active, timeout_us, T)
         rows, src_global = inner_rows.inner_sources(inner_handle, 0, T, as_slice=True)
-        got_x, got_scales, got_topk, got_weights = codec.unpack_dispatch_rows(recv[0][rows], hidden, num_topk, use_fp8)
+        got_x, got_scales, local, got_weights, got_counts = codec.unpack_received(recv[0][rows], hidden, num_topk,
+                                                                                  use_fp8, rank, L, num_experts)
         if handle is not None:
-            route = handle.route
-            # The handle's layout again: rows from a source that sent nothing this time stay zero.
-            n = route.recv_src_global.numel()
-            where, known = lay.positions(route.recv_src_global, src_global)
-            lay.clear_sources(active, src_global[~known], T)  # rows the handle's layout has no place for
-            got_x, got_scales, got_weights = (lay.scatter_rows(part[known], where[known], n) if part is not None
-                                              else None for part in (got_x, got_scales, got_weights))
-            local = route.recv_local_topk
-            arrived = torch.zeros(n, dtype=torch.bool, device=local.device)
-            arrived[where[known]] = True
-            received = lay.expert_counts(local[arrived], L).tolist()
+            route, local = handle.route, handle.route.recv_local_topk
+            (got_x, got_scales, got_weights), received = inner_rows.place_again(
+                route, src_global, (got_x, got_scales, got_weights), active, T, L)
             route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_dispatches, False
             route.inner_rows = (inner_handle, rows, src_global)
         else:
-            local = lay.local_ids(got_topk, rank, L, num_experts)
             route = lay.Route(inner_topk, num_tokens, num_topk, hidden, use_fp8, src_global, local, None, 0,
                               inner_handle, self._inner_dispatches, self._token, self.runtime.epoch,
                               self._generation, inner_rows=(inner_handle, rows, src_global))
-        counts = lay.expert_counts(local, L).tolist()
+        counts = (lay.expert_counts(local, L) if handle is not None else got_counts).tolist()
         if cumulative_local_expert_recv_stats is not None:
             stats = received if handle is not None else counts  # only the pairs that arrived in this call
             cumulative_local_expert_recv_stats += torch.tensor(stats, dtype=torch.int32,

@@ -144,3 +144,28 @@ def write_biases(inner_x: torch.Tensor, inner_handle, biases, num_bias: int, ran
             inner_x[slot, rows, :hidden] = part[token]
         elif bool(own.any()):
             inner_x[slot, as_index(rows, inner_x.device)[own], :hidden] = part[token[own]]
+
+
+def place_again(route: lay.Route, src_global: torch.Tensor, parts, active: torch.Tensor,
+                num_max_tokens_per_rank: int, num_local: int):
+    """A cached handle's dispatch: the received parts placed in the handle's layout again (rows from a
+    source that sent nothing this time stay zero; sources the layout has no place for are cleared in
+    `active`).
+
+    Arguments:
+        route: the handle's route; src_global: `[m]` the rows' `src_rank * T + token` this time.
+        parts: received tensors `[m, ...]` (None skipped); active: `active_ranks`.
+        num_max_tokens_per_rank: `T`; num_local: `L`.
+
+    Returns:
+        parts: `[n, ...]` each in the handle's rows; received: list of int, the (token, local expert)
+        pairs that arrived in this call per local expert.
+    """
+    n = route.recv_src_global.numel()
+    where, known = lay.positions(route.recv_src_global, src_global)
+    lay.clear_sources(active, src_global[~known], num_max_tokens_per_rank)
+    placed = tuple(None if part is None else lay.scatter_rows(part[known], where[known], n) for part in parts)
+    local = route.recv_local_topk
+    arrived = torch.zeros(n, dtype=torch.bool, device=local.device)
+    arrived[where[known]] = True
+    return placed, lay.expert_counts(local[arrived], num_local).tolist()

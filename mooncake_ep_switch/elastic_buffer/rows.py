@@ -21,6 +21,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from mooncake_ep_switch import _native
+from mooncake_ep_switch.elastic_buffer import layout as lay
+
 INNER_SLOTS = 3  # inner experts per rank: data, bias 0, bias 1
 MAX_TOPK = 31  # top-k ids and weights (8 bytes each) fit the 256-byte metadata block
 _BLOCK = 128  # the inner Buffer's hidden is a multiple of 128 bfloat16 elements (256 bytes)
@@ -100,6 +103,123 @@ def _zero_bytes(columns: int, device) -> torch.Tensor:
     if zeros is None:
         zeros = _ZERO_BYTES[key] = torch.zeros((1, columns), dtype=torch.uint8, device=device)
     return zeros
+
+
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Ids in [-1, num_experts) and no id twice in a row (V2's contract), ValueError naming topk_idx."""
+    if topk_idx.numel() == 0:
+        return
+    low, high = (int(value) for value in torch.aminmax(topk_idx))
+    if low < -1 or high >= num_experts:
+        raise ValueError(f"topk_idx: expected expert ids in [-1, {num_experts}), got values in [{low}, {high}]")
+    ordered = torch.sort(topk_idx, dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if bool(repeated.any()):
+        row = int(torch.nonzero(repeated.any(dim=1))[0])
+        raise ValueError(f"topk_idx: expected no expert twice in a row, got row {row} = {topk_idx[row].tolist()}")
+
+
+def route_and_pack(x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                   topk_weights: Optional[torch.Tensor], width: int, num_experts: int, num_ranks: int, rank: int,
+                   num_bias: int, cached_routing: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A dispatch's inner rows and routing, its ids checked (`check_expert_ids`) unless the routing is a
+    cached handle's. Host tensors take one native pass (`pack_host`), others torch (the same bytes).
+
+    Returns:
+        rows: `[N, width]` torch.bfloat16; inner_topk: `cached_routing`, or `inner_routing`'s.
+
+    Raises:
+        ValueError: naming topk_idx (an id out of range or twice in a row), before anything is sent.
+    """
+    if on_host(x, scales, topk_idx, topk_weights):
+        rows, inner_topk = pack_host(x, scales, topk_idx, topk_weights, width, num_experts, num_ranks, rank, num_bias)
+        if rows is None:
+            check_expert_ids(topk_idx, num_experts)  # names the fault the native pass found
+            raise AssertionError("topk_idx: refused by the native check but not by check_expert_ids")
+    else:
+        if cached_routing is None:
+            check_expert_ids(topk_idx, num_experts)
+            inner_topk = inner_routing(topk_idx, num_experts, num_ranks, rank, num_bias)
+        rows = pack_dispatch_rows(x, scales, topk_idx, topk_weights, width)
+    return rows, (inner_topk if cached_routing is None else cached_routing)
+
+
+def unpack_received(rows: torch.Tensor, hidden: int, num_topk: int, use_fp8: bool, rank: int, num_local: int,
+                    num_experts: int):
+    """The received rows' parts (`unpack_host` on the host, `unpack_dispatch_rows` and the layouts' ids elsewhere).
+
+    Returns:
+        x, scales (or None), local ids `[n, K]` torch.int64, topk_weights, counts per local expert (`[L]`
+        torch.int64), as `unpack_host`.
+    """
+    if rows.device.type == "cpu":
+        return unpack_host(rows, hidden, num_topk, use_fp8, rank, num_local)
+    x, scales, topk, weights = unpack_dispatch_rows(rows, hidden, num_topk, use_fp8)
+    ids = lay.local_ids(topk, rank, num_local, num_experts)
+    return x, scales, ids, weights, lay.expert_counts(ids, num_local)
+
+
+def on_host(*tensors) -> bool:
+    """Whether every given tensor (None skipped) is a host tensor: the native one-pass packing applies."""
+    return all(t is None or t.device.type == "cpu" for t in tensors)
+
+
+def pack_host(x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+              topk_weights: Optional[torch.Tensor], width: int, num_experts: int, num_ranks: int, rank: int,
+              num_bias: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """`pack_dispatch_rows` and `inner_routing` in one native pass over host tensors, the ids checked first.
+
+    Arguments:
+        x, scales, topk_idx, topk_weights, width: as `pack_dispatch_rows` (host tensors).
+        num_experts, num_ranks, rank, num_bias: as `inner_routing`.
+
+    Returns:
+        rows: `[N, width]` torch.bfloat16 (raw bytes); inner_topk: `[N, num_bias + min(K, R)]` torch.int64.
+        Both None when an id is out of `[-1, num_experts)` or twice in a row (nothing written; the caller
+        names the fault).
+    """
+    n, num_topk = topk_idx.shape
+    x, topk_idx = x.contiguous(), topk_idx.contiguous()
+    scales = None if scales is None else scales.contiguous()
+    weights = None if topk_weights is None else topk_weights.contiguous()
+    rows = torch.empty((n, width), dtype=torch.bfloat16)
+    inner_topk = torch.empty((n, num_bias + min(num_topk, num_ranks)), dtype=torch.int64)
+    status, _ = _native.elastic_pack_rows(
+        x.data_ptr(), x.size(1) * x.element_size(), 0 if scales is None else scales.data_ptr(),
+        0 if scales is None else 4 * scales.size(1), topk_idx.data_ptr(), n, num_topk, num_experts, num_ranks, rank,
+        num_bias, 0 if weights is None else weights.data_ptr(), rows.data_ptr(), 2 * width, inner_topk.data_ptr())
+    if status:
+        return None, None
+    return rows, inner_topk
+
+
+def unpack_host(rows: torch.Tensor, hidden: int, num_topk: int, use_fp8: bool, rank: int, num_local: int):
+    """`unpack_dispatch_rows` for host rows in one native pass, with the ids made local and counted.
+
+    Arguments:
+        rows: `[n, width]` torch.bfloat16 received rows (rows contiguous, any row stride).
+        hidden, num_topk, use_fp8: as `unpack_dispatch_rows`.
+        rank: this rank; num_local: `L`, its experts (`rank * L` is the first).
+
+    Returns:
+        x, scales (or None), topk_weights as `unpack_dispatch_rows`; local: `[n, K]` torch.int64 ids
+        local to `rank` (-1 elsewhere, `layout.local_topk`); counts: `[L]` torch.int64 entries per local
+        expert (`layout.expert_counts`).
+    """
+    n = rows.size(0)
+    groups = num_scale_groups(hidden)
+    x = torch.empty((n, hidden), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+    scales = torch.empty((n, groups), dtype=torch.float32) if use_fp8 else None
+    local = torch.empty((n, num_topk), dtype=torch.int64)
+    weights = torch.empty((n, num_topk), dtype=torch.float32)
+    counts = torch.empty(num_local, dtype=torch.int64)
+    if n and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    _native.elastic_unpack_rows(rows.data_ptr() if n else 0, 2 * rows.stride(0) if n else 2 * rows.size(1), n,
+                                x.size(1) * x.element_size(), 4 * groups if use_fp8 else 0, num_topk,
+                                rank * num_local, num_local, x.data_ptr(), 0 if scales is None else scales.data_ptr(),
+                                local.data_ptr(), weights.data_ptr(), counts.data_ptr())
+    return x, scales, local, weights, counts
 
 
 def unpack_dispatch_rows(rows: torch.Tensor, hidden: int, num_topk: int, use_fp8: bool):
