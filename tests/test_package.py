@@ -39,7 +39,7 @@ def test_requirements_match_what_is_tested():
     plain = sorted(r for r in requires if "extra ==" not in r)
     assert plain == ["numpy>=2.0", "torch>=2.11"], plain
     extras = set(_metadata().get_all("Provides-Extra"))
-    assert extras == {"test", "mooncake", "mooncake-cuda", "nccl", "plot", "models"}
+    assert extras == {"test", "mooncake", "mooncake-cuda", "nccl", "plot", "models", "etcd"}
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
         readme = handle.read()
     extras_paragraph = readme[readme.index("Extras ("):][:1500]

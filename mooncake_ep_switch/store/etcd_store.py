@@ -169,11 +169,13 @@ class EtcdStore(dist.Store):
         """The values of `keys`, read at one revision once every one is set (waits as `get`)."""
         keys = list(keys)
         timeout_s = self._timeout_s()
-        self._wait_for(keys, timeout_s, "multi_get")
-        values = self._read(keys, time.monotonic() + timeout_s, "multi_get")
-        if any(value is None for value in values):  # deleted meanwhile: wait again, as a TCPStore would
-            return self.multi_get(keys)
-        return values  # type: ignore[return-value]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            values = self._read(keys, max(deadline, time.monotonic() + _LAST_READ_S), "multi_get")
+            if all(value is not None for value in values):  # usually at once: one transaction
+                return values  # type: ignore[return-value]
+            self._wait_for([k for k, v in zip(keys, values) if v is None], max(deadline - time.monotonic(), 0.0),
+                           "multi_get")
 
     def multi_set(self, keys, values) -> None:
         """Set every key of `keys` to its value, in one transaction (per 128 keys)."""
