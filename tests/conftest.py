@@ -15,7 +15,7 @@ TIERS = {
              "test_te_endpoint", "test_cuda_build", "test_demo", "test_soak_bench", "test_deep_ep_compat",
              "test_misuse", "test_buffer", "test_simulate_cli", "test_models_demo", "test_elastic_buffer",
              "test_elastic_buffer_faults", "test_store_stall", "test_eplb_fault_routing", "test_eplb_coverage", "test_observability",
-             "test_observability_faults"},
+             "test_observability_faults", "test_elastic_barrier"},
     # kills, stops or cuts off a process or a link
     "faults": {"test_faults", "test_membership_faults", "test_switch_faults", "test_partition", "test_peer_watch",
                "test_te_endpoint", "test_readmit_regions", "test_eplb_online", "test_hosts_eplb",
@@ -84,5 +84,6 @@ def etcd_cluster():
         if os.environ.get("CI"):
             pytest.fail(f"{missing} is not installed: scripts/install.sh installs it")
         pytest.skip(f"{missing} is not installed: scripts/install.sh installs it")
-    with LocalEtcdCluster(3, data_root="/dev/shm" if os.path.isdir("/dev/shm") else None) as cluster:
+    with LocalEtcdCluster(3, data_root="/dev/shm" if os.path.isdir("/dev/shm") else None, heartbeat_ms=50,
+                          election_ms=500) as cluster:  # a new leader within ~0.5-1 s of a kill
         yield cluster

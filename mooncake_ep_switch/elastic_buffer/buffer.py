@@ -113,6 +113,11 @@ class ElasticBuffer:
         self._inner_dispatches = 0  # inner dispatches made (a handle is combined again only before the next)
         self._masks = {}  # device -> the buffer's own active_ranks when the caller passes none
         self._ones_cache = {}  # (width, device) -> the inner combine's weights of 1.0
+        # (T, inner hidden) of the latest inner call (before any: the constructor's MoE settings')
+        self._inner_shape = (max(num_max_tokens_per_rank, 1), codec.inner_hidden(hidden, max(num_topk, 1)))
+        if Buffer.get_ep_buffer_size_hint(*self._inner_shape, self.num_ranks,
+                                          codec.INNER_SLOTS * self.num_ranks) > num_bytes:
+            self._inner_shape = (1, 128)  # settings larger than the buffer: the smallest shape until a call
         self._token = object()  # the owner of this buffer's handles
         self._generation = 0  # update_ep_member() calls made (a handle from before one is refused)
 
@@ -183,10 +188,11 @@ class ElasticBuffer:
         for name, value in (("use_comm_stream", use_comm_stream), ("with_cpu_sync", with_cpu_sync),
                             ("sequential", sequential)):
             arguments.check_bool(name, value)
-        device = self.runtime.device
-        x = torch.empty((0, 128), dtype=torch.bfloat16, device=device)
+        # The last call's inner shape: a region half's layout never changes under a late peer's writes.
+        device, (tokens, width) = self.runtime.device, self._inner_shape
+        x = torch.empty((0, width), dtype=torch.bfloat16, device=device)
         topk = torch.empty((0, 1), dtype=torch.int64, device=device)
-        self._inner_dispatch(x, topk, self._mask(device), self._default_timeout(device), 1)
+        self._inner_dispatch(x, topk, self._mask(device), self._default_timeout(device), tokens)
 
     def update_ep_member(self, timeout_s: Optional[float] = None):
         """Agree on the group's members and admit a pending replacement (`Buffer.update_ep_member`).
@@ -278,6 +284,7 @@ class ElasticBuffer:
         recv, _, handle, _, _ = buffer.dispatch(rows, inner_topk, active, num_max_tokens_per_rank,
                                                 codec.INNER_SLOTS * self.num_ranks, timeout_us, use_fp8=False)
         self._inner_dispatches += 1
+        self._inner_shape = (num_max_tokens_per_rank, rows.size(1))
         return recv, handle
 
     # ------------------------------------------------------------------ dispatch
@@ -468,23 +475,13 @@ class ElasticBuffer:
         inner_x = buffer.get_next_combine_buffer(inner_handle)[:, :, :columns]
         inner_rows.write_partials(inner_x, route, partial, encoded, active, T)
         inner_rows.write_biases(inner_x, inner_handle, biases, self.max_num_bias, self.rank_idx, route.num_tokens, T)
-        ones = self._ones(route.inner_topk.shape, device)
+        ones = inner_rows.ones(self._ones_cache, route.inner_topk.shape, device)
         out, _, _ = buffer.combine(inner_x, route.inner_topk, ones, active, timeout_us, inner_handle, zero_copy=True)
         route.combined = True
         combined_x = out[:, :hidden].contiguous()
         combined_weights = None if topk_weights is None else codec.decode_weight_bytes(out[:, hidden:columns],
                                                                                       route.num_topk)
         return combined_x, combined_weights, EventOverlap(None)
-
-    def _ones(self, shape, device) -> torch.Tensor:
-        """The inner combine's weights (all 1.0: the rows are summed as they are): rows of one kept tensor
-        per width and device, grown when a call has more tokens."""
-        rows, width = shape
-        key = (width, str(device))
-        ones = self._ones_cache.get(key)
-        if ones is None or ones.size(0) < rows:
-            ones = self._ones_cache[key] = torch.ones((max(rows, 1), width), dtype=torch.float32, device=device)
-        return ones[:rows]
 
     def _combinable(self, route: lay.Route) -> bool:
         """Whether the inner Buffer still combines `route`'s inner dispatch (its rules, `Buffer.combine`): a

@@ -169,3 +169,21 @@ def place_again(route: lay.Route, src_global: torch.Tensor, parts, active: torch
     arrived = torch.zeros(n, dtype=torch.bool, device=local.device)
     arrived[where[known]] = True
     return placed, lay.expert_counts(local[arrived], num_local).tolist()
+
+
+def ones(cache: dict, shape, device) -> torch.Tensor:
+    """The inner combine's weights (all 1.0: the rows are summed as they are): rows of one tensor kept
+    in `cache` per width and device, grown when a call has more tokens.
+
+    Arguments:
+        cache: the buffer's dict, `(width, device) -> tensor`; shape: `(rows, width)`; device: the call's.
+
+    Returns:
+        ones: `[rows, width]` torch.float32 (a view of the kept tensor, never written).
+    """
+    rows, width = shape
+    key = (width, str(device))
+    kept = cache.get(key)
+    if kept is None or kept.size(0) < rows:
+        kept = cache[key] = torch.ones((max(rows, 1), width), dtype=torch.float32, device=device)
+    return kept[:rows]
