@@ -38,6 +38,38 @@ def test_demo_short_run(tmp_path):
     kinds = {e["kind"] for e in metrics["events"]}
     assert kinds == {"switch", "rebalance", "kill", "rejoin"}
     assert (out / "timeline.png").stat().st_size > 10_000
+    # The replacement's phases (issue 36 item 3), on one wall clock from the death: in order, each after the last.
+    _check_phases(recovery, ["detection", "step end", "process start", "imports", "buffer", "join", "admission",
+                             "restore", "members resume", "first full step"], 16 // 4 + 1)
+    assert recovery["kind"] == "cold (forked, imports preloaded)" and recovery["in_advance"] == []
+    assert "recovery phases      cold" in stdout and "imports" in stdout
+
+
+def _check_phases(recovery, names, slots):
+    phases = recovery["phases"]
+    assert [p["phase"] for p in phases] == names, phases
+    assert all(p["seconds"] >= 0 for p in phases)
+    ends = [p["start_s"] + p["seconds"] for p in phases]
+    # Each phase starts where the one before ended (the controller's messages between them: a few ms each).
+    assert all(b["start_s"] >= end - 0.02 for b, end in zip(phases[1:], ends)), phases
+    assert abs(ends[-1] - recovery["interruption_s"]) < 0.02 and recovery["detection_s"] == phases[0]["seconds"]
+    assert 0 < recovery["detection_s"] < recovery["interruption_s"] < 60
+    restore = recovery["restored"]
+    assert restore["from_peers"] + restore["from_loader"] == 2 * slots  # the killed rank's 2 layers x its slots
+
+
+def test_demo_warm_standby_replaces_the_killed_rank(tmp_path):
+    # A standby started, imported and loaded before the death takes the dead rank (issue 36 item 3).
+    out = tmp_path / "demo"
+    metrics, stdout = _run(out, "--steps", "12", "--ranks", "2", "--replacement", "standby")
+    recovery = metrics["recovery"]
+    assert metrics["correct"] and recovery["view"] == [0, 1] and recovery["first_full_step"] == recovery["killed_at_step"] + 1
+    _check_phases(recovery, ["detection", "step end", "assign", "buffer", "join", "admission", "restore",
+                             "members resume", "first full step"], 16 // 2 + 1)
+    assert recovery["kind"] == "warm standby"
+    assert [p["phase"] for p in recovery["in_advance"]] == ["process start", "imports", "prepare (weights)"]
+    assert all(p["start_s"] < 0 for p in recovery["in_advance"])  # before the death
+    assert "in advance (before the death)" in stdout
 
 
 def test_demo_collective_transport(tmp_path):

@@ -47,7 +47,8 @@ def _demo(args) -> int:
     # Ranks sharing one GPU are time-sliced: a live peer can be late by several slices.
     timeout_us = 3_000_000 if transport == "cuda" else defaults.timeout_us
     config = DemoConfig(num_ranks=args.ranks, steps=steps, transport=transport, out_dir=args.out,
-                        kill_step=kill_step, kill_rank=min(2, args.ranks - 1), timeout_us=timeout_us)
+                        kill_step=kill_step, kill_rank=min(2, args.ranks - 1), timeout_us=timeout_us,
+                        replacement=args.replacement)
     metrics = run_demo(config)
     return 0 if metrics["correct"] else 1
 
@@ -68,6 +69,10 @@ def _host_transport(requested: str) -> str:
 
 
 def _bench(rest) -> int:
+    if rest[:1] == ["recovery"]:  # runs the demo: lives with the apps (bench never imports apps)
+        from mooncake_ep_switch.apps.recovery_bench import main as recovery_main
+
+        return recovery_main(rest[1:])
     from mooncake_ep_switch.bench.__main__ import main as bench_main
 
     return bench_main(rest)
@@ -113,6 +118,10 @@ def main(argv=None) -> int:
     demo.add_argument("--out", default="mep_demo_out", help="directory for metrics.json and timeline.png")
     demo.add_argument("--kill-step", type=int, default=None,
                       help="step (inside the burst) at which a rank is SIGKILLed and replaced; -1: none")
+    demo.add_argument("--replacement", default="forked", choices=["forked", "spawn", "standby"],
+                      help="how the killed rank's replacement starts: forked after the death from a server that "
+                           "imported torch at start (default), spawn (a fresh interpreter after the death), standby "
+                           "(a warm standby ready before the death: mooncake_ep_switch.standby.WarmStandby)")
     demo.add_argument("--model", default=None, choices=["qwen3_moe", "mixtral", "deepseek_v3"],
                       help="instead: a tiny random transformers MoE model generating greedily over EP, TP and "
                            "EPLB, checked against the single-process model (needs the `models` extra)")

@@ -21,6 +21,7 @@ correctness check fails.
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import NamedTuple
 
@@ -29,6 +30,7 @@ import torch
 
 from mooncake_ep_switch.expert_memory import ExpertMemory
 from mooncake_ep_switch.expert_memory import initial_placement as _initial_placement
+from mooncake_ep_switch.apps.recovery_phases import phase_lines, recovery_phases
 from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 from mooncake_ep_switch.reference.compare import calc_diff
 
@@ -55,6 +57,10 @@ class DemoConfig(NamedTuple):
         kill_step: decode step at which `kill_rank` is SIGKILLed and then replaced (-1: no failure).
         kill_rank: the rank that dies.
         timeout_us: per-call deadline of dispatch/combine/all-reduce (how fast a dead rank is noticed).
+        replacement: how the killed rank's replacement starts: "forked" (default: a process started after the
+            death, forked from a server that imported torch and the package when the cluster started),
+            "spawn" (a fresh interpreter started after the death: its imports count) or "standby" (a warm
+            standby started before the death, `standby.WarmStandby`: imports, weights, store done).
     """
 
     num_ranks: int = 4
@@ -75,12 +81,14 @@ class DemoConfig(NamedTuple):
     kill_step: int = 25
     kill_rank: int = 2
     timeout_us: int = 2_000_000
+    replacement: str = "forked"
 
 
 _RANK_STATE = {}
 CHECK_LIMIT = 1e-4  # calc_diff against the single-process reference (bf16 activations)
 PROGRESS_EVERY = 5  # steps between progress lines when the output is not a terminal
 LAYOUT_TP, LAYOUT_EP = "tp", "ep"
+REPLACEMENTS = ("forked", "spawn", "standby")
 
 
 def request_trace(config: DemoConfig):
@@ -109,9 +117,13 @@ def initial_placement(config: DemoConfig) -> np.ndarray:
     return _initial_placement(config.layers, config.experts, config.num_ranks, config.redundant_per_rank)
 
 
-def _weights(config: DemoConfig):
+def _weights(config: DemoConfig, checkpoint: str = ""):
+    """Every layer's `MoEWeights`: read from `checkpoint` (a file `_save_checkpoint` wrote) when it exists, else
+    made (the same seeds on every rank)."""
     from mooncake_ep_switch.reference.moe_block import MoEWeights, random_weights
 
+    if checkpoint and os.path.exists(checkpoint):  # what a replacement reads: the rank-0 copy of the loader's output
+        return [MoEWeights(*layer) for layer in torch.load(checkpoint, mmap=True, weights_only=True)]
     layers = []
     for layer in range(config.layers):
         weights = random_weights(config.experts, config.hidden, config.intermediate, seed=layer)
@@ -123,7 +135,14 @@ def _weights(config: DemoConfig):
     return layers
 
 
-def _build_structures(buffer, config: DemoConfig):
+def _save_checkpoint(weights, checkpoint: str) -> None:
+    """Write the loader's weights where a replacement reads them (`_weights`), as a checkpoint (atomically)."""
+    partial = f"{checkpoint}.{os.getpid()}"
+    torch.save([tuple(layer) for layer in weights], partial)
+    os.replace(partial, checkpoint)
+
+
+def _build_structures(buffer, config: DemoConfig, weights=None):
     """Unified weights, TP all-reduce, expert slots and rebalancer (an `ExpertMemory`) on `buffer`.
 
     A replacement rank makes the same call once admitted: it takes the members' layout, counters
@@ -131,7 +150,12 @@ def _build_structures(buffer, config: DemoConfig):
     """
     from mooncake_ep_switch.switch import WeightShape
 
-    weights = _weights(config)  # the loader (a checkpoint in a real engine)
+    loading = time.time()
+    checkpoint = _RANK_STATE.get("checkpoint", "")
+    weights = _weights(config, checkpoint) if weights is None else weights  # the loader (a checkpoint file)
+    _RANK_STATE["loader_s"] = time.time() - loading
+    if checkpoint and buffer.rank == 0 and not os.path.exists(checkpoint):
+        _save_checkpoint(weights, checkpoint)
     memory = ExpertMemory(buffer, WeightShape(config.experts, config.hidden, config.intermediate),
                           weights, layout=LAYOUT_TP, max_tp_tokens=config.burst_requests,
                           phy2log=initial_placement(config), redundant_per_rank=config.redundant_per_rank,
@@ -142,7 +166,7 @@ def _build_structures(buffer, config: DemoConfig):
                        routers=[w.router.to(device) for w in weights])  # routing runs where the tokens are
 
 
-def rank_setup(ctx, config: DemoConfig):
+def rank_setup(ctx, config: DemoConfig, checkpoint: str = ""):
     """Build this rank's Buffer and (unless it is a replacement) its weights, slots and rebalancer.
 
     Runs inside a `LocalCluster` rank; collective over `ctx.group`. A replacement rank
@@ -151,6 +175,8 @@ def rank_setup(ctx, config: DemoConfig):
     Arguments:
         ctx: the `launch.RankContext`.
         config: the `DemoConfig`.
+        checkpoint: a file rank 0 writes the loader's weights to and a replacement reads them from
+            ("" none: every rank makes them).
 
     Returns:
         transport: str, the transport the Buffer uses.
@@ -158,20 +184,49 @@ def rank_setup(ctx, config: DemoConfig):
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.elastic import join
 
+    setup_started = time.time()
+    _RANK_STATE["checkpoint"] = checkpoint
     tokens = config.burst_requests // ctx.num_ranks
     physical = ctx.num_ranks * (config.experts // ctx.num_ranks + config.redundant_per_rank)
     size = Buffer.get_ep_buffer_size_hint(tokens, config.hidden, ctx.num_ranks, physical)
     replacement = ctx.group is None
     if config.transport == "cuda" and torch.cuda.is_available():
         torch.cuda.set_device(0)  # rank processes share GPU 0 (CUDA IPC between them, as NVLink between GPUs)
-    group = join(ctx.store, ctx.rank, ctx.num_ranks) if replacement else ctx.group
-    buffer = Buffer(group, size, transport=config.transport)
+    standby = _RANK_STATE.pop("standby", None)
+    if standby is not None:  # a warm standby told its rank: imports and weights are done
+        buffer = standby.replace(ctx.rank)
+        _RANK_STATE["weights"] = standby.prepared
+    else:
+        group = join(ctx.store, ctx.rank, ctx.num_ranks) if replacement else ctx.group
+        buffer = Buffer(group, size, transport=config.transport)
+    _RANK_STATE["timings"] = {"setup_started": setup_started, "buffer_built": time.time()}
     # Tokens, routers, expert weights and the KV-free layer stack live on the Buffer's device ("cuda"), else the CPU.
     device = buffer.runtime.device or torch.device("cpu")
     _RANK_STATE.update(buffer=buffer, config=config, active=buffer.active_mask(), device=device)
     if not replacement:  # a replacement builds the rest once admitted (rank_readmit)
         _build_structures(buffer, config)
     return buffer.transport
+
+
+def rank_standby(ctx, config: DemoConfig):
+    """Prepare this process as a warm standby (`standby.WarmStandby`): imports, the loader's weights, the store.
+
+    Arguments:
+        ctx: the `launch.RankContext` of a standby (rank `launch.STANDBY` until assigned).
+        config: the `DemoConfig`.
+
+    Returns:
+        prepared: wall-clock time (`time.time()`) the standby was ready.
+    """
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.standby import WarmStandby
+
+    tokens = config.burst_requests // ctx.num_ranks
+    physical = ctx.num_ranks * (config.experts // ctx.num_ranks + config.redundant_per_rank)
+    size = Buffer.get_ep_buffer_size_hint(tokens, config.hidden, ctx.num_ranks, physical)
+    standby = WarmStandby(ctx.store, ctx.num_ranks, size, prepare=lambda: _weights(config), transport=config.transport)
+    _RANK_STATE["standby"] = standby
+    return standby.timings["prepared"]
 
 
 def rank_readmit(ctx, joiner: int, timeout_s: float = 60.0):
@@ -186,7 +241,9 @@ def rank_readmit(ctx, joiner: int, timeout_s: float = 60.0):
         timeout_s: seconds to wait for the joiner, the agreement and the replacement's rebuild.
 
     Returns:
-        ranks: list of int, the members of the agreed epoch.
+        result: dict with "view" (list of int, the members of the agreed epoch) and "timings"
+            (wall clocks: a member's "pending_seen" and "admitted"; the joiner's "setup_started",
+            "buffer_built", "admitted" and "restored").
 
     Raises:
         TimeoutError: the replacement never asked to join.
@@ -194,11 +251,20 @@ def rank_readmit(ctx, joiner: int, timeout_s: float = 60.0):
     from mooncake_ep_switch.elastic import admit
 
     buffer = _RANK_STATE["buffer"]
-    view = admit(buffer, joiner, timeout_s)
+    timings = _RANK_STATE.pop("timings", {}) if ctx.rank == joiner else {}
+    deadline = time.monotonic() + timeout_s
+    while ctx.rank != joiner and joiner not in buffer.pending_joiners() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    if ctx.rank != joiner:
+        timings["pending_seen"] = time.time()
+    view = admit(buffer, joiner, max(1.0, deadline - time.monotonic()))
+    timings["admitted"] = time.time()
     if ctx.rank == joiner:
-        _build_structures(buffer, _RANK_STATE["config"])
+        _build_structures(buffer, _RANK_STATE["config"], _RANK_STATE.get("weights"))
+        timings["restored"] = time.time()
+        timings["restore"] = dict(_RANK_STATE["memory"].restored._asdict(), loader_s=_RANK_STATE["loader_s"])
     _RANK_STATE["active"] = buffer.active_mask()
-    return list(view.ranks)
+    return {"view": list(view.ranks), "timings": timings}
 
 
 def rank_switch(ctx, target: str):
@@ -289,6 +355,7 @@ def rank_step(ctx, step: int, command: dict):
     state = _RANK_STATE
     config, unified = state["config"], state["unified"]
     if step == config.kill_step and ctx.rank == config.kill_rank:
+        ctx.store.set("demo/killed_at", repr(time.time()))  # the wall clock of the death, for the phases
         os.kill(os.getpid(), signal.SIGKILL)  # the failure the demo survives
     rebalancer, active = state["rebalancer"], state["active"]
     reports = []
@@ -305,6 +372,7 @@ def rank_step(ctx, step: int, command: dict):
         x = torch.randn((requests // ctx.num_ranks, config.hidden), generator=generator).to(torch.bfloat16)
         out, counts, rows = _ep_forward(ctx, x.to(state["device"]))
         seconds = _finished(start)
+        served_at = time.time()
         dead = [r for r in range(ctx.num_ranks) if not int(active[r])]  # what the timeouts found
         reference = _ep_reference(ctx, x, rows, dead)
     else:  # TP: the same tokens on every rank
@@ -316,13 +384,15 @@ def rank_step(ctx, step: int, command: dict):
             out = tp_forward(state["all_reduce"], out, router, gate_up, down, config.top_k, active,
                              timeout_us=config.timeout_us)
         seconds = _finished(start)
+        served_at = time.time()
         dead = [r for r in range(ctx.num_ranks) if not int(active[r])]
         reference = x
         for weights in state["weights"]:
             reference = reference_forward(reference, weights, config.top_k)
     for report in reports:
         report["layers"] = list(report["layers"])
-    return {"seconds": seconds, "diff": calc_diff(out.cpu(), reference), "tokens": x.size(0), "dead": dead,
+    return {"seconds": seconds, "served_at": served_at, "diff": calc_diff(out.cpu(), reference), "tokens": x.size(0),
+            "dead": dead,
             "layout": unified.layout, "counts": counts, "reports": reports,
             "phy2log": state["slots"].phy2log.tolist() if state["slots"] is not None else None}
 
@@ -430,8 +500,16 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
           f"{config.low_requests} -> {config.burst_requests} -> {config.low_requests} requests", file=stream)
     steps, events, recovery, switches, rebalances = [], [], None, [], []
     terminal = stream.isatty()  # a terminal gets one line rewritten in place; a log a line every few steps
-    with LocalCluster(config.num_ranks) as cluster:
-        transport = check_outcomes(cluster.run(rank_setup, config, timeout_s=120))[0]
+    if config.replacement not in REPLACEMENTS:
+        raise ValueError(f"replacement: expected one of {REPLACEMENTS}, got {config.replacement!r}")
+    scratch = tempfile.TemporaryDirectory(prefix="mep_demo_")  # the checkpoint a replacement loads
+    checkpoint = os.path.join(scratch.name, "weights.pt")
+    with scratch, LocalCluster(config.num_ranks, preload_replacements=config.replacement == "forked") as cluster:
+        transport = check_outcomes(cluster.run(rank_setup, config, checkpoint, timeout_s=120))[0]
+        standby = None
+        if config.replacement == "standby" and config.kill_step >= 0:  # started, imported and loaded before any death
+            standby = cluster.start_standby()
+            standby["prepared"] = cluster.run_standby(rank_standby, config, timeout_s=120)
         for step in range(config.steps):
             requests = control.trace[step]
             decision = control.policy.observe(step, requests)
@@ -449,6 +527,7 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
                     events.append({"step": step, "kind": "switch", "label": f"-> {decision.target.upper()} {ms:.0f} ms"})
             command = {"requests": requests, "rebalance": control.plan(step) if transport == "shm" else None}
             outcomes = cluster.run(rank_step, step, command, timeout_s=120, failure_grace_s=60)
+            stepped_at = time.time()
             if step == config.kill_step:
                 events.append({"step": step, "kind": "kill", "label": f"rank {config.kill_rank} SIGKILL"})
                 values = check_outcomes([o for o in outcomes if o.rank != config.kill_rank])
@@ -482,15 +561,25 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
             if recovery is not None and "first_full_step" not in recovery and not dead and len(values) == config.num_ranks:
                 recovery["first_full_step"] = step
                 recovery["interruption_seconds"] = time.perf_counter() - recovery.pop("_failed_at")
+                recovery.update(recovery_phases(first_full_at=time.time(), **recovery.pop("_clocks")))
             if step == config.kill_step:
                 failed_at = time.perf_counter() - step_seconds
                 replace_started = time.perf_counter()
-                cluster.respawn(config.kill_rank)
-                check_outcomes(cluster.run(rank_setup, config, ranks=[config.kill_rank], timeout_s=120))
-                views = check_outcomes(cluster.run(rank_readmit, config.kill_rank, timeout_s=120))
+                if standby is not None:
+                    standby["assigned"] = cluster.assign_standby(config.kill_rank)
+                    spawned = standby
+                else:
+                    spawned = cluster.respawn(config.kill_rank)
+                check_outcomes(cluster.run(rank_setup, config, checkpoint, ranks=[config.kill_rank], timeout_s=120))
+                readmits = check_outcomes(cluster.run(rank_readmit, config.kill_rank, timeout_s=120))
+                joined = readmits[config.kill_rank]["timings"]
+                clocks = {"killed_at": float(cluster.store.get("world/demo/killed_at").decode()),
+                          "detected_at": max(v["served_at"] for v in values), "stepped_at": stepped_at, "started": spawned,
+                          "replacement": joined, "kind": config.replacement,
+                          "members": [r["timings"] for i, r in enumerate(readmits) if i != config.kill_rank]}
                 recovery = {"rank": config.kill_rank, "killed_at_step": step, "survivors_saw_dead": dead,
-                            "replace_seconds": time.perf_counter() - replace_started, "view": views[0],
-                            "_failed_at": failed_at}
+                            "replace_seconds": time.perf_counter() - replace_started, "view": readmits[0]["view"],
+                            "restored": joined["restore"], "_failed_at": failed_at, "_clocks": clocks}
                 events.append({"step": step, "kind": "rejoin",
                                "label": f"rank {config.kill_rank} rejoined {recovery['replace_seconds']:.1f} s"})
             line = (f"  step {step + 1}/{config.steps}  {layout.upper()}  {requests:4d} req  "
@@ -505,6 +594,7 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
         check_outcomes(cluster.run(rank_teardown, timeout_s=60))
     if recovery is not None:
         recovery.pop("_failed_at", None)
+        recovery.pop("_clocks", None)
     worst = max(s["max_calc_diff"] for s in steps)
     metrics = {"config": config._asdict(), "transport": transport, "steps": steps, "events": events,
                "switches": switches, "rebalances": rebalances, "recovery": recovery, "max_calc_diff": worst,
@@ -596,6 +686,9 @@ def _summary(metrics, config: DemoConfig, stream) -> None:
               f"{recovery['replace_seconds']:.2f} s; interruption (failure -> first full step "
               f"{recovery.get('first_full_step')}) {recovery.get('interruption_seconds', float('nan')):.2f} s",
               file=stream)
+        if "phases" in recovery:
+            for line in phase_lines(recovery):
+                print(line, file=stream)
     print("  note                 the switch threshold is a setting here: on this CPU the EP step is faster at every "
           "load; the TP/EP crossover is a GPU effect (see `mooncake-ep simulate`)", file=stream)
     print(f"  correctness          max calc_diff {metrics['max_calc_diff']:.2e} vs single-process reference "

@@ -19,16 +19,19 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
-from mooncake_ep_switch.config import (BIND_HOST_ENV, GLOO_SOCKET_IFNAME_ENV, HOST_ID_ENV, JOB_SECRET_ENV,
-                                       new_job_secret)
+from mooncake_ep_switch.config import JOB_SECRET_ENV, new_job_secret
+from mooncake_ep_switch.launcher.places import ClusterNetwork, RankPlace, check_network, enter_place
+from mooncake_ep_switch.launcher.store import host_store
+
+__all__ = ["RankContext", "RankOutcome", "RankPlace", "ClusterNetwork", "LocalCluster", "host_store", "check_outcomes",
+           "process_created_at", "STANDBY"]
 
 
 class RankContext(NamedTuple):
@@ -50,75 +53,6 @@ class RankContext(NamedTuple):
     store_addr: tuple
 
 
-class RankPlace(NamedTuple):
-    """Where one rank of a `ClusterNetwork` lives.
-
-    Fields:
-        namespace: the network namespace (a name under /var/run/netns) the rank enters first, before
-            it connects to the store or builds its gloo group.
-        bind_host: its host's address: `MEP_BIND_HOST` (what the Transfer Engine advertises, where
-            the peer watcher listens).
-        interface: the device gloo binds to (`GLOO_SOCKET_IFNAME`), e.g. the host's veth.
-        host_id: `MEP_HOST_ID` (ranks with the same one share memory); "" keeps the rank's default.
-    """
-
-    namespace: str
-    bind_host: str
-    interface: str
-    host_id: str = ""
-
-
-class ClusterNetwork(NamedTuple):
-    """A `LocalCluster` spread over network namespaces (`bench.netns.Network.placement` builds one).
-
-    Fields:
-        store_host: the address the launcher's store listens on (only there), reachable from every
-            rank's namespace.
-        store_namespace: the network namespace the store's listening socket is made in (the
-            launcher's thread enters it for that moment only); None: the launcher's own.
-        ranks: one `RankPlace` per rank, in rank order.
-    """
-
-    store_host: str
-    store_namespace: Optional[str]
-    ranks: Tuple[RankPlace, ...]
-
-
-def _check_network(network: Optional[ClusterNetwork], num_ranks: int) -> None:
-    if network is None:
-        return
-    if not isinstance(network, ClusterNetwork):
-        raise TypeError(f"network: expected a ClusterNetwork or None, got {type(network).__name__}")
-    if not isinstance(network.store_host, str) or not network.store_host:
-        raise ValueError(f"network.store_host: expected a non-empty address, got {network.store_host!r}")
-    if network.store_namespace is not None and (not isinstance(network.store_namespace, str)
-                                                or not network.store_namespace):
-        raise ValueError(f"network.store_namespace: expected a namespace name or None, got "
-                         f"{network.store_namespace!r}")
-    if len(network.ranks) != num_ranks:
-        raise ValueError(f"network.ranks: expected one RankPlace per rank ({num_ranks}), got {len(network.ranks)}")
-    for rank, place in enumerate(network.ranks):
-        if not isinstance(place, RankPlace):
-            raise TypeError(f"network.ranks[{rank}]: expected a RankPlace, got {type(place).__name__}")
-        for field in ("namespace", "bind_host", "interface"):
-            if not isinstance(getattr(place, field), str) or not getattr(place, field):
-                raise ValueError(f"network.ranks[{rank}].{field}: expected a non-empty str, got "
-                                 f"{getattr(place, field)!r}")
-        if not isinstance(place.host_id, str):
-            raise ValueError(f"network.ranks[{rank}].host_id: expected a str, got {place.host_id!r}")
-
-
-def _enter_place(place: RankPlace) -> None:
-    """Rank side, first thing: move into the rank's namespace and set what its settings read."""
-    from mooncake_ep_switch.launcher.namespaces import enter
-
-    enter(place.namespace)  # the main thread, before any socket or thread exists
-    os.environ[BIND_HOST_ENV] = place.bind_host
-    os.environ[GLOO_SOCKET_IFNAME_ENV] = place.interface
-    if place.host_id:
-        os.environ[HOST_ID_ENV] = place.host_id
-
-
 class RankOutcome(NamedTuple):
     """One rank's outcome of a `run()`.
 
@@ -135,59 +69,6 @@ class RankOutcome(NamedTuple):
     value: Any
     error: Optional[str]
     exitcode: Optional[int]
-
-
-def host_store(host: str = "127.0.0.1", port: int = 0, world_size: Optional[int] = None,
-               timeout_s: float = 60.0):
-    """Host a TCPStore server that listens on `host` only.
-
-    torch's TCPStore server binds every interface (`[::]`, dual stack) whatever host it is given,
-    and the store has no authentication: anyone who reaches the port can read and rewrite every
-    key (membership views, endpoint records). This function binds the listening socket itself to
-    the address `host` resolves to and hands it to the store (`master_listen_fd`), so the store is
-    reachable only there. Pass a wildcard ("0.0.0.0", "::") only on purpose.
-
-    Arguments:
-        host: address or name to listen on (its first `getaddrinfo` result); default loopback.
-        port: TCP port, or 0 for a free one (read it back from the returned store's `.port`).
-        world_size: the store's world size (None: any number of clients).
-        timeout_s: the store's timeout for its own operations, in seconds.
-
-    Returns:
-        store: the server `torch.distributed.TCPStore`; the socket is closed with it.
-
-    Raises:
-        ValueError: `host` is empty or `port` is outside [0, 65535].
-        OSError: `host` does not resolve, or the address cannot be bound (e.g. EADDRINUSE); the
-            message names host and port.
-    """
-    import torch.distributed as dist
-
-    if not isinstance(host, str) or not host:
-        raise ValueError(f"host: expected a non-empty address or host name, got {host!r}")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"port: expected 0 <= port <= 65535, got {port!r}")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as exc:
-        raise OSError(exc.errno, f"host {host!r} does not resolve: {exc.strerror}") from None
-    sock = socket.socket(family, kind, proto)  # not inheritable: spawned ranks never hold it
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-            sock.listen(socket.SOMAXCONN)
-        except OSError as exc:
-            shown = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
-            raise OSError(exc.errno, f"cannot listen on {shown}:{port} (host {host!r}): {exc.strerror}") from None
-        bound_port = sock.getsockname()[1]
-        store = dist.TCPStore(host, bound_port, world_size, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()  # the store did not take the descriptor (it keeps it only once constructed)
-        raise
-    sock.detach()  # the store owns the descriptor now and closes it when it is destroyed
-    return store
 
 
 def _native_stacks(rank: int, pid: Optional[int], timeout_s: float = 20.0) -> None:
@@ -209,18 +90,33 @@ def _die_with_parent() -> None:
     _native.set_parent_death_signal(int(signal.SIGKILL))
 
 
+def process_created_at() -> float:
+    """Wall-clock time (`time.time()`) this process was created, from /proc (10 ms resolution; now elsewhere)."""
+    try:
+        with open("/proc/self/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / ticks)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+
+
 def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, str], threads: int, conn,
                  replacement: bool = False, place: Optional[RankPlace] = None) -> None:
+    # Phases of a start (wall clocks, compared across processes): created, entered (interpreter and the imports
+    # of this module done), torch imported, store connected.
+    started = {"created": process_created_at(), "entered": time.time()}
     _die_with_parent()
     # A rank the launcher gives up on is sent SIGUSR1 first: every thread's stack goes to stderr.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(env)
     if place is not None:
-        _enter_place(place)
+        enter_place(place)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    started["torch_imported"] = time.time()
     store = dist.TCPStore(store_addr[0], store_addr[1], num_ranks, is_master=False,
                           timeout=timedelta(seconds=60))
     world_store = dist.PrefixStore("world", store)  # the default group's store, and membership's
@@ -230,7 +126,8 @@ def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, st
         dist.init_process_group("gloo", store=world_store, rank=rank, world_size=num_ranks,
                                 timeout=timedelta(seconds=120))
         context = RankContext(rank, num_ranks, dist.group.WORLD, world_store, store_addr)
-    conn.send(("ready", None))
+    started["ready"] = time.time()
+    conn.send(("ready", started))
     while True:
         try:
             message = conn.recv()
@@ -239,6 +136,10 @@ def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, st
         if message is None:
             break
         function, args, kwargs = message
+        if function == _ASSIGN:  # a standby is told which rank it replaces (LocalCluster.assign_standby)
+            context = context._replace(rank=args[0])
+            conn.send(("ok", time.time()))
+            continue
         try:
             result = ("ok", function(context, *args, **kwargs))
         except BaseException:  # reported to the launcher, never swallowed
@@ -255,6 +156,10 @@ def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, st
     os._exit(0)  # skip interpreter teardown of gloo threads
 
 
+_ASSIGN = "assign rank"  # the message that tells a standby which rank it is
+STANDBY = -1  # the rank a standby's functions see until it is assigned one
+
+
 class LocalCluster:
     """A set of local CPU ranks that run functions on request.
 
@@ -269,6 +174,10 @@ class LocalCluster:
             `store_namespace`), and rank r (and any replacement of it) enters
             `network.ranks[r].namespace` before it connects to the store and joins the gloo group
             (bound to the place's interface), with `MEP_BIND_HOST` / `MEP_HOST_ID` from the place.
+        preload_replacements: start replacements (`respawn`) by forking a server that imported this
+            module, torch included, when the cluster started (multiprocessing's "forkserver"): a
+            replacement is still a new process started after the death, without the seconds of
+            its imports. False (default): a fresh interpreter, as the ranks are started.
 
     Raises:
         ValueError / TypeError: a bad argument (named in the message).
@@ -277,10 +186,11 @@ class LocalCluster:
     """
 
     def __init__(self, num_ranks: int, env: Optional[Dict[str, str]] = None, threads: int = 1,
-                 start_timeout_s: float = 120.0, network: Optional[ClusterNetwork] = None):
+                 start_timeout_s: float = 120.0, network: Optional[ClusterNetwork] = None,
+                 preload_replacements: bool = False):
         if num_ranks < 1:
             raise ValueError(f"num_ranks: expected >= 1, got {num_ranks}")
-        _check_network(network, num_ranks)
+        check_network(network, num_ranks)
         self.num_ranks = num_ranks
         self.network = network
         self.env = dict(env or {})
@@ -296,9 +206,17 @@ class LocalCluster:
                 self.store = host_store(network.store_host, 0, num_ranks, timeout_s=60)
         self.store_addr = ("127.0.0.1" if network is None else network.store_host, self.store.port)
         self._ctx = mp.get_context("spawn")
+        self._replacement_ctx = self._ctx
+        if preload_replacements:  # the server imports torch now, in the background, while the ranks start
+            from multiprocessing import forkserver
+
+            self._replacement_ctx = mp.get_context("forkserver")
+            self._replacement_ctx.set_forkserver_preload([__name__])
+            forkserver.ensure_running()
         self.processes: List[Any] = []
         self.conns: List[Any] = []
         self.broken = False
+        self.standby = None  # (process, connection) of a warm standby (start_standby), or None
         for rank in range(num_ranks):
             self._spawn(rank, threads)
         deadline = time.monotonic() + start_timeout_s
@@ -309,9 +227,10 @@ class LocalCluster:
             conn.recv()
 
     def _spawn(self, rank: int, threads: int, replacement: bool = False) -> None:
-        parent, child = self._ctx.Pipe()
+        context = self._replacement_ctx if replacement else self._ctx
+        parent, child = context.Pipe()
         place = None if self.network is None else self.network.ranks[rank]
-        process = self._ctx.Process(target=_worker_main, args=(rank, self.num_ranks, self.store_addr, self.env,
+        process = context.Process(target=_worker_main, args=(rank, self.num_ranks, self.store_addr, self.env,
                                                                threads, child, replacement, place), daemon=True)
         process.start()
         child.close()
@@ -321,7 +240,7 @@ class LocalCluster:
             self.processes.append(process)
             self.conns.append(parent)
 
-    def respawn(self, rank: int, threads: int = 1, timeout_s: float = 60.0) -> None:
+    def respawn(self, rank: int, threads: int = 1, timeout_s: float = 60.0) -> dict:
         """Start a replacement process for a dead `rank` (same rank id and `RankPlace`, no world group).
 
         Its functions get a context whose `group` is None and whose `store` reaches the launcher's
@@ -332,17 +251,110 @@ class LocalCluster:
             rank: id of the rank to replace, in `[0, num_ranks)`; raises RuntimeError if it is alive.
             threads: torch intra-op threads of the new process.
             timeout_s: deadline in seconds for the new process to start; TimeoutError after it.
+
+        Returns:
+            started: dict of wall-clock times (`time.time()`): "spawn" (this call), "created" (the
+                process, from /proc), "entered" (its interpreter and imports up to the worker),
+                "torch_imported", "ready" (connected to the store).
         """
-        old = self.processes[rank]
-        if old.is_alive():
-            raise RuntimeError(f"rank: {rank} is still alive; only a dead rank can be replaced")
-        old.join(1)
+        spawn = time.time()
+        self._check_dead(rank)
         self.conns[rank].close()
         self._spawn(rank, threads, replacement=True)
         if not self._poll(self.conns[rank], time.monotonic() + timeout_s):
             raise TimeoutError(f"LocalCluster: replacement for rank {rank} did not start within {timeout_s} s")
-        self.conns[rank].recv()
+        started = dict(self.conns[rank].recv()[1], spawn=spawn)
         self.broken = False
+        return started
+
+    def _check_dead(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank: expected a rank in [0, {self.num_ranks}), got {rank!r}")
+        old = self.processes[rank]
+        if old.is_alive():
+            raise RuntimeError(f"rank: {rank} is still alive (pid {old.pid}); only a dead rank can be replaced")
+        old.join(1)
+
+    def start_standby(self, threads: int = 1, timeout_s: float = 60.0) -> dict:
+        """Start a warm standby: a replacement process with no rank yet (its functions see rank `STANDBY`).
+
+        Run its preparation with `run_standby` (imports, weights); `assign_standby(rank)` later makes it
+        `rank`'s replacement, as `respawn(rank)` would start one. One standby at a time; without a
+        `ClusterNetwork` only (a standby's namespace would depend on the rank it replaces).
+
+        Arguments:
+            threads: torch intra-op threads of the standby.
+            timeout_s: deadline in seconds for it to start; TimeoutError after it.
+
+        Returns:
+            started: dict of wall-clock times, as `respawn` returns them.
+
+        Raises:
+            RuntimeError: a standby is already held, or the cluster has a `ClusterNetwork`.
+        """
+        if self.standby is not None:
+            raise RuntimeError("start_standby: a standby is already held; assign it first")
+        if self.network is not None:
+            raise RuntimeError("start_standby: a cluster over a ClusterNetwork takes no standby (its namespace is "
+                               "the rank's)")
+        spawn = time.time()
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_worker_main, args=(STANDBY, self.num_ranks, self.store_addr, self.env,
+                                                               threads, child, True, None), daemon=True)
+        process.start()
+        child.close()
+        self.standby = (process, parent)
+        if not self._poll(parent, time.monotonic() + timeout_s):
+            raise TimeoutError(f"LocalCluster: the standby did not start within {timeout_s} s")
+        return dict(parent.recv()[1], spawn=spawn)
+
+    def run_standby(self, function: Callable, *args, timeout_s: float = 60.0, **kwargs) -> Any:
+        """Run `function(context, *args, **kwargs)` on the standby (rank `STANDBY`) and return its value.
+
+        Raises:
+            RuntimeError: no standby is held, or the function raised (its traceback) or the standby died.
+        """
+        process, conn = self._standby("run_standby")
+        conn.send((function, args, kwargs))
+        if not self._poll(conn, time.monotonic() + timeout_s):
+            raise TimeoutError(f"LocalCluster: the standby did not answer within {timeout_s} s")
+        try:
+            status, value = conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"LocalCluster: the standby exited (exit code {process.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"LocalCluster: the standby failed:\n{value}")
+        return value
+
+    def assign_standby(self, rank: int) -> float:
+        """Make the standby `rank`'s replacement (its functions see `rank` from now on); it is no standby after.
+
+        Arguments:
+            rank: a dead rank in `[0, num_ranks)`.
+
+        Returns:
+            assigned: wall-clock time the standby took the rank.
+
+        Raises:
+            RuntimeError: no standby is held, or `rank` is still alive (named; nothing changed).
+            ValueError: `rank` is not a rank of the cluster.
+        """
+        process, conn = self._standby("assign_standby")
+        self._check_dead(rank)
+        conn.send((_ASSIGN, (rank,), {}))
+        if not self._poll(conn, time.monotonic() + 30):
+            raise TimeoutError("LocalCluster: the standby did not take its rank within 30 s")
+        assigned = conn.recv()[1]
+        self.conns[rank].close()
+        self.processes[rank], self.conns[rank] = process, conn
+        self.standby = None
+        self.broken = False
+        return assigned
+
+    def _standby(self, what: str):
+        if self.standby is None:
+            raise RuntimeError(f"{what}: no standby is held (start_standby first)")
+        return self.standby
 
     @staticmethod
     def _poll(conn, deadline: float) -> bool:
@@ -433,7 +445,11 @@ class LocalCluster:
         self.broken = True
 
     def close(self) -> None:
-        """Stop every rank (politely, then by force) and release the store."""
+        """Stop every rank and any standby (politely, then by force) and release the store."""
+        standby, self.standby = getattr(self, "standby", None), None
+        if standby is not None:
+            self.processes.append(standby[0])
+            self.conns.append(standby[1])
         for conn in self.conns:
             try:
                 conn.send(None)
