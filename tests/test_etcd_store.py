@@ -351,3 +351,16 @@ def test_members_die_with_a_sigkilled_starter_and_its_data_is_removed_later(tmp_
     with LocalEtcdCluster(1, data_root=str(tmp_path)) as cluster:
         assert not os.path.exists(directory) and os.path.isdir(cluster.directory)
     assert os.listdir(tmp_path) == []
+
+
+def test_the_store_bench_measures_both_stores(etcd_cluster):
+    """`bench store` on the session's cluster, tiny: every operation timed on both stores, and the
+    membership steps agreed (the bench raises otherwise) on both."""
+    from mooncake_ep_switch.bench import store_bench
+
+    found = store_bench.rows(etcd_cluster.url(_prefix()), n=3, ranks=2)
+    steps = {(row["store"], row["what"]) for row in found}
+    for kind in ("tcp", "etcd"):
+        assert {(kind, name) for name in ("set", "get", "check", "compare_set", "add")} <= steps
+        assert (kind, "replacement admitted, R=2") in steps and (kind, "view after a death, R=2") in steps
+    assert all(row["seconds"] > 0 for row in found)

@@ -26,6 +26,8 @@ core's memcpy).
 `python -m mooncake_ep_switch.bench membership [--quick] [--ranks 8,16]` drives the membership control plane
 alone (`bench.membership_bench`: ranks as threads on one TCPStore, no data plane): time and store operations
 to agree on a view after a death and to admit a joiner, R=8..256.
+`python -m mooncake_ep_switch.bench store [--quick] [--ranks 8]` compares the TCPStore with an etcd cluster it
+starts (`bench.store_bench`: each store operation's latency, a view after a death and a replacement's admission).
 `python -m mooncake_ep_switch.bench hosts [...]` runs the cross-host benchmark (`bench.hosts`: two
 network namespaces, Transfer Engine vs the gloo collective over the same veths vs shm on one host,
 bytes on the wire against the routed bytes; needs root).
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
     Arguments:
         argv: command-line arguments (`--quick`, `--out FILE`, `--device cuda` for the GPU rows), or None for
             `sys.argv[1:]`; when the
-            first is `soak` (or `hosts`, `memory`, `elastic`, `membership`), the rest go to that benchmark
+            first is `soak` (or `hosts`, `memory`, `elastic`, `membership`, `store`), the rest go to that benchmark
             (`bench.soak.main`, `bench.hosts.main`, `bench.memory.main`, `bench.elastic_bench.main`,
             `bench.membership_bench.main`).
 
@@ -174,6 +176,10 @@ def main(argv=None) -> int:
         from mooncake_ep_switch.bench import memory
 
         return memory.main(argv[1:])
+    if argv[:1] == ["store"]:
+        from mooncake_ep_switch.bench import store_bench
+
+        return store_bench.main(argv[1:])
     if argv[:1] == ["membership"]:
         from mooncake_ep_switch.bench import membership_bench
 
