@@ -2,15 +2,20 @@
 
 `python -m mooncake_ep_switch.bench elastic [--quick]`. For each transport and shape, one rank's
 ElasticBuffer round (dispatch not expanded, the expert side's partials, combine with the weights
-gathered back; `max_num_bias=0`: no bias, as the Buffer has none) and the Buffer's low-latency round on the same tokens and routing, in the same run.
+gathered back; `max_num_bias=0`: no bias, as the Buffer has none) and the Buffer's low-latency round on
+the same tokens and routing, in the same rank processes, in alternating batches (both under the same
+load: the 2-core box these rows come from is shared with other work).
 Bandwidth is per rank (DeepEP's convention): the bytes ONE rank's tokens move, once per destination
 rank each way for the ElasticBuffer (V2's layout) and once per (token, expert) pair each way for the
 Buffer, against one core's memcpy of those bytes; never summed over ranks.
 """
+import statistics
 import sys
+import time
 from typing import List
 
 import torch
+import torch.distributed as dist
 
 from mooncake_ep_switch.bench import transport as tb
 from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
@@ -18,27 +23,34 @@ from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 TIMEOUT_US = 60_000_000
 
 
-def rank_elastic_round(ctx, transport: str, shape: tb.TransportShape, iters: int, warmup: int) -> dict:
-    """Seconds per ElasticBuffer dispatch + combine on this rank (`bench.transport.timed`).
+def rank_elastic_round(ctx, transport: str, shape: tb.TransportShape, iters: int, warmup: int,
+                       batches: int = 5) -> dict:
+    """Seconds per ElasticBuffer dispatch + combine on this rank, and per legacy Buffer round on the same
+    tokens and routing, measured in alternating batches (each started by a barrier) in the same
+    processes: on a machine shared with other work both see the same load, batch by batch.
 
     Arguments:
         ctx: the `launch.RankContext`; transport: as `bench.transport.rank_buffer_round`;
-        shape: the `TransportShape`; iters, warmup: timed and untimed rounds.
+        shape: the `TransportShape`; iters: timed rounds of each buffer, split over `batches`;
+        warmup: untimed rounds of each first.
 
     Returns:
-        result: dict with `"seconds"` (float), `"rank_pairs"` (int, this rank's (token, destination
-            rank) pairs) and `"transport"` (str).
+        result: dict with `"seconds"` and `"legacy_seconds"` (float, the median over batches of the
+            batch's mean round), `"rank_pairs"` (int, this rank's (token, destination rank) pairs) and
+            `"transport"` (str).
     """
-    from mooncake_ep_switch import ElasticBuffer
+    from mooncake_ep_switch import Buffer, ElasticBuffer
 
     x, topk, weights = tb.rank_inputs(ctx.rank, shape)
+    active = torch.ones(ctx.num_ranks, dtype=torch.int32)
     buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=shape.tokens, hidden=shape.hidden,
                            num_topk=shape.top_k, transport=transport, disable_p2p=transport == "mooncake",
                            explicitly_destroy=True, max_num_bias=0)
-    active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+    size = Buffer.get_ep_buffer_size_hint(shape.tokens, shape.hidden, ctx.num_ranks, shape.experts)
+    legacy = None
     state = {}
 
-    def body():
+    def elastic_body():
         recv_x, _, recv_w, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=weights,
                                                        num_experts=shape.experts, active_ranks=active,
                                                        timeout_us=TIMEOUT_US)
@@ -46,20 +58,44 @@ def rank_elastic_round(ctx, transport: str, shape: tb.TransportShape, iters: int
             state["y"] = torch.randn(recv_x.shape).to(torch.bfloat16)  # the expert side's partials
         buffer.combine(state["y"], handle, topk_weights=recv_w, active_ranks=active, timeout_us=TIMEOUT_US)
 
+    def legacy_body():
+        _, _, handle, _, _ = legacy.dispatch(x, topk, active, shape.tokens, shape.experts, TIMEOUT_US)
+        legacy.combine(state["legacy_y"], topk, weights, active, TIMEOUT_US, handle)
+
     try:
-        seconds = tb.timed(ctx, body, iters, warmup)
+        legacy = Buffer(ctx.group, size, disable_p2p=transport == "mooncake", transport=transport)
+        state["legacy_y"] = torch.randn((shape.experts // ctx.num_ranks, ctx.num_ranks * shape.tokens,
+                                         shape.hidden)).to(torch.bfloat16)
+        for _ in range(warmup):
+            elastic_body()
+            legacy_body()
+        per_batch = max(1, iters // batches)
+        means = {elastic_body: [], legacy_body: []}
+        for _ in range(batches):
+            for body, times in means.items():
+                dist.barrier(group=ctx.group)
+                start = time.perf_counter()
+                for _ in range(per_batch):
+                    body()
+                times.append((time.perf_counter() - start) / per_batch)
+        dist.barrier(group=ctx.group)
         owner = torch.div(topk, shape.experts // ctx.num_ranks, rounding_mode="floor")
         pairs = sum(int((owner == r).any(dim=1).sum()) for r in range(ctx.num_ranks))
-        return {"seconds": seconds, "rank_pairs": pairs, "transport": buffer.runtime.transport}
+        return {"seconds": statistics.median(means[elastic_body]),
+                "legacy_seconds": statistics.median(means[legacy_body]), "rank_pairs": pairs,
+                "transport": buffer.runtime.transport}
     finally:
         buffer.destroy()
+        if legacy is not None:
+            legacy.destroy()
 
 
 def measure(cluster: LocalCluster, transport: str, shape: tb.TransportShape, iters: int, warmup: int = 2) -> dict:
-    """The ElasticBuffer round on a cluster; the slowest rank's time and the most pairs of one rank."""
+    """Both rounds on a cluster (`rank_elastic_round`); the slowest rank's time of each and the most
+    pairs of one rank."""
     values = check_outcomes(cluster.run(rank_elastic_round, transport, shape, iters, warmup, timeout_s=900))
-    return {"seconds": max(v["seconds"] for v in values), "rank_pairs": max(v["rank_pairs"] for v in values),
-            "transport": values[0]["transport"]}
+    return {"seconds": max(v["seconds"] for v in values), "legacy_seconds": max(v["legacy_seconds"] for v in values),
+            "rank_pairs": max(v["rank_pairs"] for v in values), "transport": values[0]["transport"]}
 
 
 def run(quick: bool = False) -> List[dict]:
@@ -74,7 +110,7 @@ def run(quick: bool = False) -> List[dict]:
                 n = iters if transport == "shm" else max(3, iters // 3)
                 print(f"elastic vs Buffer: {transport}, {label}", file=sys.stderr, flush=True)
                 elastic = measure(cluster, transport, shape, n)
-                legacy = tb.measure(cluster, transport, shape, n)
+                legacy = {"seconds": elastic["legacy_seconds"]}
                 per_rank = elastic["rank_pairs"] * shape.hidden * 2 * 2  # one rank's tokens, both ways
                 memcpy = tb.memcpy_rank_seconds(per_rank)
                 name = {"mooncake": "mooncake TE (tcp, disable_p2p)"}.get(transport, transport)
