@@ -25,8 +25,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   if [ "$own_policy" = 1 ]; then $SUDO rm -f /usr/sbin/policy-rc.d; fi
-  # Should a system etcd run anyway (systemd starting it), stop and disable it: ours are started per job.
-  if command -v systemctl >/dev/null && systemctl is-active --quiet etcd 2>/dev/null; then
+  # The package enables a system etcd service (on :2379, at the next boot): disable it (and stop it, should
+  # systemd have started it anyway); the etcd store's clusters are started per job.
+  if command -v systemctl >/dev/null; then
     $SUDO systemctl disable --now etcd >/dev/null 2>&1 || true
   fi
 fi
