@@ -364,3 +364,29 @@ def test_the_store_bench_measures_both_stores(etcd_cluster):
         assert {(kind, name) for name in ("set", "get", "check", "compare_set", "add")} <= steps
         assert (kind, "replacement admitted, R=2") in steps and (kind, "view after a death, R=2") in steps
     assert all(row["seconds"] > 0 for row in found)
+
+
+def test_gloo_rendezvous_over_the_etcd_store(etcd_cluster):
+    """gloo builds a group over a PrefixStore of the etcd store (the collective fallback builds one per
+    view that way): two ranks (threads), each with its own client, all-reduce."""
+    import torch
+
+    url = etcd_cluster.url(_prefix())
+    stores = [connect_store(url, timeout_s=20, job="gloo") for _ in range(2)]
+    out, errors = {}, []
+
+    def rank(r):
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore("grp/1", stores[r]), r, 2, timedelta(seconds=20))
+            value = torch.tensor([r + 1.0])
+            group.allreduce([value]).wait()
+            out[r] = value.item()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors and out == {0: 3.0, 1: 3.0}, (errors, out)
