@@ -106,3 +106,60 @@ def test_a_barrier_costs_two_store_operations_per_rank_and_names_the_missing():
         assert group.operations() <= 2 * R + R // 4, group.counts  # a set and one wait each (a slow one: another)
     finally:
         group.close()
+
+
+def test_ballots_joiner_listing_and_construction_cost_o_r_store_operations():
+    """At R=64 (one group for all, its clients cost seconds to connect): a switch decision (half the ranks
+    propose ABORT: one decision, every rank adopts it), an EPLB commit step (every rank COMMITs; with a silent
+    rank that a stop callback names dead, every other rank ends its wait and the epoch is ABORTed), every
+    member listing a pending joiner once, and the store part of a Buffer's construction (every rank publishes
+    its endpoint and a region record, reads every peer's host id, regions and incarnation, then a barrier),
+    each in O(R) store operations. Before issue 40's ballot, joiner and construction work: an EPLB begin and
+    vote ~75R at R=64, the listing ~70R, construction ~1200R."""
+    from mooncake_ep_switch.bench import control_plane_steps as steps
+    from mooncake_ep_switch.bench.membership_bench import run_all
+    from mooncake_ep_switch.buffer.ballot import Ballot
+
+    group = _group()
+    try:
+        ballots = [Ballot(m, "switch/9", r, R, what="switch_layout") for r, m in enumerate(group.members)]
+
+        def propose(rank):
+            def run():
+                ballots[rank].prepare([1], votes=False)
+                return ballots[rank].propose(1, 1 + rank % 2)
+            return run
+
+        group.reset()
+        decided = run_all({r: propose(r) for r in range(R)}, 60)
+        assert len(set(decided.values())) == 1 and set(decided.values()) <= {1, 2}, decided
+        assert group.operations() <= 3 * R, group.counts
+        vote = steps.eplb_vote(group)  # everyone votes GO: COMMIT everywhere
+        assert vote["results"] == {r: (1, R - 1, []) for r in range(R)}, vote["results"]
+        assert vote["ops"] <= 8 * R and vote["begin"]["ops"] <= 8 * R, (vote["counts"], vote["begin"]["counts"])
+        silent = [Ballot(m, "eplb/silent", r, R) for r, m in enumerate(group.members)]
+        for ballot in silent:
+            ballot.prepare([1])
+
+        def commit(rank):
+            def run():
+                silent[rank].vote(1, 1, 5, voters=R)
+                votes, gone, _ = silent[rank].wait_votes([p for p in range(R) if p != rank], 1, 30_000_000,
+                                                         stop=lambda pending: [p for p in pending if p == 0])
+                return silent[rank].propose(1, 1 if not gone and len(votes) == R - 1 else 2), gone
+            return run
+
+        outcome = run_all({r: commit(r) for r in range(1, R)}, 60)
+        # Each wait ends by the stop callback or by the first ABORT proposal (the same decision either way).
+        assert len(outcome) == R - 1 and all(v[0] == 2 and v[1] in ([0], []) for v in outcome.values()), outcome
+        assert any(v[1] == [0] for v in outcome.values()), outcome
+        listed = steps.pending_joiners(group)
+        assert listed["results"] == {r: [0] for r in range(1, R)}, listed["results"]
+        assert listed["ops"] <= 12 * R, listed["counts"]
+        # The store part of construction, under a fresh prefix: every rank reads every peer's host id right.
+        built = steps.construction(group)
+        assert built["results"] == dict(enumerate(steps.expected_hosts(R))), built["results"]
+        assert built["ops"] <= 40 * R, built["counts"]
+    finally:
+        group.close()
+

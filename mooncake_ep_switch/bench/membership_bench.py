@@ -7,7 +7,8 @@ deadline) and counted (`CountingStore`). Rows, per group size R:
 * death: rank 0 is dead; the other R-1 call `agree_next_view()` at once, as the survivors'
   `update_ep_member()` does (expected: the other survivors), then `max_call()` of the view;
 * join: a replacement of rank 0 waits to be admitted (it is listed by `joining()`), then the R-1
-  members agree again and admit it.
+  members agree again and admit it;
+* pending joiners, switch decision, EPLB begin and vote, construction: `bench.control_plane_steps`.
 
 Each row gives the wall time from the start until the last rank returned and the store operations
 all ranks made in that time (setup excluded), also per rank. Prints a markdown table.
@@ -26,7 +27,7 @@ from mooncake_ep_switch.buffer.membership.protocol import Membership
 from mooncake_ep_switch.buffer.membership.store_deadline import BoundedStore
 from mooncake_ep_switch.launcher.launch import host_store
 
-__all__ = ["CountingStore", "agree_after_death", "admit_joiner", "main"]
+__all__ = ["CountingStore", "Group", "agree_after_death", "admit_joiner", "main", "run_all"]
 
 SIZES = (8, 16, 32, 64, 128, 256)
 QUICK_SIZES = (8, 32)
@@ -133,7 +134,7 @@ class Group:
             bounded.close()
 
 
-def _run_all(calls: Dict[object, Callable[[], object]], timeout_s: float) -> Dict[object, object]:
+def run_all(calls: Dict[object, Callable[[], object]], timeout_s: float) -> Dict[object, object]:
     """Run every call on its own thread, released together; returns key -> result or exception."""
     results: Dict[object, object] = {}
     start = threading.Barrier(len(calls))
@@ -169,7 +170,7 @@ def agree_after_death(group: Group, dead_rank: int = 0, deadline_s: float = 60.0
     current = group.members[survivors[0]].epoch()
     group.reset()
     started = time.monotonic()
-    results = _run_all({r: _member_call(group.members[r], current, survivors, deadline_s, dead=lambda: {dead_rank})
+    results = run_all({r: _member_call(group.members[r], current, survivors, deadline_s, dead=lambda: {dead_rank})
                         for r in survivors}, deadline_s + 30)
     seconds = time.monotonic() - started
     return {"seconds": seconds, "ops": group.operations(), "results": results, "counts": dict(group.counts)}
@@ -197,7 +198,7 @@ def admit_joiner(group: Group, rank: int = 0, deadline_s: float = 60.0) -> dict:
         if time.monotonic() - started > deadline_s:
             raise TimeoutError("the joiner was never listed as joining")
         time.sleep(0.001)
-    results = _run_all({r: _member_call(group.members[r], current, members, deadline_s) for r in members},
+    results = run_all({r: _member_call(group.members[r], current, members, deadline_s) for r in members},
                        deadline_s + 30)
     thread.join(deadline_s + 30)
     seconds = time.monotonic() - started
@@ -209,6 +210,12 @@ def _check(results: dict, expected: tuple) -> None:
     wrong = {r: v for r, v in results.items() if getattr(v, "ranks", None) != expected}
     if wrong:
         raise RuntimeError(f"ranks did not agree on {expected}: {dict(list(wrong.items())[:4])}")
+
+
+def _check_all(results: dict, good) -> None:
+    wrong = {r: v for r, v in results.items() if not good(r, v)}
+    if wrong:
+        raise RuntimeError(f"ranks ended otherwise than expected: {dict(list(wrong.items())[:4])}")
 
 
 def rows(sizes) -> List[dict]:
@@ -223,6 +230,23 @@ def rows(sizes) -> List[dict]:
             join = admit_joiner(group)
             _check(join["results"], tuple(range(size)))
             found.append({"R": size, "step": "joiner admitted", "seconds": join["seconds"], "ops": join["ops"]})
+            from mooncake_ep_switch.bench import control_plane_steps as steps
+            listed = steps.pending_joiners(group)
+            _check_all(listed["results"], lambda r, v: v == [0])
+            found.append({"R": size, "step": "pending joiners listed", "seconds": listed["seconds"], "ops": listed["ops"]})
+            switch = steps.switch_decision(group)
+            _check_all(switch["results"], lambda r, v: v == 1)
+            found.append({"R": size, "step": "switch decision", "seconds": switch["seconds"], "ops": switch["ops"]})
+            vote = steps.eplb_vote(group)
+            _check_all(vote["results"], lambda r, v: isinstance(v, tuple) and v[:2] == (1, size - 1))
+            _check_all(vote["begin"]["results"], lambda r, v: v == 0)
+            found.append({"R": size, "step": "EPLB begin", "seconds": vote["begin"]["seconds"],
+                          "ops": vote["begin"]["ops"]})
+            found.append({"R": size, "step": "EPLB vote", "seconds": vote["seconds"], "ops": vote["ops"]})
+            built = steps.construction(group)
+            hosts = steps.expected_hosts(size)
+            _check_all(built["results"], lambda r, v: v == hosts[r])
+            found.append({"R": size, "step": "construction", "seconds": built["seconds"], "ops": built["ops"]})
         finally:
             group.close()
         print(f"R={size} done", file=sys.stderr, flush=True)

@@ -17,6 +17,16 @@ Buffer's peer regions, the same on every rank and for a replacement):
                                                  and a digest and the values of `begin`'s arguments
     decision/<e % 256>   [epoch, decision]       the decision of chunk epoch `e` (COMMIT 1 / ABORT 2);
                                                  an older epoch's record means "undecided"
+    tally/<e>            counter                 votes cast on chunk epoch `e` (`add`, one per vote)
+    done/<e>             "1"                     set by the vote that completes the tally and by the
+                                                 proposal that decides `e`: the voters' one wait
+
+Store operations per vote are O(1) per rank, O(R) in the group: a rank creates its own vote key
+only (an absent vote key reads as the initial all-zero record), reads every vote with one
+`multi_get`, and waits for the others with one blocking wait on `done/<e>` (slices of
+`WAIT_SLICE_S`, between which it reads the votes once and asks `stop` about dead ranks), not a poll of
+every vote key. The tally is only a wake-up: the vote records decide. The first voter of `e`
+deletes the keys of `e - 256`.
 
 A decision is stored by compare-and-set over the exact text read (the store's `compare_set`), so
 the first proposal of an epoch wins and every later one reads it back. A rank that finds a
@@ -34,6 +44,7 @@ from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 from mooncake_ep_switch.buffer.membership.records import RecordStore
 
 DECISION_SLOTS = 256
+WAIT_SLICE_S = 0.25  # a voter waiting for the others blocks on done/<e> this long at a time
 _CAS_ATTEMPTS = 1000  # each failed compare-and-set means another rank stored something: bounded
 VOTE_FIELDS = 8  # epoch, vote, digest and the five plan fields (see the module docstring)
 SUPERSEDED = -1  # `decisions()`: the slot holds a later epoch (this one was decided long ago)
@@ -61,6 +72,9 @@ class Ballot:
         self.store = self._records.store
         self.rank = rank
         self.num_ranks = num_ranks
+        self._membership, self._name = membership, name
+        self._there: set = set()  # keys seen to exist (never deleted while this ballot can read them)
+        self._votes = False  # prepared with votes: proposals wake the voters (done/<e>)
 
     @staticmethod
     def _vote_key(rank: int) -> str:
@@ -84,22 +98,26 @@ class Ballot:
         """Create, where absent, every rank's vote key and the decision slots of `epochs`.
 
         Called by every rank when it plans a rebalance; creating is compare-and-set from "absent",
-        so it never overwrites a vote or a decision. Afterwards every key the commit step reads
-        exists (the store's reads of an absent key would block).
+        so it never overwrites a vote or a decision. Afterwards every decision slot the commit step
+        reads exists (the store's reads of an absent key would block); a peer's vote key that does
+        not exist yet reads as the initial all-zero record (`records`, `read`).
 
         Arguments:
             epochs: the chunk epochs about to be voted on.
-            votes: also the vote keys (False: decisions only, as a layout switch, whose votes are
-                words in shared memory, needs; one store round trip instead of R + 1).
+            votes: also this rank's vote key (False: decisions only, as a layout switch, whose votes
+                are words in shared memory, needs).
         """
-        keys = [self._vote_key(r) for r in range(self.num_ranks)] if votes else []
-        keys += sorted({self._decision_key(e) for e in epochs})
+        keys = sorted({self._decision_key(e) for e in epochs})
+        if votes:  # this rank's own vote key only: the others' read as the initial record while absent
+            self._votes = True
+            keys.insert(0, self._vote_key(self.rank))
         for key in keys:
             initial = [0] * VOTE_FIELDS if key.startswith("vote/") else [0, 0]
             self.store.compare_set(key, "", self._records.encode_record(key, initial))
 
     # ------------------------------------------------------------------ votes
-    def vote(self, epoch: int, vote: int, digest: int, plan: Tuple[int, ...] = (0, 0, 0, 0, 0)) -> None:
+    def vote(self, epoch: int, vote: int, digest: int, plan: Tuple[int, ...] = (0, 0, 0, 0, 0),
+             voters: Optional[int] = None) -> None:
         """Publish this rank's vote and plan digest for `epoch` (one record, replaced per epoch).
 
         Arguments:
@@ -108,49 +126,68 @@ class Ballot:
             digest: the chunk's 31-bit plan digest.
             plan: `(base, end, target_digest, commit_step, steps_per_chunk)` of the rebalance the
                 chunk belongs to (`eplb.epochs`): how peers name a different plan and agree on epochs.
+            voters: how many ranks vote on `epoch` (default every rank): the vote that completes them
+                wakes the voters' `wait_votes`.
         """
         key = self._vote_key(self.rank)
         self.store.set(key, self._records.encode_record(key, [epoch, vote, digest, *plan]))
+        cast = self.store.add(f"tally/{epoch}", 1)
+        if cast == 1 and epoch >= DECISION_SLOTS:  # the first voter of the epoch: forget the ones of its slot before
+            for old in (f"tally/{epoch - DECISION_SLOTS}", f"done/{epoch - DECISION_SLOTS}"):
+                self.store.delete_key(old)
+        if cast >= (self.num_ranks if voters is None else voters):
+            self.store.set(f"done/{epoch}", "1")  # every vote is in: wake the voters' wait
 
     def records(self, ranks: List[int]) -> Dict[int, Optional[List[int]]]:
         """The latest vote records of `ranks` as stored, in one store round trip.
 
         Arguments:
-            ranks: ranks whose records to read (their keys exist: `prepare`).
+            ranks: ranks whose records to read.
 
         Returns:
-            records: rank -> the record's `VOTE_FIELDS` ints (see the module docstring), or None
-                when malformed or forged.
+            records: rank -> the record's `VOTE_FIELDS` ints (see the module docstring; all zero
+                while the rank has not prepared its key), or None when malformed or forged.
         """
         keys = [self._vote_key(r) for r in ranks]
-        raws = self.store.multi_get(keys) if keys else []
-        return {rank: self._decode(key, raw, VOTE_FIELDS) for rank, key, raw in zip(ranks, keys, raws)}
+        raws = self._raws(keys)
+        return {rank: [0] * VOTE_FIELDS if raw is None else self._decode(key, raw, VOTE_FIELDS)
+                for rank, key, raw in zip(ranks, keys, raws)}
+
+    def _raws(self, keys: List[str]) -> List[Optional[bytes]]:
+        """The values of `keys`, None where absent: one `multi_get` once every key was seen to exist."""
+        if not keys:
+            return []
+        if all(key in self._there for key in keys):
+            return list(self.store.multi_get(keys))
+        raws = self._records.read_raws(keys)
+        self._there.update(key for key, raw in zip(keys, raws) if raw is not None)
+        return raws
 
     def decisions(self, epochs: Iterable[int]) -> Dict[int, Optional[int]]:
         """The decisions stored for `epochs`, in one store round trip.
 
         Arguments:
-            epochs: chunk epochs whose decision slots exist (`prepare`).
+            epochs: chunk epochs.
 
         Returns:
-            decisions: epoch -> 1 (COMMIT), 2 (ABORT), None (undecided) or `SUPERSEDED` (the slot
+            decisions: epoch -> 1 (COMMIT), 2 (ABORT), None (undecided, or no slot yet) or `SUPERSEDED` (the slot
                 holds an epoch 256 or more later: this one was decided long ago).
         """
         epochs = sorted(set(epochs))
         keys = [self._decision_key(e) for e in epochs]
         out: Dict[int, Optional[int]] = {}
-        for epoch, raw in zip(epochs, self.store.multi_get(keys) if keys else []):
+        for epoch, raw in zip(epochs, self._raws(keys)):
             try:
-                out[epoch] = self._decision_of(epoch, raw)
+                out[epoch] = None if raw is None else self._decision_of(epoch, raw)
             except RuntimeError:
                 out[epoch] = SUPERSEDED
         return out
 
     def read(self, ranks: List[int], epoch: int) -> Tuple[Dict[int, Tuple[int, int]], Optional[int]]:
-        """The votes of `ranks` on `epoch` and its decision, in one store round trip.
+        """The votes of `ranks` on `epoch` and its decision, in one store round trip (once every key was seen).
 
         Arguments:
-            ranks: ranks whose votes to read (their keys exist: `prepare`).
+            ranks: ranks whose votes to read (a rank without a vote key yet has not voted).
             epoch: the chunk epoch.
 
         Returns:
@@ -163,9 +200,11 @@ class Ballot:
             RuntimeError: this rank is 256 or more epochs behind (see `decided`).
         """
         keys = [self._vote_key(r) for r in ranks] + [self._decision_key(epoch)]
-        raws = self.store.multi_get(keys)
+        raws = self._raws(keys)
         votes = {}
         for rank, key, raw in zip(ranks, keys, raws):
+            if raw is None:
+                continue  # no key yet: the initial record, no vote on any epoch
             record = self._decode(key, raw, VOTE_FIELDS)
             if record is None:
                 votes[rank] = (0, 0)
@@ -173,7 +212,7 @@ class Ballot:
                 votes[rank] = (record[1], record[2])
             elif record[0] > epoch:
                 votes[rank] = (0, 0)
-        return votes, self._decision_of(epoch, raws[-1])
+        return votes, None if raws[-1] is None else self._decision_of(epoch, raws[-1])
 
     # ------------------------------------------------------------------ decisions
     def _decision_of(self, epoch: int, raw: bytes) -> Optional[int]:
@@ -229,13 +268,16 @@ class Ballot:
             if expected is None:
                 break
             raw = self.store.compare_set(key, expected, desired)
+            if self._votes and raw.decode(errors="replace") == desired:
+                self.store.set(f"done/{epoch}", "1")  # decided: wake the voters still waiting
         raise RuntimeError(f"{self.what}: the decision slot {self._records.prefix}/{key} of epoch {epoch} holds "
                            f"{bytes(raw[:40])!r} and could not be replaced: something other than this job's ranks "
                            "writes it")
 
     def wait_votes(self, ranks: List[int], epoch: int, timeout_us: int, stop=None) -> Tuple[
             Dict[int, Tuple[int, int]], List[int], Optional[int]]:
-        """Poll the store until every rank of `ranks` voted on `epoch`, it was decided, or the deadline.
+        """Wait until every rank of `ranks` voted on `epoch`, it was decided, or the deadline (see the module
+        docstring: one blocking wait on `done/<epoch>` at a time, the votes read between).
 
         Arguments:
             ranks: ranks to wait for.
@@ -250,8 +292,15 @@ class Ballot:
             decided: the stored decision of `epoch` if one was seen, else None.
         """
         deadline = None if timeout_us < 0 else time.monotonic() + timeout_us / 1e6
-        pause = 0.00005
+        pause, done = 0.00005, False
         while True:
+            now = time.monotonic()
+            left = WAIT_SLICE_S if deadline is None else max(0.0, min(WAIT_SLICE_S, deadline - now))
+            if not done:  # one blocking wait until every vote is in or a decision is stored (or a slice)
+                done = self._membership.wait_keys([f"{self._name}/done/{epoch}"], left)
+            else:  # woken, yet a vote is missing (a rank voted twice): poll the records as before
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.002)
             votes, decided = self.read(ranks, epoch)
             pending = [r for r in ranks if r not in votes]
             if decided is not None or not pending:
@@ -261,8 +310,5 @@ class Ballot:
             gone = list(stop(pending)) if stop is not None else []
             if gone:
                 return votes, gone, None
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
+            if deadline is not None and time.monotonic() >= deadline:
                 return votes, [], None
-            time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
-            pause = min(pause * 2, 0.002)

@@ -34,6 +34,7 @@ import time
 import weakref
 from typing import Dict, List, NamedTuple, Optional, Protocol, Sequence
 
+from mooncake_ep_switch.buffer.membership import batch_reads
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError, View
 from mooncake_ep_switch.buffer.shared_region import RemoteRegion
 
@@ -81,7 +82,7 @@ class PeerRegions:
         """
         membership = self._buffer().membership
         if membership is not None:
-            self._known = {rank: membership.incarnation_of(rank) for rank in ranks}
+            self._known = batch_reads.incarnations_of(membership, ranks)
 
     # ------------------------------------------------------------------ construction
     def joined_state(self, kind: str) -> Optional[dict]:
@@ -152,8 +153,7 @@ class PeerRegions:
             return index
         if membership is None:
             raise RuntimeError(f"{kind}: mapping peers after a membership change needs the group's store")
-        for peer in peers:
-            self._map(membership, index, kind, peer, regions, deadline)
+        self._map_all(membership, index, kind, peers, regions, deadline)
         if not rebuilding:  # nobody returns (and could close an fd a slower peer opens) before all mapped
             membership.barrier(f"regions/{index}/{buffer.epoch}", buffer.members, deadline)
         return index
@@ -207,9 +207,8 @@ class PeerRegions:
         for index, kind, owner in live:
             regions = owner.shared_regions()
             membership.publish_region_record(index, self._record(kind, regions))
-            for peer in peers:
-                if regions:
-                    self._map(membership, index, kind, peer, regions, deadline)
+            if regions:
+                self._map_all(membership, index, kind, peers, regions, deadline)
 
     def readmit(self, view: View, deadline: float) -> None:
         """A member's half of a re-admission: hand the joiners their state, then map their regions.
@@ -231,7 +230,7 @@ class PeerRegions:
         if buffer.transport == "collective":
             for _, _, owner in live:
                 owner.group = buffer.process_group
-        incarnations = {rank: membership.incarnation_of(rank) for rank in view.ranks}
+        incarnations = batch_reads.incarnations_of(membership, view.ranks)
         joiners = [r for r in view.ranks if r != buffer.rank and incarnations[r] != self._known.get(r)]
         if not joiners:
             self._known = incarnations
@@ -242,14 +241,16 @@ class PeerRegions:
                                                        for index, kind, owner in live])
         for index, kind, owner in live:
             regions = owner.shared_regions()
+            if not regions:
+                continue
+            found = batch_reads.published_region_records(membership, index, joiners, deadline)
             for joiner in joiners:
-                if regions:
-                    try:
-                        self._map(membership, index, kind, joiner, regions, deadline)
-                    except MembershipError as error:
-                        raise MembershipError(f"{error} (the replacement must rebuild every participant, in the "
-                                              "members' order, before the members' update_ep_member() times out)",
-                                              [joiner]) from None
+                try:
+                    self._map(membership, index, kind, joiner, regions, deadline, found.get(joiner))
+                except MembershipError as error:
+                    raise MembershipError(f"{error} (the replacement must rebuild every participant, in the "
+                                          "members' order, before the members' update_ep_member() times out)",
+                                          [joiner]) from None
         for _, _, owner in live:
             owner.readmitted(joiners)
         self._known = incarnations
@@ -269,18 +270,31 @@ class PeerRegions:
             record["te_bases"] = [region.base for region in regions]
         return record
 
-    def _map(self, membership, index: int, kind: str, peer: int, regions: list, deadline: float) -> None:
+    def _map_all(self, membership, index: int, kind: str, peers: Sequence[int], regions: list,
+                 deadline: float) -> None:
+        """`_map` every peer of `peers`, their records read together (`batch_reads`: a constant number of
+        store calls, not a few per peer)."""
+        found = batch_reads.published_region_records(membership, index, peers, deadline)
+        for peer in peers:
+            self._map(membership, index, kind, peer, regions, deadline, found.get(peer))
+
+    def _map(self, membership, index: int, kind: str, peer: int, regions: list, deadline: float,
+             record: Optional[dict] = None) -> None:
         """Map `peer`'s regions of participant `index` (shared memory), or set them remote when the
-        transport reaches `peer` over the Transfer Engine (another host)."""
-        record = membership.wait_for(lambda: membership.region_record(index, peer), deadline,
-                                     f"rank {peer}'s regions of participant {index} ({kind})")
+        transport reaches `peer` over the Transfer Engine (another host). `record`: the peer's record as
+        read already (`batch_reads`, with its incarnation), or None to wait for it alone."""
+        if record is None:
+            record = membership.wait_for(lambda: membership.region_record(index, peer), deadline,
+                                         f"rank {peer}'s regions of participant {index} ({kind})")
         if record["kind"] != kind or len(record["regions"]) != len(regions):
             raise ValueError(f"rank {peer}'s participant {index} is a {record['kind']!r} with "
                              f"{len(record['regions'])} regions, expected a {kind!r} with {len(regions)}")
         buffer = self._buffer()
         route = None if buffer is None else buffer.runtime.te_peer(peer)
         if route is None:
-            incarnation = membership.incarnation_of(peer)  # an equal (pid, fd) of a newer incarnation is remapped
+            incarnation = record.get("incarnation")  # an equal (pid, fd) of a newer incarnation is remapped
+            if incarnation is None:
+                incarnation = membership.incarnation_of(peer)
             for region, endpoint in zip(regions, record["regions"]):
                 region.map_peer(peer, region.endpoint_from(endpoint), incarnation)
             return

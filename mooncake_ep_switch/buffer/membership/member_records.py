@@ -4,13 +4,25 @@
 validation, authentication, counters) and the epoch/view protocol (`membership.Membership`, which
 builds on it). Every read is validated; a record that fails is refused with `MembershipError`.
 """
-from typing import Iterable, Optional
+from typing import Dict, Iterable, List, Optional, Set
 
 from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOINING, MAX_STATE_BYTES, STATES,  # noqa: F401
                                                           MembershipError, RecordStore, valid_admission, valid_endpoint,
                                                           valid_incarnation,
                                                           valid_peer_state, valid_ready, valid_region_record,
                                                           valid_state)
+
+JOINERS_KEY = "joiners"  # "r,r,...": every rank that registered as joining (Membership.joining reads only these)
+
+
+def _joiner_entries(raw: bytes, num_ranks: int) -> Set[int]:
+    """The ranks listed in a `joiners` record (garbage entries skipped: the state records decide)."""
+    found = set()
+    for entry in bytes(raw[:1 << 16]).decode(errors="replace").split(","):
+        entry = entry.strip()
+        if entry.isdigit() and int(entry) < num_ranks:
+            found.add(int(entry))
+    return found
 
 
 class MemberRecords(RecordStore):
@@ -40,6 +52,7 @@ class MemberRecords(RecordStore):
         self.num_ranks = num_ranks
         self._admissions = {}  # epoch -> admission record (written once, by compare-and-set: cached when read)
         self._views = {}  # epoch -> sealed view ranks (sealed once, by compare-and-set: cached when read)
+        self._bindings = {}  # (epoch, rank) -> incarnation bound by admitted/<epoch>/<rank> (written once: cached)
         # An observer (take_incarnation=False) only reads: it takes no incarnation and writes nothing.
         self.incarnation = None
         if take_incarnation:
@@ -120,6 +133,41 @@ class MemberRecords(RecordStore):
         if admission is not None:
             return dict(admission["ranks"]).get(rank)
         return self._read(f"admitted/{epoch}/{rank}", valid_incarnation, "admitted incarnation (int >= 1)")
+
+    def incarnations_at(self, epoch: int, ranks: Iterable[int]) -> Dict[int, int]:
+        """`incarnation_of` of every rank of `ranks` in `epoch`, in a constant number of store calls (bindings
+        written once are kept when read).
+
+        Arguments:
+            epoch: the current epoch (`Membership.epoch()`).
+            ranks: iterable of int EP ranks.
+
+        Returns:
+            incarnations: rank -> the incarnation `epoch` admitted (its admission record, else the rank's own
+                binding), else the newest one taken (its counter; 0 when no process took the rank yet).
+
+        Raises:
+            MembershipError: a counter or admitted record is malformed or fails authentication.
+        """
+        ranks = list(dict.fromkeys(int(r) for r in ranks))
+        found: Dict[int, int] = {}
+        admission = self.admission(epoch)
+        if admission is not None:
+            bound = dict(admission["ranks"])
+            found.update((r, bound[r]) for r in ranks if r in bound)
+        else:
+            found.update((r, self._bindings[epoch, r]) for r in ranks if (epoch, r) in self._bindings)
+            rest = [r for r in ranks if r not in found]
+            keys = [f"admitted/{epoch}/{r}" for r in rest]
+            for rank, key, raw in zip(rest, keys, self.read_raws(keys)):
+                value = self.checked(key, raw, valid_incarnation, "admitted incarnation (int >= 1)")
+                if value is not None:
+                    found[rank] = self._bindings[epoch, rank] = value
+        rest = [r for r in ranks if r not in found]
+        keys = [f"incarnation/{r}" for r in rest]
+        for rank, key, raw in zip(rest, keys, self.read_raws(keys)):
+            found[rank] = self.counter_of(key, raw)[0]
+        return {r: found[r] for r in ranks}
 
     def admission(self, epoch: int) -> Optional[dict]:
         """The admission record the sealer of `epoch` wrote before its view (`admitted/<epoch>`), or None.
@@ -370,7 +418,30 @@ class MemberRecords(RecordStore):
             raise ValueError(f"state: expected one of active, inactive, joining, got {state!r}")
         rank = self.rank if rank is None else rank
         incarnation = self.incarnation if rank == self.rank else self.read_counter(f"incarnation/{rank}")
+        if state == JOINING:  # listed first: whoever sees the rank joining finds it listed
+            self._list_joiner(rank)
         self._put(f"state/{rank}", {"state": state, "incarnation": incarnation, "epoch": epoch})
+
+    def listed_joiners(self) -> List[int]:
+        """The ranks that ever registered as joining (`joiners`: "r,r,...", one entry per rank, added by
+        compare-and-set), ascending; entries that are no rank of the group are skipped. One or two store calls.
+
+        Returns:
+            ranks: list of int (a superset of the ranks joining now: their state records decide).
+        """
+        raw = self.read_raw(JOINERS_KEY)
+        return [] if raw is None else sorted(_joiner_entries(raw, self.num_ranks))
+
+    def _list_joiner(self, rank: int) -> None:
+        """Add `rank` to `joiners` unless it is there (compare-and-set over the text read; bounded retries)."""
+        for _ in range(100):  # each failed compare-and-set means another joiner was added
+            raw = self.read_raw(JOINERS_KEY)
+            if raw is not None and rank in _joiner_entries(raw, self.num_ranks):
+                return
+            text = "" if raw is None else raw.decode(errors="replace")
+            if self.store.compare_set(JOINERS_KEY, text, f"{text}{rank},").decode(errors="replace") == f"{text}{rank},":
+                return
+        raise MembershipError(f"store record {self.prefix}/{JOINERS_KEY} kept changing under 100 attempts")
 
     def deactivate(self, ranks: Iterable[int]) -> None:
         """Mark ranks inactive (an operator's or a survivor's decision after evidence).

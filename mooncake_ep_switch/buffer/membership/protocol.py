@@ -14,6 +14,8 @@ Buffer generation of one EP group, see `group_prefix` and `generation_prefix`):
     admitted/<e>/<rank>         the incarnation of rank bound in epoch e by itself (epoch 0, the Buffer's construction)
     closed/<rank>               the incarnation whose Buffer of this generation was destroyed
     state/<rank>                JSON {"state", "incarnation", "epoch"}: active, inactive or joining
+    joiners                     "r,r,...": every rank that ever registered as joining (listed before its
+                                state says so; `joining()` reads only these ranks' states)
     incarnation/<rank>          counter, bumped by every process (or rejoining Buffer) taking the rank id
     endpoint/<rank>/<inc>       JSON endpoint of that incarnation (region pid/fd, TE session)
     evidence/<e>/<reporter>     JSON list of ranks the reporter saw fail in epoch e
@@ -267,7 +269,9 @@ class Membership(SealingRecords):
 
         A rank counts when its state says joining for that epoch, with its current incarnation,
         and its readiness for that epoch is posted. Malformed or forged records of a rank are
-        skipped (that rank is not listed), so they cannot break the members' loop.
+        skipped (that rank is not listed), so they cannot break the members' loop. Only the ranks that
+        ever registered as joining are read (`listed_joiners`, their states with one `multi_get`): a
+        constant number of store calls while nobody joins, not two per rank.
 
         Arguments:
             epoch: the epoch the joiners wait for, or None for `epoch() + 1`.
@@ -276,10 +280,12 @@ class Membership(SealingRecords):
             ranks: list of int, ascending.
         """
         epoch = self.epoch() + 1 if epoch is None else epoch
+        listed = self.listed_joiners()  # every rank that ever registered as joining (set_state lists it first)
+        keys = [f"state/{r}" for r in listed]
         found = []
-        for rank in range(self.num_ranks):
+        for rank, key, raw in zip(listed, keys, self.read_raws(keys)):
             try:
-                record = self._state_record(rank)
+                record = self.checked(key, raw, valid_state, "state record")
                 if record is None or record["state"] != JOINING or record["epoch"] != epoch:
                     continue
                 if self.ready_record(epoch, rank) is not None:
@@ -454,11 +460,21 @@ class Membership(SealingRecords):
     def _wait_sealed(self, target: int, seconds: float) -> bool:
         """Block up to `seconds` (within the operation's store deadline) until the view of `target` is
         there; False when it is not."""
-        return self._wait_keys([f"view/{target}"], seconds)
+        return self.wait_keys([f"view/{target}"], seconds)
 
-    def _wait_keys(self, keys: List[str], seconds: float) -> bool:
-        """Block up to `seconds` (within the operation's store deadline) until every key of `keys` is there
-        (one store call on a `BoundedStore`); False when they are not."""
+    def wait_keys(self, keys: List[str], seconds: float) -> bool:
+        """Block up to `seconds` (within the operation's store deadline) until every key of `keys` is there.
+
+        One store call on a `BoundedStore` (a client of its own per lane, so blocking holds no other caller);
+        a check of `keys` with backoff on any other store.
+
+        Arguments:
+            keys: keys under this membership's prefix.
+            seconds: the longest wait (at least 1 ms; cut to the operation's store deadline).
+
+        Returns:
+            there: whether every key was there in time.
+        """
         left = remaining_s()
         if left is not None:
             seconds = min(seconds, max(left - 0.05, 0.001))
@@ -682,7 +698,7 @@ class Membership(SealingRecords):
         self.store.set(f"barrier/{name}/{self.rank}", "1")
         keys = [f"barrier/{name}/{r}" for r in ranks]
         # One blocking wait on every rank's key (slices of WAIT_SLICE_S), not a poll of them per round.
-        while not self._wait_keys(keys, min(WAIT_SLICE_S, deadline - time.monotonic())):
+        while not self.wait_keys(keys, min(WAIT_SLICE_S, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
                 missing = [r for r in ranks if not self.store.check([f"barrier/{name}/{r}"])]
                 if not missing:

@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import json
 import secrets
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 from mooncake_ep_switch.errors import MembershipError  # noqa: F401 (raised here; importers take it from here too)
 
@@ -183,9 +183,46 @@ class RecordStore:
             return None
         return self.store.get(key)
 
+    def read_raws(self, keys: Sequence[str]) -> List[Optional[bytes]]:
+        """The values of `keys` as stored, None where absent: one `check` and one `multi_get` when every key
+        is there; else the absent keys are found by checking halves (about 2 m log2(n / m) checks for m absent
+        of n), then one `multi_get` of the others. (`multi_get` is part of the Store interface: a store
+        without a batched one gets the base class's, one `get` per key.)"""
+        keys = list(keys)
+        there = self._present(keys)
+        found = dict(zip(there, (bytes(raw) for raw in self.store.multi_get(there)))) if there else {}
+        return [found.get(key) for key in keys]
+
+    def _present(self, keys: List[str]) -> List[str]:
+        """The keys of `keys` that exist (halves checked in turn, one `check` for all when all are there)."""
+        if not keys or self.store.check(keys):
+            return keys
+        if len(keys) == 1:
+            return []
+        half = len(keys) // 2
+        return self._present(keys[:half]) + self._present(keys[half:])
+
     def _read(self, key: str, valid: Callable[[Any], Any], what: str, limit: int = MAX_RECORD_BYTES) -> Any:
         """The record at `key` (None when absent); MembershipError when malformed, forged or invalid."""
-        raw = self.read_raw(key)
+        return self.checked(key, self.read_raw(key), valid, what, limit)
+
+    def checked(self, key: str, raw: Optional[bytes], valid: Callable[[Any], Any], what: str,
+                 limit: int = MAX_RECORD_BYTES) -> Any:
+        """Decode and check the record `raw` read at `key`.
+
+        Arguments:
+            key: the key it was read at (authenticated with it).
+            raw: the stored bytes, or None (absent).
+            valid: returns whether the decoded value is a valid record.
+            what: the record's description, for the error.
+            limit: the largest record accepted, in bytes.
+
+        Returns:
+            value: the decoded record, or None for None.
+
+        Raises:
+            MembershipError: malformed, forged or invalid.
+        """
         if raw is None:
             return None
         value = self._decode(key, raw, limit)
@@ -199,7 +236,10 @@ class RecordStore:
 
     def read_counter_raw(self, key: str):
         """(value, raw text) of a counter; (0, None) when absent. Values are `"<n>"` or `"<n>:<nonce>"`."""
-        raw = self.read_raw(key)
+        return self.counter_of(key, self.read_raw(key))
+
+    def counter_of(self, key: str, raw: Optional[bytes]):
+        """(value, raw text) of the counter `raw` read at `key` (see `read_counter_raw`)."""
         if raw is None:
             return 0, None
         try:

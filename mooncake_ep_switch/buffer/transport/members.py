@@ -7,6 +7,7 @@ region a slower peer is about to map.
 """
 from typing import Callable, Optional, Tuple, Type
 
+from mooncake_ep_switch.buffer.membership import batch_reads
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 
 
@@ -59,6 +60,9 @@ def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, r
     if membership is None:
         raise RuntimeError(f"connect: {what} exchange endpoints through the store; pass store= to Buffer")
     unreachable, why = [], []
+    # Every member's endpoint in a constant number of store calls (not a few per member); one still missing at
+    # the deadline is read alone, which names why.
+    found = batch_reads.published_endpoints(membership, [p for p in view.ranks if p != rank], deadline)
     for peer in range(num_ranks):
         if peer == rank:
             continue
@@ -66,7 +70,7 @@ def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, r
             drop(peer)
             continue
         try:
-            route(peer, published_endpoint(membership, peer, deadline))
+            route(peer, found[peer] if peer in found else published_endpoint(membership, peer, deadline))
         except unreachable_errors as error:
             unreachable.append(peer)  # died since it was sealed into the view
             why.append(f"rank {peer}: {type(error).__name__}: {error}")

@@ -1,0 +1,99 @@
+"""Records of many ranks read together: a constant number of store calls, not a few per rank.
+
+A Buffer's construction and a re-admission read, for every member, the incarnation whose records
+count, its endpoint (with its host id) and its region records. Read rank by rank that costs each
+rank a few store calls per peer, O(R^2) in the group; here each rank makes a constant number of
+calls (`RecordStore.read_raws`: one `check` and one `multi_get` of every key when all are there) and,
+while some are missing, one blocking wait on the missing keys at a time (`Membership.wait_keys`),
+not a poll of each. Records read here are checked exactly as the one-rank reads check them
+(`Membership.incarnation_of`, `endpoint`, `region_record`).
+"""
+import time
+from typing import Callable, Dict, Iterable, List
+
+from mooncake_ep_switch.buffer.membership.records import MembershipError, valid_endpoint, valid_region_record
+
+__all__ = ["incarnations_of", "published_endpoints", "published_region_records"]
+
+WAIT_SLICE_S = 0.2  # a wait for missing records blocks this long at a time, then reads the incarnations again
+_ENDPOINT = "endpoint (dict: region [pid, fd, nbytes], host_id str, te_session str, te_base int)"
+_REGIONS = "region record (dict: kind str, regions list of [pid, fd or IPC handle hex, nbytes], te_bases list of int)"
+
+
+def incarnations_of(membership, ranks: Iterable[int]) -> Dict[int, int]:
+    """`Membership.incarnation_of` of every rank of `ranks`, in a constant number of store calls.
+
+    Arguments:
+        membership: the `Membership` to read with.
+        ranks: iterable of int EP ranks.
+
+    Returns:
+        incarnations: rank -> incarnation (0 when no process took the rank yet).
+
+    Raises:
+        MembershipError: a counter or admitted record is malformed or fails authentication.
+    """
+    return membership.incarnations_at(membership.epoch(), ranks)
+
+
+def _published(membership, ranks: List[int], deadline: float, key_of: Callable[[int, int], str], valid, what: str) -> Dict[int, dict]:
+    """The valid records `key_of(rank, incarnation)` of `ranks`, waited for until `deadline`; a rank whose record is
+    missing or invalid then is left out (its one-rank read names why)."""
+    found: Dict[int, dict] = {}
+    pending = list(dict.fromkeys(ranks))
+    while pending:
+        incarnations = incarnations_of(membership, pending)
+        keys = {r: key_of(r, incarnations[r]) for r in pending}
+        left = deadline - time.monotonic()
+        # Not all there yet: one blocking wait on them (a slice, then the incarnations are read again), not a
+        # read of which ones are missing; at the deadline, what is there is read.
+        if left > 0 and not membership.store.check([keys[r] for r in pending]):
+            membership.wait_keys([keys[r] for r in pending], min(WAIT_SLICE_S, left))
+            continue
+        for rank, raw in zip(pending, membership.read_raws([keys[r] for r in pending])):
+            try:
+                value = membership.checked(keys[rank], raw, valid, what)
+            except MembershipError:
+                value = None  # malformed or forged: waited for like a missing one (a valid one may replace it)
+            if value is not None:
+                found[rank] = dict(value, incarnation=incarnations[rank])
+        pending = [r for r in pending if r not in found]
+        if deadline - time.monotonic() <= 0:
+            break
+        if pending:  # present but not valid (yet): read again shortly
+            time.sleep(min(0.01, max(deadline - time.monotonic(), 0.0)))
+    return found
+
+
+def published_endpoints(membership, ranks: Iterable[int], deadline: float) -> Dict[int, dict]:
+    """The published endpoints of `ranks`' current incarnations, waited for until `deadline`.
+
+    Arguments:
+        membership: the `Membership` whose store holds the endpoints.
+        ranks: iterable of int EP ranks.
+        deadline: `time.monotonic()` deadline in seconds (the records are read at least once).
+
+    Returns:
+        endpoints: rank -> endpoint dict plus `"incarnation"` (as `Membership.endpoint`), for the ranks
+            whose valid endpoint was there by `deadline` (the others are absent).
+    """
+    return _published(membership, list(ranks), deadline, lambda r, inc: f"endpoint/{r}/{inc}", valid_endpoint,
+                      _ENDPOINT)
+
+
+def published_region_records(membership, index: int, ranks: Iterable[int], deadline: float) -> Dict[int, dict]:
+    """The region records of participant `index` that `ranks`' current incarnations published, waited for
+    until `deadline`.
+
+    Arguments:
+        membership: the `Membership` whose store holds the records.
+        index: participant index, >= 0.
+        ranks: iterable of int EP ranks.
+        deadline: `time.monotonic()` deadline in seconds (the records are read at least once).
+
+    Returns:
+        records: rank -> record (as `Membership.region_record`, plus `"incarnation"`), for the ranks whose
+            valid record was there by `deadline` (the others are absent).
+    """
+    return _published(membership, list(ranks), deadline, lambda r, inc: f"regions/{index}/{r}/{inc}",
+                      valid_region_record, _REGIONS)
