@@ -41,7 +41,8 @@ def _total_keys(cluster) -> int:
 
 @pytest.fixture
 def store(etcd_cluster):
-    return connect_store(etcd_cluster.url(_prefix()), timeout_s=20, job="tests")
+    # request_s=1: a call in flight to a follower when the leader dies is sent again after 1 s, not 3
+    return connect_store(etcd_cluster.url(_prefix()) + "?request_s=1", timeout_s=20, job="tests")
 
 
 def _script(s, full=True):
@@ -144,7 +145,8 @@ def test_exactly_one_winner_of_a_compare_set_race_while_the_leader_dies(etcd_clu
     stores = []
     for t in range(threads_n):  # each thread's first endpoint differs
         rotated = endpoints[t % 3:] + endpoints[:t % 3]
-        stores.append(connect_store(f"etcd://{','.join(rotated)}/{prefix}", timeout_s=20, job="race"))
+        # A call in flight to a follower when the leader dies waits for the election: give up on it after 1 s.
+        stores.append(connect_store(f"etcd://{','.join(rotated)}/{prefix}?request_s=1", timeout_s=20, job="race"))
     results = [[None] * keys for _ in range(threads_n)]
     errors = []
     progress = threading.Semaphore(0)
@@ -238,6 +240,8 @@ def test_bad_input_is_refused_within_the_timeout_with_nothing_written(etcd_clust
         connect_store("etcd://a:b@h:1/p", user="a")
     with pytest.raises(ValueError, match="certificates need HTTPS"):
         connect_store("etcd://h:1/p", ca_cert=__file__)
+    with pytest.raises(ValueError, match="host: option request_s: expected a number of seconds > 0, got 'x'"):
+        connect_store("etcd://h:1/p?request_s=x")
     with pytest.raises(FileNotFoundError, match="cert: no such file"):
         connect_store("etcds://h:1/p", cert="/nonexistent.pem", key="/nonexistent.key")
     # An unreachable cluster: every endpoint refused until the connect timeout, naming the store.

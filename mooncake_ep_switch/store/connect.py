@@ -1,7 +1,9 @@
 """Open an `EtcdStore` from an `etcd://` URL: check the input, reach the cluster, claim the job's prefix.
 
-    etcd://[user:password@]host:port[,host:port...]/prefix[?job=ID&ca=FILE&cert=FILE&key=FILE]
+    etcd://[user:password@]host:port[,host:port...]/prefix[?job=ID&ca=FILE&cert=FILE&key=FILE&request_s=S]
     etcds://...   (HTTPS to the members)
+
+`request_s` (default 3): the longest wait for one member's answer before the next member is asked.
 
 Every check comes before the only write (the prefix's owner record, created if absent in one
 transaction), so a refused connection leaves the cluster as it was. The job's identity is `job`
@@ -142,7 +144,12 @@ def connect_etcd(url: str, timeout_s: float = 60.0, *, user: Optional[str] = Non
             raise FileNotFoundError(f"{name}: no such file {path!r}")
     if (ca_cert or cert) and not parsed.secure:
         raise ValueError(f"{argument}: certificates need HTTPS: use etcds:// instead of etcd://")
-    request_s = float(options.get("request_s", 3.0))
+    try:
+        request_s = float(options.get("request_s", 3.0))
+    except ValueError:
+        request_s = float("nan")
+    if not 0 < request_s < float("inf"):
+        raise ValueError(f"{argument}: option request_s: expected a number of seconds > 0, got {options['request_s']!r}")
     connection = EtcdConnection(parsed.endpoints, parsed.secure, user, password, ca_cert, cert, key, request_s)
     store = EtcdStore(connection, parsed.prefix, timedelta(seconds=timeout_s))
     _claim(store, _job_id(job if job is not None else options.get("job")), time.monotonic() + timeout_s, argument)
