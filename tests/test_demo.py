@@ -39,7 +39,7 @@ def test_demo_short_run(tmp_path):
     assert kinds == {"switch", "rebalance", "kill", "rejoin"}
     assert (out / "timeline.png").stat().st_size > 10_000
     # The replacement's phases (issue 36 item 3), on one wall clock from the death: in order, each after the last.
-    _check_phases(recovery, ["detection", "step end", "process start", "imports", "buffer", "join", "admission",
+    _check_phases(recovery, ["detection", "survivors serve", "process start", "imports", "buffer", "join", "admission",
                              "restore", "members resume", "first full step"], 16 // 4 + 1)
     assert recovery["kind"] == "cold (forked, imports preloaded)" and recovery["in_advance"] == []
     assert "recovery phases      cold" in stdout and "imports" in stdout
@@ -64,7 +64,7 @@ def test_demo_warm_standby_replaces_the_killed_rank(tmp_path):
     metrics, stdout = _run(out, "--steps", "12", "--ranks", "2", "--replacement", "standby")
     recovery = metrics["recovery"]
     assert metrics["correct"] and recovery["view"] == [0, 1] and recovery["first_full_step"] == recovery["killed_at_step"] + 1
-    _check_phases(recovery, ["detection", "step end", "assign", "buffer", "join", "admission", "restore",
+    _check_phases(recovery, ["detection", "survivors serve", "assign", "buffer", "join", "admission", "restore",
                              "members resume", "first full step"], 16 // 2 + 1)
     assert recovery["kind"] == "warm standby"
     assert [p["phase"] for p in recovery["in_advance"]] == ["process start", "imports", "prepare (weights)"]

@@ -72,3 +72,14 @@ def test_coverage_placement_without_a_redundant_slot_is_refused_by_name():
         coverage_placement(placement, np.asarray([True, True, True, False]), 2, 8, 1)
     with pytest.raises(ValueError, match="active_ranks: expected at least one live rank"):
         coverage_placement(placement, np.zeros(4, bool), 2, 8, 1)
+
+
+def test_coverage_placement_keeps_the_fixed_primaries():
+    # With ExpertSlots(primaries=unified) a rank's first E/R slots never move (check_primaries refuses a placement
+    # that moves one): the coverage copy takes a redundant slot (the demo's coverage epoch failed on this).
+    alive = np.asarray([True, True, True, False])
+    target = coverage_placement(PLACEMENT, alive, 3, 8, spare_frames=1, fixed_per_rank=2)
+    assert uncovered_experts(target, alive, 3, 8) == {}
+    changed = np.argwhere(target != PLACEMENT)
+    assert len(changed) == 1 and changed[0][0] == 1 and changed[0][1] % 3 == 2, changed
+    assert np.array_equal(target[:, [0, 1, 3, 4, 6, 7, 9, 10]], PLACEMENT[:, [0, 1, 3, 4, 6, 7, 9, 10]])

@@ -48,7 +48,9 @@ def _demo(args) -> int:
     timeout_us = 3_000_000 if transport == "cuda" else defaults.timeout_us
     config = DemoConfig(num_ranks=args.ranks, steps=steps, transport=transport, out_dir=args.out,
                         kill_step=kill_step, kill_rank=min(2, args.ranks - 1), timeout_us=timeout_us,
-                        replacement=args.replacement)
+                        replacement=args.replacement, replace_after=args.replace_after,
+                        kill_covered=args.kill_covered,
+                        redundant_per_rank=defaults.redundant_per_rank if args.redundant is None else args.redundant)
     metrics = run_demo(config)
     return 0 if metrics["correct"] else 1
 
@@ -118,6 +120,12 @@ def main(argv=None) -> int:
     demo.add_argument("--out", default="mep_demo_out", help="directory for metrics.json and timeline.png")
     demo.add_argument("--kill-step", type=int, default=None,
                       help="step (inside the burst) at which a rank is SIGKILLed and replaced; -1: none")
+    demo.add_argument("--replace-after", type=int, default=0,
+                      help="steps the survivors serve without the killed rank before its replacement starts (default "
+                           "0; from 2, a coverage epoch restores experts that lost their only copy)")
+    demo.add_argument("--kill-covered", action="store_true",
+                      help="kill a rank whose experts all have a copy on another rank (no top-k contribution lost)")
+    demo.add_argument("--redundant", type=int, default=None, help="redundant experts per rank (default 1)")
     demo.add_argument("--replacement", default="forked", choices=["forked", "spawn", "standby"],
                       help="how the killed rank's replacement starts: forked after the death from a server that "
                            "imported torch at start (default), spawn (a fresh interpreter after the death), standby "

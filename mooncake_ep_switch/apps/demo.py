@@ -61,6 +61,11 @@ class DemoConfig(NamedTuple):
             death, forked from a server that imported torch and the package when the cluster started),
             "spawn" (a fresh interpreter started after the death: its imports count) or "standby" (a warm
             standby started before the death, `standby.WarmStandby`: imports, weights, store done).
+        replace_after: steps the survivors serve without the killed rank before its replacement starts
+            (fault-aware routing from live copies; from 2 on, a coverage epoch begun in the first of them
+            gives every expert that lost its only copy a copy on a survivor, committed in the second).
+        kill_covered: kill a rank all of whose experts have a copy on another rank at the kill step
+            (the lowest such rank; `kill_rank` when there is none), instead of `kill_rank`.
     """
 
     num_ranks: int = 4
@@ -82,6 +87,8 @@ class DemoConfig(NamedTuple):
     kill_rank: int = 2
     timeout_us: int = 2_000_000
     replacement: str = "forked"
+    replace_after: int = 0
+    kill_covered: bool = False
 
 
 _RANK_STATE = {}
@@ -302,26 +309,37 @@ def _ep_forward(ctx, x):
                                    timeout_us=config.timeout_us)
         return out, None, None
     counts, rows = [], []
+    state["masked_by_layer"] = masked = []  # the ranks masked before each layer's round (the reference's skips)
     for layer, router in enumerate(state["routers"]):
+        masked.append([r for r in range(ctx.num_ranks) if not int(active[r])])
         row = state["memory"].dispatch_row(layer)
+        # fault-aware: entries of an expert with a live copy go to a live copy when this rank's mask says so
         out, count = physical_ep_forward(buffer, out, router, slots, layer, config.top_k, tokens, active, row,
-                                         timeout_us=config.timeout_us)
+                                         timeout_us=config.timeout_us, fault_aware=True)
         counts.append(count.tolist())
         rows.append(row)
     return out, counts, rows
 
 
 def _ep_reference(ctx, x, rows, dead):
-    """The single-process forward without the experts this rank's tokens sent to dead ranks."""
+    """The single-process forward without the experts this rank's tokens lost, per layer: those sent to ranks
+    found dead in the layer's round, or (fault-aware routing around the ranks masked before the round) those
+    with no copy on a rank unmasked before it."""
     from mooncake_ep_switch.reference.moe_block import reference_forward
 
     state = _RANK_STATE
     config = state["config"]
     reference = x
     for layer, weights in enumerate(state["weights"]):
+        masked = state["masked_by_layer"][layer] if rows is not None else []
         if rows is None:
             local = config.experts // ctx.num_ranks
             skip = {r * local + j for r in dead for j in range(local)}
+        elif masked:  # routed around the ranks masked before the round: lost = no live copy
+            per_rank = state["slots"].shape.slots_per_rank
+            phy2log = state["slots"].phy2log[layer]
+            live = {int(e) for slot, e in enumerate(phy2log) if slot // per_rank not in masked}
+            skip = set(range(config.experts)) - live
         else:
             per_rank = state["slots"].shape.slots_per_rank
             skip = {e for e in range(config.experts) if int(rows[layer][e]) // per_rank in dead}
@@ -354,7 +372,7 @@ def rank_step(ctx, step: int, command: dict):
 
     state = _RANK_STATE
     config, unified = state["config"], state["unified"]
-    if step == config.kill_step and ctx.rank == config.kill_rank:
+    if step == config.kill_step and ctx.rank == command.get("kill_rank", config.kill_rank):
         ctx.store.set("demo/killed_at", repr(time.time()))  # the wall clock of the death, for the phases
         os.kill(os.getpid(), signal.SIGKILL)  # the failure the demo survives
     rebalancer, active = state["rebalancer"], state["active"]
@@ -362,18 +380,26 @@ def rank_step(ctx, step: int, command: dict):
     if rebalancer is not None and command.get("rebalance"):
         plan = command["rebalance"]
         rebalancer.begin(np.asarray(plan["phy2log"]), plan["commit_step"])
+    if rebalancer is not None and command.get("coverage") is not None:  # a coverage epoch among the live ranks
+        from mooncake_ep_switch.eplb.coverage import restore_coverage
+
+        weights = state["weights"]
+        restore_coverage(rebalancer, active, command["coverage"],
+                         loader=lambda layer, expert: (weights[layer].gate_up[expert], weights[layer].down[expert]))
     if rebalancer is not None and unified.layout == LAYOUT_EP:
         reports = [r._asdict() for r in rebalancer.step(step, active)]
     requests = command["requests"]
     start = time.perf_counter()
-    counts = None
+    counts = lost = None
     if unified.layout == LAYOUT_EP:
         generator = torch.Generator().manual_seed(step * 1009 + ctx.rank)
         x = torch.randn((requests // ctx.num_ranks, config.hidden), generator=generator).to(torch.bfloat16)
+        lost_before = int(state["slots"].lost_contributions.sum()) if state["slots"] is not None else 0
         out, counts, rows = _ep_forward(ctx, x.to(state["device"]))
         seconds = _finished(start)
         served_at = time.time()
         dead = [r for r in range(ctx.num_ranks) if not int(active[r])]  # what the timeouts found
+        lost = int(state["slots"].lost_contributions.sum()) - lost_before if state["slots"] is not None else None
         reference = _ep_reference(ctx, x, rows, dead)
     else:  # TP: the same tokens on every rank
         generator = torch.Generator().manual_seed(step * 1009)
@@ -392,9 +418,29 @@ def rank_step(ctx, step: int, command: dict):
     for report in reports:
         report["layers"] = list(report["layers"])
     return {"seconds": seconds, "served_at": served_at, "diff": calc_diff(out.cpu(), reference), "tokens": x.size(0),
-            "dead": dead,
+            "dead": dead, "lost": lost if unified.layout == LAYOUT_EP else None,
             "layout": unified.layout, "counts": counts, "reports": reports,
             "phy2log": state["slots"].phy2log.tolist() if state["slots"] is not None else None}
+
+
+def _uncovered_without(phy2log: np.ndarray, config: DemoConfig, rank: int) -> dict:
+    """{layer: experts} with no copy outside `rank` in `phy2log` (`eplb.coverage.uncovered_experts`)."""
+    from mooncake_ep_switch.eplb.coverage import uncovered_experts
+
+    alive = np.ones(config.num_ranks, dtype=bool)
+    alive[rank] = False
+    return uncovered_experts(np.asarray(phy2log), alive, np.asarray(phy2log).shape[1] // config.num_ranks,
+                             config.experts)
+
+
+def _covered_rank(phy2log: np.ndarray, config: DemoConfig) -> int:
+    """The lowest rank all of whose experts have a copy on another rank; `config.kill_rank` when none has."""
+    return next((r for r in range(config.num_ranks) if not _uncovered_without(phy2log, config, r)), config.kill_rank)
+
+
+def _coverage_commit(phy2log: np.ndarray, config: DemoConfig, dead: int, step: int):
+    """The commit step of a coverage epoch begun at `step` (the next one), or None when nothing is uncovered."""
+    return step + 1 if _uncovered_without(phy2log, config, dead) else None
 
 
 def _finished(start: float) -> float:
@@ -506,15 +552,16 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
     checkpoint = os.path.join(scratch.name, "weights.pt")
     with scratch, LocalCluster(config.num_ranks, preload_replacements=config.replacement == "forked") as cluster:
         transport = check_outcomes(cluster.run(rank_setup, config, checkpoint, timeout_s=120))[0]
-        standby = None
+        standby, kill_rank = None, config.kill_rank
         if config.replacement == "standby" and config.kill_step >= 0:  # started, imported and loaded before any death
             standby = cluster.start_standby()
             standby["prepared"] = cluster.run_standby(rank_standby, config, timeout_s=120)
         for step in range(config.steps):
             requests = control.trace[step]
             decision = control.policy.observe(step, requests)
+            dead_now = config.kill_step >= 0 and config.kill_step < step <= config.kill_step + config.replace_after
             if decision.target is not None:
-                if step <= control.rebalance_until:  # never move the weights under a rebalance in flight
+                if step <= control.rebalance_until or dead_now:  # never under a rebalance in flight or with a rank dead
                     control.policy.set_layout(control.layout)
                 else:
                     reports = check_outcomes(cluster.run(rank_switch, decision.target, timeout_s=120))
@@ -525,12 +572,21 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
                     moved = sum(r["weight_bytes"] for r in reports)
                     switches.append({"step": step, "target": decision.target, "ms": ms, "weight_bytes": moved})
                     events.append({"step": step, "kind": "switch", "label": f"-> {decision.target.upper()} {ms:.0f} ms"})
-            command = {"requests": requests, "rebalance": control.plan(step) if transport == "shm" else None}
-            outcomes = cluster.run(rank_step, step, command, timeout_s=120, failure_grace_s=60)
+            window = config.kill_step >= 0 and config.kill_step < step <= config.kill_step + config.replace_after
+            plan = control.plan(step) if transport == "shm" and not window and step != config.kill_step else None
+            command = {"requests": requests, "rebalance": plan, "kill_rank": kill_rank}
+            if step == config.kill_step and config.kill_covered:
+                command["kill_rank"] = kill_rank = _covered_rank(control.phy2log, config)
+            if window and step == config.kill_step + 1 and config.replace_after >= 2 and transport == "shm":
+                command["coverage"] = _coverage_commit(control.phy2log, config, kill_rank, step)
+            serving = [r for r in range(config.num_ranks) if not window or r != kill_rank]
+            outcomes = cluster.run(rank_step, step, command, timeout_s=120, failure_grace_s=60, ranks=serving)
             stepped_at = time.time()
             if step == config.kill_step:
-                events.append({"step": step, "kind": "kill", "label": f"rank {config.kill_rank} SIGKILL"})
-                values = check_outcomes([o for o in outcomes if o.rank != config.kill_rank])
+                events.append({"step": step, "kind": "kill", "label": f"rank {kill_rank} SIGKILL"})
+                values = check_outcomes([o for o in outcomes if o.rank != kill_rank])
+                if config.replace_after:
+                    cluster.accept_dead(kill_rank)  # the survivors serve on without it
             else:
                 values = check_outcomes(outcomes)
             for outcome, value in zip([o for o in outcomes if o.ok], values):
@@ -555,7 +611,9 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
             step_seconds = max(v["seconds"] for v in values)
             worst = max(v["diff"] for v in values)
             dead = sorted({r for v in values for r in v["dead"]})
+            lost = [v["lost"] for v in values if v.get("lost") is not None]
             steps.append({"step": step, "requests": requests, "layout": layout, "seconds": step_seconds,
+                          "lost_contributions": sum(lost) if lost else None,
                           "tokens": requests, "balancedness": balanced, "max_calc_diff": worst,
                           "dead_ranks": dead, "ranks_serving": len(values)})
             if recovery is not None and "first_full_step" not in recovery and not dead and len(values) == config.num_ranks:
@@ -564,24 +622,28 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
                 recovery.update(recovery_phases(first_full_at=time.time(), **recovery.pop("_clocks")))
             if step == config.kill_step:
                 failed_at = time.perf_counter() - step_seconds
+                detected_at = max(v["served_at"] for v in values)
+            if config.kill_step >= 0 and step == config.kill_step + config.replace_after:
                 replace_started = time.perf_counter()
                 if standby is not None:
-                    standby["assigned"] = cluster.assign_standby(config.kill_rank)
+                    standby["assigned"] = cluster.assign_standby(kill_rank)
                     spawned = standby
                 else:
-                    spawned = cluster.respawn(config.kill_rank)
-                check_outcomes(cluster.run(rank_setup, config, checkpoint, ranks=[config.kill_rank], timeout_s=120))
-                readmits = check_outcomes(cluster.run(rank_readmit, config.kill_rank, timeout_s=120))
-                joined = readmits[config.kill_rank]["timings"]
+                    spawned = cluster.respawn(kill_rank)
+                check_outcomes(cluster.run(rank_setup, config, checkpoint, ranks=[kill_rank], timeout_s=120))
+                readmits = check_outcomes(cluster.run(rank_readmit, kill_rank, timeout_s=120))
+                joined = readmits[kill_rank]["timings"]
                 clocks = {"killed_at": float(cluster.store.get("world/demo/killed_at").decode()),
-                          "detected_at": max(v["served_at"] for v in values), "stepped_at": stepped_at, "started": spawned,
+                          "detected_at": detected_at, "stepped_at": stepped_at, "started": spawned,
                           "replacement": joined, "kind": config.replacement,
-                          "members": [r["timings"] for i, r in enumerate(readmits) if i != config.kill_rank]}
-                recovery = {"rank": config.kill_rank, "killed_at_step": step, "survivors_saw_dead": dead,
+                          "members": [r["timings"] for i, r in enumerate(readmits) if i != kill_rank]}
+                recovery = {"rank": kill_rank, "killed_at_step": config.kill_step,
+                            "survivors_saw_dead": steps[config.kill_step]["dead_ranks"],
                             "replace_seconds": time.perf_counter() - replace_started, "view": readmits[0]["view"],
-                            "restored": joined["restore"], "_failed_at": failed_at, "_clocks": clocks}
+                            "replaced_after_step": step, "restored": joined["restore"], "_failed_at": failed_at,
+                            "_clocks": clocks}
                 events.append({"step": step, "kind": "rejoin",
-                               "label": f"rank {config.kill_rank} rejoined {recovery['replace_seconds']:.1f} s"})
+                               "label": f"rank {kill_rank} rejoined {recovery['replace_seconds']:.1f} s"})
             line = (f"  step {step + 1}/{config.steps}  {layout.upper()}  {requests:4d} req  "
                     f"{requests / step_seconds:8.0f} tok/s  calc_diff {worst:.1e}  ranks {len(values)}")
             if terminal:
@@ -689,6 +751,12 @@ def _summary(metrics, config: DemoConfig, stream) -> None:
         if "phases" in recovery:
             for line in phase_lines(recovery):
                 print(line, file=stream)
+        lost = [(s["step"], s["lost_contributions"]) for s in metrics["steps"]
+                if s["lost_contributions"] is not None and recovery["killed_at_step"] <= s["step"]
+                <= recovery.get("first_full_step", recovery["killed_at_step"])]
+        if lost:
+            print("  lost top-k           contributions whose expert had no live copy (tokens x entries), per step: "
+                  + ", ".join(f"step {step} {count}" for step, count in lost), file=stream)
     print("  note                 the switch threshold is a setting here: on this CPU the EP step is faster at every "
           "load; the TP/EP crossover is a GPU effect (see `mooncake-ep simulate`)", file=stream)
     print(f"  correctness          max calc_diff {metrics['max_calc_diff']:.2e} vs single-process reference "

@@ -1,7 +1,8 @@
 """The demo's recovery, phase by phase: wall clocks (`time.time()`) taken in every process, put on one line.
 
-A death is followed by its detection (the survivors served the step without the dead rank), then the
-replacement's phases: process start, imports (interpreter, torch, the package, the store
+A death is followed by its detection (the survivors served the step without the dead rank), the
+survivors serving on (the rest of that step with its check, and the steps they serve before the
+replacement starts, `DemoConfig.replace_after`), then the replacement's phases: process start, imports (interpreter, torch, the package, the store
 connection), Buffer construction, join (the members list it as pending), admission (the members'
 `update_ep_member()` returned), restore (its expert weights from the peers' copies) and the first full
 step. A warm standby did the process start, the imports and the weights before the death; they are
@@ -25,7 +26,8 @@ def recovery_phases(killed_at: float, detected_at: float, stepped_at: float, sta
     Arguments:
         killed_at: when the rank killed itself.
         detected_at: when the last survivor had served the step without it.
-        stepped_at: when the controller had every survivor's result of that step (checked against the reference).
+        stepped_at: when the controller had every survivor's result of the last step served without the rank
+            (checked against the reference): the replacement starts then.
         started: the replacement process's start (`LocalCluster.respawn` / `start_standby`): "spawn",
             "created", "ready" (and for a standby "prepared", "assigned").
         replacement: its own times: "setup_started", "buffer_built", "admitted", "restored".
@@ -48,7 +50,7 @@ def recovery_phases(killed_at: float, detected_at: float, stepped_at: float, sta
     launch = [_span("process start", started["spawn"], started["created"], killed_at),
               _span("imports", started["created"], started["ready"], killed_at)]
     after = [_span("detection", killed_at, detected_at, killed_at),
-             _span("step end", detected_at, stepped_at, killed_at)]
+             _span("survivors serve", detected_at, stepped_at, killed_at)]
     standby = kind == "standby"
     if standby:
         after.append(_span("assign", stepped_at, started["assigned"], killed_at))

@@ -52,7 +52,7 @@ def uncovered_experts(phy2log: np.ndarray, alive: np.ndarray, slots_per_rank: in
 
 
 def coverage_placement(phy2log: np.ndarray, alive: np.ndarray, slots_per_rank: int, num_logical: int,
-                       spare_frames: int) -> np.ndarray:
+                       spare_frames: int, fixed_per_rank: int = 0) -> np.ndarray:
     """A placement that gives every uncovered expert a copy on a live rank, changing as few slots as that.
 
     Each uncovered expert (layer by layer, in id order) replaces the expert of one live slot that has
@@ -66,6 +66,8 @@ def coverage_placement(phy2log: np.ndarray, alive: np.ndarray, slots_per_rank: i
         slots_per_rank: slots per rank.
         num_logical: `E`.
         spare_frames: the slots' spare frames (changes per rank and layer a chunk can stage).
+        fixed_per_rank: the first slots of every rank that never change (`ExpertSlots.num_primary`: the
+            primaries kept in the unified weight memory); only the slots after them take an expert.
 
     Returns:
         target: `[L, R * slots_per_rank]` int64, a new array (equal to `phy2log` when all is covered).
@@ -88,7 +90,8 @@ def coverage_placement(phy2log: np.ndarray, alive: np.ndarray, slots_per_rank: i
             for slot in np.nonzero(live_slot)[0]:
                 rank = slot // slots_per_rank
                 on_rank = row[rank * slots_per_rank:(rank + 1) * slots_per_rank]
-                if counts[row[slot]] < 2 or changes[rank] >= spare_frames or (on_rank == expert).any():
+                if (slot % slots_per_rank < fixed_per_rank or counts[row[slot]] < 2 or changes[rank] >= spare_frames
+                        or (on_rank == expert).any()):
                     continue
                 key = (changes[rank], -counts[row[slot]], slot)
                 best = key if best is None or key < best else best
@@ -179,7 +182,7 @@ def restore_coverage(rebalancer, active_ranks, commit_step: int, loader=None, *,
     alive = alive_ranks("active_ranks", active_ranks, slots.num_ranks)
     shape = slots.shape
     target = coverage_placement(slots.phy2log, alive, shape.slots_per_rank, shape.num_logical_experts,
-                                slots.spare_frames)
+                                slots.spare_frames, slots.num_primary)
     return rebalancer.begin(target, commit_step, steps_per_chunk=steps_per_chunk, live=alive, loader=loader)
 
 

@@ -267,6 +267,16 @@ class LocalCluster:
         self.broken = False
         return started
 
+    def accept_dead(self, rank: int) -> None:
+        """Serve on without the dead `rank`: `run(..., ranks=...)` may be called again for the others (a run
+        that found a rank dead marks the cluster broken until then, or until `respawn`).
+
+        Raises:
+            ValueError: `rank` is not a rank of the cluster. RuntimeError: it is alive (named; nothing changed).
+        """
+        self._check_dead(rank)
+        self.broken = False
+
     def _check_dead(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
             raise ValueError(f"rank: expected a rank in [0, {self.num_ranks}), got {rank!r}")
