@@ -15,7 +15,7 @@ def _run(out, *args):
 
 def test_demo_short_run(tmp_path):
     out = tmp_path / "demo"
-    metrics, stdout = _run(out, "--steps", "24")
+    metrics, stdout = _run(out, "--steps", "24", "--replace-after", "3", "--redundant", "2")
     assert metrics["correct"] and metrics["max_calc_diff"] < 1e-4 and len(metrics["steps"]) == 24
     assert metrics["transport"] == "shm"  # one host, a region: auto picks shared memory
     layouts = [s["layout"] for s in metrics["steps"]]
@@ -27,20 +27,29 @@ def test_demo_short_run(tmp_path):
     # EPLB rebalanced online during the burst (every chunk committed, weights moved) without a failed check.
     committed = [r for r in metrics["rebalances"] if r["outcome"] == "committed"]
     assert committed and all(r["moved_bytes"] > 0 for r in committed)
-    # Rank 2 was SIGKILLed in the burst: survivors served that step without it, a replacement joined,
-    # and the next step was whole again.
+    # Rank 2 was SIGKILLed in the burst: survivors served that step and three more without it (fault-aware
+    # routing, checked against the reference that leaves out only what had no live copy), a replacement joined
+    # after them, and the next step was whole again.
     recovery = metrics["recovery"]
     kill = recovery["killed_at_step"]
     assert layouts[kill] == "ep" and recovery["survivors_saw_dead"] == [2]
-    assert recovery["view"] == [0, 1, 2, 3] and recovery["first_full_step"] == kill + 1
+    assert recovery["view"] == [0, 1, 2, 3] and recovery["first_full_step"] == kill + 4
     assert 0 < recovery["interruption_seconds"] < 60
-    assert [s["ranks_serving"] for s in metrics["steps"]][kill - 1:kill + 2] == [4, 3, 4]
+    assert [s["ranks_serving"] for s in metrics["steps"]][kill - 1:kill + 5] == [4, 3, 3, 3, 3, 4]
+    # Rank 2 held the only copy of some experts: their entries are lost in the kill step and the next, until the
+    # coverage epoch begun there commits (kill + 2); none after, and none before the death (issue 36 items 2, 5).
+    lost = [s["lost_contributions"] for s in metrics["steps"]]
+    assert lost[kill] > 0 and lost[kill + 1] > 0 and lost[kill + 2] == lost[kill + 3] == 0, lost
+    assert all(lost[s] == 0 for s in range(kill) if layouts[s] == "ep") and "lost top-k" in stdout
+    assert any(r["step"] == kill + 2 and r["outcome"] == "committed" for r in metrics["rebalances"])
+    # Every expert had a live copy by then: the replacement took all its slots from the peers.
+    assert recovery["restored"]["from_loader"] == 0 and not recovery["restored"]["loader_called"]
     kinds = {e["kind"] for e in metrics["events"]}
     assert kinds == {"switch", "rebalance", "kill", "rejoin"}
     assert (out / "timeline.png").stat().st_size > 10_000
     # The replacement's phases (issue 36 item 3), on one wall clock from the death: in order, each after the last.
     _check_phases(recovery, ["detection", "survivors serve", "process start", "imports", "buffer", "join", "admission",
-                             "restore", "members resume", "first full step"], 16 // 4 + 1)
+                             "restore", "members resume", "first full step"], 16 // 4 + 2)
     assert recovery["kind"] == "cold (forked, imports preloaded)" and recovery["in_advance"] == []
     assert "recovery phases      cold" in stdout and "imports" in stdout
 
@@ -59,13 +68,18 @@ def _check_phases(recovery, names, slots):
 
 
 def test_demo_warm_standby_replaces_the_killed_rank(tmp_path):
-    # A standby started, imported and loaded before the death takes the dead rank (issue 36 item 3).
+    # A standby started, imported and loaded before the death takes the dead rank (issue 36 item 3). Every
+    # expert has a copy on both ranks (8 redundant per rank): killed, the rank's experts are all served by the
+    # survivor from the next step on, no contribution lost, checked against the full reference (item 5, case a).
     out = tmp_path / "demo"
-    metrics, stdout = _run(out, "--steps", "12", "--ranks", "2", "--replacement", "standby")
+    metrics, stdout = _run(out, "--steps", "12", "--ranks", "2", "--replacement", "standby", "--redundant", "8",
+                           "--kill-covered", "--replace-after", "1")
     recovery = metrics["recovery"]
-    assert metrics["correct"] and recovery["view"] == [0, 1] and recovery["first_full_step"] == recovery["killed_at_step"] + 1
+    kill = recovery["killed_at_step"]
+    assert metrics["correct"] and recovery["view"] == [0, 1] and recovery["first_full_step"] == kill + 2
+    assert metrics["steps"][kill + 1]["ranks_serving"] == 1 and metrics["steps"][kill + 1]["lost_contributions"] == 0
     _check_phases(recovery, ["detection", "survivors serve", "assign", "buffer", "join", "admission", "restore",
-                             "members resume", "first full step"], 16 // 2 + 1)
+                             "members resume", "first full step"], 16 // 2 + 8)
     assert recovery["kind"] == "warm standby"
     assert [p["phase"] for p in recovery["in_advance"]] == ["process start", "imports", "prepare (weights)"]
     assert all(p["start_s"] < 0 for p in recovery["in_advance"])  # before the death
