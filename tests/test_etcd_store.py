@@ -122,20 +122,21 @@ def test_waits_end_at_their_timeout_and_when_the_key_comes(store):
 
 
 def test_a_member_killed_between_operations(etcd_cluster, store):
+    """The store's first endpoint is killed between two operations (the leader is killed during a race
+    below, and the quorum lost under real Buffers in tests/test_store_stall.py)."""
     store.set("before", b"1")
-    for phase in range(2):  # the store's first endpoint, then the leader (whichever member it is by then)
-        victim = 0 if phase == 0 else etcd_cluster.leader()
-        etcd_cluster.kill(victim)
-        try:
-            start = time.monotonic()
-            assert store.get("before") == b"1"
-            assert store.compare_set("cas", b"", f"p{phase}".encode()) == b"p0"
-            assert store.add("count", 2) == 2 * (phase + 1)
-            store.set(f"after{phase}", b"x")
-            assert store.multi_get(["before", f"after{phase}"]) == [b"1", b"x"]
-            assert time.monotonic() - start < 5 + SLACK_S, "failover took longer than an election"
-        finally:
-            etcd_cluster.restart(victim)
+    etcd_cluster.kill(0)
+    try:
+        start = time.monotonic()
+        assert store.get("before") == b"1"
+        assert store.compare_set("cas", b"", b"mine") == b"mine"
+        assert store.add("count", 2) == 2
+        store.set("after", b"x")
+        assert store.multi_get(["before", "after"]) == [b"1", b"x"]
+        assert time.monotonic() - start < 5 + SLACK_S, "failover took longer than an election"
+    finally:
+        etcd_cluster.restart(0)
+    assert store.add("count", 2) == 4
 
 
 def test_exactly_one_winner_of_a_compare_set_race_while_the_leader_dies(etcd_cluster):
@@ -181,7 +182,7 @@ def test_exactly_one_winner_of_a_compare_set_race_while_the_leader_dies(etcd_clu
         etcd_cluster.restart(leader)
 
 
-def test_failover_past_a_dead_endpoint_and_the_quorum_lost_and_restored(etcd_cluster):
+def test_failover_past_a_dead_endpoint_and_a_deadline_without_quorum(etcd_cluster):
     prefix = _prefix()
     with socket_pair() as (dead, _):  # a port nobody listens on, first in the list
         start = time.monotonic()
@@ -189,30 +190,23 @@ def test_failover_past_a_dead_endpoint_and_the_quorum_lost_and_restored(etcd_clu
                               job="q")
     store.set("k", b"1")
     assert store.get("k") == b"1" and time.monotonic() - start < 1 + SLACK_S
-    # Two of three members stopped: no quorum. A membership operation's deadline ends the call with an
-    # error naming the store; the record is untouched; it works again once the members resume.
+    # Two of three members stopped: no quorum. A membership operation's deadline ends the call with an error
+    # naming the store (under real Buffers, and with the quorum back: tests/test_store_stall.py).
     bounded = BoundedStore(store)
-    stopped = [i for i in range(3) if i != etcd_cluster.leader()][:1] + [etcd_cluster.leader()]
+    stopped = [etcd_cluster.leader()]
+    stopped.append((stopped[0] + 1) % 3)
     for index in stopped:
         os.kill(etcd_cluster.processes[index].pid, signal.SIGSTOP)
     try:
         begin = time.monotonic()
         with pytest.raises(StoreUnavailable, match=rf"etcd://.*{prefix}.*update_ep_member") as caught:
-            with store_deadline(time.monotonic() + 1.0, "update_ep_member"):
+            with store_deadline(time.monotonic() + 0.5, "update_ep_member"):
                 bounded.compare_set("k", b"1", b"2")
-        assert time.monotonic() - begin < 1.0 + SLACK_S
-        assert prefix in caught.value.store
-        store.set_timeout(timedelta(seconds=0.5))
-        with pytest.raises(StoreUnavailable, match=r"did not answer get"):
-            store.get("k")
+        assert time.monotonic() - begin < 0.5 + SLACK_S and prefix in caught.value.store
     finally:
         for index in stopped:
             os.kill(etcd_cluster.processes[index].pid, signal.SIGCONT)
         bounded.close()
-    store.set_timeout(timedelta(seconds=20))
-    value = store.get("k")  # the stalled compare_set may have landed once the quorum came back
-    assert value in (b"1", b"2")
-    assert store.compare_set("k", value, b"3") == b"3"
 
 
 @pytest.mark.parametrize("url, part", [

@@ -8,6 +8,7 @@ constructor and join, `switch_layout()` and an online EPLB commit each raise `St
 them succeeds on the same Buffer, and no store worker thread is left behind.
 """
 import os
+import signal
 import threading
 import time
 
@@ -75,13 +76,13 @@ def rank_connect(ctx, addr):
     return True
 
 
-def rank_update_stalled(ctx):
+def rank_update_stalled(ctx, deadline_s=DEADLINE_S):
     """With the store stopped: dispatch/combine work, update_ep_member() fails at its deadline, they still work."""
     buffer = RANK_STATE["buffer"]
     members = [int(r in buffer.members) for r in range(ctx.num_ranks)]  # a joiner has none yet: no round
     if not buffer.joining:
         assert _round2(ctx, buffer, seed=2) == members
-    failure = _error_of(lambda: buffer.update_ep_member(timeout_s=DEADLINE_S))
+    failure = _error_of(lambda: buffer.update_ep_member(timeout_s=deadline_s))
     if not buffer.joining:
         assert _round2(ctx, buffer, seed=3) == members
     return failure
@@ -265,3 +266,41 @@ def test_online_eplb_commit_fails_at_its_deadline_while_the_store_host_is_stoppe
             host.resume()
         assert _run(cluster, rank_commit) == [True, True]
         assert _run(cluster, rank_workers_end) == [True, True]
+
+
+ETCD_DEADLINE_S = 1.5  # update_ep_member's deadline while the etcd cluster has no quorum
+
+
+def rank_start_etcd(ctx, url):
+    """A Buffer whose membership lives on the etcd store at `url` (the runtime unchanged, issue 38)."""
+    store = RANK_STATE["store"] = connect_store(url, timeout_s=30)
+    RANK_STATE["buffer"] = Buffer(ctx.group, _size2(), transport="shm", store=store)
+    return _round2(ctx, RANK_STATE["buffer"], seed=1)
+
+
+def test_an_etcd_store_without_quorum_fails_update_ep_member_at_its_deadline_and_serving_goes_on(etcd_cluster):
+    """The group's store is a 3-member etcd cluster; two members are stopped (no quorum): dispatch/combine
+    go on, update_ep_member() raises StoreUnavailable naming the etcd store within its deadline; with the
+    members resumed the same Buffers agree on the next view. Shared ranks, R=2."""
+    prefix = f"stall-{os.getpid()}-{time.monotonic_ns()}"
+    url = etcd_cluster.url(prefix) + "?job=test-store-stall&request_s=1"
+    cluster = harness.cluster(2)
+    try:
+        assert _run(cluster, rank_start_etcd, url) == [[1, 1]] * 2
+        leader = etcd_cluster.leader()
+        stopped = [leader, (leader + 1) % 3]
+        for index in stopped:
+            os.kill(etcd_cluster.processes[index].pid, signal.SIGSTOP)
+        try:
+            outcomes = cluster.run(rank_update_stalled, ETCD_DEADLINE_S, timeout_s=STALLED_RUN_S)
+        finally:
+            for index in stopped:
+                os.kill(etcd_cluster.processes[index].pid, signal.SIGCONT)
+        for outcome in outcomes:
+            seconds, kind, message = outcome_value(outcome)
+            assert kind == "StoreUnavailable" and "etcd://" in message and prefix in message, (kind, message)
+            assert "update_ep_member" in message and seconds <= ETCD_DEADLINE_S + LATE_S, (seconds, message)
+        views = _run(cluster, rank_update_round)
+        assert [v[:2] for v in views] == [(1, [0, 1])] * 2 and all(v[2] == [1, 1] for v in views), views
+    finally:
+        check_outcomes(cluster.run(harness.rank_teardown))
