@@ -47,7 +47,7 @@ def test_native_rows_equal_the_torch_path_and_the_reference(num_ranks, num_exper
             x = x.to(torch.float8_e4m3fn)
             scales = torch.rand((n, codec.num_scale_groups(hidden)), generator=generator)
         weights = torch.rand((n, num_topk), generator=generator) if with_weights else None
-        for rank, num_bias in itertools.product(range(num_ranks), (0, 1, 2)):
+        for rank, num_bias in itertools.product(sorted({0, num_ranks // 2, num_ranks - 1}), (0, 1, 2)):
             rows, inner_topk = codec.pack_host(x, scales, topk, weights, width, num_experts, num_ranks, rank, num_bias)
             expected_routing = reference_routing(topk, num_experts, num_ranks, rank, num_bias)
             assert torch.equal(inner_topk, expected_routing)
@@ -58,7 +58,7 @@ def test_native_rows_equal_the_torch_path_and_the_reference(num_ranks, num_exper
         received = torch.zeros((n, width + 128), dtype=torch.bfloat16)[:, :width]
         received.copy_(codec.pack_dispatch_rows(x, scales, topk, weights, width))
         num_local = num_experts // num_ranks
-        for rank in range(num_ranks):
+        for rank in sorted({0, num_ranks - 1}):
             got_x, got_scales, local, got_weights, counts = codec.unpack_host(received, hidden, num_topk, use_fp8,
                                                                               rank, num_local)
             want_x, want_scales, want_topk, want_weights = codec.unpack_dispatch_rows(received, hidden, num_topk,
