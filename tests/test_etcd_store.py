@@ -302,6 +302,8 @@ def test_wrong_credentials_are_refused_and_right_ones_work(etcd_cluster):
         store = connect_store(f"etcd://root:sesame@{hosts}/{_prefix()}", timeout_s=5, job="auth")
         store.set("k", b"v")
         assert store.get("k") == b"v" and store.add("n", 3) == 3
+        store.connection._token = "expired.token"  # as after etcd's token TTL: logs in again, once
+        assert store.get("k") == b"v" and store.connection._token != "expired.token"
     finally:
         token = gateway("auth/authenticate", {"name": "root", "password": "sesame"})["token"]
         gateway("auth/disable", {}, token)
