@@ -14,6 +14,7 @@ FULL_COVERAGE = (
     "mooncake_ep_switch.errors",
     "mooncake_ep_switch.elastic_buffer",
     "mooncake_ep_switch.elastic",
+    "mooncake_ep_switch.standby",
     "mooncake_ep_switch.launcher.launch",
     "mooncake_ep_switch.switch",
     "mooncake_ep_switch.reference.moe_block",
@@ -29,6 +30,7 @@ SWITCH = "mooncake_ep_switch.switch"
 EPLB = "mooncake_ep_switch.eplb"
 LAUNCH = "mooncake_ep_switch.launcher.launch"
 ELASTIC = "mooncake_ep_switch.elastic"
+STANDBY = "mooncake_ep_switch.standby"
 MOE = "mooncake_ep_switch.reference.moe_block"
 SIMULATOR = "mooncake_ep_switch.switch.planning.simulator"
 TRACES = "mooncake_ep_switch.switch.planning.traces"
@@ -103,6 +105,13 @@ How a replacement rank joins a running group and how the members admit it: [reco
         Entry(ELASTIC, "connect_store", prefix="elastic."),
         Entry(ELASTIC, "admit", prefix="elastic."),
         Entry(ELASTIC, "JoinTicket", prefix="elastic."),
+        Section("Warm standby (`mooncake_ep_switch.standby`)", level=3, intro="""\
+A replacement made ready before any death (imports, weights, store), told later which rank it replaces:
+[recovery.md](recovery.md), "A warm standby".
+""", items=(
+            Entry(STANDBY, "WarmStandby", prefix="standby."),
+            Entry(STANDBY, "rank_process_alive", prefix="standby."),
+        )),
     )),
     Section("Local launcher (`mooncake_ep_switch.launcher.launch`)", intro="""\
 Local rank processes for tests, benchmarks and the demo (`from mooncake_ep_switch.launcher import launch`).
@@ -114,6 +123,8 @@ Local rank processes for tests, benchmarks and the demo (`from mooncake_ep_switc
         Entry(LAUNCH, "RankOutcome", prefix="launch."),
         Entry(LAUNCH, "check_outcomes", prefix="launch."),
         Entry(LAUNCH, "host_store", prefix="launch."),
+        Entry(LAUNCH, "process_created_at", prefix="launch."),
+        Data(LAUNCH, "STANDBY", "The rank a standby's functions see (`RankContext.rank`) until `assign_standby` gives it one."),
     )),
     Section("TP <-> EP switching (`mooncake_ep_switch.switch`)", intro="""\
 How a switch runs, what it moves and the policy: [switching.md](switching.md). `SwitchError` and

@@ -6,9 +6,13 @@ Input (what the demo writes into its metrics)::
                          "requests": int, "layout": "ep" | "tp",   # optional
                          "balancedness": float | None}, ...]       # optional
     metrics["events"]: [{"step": int, "kind": str, "label": str}, ...]   # optional
+    metrics["recovery"]: {"phases": [{"phase": str, "start_s": float, "seconds": float}, ...],
+                          "in_advance": [...]}                       # optional: the wall-clock panel
 
 Event kinds with their own colour: ``switch``, ``rebalance``, ``kill``, ``rejoin`` (others are
-grey). A panel whose key no step carries says "n/a". Needs matplotlib (the ``plot`` extra); the
+grey); labels of events at one step stand side by side. A panel whose key no step carries says
+"n/a". With recovery phases, a last panel shows them on the wall clock from the death (seconds),
+a warm standby's phases before the death at negative times. Needs matplotlib (the ``plot`` extra); the
 Agg backend is used, no display.
 """
 import math
@@ -81,10 +85,20 @@ def _validated(metrics: Mapping) -> Dict[str, Any]:
         if not isinstance(label, str):
             raise TypeError(f"{_where(i, 'label', 'events')} must be a str, got {type(label).__name__} {label!r}")
         events.append((_number(e["step"], _where(i, "step", "events"), integer=True), kind, label))
+    phases = []
+    recovery = metrics.get("recovery")
+    if isinstance(recovery, Mapping):
+        for key in ("in_advance", "phases"):
+            for i, p in enumerate(_entries(recovery, key, required=False)):
+                where = f"metrics['recovery'][{key!r}][{i}]"
+                if not isinstance(p.get("phase"), str):
+                    raise TypeError(f"{where}['phase'] must be a str, got {p.get('phase')!r}")
+                phases.append((p["phase"], _number(p.get("start_s"), f"{where}['start_s']"),
+                               _number(p.get("seconds"), f"{where}['seconds']"), key == "in_advance"))
     order = sorted(range(len(x)), key=x.__getitem__)
     pick = lambda values: [values[j] for j in order]  # noqa: E731
     return {"step": pick(x), "seconds": pick(seconds), "requests": pick(requests), "layout": pick(layout),
-            "balancedness": pick(balance), "events": sorted(events)}
+            "balancedness": pick(balance), "events": sorted(events), "phases": phases}
 
 
 def plot_demo_timeline(metrics: Mapping, path: str) -> str:
@@ -115,9 +129,14 @@ def plot_demo_timeline(metrics: Mapping, path: str) -> str:
     from matplotlib.figure import Figure
 
     x = data["step"]
-    fig = Figure(figsize=(11, 8.5), constrained_layout=True)
+    phases = data["phases"]
+    fig = Figure(figsize=(11, 11 if phases else 8.5), constrained_layout=True)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": (2, 1, 2, 1.5)})
+    ratios = (2, 1, 2, 1.5) + ((0.35 * len(phases) + 0.8,) if phases else ())
+    every = fig.subplots(len(ratios), 1, gridspec_kw={"height_ratios": ratios})
+    axes = list(every[:4])
+    for ax in axes[1:]:
+        ax.sharex(axes[0])
     panels = (("requests", "in-flight requests", None), ("layout", "layout", None),
               ("seconds", "step latency (ms)", 1e3), ("balancedness", "balancedness", None))
     for ax, (key, ylabel, scale) in zip(axes, panels):
@@ -140,17 +159,42 @@ def plot_demo_timeline(metrics: Mapping, path: str) -> str:
             ax.plot(x, [v * scale for v in values] if scale else values, marker="o", ms=2.5, lw=1.0,
                     color="tab:orange" if key == "seconds" else "tab:blue")
     axes[-1].set_xlabel("step")
-    seen = {}
+    for ax in axes[:-1]:
+        ax.tick_params(labelbottom=False)
+    seen, at_step = {}, {}
     for step, kind, label in data["events"]:
         colour = EVENT_COLOURS.get(kind, OTHER_EVENT_COLOUR)
         for ax in axes:
             line = ax.axvline(step, color=colour, ls="--", lw=1.0, alpha=0.8)
         seen.setdefault(kind, line)
-        axes[0].annotate(label, xy=(step, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
+        side = at_step[step] = at_step.get(step, -1) + 1  # labels of one step side by side, never on each other
+        axes[0].annotate(label, xy=(step, 1.0), xycoords=("data", "axes fraction"), xytext=(2 + 9 * side, -2),
                          textcoords="offset points", rotation=90, va="top", ha="left", fontsize=7, color=colour)
     if seen:
         axes[0].legend(list(seen.values()), list(seen.keys()), loc="upper left", fontsize=8,
                        bbox_to_anchor=(1.0, 1.0), title="events", title_fontsize=8)
     axes[0].set_title("demo timeline")
+    if phases:
+        _phase_panel(every[-1], phases)
     fig.savefig(path, dpi=110)
     return path
+
+
+def _phase_panel(ax, phases) -> None:
+    """The recovery's phases as bars on the wall clock from the death (s); the outage (death -> first full
+    step) shaded; a standby's phases before the death in grey."""
+    names = []
+    for row, (name, start, seconds, early) in enumerate(reversed(phases)):
+        colour = "0.6" if early else ("tab:red" if name == "detection" else "tab:blue")
+        ax.broken_barh([(start, max(seconds, 1e-3))], (row - 0.4, 0.8), color=colour, alpha=0.8)
+        ax.annotate(f"{seconds * 1e3:.0f} ms", xy=(start + seconds, row), xytext=(3, 0), textcoords="offset points",
+                    va="center", fontsize=7)
+        names.append(name + (" (before)" if early else ""))
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    end = max(start + seconds for _, start, seconds, early in phases if not early)
+    ax.axvspan(0.0, end, color="tab:red", alpha=0.07, label="outage: death -> first full step")
+    ax.axvline(0.0, color="tab:red", ls="--", lw=1.0)
+    ax.set_xlabel("wall clock from the death (s)")
+    ax.set_title("recovery phases", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(loc="upper right", fontsize=7)

@@ -17,16 +17,14 @@ any other traffic between hosts.
 import faulthandler
 import multiprocessing as mp
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 from mooncake_ep_switch.config import JOB_SECRET_ENV, new_job_secret
+from mooncake_ep_switch.launcher.processes import native_stacks, process_created_at
 from mooncake_ep_switch.launcher.places import ClusterNetwork, RankPlace, check_network, enter_place
 from mooncake_ep_switch.launcher.store import host_store
 
@@ -71,34 +69,10 @@ class RankOutcome(NamedTuple):
     exitcode: Optional[int]
 
 
-def _native_stacks(rank: int, pid: Optional[int], timeout_s: float = 20.0) -> None:
-    """Print every native thread's stack of a rank that does not answer to stderr (gdb, if installed)."""
-    gdb = shutil.which("gdb")
-    if gdb is None or pid is None:
-        return
-    try:
-        found = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 24"],
-                               capture_output=True, text=True, timeout=timeout_s)
-        print(f"--- native stacks of rank {rank} (pid {pid}) ---\n{found.stdout[-60000:]}", file=sys.stderr)
-    except (OSError, subprocess.SubprocessError) as error:
-        print(f"--- no native stacks of rank {rank}: {error}", file=sys.stderr)
-
-
 def _die_with_parent() -> None:
     from mooncake_ep_switch import _native
 
     _native.set_parent_death_signal(int(signal.SIGKILL))
-
-
-def process_created_at() -> float:
-    """Wall-clock time (`time.time()`) this process was created, from /proc (10 ms resolution; now elsewhere)."""
-    try:
-        with open("/proc/self/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
-        ticks = os.sysconf("SC_CLK_TCK")
-        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / ticks)
-    except (OSError, ValueError, IndexError, AttributeError):
-        return time.time()
 
 
 def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, str], threads: int, conn,
@@ -447,7 +421,7 @@ class LocalCluster:
                     pass
             time.sleep(1.0)
             for rank in pending:  # and the native ones (a thread inside the engine or gloo), where gdb is
-                _native_stacks(rank, self.processes[rank].pid)
+                native_stacks(rank, self.processes[rank].pid)
             self.kill()
         return [outcomes[rank] for rank in targets]
 
