@@ -6,11 +6,15 @@ replacement and prints one row each, with the run's detection time beside it:
 * spawn: a fresh interpreter started after the death (its imports, torch first, count);
 * forked: a process started after the death, forked from a server that imported torch and the
   package when the cluster started (the demo's default);
-* standby: a warm standby started before the death (`standby.WarmStandby`: imports, weights, store).
+* standby: a warm standby started before the death (`standby.WarmStandby`: imports, weights, store);
+* coverage: forked, after the survivors served 3 steps without the rank (2 redundant experts per
+  rank), a coverage epoch restoring the experts it held the only copy of from the loader meanwhile.
 
 Columns: detection (death -> the survivors served the step without the rank), interruption (death
 -> the first step every rank serves), replacement (its start, or the standby's assignment -> that
-step), the phases (`apps.recovery_phases`), and the top-k contributions lost in the kill step.
+step), death -> full coverage (every expert with a live copy again: the coverage epoch's commit,
+else the first full step), where the replacement's slots came from (peers / loader), the phases
+(`apps.recovery_phases`), and the top-k contributions lost from the kill step to the first full step.
 """
 import argparse
 import sys
@@ -19,7 +23,7 @@ from typing import List, Optional
 
 __all__ = ["run", "main"]
 
-KINDS = ("spawn", "forked", "standby")
+KINDS = ("spawn", "forked", "standby", "coverage")
 
 
 def run(kinds=KINDS, quick: bool = False, stream=sys.stderr) -> List[dict]:
@@ -32,7 +36,7 @@ def run(kinds=KINDS, quick: bool = False, stream=sys.stderr) -> List[dict]:
 
     Returns:
         rows: per kind, dict with "kind", "ranks", "recovery" (the demo's metrics["recovery"]),
-            "lost_at_kill" (top-k contributions lost in the kill step) and "correct".
+            "lost" (top-k contributions lost per step, the kill step to the first full one) and "correct".
     """
     from mooncake_ep_switch.apps.demo import DemoConfig, run_demo
 
@@ -41,27 +45,36 @@ def run(kinds=KINDS, quick: bool = False, stream=sys.stderr) -> List[dict]:
     first, end = (int(round(f * steps)) for f in DemoConfig().burst)
     for kind in kinds:
         with tempfile.TemporaryDirectory(prefix="mep_bench_recovery_") as out:
+            coverage = kind == "coverage"
             config = DemoConfig(num_ranks=ranks, steps=steps, out_dir=out, kill_step=first + (end - first) * 4 // 5,
-                                kill_rank=min(2, ranks - 1), replacement=kind)
+                                kill_rank=min(2, ranks - 1), replacement="forked" if coverage else kind,
+                                replace_after=3 if coverage else 0, redundant_per_rank=2 if coverage else 1)
             metrics = run_demo(config, stream=stream)
-        kill = metrics["recovery"]["killed_at_step"]
-        rows.append({"kind": kind, "ranks": ranks, "recovery": metrics["recovery"], "correct": metrics["correct"],
-                     "lost_at_kill": metrics["steps"][kill].get("lost_contributions")})
+        recovery = metrics["recovery"]
+        kill, full = recovery["killed_at_step"], recovery["first_full_step"]
+        lost = [metrics["steps"][s].get("lost_contributions") for s in range(kill, full + 1)]
+        rows.append({"kind": kind, "ranks": ranks, "recovery": recovery, "correct": metrics["correct"],
+                     "lost": lost})
     return rows
 
 
 def table(rows: List[dict]) -> str:
     """The rows as a markdown table (seconds as ms)."""
     lines = ["| replacement | R | detection | interruption (death -> first full step) | replacement start -> "
-             "first full step | phases after the death (ms) | in advance (ms) | lost top-k at the kill step |",
-             "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
+             "first full step | death -> full coverage | slots from peers / loader | phases after the death (ms) | "
+             "in advance (ms) | lost top-k per step, kill -> first full |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
     for row in rows:
         recovery = row["recovery"]
         phases = ", ".join(f"{p['phase']} {p['seconds'] * 1e3:.0f}" for p in recovery["phases"])
         early = ", ".join(f"{p['phase']} {p['seconds'] * 1e3:.0f}" for p in recovery["in_advance"]) or "-"
-        lost = "-" if row["lost_at_kill"] is None else str(row["lost_at_kill"])
+        lost = ", ".join("-" if n is None else str(n) for n in row["lost"])
+        coverage = recovery.get("death_to_full_coverage_s")
+        coverage = recovery["interruption_s"] if coverage is None else coverage
+        restored = recovery["restored"]
         lines.append(f"| {row['kind']} | {row['ranks']} | {recovery['detection_s'] * 1e3:.0f} ms | "
-                     f"{recovery['interruption_s'] * 1e3:.0f} ms | {recovery['replacement_s'] * 1e3:.0f} ms | {phases} | "
+                     f"{recovery['interruption_s'] * 1e3:.0f} ms | {recovery['replacement_s'] * 1e3:.0f} ms | "
+                     f"{coverage * 1e3:.0f} ms | {restored['from_peers']} / {restored['from_loader']} | {phases} | "
                      f"{early} | {lost} |")
     return "\n".join(lines)
 
