@@ -7,7 +7,7 @@ import hashlib
 import os
 import secrets
 import socket
-from typing import NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional
 
 
 class Settings(NamedTuple):
@@ -132,16 +132,20 @@ def new_job_secret() -> str:
     return secrets.token_hex(32)
 
 
-def etcd_job_id() -> Optional[str]:
+def etcd_job_id(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """The job's identity on an etcd store's prefix (`store/connect.py`): `MEP_JOB_ID`, else a digest
     of `MEP_JOB_SECRET` (never the secret itself; a replacement inherits it), else None.
+
+    Arguments:
+        environ: the variables to read (default this process's; a launcher passes its ranks').
 
     Returns:
         job: str, or None.
     """
-    if os.environ.get("MEP_JOB_ID"):
-        return os.environ["MEP_JOB_ID"]
-    secret = os.environ.get("MEP_JOB_SECRET", "")
+    environ = os.environ if environ is None else environ
+    if environ.get("MEP_JOB_ID"):
+        return environ["MEP_JOB_ID"]
+    secret = environ.get("MEP_JOB_SECRET", "")
     if secret:
         return "secret-" + hashlib.sha256(b"mep-etcd-owner\0" + secret.encode()).hexdigest()[:16]
     return None

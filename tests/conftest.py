@@ -65,15 +65,10 @@ def _no_leaked_regions():
 
 
 @pytest.fixture(scope="session")
-def etcd_cluster():
-    """A 3-member etcd cluster on loopback ports (data on /dev/shm), started once for the session.
-
-    Tests that kill or stop a member restore it before they end. Skipped where Debian's etcd-server or
-    the etcd3gw client is missing (scripts/install.sh installs both), except under CI, where it fails.
-    """
+def etcd_installed():
+    """Skip the test where Debian's etcd-server or the etcd3gw client is missing (scripts/install.sh
+    installs both), except under CI, where it fails."""
     import shutil
-
-    from mooncake_ep_switch.store import LocalEtcdCluster
 
     try:
         import etcd3gw  # noqa: F401
@@ -84,6 +79,16 @@ def etcd_cluster():
         if os.environ.get("CI"):
             pytest.fail(f"{missing} is not installed: scripts/install.sh installs it")
         pytest.skip(f"{missing} is not installed: scripts/install.sh installs it")
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster(etcd_installed):
+    """A 3-member etcd cluster on loopback ports (data on /dev/shm), started once for the session.
+
+    Tests that kill or stop a member restore it before they end. Skipped as `etcd_installed` says.
+    """
+    from mooncake_ep_switch.store import LocalEtcdCluster
+
     with LocalEtcdCluster(3, data_root="/dev/shm" if os.path.isdir("/dev/shm") else None, heartbeat_ms=50,
                           election_ms=500) as cluster:  # a new leader within ~0.5-1 s of a kill
         yield cluster

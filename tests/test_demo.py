@@ -67,13 +67,18 @@ def _check_phases(recovery, names, slots):
     assert restore["from_peers"] + restore["from_loader"] == 2 * slots  # the killed rank's 2 layers x its slots
 
 
-def test_demo_warm_standby_replaces_the_killed_rank(tmp_path):
+def test_demo_warm_standby_replaces_the_killed_rank(tmp_path, etcd_installed):
     # A standby started, imported and loaded before the death takes the dead rank (issue 36 item 3). Every
     # expert has a copy on both ranks (8 redundant per rank): killed, the rank's experts are all served by the
     # survivor from the next step on, no contribution lost, checked against the full reference (item 5, case a).
+    # The control plane is a local 3-member etcd cluster the demo starts (--store etcd, issue 38): membership,
+    # the switch decisions and the standby's admission go through it.
     out = tmp_path / "demo"
     metrics, stdout = _run(out, "--steps", "12", "--ranks", "2", "--replacement", "standby", "--redundant", "8",
-                           "--kill-covered", "--replace-after", "1")
+                           "--kill-covered", "--replace-after", "1", "--store", "etcd")
+    assert metrics["store"].startswith("etcd://127.0.0.1:") and metrics["store"].count(",") == 2, metrics["store"]
+    assert "control-plane store: etcd://" in stdout and "(3 local etcd members)" in stdout
+    assert [s["target"] for s in metrics["switches"]] == ["ep", "tp"]
     recovery = metrics["recovery"]
     kill = recovery["killed_at_step"]
     assert metrics["correct"] and recovery["view"] == [0, 1] and recovery["first_full_step"] == kill + 2

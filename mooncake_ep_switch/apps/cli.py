@@ -29,6 +29,8 @@ def _demo(args) -> int:
         raise SystemExit("demo: --transport cuda needs --device cuda")
     transport = _host_transport(args.transport)
     if args.model is not None:
+        if args.store != "tcp":
+            raise SystemExit("demo --model: runs on the launcher's TCPStore (no --store etcd)")
         if not _importable("transformers"):
             print(f"demo --model {args.model}: needs Hugging Face transformers (the `models` extra): "
                   "pip install -e '.[models]' or pip install 'transformers>=5,<6'", file=sys.stderr)
@@ -49,7 +51,7 @@ def _demo(args) -> int:
     config = DemoConfig(num_ranks=args.ranks, steps=steps, transport=transport, out_dir=args.out,
                         kill_step=kill_step, kill_rank=min(2, args.ranks - 1), timeout_us=timeout_us,
                         replacement=args.replacement, replace_after=args.replace_after,
-                        kill_covered=args.kill_covered,
+                        kill_covered=args.kill_covered, store=args.store,
                         redundant_per_rank=defaults.redundant_per_rank if args.redundant is None else args.redundant)
     metrics = run_demo(config)
     return 0 if metrics["correct"] else 1
@@ -130,6 +132,10 @@ def main(argv=None) -> int:
                       help="how the killed rank's replacement starts: forked after the death from a server that "
                            "imported torch at start (default), spawn (a fresh interpreter after the death), standby "
                            "(a warm standby ready before the death: mooncake_ep_switch.standby.WarmStandby)")
+    demo.add_argument("--store", default="tcp", choices=["tcp", "etcd"],
+                      help="the ranks' control-plane store: tcp (a TCPStore this process hosts, default) or etcd (a "
+                           "local 3-member etcd cluster the demo starts: no single point of failure; needs Debian's "
+                           "etcd-server and the `etcd` extra)")
     demo.add_argument("--model", default=None, choices=["qwen3_moe", "mixtral", "deepseek_v3"],
                       help="instead: a tiny random transformers MoE model generating greedily over EP, TP and "
                            "EPLB, checked against the single-process model (needs the `models` extra)")

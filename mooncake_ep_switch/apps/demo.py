@@ -111,7 +111,11 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
         raise ValueError(f"replacement: expected one of {REPLACEMENTS}, got {config.replacement!r}")
     scratch = tempfile.TemporaryDirectory(prefix="mep_demo_")  # the checkpoint a replacement loads
     checkpoint = os.path.join(scratch.name, "weights.pt")
-    with scratch, LocalCluster(config.num_ranks, preload_replacements=config.replacement == "forked") as cluster:
+    with scratch, LocalCluster(config.num_ranks, preload_replacements=config.replacement == "forked",
+                                         store=config.store) as cluster:
+        host, port = cluster.store_addr  # the ranks' store: the launcher's TCPStore, or (etcd URL, None)
+        store = host if port is None else f"tcp://{host}:{port}"
+        print(f"control-plane store: {store}" + (" (3 local etcd members)" if cluster.etcd else ""), file=stream)
         transport = check_outcomes(cluster.run(rank_setup, config, checkpoint, timeout_s=120))[0]
         standby, kill_rank, coverage_step, coverage_at = None, config.kill_rank, None, None
         if config.replacement == "standby" and config.kill_step >= 0:  # started, imported and loaded before any death
@@ -224,7 +228,7 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
         recovery.pop("_failed_at", None)
         recovery.pop("_clocks", None)
     worst = max(s["max_calc_diff"] for s in steps)
-    metrics = {"config": config._asdict(), "transport": transport, "steps": steps, "events": events,
+    metrics = {"config": config._asdict(), "transport": transport, "store": store, "steps": steps, "events": events,
                "switches": switches, "rebalances": rebalances, "recovery": recovery, "max_calc_diff": worst,
                "correct": worst < CHECK_LIMIT, "phases": phases_of(steps, config)}
     metrics["wall_seconds"] = time.perf_counter() - started

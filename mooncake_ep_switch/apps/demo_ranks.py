@@ -47,6 +47,8 @@ class DemoConfig(NamedTuple):
             gives every expert that lost its only copy a copy on a survivor, committed in the second).
         kill_covered: kill a rank all of whose experts have a copy on another rank at the kill step
             (the lowest such rank; `kill_rank` when there is none), instead of `kill_rank`.
+        store: the ranks' store: "tcp" (the launcher's TCPStore) or "etcd" (a local 3-member etcd cluster
+            the demo starts: membership, switch decisions and EPLB votes there, `LocalCluster(store=)`).
     """
 
     num_ranks: int = 4
@@ -70,6 +72,7 @@ class DemoConfig(NamedTuple):
     replacement: str = "forked"
     replace_after: int = 0
     kill_covered: bool = False
+    store: str = "tcp"
 
 
 _RANK_STATE = {}

@@ -26,13 +26,14 @@ __all__ = ["run", "main"]
 KINDS = ("spawn", "forked", "standby", "coverage")
 
 
-def run(kinds=KINDS, quick: bool = False, stream=sys.stderr) -> List[dict]:
+def run(kinds=KINDS, quick: bool = False, stream=sys.stderr, store: str = "tcp") -> List[dict]:
     """One demo run per kind of replacement.
 
     Arguments:
         kinds: replacement kinds (`apps.demo.REPLACEMENTS`).
         quick: R=2 and 12 steps instead of R=4 and 24.
         stream: where the demos' own output goes.
+        store: the ranks' store, "tcp" or "etcd" (`DemoConfig.store`; `--store`).
 
     Returns:
         rows: per kind, dict with "kind", "ranks", "recovery" (the demo's metrics["recovery"]),
@@ -49,7 +50,7 @@ def run(kinds=KINDS, quick: bool = False, stream=sys.stderr) -> List[dict]:
             config = DemoConfig(num_ranks=ranks, steps=steps, out_dir=out, kill_step=first + (end - first) * 4 // 5,
                                 kill_rank=min(2, ranks - 1), replacement="forked" if coverage else kind,
                                 replace_after=3 if coverage else 0, redundant_per_rank=2 if coverage else 1)
-            metrics = run_demo(config, stream=stream)
+            metrics = run_demo(config._replace(store=store), stream=stream)
         recovery = metrics["recovery"]
         kill, full = recovery["killed_at_step"], recovery["first_full_step"]
         lost = [metrics["steps"][s].get("lost_contributions") for s in range(kill, full + 1)]
@@ -80,7 +81,7 @@ def table(rows: List[dict]) -> str:
 
 
 def main(argv: Optional[list] = None) -> int:
-    """`bench recovery [--quick] [--kinds spawn,forked,standby] [--out FILE]`: print the table.
+    """`bench recovery [--quick] [--kinds spawn,forked,standby] [--store tcp|etcd] [--out FILE]`: print the table.
 
     Returns:
         status: 0 when every run's outputs were correct, else 1.
@@ -90,12 +91,14 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="R=2, 12 steps")
     parser.add_argument("--kinds", default=",".join(KINDS), help="replacement kinds, comma-separated")
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    parser.add_argument("--store", default="tcp", choices=["tcp", "etcd"],
+                        help="the ranks' store: the launcher's TCPStore (default) or a local 3-member etcd cluster")
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         parser.error(f"--kinds: expected some of {','.join(KINDS)}, got {','.join(unknown)}")
-    rows = run(kinds, quick=args.quick)
+    rows = run(kinds, quick=args.quick, store=args.store)
     text = table(rows)
     print(text)
     if args.out:

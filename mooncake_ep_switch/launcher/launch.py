@@ -3,7 +3,8 @@
 The launching process hosts the TCPStore, so the store (and with it the membership record) outlives
 any rank, including rank 0. The store listens on one address only (`host_store`): 127.0.0.1 by
 default, or the address a `ClusterNetwork` names, inside that network's namespace. It is not
-authenticated, so it must never be reachable from a network you do not trust. Ranks are persistent
+authenticated, so it must never be reachable from a network you do not trust. With `store="etcd"` the
+ranks' store is a local 3-member etcd cluster instead, which outlives any one member (launcher/stores.py). Ranks are persistent
 workers: `run()` sends a function (by reference, so it must be importable) to every rank and
 collects each rank's return value, error or exit code before a deadline. A rank that dies is
 reported, never waited for past the deadline; `close()` (or leaving the `with` block) ends every
@@ -27,6 +28,7 @@ from mooncake_ep_switch.config import JOB_SECRET_ENV, new_job_secret
 from mooncake_ep_switch.launcher.processes import native_stacks, process_created_at
 from mooncake_ep_switch.launcher.places import ClusterNetwork, RankPlace, check_network, enter_place
 from mooncake_ep_switch.launcher.store import host_store
+from mooncake_ep_switch.launcher.stores import ClusterStore, check_store, open_rank_store
 
 __all__ = ["RankContext", "RankOutcome", "RankPlace", "ClusterNetwork", "LocalCluster", "host_store", "check_outcomes",
            "process_created_at", "STANDBY"]
@@ -39,9 +41,10 @@ class RankContext(NamedTuple):
         rank: this rank.
         num_ranks: number of ranks.
         group: the gloo process group of all ranks (torch.distributed WORLD).
-        store: the default group's store (a prefix of the launcher's TCPStore, which outlives any
-            rank); a replacement joins through it.
-        store_addr: (host, port) of that store, for building further groups or clients.
+        store: the default group's store (a prefix of the launcher's TCPStore, or of the etcd store
+            with `store="etcd"`, which outlive any rank); a replacement joins through it.
+        store_addr: (host, port) of that store, or (etcd URL, None): `elastic.connect_store(*store_addr)`
+            opens another client (for further groups).
     """
 
     rank: int
@@ -91,8 +94,7 @@ def _worker_main(rank: int, num_ranks: int, store_addr: tuple, env: Dict[str, st
 
     torch.set_num_threads(threads)
     started["torch_imported"] = time.time()
-    store = dist.TCPStore(store_addr[0], store_addr[1], num_ranks, is_master=False,
-                          timeout=timedelta(seconds=60))
+    store = open_rank_store(store_addr, num_ranks)  # stays referenced: the PrefixStore holds only its C++ half
     world_store = dist.PrefixStore("world", store)  # the default group's store, and membership's
     if replacement:  # a dead rank's successor: the world group cannot take it back; it joins via the store
         context = RankContext(rank, num_ranks, None, world_store, store_addr)
@@ -156,33 +158,34 @@ class LocalCluster:
             starts in a fraction of a second instead of seconds of imports per rank (the test suite's
             clusters). The server is one per launching process, started by the first cluster that
             asks for it; it exits with the launching process, and its children die with it.
+        store: "tcp" (default): the launcher hosts a TCPStore. "etcd": it starts a local 3-member etcd
+            cluster (`store.LocalEtcdCluster`, stopped by `close()`) and every rank's world group and
+            membership live on it (no single point of failure, issue 38). An `etcd://` URL: that
+            cluster and prefix. Not with a `network` (launcher/stores.py).
 
     Raises:
         ValueError / TypeError: a bad argument (named in the message).
         OSError: the store cannot listen on `network.store_host`, or a namespace cannot be entered.
+        FileNotFoundError, RuntimeError: `store="etcd"` without the etcd binary, or no leader elected.
         TimeoutError: a rank did not start (or join the group) within `start_timeout_s`.
     """
 
     def __init__(self, num_ranks: int, env: Optional[Dict[str, str]] = None, threads: int = 1,
                  start_timeout_s: float = 120.0, network: Optional[ClusterNetwork] = None,
-                 preload_replacements: bool = False, preload: bool = False):
+                 preload_replacements: bool = False, preload: bool = False, store: str = "tcp"):
         if num_ranks < 1:
             raise ValueError(f"num_ranks: expected >= 1, got {num_ranks}")
         check_network(network, num_ranks)
+        check_store(store, network)
         self.num_ranks = num_ranks
         self.network = network
         self.env = dict(env or {})
         # Every rank and replacement authenticates its membership records with this job's secret.
         self.env.setdefault(JOB_SECRET_ENV, new_job_secret())
-        # Listens on one address only (torch's own server would listen on every interface).
-        if network is None:
-            self.store = host_store("127.0.0.1", 0, num_ranks, timeout_s=60)
-        else:
-            from mooncake_ep_switch.launcher.namespaces import inside
-
-            with inside(network.store_namespace):  # the socket stays in that namespace
-                self.store = host_store(network.store_host, 0, num_ranks, timeout_s=60)
-        self.store_addr = ("127.0.0.1" if network is None else network.store_host, self.store.port)
+        # A TCPStore listens on one address only (torch's own server would listen on every interface).
+        listen = ("127.0.0.1", None) if network is None else (network.store_host, network.store_namespace)
+        self._store = ClusterStore(store, num_ranks, self.env, listen)
+        self.store, self.store_addr, self.etcd = self._store.client, self._store.addr, self._store.etcd
         self._ctx = mp.get_context("spawn")
         self._replacement_ctx = self._ctx
         if preload_replacements or preload:  # the server imports torch now, in the background
@@ -456,6 +459,7 @@ class LocalCluster:
             conn.close()
         self.processes, self.conns = [], []
         self.store = None
+        self._store.close()  # an etcd cluster it started ends after the ranks
 
     def __enter__(self):
         return self
