@@ -53,10 +53,21 @@ def run(num_ranks: int, function, *args, env=None, timeout_s: float = DEFAULT_TI
     return check_outcomes(cluster(num_ranks, env).run(function, *args, timeout_s=timeout_s, **kwargs))
 
 
-def fresh_cluster(num_ranks: int, env: Optional[Dict[str, str]] = None, network=None) -> LocalCluster:
+def fresh_cluster(num_ranks: int, env: Optional[Dict[str, str]] = None, network=None, store: str = "tcp") -> LocalCluster:
     """A new cluster for a test that kills ranks (or spreads its ranks over the network namespaces of
-    a `launch.ClusterNetwork`, tests/netns.py); use it in a `with` block."""
-    return LocalCluster(num_ranks, env=env, network=network, preload=PRELOAD)
+    a `launch.ClusterNetwork`, tests/netns.py); use it in a `with` block. `store`: "tcp" (the launcher's
+    TCPStore) or an etcd URL (`etcd_store`)."""
+    return LocalCluster(num_ranks, env=env, network=network, preload=PRELOAD, store=store)
+
+
+def etcd_store(request, kind: str = "etcd") -> str:
+    """`fresh_cluster`'s `store` for a test parametrised over the stores: "tcp" for `kind` "tcp", else the
+    URL of the session's etcd cluster (the `etcd_cluster` fixture: skipped where etcd is not installed)
+    on a prefix of its own, each member given up on after 1 s."""
+    if kind == "tcp":
+        return "tcp"
+    etcd = request.getfixturevalue("etcd_cluster")
+    return etcd.url(f"t-{os.getpid()}-{time.monotonic_ns()}") + "?request_s=1"
 
 
 def close_all() -> None:

@@ -158,14 +158,17 @@ CASES = [
 
 
 # MEP_FAULT_POINT's mid-dispatch hook is one-sided only (a collective has no "data before signal").
-GRID = [(t,) + case for t in ("shm", "mooncake", "collective") for case in CASES
-        if not (t == "collective" and case[0] == "mid_dispatch")]
+# One case runs with the ranks' store on the session's etcd cluster instead of the launcher's TCPStore
+# (issue 38: the death seen, the replacement's join and admission through an EtcdStore).
+ETCD_CASE = ("shm", "between", "sigkill", (2,))
+GRID = [(t,) + case + ("etcd" if (t,) + case == ETCD_CASE else "tcp",) for t in ("shm", "mooncake", "collective")
+        for case in CASES if not (t == "collective" and case[0] == "mid_dispatch")]
 
 
-@pytest.mark.parametrize("transport,kill_point,how,dead", GRID,
-                         ids=[f"{t}-{k}-{h}-{len(d)}dead" for t, k, h, d in GRID])
-def test_fail_then_replace(transport, kill_point, how, dead):
-    with harness.fresh_cluster(NUM_RANKS) as cluster:
+@pytest.mark.parametrize("transport,kill_point,how,dead,store", GRID,
+                         ids=[f"{t}-{k}-{h}-{len(d)}dead" + ("-etcd" if s == "etcd" else "") for t, k, h, d, s in GRID])
+def test_fail_then_replace(transport, kill_point, how, dead, store, request):
+    with harness.fresh_cluster(NUM_RANKS, store=harness.etcd_store(request, store)) as cluster:
         outcomes = cluster.run(rank_fail, transport, dead, kill_point, how, timeout_s=60, failure_grace_s=30)
         survivors = [r for r in range(NUM_RANKS) if r not in dead]
         for outcome in outcomes:
@@ -187,6 +190,8 @@ def test_fail_then_replace(transport, kill_point, how, dead):
             assert after[rank]["addresses"] == before[rank], "buffer addresses moved across recovery"
         harness_check(cluster.run(rank_teardown, timeout_s=60))
         processes = list(cluster.processes)
+        if store == "etcd":  # the records went there (the ranks have no other store)
+            assert type(cluster.store).__name__ == "EtcdStore" and cluster.store.num_keys() > 0
     assert not any(p.is_alive() for p in processes)
     assert interruption < 60
 

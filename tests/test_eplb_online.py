@@ -276,18 +276,20 @@ def rank_fault_at_commit(ctx, faulty, how, transport="shm", timeout_us=TIMEOUT_U
     return result
 
 
-@pytest.mark.parametrize("faulty, point, how, outcome", [
-    (3, "eplb_before_vote", "stop", "aborted"),   # frozen past the deadline before voting: everyone aborts
-    (3, "eplb_after_vote", "stop", "committed"),  # frozen after voting GO: everyone commits, it too on waking
-    (0, "eplb_before_vote", "stop", "aborted"),   # the rank holding the decision word is the slow one
-    (0, "eplb_before_vote", "kill", "aborted"),   # the decision word's holder dies before voting
-    (0, "eplb_after_vote", "kill", "committed"),  # ... or after voting GO: decided in its still-mapped memory
-    (2, "eplb_after_vote", "kill", "committed"),
+@pytest.mark.parametrize("faulty, point, how, outcome, store", [
+    (3, "eplb_before_vote", "stop", "aborted", "tcp"),   # frozen past the deadline before voting: everyone aborts
+    (3, "eplb_after_vote", "stop", "committed", "tcp"),  # frozen after voting GO: everyone commits, it too on waking
+    (0, "eplb_before_vote", "stop", "aborted", "tcp"),   # the rank holding the decision word is the slow one
+    (0, "eplb_before_vote", "kill", "aborted", "tcp"),   # the decision word's holder dies before voting
+    (0, "eplb_after_vote", "kill", "committed", "tcp"),  # ... or after voting GO: decided in its still-mapped memory
+    (2, "eplb_after_vote", "kill", "committed", "etcd"),  # the votes and decision on the session's etcd cluster
 ])
-def test_slow_or_dead_rank_at_commit_step_all_ranks_agree(faulty, point, how, outcome):
+def test_slow_or_dead_rank_at_commit_step_all_ranks_agree(faulty, point, how, outcome, store, request):
     env = {"MEP_FAULT_POINT": f"{point}:{faulty}:1:{how}"}
-    with harness.fresh_cluster(R, env=env) as cluster:
+    with harness.fresh_cluster(R, env=env, store=harness.etcd_store(request, store)) as cluster:
         outcomes = cluster.run(rank_fault_at_commit, faulty, how, timeout_s=120, failure_grace_s=60)
+        if store == "etcd":  # the votes went there (the ranks have no other store)
+            assert type(cluster.store).__name__ == "EtcdStore" and cluster.store.num_keys() > 0
     if how == "kill":
         assert not outcomes[faulty].ok and outcomes[faulty].exitcode == -signal.SIGKILL, outcomes[faulty]
     alive = [o for o in outcomes if how == "stop" or o.rank != faulty]

@@ -66,16 +66,19 @@ def rank_killed_mid_switch(ctx, target, phase, index, how):
     return result
 
 
-@pytest.mark.parametrize("target, phase, index, how", [
-    ("tp", "weights", 1, "exit"),            # EP -> TP, dies between layers (after sending layer 0)
-    ("ep", "weights_partial", 0, "sigkill"),  # TP -> EP, killed mid-layer (one peer got its chunk)
-    ("tp", "kv", 0, "sigkill"),               # EP -> TP, killed after the weights, before its KV moves
-    ("tp", "enter", 0, "exit"),               # dies before entering: the switch is refused everywhere
+@pytest.mark.parametrize("target, phase, index, how, store", [
+    ("tp", "weights", 1, "exit", "tcp"),            # EP -> TP, dies between layers (after sending layer 0)
+    ("ep", "weights_partial", 0, "sigkill", "tcp"),  # TP -> EP, killed mid-layer (one peer got its chunk)
+    ("tp", "kv", 0, "sigkill", "tcp"),               # EP -> TP, killed after the weights, before its KV moves
+    # dies before entering: the switch is refused everywhere; the decision kept by the session's etcd cluster
+    ("tp", "enter", 0, "exit", "etcd"),
 ])
-def test_rank_dies_during_switch(target, phase, index, how):
-    with harness.fresh_cluster(NUM_RANKS) as cluster:
+def test_rank_dies_during_switch(target, phase, index, how, store, request):
+    with harness.fresh_cluster(NUM_RANKS, store=harness.etcd_store(request, store)) as cluster:
         outcomes = cluster.run(rank_killed_mid_switch, target, phase, index, how, timeout_s=90, failure_grace_s=40)
         processes = list(cluster.processes)
+        if store == "etcd":  # the decision went there (the ranks have no other store)
+            assert type(cluster.store).__name__ == "EtcdStore" and cluster.store.num_keys() > 0
     dead = outcomes[DEAD]
     assert not dead.ok and dead.exitcode == (3 if how == "exit" else -signal.SIGKILL), dead
     survivors = [o for o in outcomes if o.rank != DEAD]
