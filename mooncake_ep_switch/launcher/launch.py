@@ -28,7 +28,7 @@ from mooncake_ep_switch.config import JOB_SECRET_ENV, new_job_secret
 from mooncake_ep_switch.launcher.processes import native_stacks, process_created_at
 from mooncake_ep_switch.launcher.places import ClusterNetwork, RankPlace, check_network, enter_place
 from mooncake_ep_switch.launcher.store import host_store
-from mooncake_ep_switch.launcher.stores import ClusterStore, check_store, open_rank_store
+from mooncake_ep_switch.launcher.stores import ClusterStore, check_store, etcd_places, open_rank_store
 
 __all__ = ["RankContext", "RankOutcome", "RankPlace", "ClusterNetwork", "LocalCluster", "host_store", "check_outcomes",
            "process_created_at", "STANDBY"]
@@ -160,8 +160,9 @@ class LocalCluster:
             asks for it; it exits with the launching process, and its children die with it.
         store: "tcp" (default): the launcher hosts a TCPStore. "etcd": it starts a local 3-member etcd
             cluster (`store.LocalEtcdCluster`, stopped by `close()`) and every rank's world group and
-            membership live on it (no single point of failure, issue 38). An `etcd://` URL: that
-            cluster and prefix. Not with a `network` (launcher/stores.py).
+            membership live on it (no single point of failure, issue 38); with a `network`, one member
+            on each of the ranks' hosts and `self.store` None (launcher/stores.py). An `etcd://` URL:
+            that cluster and prefix.
 
     Raises:
         ValueError / TypeError: a bad argument (named in the message).
@@ -176,7 +177,7 @@ class LocalCluster:
         if num_ranks < 1:
             raise ValueError(f"num_ranks: expected >= 1, got {num_ranks}")
         check_network(network, num_ranks)
-        check_store(store, network)
+        check_store(store)
         self.num_ranks = num_ranks
         self.network = network
         self.env = dict(env or {})
@@ -184,7 +185,8 @@ class LocalCluster:
         self.env.setdefault(JOB_SECRET_ENV, new_job_secret())
         # A TCPStore listens on one address only (torch's own server would listen on every interface).
         listen = ("127.0.0.1", None) if network is None else (network.store_host, network.store_namespace)
-        self._store = ClusterStore(store, num_ranks, self.env, listen)
+        self._store = ClusterStore(store, num_ranks, self.env, listen,
+                                   places=etcd_places(network) if store == "etcd" else None)
         self.store, self.store_addr, self.etcd = self._store.client, self._store.addr, self._store.etcd
         self._ctx = mp.get_context("spawn")
         self._replacement_ctx = self._ctx

@@ -3,7 +3,9 @@
 `store="tcp"`: the launcher hosts a TCPStore (`store.host_store`); the ranks reach it at
 `(host, port)`. `store="etcd"`: the launcher starts a local 3-member etcd cluster
 (`store.LocalEtcdCluster`, one member per loopback port, data on /dev/shm where there is one) and the
-ranks open `EtcdStore`s on it by URL, so the membership outlives any one member (issue 38). An
+ranks open `EtcdStore`s on it by URL, so the membership outlives any one member (issue 38). With a
+`ClusterNetwork` one member runs on each pretend host the ranks live on (its namespace, its address),
+so losing a host loses its ranks and its member together. An
 `etcd://` URL instead: an etcd cluster someone else runs (the tests' session cluster), on the URL's
 prefix. Either way a rank's address is a pair that `elastic.connect_store(*addr)` opens: `(host,
 port)` of the TCPStore, or `(url, None)`.
@@ -11,12 +13,12 @@ port)` of the TCPStore, or `(url, None)`.
 import os
 import uuid
 from datetime import timedelta
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from mooncake_ep_switch.config import etcd_job_id
 from mooncake_ep_switch.launcher.store import host_store
 
-__all__ = ["STORES", "ClusterStore", "open_rank_store"]
+__all__ = ["STORES", "ClusterStore", "check_store", "etcd_places", "open_rank_store"]
 
 STORES = ("tcp", "etcd")  # the named kinds; an etcd:// or etcds:// URL is the third form
 
@@ -25,14 +27,22 @@ def _is_url(store: Any) -> bool:
     return isinstance(store, str) and store.split("://", 1)[0].lower() in ("etcd", "etcds") and "://" in store
 
 
-def check_store(store: Any, network: Any) -> None:
-    """Raise ValueError (naming `store`) unless it is "tcp", "etcd" or an etcd URL; an etcd store with a
-    `ClusterNetwork` is refused (its members would have to live in the hosts' namespaces)."""
+def check_store(store: Any) -> None:
+    """Raise ValueError (naming `store`) unless it is "tcp", "etcd" or an etcd URL."""
     if not (store in STORES or _is_url(store)):
         raise ValueError(f"store: expected one of {STORES} or an etcd:// URL, got {store!r}")
-    if store != "tcp" and network is not None:
-        raise ValueError(f"store: {store!r} with a ClusterNetwork is not supported (the etcd members would have "
-                         "to run in the hosts' namespaces); use store='tcp' there")
+
+
+def etcd_places(network: Any) -> Optional[List[Tuple[str, str]]]:
+    """(namespace, address) of each distinct host of a `ClusterNetwork`'s ranks, in rank order (one etcd
+    member each); None without a network."""
+    if network is None:
+        return None
+    places: List[Tuple[str, str]] = []
+    for place in network.ranks:
+        if (place.namespace, place.bind_host) not in places:
+            places.append((place.namespace, place.bind_host))
+    return places
 
 
 class ClusterStore:
@@ -44,10 +54,13 @@ class ClusterStore:
         env: the ranks' environment (the job's identity on an etcd prefix comes from its `MEP_JOB_SECRET`).
         listen: (host, namespace or None) where the TCPStore listens.
         timeout_s: each store operation's timeout, and the etcd cluster's deadline to elect a leader.
+        places: with "etcd": None (members on loopback), or the (namespace, address) of each host the
+            ranks live on (one member each), reached from namespace `listen[1]` (the network's hub).
 
     Attributes:
         client: the launcher's store (the TCPStore server, or an `EtcdStore` client on the same prefix):
-            a key a rank sets as `world/x` on its world store is `x` under "world/" here.
+            a key a rank sets as `world/x` on its world store is `x` under "world/" here. None for an
+            etcd cluster on pretend hosts (the launcher's namespace does not reach them).
         addr: what a rank opens (`open_rank_store`): (host, port), or (url, None).
         etcd: the `LocalEtcdCluster` started for `store="etcd"`, else None.
 
@@ -58,7 +71,7 @@ class ClusterStore:
     """
 
     def __init__(self, store: str, num_ranks: int, env: Dict[str, str], listen: Tuple[str, Optional[str]],
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, places: Optional[List[Tuple[str, str]]] = None):
         self.etcd = None
         if store == "tcp":
             host, namespace = listen
@@ -75,16 +88,20 @@ class ClusterStore:
 
         url = store
         if store == "etcd":
-            self.etcd = LocalEtcdCluster(3, data_root="/dev/shm" if os.path.isdir("/dev/shm") else None,
-                                         timeout_s=timeout_s).start()
+            self.etcd = LocalEtcdCluster(3 if places is None else len(places), places=places,
+                                         probe_namespace=listen[1], timeout_s=timeout_s,
+                                         data_root="/dev/shm" if os.path.isdir("/dev/shm") else None).start()
             url = self.etcd.url(f"mep-{uuid.uuid4().hex[:12]}")
+        self.addr = (url, None)
+        self.client = None
+        if places is not None:
+            return  # the ranks claim the prefix (each with the job's identity)
         try:
             job = None if "job" in parse_etcd_url(url, "store").options else etcd_job_id(env)
             self.client = connect_etcd(url, timeout_s, job=job, argument="store")
         except BaseException:
             self.close()
             raise
-        self.addr = (url, None)
 
     def close(self) -> None:
         """Drop the launcher's client and stop the etcd cluster it started (after the ranks ended)."""

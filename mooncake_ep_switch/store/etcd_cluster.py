@@ -14,11 +14,12 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["LocalEtcdCluster"]
 
@@ -57,6 +58,33 @@ def _remove_orphans(data_root: Optional[str]) -> None:
             continue  # another user's live process
 
 
+def _in_namespace(namespace: str, function):
+    """`function()` called on a thread of its own inside network namespace `namespace` (its result, or its
+    exception raised here); this thread stays where it is."""
+    from mooncake_ep_switch import _native
+
+    result: list = []
+
+    def run():
+        try:
+            fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+            try:
+                _native.enter_net_namespace(fd)
+            finally:
+                os.close(fd)
+            result.append((True, function()))
+        except BaseException as error:  # handed to the caller
+            result.append((False, error))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
 class LocalEtcdCluster:
     """`members` etcd processes forming one cluster on `host`.
 
@@ -70,13 +98,24 @@ class LocalEtcdCluster:
         heartbeat_ms, election_ms: etcd's `--heartbeat-interval` and `--election-timeout` (etcd's
             defaults; lower ones elect a new leader sooner after a kill, at the risk of needless
             elections on a loaded machine).
+        places: None (default: every member on `host`), or one (network namespace, address) per member:
+            member i runs in namespace i (`ip netns exec`) and listens on its address, ports 2379 (clients)
+            and 2380 (peers): one member per pretend host (`bench.netns.Network`).
+        probe_namespace: the namespace this cluster's own requests (health, leader) are made from when
+            `places` are given (one that reaches every member: the network's hub).
     """
 
     def __init__(self, members: int = 3, host: str = "127.0.0.1", data_root: Optional[str] = None,
-                 binary: str = "etcd", timeout_s: float = 30.0, heartbeat_ms: int = 100, election_ms: int = 1000):
+                 binary: str = "etcd", timeout_s: float = 30.0, heartbeat_ms: int = 100, election_ms: int = 1000,
+                 places: Optional[Sequence[Tuple[str, str]]] = None, probe_namespace: Optional[str] = None):
         if not isinstance(members, int) or isinstance(members, bool) or members < 1:
             raise ValueError(f"members: expected an int >= 1, got {members!r}")
+        if places is not None and len(places) != members:
+            raise ValueError(f"places: expected one (namespace, address) per member ({members}), got {len(places)}")
         self.host = host
+        self.hosts = [host] * members if places is None else [address for _, address in places]
+        self.namespaces = None if places is None else [namespace for namespace, _ in places]
+        self.probe_namespace = probe_namespace
         self.count = members
         self.binary = shutil.which(binary)
         if self.binary is None:
@@ -103,7 +142,9 @@ class LocalEtcdCluster:
         """
         _remove_orphans(self.data_root)
         self.directory = tempfile.mkdtemp(prefix=f"mep-etcd-{os.getpid()}-", dir=self.data_root)
-        ports = _free_ports(2 * self.count, self.host)
+        # Members of their own namespaces have every port free there: etcd's own.
+        ports = _free_ports(2 * self.count, self.host) if self.namespaces is None else \
+            [2379] * self.count + [2380] * self.count
         self.client_ports, self.peer_ports = ports[:self.count], ports[self.count:]
         try:
             for index in range(self.count):
@@ -132,7 +173,7 @@ class LocalEtcdCluster:
     @property
     def endpoints(self) -> List[str]:
         """`host:port` of every member's client listener."""
-        return [f"{self.host}:{port}" for port in self.client_ports]
+        return [f"{host}:{port}" for host, port in zip(self.hosts, self.client_ports)]
 
     def url(self, prefix: str) -> str:
         """The `etcd://` URL of this cluster with key prefix `prefix` (for `elastic.connect_store`)."""
@@ -142,16 +183,19 @@ class LocalEtcdCluster:
         """Start member `index` (again: it rejoins with its data directory)."""
         assert self.directory is not None and self.processes[index] is None
         name = f"m{index}"
-        peers = ",".join(f"m{i}=http://{self.host}:{port}" for i, port in enumerate(self.peer_ports))
-        client = f"http://{self.host}:{self.client_ports[index]}"
+        host = self.hosts[index]
+        peers = ",".join(f"m{i}=http://{self.hosts[i]}:{port}" for i, port in enumerate(self.peer_ports))
+        client = f"http://{host}:{self.client_ports[index]}"
         command = [self.binary, "--name", name, "--data-dir", os.path.join(self.directory, name),
                    "--listen-client-urls", client, "--advertise-client-urls", client,
-                   "--listen-peer-urls", f"http://{self.host}:{self.peer_ports[index]}",
-                   "--initial-advertise-peer-urls", f"http://{self.host}:{self.peer_ports[index]}",
+                   "--listen-peer-urls", f"http://{host}:{self.peer_ports[index]}",
+                   "--initial-advertise-peer-urls", f"http://{host}:{self.peer_ports[index]}",
                    "--initial-cluster", peers, "--initial-cluster-token", self._token,
                    "--initial-cluster-state", "new" if new else "existing",
                    "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
                    "--logger", "zap", "--log-outputs", "stderr", "--log-level", "error"]
+        if self.namespaces is not None:  # on its pretend host
+            command = ["ip", "netns", "exec", self.namespaces[index]] + command
         setpriv = shutil.which("setpriv")
         if setpriv is not None:  # dies with the thread that started it, even one that was SIGKILLed
             command = [setpriv, "--pdeathsig", "KILL", "--"] + command
@@ -176,10 +220,16 @@ class LocalEtcdCluster:
         self.wait_healthy([index], self.timeout_s if timeout_s is None else timeout_s)
 
     def _request(self, index: int, path: str, payload=None, timeout_s: float = 1.0):
-        url = f"http://{self.host}:{self.client_ports[index]}{path}"
+        url = f"http://{self.hosts[index]}:{self.client_ports[index]}{path}"
         data = None if payload is None else json.dumps(payload).encode()
-        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout_s) as response:
-            return json.loads(response.read())
+
+        def request():
+            with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout_s) as response:
+                return json.loads(response.read())
+
+        if self.namespaces is None or self.probe_namespace is None:
+            return request()
+        return _in_namespace(self.probe_namespace, request)
 
     def wait_healthy(self, indices: Sequence[int], timeout_s: float) -> None:
         """Wait until every member of `indices` answers and sees a leader.
@@ -234,3 +284,22 @@ class LocalEtcdCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no etcd leader among the running members after {timeout_s} s")
             time.sleep(0.05)
+
+    def move_leader(self, index: int, timeout_s: float = 10.0) -> None:
+        """Make member `index` the leader (etcd's leadership transfer), waiting until it is.
+
+        Raises:
+            RuntimeError: it is not the leader by `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        target = self._request(index, "/v3/maintenance/status", {})["header"]["member_id"]
+        while True:
+            leader = self.leader(max(0.1, deadline - time.monotonic()))
+            if leader == index:
+                return
+            try:
+                self._request(leader, "/v3/maintenance/transfer-leadership", {"targetID": target}, timeout_s=5.0)
+            except (OSError, ValueError):
+                pass  # an election meanwhile: ask the next leader
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd member m{index} did not become the leader within {timeout_s} s")
