@@ -136,7 +136,7 @@ def test_ballots_joiner_listing_and_construction_cost_o_r_store_operations():
         assert group.operations() <= 3 * R, group.counts
         vote = steps.eplb_vote(group)  # everyone votes GO: COMMIT everywhere
         assert vote["results"] == {r: (1, R - 1, []) for r in range(R)}, vote["results"]
-        assert vote["ops"] <= 8 * R and vote["begin"]["ops"] <= 8 * R, (vote["counts"], vote["begin"]["counts"])
+        assert vote["ops"] <= 12 * R and vote["begin"]["ops"] <= 8 * R, (vote["counts"], vote["begin"]["counts"])
         silent = [Ballot(m, "eplb/silent", r, R) for r, m in enumerate(group.members)]
         for ballot in silent:
             ballot.prepare([1])

@@ -18,15 +18,18 @@ Buffer's peer regions, the same on every rank and for a replacement):
     decision/<e % 256>   [epoch, decision]       the decision of chunk epoch `e` (COMMIT 1 / ABORT 2);
                                                  an older epoch's record means "undecided"
     tally/<e>            counter                 votes cast on chunk epoch `e` (`add`, one per vote)
-    done/<e>             "1"                     set by the vote that completes the tally and by the
-                                                 proposal that decides `e`: the voters' one wait
+    done/<e>             "1"                     set by the vote that completes the tally, by an ABORT
+                                                 vote and by the proposal that decides `e`: what a
+                                                 waiting voter checks
 
-Store operations per vote are O(1) per rank, O(R) in the group: a rank creates its own vote key
-only (an absent vote key reads as the initial all-zero record), reads every vote with one
-`multi_get`, and waits for the others with one blocking wait on `done/<e>` (slices of
-`WAIT_SLICE_S`, between which it reads the votes once and asks `stop` about dead ranks), not a poll of
-every vote key. The tally is only a wake-up: the vote records decide. The first voter of `e`
-deletes the keys of `e - 256`.
+Store operations per vote are O(1) per rank and round of waiting: a rank creates its own vote key
+only (an absent vote key reads as the initial all-zero record), and while it waits for the others it
+checks the one key `done/<e>` (backoff from 50 us to `POLL_MAX_S`, asking `stop` about dead ranks
+between), reading every vote with one `multi_get` once it is there (or at the deadline), not every
+vote key per round. (Not a blocking `wait`: a TCPStore wait that times out, as one waiting on a
+frozen rank does, was seen to return seconds late on this box, past the operation's store deadline.)
+The tally is only a wake-up: the vote records decide. The first voter of `e` deletes the keys of
+`e - 256`.
 
 A decision is stored by compare-and-set over the exact text read (the store's `compare_set`), so
 the first proposal of an epoch wins and every later one reads it back. A rank that finds a
@@ -44,7 +47,7 @@ from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 from mooncake_ep_switch.buffer.membership.records import RecordStore
 
 DECISION_SLOTS = 256
-WAIT_SLICE_S = 0.25  # a voter waiting for the others blocks on done/<e> this long at a time
+POLL_MAX_S = 0.005  # a voter waiting for the others checks done/<e> at least this often (backoff from 50 us)
 _CAS_ATTEMPTS = 1000  # each failed compare-and-set means another rank stored something: bounded
 VOTE_FIELDS = 8  # epoch, vote, digest and the five plan fields (see the module docstring)
 SUPERSEDED = -1  # `decisions()`: the slot holds a later epoch (this one was decided long ago)
@@ -72,7 +75,6 @@ class Ballot:
         self.store = self._records.store
         self.rank = rank
         self.num_ranks = num_ranks
-        self._membership, self._name = membership, name
         self._there: set = set()  # keys seen to exist (never deleted while this ballot can read them)
         self._votes = False  # prepared with votes: proposals wake the voters (done/<e>)
 
@@ -135,8 +137,8 @@ class Ballot:
         if cast == 1 and epoch >= DECISION_SLOTS:  # the first voter of the epoch: forget the ones of its slot before
             for old in (f"tally/{epoch - DECISION_SLOTS}", f"done/{epoch - DECISION_SLOTS}"):
                 self.store.delete_key(old)
-        if cast >= (self.num_ranks if voters is None else voters):
-            self.store.set(f"done/{epoch}", "1")  # every vote is in: wake the voters' wait
+        if vote != 1 or cast >= (self.num_ranks if voters is None else voters):
+            self.store.set(f"done/{epoch}", "1")  # every vote is in, or an ABORT ends it: wake the voters' wait
 
     def records(self, ranks: List[int]) -> Dict[int, Optional[List[int]]]:
         """The latest vote records of `ranks` as stored, in one store round trip.
@@ -277,7 +279,7 @@ class Ballot:
     def wait_votes(self, ranks: List[int], epoch: int, timeout_us: int, stop=None) -> Tuple[
             Dict[int, Tuple[int, int]], List[int], Optional[int]]:
         """Wait until every rank of `ranks` voted on `epoch`, it was decided, or the deadline (see the module
-        docstring: one blocking wait on `done/<epoch>` at a time, the votes read between).
+        docstring: a check of `done/<epoch>` per round, the votes read once it is there).
 
         Arguments:
             ranks: ranks to wait for.
@@ -294,21 +296,23 @@ class Ballot:
         deadline = None if timeout_us < 0 else time.monotonic() + timeout_us / 1e6
         pause, done = 0.00005, False
         while True:
+            if not done:  # one key, not every vote: its check is all a round costs until it is there
+                done = bool(self.store.check([f"done/{epoch}"]))
             now = time.monotonic()
-            left = WAIT_SLICE_S if deadline is None else max(0.0, min(WAIT_SLICE_S, deadline - now))
-            if not done:  # one blocking wait until every vote is in or a decision is stored (or a slice)
-                done = self._membership.wait_keys([f"{self._name}/done/{epoch}"], left)
-            else:  # woken, yet a vote is missing (a rank voted twice): poll the records as before
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 0.002)
-            votes, decided = self.read(ranks, epoch)
-            pending = [r for r in ranks if r not in votes]
-            if decided is not None or not pending:
-                return votes, [], decided
-            if any(vote != 1 for vote, _ in votes.values()):
-                return votes, [], None  # an ABORT (or foreign) vote: no need to wait for the rest
-            gone = list(stop(pending)) if stop is not None else []
-            if gone:
-                return votes, gone, None
-            if deadline is not None and time.monotonic() >= deadline:
-                return votes, [], None
+            late = deadline is not None and now >= deadline
+            # Read the votes once done/<epoch> is there, at the deadline, or when `stop` names a rank (whether
+            # it voted decides whether it ends the wait).
+            if done or late or (stop is not None and list(stop(list(ranks)))):
+                votes, decided = self.read(ranks, epoch)
+                pending = [r for r in ranks if r not in votes]
+                if decided is not None or not pending:
+                    return votes, [], decided
+                if any(vote != 1 for vote, _ in votes.values()):
+                    return votes, [], None  # an ABORT (or foreign) vote: no need to wait for the rest
+                gone = list(stop(pending)) if stop is not None else []
+                if gone:
+                    return votes, gone, None
+                if late:
+                    return votes, [], None
+            time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
+            pause = min(pause * 2, POLL_MAX_S if not done else 0.002)
