@@ -27,8 +27,8 @@ import time
 import numpy as np
 import torch
 
-from mooncake_ep_switch.apps.demo_ranks import (CHECK_LIMIT, LAYOUT_EP, LAYOUT_TP, PROGRESS_EVERY, REPLACEMENTS,  # noqa: F401
-                                                DemoConfig, balancedness, coverage_commit, covered_rank,
+from mooncake_ep_switch.apps.demo_ranks import (CHECK_LIMIT, LAYOUT_EP, LAYOUT_TP, PROGRESS_EVERY,  # noqa: F401
+                                                RANK_MODULES, REPLACEMENTS, DemoConfig, balancedness, coverage_commit, covered_rank,
                                                 initial_placement, rank_readmit, rank_setup, rank_standby, rank_step,
                                                 rank_switch, rank_teardown, request_trace)
 from mooncake_ep_switch.apps.demo_report import phases_of, plot, summary
@@ -112,7 +112,7 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
     scratch = tempfile.TemporaryDirectory(prefix="mep_demo_")  # the checkpoint a replacement loads
     checkpoint = os.path.join(scratch.name, "weights.pt")
     with scratch, LocalCluster(config.num_ranks, preload_replacements=config.replacement == "forked",
-                                         store=config.store) as cluster:
+                               preload_modules=RANK_MODULES, store=config.store) as cluster:
         host, port = cluster.store_addr  # the ranks' store: the launcher's TCPStore, or (etcd URL, None)
         store = host if port is None else f"tcp://{host}:{port}"
         print(f"control-plane store: {store}" + (" (3 local etcd members)" if cluster.etcd else ""), file=stream)

@@ -5,6 +5,7 @@ standby), `rank_step` serves one decode step in the current layout and checks it
 single-process reference, `rank_switch`, `rank_readmit` and `rank_standby` do the switch, the
 re-admission and a standby's preparation.
 """
+import importlib
 import os
 import time
 from typing import NamedTuple
@@ -80,6 +81,11 @@ CHECK_LIMIT = 1e-4  # calc_diff against the single-process reference (bf16 activ
 PROGRESS_EVERY = 5  # steps between progress lines when the output is not a terminal
 LAYOUT_TP, LAYOUT_EP = "tp", "ep"
 REPLACEMENTS = ("forked", "spawn", "standby")
+# What the rank functions import (also lazily, inside ExpertMemory): a forked replacement's server and a warm standby
+# import them before any death (without bytecode caches, PYTHONDONTWRITEBYTECODE, they cost ~0.1 s of compiling).
+RANK_MODULES = ("mooncake_ep_switch.apps.demo_ranks", "mooncake_ep_switch.eplb.online", "mooncake_ep_switch.eplb.slots",
+                "mooncake_ep_switch.eplb.coverage", "mooncake_ep_switch.eplb.serving", "mooncake_ep_switch.switch",
+                "mooncake_ep_switch.reference.moe_block", "mooncake_ep_switch.standby")
 
 
 def request_trace(config: DemoConfig):
@@ -215,6 +221,8 @@ def rank_standby(ctx, config: DemoConfig):
     tokens = config.burst_requests // ctx.num_ranks
     physical = ctx.num_ranks * (config.experts // ctx.num_ranks + config.redundant_per_rank)
     size = Buffer.get_ep_buffer_size_hint(tokens, config.hidden, ctx.num_ranks, physical)
+    for module in RANK_MODULES:  # the imports a replacement needs, done before the death
+        importlib.import_module(module)
     standby = WarmStandby(ctx.store, ctx.num_ranks, size, prepare=lambda: _weights(config), transport=config.transport)
     _RANK_STATE["standby"] = standby
     return standby.timings["prepared"]

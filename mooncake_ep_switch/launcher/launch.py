@@ -22,7 +22,7 @@ import signal
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from mooncake_ep_switch.config import JOB_SECRET_ENV, new_job_secret
 from mooncake_ep_switch.launcher.processes import native_stacks, process_created_at
@@ -154,6 +154,8 @@ class LocalCluster:
             module, torch included, when the cluster started (multiprocessing's "forkserver"): a
             replacement is still a new process started after the death, without the seconds of
             its imports. False (default): a fresh interpreter, as the ranks are started.
+        preload_modules: further modules that server imports (what the rank functions use: a
+            replacement then imports none of them after the death).
         preload: start the ranks too (and replacements, standbys) from that server: a cluster then
             starts in a fraction of a second instead of seconds of imports per rank (the test suite's
             clusters). The server is one per launching process, started by the first cluster that
@@ -173,7 +175,8 @@ class LocalCluster:
 
     def __init__(self, num_ranks: int, env: Optional[Dict[str, str]] = None, threads: int = 1,
                  start_timeout_s: float = 120.0, network: Optional[ClusterNetwork] = None,
-                 preload_replacements: bool = False, preload: bool = False, store: str = "tcp"):
+                 preload_replacements: bool = False, preload: bool = False, store: str = "tcp",
+                 preload_modules: Sequence[str] = ()):
         if num_ranks < 1:
             raise ValueError(f"num_ranks: expected >= 1, got {num_ranks}")
         check_network(network, num_ranks)
@@ -194,7 +197,7 @@ class LocalCluster:
             from multiprocessing import forkserver
 
             self._replacement_ctx = mp.get_context("forkserver")
-            self._replacement_ctx.set_forkserver_preload([__name__])
+            self._replacement_ctx.set_forkserver_preload([__name__, *preload_modules])
             forkserver.ensure_running()
             if preload:
                 self._ctx = self._replacement_ctx
