@@ -69,3 +69,23 @@ def test_process_liveness_from_an_endpoint():
 def test_a_standby_refuses_a_bad_prepare_by_name():
     with pytest.raises(TypeError, match="prepare: expected a callable"):
         WarmStandby(object(), 2, 0, prepare="weights")
+
+
+def _rank_of(ctx):
+    return ctx.rank
+
+
+def test_the_launcher_refuses_to_assign_its_standby_to_a_live_rank():
+    from mooncake_ep_switch.launcher.launch import STANDBY, LocalCluster
+
+    with LocalCluster(2, preload=True) as cluster:
+        cluster.start_standby()
+        assert cluster.run_standby(_rank_of) == STANDBY
+        process = cluster.processes[1]
+        with pytest.raises(RuntimeError, match=r"rank: 1 is still alive \(pid \d+\)"):
+            cluster.assign_standby(1)
+        with pytest.raises(ValueError, match=r"rank: expected a rank in \[0, 2\), got 2"):
+            cluster.assign_standby(2)
+        # Nothing changed: the standby is still held and answers as one, rank 1 is the same process.
+        assert cluster.standby is not None and cluster.run_standby(_rank_of) == STANDBY
+        assert cluster.processes[1] is process and [o.value for o in cluster.run(_rank_of)] == [0, 1]
