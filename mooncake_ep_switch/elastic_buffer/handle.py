@@ -50,7 +50,8 @@ class EPHandle:
                  dst_buffer_slot_idx: Optional[torch.Tensor], route: Any, num_ranks: int = 0):
         """Keep the attributes. `psum_num_recv_tokens_per_scaleup_rank`, `recv_src_metadata` and
         `dst_buffer_slot_idx` may be None: each is then computed from `route` (and `num_ranks`) when
-        first read, and kept (a round that never reads them never pays for them)."""
+        first read, and kept (a round that never reads them never pays for them). As in V2, a caller may
+        assign each (V2's own test trims `recv_src_metadata`); combine reads `route`, never these."""
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
@@ -80,6 +81,10 @@ class EPHandle:
             self._psum_per_rank = torch.cumsum(per_source, 0).to(torch.int32)
         return self._psum_per_rank
 
+    @psum_num_recv_tokens_per_scaleup_rank.setter
+    def psum_num_recv_tokens_per_scaleup_rank(self, value: torch.Tensor) -> None:
+        self._psum_per_rank = value  # a plain attribute to callers, as in V2
+
     @property
     def recv_src_metadata(self) -> torch.Tensor:
         """`[num_recv_tokens, 2 + num_topk]` torch.int32 (see the class docstring), computed when first read."""
@@ -89,12 +94,20 @@ class EPHandle:
                                                   self.num_max_tokens_per_rank)
         return self._src_metadata
 
+    @recv_src_metadata.setter
+    def recv_src_metadata(self, value: torch.Tensor) -> None:
+        self._src_metadata = value  # V2's program trims it in place (`--do-cpu-sync 0`)
+
     @property
     def dst_buffer_slot_idx(self) -> torch.Tensor:
         """`[num_tokens, num_ranks]` torch.int32 (see the class docstring), computed when first read."""
         if self._dst_slots is None:
             self._dst_slots = lay.dst_slots(self.topk_idx, self.num_experts, self._num_ranks)
         return self._dst_slots
+
+    @dst_buffer_slot_idx.setter
+    def dst_buffer_slot_idx(self, value: torch.Tensor) -> None:
+        self._dst_slots = value
 
     def __repr__(self) -> str:
         mode = "expanded" if self.do_expand else "not expanded"
