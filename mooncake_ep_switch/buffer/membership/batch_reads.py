@@ -4,8 +4,8 @@ A Buffer's construction and a re-admission read, for every member, the incarnati
 count, its endpoint (with its host id) and its region records. Read rank by rank that costs each
 rank a few store calls per peer, O(R^2) in the group; here each rank makes a constant number of
 calls (`RecordStore.read_raws`: one `check` and one `multi_get` of every key when all are there) and,
-while some are missing, one blocking wait on the missing keys at a time (`Membership.wait_keys`),
-not a poll of each. Records read here are checked exactly as the one-rank reads check them
+while some are missing, one `check` of all the missing keys per round (backoff to `POLL_MAX_S`), not a
+read of each. Records read here are checked exactly as the one-rank reads check them
 (`Membership.incarnation_of`, `endpoint`, `region_record`).
 """
 import time
@@ -15,7 +15,7 @@ from mooncake_ep_switch.buffer.membership.records import MembershipError, valid_
 
 __all__ = ["incarnations_of", "published_endpoints", "published_region_records"]
 
-WAIT_SLICE_S = 0.2  # a wait for missing records blocks this long at a time, then reads the incarnations again
+POLL_MAX_S = 0.02  # while records are missing, one check of all of them at least this often (backoff from 1 ms)
 _ENDPOINT = "endpoint (dict: region [pid, fd, nbytes], host_id str, te_session str, te_base int)"
 _REGIONS = "region record (dict: kind str, regions list of [pid, fd or IPC handle hex, nbytes], te_bases list of int)"
 
@@ -40,7 +40,7 @@ def _published(membership, ranks: List[int], deadline: float, key_of: Callable[[
     """The valid records `key_of(rank, incarnation)` of `ranks`, waited for until `deadline`; a rank whose record is
     missing or invalid then is left out (its one-rank read names why)."""
     found: Dict[int, dict] = {}
-    pending = list(dict.fromkeys(ranks))
+    pending, pause = list(dict.fromkeys(ranks)), 0.001
     while pending:
         incarnations = incarnations_of(membership, pending)
         keys = {r: key_of(r, incarnations[r]) for r in pending}
@@ -48,7 +48,8 @@ def _published(membership, ranks: List[int], deadline: float, key_of: Callable[[
         # Not all there yet: one blocking wait on them (a slice, then the incarnations are read again), not a
         # read of which ones are missing; at the deadline, what is there is read.
         if left > 0 and not membership.store.check([keys[r] for r in pending]):
-            membership.wait_keys([keys[r] for r in pending], min(WAIT_SLICE_S, left))
+            time.sleep(min(pause, left))  # not a blocking wait: one timing out can return seconds late (ballot.py)
+            pause = min(pause * 2, POLL_MAX_S)
             continue
         for rank, raw in zip(pending, membership.read_raws([keys[r] for r in pending])):
             try:

@@ -697,8 +697,9 @@ class Membership(SealingRecords):
         ranks = list(ranks)
         self.store.set(f"barrier/{name}/{self.rank}", "1")
         keys = [f"barrier/{name}/{r}" for r in ranks]
-        # One blocking wait on every rank's key (slices of WAIT_SLICE_S), not a poll of them per round.
-        while not self.wait_keys(keys, min(WAIT_SLICE_S, deadline - time.monotonic())):
+        # One blocking wait on every rank's key until the deadline (not in slices: a TCPStore wait that times out
+        # was seen to return seconds late here when many do at once), not a poll of them per round.
+        while not self.wait_keys(keys, deadline - time.monotonic()):
             if time.monotonic() >= deadline:
                 missing = [r for r in ranks if not self.store.check([f"barrier/{name}/{r}"])]
                 if not missing:
