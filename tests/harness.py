@@ -43,7 +43,7 @@ def cluster(num_ranks: int, env: Optional[Dict[str, str]] = None) -> LocalCluste
         return existing
     if existing is not None:
         existing.close()
-    created = LocalCluster(num_ranks, env=env, preload=PRELOAD)
+    created = LocalCluster(num_ranks, env=env, preload=PRELOAD, preload_replacements=PRELOAD)
     _CLUSTERS[key] = created
     return created
 
@@ -57,7 +57,8 @@ def fresh_cluster(num_ranks: int, env: Optional[Dict[str, str]] = None, network=
     """A new cluster for a test that kills ranks (or spreads its ranks over the network namespaces of
     a `launch.ClusterNetwork`, tests/netns.py); use it in a `with` block. `store`: "tcp" (the launcher's
     TCPStore) or an etcd URL (`etcd_store`)."""
-    return LocalCluster(num_ranks, env=env, network=network, preload=PRELOAD, store=store)
+    return LocalCluster(num_ranks, env=env, network=network, preload=PRELOAD,
+                        preload_replacements=PRELOAD, store=store)
 
 
 def etcd_store(request, kind: str = "etcd") -> str:

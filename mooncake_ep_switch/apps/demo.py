@@ -111,7 +111,7 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
         raise ValueError(f"replacement: expected one of {REPLACEMENTS}, got {config.replacement!r}")
     scratch = tempfile.TemporaryDirectory(prefix="mep_demo_")  # the checkpoint a replacement loads
     checkpoint = os.path.join(scratch.name, "weights.pt")
-    with scratch, LocalCluster(config.num_ranks, preload_replacements=config.replacement == "forked",
+    with scratch, LocalCluster(config.num_ranks, preload=True, preload_replacements=config.replacement == "forked",
                                preload_modules=RANK_MODULES, store=config.store) as cluster:
         host, port = cluster.store_addr  # the ranks' store: the launcher's TCPStore, or (etcd URL, None)
         store = host if port is None else f"tcp://{host}:{port}"

@@ -156,10 +156,11 @@ class LocalCluster:
             its imports. False (default): a fresh interpreter, as the ranks are started.
         preload_modules: further modules that server imports (what the rank functions use: a
             replacement then imports none of them after the death).
-        preload: start the ranks too (and replacements, standbys) from that server: a cluster then
-            starts in a fraction of a second instead of seconds of imports per rank (the test suite's
-            clusters). The server is one per launching process, started by the first cluster that
-            asks for it; it exits with the launching process, and its children die with it.
+        preload: start the ranks (and a standby) from that server too: a cluster then starts after one
+            import of torch instead of one per rank (the demo's and the test suite's clusters).
+            Replacements follow `preload_replacements`. The server is one per launching process,
+            started by the first cluster that asks for it (later clusters' `preload_modules` are not
+            added to it); it exits with the launching process, and its children die with it.
         store: "tcp" (default): the launcher hosts a TCPStore. "etcd": it starts a local 3-member etcd
             cluster (`store.LocalEtcdCluster`, stopped by `close()`) and every rank's world group and
             membership live on it (no single point of failure, issue 38); with a `network`, one member
@@ -191,16 +192,15 @@ class LocalCluster:
         self._store = ClusterStore(store, num_ranks, self.env, listen,
                                    places=etcd_places(network) if store == "etcd" else None)
         self.store, self.store_addr, self.etcd = self._store.client, self._store.addr, self._store.etcd
-        self._ctx = mp.get_context("spawn")
-        self._replacement_ctx = self._ctx
+        spawned = forked = mp.get_context("spawn")
         if preload_replacements or preload:  # the server imports torch now, in the background
             from multiprocessing import forkserver
 
-            self._replacement_ctx = mp.get_context("forkserver")
-            self._replacement_ctx.set_forkserver_preload([__name__, *preload_modules])
+            forked = mp.get_context("forkserver")
+            forked.set_forkserver_preload([__name__, *preload_modules])
             forkserver.ensure_running()
-            if preload:
-                self._ctx = self._replacement_ctx
+        self._ctx = forked if preload else spawned
+        self._replacement_ctx = forked if preload_replacements else spawned
         self.processes: List[Any] = []
         self.conns: List[Any] = []
         self.broken = False
