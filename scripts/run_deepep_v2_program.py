@@ -203,6 +203,10 @@ def _run_one(program, root, transport, argv, timeout_s):
         os.killpg(proc.pid, signal.SIGKILL)  # the session this script started for the case
         output, _ = proc.communicate()
         return None, output
+    except BaseException:  # interrupted (SIGTERM is turned into SystemExit by main): no rank left behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
 
 
 def main() -> int:
@@ -222,6 +226,7 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=900.0, help="deadline of one case")
     parser.add_argument("--log-dir", default=None, help="keep each case's output here")
     options = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     failures = 0
     with contextlib.ExitStack() as stack:
         program, root, commit = _checkout(options.deepep, stack)
