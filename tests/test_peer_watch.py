@@ -209,3 +209,43 @@ def test_a_probe_that_reaches_itself_counts_as_nothing_listening():
         listener.listen(1)
         with socket.create_connection(listener.getsockname(), timeout=2) as client:
             assert not module._connected_to_itself(client)
+
+
+def rank_read_flags_while_they_are_written(ctx, seconds=1.0):
+    """Rank function: one thread flips `dead` words (as the watcher thread and the device do) while this one
+    reads them with `dead_ranks()`; returns how many reads there were and what each could see."""
+    watch = PeerWatch(4096, 0, None)
+    stop = threading.Event()
+
+    def flip():
+        word = 0
+        while not stop.is_set():
+            watch.dead[word % 4096] ^= 1
+            word += 7
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    reads, bad = 0, []
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            ranks = watch.dead_ranks()
+            reads += 1
+            if ranks != sorted(set(ranks)) or not all(0 <= r < 4096 for r in ranks):
+                bad.append(ranks[:8])
+    finally:
+        stop.set()
+        flipper.join(10)
+        watch.close()
+    return reads, bad
+
+
+def test_dead_ranks_read_while_flags_are_written_never_corrupts_the_process():
+    """Regression: `dead_ranks()` used `torch.nonzero` on words another thread writes; nonzero counts in one
+    pass and writes in a second, so a flag raised in between overran its output: an INTERNAL ASSERT in a rank
+    during a fault test, and here heap corruption (`malloc_consolidate(): invalid chunk size`, the process
+    aborted). The read runs in a rank process, so a crash fails this test instead of the test session."""
+    from tests import harness
+
+    [(reads, bad)] = harness.run(1, rank_read_flags_while_they_are_written, timeout_s=60)
+    assert reads > 0 and not bad, (reads, bad)

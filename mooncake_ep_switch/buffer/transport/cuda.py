@@ -199,7 +199,8 @@ class CudaTransport(RuntimeQueries):
         block without a synchronisation: a wait still running is seen once it has flagged)."""
         control = self._control
         if control is not None:
-            flagged = torch.nonzero(control[1:1 + self.num_ranks]).flatten().tolist()
+            # One read of each word: the device may flag a source while we read (see PeerWatch.dead_ranks).
+            flagged = [source for source, flag in enumerate(control[1:1 + self.num_ranks].tolist()) if flag]
             for source in flagged:
                 control[1 + source] = 0
                 self._failed.append(int(source))

@@ -168,7 +168,10 @@ class PeerWatch:
         Returns:
             ranks: list of int, ascending.
         """
-        return [int(r) for r in torch.nonzero(self.dead).flatten().tolist()]
+        # One read of each word (`tolist`), never `torch.nonzero`: the watcher thread (and, on the cuda
+        # transport, the device) writes these words while we read them, and nonzero counts in one pass
+        # and writes in another, so a flag set in between overruns its output (heap corruption).
+        return [rank for rank, flag in enumerate(self.dead.tolist()) if flag]
 
     def is_watched(self, peer: int) -> bool:
         with self._lock:
