@@ -82,13 +82,27 @@ def etcd_installed():
 
 
 @pytest.fixture(scope="session")
-def etcd_cluster(etcd_installed):
+def _etcd_session_cluster(etcd_installed):
     """A 3-member etcd cluster on loopback ports (data on /dev/shm), started once for the session.
-
-    Tests that kill or stop a member restore it before they end. Skipped as `etcd_installed` says.
-    """
+    Skipped as `etcd_installed` says."""
     from mooncake_ep_switch.store import LocalEtcdCluster
 
     with LocalEtcdCluster(3, data_root="/dev/shm" if os.path.isdir("/dev/shm") else None, heartbeat_ms=50,
                           election_ms=500) as cluster:  # a new leader within ~0.5-1 s of a kill
         yield cluster
+
+
+@pytest.fixture
+def etcd_cluster(_etcd_session_cluster):
+    """The session's etcd cluster with every member running and seeing a leader when the test starts.
+
+    Tests that kill or stop a member restore it before they end, but a member resumed or restarted may
+    still be electing a leader (it answers 503) when the next test begins: wait for that here.
+    """
+    cluster = _etcd_session_cluster
+    for index, process in enumerate(cluster.processes):
+        if process is None or process.poll() is not None:
+            cluster.kill(index)  # reaps an exited member (nothing when none runs)
+            cluster.restart(index)
+    cluster.wait_healthy(range(len(cluster.processes)), 30.0)
+    yield cluster
