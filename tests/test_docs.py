@@ -23,7 +23,7 @@ DOCS = ["README.md", "mooncake_ep_switch/eplb/README.md"] + sorted(
     f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))
 
 # Named in the docs but not files of this repository, each for a reason.
-NOT_OURS_PREFIXES = ("deep_ep/",)  # DeepEP's repository (its V1/V2 sources the compat layers follow)
+NOT_OURS_PREFIXES = ("deep_ep/", "tests/elastic/")  # DeepEP's repository (its V1/V2 sources and V2 test programs)
 OUTPUTS = {"metrics.json", "timeline.png", "bursty_timeline.png", "rollout_timeline.png", "simulate.json"}  # written by runs
 
 PATH = re.compile(r"(?<![\w./<>*-])((?:[\w-][\w.-]*/)*[\w.-]*\w\.(?:py|md|sh|cpp|cc|h|hpp|cu|cuh|json|png|toml|txt|cfg)"
