@@ -116,7 +116,8 @@ def _hang_in_a_named_function(ctx):
 def test_a_rank_given_up_on_prints_its_stacks(capfd):
     """A rank that does not answer is named with the deadline that ended it, and its threads' stacks
     reach stderr (faulthandler on SIGUSR1) before it is killed, so a hang in CI can be diagnosed."""
-    with LocalCluster(2, preload=True) as cluster:  # forked ranks: the give-up path is what is tested
+    # Fresh interpreters (not forked from the preloaded server): their stderr is the fd capfd captures now.
+    with LocalCluster(2) as cluster:
         outcomes = cluster.run(_hang_in_a_named_function, timeout_s=20, failure_grace_s=1)
     assert "rank 1 fails at once" in outcomes[1].error
     assert outcomes[0].error.startswith("no answer within 1 s after another rank failed"), outcomes[0]
