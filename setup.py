@@ -145,7 +145,7 @@ setup(
     install_requires=["torch>=2.11", "numpy>=2.0"],
     # Every extra is described in the README ("Extras").
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis"],
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "hypothesis"],
         "mooncake": ["mooncake-transfer-engine-non-cuda>=0.3.13"],
         "mooncake-cuda": ["mooncake-transfer-engine>=0.3.13"],
         "nccl": ["nvidia-nccl-cu12"],
