@@ -108,6 +108,18 @@ def test_a_barrier_costs_two_store_operations_per_rank_and_names_the_missing():
         group.close()
 
 
+# A waiting rank polls one key per round (`check`), with a backoff: how many rounds a wait takes depends on
+# how long the others take, i.e. on the machine's load (under 2 CPU hogs an EPLB begin polled ~5 times per
+# rank, its other operations stayed the same). The work of a step is bounded exactly; the polls only by rounds.
+POLL_ROUNDS_PER_RANK = 40
+
+
+def _within(counts: dict, work_per_rank: int) -> bool:
+    """True when the step's non-polling operations are <= work_per_rank * R and its polls <= the rounds bound."""
+    work = sum(n for op, n in counts.items() if op != "check")
+    return work <= work_per_rank * R and counts.get("check", 0) <= POLL_ROUNDS_PER_RANK * R
+
+
 def test_ballots_joiner_listing_and_construction_cost_o_r_store_operations():
     """At R=64 (one group for all, its clients cost seconds to connect): a switch decision (half the ranks
     propose ABORT: one decision, every rank adopts it), an EPLB commit step (every rank COMMITs; with a silent
@@ -136,7 +148,8 @@ def test_ballots_joiner_listing_and_construction_cost_o_r_store_operations():
         assert group.operations() <= 3 * R, group.counts
         vote = steps.eplb_vote(group)  # everyone votes GO: COMMIT everywhere
         assert vote["results"] == {r: (1, R - 1, []) for r in range(R)}, vote["results"]
-        assert vote["ops"] <= 12 * R and vote["begin"]["ops"] <= 8 * R, (vote["counts"], vote["begin"]["counts"])
+        assert _within(vote["counts"], 12) and _within(vote["begin"]["counts"], 8), (vote["counts"],
+                                                                                     vote["begin"]["counts"])
         silent = [Ballot(m, "eplb/silent", r, R) for r, m in enumerate(group.members)]
         for ballot in silent:
             ballot.prepare([1])
@@ -155,11 +168,11 @@ def test_ballots_joiner_listing_and_construction_cost_o_r_store_operations():
         assert any(v[1] == [0] for v in outcome.values()), outcome
         listed = steps.pending_joiners(group)
         assert listed["results"] == {r: [0] for r in range(1, R)}, listed["results"]
-        assert listed["ops"] <= 12 * R, listed["counts"]
+        assert _within(listed["counts"], 12), listed["counts"]
         # The store part of construction, under a fresh prefix: every rank reads every peer's host id right.
         built = steps.construction(group)
         assert built["results"] == dict(enumerate(steps.expected_hosts(R))), built["results"]
-        assert built["ops"] <= 40 * R, built["counts"]
+        assert _within(built["counts"], 40), built["counts"]
     finally:
         group.close()
 
