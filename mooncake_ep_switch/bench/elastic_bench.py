@@ -9,13 +9,10 @@ Bandwidth is per rank (DeepEP's convention): the bytes ONE rank's tokens move, o
 rank each way for the ElasticBuffer (V2's layout) and once per (token, expert) pair each way for the
 Buffer, against one core's memcpy of those bytes; never summed over ranks.
 """
-import statistics
 import sys
-import time
 from typing import List
 
 import torch
-import torch.distributed as dist
 
 from mooncake_ep_switch.bench import transport as tb
 from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
@@ -66,23 +63,11 @@ def rank_elastic_round(ctx, transport: str, shape: tb.TransportShape, iters: int
         legacy = Buffer(ctx.group, size, disable_p2p=transport == "mooncake", transport=transport)
         state["legacy_y"] = torch.randn((shape.experts // ctx.num_ranks, ctx.num_ranks * shape.tokens,
                                          shape.hidden)).to(torch.bfloat16)
-        for _ in range(warmup):
-            elastic_body()
-            legacy_body()
-        per_batch = max(1, iters // batches)
-        means = {elastic_body: [], legacy_body: []}
-        for _ in range(batches):
-            for body, times in means.items():
-                dist.barrier(group=ctx.group)
-                start = time.perf_counter()
-                for _ in range(per_batch):
-                    body()
-                times.append((time.perf_counter() - start) / per_batch)
-        dist.barrier(group=ctx.group)
+        elastic_seconds, legacy_seconds = tb.timed_interleaved(ctx, [elastic_body, legacy_body], iters, warmup,
+                                                               batches)
         owner = torch.div(topk, shape.experts // ctx.num_ranks, rounding_mode="floor")
         pairs = sum(int((owner == r).any(dim=1).sum()) for r in range(ctx.num_ranks))
-        return {"seconds": statistics.median(means[elastic_body]),
-                "legacy_seconds": statistics.median(means[legacy_body]), "rank_pairs": pairs,
+        return {"seconds": elastic_seconds, "legacy_seconds": legacy_seconds, "rank_pairs": pairs,
                 "transport": buffer.runtime.transport}
     finally:
         buffer.destroy()

@@ -48,18 +48,27 @@ def timed(ctx, body, iters: int, warmup: int, batches: int = 5) -> float:
     batch's mean. On a machine shared with other work, one batch that a burst of foreign load hits
     moves a mean over all iterations; the median of batch means ignores it (and would show a
     steady slowdown all the same)."""
+    return timed_interleaved(ctx, [body], iters, warmup, batches)[0]
+
+
+def timed_interleaved(ctx, bodies, iters: int, warmup: int, batches: int = 5) -> list:
+    """Seconds per iteration of each of `bodies`, measured in alternating batches in the same processes
+    (batch 1 of each body, then batch 2 of each, ...): a ratio between two bodies then compares them
+    under the same load. Each entry is the median of that body's batch means, as `timed` gives it."""
     for _ in range(warmup):
-        body()
-    per_batch = max(1, iters // batches)
-    means = []
-    for _ in range(batches):
-        dist.barrier(group=ctx.group)
-        start = time.perf_counter()
-        for _ in range(per_batch):
+        for body in bodies:
             body()
-        means.append((time.perf_counter() - start) / per_batch)
+    per_batch = max(1, iters // batches)
+    means = [[] for _ in bodies]
+    for _ in range(batches):
+        for body, times in zip(bodies, means):
+            dist.barrier(group=ctx.group)
+            start = time.perf_counter()
+            for _ in range(per_batch):
+                body()
+            times.append((time.perf_counter() - start) / per_batch)
     dist.barrier(group=ctx.group)
-    return statistics.median(means)
+    return [statistics.median(times) for times in means]
 
 
 def rank_buffer_round(ctx, transport: str, shape: TransportShape, iters: int, warmup: int, use_fp8=False):
