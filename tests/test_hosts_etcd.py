@@ -1,16 +1,23 @@
 """A whole pretend host lost with the etcd store (issue 38 item 3): 3 hosts x 2 ranks, an etcd member per host.
 
 Every host is a network namespace (tests/netns.py); the ranks' store is a 3-member etcd cluster with one
-member on each host (`LocalCluster(store="etcd", network=...)`), the leader moved to host 0 first. Every
-process of host 0 is SIGKILLed (ranks 0 and 1 and the etcd leader): the four survivors serve the next
-round exactly without them (shm inside a host, the Transfer Engine across), replacements started on host
-0 join through the two etcd members left and are admitted, and every rank's rounds are exact again.
+member on each host (`LocalCluster(store="etcd", network=...)`), the leader moved to host A first. Every
+process of host A is SIGKILLed (its two ranks and the etcd leader; host 0 with rank 0, or host 1 without
+it): the four survivors serve the next round exactly without them (shm inside a host, the Transfer Engine
+across), replacements started on host A join through the two etcd members left and are admitted, and every
+rank's rounds are exact again. Then, still on two etcd members, an online EPLB chunk commits on every rank
+(its votes and decision in etcd; every redundant copy read from another host over the Transfer Engine, the
+replacements' copies taken over from the members' placement) and a TP<->EP switch completes both ways
+(on the per-view gloo group the fallback builds through etcd), weights bit-exact against the checkpoint.
 """
 import os
 import signal
 import time
 
 import torch
+
+import numpy as np
+import pytest
 
 from mooncake_ep_switch import Buffer
 from mooncake_ep_switch.elastic import join
@@ -23,9 +30,8 @@ from tests.test_faults import _mock_expert
 NUM_HOSTS, RANKS_PER_HOST = 3, 2
 R = NUM_HOSTS * RANKS_PER_HOST
 RANK_HOSTS = [r // RANKS_PER_HOST for r in range(R)]
-HOST_A = 0
-DEAD = [r for r in range(R) if RANK_HOSTS[r] == HOST_A]
 T, H, E, K = 16, 128, 12, 4
+LAYERS, SLOTS, INTER = 1, 3, 48  # EPLB slots: 2 primaries and 1 redundant copy per rank; INTER % R == 0 (TP)
 TIMEOUT_US = harness.FAULT_TIMEOUT_US_TE  # survivors reach host 0's ranks over the Transfer Engine
 
 
@@ -56,9 +62,32 @@ def _round(ctx, buffer, round_index, dead=()):
     return seconds
 
 
+def _initial_phy2log():
+    """[LAYERS, R * SLOTS]: rank r holds experts 2r, 2r + 1 and a copy of 2r + 2 (rank r + 1's)."""
+    return np.asarray([[e for r in range(R) for e in (2 * r, 2 * r + 1, (2 * r + 2) % E)]] * LAYERS, dtype=np.int64)
+
+
+def _checkpoint(layers=LAYERS, inter=INTER):
+    from mooncake_ep_switch.reference.moe_block import random_weights
+
+    return [random_weights(E, H, inter, seed=700 + layer) for layer in range(layers)]
+
+
+def _build_slots(buffer):
+    """ExpertSlots + OnlineRebalancer (a replacement takes the members' placement over)."""
+    from mooncake_ep_switch.eplb.online import OnlineRebalancer
+    from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+
+    slots = ExpertSlots(buffer, SlotShape(LAYERS, E, SLOTS, H, INTER), _initial_phy2log())
+    slots.load(_checkpoint())
+    RANK_STATE.update(slots=slots, rebalancer=OnlineRebalancer(slots, timeout_us=TIMEOUT_US, frames_per_step=1))
+
+
 def rank_start(ctx):
-    """A Buffer over the etcd store (transport auto: shm inside a host, TE across); one exact round."""
+    """A Buffer over the etcd store (transport auto: shm inside a host, TE across) and its expert slots; one
+    exact round."""
     buffer = RANK_STATE["buffer"] = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(T, H, R, E))
+    _build_slots(buffer)
     _round(ctx, buffer, 0)
     return {"store": ctx.store_addr, "transport": buffer.transport, "routes": list(buffer._transport.routes)}
 
@@ -79,6 +108,8 @@ def rank_admit(ctx, joiners):
             assert time.monotonic() < deadline, "the replacements never showed up"
             time.sleep(0.01)
     view = RANK_STATE["buffer"].update_ep_member(timeout_s=60)
+    if ctx.group is None:  # the members' update_ep_member() waits for the replacement's slot regions
+        _build_slots(RANK_STATE["buffer"])
     return list(view.ranks), view.epoch
 
 
@@ -89,7 +120,60 @@ def rank_full_rounds(ctx):
     return True
 
 
-def test_a_whole_host_lost_with_rank_0_and_the_etcd_leader(make_network):
+def rank_rebalance(ctx):
+    """Every rank's redundant copy becomes the expert of the rank two further on (another host: a Transfer
+    Engine read, from a replacement's slots for two of them); one chunk committed at step 2 on every rank."""
+    slots, rebalancer = RANK_STATE["slots"], RANK_STATE["rebalancer"]
+    target = _initial_phy2log()
+    target[:, SLOTS - 1::SLOTS] = [[(2 * r + 5) % E for r in range(R)]] * LAYERS
+    rebalancer.begin(target, commit_step=2)
+    active = RANK_STATE["buffer"].active_mask()
+    reports = [(r.epoch, r.outcome, r.reason) for step in (1, 2, 3) for r in rebalancer.step(step, active)]
+    frames_ok = all(torch.equal(slots.expert(layer, local)[0], weights.gate_up[expert])
+                    and torch.equal(slots.expert(layer, local)[1], weights.down[expert])
+                    for layer, weights in enumerate(_checkpoint()) for local, expert in enumerate(slots.local_experts(layer)))
+    return {"reports": reports, "placement": slots.phy2log.tolist() == target.tolist(), "frames_ok": frames_ok,
+            "te_reads": slots.te_reads}
+
+
+def rank_switch(ctx):
+    """EP -> TP -> EP on a UnifiedWeights built by every rank of the new view, on the collective fallback's
+    per-view gloo group (its rendezvous through the etcd store); every view bit-exact against the checkpoint.
+    Back on the Transfer Engine afterwards, one more exact round; then tear down."""
+    from mooncake_ep_switch.switch.switcher import switch_layout
+    from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
+
+    buffer = RANK_STATE["buffer"]
+    buffer._use_fallback = True  # Mooncake's switch: a gloo group of the current view, built through the store
+    full = _checkpoint(layers=2)
+    unified = UnifiedWeights(buffer, WeightShape(E, H, INTER), 2)
+    unified.load_full(full)
+    outcomes = []
+    for target in ("tp", "ep"):
+        report = switch_layout(buffer, target, weights=unified, timeout_us=30_000_000)
+        outcomes.append((report.outcome, report.layout))
+        for layer, weights in enumerate(full):
+            if target == "ep":
+                local = E // R
+                want = (weights.gate_up[ctx.rank * local:(ctx.rank + 1) * local],
+                        weights.down[ctx.rank * local:(ctx.rank + 1) * local])
+            else:
+                lo, hi = ctx.rank * INTER // R, (ctx.rank + 1) * INTER // R
+                want = (torch.cat([weights.gate_up[:, lo:hi], weights.gate_up[:, INTER + lo:INTER + hi]], dim=1),
+                        weights.down[:, :, lo:hi])
+            got = unified.view(layer)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer} in {target}"
+    unified.destroy()
+    buffer._use_fallback = False
+    _round(ctx, buffer, 20)
+    RANK_STATE.pop("slots").destroy()
+    harness.rank_teardown(ctx)
+    return outcomes
+
+
+@pytest.mark.parametrize("host_a", [0, 1], ids=["rank0-and-leader", "leader-not-rank0"])
+def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a):
+    dead_ranks = [r for r in range(R) if RANK_HOSTS[r] == host_a]
     network = make_network(NUM_HOSTS)
     with harness.fresh_cluster(R, network=network.placement(RANK_HOSTS), store="etcd") as cluster:
         etcd = cluster.etcd
@@ -99,20 +183,27 @@ def test_a_whole_host_lost_with_rank_0_and_the_etcd_leader(make_network):
         assert all(s["store"] == (url, None) for s in started) and url.startswith("etcd://"), started
         assert all(s["transport"] == "mooncake" for s in started)
         assert started[2]["routes"] == ["te", "te", "self", "shm", "te", "te"]
-        etcd.move_leader(HOST_A)
-        assert etcd.leader() == HOST_A
-        for rank in DEAD:  # every process of host 0: its ranks and its etcd member, the leader
+        etcd.move_leader(host_a)
+        assert etcd.leader() == host_a
+        for rank in dead_ranks:  # every process of host A: its ranks and its etcd member, the leader
             os.kill(cluster.processes[rank].pid, signal.SIGKILL)
-        etcd.kill(HOST_A)
-        for rank in DEAD:
+        etcd.kill(host_a)
+        for rank in dead_ranks:
             cluster.processes[rank].join(10)
-        survivors = [r for r in range(R) if r not in DEAD]
-        seconds = [outcome_value(o) for o in cluster.run(rank_serve_without, DEAD, ranks=survivors, timeout_s=60)]
+        survivors = [r for r in range(R) if r not in dead_ranks]
+        seconds = [outcome_value(o) for o in cluster.run(rank_serve_without, dead_ranks, ranks=survivors,
+                                                         timeout_s=60)]
         assert max(seconds) < TIMEOUT_US / 1e6 + harness.FAULT_SLACK_S, seconds
-        for rank in DEAD:  # host 0 back without its etcd member: the replacements use the two left
+        for rank in dead_ranks:  # host A back without its etcd member: the replacements use the two left
             cluster.respawn(rank)
-        views = [outcome_value(o) for o in cluster.run(rank_admit, DEAD, timeout_s=120)]
+        views = [outcome_value(o) for o in cluster.run(rank_admit, dead_ranks, timeout_s=120)]
         assert all(v == (list(range(R)), views[0][1]) for v in views), views
         assert all(outcome_value(o) for o in cluster.run(rank_full_rounds, timeout_s=120))
-        assert all(outcome_value(o) for o in cluster.run(harness.rank_teardown, timeout_s=60))
-        assert etcd.leader() != HOST_A
+        rebalanced = [outcome_value(o) for o in cluster.run(rank_rebalance, timeout_s=120)]
+        for rank, result in enumerate(rebalanced):
+            assert result["reports"] == [(1, "committed", "")], (rank, result["reports"])
+            assert result["placement"] and result["frames_ok"], (rank, result)
+            assert result["te_reads"] == LAYERS, (rank, result)  # the new copy is held only on another host
+        switched = [outcome_value(o) for o in cluster.run(rank_switch, timeout_s=120)]
+        assert switched == [[("completed", "tp"), ("completed", "ep")]] * R, switched
+        assert etcd.leader() != host_a

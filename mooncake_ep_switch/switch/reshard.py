@@ -157,8 +157,15 @@ def copy(blocks: np.ndarray, dst_range: Tuple[int, int], src_range: Tuple[int, i
     return device_region.copy_blocks(blocks, dst_range, src_range, device)
 
 
+def _all_to_all(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """Equal blocks of `input` to every rank of `group`, theirs into `output`, with the group's own
+    `alltoall_base`: also on the unregistered per-view gloo group the fallback builds after a
+    membership change (torch's `all_to_all_single` takes registered groups only)."""
+    group.alltoall_base(output, input, [], [], dist.AllToAllOptions()).wait()
+
+
 def collective_layer(unified: UnifiedWeights, way: str, layer: int, staging: torch.Tensor) -> int:
-    """Reshard one layer with `all_to_all_single` over `unified.group` (the collective fallback).
+    """Reshard one layer with an all-to-all over `unified.group` (the collective fallback).
 
     Arguments:
         unified: the unified weights (private memory).
@@ -189,12 +196,12 @@ def collective_layer(unified: UnifiedWeights, way: str, layer: int, staging: tor
                          base + src_slot * slot, base + src_slot * slot + split, to_tp=True)
             for d in range(ranks)])
         copy(blocks, stage_range, region)
-        dist.all_to_all_single(dst_gate_up, stage_gate_up, group=unified.group)
-        dist.all_to_all_single(dst_down, stage_down, group=unified.group)
+        _all_to_all(dst_gate_up, stage_gate_up, unified.group)
+        _all_to_all(dst_down, stage_down, unified.group)
     else:
         # Send in place (chunk for d = my slice of d's experts, contiguous), unpack what arrives.
-        dist.all_to_all_single(stage_gate_up, src_gate_up, group=unified.group)
-        dist.all_to_all_single(stage_down, src_down, group=unified.group)
+        _all_to_all(stage_gate_up, src_gate_up, unified.group)
+        _all_to_all(stage_down, src_down, unified.group)
         blocks = np.concatenate([
             chunk_blocks(unified, s, stage + s * gate_up_chunk, stage + split + s * down_chunk,
                          base + dst_slot * slot, base + dst_slot * slot + split, to_tp=False)
