@@ -9,7 +9,7 @@ from tests import harness
 # The README's command runs everything; the fast inner loop is `-m "not slow and not multihost"`.
 TIERS = {
     # starts rank or agent processes (seconds per test)
-    "slow": {"test_hosts_etcd", "test_cuda", "test_cuda_emulated", "test_dropin", "test_elastic", "test_eplb_online", "test_faults",
+    "slow": {"test_hosts_etcd", "test_etcd_ballots", "test_cuda", "test_cuda_emulated", "test_dropin", "test_elastic", "test_eplb_online", "test_faults",
              "test_hosts", "test_hosts_eplb", "test_launch_security", "test_membership_faults", "test_memory_bench",
              "test_models_serve", "test_partition", "test_peer_watch", "test_readmit_regions", "test_switch_faults",
              "test_te_endpoint", "test_cuda_build", "test_demo", "test_soak_bench", "test_deep_ep_compat",
@@ -17,7 +17,7 @@ TIERS = {
              "test_elastic_buffer_faults", "test_store_stall", "test_eplb_fault_routing", "test_eplb_coverage", "test_observability",
              "test_observability_faults", "test_elastic_barrier"},
     # kills, stops or cuts off a process or a link
-    "faults": {"test_hosts_etcd", "test_faults", "test_membership_faults", "test_switch_faults", "test_partition", "test_peer_watch",
+    "faults": {"test_hosts_etcd", "test_etcd_ballots", "test_faults", "test_membership_faults", "test_switch_faults", "test_partition", "test_peer_watch",
                "test_te_endpoint", "test_readmit_regions", "test_eplb_online", "test_hosts_eplb",
                "test_elastic_buffer_faults", "test_store_stall", "test_eplb_fault_routing",
                "test_eplb_coverage", "test_observability_faults", "test_etcd_store"},
