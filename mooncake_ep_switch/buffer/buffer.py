@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.buffer import device_calls, events, mooncake_runtime, validation
 from mooncake_ep_switch.buffer.membership import elastic_view, replacement
+from mooncake_ep_switch.buffer.membership import shrink as group_shrink
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall
 from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, check_combinable_again,
                                                check_half_free, check_same_routing, complete_receive)
-from mooncake_ep_switch.buffer.layout import region_layout
+from mooncake_ep_switch.buffer.layout import LayoutHeld, region_layout
 from mooncake_ep_switch.buffer.call_spec import CallSpecs
 from mooncake_ep_switch.buffer.completion import Completions
 from mooncake_ep_switch.buffer.core import BufferCore
@@ -328,6 +329,41 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
         events.view_changed(core.events, core.rank, before, was_joining, view.epoch, view.ranks)
         return view
 
+    def shrink(self, ranks, timeout_s: Optional[float] = None) -> View:
+        """Remove dead ranks from the group for good (scale-down without a replacement).
+
+        Collective over the surviving members: every one calls it with the same `ranks`, between steps.
+        They agree in one decision (the store's ballot: a survivor that dies or stalls before its vote
+        aborts it everywhere, nothing changed), record the ranks as removed and agree on the next view
+        without them. Rank ids stay sparse: `num_ranks` is kept and the removed ranks stay 0 in
+        `active_mask()`; `update_ep_member()` never waits for them again and a replacement under their
+        id is refused by name (buffer/membership/shrink.py; docs/recovery.md, "Shrinking the group").
+
+        Arguments:
+            ranks: the ranks to remove: ranks whose process this rank saw end (`dead_peers()`), or
+                ranks already sealed out of the view.
+            timeout_s: deadline for the vote, the view and the re-connection, a finite number > 0
+                (default: the connect timeout setting); half of it for the vote.
+
+        Returns:
+            view: the new `View` without `ranks`. Reset your `active_ranks` to `buffer.active_mask()`
+                and place the experts over the view (`eplb.shrink_placement.shrink_experts`).
+
+        Raises:
+            TypeError, ValueError: `ranks` is not a non-empty list of distinct ranks of the group, holds
+                this rank, a rank removed already, or a live rank (removing a live rank needs a drain,
+                not supported yet), or would leave no rank; `timeout_s` is not valid. Nothing changed.
+            MembershipError: the shrink aborted on every rank (a survivor died or stalled before voting,
+                another shrink's ranks); nothing changed, call it again. Or the view after the decision
+                could not be agreed (as `update_ep_member()`; the ranks stay removed, call that).
+            RuntimeError: another shrink of this Buffer is in progress.
+        """
+        core = self._core
+        before = core.members
+        view = group_shrink.shrink(core, ranks, timeout_s)
+        events.view_changed(core.events, core.rank, before, False, view.epoch, view.ranks)
+        return view
+
     def _survivors_view(self, deadline: float) -> View:
         """The collective fallback's recovery from a lost peer (`elastic_view.survivors_view`)."""
         core = self._core
@@ -632,14 +668,18 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
                                 core.epoch)
             receipt = None
             stats, transport = core.stats, self._transport
-            if not (async_finish or return_recv_hook):
-                start = perf_counter()
-                transport_plan = transport.dispatch_sync(call, outputs)  # send and receive in one native call
-                stats.wait_s += perf_counter() - start
-                receive = None
-            else:
-                transport_plan, receive = transport.dispatch(call, outputs)
-                receive, receipt = with_receipt(stats.timed(receive, core, timeout_us, "dispatch", core.call))
+            try:
+                if not (async_finish or return_recv_hook):
+                    start = perf_counter()
+                    transport_plan = transport.dispatch_sync(call, outputs)  # send and receive in one native call
+                    stats.wait_s += perf_counter() - start
+                    receive = None
+                else:
+                    transport_plan, receive = transport.dispatch(call, outputs)
+                    receive, receipt = with_receipt(stats.timed(receive, core, timeout_us, "dispatch", core.call))
+            except LayoutHeld:
+                core.call -= 1  # refused before anything was written: the call was not made
+                raise
             stats.dispatches += 1
             stats.dispatch_bytes += spec.hidden * x.size(0) * 2
             if len(transport.failed_sources) != stats.seen:  # a peer was masked: count and log it

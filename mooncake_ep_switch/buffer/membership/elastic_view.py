@@ -9,10 +9,11 @@ the call counter) and use its transport, membership and peer regions; nothing el
 """
 import logging
 import time
-from typing import Optional
+from typing import Iterable, Optional
 
 from mooncake_ep_switch.buffer.core import BufferCore
 from mooncake_ep_switch.buffer.membership.protocol import LeftOut, MembershipError, View, check_seconds
+from mooncake_ep_switch.buffer.membership.removed import refuse_removed, removed_ranks
 from mooncake_ep_switch.buffer.events import RankLeftOut
 from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
 
@@ -30,17 +31,18 @@ log = logging.getLogger("mooncake_ep_switch.buffer.membership")
 __all__ = ["left_out", "left_out_by_replacement", "survivors_view", "update_ep_member"]
 
 
-def update_ep_member(core: BufferCore, timeout_s: Optional[float] = None) -> View:
-    """The work of `Buffer.update_ep_member()` (see its docstring), for the Buffer of `core`."""
+def update_ep_member(core: BufferCore, timeout_s: Optional[float] = None, exclude: Iterable[int] = ()) -> View:
+    """The work of `Buffer.update_ep_member()` (see its docstring), for the Buffer of `core`; `exclude`: ranks
+    not waited for (a shrink's, membership/shrink.py)."""
     core.check_alive()
     timeout_s = check_seconds("timeout_s", timeout_s, allow_none=True)
     membership = core.require_membership("update_ep_member")
     deadline = time.monotonic() + (core.settings.connect_timeout_s if timeout_s is None else timeout_s)
     with store_deadline(deadline, "update_ep_member"):  # a stalled store host: StoreUnavailable at the deadline
-        return _agree_and_connect(core, membership, deadline)
+        return _agree_and_connect(core, membership, deadline, set(exclude))
 
 
-def _agree_and_connect(core: BufferCore, membership, deadline: float) -> View:
+def _agree_and_connect(core: BufferCore, membership, deadline: float, exclude: set) -> View:
     """update_ep_member() until `deadline`: agree on the next view (or be admitted), connect, hand over regions."""
     # Calls that ran without the host (CUDA graph replays) count too: the agreed number is above them.
     # (On the cuda transport this waits for the device, so the failures read next are all there.)
@@ -49,6 +51,7 @@ def _agree_and_connect(core: BufferCore, membership, deadline: float) -> View:
     while True:
         try:
             if core.joining:
+                refuse_removed(membership, core.rank)  # a removed rank's id is never admitted again (shrink)
                 if core.rejoin:  # a left-out rank comes back as a new incarnation of itself
                     membership.reincarnate()
                     membership.publish_endpoint(dict(core.transport.endpoint(), host_id=core.settings.host_id))
@@ -63,7 +66,8 @@ def _agree_and_connect(core: BufferCore, membership, deadline: float) -> View:
                 view = membership.agree_next_view(core.epoch, (), admit_by, call=core.call, joining=True)
             else:
                 membership.report_failures(failed)
-                expected = set(core.members) - failed
+                # Removed ranks (a shrink) are never waited for, even when still in this view.
+                expected = set(core.members) - failed - exclude - set(removed_ranks(membership))
                 # Half the remaining budget to agree (a dead member is waited for until then), the
                 # rest to connect, so a dead expected rank cannot eat the time the live ones need.
                 agree_by = time.monotonic() + MEMBER_AGREE_SHARE * (deadline - time.monotonic())

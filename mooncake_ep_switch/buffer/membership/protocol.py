@@ -40,7 +40,7 @@ Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; 
    naming the incarnation that holds the rank), and peers read the bound incarnation's endpoint.
    One member does that work before the deadline: the lowest rank of the ranks it waits for that it
    does not know dead (it checks their readiness with one batched call per round); the others block on
-   `view/<e+1>` (`WAIT_SLICE_S` at a time, beating between) and read it with one call, so a change costs
+   `view/<e+1>` (one wait, `key_wait.py`, looked at locally, beating between) and read it with one call, so a change costs
    O(R) store operations in all (sealing.py). At the deadline every member seals with whoever is ready
    (after giving that lowest rank `LEADER_GRACE_S`), as before.
 2. A joiner (a replacement process, or a member that was left out) never seals. It posts
@@ -88,7 +88,9 @@ import torch.distributed as dist
 from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOINING, MAX_COUNTER,  # noqa: F401
                                                           MAX_RECORD_BYTES, MAX_STATE_BYTES, STATES, MembershipError,
                                                           RecordStore, rank_list, valid_ready, valid_state, view_record)
+from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
 from mooncake_ep_switch.buffer.membership.member_records import MemberRecords  # noqa: F401 (re-exported)
+from mooncake_ep_switch.buffer.membership.removed import removed_ranks
 from mooncake_ep_switch.buffer.membership.sealing import SealingRecords, posted, quorum
 from mooncake_ep_switch.buffer.membership.store_deadline import BoundedStore, remaining_s, store_deadline
 from mooncake_ep_switch.errors import LeftOut  # noqa: F401 (re-exported)
@@ -101,7 +103,8 @@ WAITING_BEAT, PENDING_BEAT, MEMBER_BEAT = "w", "p", "m"  # alive/<rank> = "<inca
 MEMBER_BEAT_MARK = f":{MEMBER_BEAT}:".encode()  # a member waiting in agree_next_view (replacement.py reads it)
 _PENDING: "weakref.WeakSet[Membership]" = weakref.WeakSet()  # memberships with a pending beat running
 JOINER_CHECK_BEATS = 5  # a waiting joiner checks that it still holds its rank every this many beats
-WAIT_SLICE_S = 0.5  # a member waiting for the sealer blocks on the view's keys this long at a time, then beats
+WAIT_SLICE_S = 0.5  # a member waiting for the sealer beats this often
+SEALED_LOOK_S = 0.1  # and looks at its wait for the view (and whether the leader is seen dead) at least this often
 MEMBER_BEAT_S = 0.1  # a waiting member refreshes alive/<rank> at most this often
 LEADER_GRACE_S = 0.2  # past its deadline a member gives the lowest waiting member this long to seal first
 JOINER_PROOF_S = 1.0  # a sealer admits only joiners whose heartbeat moved within this long
@@ -173,6 +176,7 @@ class Membership(SealingRecords):
     """
 
     _blocking_waits: Optional[bool] = None  # whether the store is a BoundedStore (a client of its own per call lane)
+    _sealed_wait: Optional[KeyWait] = None  # agree_next_view's wait for the view (`_wait_sealed`)
 
     # ------------------------------------------------------------------ reads
     def incarnation_of(self, rank: int) -> int:
@@ -292,6 +296,12 @@ class Membership(SealingRecords):
                     found.append(rank)
             except MembershipError:
                 continue
+        if found:  # a rank a shrink removed is never listed (nor admitted) again; an unreadable record: none is
+            try:
+                out = removed_ranks(self)
+            except MembershipError:
+                return []
+            found = [r for r in found if r not in out]
         return found
 
     def ready_record(self, epoch: int, rank: int) -> Optional[dict]:
@@ -416,11 +426,12 @@ class Membership(SealingRecords):
                     stall_deadline: Optional[float]) -> bool:
         """A member waits until `view/<target>` is sealed (rule 1). The lowest rank of `waiting` it does not
         know dead seals: it polls the readiness of `waiting` (one batched check per round) and seals once
-        every one posted (the others block on the view's keys, `WAIT_SLICE_S` at a time, beating between);
+        every one posted (the others make one wait on the view's key and look at it locally, beating between);
         at the deadline whoever is ready seals (the others give that sealer `LEADER_GRACE_S` first).
         Returns True when the view was seen by that wait (it is there: read with one get)."""
         pause, graced, beats = 0.001, False, 1
         next_beat = time.monotonic() + MEMBER_BEAT_S
+        self._sealed_wait = None  # a KeyWait on view/<target> (a non-leader's: looked at locally, no poll)
         while True:
             gone = set(dead()) if dead is not None else set()
             # With a stall deadline (a collective lost a peer) ranks known dead are not waited for; without,
@@ -432,7 +443,7 @@ class Membership(SealingRecords):
             if past and not self._still_coming(waiting, target, dead, stall_deadline):
                 if not leads and not graced:
                     graced = True
-                    if self._wait_sealed(target, LEADER_GRACE_S):
+                    if self._wait_sealed(target, LEADER_GRACE_S, deadline):
                         return True
                     continue
                 if self.sealed(target) or self.seal_view(target, members, gone, waiting, self._alive) or self.sealed(target):
@@ -448,19 +459,27 @@ class Membership(SealingRecords):
                     # for more members, or for another side's seal, until the deadline.
                 time.sleep(pause)
                 pause = min(pause * 2, 0.02)
-            else:
+            else:  # one wait on the view's key, looked at every `pause` (whether the leader is seen dead, the beat)
                 until = stall_deadline if past else deadline
-                if self._wait_sealed(target, min(WAIT_SLICE_S, max(until - time.monotonic(), 0.001))):
+                if self._wait_sealed(target, min(pause, max(until - time.monotonic(), 0.001)),
+                                     max(deadline, stall_deadline or deadline)):
                     return True
+                pause = min(pause * 2, SEALED_LOOK_S)
             if time.monotonic() >= next_beat:  # for a plain Buffer(group) of a rank being replaced (replacement.py)
                 beats += 1
                 self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{MEMBER_BEAT}:{beats}")
-                next_beat = time.monotonic() + MEMBER_BEAT_S
+                next_beat = time.monotonic() + (MEMBER_BEAT_S if leads else WAIT_SLICE_S)
 
-    def _wait_sealed(self, target: int, seconds: float) -> bool:
-        """Block up to `seconds` (within the operation's store deadline) until the view of `target` is
-        there; False when it is not."""
-        return self.wait_keys([f"view/{target}"], seconds)
+    def _wait_sealed(self, target: int, seconds: float, until: float) -> bool:
+        """Wait up to `seconds` until the view of `target` is there; False when it is not. The first call starts
+        one wait on its key (`KeyWait`, lasting past `until`, a `time.monotonic()` value, by `LEADER_GRACE_S` and a
+        second), which the later ones look at: no store operation per call where the wait runs in the background
+        (a rank that seals sets the key; a wait that times out is not cut into slices that would)."""
+        waiter = self._sealed_wait
+        if waiter is None or waiter.poll(0.0) is False:
+            waiter = self._sealed_wait = KeyWait(self.store, [f"view/{target}"],
+                                                 max(until - time.monotonic(), 0.0) + LEADER_GRACE_S + 1.0)
+        return bool(waiter.poll(seconds))
 
     def wait_keys(self, keys: List[str], seconds: float) -> bool:
         """Block up to `seconds` (within the operation's store deadline) until every key of `keys` is there.

@@ -12,6 +12,7 @@ record keeps its rank out; it never breaks the seal.
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from mooncake_ep_switch.buffer.membership.member_records import MemberRecords
+from mooncake_ep_switch.buffer.membership.removed import removed_ranks
 from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOINING, MAX_COUNTER, MembershipError,
                                                           valid_ready, valid_state)
 
@@ -133,6 +134,12 @@ class SealingRecords(MemberRecords):
                     continue
             candidates.append(rank)
         joiners = [r for r in candidates if r not in members]
+        if joiners:  # a rank a shrink removed is never admitted again (removed.py); an unreadable record: none is
+            try:
+                out = removed_ranks(self)
+            except MembershipError:
+                out = set(joiners)
+            candidates, joiners = [r for r in candidates if r not in out], [r for r in joiners if r not in out]
         if joiners:
             proven = alive(joiners)
             candidates = [r for r in candidates if r in members or r in proven]
