@@ -152,11 +152,15 @@ def rank_round_both(ctx):
 
 # ---------------------------------------------------------------------- switch_layout
 def rank_start_switch(ctx, addr):
+    rank_start(ctx, addr)
+    return _add_unified()
+
+
+def _add_unified():
     from mooncake_ep_switch.reference.moe_block import random_weights
     from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
     from tests.test_switch_weights import E, H, I
 
-    rank_start(ctx, addr)
     unified = RANK_STATE["unified"] = UnifiedWeights(RANK_STATE["buffer"], WeightShape(E, H, I), 2)
     RANK_STATE["full"] = [random_weights(E, H, I, seed=30 + layer) for layer in range(2)]
     unified.load_full(RANK_STATE["full"])
@@ -173,11 +177,11 @@ def _check_weights(ctx, layout):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer}"
 
 
-def rank_switch_stalled(ctx):
+def rank_switch_stalled(ctx, deadline_s=DEADLINE_S):
     from mooncake_ep_switch.switch.switcher import switch_layout
 
     failure = _error_of(lambda: switch_layout(RANK_STATE["buffer"], "tp", weights=RANK_STATE["unified"],
-                                              timeout_us=int(DEADLINE_S * 1e6)))
+                                              timeout_us=int(deadline_s * 1e6)))
     _check_weights(ctx, "ep")  # nothing moved: still the source layout, intact
     return failure
 
@@ -211,11 +215,16 @@ COMMIT_STEP = 3
 
 
 def rank_start_eplb(ctx, addr):
+    rank_start(ctx, addr)
+    return _add_slots(ctx, DEADLINE_S)
+
+
+def _add_slots(ctx, deadline_s):
+    """Expert slots in OLD_PLACEMENT and a rebalancer to NEW_PLACEMENT staged up to its commit step."""
     from mooncake_ep_switch.eplb.online import OnlineRebalancer
     from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
     from mooncake_ep_switch.reference.moe_block import random_weights
 
-    rank_start(ctx, addr)
     shape = SlotShape(EPLB_LAYERS, EPLB_EXPERTS, EPLB_SLOTS, EPLB_HIDDEN, EPLB_INTER)
     slots = RANK_STATE["slots"] = ExpertSlots(RANK_STATE["buffer"], shape, np.asarray(OLD_PLACEMENT), spare_frames=3)
     RANK_STATE["weights"] = [random_weights(EPLB_EXPERTS, EPLB_HIDDEN, EPLB_INTER, seed=40)]
@@ -223,7 +232,7 @@ def rank_start_eplb(ctx, addr):
     # Every rank's frames are loaded before any rank stages from them (a peer's frame read before the peer
     # loaded it is staged as garbage: this test's frame check failed 1 run in ~10 under load without it).
     dist.barrier(group=ctx.group)
-    rebalancer = RANK_STATE["rebalancer"] = OnlineRebalancer(slots, timeout_us=int(DEADLINE_S * 1e6),
+    rebalancer = RANK_STATE["rebalancer"] = OnlineRebalancer(slots, timeout_us=int(deadline_s * 1e6),
                                                              frames_per_step=1)
     rebalancer.begin(np.asarray(NEW_PLACEMENT), commit_step=COMMIT_STEP)
     for step in range(COMMIT_STEP):  # staging before the commit step
@@ -278,29 +287,54 @@ def rank_start_etcd(ctx, url):
     return _round2(ctx, RANK_STATE["buffer"], seed=1)
 
 
-def test_an_etcd_store_without_quorum_fails_update_ep_member_at_its_deadline_and_serving_goes_on(etcd_cluster):
+def rank_start_etcd_all(ctx, url):
+    """`rank_start_etcd` plus unified weights and expert slots staged up to their commit step."""
+    served = rank_start_etcd(ctx, url)
+    _add_unified()
+    _add_slots(ctx, ETCD_DEADLINE_S)
+    return served
+
+
+def rank_stalled_all(ctx):
+    """With no quorum: (seconds, error type, message) of update_ep_member, switch_layout and the EPLB commit."""
+    return [rank_update_stalled(ctx, ETCD_DEADLINE_S), rank_switch_stalled(ctx, ETCD_DEADLINE_S),
+            rank_commit_stalled(ctx)]
+
+
+def rank_destroy_structures(ctx):
+    RANK_STATE.pop("slots").destroy()
+    RANK_STATE.pop("unified").destroy()
+    return harness.rank_teardown(ctx)
+
+
+def test_an_etcd_store_without_quorum_fails_each_operation_at_its_deadline_and_serving_goes_on(etcd_cluster):
     """The group's store is a 3-member etcd cluster; two members are stopped (no quorum): dispatch/combine
-    go on, update_ep_member() raises StoreUnavailable naming the etcd store within its deadline; with the
-    members resumed the same Buffers agree on the next view. Shared ranks, R=2."""
+    go on, update_ep_member(), switch_layout() and an online EPLB commit each raise StoreUnavailable naming
+    the etcd store within their deadline, nothing moved (source layout, old placement); with the members
+    resumed the same Buffers agree on the next view, switch and commit. Shared ranks, R=2."""
     prefix = f"stall-{os.getpid()}-{time.monotonic_ns()}"
     url = etcd_cluster.url(prefix) + "?job=test-store-stall&request_s=1"
     cluster = harness.cluster(2)
     try:
-        assert _run(cluster, rank_start_etcd, url) == [[1, 1]] * 2
+        assert _run(cluster, rank_start_etcd_all, url) == [[1, 1]] * 2
         leader = etcd_cluster.leader()
         stopped = [leader, (leader + 1) % 3]
         for index in stopped:
-            os.kill(etcd_cluster.processes[index].pid, signal.SIGSTOP)
+            harness.stop_process(etcd_cluster.processes[index].pid)
         try:
-            outcomes = cluster.run(rank_update_stalled, ETCD_DEADLINE_S, timeout_s=STALLED_RUN_S)
+            outcomes = cluster.run(rank_stalled_all, timeout_s=STALLED_RUN_S)
         finally:
             for index in stopped:
                 os.kill(etcd_cluster.processes[index].pid, signal.SIGCONT)
         for outcome in outcomes:
-            seconds, kind, message = outcome_value(outcome)
-            assert kind == "StoreUnavailable" and "etcd://" in message and prefix in message, (kind, message)
-            assert "update_ep_member" in message and seconds <= ETCD_DEADLINE_S + LATE_S, (seconds, message)
+            for (seconds, kind, message), operation in zip(outcome_value(outcome), (
+                    "update_ep_member", "switch_layout", "online EPLB commit")):
+                assert kind == "StoreUnavailable" and "etcd://" in message and prefix in message, (kind, message)
+                assert operation in message and seconds <= ETCD_DEADLINE_S + LATE_S, (seconds, message)
+                print(f"{operation}: StoreUnavailable after {seconds:.2f} s (deadline {ETCD_DEADLINE_S} s)")
         views = _run(cluster, rank_update_round)
         assert [v[:2] for v in views] == [(1, [0, 1])] * 2 and all(v[2] == [1, 1] for v in views), views
+        assert _run(cluster, rank_switch) == ["tp", "tp"]
+        assert _run(cluster, rank_commit) == [True, True]
     finally:
-        check_outcomes(cluster.run(harness.rank_teardown))
+        check_outcomes(cluster.run(rank_destroy_structures))
