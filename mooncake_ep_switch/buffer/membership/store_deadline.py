@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.errors import StoreUnavailable
 
-__all__ = ["BoundedStore", "STORE_GRACE_S", "bounded", "remaining_s", "store_deadline"]
+__all__ = ["BoundedStore", "STORE_GRACE_S", "bounded", "remaining_s", "store_deadline", "waits_in_background"]
 
 STORE_GRACE_S = 0.5  # a call an operation makes at or past its deadline (error paths) still gets this long
 IDLE_S = 2.0  # a worker with nothing to do for this long ends (the next call starts one)
@@ -66,6 +66,32 @@ def store_deadline(deadline: Optional[float], what: str) -> Iterator[None]:
         _DEADLINE.reset(token)
 
 
+# Set by `waits_in_background`: a list that a BoundedStore's wait() appends its started job to (and returns at once).
+_BACKGROUND: "contextvars.ContextVar[Optional[list]]" = contextvars.ContextVar("mep_background_wait", default=None)
+
+
+@contextlib.contextmanager
+def waits_in_background() -> Iterator[list]:
+    """Make the `wait()` calls this thread makes in the block on a `BoundedStore` that clones a TCPStore start
+    the wait on a lane of its own (a client of its own) and return at once; the started jobs are appended to the
+    list this yields (`_Job`: `done` is set when the wait returned, `error` is None when the keys were there).
+
+    The caller then waits on `done` locally (no store operation per round) while it goes on calling the store on
+    the store's other lane; ending the wait early is setting one of the keys (the caller's own, or any rank's).
+    A wait through anything else (a store that is not a cloned TCPStore) is made as usual and blocks; the list
+    then stays empty.
+
+    Returns:
+        a context manager yielding the list of started jobs.
+    """
+    jobs: list = []
+    token = _BACKGROUND.set(jobs)
+    try:
+        yield jobs
+    finally:
+        _BACKGROUND.reset(token)
+
+
 def remaining_s() -> Optional[float]:
     """Seconds left until the deadline of the operation in progress (`store_deadline`), or None without one.
 
@@ -79,7 +105,7 @@ def remaining_s() -> Optional[float]:
 class _Job:
     """One store call: run on a worker, waited for by its caller."""
 
-    __slots__ = ("fn", "done", "value", "error", "retry")
+    __slots__ = ("fn", "done", "value", "error", "retry", "lane")
 
     def __init__(self, fn: Callable[[Any], Any]):
         self.fn = fn
@@ -87,6 +113,7 @@ class _Job:
         self.value = None
         self.error: Optional[BaseException] = None
         self.retry = False  # its worker was abandoned before it ran: run it on the next one
+        self.lane = None  # the lane that runs it (a background wait's, to abandon when the caller moves on)
 
 
 class _Lane:
@@ -100,6 +127,12 @@ class _Lane:
         self._thread: Optional[threading.Thread] = None
         self._name = name
         self.abandoned = False
+        self.inflight = 0  # jobs submitted and not finished
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call is queued or running on this lane."""
+        return self.inflight > 0
 
     def submit(self, job: _Job) -> bool:
         """Queue `job`; False when this lane was abandoned (use another)."""
@@ -107,6 +140,8 @@ class _Lane:
             if self.abandoned:
                 return False
             self._jobs.append(job)
+            self.inflight += 1
+            job.lane = self
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"mep-store-{self._name}", daemon=True)
                 self._thread.start()
@@ -123,6 +158,8 @@ class _Lane:
         for job in jobs:
             job.retry = True
             job.done.set()
+        with self._cond:
+            self.inflight -= len(jobs)
 
     def _run(self) -> None:
         while True:
@@ -147,6 +184,8 @@ class _Lane:
                 if isinstance(error, dist.DistNetworkError):
                     self._client = None  # the connection broke: the next call connects anew
             finally:
+                with self._cond:
+                    self.inflight -= 1
                 job.done.set()
 
 
@@ -177,15 +216,18 @@ class BoundedStore(dist.Store):
             super().set_timeout(default)
         clone = isinstance(root, dist.TCPStore)
         self._make_client = (lambda: store.clone()) if clone else (lambda: store)
+        self.background_waits = clone  # waits_in_background(): on a lane with a client of its own
         self._lock = threading.Lock()
         self._lane: Optional[_Lane] = None
+        self._wait_lane: Optional[_Lane] = None
 
     def close(self) -> None:
         """Let the worker end (a call still in flight ends when the store answers); later calls start a new one."""
         with self._lock:
-            lane, self._lane = self._lane, None
-        if lane is not None:
-            lane.abandon()
+            lanes, self._lane, self._wait_lane = (self._lane, self._wait_lane), None, None
+        for lane in lanes:
+            if lane is not None:
+                lane.abandon()
 
     def _current(self) -> _Lane:
         with self._lock:
@@ -257,9 +299,27 @@ class BoundedStore(dist.Store):
     def num_keys(self):
         return self._call("num_keys", "", lambda s: s.num_keys())
 
+    def _background_wait(self, keys, timeout, jobs: list) -> None:
+        """Start `wait(keys, timeout)` on the wait lane and append its job to `jobs` (`waits_in_background`). A wait
+        lane still busy with an earlier wait (one its caller stopped waiting for) is left to end by itself."""
+        job = _Job(lambda s: s.wait(keys, timeout))
+        while True:
+            with self._lock:
+                lane = self._wait_lane
+                if lane is None or lane.busy or lane.abandoned:
+                    if lane is not None:
+                        lane.abandon()
+                    lane = self._wait_lane = _Lane(self._make_client, f"{self.name}-wait")
+            if lane.submit(job):
+                jobs.append(job)
+                return
+
     def wait(self, keys, timeout=None):
         # A wait legitimately lasts its timeout (the keys are not there yet): the store's own timeout
         # error ends it then; StoreUnavailable only when the store does not even answer that.
+        jobs = _BACKGROUND.get()
+        if jobs is not None and self.background_waits and timeout is not None:
+            return self._background_wait(keys, timeout, jobs)
         if timeout is None:
             return self._call("wait", keys, lambda s: s.wait(keys))
         return self._call("wait", keys, lambda s: s.wait(keys, timeout))

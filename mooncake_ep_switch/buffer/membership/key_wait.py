@@ -1,0 +1,112 @@
+"""A wait for store keys that its caller polls without store operations (issue 40).
+
+A rank that waits for a key another rank sets (a ballot's `done/<e>`, a sealed view, the records of
+its peers) either polls the store (one operation per round: at R=256 ranks that is most of the store's
+work, and in a bench of ranks as threads most of the CPU) or blocks in one `wait`. A blocking wait
+cannot look at anything else meanwhile (a peer seen dead, a beat to post, its own deadline), and cut
+into slices it times out once per slice: a TCPStore `wait` that times out was seen to return seconds
+late on this box when many do at once (ballot.py). `KeyWait` starts one blocking `wait` on a
+`BoundedStore` lane of its own (`store_deadline.waits_in_background`) and lets its caller look at its
+outcome locally, in slices as short as it likes, while it goes on using the store; it never times out
+in honest use, because the caller that stops waiting sets the key itself (or another rank does).
+On any other store (a client shared by threads, an etcd store) it checks the keys once per `poll`.
+"""
+import time
+from datetime import timedelta
+from typing import Iterable, Optional
+
+import torch.distributed as dist
+
+from mooncake_ep_switch.buffer.membership.store_deadline import BoundedStore, waits_in_background
+
+__all__ = ["KeyWait", "background_waits"]
+
+POLL_MAX_S = 0.02  # without a background wait: the longest pause between two checks of the keys
+
+
+def background_waits(store) -> bool:
+    """Whether `store` (under any PrefixStores and wrappers with an `inner` store) is a `BoundedStore` that
+    waits in the background (a cloned TCPStore).
+
+    Arguments:
+        store: a torch.distributed Store.
+
+    Returns:
+        bool.
+    """
+    root = store
+    for _ in range(64):  # bounded: a chain of prefixes and wrappers
+        if isinstance(root, BoundedStore):
+            return root.background_waits
+        if isinstance(root, dist.PrefixStore):
+            root = root.underlying_store
+        elif hasattr(root, "inner"):
+            root = root.inner
+        else:
+            return False
+    return False
+
+
+class KeyWait:
+    """Wait until every key of `keys` is in `store`, looked at by `poll()`.
+
+    Arguments:
+        store: the store the keys are in (the caller's, with its prefixes).
+        keys: keys to wait for.
+        seconds: the longest the wait lasts (a background wait times out then; its caller should set one
+            of the keys before, or stop polling by then).
+        background: None to decide by the store (`background_waits`); False to check the keys per poll.
+    """
+
+    def __init__(self, store, keys: Iterable[str], seconds: float, background: Optional[bool] = None):
+        self.store = store
+        self.keys = list(keys)
+        self._until = time.monotonic() + max(seconds, 0.0)
+        self._there: Optional[bool] = None
+        self._job = None
+        self._pause = 0.0005
+        if background is None:
+            background = background_waits(store)
+        if background:
+            with waits_in_background() as jobs:
+                try:
+                    store.wait(self.keys, timedelta(seconds=max(seconds, 0.001)))
+                except dist.DistStoreError:
+                    self._there = False  # made in place (not a background wait) and timed out
+            if jobs:
+                self._job = jobs[0]
+            elif self._there is None:
+                self._there = True  # made in place and returned: the keys are there
+
+    @property
+    def background(self) -> bool:
+        """Whether a background wait runs (polls cost no store operation)."""
+        return self._job is not None
+
+    def poll(self, seconds: float) -> Optional[bool]:
+        """Wait up to `seconds` for the outcome.
+
+        Arguments:
+            seconds: how long to block here at most (0: only look).
+
+        Returns:
+            True: the keys are there; False: the wait ended without them (timed out, the connection failed,
+                or without a background wait its `seconds` passed); None: not known yet.
+        """
+        if self._there is not None:
+            return self._there
+        if self._job is not None:
+            if not self._job.done.wait(max(seconds, 0.0)):
+                return None
+            self._there = not self._job.retry and self._job.error is None
+            return self._there
+        if self.store.check(self.keys):
+            self._there = True
+            return True
+        now = time.monotonic()
+        if now >= self._until:
+            self._there = False
+            return False
+        time.sleep(max(0.0, min(seconds, self._pause, self._until - now)))
+        self._pause = min(self._pause * 2, POLL_MAX_S)
+        return None
