@@ -278,3 +278,53 @@ def test_a_rank_killed_during_the_shrink_vote_leaves_every_survivor_on_one_decis
             assert "nothing changed" in result["outcomes"][0][1] and f"[{VICTIM}]" in result["outcomes"][0][1], result
         assert result["outcomes"][-1][1] == [0, 1] and result["members"] == [0, 1], result
         assert result["mask"] == [1, 1, 0, 0], result
+
+
+def test_a_joiner_waiting_when_its_rank_is_removed_is_neither_listed_nor_sealed_in():
+    """A replacement already waiting when a shrink removes its rank (the race the joiner's own check cannot
+    see): `joining()` stops listing it and the members' next view is sealed without it (in-process ranks)."""
+    import threading
+
+    from mooncake_ep_switch.buffer.membership.protocol import Membership, MembershipError
+    from mooncake_ep_switch.buffer.membership.removed import record_removed
+    from mooncake_ep_switch.launcher.launch import host_store
+
+    store = host_store("127.0.0.1", 0, 1, timeout_s=30)
+    members = [Membership(store, r, 4) for r in range(4)]
+    replacement = Membership(store, 2, 4)
+    joined = {}
+
+    def join():
+        try:
+            joined["view"] = replacement.agree_next_view(0, [], time.monotonic() + 6, joining=True)
+        except MembershipError as error:
+            joined["error"] = str(error)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while members[0].joining() != [2]:
+            assert time.monotonic() < deadline, "the waiting joiner was never listed"
+            time.sleep(0.01)
+        assert record_removed(members[0], [2], 1) == {2: 1}
+        assert members[0].joining() == [], "a removed rank is still listed as pending"
+        views, errors = {}, {}
+
+        def agree(member):
+            try:
+                views[member.rank] = member.agree_next_view(0, [0, 1, 3], time.monotonic() + 10)
+            except MembershipError as error:
+                errors[member.rank] = str(error)
+
+        threads = [threading.Thread(target=agree, args=(members[r],)) for r in (0, 1, 3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors and {v.ranks for v in views.values()} == {(0, 1, 3)}, (views, errors)
+        thread.join(30)
+        assert "view" not in joined or 2 not in joined["view"].ranks, joined
+    finally:
+        thread.join(30)
+        replacement.stop_pending(withdraw=True)

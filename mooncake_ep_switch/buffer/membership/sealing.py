@@ -133,13 +133,14 @@ class SealingRecords(MemberRecords):
                 if state is None or state["state"] != JOINING or state["epoch"] != target:
                     continue
             candidates.append(rank)
+        # A rank a shrink removed is never sealed in again (removed.py), not even a replacement of a member of the
+        # current view that registered before the shrink's view; an unreadable record admits no joiner.
+        try:
+            out = removed_ranks(self)
+        except MembershipError:
+            out = {r for r in candidates if r not in members}
+        candidates = [r for r in candidates if r not in out or r == self.rank]
         joiners = [r for r in candidates if r not in members]
-        if joiners:  # a rank a shrink removed is never admitted again (removed.py); an unreadable record: none is
-            try:
-                out = removed_ranks(self)
-            except MembershipError:
-                out = set(joiners)
-            candidates, joiners = [r for r in candidates if r not in out], [r for r in joiners if r not in out]
         if joiners:
             proven = alive(joiners)
             candidates = [r for r in candidates if r in members or r in proven]
