@@ -5,7 +5,9 @@ member on each host (`LocalCluster(store="etcd", network=...)`), the leader move
 process of host A is SIGKILLed (its two ranks and the etcd leader; host 0 with rank 0, or host 1 without
 it): the four survivors serve the next round exactly without them (shm inside a host, the Transfer Engine
 across), replacements started on host A join through the two etcd members left and are admitted, and every
-rank's rounds are exact again. Then, still on two etcd members, an online EPLB chunk commits on every rank
+rank's rounds are exact again. Before the replacements come, one of the two members left is stopped too (no
+quorum): the survivors' rounds stay exact and update_ep_member() fails at its deadline with StoreUnavailable
+naming the etcd store; the admission after it is resumed shows it works again. Then, still on two etcd members, an online EPLB chunk commits on every rank
 (its votes and decision in etcd; every redundant copy read from another host over the Transfer Engine, the
 replacements' copies taken over from the members' placement) and a TP<->EP switch completes both ways
 (on the per-view gloo group the fallback builds through etcd), weights bit-exact against the checkpoint.
@@ -26,6 +28,7 @@ from tests.harness import RANK_STATE, outcome_value
 from tests.netns import make_network  # noqa: F401 - make_network is a fixture
 from tests.reference import expected_combine, expected_routing, structured_inputs, token_count
 from tests.test_faults import _mock_expert
+from tests.test_store_stall import LATE_S, _error_of
 
 NUM_HOSTS, RANKS_PER_HOST = 3, 2
 R = NUM_HOSTS * RANKS_PER_HOST
@@ -95,6 +98,19 @@ def rank_start(ctx):
 def rank_serve_without(ctx, dead):
     """A round right after host 0's death: the dead masked, exact without them."""
     return _round(ctx, RANK_STATE["buffer"], 1, dead=dead)
+
+
+QUORUM_DEADLINE_S = 2.0  # update_ep_member's deadline while the two etcd members left are one
+
+
+def rank_quorum_lost(ctx, dead):
+    """With one of the two etcd members left stopped: rounds exact around update_ep_member(), which raises
+    StoreUnavailable at its deadline; (seconds, error type, message)."""
+    buffer = RANK_STATE["buffer"]
+    _round(ctx, buffer, 2, dead=dead)
+    failure = _error_of(lambda: buffer.update_ep_member(timeout_s=QUORUM_DEADLINE_S))
+    _round(ctx, buffer, 3, dead=dead)
+    return failure
 
 
 def rank_admit(ctx, joiners):
@@ -194,6 +210,16 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a):
         seconds = [outcome_value(o) for o in cluster.run(rank_serve_without, dead_ranks, ranks=survivors,
                                                          timeout_s=60)]
         assert max(seconds) < TIMEOUT_US / 1e6 + harness.FAULT_SLACK_S, seconds
+        stopped = etcd.leader()  # quorum lost across hosts: one of the two members left stops
+        harness.stop_process(etcd.processes[stopped].pid)
+        try:
+            failures = [outcome_value(o) for o in cluster.run(rank_quorum_lost, dead_ranks, ranks=survivors,
+                                                              timeout_s=60)]
+        finally:
+            os.kill(etcd.processes[stopped].pid, signal.SIGCONT)
+        for elapsed, kind, message in failures:
+            assert kind == "StoreUnavailable" and "etcd://" in message and "update_ep_member" in message, message
+            assert elapsed <= QUORUM_DEADLINE_S + LATE_S, (elapsed, message)
         for rank in dead_ranks:  # host A back without its etcd member: the replacements use the two left
             cluster.respawn(rank)
         views = [outcome_value(o) for o in cluster.run(rank_admit, dead_ranks, timeout_s=120)]
