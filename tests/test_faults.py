@@ -285,12 +285,14 @@ def rank_slow_survivor(ctx):
     return members
 
 
-def test_survivor_slow_to_notice_a_death_stays_a_member():
+@pytest.mark.parametrize("store", ["tcp", "etcd"])
+def test_survivor_slow_to_notice_a_death_stays_a_member(store, request):
     """Issue 28 item 8: on the collective fallback, survivors used to seal the next view max(0.5 s, timeout)
     after they met the death, leaving out a live survivor that was still busy (LeftOut: 'rank 2 was left out
     of epoch 1'). Now a rank is sealed out only when its process is seen to end (the peer watcher) or it
-    stays silent past the stall bound; the slow survivor is kept and every round is exact."""
-    with harness.fresh_cluster(NUM_RANKS) as cluster:
+    stays silent past the stall bound; the slow survivor is kept and every round is exact. Also on the
+    session's etcd cluster (issue 38): the view agreed inside the call and its gloo group built through it."""
+    with harness.fresh_cluster(NUM_RANKS, store=harness.etcd_store(request, store)) as cluster:
         outcomes = cluster.run(rank_slow_survivor, timeout_s=60, failure_grace_s=30)
         processes = list(cluster.processes)
     assert not outcomes[EXITED].ok and outcomes[EXITED].exitcode == 3, outcomes[EXITED]

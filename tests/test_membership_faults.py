@@ -251,9 +251,10 @@ def rank_join_then_die(ctx, transport):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("transport", ["shm", "collective"])
-def test_dead_joiner_costs_the_members_at_most_once(transport):
-    with harness.fresh_cluster(2) as cluster:
+@pytest.mark.parametrize("transport, store", [("shm", "tcp"), ("collective", "tcp"), ("shm", "etcd")])
+def test_dead_joiner_costs_the_members_at_most_once(transport, store, request):
+    """Also on the session's etcd cluster (issue 38): the joiner's heartbeat and the seal go through it."""
+    with harness.fresh_cluster(2, store=harness.etcd_store(request, store)) as cluster:
         harness.check_outcomes(cluster.run(rank_start, transport))
         cluster.run(rank_exit, ranks=[1], timeout_s=30)
         cluster.respawn(1)
@@ -289,11 +290,12 @@ def rank_refused_until_admitted(ctx):
     return True
 
 
-@pytest.mark.parametrize("transport", ["shm", "collective"])
-def test_left_out_rank_rejoins_after_sigstop(transport):
+@pytest.mark.parametrize("transport, store", [("shm", "tcp"), ("collective", "tcp"), ("collective", "etcd")])
+def test_left_out_rank_rejoins_after_sigstop(transport, store, request):
     """Rank 1 is SIGSTOPped; rank 0 seals epoch 1 without it. After SIGCONT, rank 1's
-    update_ep_member() rejoins it (new incarnation, through the joining path) once rank 0 admits it."""
-    with harness.fresh_cluster(2) as cluster:
+    update_ep_member() rejoins it (new incarnation, through the joining path) once rank 0 admits it. Also on
+    the session's etcd cluster (issue 38): the views and each view's gloo group go through it."""
+    with harness.fresh_cluster(2, store=harness.etcd_store(request, store)) as cluster:
         harness.check_outcomes(cluster.run(rank_start, transport))
         stopped = cluster.processes[1].pid
         harness.stop_process(stopped)
