@@ -30,6 +30,7 @@ from mooncake_ep_switch.buffer.core import BufferCore
 from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, EventOverlap, ReceiveReceipt, StreamEvent,
                                                check_combinable, check_half_free, check_same_routing,
                                                complete_receive)
+from mooncake_ep_switch.buffer.layout import LayoutHeld
 from mooncake_ep_switch.buffer.lifetime import guarded, once, with_receipt
 
 
@@ -102,8 +103,12 @@ def dispatch(core: BufferCore, x, topk_idx, active_ranks, num_max_dispatch_token
         call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, core.call,
                             core.epoch)
         keep_alive = (x, topk_idx, active_ranks) + tuple(t for t in outputs if t is not None)
-        transport_plan, event, hook, receipt = _run(core, lambda: impl.dispatch(call, outputs), async_finish,
-                                             return_recv_hook, keep_alive)
+        try:
+            transport_plan, event, hook, receipt = _run(core, lambda: impl.dispatch(call, outputs), async_finish,
+                                                 return_recv_hook, keep_alive)
+        except LayoutHeld:
+            core.call -= 1  # refused before anything was launched: the call was not made
+            raise
         # combine() compares its topk_idx with this copy when values are checked (one synchronisation).
         routing = topk_idx.clone() if core.settings.cuda_check_values else None
         plan = DispatchPlan(core.call, x.size(0), topk_idx.size(1), use_fp8, core.epoch, transport_plan, spec, receipt,

@@ -1,6 +1,6 @@
 """The per-call region layout (offsets computed once, in native code) and the size hint."""
 from functools import lru_cache
-from typing import NamedTuple, Tuple
+from typing import Callable, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 
@@ -57,6 +57,11 @@ def region_layout(num_ranks: int, num_max_dispatch_tokens_per_rank: int, hidden:
     return RegionLayout(**{name: int(fields[name]) for name in RegionLayout._fields})
 
 
+class LayoutHeld(ValueError):
+    """A call's shape needs another region layout while a masked peer may still write in the held one
+    (`RegionLayouts.use`); raised before anything is written or numbered."""
+
+
 class RegionLayouts(dict):
     """The layouts of one rank's region, `(T, hidden, E) -> RegionLayout`, each checked to fit once.
 
@@ -71,6 +76,61 @@ class RegionLayouts(dict):
     def __init__(self, num_ranks: int, nbytes: int):
         super().__init__()
         self.num_ranks, self.nbytes = num_ranks, nbytes
+        # The late-write guard (docs/protocol.md, failure semantics): a peer masked while its process
+        # may live can still finish the call it had started, in that call's layout; in another
+        # layout its rows would land in other ranks' rows (half sizes, hence every offset, depend
+        # on the shape). So the region keeps the layout it had when such a peer was masked.
+        self.latest: Optional[Tuple[int, int, int]] = None  # (T, hidden, E) of the latest call
+        self.held: Optional[Tuple[int, int, int]] = None  # the layout kept while `unsettled` is not empty
+        self.unsettled: Set[int] = set()  # masked peers whose process may still write into the region
+
+    def hold(self, ranks: Iterable[int], dead: Iterable[int], key: Optional[Tuple[int, int, int]] = None) -> None:
+        """Keep the region in the layout of the call that masked `ranks`: those not in `dead` (their
+        process was seen to end) may still write into it in that layout.
+
+        Arguments:
+            ranks: ranks a call just masked.
+            dead: ranks whose process ended (`dead_peers()`).
+            key: that call's `(T, hidden, E)` (None: the latest call's).
+        """
+        live = set(ranks) - set(dead)
+        if live:
+            self.unsettled |= live
+            if self.held is None:
+                self.held = key or self.latest
+
+    def settle(self, rank: int) -> None:
+        """`rank` writes in the current layout again (it was mapped anew: admitted by a view)."""
+        self.unsettled.discard(rank)
+        if not self.unsettled:
+            self.held = None
+
+    def use(self, key: Tuple[int, int, int], dead_peers: Callable[[], List[int]]) -> None:
+        """Record a call's shape `(T, hidden, E)`, refusing a layout other than the held one.
+
+        Arguments:
+            key: the call's `(num_max_dispatch_tokens_per_rank, hidden, num_experts)`.
+            dead_peers: returns the ranks whose process ended (read only when the shape changes
+                while the layout is held).
+
+        Raises:
+            LayoutHeld: (a ValueError) the layout is held for a masked peer that may still write in
+                it; nothing changed.
+        """
+        held = self.held
+        if held is not None and key != held:
+            self.unsettled -= set(dead_peers())
+            if self.unsettled:
+                ranks = sorted(self.unsettled)
+                who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+                raise LayoutHeld(
+                    f"num_max_dispatch_tokens_per_rank, hidden, num_experts: expected {held} while {who} masked "
+                    f"by a deadline may still write into this Buffer's region in that layout (a stalled or slow "
+                    f"process finishing its call; in another layout its rows would land in other ranks' rows), "
+                    f"got {key}; keep this shape until that process is seen to end or update_ep_member() "
+                    f"admits the rank again")
+            self.held = None
+        self.latest = key
 
     def fit(self, tokens: int, hidden: int, experts: int) -> RegionLayout:
         """The layout of a call shape, checked once to fit the region.

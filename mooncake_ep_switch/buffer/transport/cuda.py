@@ -159,6 +159,7 @@ class CudaTransport(RuntimeQueries):
             raise ValueError(f"num_ep_buffer_bytes: rank {peer} has {nbytes}, this rank {self.nbytes}; every rank "
                              "must pass the same size")
         handle = bytes.fromhex(text)
+        self._layouts.settle(peer)  # mapped (anew): it writes in the current layout
         old = self._opened.get(peer)
         if old is not None and old[0] == handle:
             return
@@ -204,6 +205,8 @@ class CudaTransport(RuntimeQueries):
             for source in flagged:
                 control[1 + source] = 0
                 self._failed.append(int(source))
+            if flagged:  # a live one may still write in the layout of the calls before (layout.RegionLayouts)
+                self._layouts.hold(flagged, self.dead_peers())
         return self._failed
 
     def latest_call(self, host_call: int) -> int:
@@ -296,6 +299,9 @@ class CudaTransport(RuntimeQueries):
         """
         tokens, experts, hidden = call.num_max_dispatch_tokens_per_rank, call.num_experts, call.x.size(1)
         layout = self._layouts.fit(tokens, hidden, experts)
+        if (tokens, hidden, experts) != self._layouts.latest:
+            self.failed_sources  # a shape change: the masks the device made so far hold the layout first
+        self._layouts.use((tokens, hidden, experts), self.dead_peers)  # refuses before anything is launched
         region = self._region(layout)
         top_k = call.topk_idx.size(1)
         scratch = self._scratch_for(tokens, hidden, experts, top_k)
@@ -342,6 +348,7 @@ class CudaTransport(RuntimeQueries):
         """
         tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
         layout = self._layouts.fit(tokens, hidden, experts)
+        self._layouts.use((tokens, hidden, experts), self.dead_peers)
         region = self._region(layout)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call.transport_plan, call.timeout_us)
         if not torch.cuda.is_current_stream_capturing():

@@ -197,6 +197,7 @@ class OneSidedTransport(HostMemoryTransport):
     def _route(self, peer: int, found: dict, deadline: float) -> None:
         """Reach `peer` at its published endpoint: shared memory on this host, else the TE; watch it."""
         same_host = found.get("host_id") == self.settings.host_id
+        self._layouts.settle(peer)  # mapped anew: it writes in the current layout (docs/recovery.md, section 4)
         if self.allow_shm and same_host:
             # Watched before the region is mapped: the mapping then proves the pid is the peer's.
             self.watch.watch_process(peer, RegionEndpoint(*found["region"]).pid)
@@ -285,6 +286,11 @@ class OneSidedTransport(HostMemoryTransport):
             return "link"
         return "deadline"
 
+    def _masked(self, ranks: List[int], key) -> None:
+        """Calls masked `ranks` (evidence for membership); a live one holds the region's layout."""
+        self.failed_sources.extend(ranks)
+        self._layouts.hold(ranks, self.dead_peers(), key)
+
     def _te_timeout(self, timeout_us: int) -> float:
         return DEFAULT_TE_TIMEOUT_S if timeout_us < 0 else max(0.05, timeout_us / 1e6)
 
@@ -305,7 +311,7 @@ class OneSidedTransport(HostMemoryTransport):
             writes.append(PeerWrite(peer.session, data, [(staging + src, peer.base + dst, n)]))
         for index in sorted(self.te.write_each(writes, timeout_s, in_flight=direct)):
             active[targets[index]] = 0
-            self.failed_sources.append(targets[index])
+            self._masked([targets[index]], None)
             self._link_failed.add(targets[index])
 
     def _staging_bases(self, offset: int, targets: List[int]) -> List[int]:
@@ -361,6 +367,7 @@ class OneSidedTransport(HostMemoryTransport):
         """
         tokens, experts, hidden = call.num_max_dispatch_tokens_per_rank, call.num_experts, call.x.size(1)
         layout = self._layouts.fit(tokens, hidden, experts)
+        self._layouts.use((tokens, hidden, experts), self.dead_peers)  # refuses before anything is written
         offset = layout.half_offset(call.call)
         tag = signal_tag(call.call)
         self.latest_dispatch = call.call
@@ -401,7 +408,8 @@ class OneSidedTransport(HostMemoryTransport):
                                           layout_range_ptr=outputs.layout_range.data_ptr(),
                                           recv_count_ptr=outputs.recv_count.data_ptr(), abort_ptr=self.abort_ptr,
                                           dead_ptr=self.watch.dead_ptr)
-            self.failed_sources.extend(newly)
+            if newly:
+                self._masked(newly, (tokens, hidden, experts))
 
         return None, receive
 
@@ -424,6 +432,7 @@ class OneSidedTransport(HostMemoryTransport):
         num_tokens, hidden = x.shape
         tokens, experts = call.num_max_dispatch_tokens_per_rank, call.num_experts
         layout = self._layouts.get((tokens, hidden, experts)) or self._layouts.fit(tokens, hidden, experts)
+        self._layouts.use((tokens, hidden, experts), self.dead_peers)  # refuses before anything is written
         offset = layout.control_bytes + (call.call & 1) * layout.half_bytes
         self.latest_dispatch = call.call
         scales = outputs.recv_scales
@@ -438,7 +447,7 @@ class OneSidedTransport(HostMemoryTransport):
                                        recv_count_ptr=outputs.recv_count.data_ptr(), abort_ptr=self.abort_ptr,
                                        dead_ptr=self.watch.dead_ptr)
         if newly:
-            self.failed_sources.extend(newly)
+            self._masked(newly, (tokens, hidden, experts))
         return None
 
     def _quantize(self, x: torch.Tensor) -> Tuple[int, int]:
@@ -515,6 +524,7 @@ class OneSidedTransport(HostMemoryTransport):
         """
         tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
         layout = self._layouts.fit(tokens, hidden, experts)
+        self._layouts.use((tokens, hidden, experts), self.dead_peers)  # refuses before anything is written
         offset = layout.half_offset(call.call)
         tag = signal_tag(call.call)
         args = (call.x.data_ptr(), hidden, experts, self.num_ranks, self.rank, tokens, call.src_info.data_ptr(),
@@ -537,7 +547,8 @@ class OneSidedTransport(HostMemoryTransport):
                                          call.active_ranks.data_ptr(), call.timeout_us, call.topk_idx.data_ptr(),
                                          call.topk_weights.data_ptr(), call.topk_idx.size(0), call.topk_idx.size(1),
                                          call.out.data_ptr(), self.abort_ptr, self.watch.dead_ptr)
-            self.failed_sources.extend(newly)
+            if newly:
+                self._masked(newly, (tokens, hidden, experts))
 
         return receive
 
@@ -577,6 +588,7 @@ class OneSidedTransport(HostMemoryTransport):
             return
         tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
         layout = self._layouts.get((tokens, hidden, experts)) or self._layouts.fit(tokens, hidden, experts)
+        self._layouts.use((tokens, hidden, experts), self.dead_peers)  # refuses before anything is written
         offset = layout.control_bytes + (call.call & 1) * layout.half_bytes
         topk = call.topk_idx
         num_tokens, top_k = topk.shape
@@ -586,4 +598,4 @@ class OneSidedTransport(HostMemoryTransport):
             signal_tag(call.call), self.base + offset, call.timeout_us, topk.data_ptr(), call.topk_weights.data_ptr(),
             num_tokens, top_k, call.out.data_ptr(), self.abort_ptr, self.watch.dead_ptr)
         if newly:
-            self.failed_sources.extend(newly)
+            self._masked(newly, (tokens, hidden, experts))
