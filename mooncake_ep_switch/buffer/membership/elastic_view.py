@@ -31,18 +31,19 @@ log = logging.getLogger("mooncake_ep_switch.buffer.membership")
 __all__ = ["left_out", "left_out_by_replacement", "survivors_view", "update_ep_member"]
 
 
-def update_ep_member(core: BufferCore, timeout_s: Optional[float] = None, exclude: Iterable[int] = ()) -> View:
+def update_ep_member(core: BufferCore, timeout_s: Optional[float] = None, exclude: Iterable[int] = (),
+                     skip_dead: bool = False) -> View:
     """The work of `Buffer.update_ep_member()` (see its docstring), for the Buffer of `core`; `exclude`: ranks
-    not waited for (a shrink's, membership/shrink.py)."""
+    not waited for, `skip_dead`: nor ranks seen dead meanwhile (a shrink's view, membership/shrink.py)."""
     core.check_alive()
     timeout_s = check_seconds("timeout_s", timeout_s, allow_none=True)
     membership = core.require_membership("update_ep_member")
     deadline = time.monotonic() + (core.settings.connect_timeout_s if timeout_s is None else timeout_s)
     with store_deadline(deadline, "update_ep_member"):  # a stalled store host: StoreUnavailable at the deadline
-        return _agree_and_connect(core, membership, deadline, set(exclude))
+        return _agree_and_connect(core, membership, deadline, set(exclude), skip_dead)
 
 
-def _agree_and_connect(core: BufferCore, membership, deadline: float, exclude: set) -> View:
+def _agree_and_connect(core: BufferCore, membership, deadline: float, exclude: set, skip_dead: bool = False) -> View:
     """update_ep_member() until `deadline`: agree on the next view (or be admitted), connect, hand over regions."""
     # Calls that ran without the host (CUDA graph replays) count too: the agreed number is above them.
     # (On the cuda transport this waits for the device, so the failures read next are all there.)
@@ -72,7 +73,8 @@ def _agree_and_connect(core: BufferCore, membership, deadline: float, exclude: s
                 # rest to connect, so a dead expected rank cannot eat the time the live ones need.
                 agree_by = time.monotonic() + MEMBER_AGREE_SHARE * (deadline - time.monotonic())
                 view = membership.agree_next_view(core.epoch, expected, agree_by, call=core.call,
-                                                  dead=core.transport.dead_peers)
+                                                  dead=core.transport.dead_peers,
+                                                  stall_deadline=agree_by if skip_dead else None)
         except LeftOut as error:
             left_out(core, error)
             if time.monotonic() >= deadline:

@@ -186,8 +186,8 @@ def shrink(core: BufferCore, ranks, timeout_s: Optional[float] = None) -> View:
             _vote(core, membership, ranks, time.monotonic() + VOTE_SHARE * (deadline - time.monotonic()))
             record_removed(membership, ranks, core.epoch + 1)
         left = max(deadline - time.monotonic(), 1.0)
-        # Not waited for: the removed ranks, and a survivor whose process ended since it voted (it is left out).
-        return elastic_view.update_ep_member(core, left, exclude=set(ranks) | set(core.transport.dead_peers()))
+        # Not waited for: the removed ranks, and a survivor whose process ends meanwhile (it voted GO, then died).
+        return elastic_view.update_ep_member(core, left, exclude=ranks, skip_dead=True)
     finally:
         with _LOCK:
             _IN_PROGRESS.discard(core)
