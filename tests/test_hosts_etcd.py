@@ -191,6 +191,11 @@ def rank_switch(ctx):
 def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a):
     dead_ranks = [r for r in range(R) if RANK_HOSTS[r] == host_a]
     network = make_network(NUM_HOSTS)
+    began = time.monotonic()
+
+    def phase(name):
+        print(f"host {host_a}: {name} done at {time.monotonic() - began:.1f} s")
+
     with harness.fresh_cluster(R, network=network.placement(RANK_HOSTS), store="etcd") as cluster:
         etcd = cluster.etcd
         assert cluster.store is None and etcd.endpoints == [f"{a}:2379" for a in network.addresses]
@@ -199,6 +204,7 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a):
         assert all(s["store"] == (url, None) for s in started) and url.startswith("etcd://"), started
         assert all(s["transport"] == "mooncake" for s in started)
         assert started[2]["routes"] == ["te", "te", "self", "shm", "te", "te"]
+        phase("started")
         etcd.move_leader(host_a)
         assert etcd.leader() == host_a
         for rank in dead_ranks:  # every process of host A: its ranks and its etcd member, the leader
@@ -210,6 +216,7 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a):
         seconds = [outcome_value(o) for o in cluster.run(rank_serve_without, dead_ranks, ranks=survivors,
                                                          timeout_s=60)]
         assert max(seconds) < TIMEOUT_US / 1e6 + harness.FAULT_SLACK_S, seconds
+        phase("host lost, survivors served")
         stopped = etcd.leader()  # quorum lost across hosts: one of the two members left stops
         harness.stop_process(etcd.processes[stopped].pid)
         try:
@@ -220,16 +227,20 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a):
         for elapsed, kind, message in failures:
             assert kind == "StoreUnavailable" and "etcd://" in message and "update_ep_member" in message, message
             assert elapsed <= QUORUM_DEADLINE_S + LATE_S, (elapsed, message)
+        phase("quorum window")
         for rank in dead_ranks:  # host A back without its etcd member: the replacements use the two left
             cluster.respawn(rank)
         views = [outcome_value(o) for o in cluster.run(rank_admit, dead_ranks, timeout_s=120)]
         assert all(v == (list(range(R)), views[0][1]) for v in views), views
         assert all(outcome_value(o) for o in cluster.run(rank_full_rounds, timeout_s=120))
+        phase("admitted, full rounds")
         rebalanced = [outcome_value(o) for o in cluster.run(rank_rebalance, timeout_s=120)]
         for rank, result in enumerate(rebalanced):
             assert result["reports"] == [(1, "committed", "")], (rank, result["reports"])
             assert result["placement"] and result["frames_ok"], (rank, result)
             assert result["te_reads"] == LAYERS, (rank, result)  # the new copy is held only on another host
+        phase("rebalanced")
         switched = [outcome_value(o) for o in cluster.run(rank_switch, timeout_s=120)]
         assert switched == [[("completed", "tp"), ("completed", "ep")]] * R, switched
+        phase("switched")
         assert etcd.leader() != host_a
