@@ -208,6 +208,18 @@ PYBIND11_MODULE(_native, m) {
           "Split received dispatch rows: the token bytes, scale bytes, top-k ids made local (int64, -1 "
           "outside [first_expert, first_expert + num_local)), weight bytes; counts[j] (int64) = entries "
           "of local expert j.");
+    m.def("elastic_sources", &mep::elastic_sources, release(), "src_info_ptr"_a, "layout_words_ptr"_a, "num_ranks"_a,
+          "num_max_tokens"_a, "src_global_ptr"_a,
+          "Where the inner dispatch put one slot's rows: [0, first, stop] with src_global (int64) = source * T "
+          "+ token, when the blocks follow each other in source order and ascend; [1|2|3, ...] otherwise.");
+    m.def("elastic_write_partials", &mep::elastic_write_partials, release(), "rows_ptr"_a, "row_stride"_a,
+          "partial_ptr"_a, "partial_stride"_a, "num_rows"_a, "partial_bytes"_a, "weights_ptr"_a, "local_ptr"_a,
+          "top_k"_a,
+          "Combine rows: each partial's bytes, then its float32 weight bytes as bf16 numbers (0 where the "
+          "local id is -1 or weights_ptr is 0).");
+    m.def("elastic_read_combined", &mep::elastic_read_combined, release(), "rows_ptr"_a, "row_stride"_a,
+          "num_rows"_a, "x_bytes"_a, "top_k"_a, "x_ptr"_a, "weights_ptr"_a,
+          "The inner combine's rows: the token bytes, and the weight numbers after them as bytes.");
     // ---- collective transport records (dataplane/kernels.cpp) ----
     m.def("coll_dispatch_pack", &mep::coll_dispatch_pack, release(), "x"_a, "num_tokens"_a, "hidden"_a, "topk"_a,
           "top_k"_a, "num_experts"_a, "num_ranks"_a, "max_tokens"_a, "active"_a, py::kw_only(), "use_fp8"_a, "fixed"_a,

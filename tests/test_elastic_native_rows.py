@@ -83,3 +83,45 @@ def test_native_packing_refuses_bad_ids():
     assert codec.pack_host(x, None, torch.tensor([[0, 1], [-2, 3]]), None, 256, 4, 2, 0, 0) == (None, None)
     rows, _ = codec.pack_host(x, None, torch.tensor([[-1, -1], [3, -1]]), None, 256, 4, 2, 0, 0)  # -1 repeats
     assert rows is not None
+
+
+def _route(local):
+    """A route holding only what `write_partials` reads: the received tokens in order, their local ids."""
+    n = local.size(0)
+    src_global = torch.arange(n, dtype=torch.int64)
+    route = lay.Route(None, n, local.size(1), 0, False, src_global, local, None, 0, None, 0, None, 0, 0)
+    route.inner_rows = (route.inner_handle, slice(0, n), src_global)
+    return route
+
+
+@pytest.mark.parametrize("num_topk,with_weights", [(1, True), (8, True), (8, False), (31, True)])
+def test_native_combine_rows_equal_the_torch_path(num_topk, with_weights):
+    """`write_partials` (native `elastic_write_partials` on host tensors) writes the same row bytes as its
+    torch form (partial, then each weight byte as a bf16 number, other ranks' entries zero), on a combine
+    buffer view narrower than its rows; `read_combined` (native `elastic_read_combined`) gives back the
+    same tokens and float32 weights bit for bit as the torch decode."""
+    from mooncake_ep_switch.elastic_buffer import inner_rows
+
+    generator = torch.Generator().manual_seed(num_topk)
+    n, hidden = 37, 200
+    local = torch.randint(-1, 4, (n, num_topk), generator=generator)
+    weights = torch.randn((n, num_topk), generator=generator) if with_weights else None
+    partial = torch.randn((n, hidden + 56), generator=generator).to(torch.bfloat16)[:, :hidden]  # a row stride
+    columns = hidden + 4 * num_topk
+    native = torch.full((3, 48, columns + 100), 3.0, dtype=torch.bfloat16)
+    reference = native.clone()
+    inner_rows.write_partials(native[:, :, :columns], _route(local), partial, weights, None, 16)
+    reference[0, :n, :hidden] = partial
+    masked = torch.zeros((n, num_topk)) if weights is None else weights.masked_fill(local < 0, 0.0)
+    reference[0, :n, hidden:columns] = codec.encode_weight_bytes(masked)
+    assert torch.equal(native.view(torch.int16), reference.view(torch.int16))  # nothing else written
+
+    out = native[0, :n]  # the inner combine's result has this shape: [x | weight numbers | the rest]
+    got_x, got_weights = inner_rows.read_combined(out, hidden, num_topk, with_weights)
+    assert torch.equal(got_x.view(torch.int16), partial.contiguous().view(torch.int16))
+    if with_weights:
+        want = codec.decode_weight_bytes(out[:, hidden:columns], num_topk)
+        assert torch.equal(got_weights.view(torch.int32), want.view(torch.int32))
+        assert torch.equal(got_weights.view(torch.int32), masked.view(torch.int32))
+    else:
+        assert got_weights is None

@@ -88,6 +88,22 @@ void elastic_unpack_rows(uintptr_t rows_ptr, int64_t row_stride, int64_t num_row
                          int64_t scales_bytes, int64_t top_k, int64_t first_expert, int64_t num_local,
                          uintptr_t x_ptr, uintptr_t scales_ptr, uintptr_t local_ptr, uintptr_t weights_ptr,
                          uintptr_t counts_ptr);
+// Where the inner dispatch put one slot's rows: layout_words [num_ranks] ((begin << 32) | count per source),
+// src_info [R*T] int32 tokens. Returns [0, first, stop] with src_global[0..stop-first) = source * T + token
+// when the blocks follow each other in source order and the globals ascend ([0, 0, 0]: no rows);
+// [1, ...] a gap or blocks out of order, [2, ...] not ascending, [3, ...] a block past R*T (the caller's
+// general path; src_global may be partly written).
+std::vector<int64_t> elastic_sources(uintptr_t src_info_ptr, uintptr_t layout_words_ptr, int64_t num_ranks,
+                                     int64_t num_max_tokens, uintptr_t src_global_ptr);
+// Combine rows: partial_bytes of each partial row, then per top-k entry its 4 float32 weight bytes, each
+// written as the bf16 number it is (0 where local[i, k] < 0 or weights_ptr is 0).
+void elastic_write_partials(uintptr_t rows_ptr, int64_t row_stride, uintptr_t partial_ptr, int64_t partial_stride,
+                            int64_t num_rows, int64_t partial_bytes, uintptr_t weights_ptr, uintptr_t local_ptr,
+                            int64_t top_k);
+// The inner combine's rows back: x_bytes of each row to x, and (weights_ptr not 0) the 4 * top_k bf16
+// numbers after them as bytes (the float32 weights).
+void elastic_read_combined(uintptr_t rows_ptr, int64_t row_stride, int64_t num_rows, int64_t x_bytes, int64_t top_k,
+                           uintptr_t x_ptr, uintptr_t weights_ptr);
 
 // ---- collective transport records (kernels.cpp); record format at coll_dispatch_pack there ----
 int64_t coll_dispatch_pack(uintptr_t x, int64_t num_tokens, int64_t hidden, uintptr_t topk, int64_t top_k,

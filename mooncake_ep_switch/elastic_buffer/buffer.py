@@ -455,17 +455,12 @@ class ElasticBuffer:
         # This rank's partial per received token, and its entries' weights as exact byte columns. Only these
         # columns are read back from the sum (the rest of a row is never looked at, so never written).
         # The weight columns are always written (zeros without topk_weights): an owner that asks for the
-        # weights must never decode bytes a rank that passed none left there.
+        # weights must never decode bytes a rank that passed none left there (`inner_rows.write_partials`).
         partial = lay.reduce_expanded(x, route.slots) if handle.do_expand else x
-        others = route.others()
-        if topk_weights is None:
-            weights = torch.zeros(others.shape, dtype=torch.float32, device=device)
-        elif handle.do_expand:
-            weights = topk_weights[route.slots.clamp(min=0)].masked_fill_(others, 0.0)
-        else:
-            weights = topk_weights.masked_fill(others, 0.0)
-        encoded = codec.weight_bytes(weights)  # copied into the bf16 columns as numbers (encode_weight_bytes)
-        columns = hidden + encoded.size(1)
+        weights = topk_weights
+        if topk_weights is not None and handle.do_expand:
+            weights = topk_weights[route.slots.clamp(min=0)]  # per received token (masked when written)
+        columns = hidden + 4 * route.num_topk
 
         if not self._combinable(route):  # the inner dispatch's region half was reused: lay the routing out again
             empty = torch.zeros((route.num_tokens, width), dtype=torch.bfloat16, device=device)
@@ -473,14 +468,12 @@ class ElasticBuffer:
             route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_dispatches, False
         buffer, inner_handle = self._alive(), route.inner_handle
         inner_x = buffer.get_next_combine_buffer(inner_handle)[:, :, :columns]
-        inner_rows.write_partials(inner_x, route, partial, encoded, active, T)
+        inner_rows.write_partials(inner_x, route, partial, weights, active, T)
         inner_rows.write_biases(inner_x, inner_handle, biases, self.max_num_bias, self.rank_idx, route.num_tokens, T)
         ones = inner_rows.ones(self._ones_cache, route.inner_topk.shape, device)
         out, _, _ = buffer.combine(inner_x, route.inner_topk, ones, active, timeout_us, inner_handle, zero_copy=True)
         route.combined = True
-        combined_x = out[:, :hidden].contiguous()
-        combined_weights = None if topk_weights is None else codec.decode_weight_bytes(out[:, hidden:columns],
-                                                                                      route.num_topk)
+        combined_x, combined_weights = inner_rows.read_combined(out, hidden, route.num_topk, topk_weights is not None)
         return combined_x, combined_weights, EventOverlap(None)
 
     def _combinable(self, route: lay.Route) -> bool:

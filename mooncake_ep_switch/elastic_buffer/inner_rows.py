@@ -6,11 +6,13 @@ the blocks follow each other and the tokens ascend (the usual case), a slot's ro
 read and written in place, no index gathered. The slot-0 rows of a route's inner dispatch are kept in
 the route, computed once per inner dispatch.
 """
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
+from mooncake_ep_switch import _native
 from mooncake_ep_switch.elastic_buffer import layout as lay
+from mooncake_ep_switch.elastic_buffer import rows as codec
 
 Rows = Union[slice, torch.Tensor]  # rows of a slot's block: a slice when contiguous and ascending
 
@@ -31,6 +33,11 @@ def inner_sources(handle, slot: int, num_max_tokens_per_rank: int, as_slice: boo
     """
     src_info, layout_range = handle[0], handle[1]
     device = src_info.device
+    if device.type == "cpu":
+        found = _host_sources(src_info, layout_range, slot, num_max_tokens_per_rank)
+        if found is not None:
+            first, stop, src_global = found
+            return (slice(first, stop) if as_slice else torch.arange(first, stop)), src_global
     words = [(source, word >> 32, word & lay.COUNT_MASK) for source, word in enumerate(layout_range[slot].tolist())]
     words = [(source, begin, count) for source, begin, count in words if count]
     if not words:
@@ -56,6 +63,26 @@ def inner_sources(handle, slot: int, num_max_tokens_per_rank: int, as_slice: boo
         src_global = ranks * num_max_tokens_per_rank + src_info[slot][row_index].to(torch.int64)
     order = torch.argsort(src_global)  # not ascending as laid out: sorted
     return row_index[order], src_global[order]
+
+
+def _host_sources(src_info: torch.Tensor, layout_range: torch.Tensor, slot: int, num_max_tokens_per_rank: int):
+    """`inner_sources`' usual case on host tensors in one native pass (`elastic_sources`): the slot's
+    blocks follow each other in source order and the tokens ascend.
+
+    Returns:
+        (first, stop, src_global): the rows `first..stop` and their `[stop - first]` torch.int64
+        `src_rank * T + token`; None otherwise (the caller's general path).
+    """
+    info, words = src_info[slot], layout_range[slot]
+    if info.stride(0) != 1 or words.stride(0) != 1 or words.dtype != torch.int64 or info.dtype != torch.int32 \
+            or info.numel() < words.numel() * num_max_tokens_per_rank:
+        return None
+    src_global = torch.empty(info.numel(), dtype=torch.int64)
+    status, first, stop = _native.elastic_sources(info.data_ptr(), words.data_ptr(), words.numel(),
+                                                  num_max_tokens_per_rank, src_global.data_ptr())
+    if status:
+        return None
+    return first, stop, src_global[:stop - first]
 
 
 def as_index(rows: Rows, device) -> torch.Tensor:
@@ -87,15 +114,20 @@ def in_received_order(route: lay.Route, rows: Rows, src_global: torch.Tensor) ->
     return lay.same_order(route.recv_src_global, src_global, rows)
 
 
-def write_partials(inner_x: torch.Tensor, route: lay.Route, partial: torch.Tensor, encoded: torch.Tensor,
+def write_partials(inner_x: torch.Tensor, route: lay.Route, partial: torch.Tensor, weights: Optional[torch.Tensor],
                    active: torch.Tensor, num_max_tokens_per_rank: int) -> None:
     """Write this rank's partials and weight bytes into the data block of the inner combine buffer.
 
+    Each received token's row is `[partial | the 4K bytes of its top-k weights, each as the bf16 number
+    it is]`, the weights of other ranks' entries (`route.others()`) as zeros. Host tensors in the usual
+    layout take one native pass (`elastic_write_partials`); the rest torch (the same numbers).
+
     Arguments:
-        inner_x: `[3, R*T, columns]` the combine buffer's view (`hidden + encoded` columns).
+        inner_x: `[3, R*T, columns]` the combine buffer's view (`hidden + 4K` columns).
         route: the handle's route (its inner dispatch is the one `inner_x` belongs to).
-        partial: `[n, hidden]` torch.bfloat16, one per received token; encoded: `[n, 4K]` weight bytes
-            (`rows.weight_bytes`, torch.uint8, each written as the bf16 number it is).
+        partial: `[n, hidden]` torch.bfloat16, one per received token.
+        weights: `[n, K]` torch.float32, the received tokens' top-k weights (only this rank's entries are
+            sent), or None (zeros are sent).
         active: `active_ranks`; sources whose tokens this rank never received are cleared in it.
         num_max_tokens_per_rank: `T`.
     """
@@ -104,18 +136,71 @@ def write_partials(inner_x: torch.Tensor, route: lay.Route, partial: torch.Tenso
     if in_received_order(route, rows, src_global):
         # The usual case: the inner rows are the received tokens in order; write the partials in place.
         n = route.recv_src_global.numel()
+        if _write_host(inner_x, route, partial, weights):
+            return
         inner_x[0, :n, :hidden].copy_(partial)
-        inner_x[0, :n, hidden:].copy_(encoded)
+        inner_x[0, :n, hidden:].copy_(_weight_bytes(route, weights, partial.device))
         return
     # A re-dispatch whose sources differ: match the rows by source token.
     row_index = as_index(rows, inner_x.device)
     where, known = lay.positions(route.recv_src_global, src_global)
+    encoded = _weight_bytes(route, weights, partial.device)
     inner_x[0, row_index[known]] = torch.cat([partial, encoded.to(partial.dtype)], dim=1)[where[known]]
     inner_x[0, row_index[~known]] = 0
     # Tokens this rank never received (their source was out at the dispatch, in now): it has no partial
     # for them, so it sends that source nothing; the source's deadline then clears this rank there,
     # which is exact (a zero row would be summed as if it were this rank's partial).
     lay.clear_sources(active, src_global[~known], num_max_tokens_per_rank)
+
+
+def _weight_bytes(route: lay.Route, weights: Optional[torch.Tensor], device) -> torch.Tensor:
+    """`[n, 4K]` torch.uint8: the bytes of this rank's entries' weights, zeros for the others' (and all
+    zeros without weights: an owner that asks for the weights never decodes bytes left there)."""
+    others = route.others()
+    masked = torch.zeros(others.shape, dtype=torch.float32, device=device) if weights is None \
+        else weights.masked_fill(others, 0.0)
+    return codec.weight_bytes(masked)
+
+
+def _write_host(inner_x: torch.Tensor, route: lay.Route, partial: torch.Tensor,
+                weights: Optional[torch.Tensor]) -> bool:
+    """`write_partials`' usual case in one native pass on host tensors; False where it does not apply."""
+    local = route.recv_local_topk
+    if inner_x.device.type != "cpu" or partial.device.type != "cpu" or local.device.type != "cpu" \
+            or inner_x.stride(2) != 1 or (weights is not None and weights.device.type != "cpu"):
+        return False
+    n, hidden = partial.shape
+    if n == 0:
+        return True
+    if partial.stride(1) != 1:
+        partial = partial.contiguous()
+    local = local.contiguous()
+    weights = None if weights is None else weights.contiguous()
+    _native.elastic_write_partials(inner_x.data_ptr(), 2 * inner_x.stride(1), partial.data_ptr(),
+                                   2 * partial.stride(0), n, 2 * hidden, 0 if weights is None else weights.data_ptr(),
+                                   local.data_ptr(), local.size(1))
+    return True
+
+
+def read_combined(out: torch.Tensor, hidden: int, num_topk: int, with_weights: bool):
+    """The inner combine's result split: the tokens, and the weights decoded from their bf16 numbers.
+
+    Arguments:
+        out: `[N, width]` torch.bfloat16, the inner combine's result (`[x | 4K weight numbers | ...]`).
+        hidden: `H`; num_topk: `K`; with_weights: decode the weights too.
+
+    Returns:
+        x: `[N, H]` torch.bfloat16 (a fresh tensor); weights: `[N, K]` torch.float32, or None.
+    """
+    n = out.size(0)
+    if out.device.type == "cpu" and out.stride(1) == 1 and n:
+        x = torch.empty((n, hidden), dtype=torch.bfloat16)
+        weights = torch.empty((n, num_topk), dtype=torch.float32) if with_weights else None
+        _native.elastic_read_combined(out.data_ptr(), 2 * out.stride(0), n, 2 * hidden, num_topk, x.data_ptr(),
+                                      0 if weights is None else weights.data_ptr())
+        return x, weights
+    x = out[:, :hidden].contiguous()
+    return x, (codec.decode_weight_bytes(out[:, hidden:hidden + 4 * num_topk], num_topk) if with_weights else None)
 
 
 def write_biases(inner_x: torch.Tensor, inner_handle, biases, num_bias: int, rank: int, num_tokens: int,
