@@ -42,17 +42,25 @@ def _demo(args) -> int:
 
     defaults = DemoConfig()
     steps = defaults.steps if args.steps is None else args.steps
+    first, end = (int(round(f * steps)) for f in defaults.burst)
     kill_step = args.kill_step
     if kill_step is None:  # a step a little past the middle of the burst
-        first, end = (int(round(f * steps)) for f in defaults.burst)
         kill_step = first + (end - first) * 4 // 5
+    covered_kill_step = args.covered_kill_step
+    if covered_kill_step is None:  # two steps into the burst, when the main kill comes late enough after it
+        covered_kill_step = first + 2 if kill_step >= 0 and first + 2 < kill_step - 1 else -1
+    # Every expert with two copies at the start (each rank's redundant slots hold the next rank's experts): the
+    # covered kill finds a rank whose experts all live elsewhere; EPLB then leaves some with one copy.
+    redundant = args.redundant
+    if redundant is None:
+        redundant = defaults.experts // args.ranks if covered_kill_step >= 0 else defaults.redundant_per_rank
     # Ranks sharing one GPU are time-sliced: a live peer can be late by several slices.
     timeout_us = 3_000_000 if transport == "cuda" else defaults.timeout_us
     config = DemoConfig(num_ranks=args.ranks, steps=steps, transport=transport, out_dir=args.out,
                         kill_step=kill_step, kill_rank=min(2, args.ranks - 1), timeout_us=timeout_us,
                         replacement=args.replacement, replace_after=args.replace_after,
-                        kill_covered=args.kill_covered, store=args.store,
-                        redundant_per_rank=defaults.redundant_per_rank if args.redundant is None else args.redundant)
+                        kill_covered=args.kill_covered, store=args.store, covered_kill_step=covered_kill_step,
+                        redundant_per_rank=redundant)
     metrics = run_demo(config)
     return 0 if metrics["correct"] else 1
 
@@ -121,13 +129,20 @@ def main(argv=None) -> int:
                            "memory, over the 'cuda' transport")
     demo.add_argument("--out", default="mep_demo_out", help="directory for metrics.json and timeline.png")
     demo.add_argument("--kill-step", type=int, default=None,
-                      help="step (inside the burst) at which a rank is SIGKILLed and replaced; -1: none")
-    demo.add_argument("--replace-after", type=int, default=0,
-                      help="steps the survivors serve without the killed rank before its replacement starts (default "
-                           "0; from 2, a coverage epoch restores experts that lost their only copy)")
+                      help="step (inside the burst) at which a rank holding the only copy of some experts is "
+                           "SIGKILLed and replaced; -1: no kill at all")
+    demo.add_argument("--covered-kill-step", type=int, default=None,
+                      help="an earlier step at which a rank whose experts all have a live copy elsewhere is SIGKILLed "
+                           "(no top-k contribution lost from the next step) and replaced after one step; default: two "
+                           "steps into the burst; -1: none")
+    demo.add_argument("--replace-after", type=int, default=3,
+                      help="steps the survivors serve without the rank killed at --kill-step before its replacement "
+                           "starts (default 3; from 2, a coverage epoch restores experts that lost their only copy)")
     demo.add_argument("--kill-covered", action="store_true",
-                      help="kill a rank whose experts all have a copy on another rank (no top-k contribution lost)")
-    demo.add_argument("--redundant", type=int, default=None, help="redundant experts per rank (default 1)")
+                      help="at --kill-step too, kill a rank whose experts all have a copy on another rank")
+    demo.add_argument("--redundant", type=int, default=None,
+                      help="redundant experts per rank (default: experts / ranks with the covered kill, so that every "
+                           "expert starts with two copies; else 1)")
     demo.add_argument("--replacement", default="forked", choices=["forked", "spawn", "standby"],
                       help="how the killed rank's replacement starts: forked after the death from a server that "
                            "imported torch at start (default), spawn (a fresh interpreter after the death), standby "

@@ -10,13 +10,17 @@ from a bursty trace, lets the `SwitchPolicy` pick the layout, and runs the step 
   view) plus redundant experts placed by EPLB from the loads the ranks recorded and moved by the
   online rebalancer while serving continues.
 
-`switch_layout` moves the unified memory between the layouts when the policy says so; one rank is
-SIGKILLed mid-run in EP, the survivors serve that step without it (timeouts mark it in
-`active_ranks`), and a replacement process is re-admitted with `update_ep_member` and maps
-everyone's regions anew. Every step of every rank is checked against a single-process reference
-computed from the same weights (leaving out exactly the experts a dead rank held). Prints a live
-progress line and a summary, writes metrics.json and a PNG timeline, exits non-zero when the
-correctness check fails.
+`switch_layout` moves the unified memory between the layouts when the policy says so. In EP, ranks
+are SIGKILLed (`apps.demo_kills`: by default first one whose experts all have a live copy elsewhere,
+then one holding the only copy of some experts); the survivors serve on without it (the peer watcher
+marks it in `active_ranks`, fault-aware routing serves its experts from live copies, a coverage
+epoch gives the experts it alone held a copy on a survivor), and a replacement process is
+re-admitted with `update_ep_member` and maps everyone's regions anew. Every step of every rank is
+checked against a single-process reference computed from the same weights (leaving out exactly
+the experts whose contribution was lost). A rank masked while alive (late past the step's
+deadline, which scales with the measured step time) is a stall: reported, that step's outputs are
+not judged, and the rank is unmasked for the next step. Prints a live progress line and a summary,
+writes metrics.json and a PNG timeline, exits non-zero when the correctness check fails.
 """
 import json
 import os
@@ -31,6 +35,8 @@ from mooncake_ep_switch.apps.demo_ranks import (CHECK_LIMIT, LAYOUT_EP, LAYOUT_T
                                                 RANK_MODULES, REPLACEMENTS, DemoConfig, balancedness, coverage_commit, covered_rank,
                                                 initial_placement, rank_readmit, rank_setup, rank_standby, rank_step,
                                                 rank_switch, rank_teardown, request_trace)
+from mooncake_ep_switch.apps.demo_kills import (covered_kill_rank, only_copy_rank, plan_kills, stalled_ranks,
+                                                step_timeout_us)
 from mooncake_ep_switch.apps.demo_report import phases_of, plot, summary
 from mooncake_ep_switch.apps.recovery_phases import recovery_phases
 from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
@@ -81,6 +87,34 @@ class _Controller:
         return {"phy2log": target.tolist(), "commit_step": commit}
 
 
+def _start_standby(cluster, config: DemoConfig) -> dict:
+    """A warm standby started, imported and loaded now (before the death it will replace)."""
+    standby = cluster.start_standby()
+    standby["prepared"] = cluster.run_standby(rank_standby, config, timeout_s=120)
+    return standby
+
+
+def _replace(cluster, config: DemoConfig, checkpoint: str, kill, standby, clocks: dict) -> dict:
+    """Start `kill.rank`'s replacement (respawned, or the standby assigned), build it and admit it: its recovery."""
+    replace_started = time.perf_counter()
+    if standby is not None:
+        standby["assigned"] = cluster.assign_standby(kill.rank)
+        spawned = standby
+    else:
+        spawned = cluster.respawn(kill.rank)
+    check_outcomes(cluster.run(rank_setup, config, checkpoint, ranks=[kill.rank], timeout_s=120))
+    readmits = check_outcomes(cluster.run(rank_readmit, kill.rank, timeout_s=120))
+    joined = readmits[kill.rank]["timings"]
+    clocks.update(killed_at=float(cluster.store.get("world/demo/killed_at").decode()), started=spawned,
+                  replacement=joined, kind=config.replacement,
+                  members=[r["timings"] for i, r in enumerate(readmits) if i != kill.rank])
+    return {"rank": kill.rank, "killed_at_step": kill.step, "covered": kill.covered,
+            "replace_seconds": time.perf_counter() - replace_started, "view": readmits[0]["view"],
+            "restored": joined["restore"], "coverage_step": kill.coverage_step,
+            "death_to_full_coverage_s": None if kill.coverage_at is None else kill.coverage_at - clocks["killed_at"],
+            "_clocks": clocks}
+
+
 def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
     """Run the demo and return its metrics (also written to `config.out_dir/metrics.json`).
 
@@ -89,9 +123,15 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
         stream: where the progress line and the summary go.
 
     Returns:
-        metrics: dict with "steps" (per step: requests, layout, seconds, balancedness, calc_diff),
-            "events" (switches, rebalances, the kill and the rejoin), "phases", "recovery",
-            "correct" and "wall_seconds".
+        metrics: dict with "steps" (per step: requests, layout, seconds, balancedness, calc_diff,
+            lost top-k contributions, "reference_skipped" (the most (layer, expert) pairs a rank's
+            reference left out: 0 = checked against the full reference), the deadline, ranks masked
+            while alive), "events" (switches,
+            rebalances, the kills, stalls and rejoins), "phases", "recoveries" (one per kill, in order),
+            "recovery" (the last of them, or None), "stalls", "correct" and "wall_seconds".
+
+    Raises:
+        ValueError: a bad setting (named): request counts, kill steps, the replacement kind.
     """
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -99,16 +139,15 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
         raise ValueError(f"low_requests/burst_requests: expected multiples of num_ranks={config.num_ranks}, got "
                          f"{config.low_requests}/{config.burst_requests}")
     control = _Controller(config)
-    if config.kill_step >= 0 and control.trace[config.kill_step] < config.switch_threshold:
-        raise ValueError(f"kill_step: expected a step inside the burst (EP layout), got {config.kill_step}")
+    kills = plan_kills(config, control.trace)
+    if config.replacement not in REPLACEMENTS:
+        raise ValueError(f"replacement: expected one of {REPLACEMENTS}, got {config.replacement!r}")
     where = "rank processes on GPU 0" if config.transport == "cuda" else "CPU ranks"
     print(f"mooncake_ep_switch demo: {config.num_ranks} {where}, {config.layers} MoE layers x {config.experts} "
           f"experts (top-{config.top_k}, hidden {config.hidden}), {config.steps} decode steps, "
           f"{config.low_requests} -> {config.burst_requests} -> {config.low_requests} requests", file=stream)
-    steps, events, recovery, switches, rebalances = [], [], None, [], []
+    steps, events, switches, rebalances, stalls = [], [], [], [], []
     terminal = stream.isatty()  # a terminal gets one line rewritten in place; a log a line every few steps
-    if config.replacement not in REPLACEMENTS:
-        raise ValueError(f"replacement: expected one of {REPLACEMENTS}, got {config.replacement!r}")
     scratch = tempfile.TemporaryDirectory(prefix="mep_demo_")  # the checkpoint a replacement loads
     checkpoint = os.path.join(scratch.name, "weights.pt")
     with scratch, LocalCluster(config.num_ranks, preload=True, preload_replacements=config.replacement == "forked",
@@ -117,16 +156,14 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
         store = host if port is None else f"tcp://{host}:{port}"
         print(f"control-plane store: {store}" + (" (3 local etcd members)" if cluster.etcd else ""), file=stream)
         transport = check_outcomes(cluster.run(rank_setup, config, checkpoint, timeout_s=120))[0]
-        standby, kill_rank, coverage_step, coverage_at = None, config.kill_rank, None, None
-        if config.replacement == "standby" and config.kill_step >= 0:  # started, imported and loaded before any death
-            standby = cluster.start_standby()
-            standby["prepared"] = cluster.run_standby(rank_standby, config, timeout_s=120)
+        standby = _start_standby(cluster, config) if config.replacement == "standby" and kills else None
+        pending, unmask, clocks = None, [], {}  # the kill whose replacement has not served a full step yet
         for step in range(config.steps):
             requests = control.trace[step]
             decision = control.policy.observe(step, requests)
-            dead_now = config.kill_step >= 0 and config.kill_step < step <= config.kill_step + config.replace_after
+            window = any(k.window(step) for k in kills)
             if decision.target is not None:
-                if step <= control.rebalance_until or dead_now:  # never under a rebalance in flight or with a rank dead
+                if step <= control.rebalance_until or window:  # never under a rebalance in flight or with a rank dead
                     control.policy.set_layout(control.layout)
                 else:
                     reports = check_outcomes(cluster.run(rank_switch, decision.target, timeout_s=120))
@@ -137,25 +174,39 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
                     moved = sum(r["weight_bytes"] for r in reports)
                     switches.append({"step": step, "target": decision.target, "ms": ms, "weight_bytes": moved})
                     events.append({"step": step, "kind": "switch", "label": f"-> {decision.target.upper()} {ms:.0f} ms"})
-            window = config.kill_step >= 0 and config.kill_step < step <= config.kill_step + config.replace_after
-            plan = control.plan(step) if transport == "shm" and not window and step != config.kill_step else None
-            command = {"requests": requests, "rebalance": plan, "kill_rank": kill_rank}
-            if step == config.kill_step and config.kill_covered:
-                command["kill_rank"] = kill_rank = covered_rank(control.phy2log, config)
-            if window and step == config.kill_step + 1 and config.replace_after >= 2 and transport == "shm":
-                command["coverage"] = coverage_step = coverage_commit(control.phy2log, config, kill_rank, step)
-            serving = [r for r in range(config.num_ranks) if not window or r != kill_rank]
+            kill = next((k for k in kills if k.step == step), None)
+            plan = control.plan(step) if transport == "shm" and not window and kill is None else None
+            timeout_us = step_timeout_us(config, [s["seconds"] for s in steps])
+            command = {"requests": requests, "rebalance": plan, "timeout_us": timeout_us, "unmask": unmask}
+            if kill is not None:
+                if kill.covered and kill is not kills[-1]:  # the covered kill before the main one
+                    kill.rank = covered_kill_rank(control.phy2log, config, config.kill_rank)
+                else:
+                    kill.rank = (covered_rank if kill.covered else only_copy_rank)(control.phy2log, config)
+                if kill.rank is None:  # no rank has all its experts covered: this kill is left out
+                    kill.skipped = True
+                    print(f"  (step {step}: no rank has a live copy of all its experts elsewhere with "
+                          f"{config.redundant_per_rank} redundant experts per rank; the covered kill is left out)",
+                          file=stream)
+                else:
+                    command["kill_rank"] = kill.rank
+            down = next((k for k in kills if k.window(step)), None)  # the kill whose rank is down this step
+            if down is not None and step == down.step + 1 and down.replace_after >= 2 and transport == "shm":
+                command["coverage"] = down.coverage_step = coverage_commit(control.phy2log, config, down.rank, step)
+            serving = [r for r in range(config.num_ranks) if down is None or r != down.rank]
             outcomes = cluster.run(rank_step, step, command, timeout_s=120, failure_grace_s=60, ranks=serving)
             stepped_at = time.time()
-            if step == config.kill_step:
-                events.append({"step": step, "kind": "kill", "label": f"rank {kill_rank} SIGKILL"})
-                values = check_outcomes([o for o in outcomes if o.rank != kill_rank])
-                if config.replace_after:
-                    cluster.accept_dead(kill_rank)  # the survivors serve on without it
+            if kill is not None and not kill.skipped:
+                what = "covered" if kill.covered else "only copies"
+                events.append({"step": step, "kind": "kill", "label": f"rank {kill.rank} SIGKILL ({what})"})
+                values = check_outcomes([o for o in outcomes if o.rank != kill.rank])
+                if kill.replace_after:
+                    cluster.accept_dead(kill.rank)  # the survivors serve on without it
             else:
                 values = check_outcomes(outcomes)
             for outcome, value in zip([o for o in outcomes if o.ok], values):
                 value["rank"] = outcome.rank
+            current = next((k for k in kills if k.step == step or k.window(step)), None)
             for report in values[0]["reports"]:
                 moved = sum(r["moved_bytes"] for v in values for rr in [v["reports"]] for r in rr
                             if r["epoch"] == report["epoch"])
@@ -163,73 +214,78 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
                                    "outcome": report["outcome"], "moved_bytes": moved,
                                    "stall_ms": max(r["stall_ms"] for v in values for r in v["reports"]
                                                    if r["epoch"] == report["epoch"])})
-                what = "coverage" if step == coverage_step else "EPLB"
+                what = "coverage" if current is not None and step == current.coverage_step else "EPLB"
                 events.append({"step": step, "kind": "rebalance",
                                "label": f"{what} {report['outcome']} L{report['layers']} {moved / 2**20:.1f} MiB"})
                 if what == "coverage" and report["outcome"] == "committed":  # death -> every expert covered again
-                    coverage_at = max(r["at"] for v in values for r in v["reports"] if r["epoch"] == report["epoch"])
+                    current.coverage_at = max(r["at"] for v in values for r in v["reports"]
+                                              if r["epoch"] == report["epoch"])
             if values[0]["phy2log"] is not None:
                 control.phy2log = np.asarray(values[0]["phy2log"])
             layout = values[0]["layout"]
+            dead = sorted({r for v in values for r in v["dead"]})
+            stalled = stalled_ranks(dead, kills, step)  # masked while alive (late past the deadline): a stall
+            if stalled:
+                stalls.append({"step": step, "ranks": stalled, "timeout_s": timeout_us / 1e6})
+                events.append({"step": step, "kind": "stall", "label": f"rank(s) {stalled} stalled"})
+            # served again from the next step (the collective fallback moves to a view without them instead)
+            unmask = stalled if transport != "collective" else []
             balanced = None
             if layout == LAYOUT_EP and values[0]["counts"] is not None:
                 balanced = balancedness([v["counts"] for v in values], config.layers)
-                if len(values) == config.num_ranks:
+                if len(values) == config.num_ranks and not dead:
                     control.record(values)
             step_seconds = max(v["seconds"] for v in values)
-            worst = max(v["diff"] for v in values)
-            dead = sorted({r for v in values for r in v["dead"]})
             lost = [v["lost"] for v in values if v.get("lost") is not None]
             steps.append({"step": step, "requests": requests, "layout": layout, "seconds": step_seconds,
                           "lost_contributions": sum(lost) if lost else None,
-                          "tokens": requests, "balancedness": balanced, "max_calc_diff": worst,
-                          "dead_ranks": dead, "ranks_serving": len(values)})
-            if recovery is not None and "first_full_step" not in recovery and not dead and len(values) == config.num_ranks:
+                          "reference_skipped": max(v["skipped"] for v in values),
+                          "tokens": requests, "balancedness": balanced, "max_calc_diff": max(v["diff"] for v in values),
+                          "dead_ranks": dead, "stalled_ranks": stalled, "timeout_s": timeout_us / 1e6,
+                          "ranks_serving": len(values)})
+            if pending is not None and "first_full_step" in pending.recovery:
+                pending = None
+            if pending is not None and not dead and len(values) == config.num_ranks:
+                recovery = pending.recovery
                 recovery["first_full_step"] = step
                 recovery["interruption_seconds"] = time.perf_counter() - recovery.pop("_failed_at")
                 recovery.update(recovery_phases(first_full_at=time.time(), **recovery.pop("_clocks")))
-            if step == config.kill_step:
+                pending = None
+            if kill is not None and not kill.skipped:
+                clocks = {"detected_at": max(v["served_at"] for v in values)}
                 failed_at = time.perf_counter() - step_seconds
-                detected_at = max(v["served_at"] for v in values)
-            if config.kill_step >= 0 and step == config.kill_step + config.replace_after:
-                replace_started = time.perf_counter()
+                seen = dead
+            replacing = next((k for k in kills if not k.skipped and step == k.step + k.replace_after), None)
+            if replacing is not None:
+                clocks["stepped_at"] = stepped_at
+                replacing.recovery = _replace(cluster, config, checkpoint, replacing, standby, clocks)
+                replacing.recovery.update(survivors_saw_dead=seen, replaced_after_step=step, _failed_at=failed_at)
+                pending = replacing
+                events.append({"step": step, "kind": "rejoin", "label": f"rank {replacing.rank} rejoined "
+                                                                        f"{replacing.recovery['replace_seconds']:.1f} s"})
                 if standby is not None:
-                    standby["assigned"] = cluster.assign_standby(kill_rank)
-                    spawned = standby
-                else:
-                    spawned = cluster.respawn(kill_rank)
-                check_outcomes(cluster.run(rank_setup, config, checkpoint, ranks=[kill_rank], timeout_s=120))
-                readmits = check_outcomes(cluster.run(rank_readmit, kill_rank, timeout_s=120))
-                joined = readmits[kill_rank]["timings"]
-                clocks = {"killed_at": float(cluster.store.get("world/demo/killed_at").decode()),
-                          "detected_at": detected_at, "stepped_at": stepped_at, "started": spawned,
-                          "replacement": joined, "kind": config.replacement,
-                          "members": [r["timings"] for i, r in enumerate(readmits) if i != kill_rank]}
-                recovery = {"rank": kill_rank, "killed_at_step": config.kill_step,
-                            "survivors_saw_dead": steps[config.kill_step]["dead_ranks"],
-                            "replace_seconds": time.perf_counter() - replace_started, "view": readmits[0]["view"],
-                            "replaced_after_step": step, "restored": joined["restore"], "_failed_at": failed_at,
-                            "coverage_step": coverage_step,
-                            "death_to_full_coverage_s": None if coverage_at is None else coverage_at - clocks["killed_at"],
-                            "_clocks": clocks}
-                events.append({"step": step, "kind": "rejoin",
-                               "label": f"rank {kill_rank} rejoined {recovery['replace_seconds']:.1f} s"})
+                    standby = _start_standby(cluster, config) if any(k.step > step for k in kills) else None
+            worst = steps[-1]["max_calc_diff"]
             line = (f"  step {step + 1}/{config.steps}  {layout.upper()}  {requests:4d} req  "
                     f"{requests / step_seconds:8.0f} tok/s  calc_diff {worst:.1e}  ranks {len(values)}")
             if terminal:
                 print(f"\r{line}   ", end="", file=stream, flush=True)
-            elif step % PROGRESS_EVERY == PROGRESS_EVERY - 1 or dead or step == config.kill_step or \
+            elif step % PROGRESS_EVERY == PROGRESS_EVERY - 1 or dead or kill is not None or \
                     step == config.steps - 1:
                 print(line, file=stream, flush=True)  # a log gets a line every few steps, and every event
         if terminal:
             print(file=stream)
         check_outcomes(cluster.run(rank_teardown, timeout_s=60))
-    if recovery is not None:
+    recoveries = [k.recovery for k in kills if k.recovery is not None]
+    for recovery in recoveries:
         recovery.pop("_failed_at", None)
         recovery.pop("_clocks", None)
-    worst = max(s["max_calc_diff"] for s in steps)
+    checked = [s["max_calc_diff"] for s in steps if not s["stalled_ranks"]]
+    worst = max(checked, default=0.0)
     metrics = {"config": config._asdict(), "transport": transport, "store": store, "steps": steps, "events": events,
-               "switches": switches, "rebalances": rebalances, "recovery": recovery, "max_calc_diff": worst,
+               "switches": switches, "rebalances": rebalances, "recoveries": recoveries,
+               "recovery": recoveries[-1] if recoveries else None, "stalls": stalls, "max_calc_diff": worst,
+               "stalled_max_calc_diff": max((s["max_calc_diff"] for s in steps if s["stalled_ranks"]), default=None),
                "correct": worst < CHECK_LIMIT, "phases": phases_of(steps, config)}
     metrics["wall_seconds"] = time.perf_counter() - started
     os.makedirs(config.out_dir, exist_ok=True)

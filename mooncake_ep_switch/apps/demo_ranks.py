@@ -36,9 +36,15 @@ class DemoConfig(NamedTuple):
         rebalance_after: EP steps of recorded load before each rebalance.
         transport: Buffer transport.
         out_dir: where metrics.json and timeline.png are written.
-        kill_step: decode step at which `kill_rank` is SIGKILLed and then replaced (-1: no failure).
-        kill_rank: the rank that dies.
-        timeout_us: per-call deadline of dispatch/combine/all-reduce (how fast a dead rank is noticed).
+        kill_step: decode step at which a rank is SIGKILLed and then replaced (-1: no failure at all).
+        kill_rank: the rank that dies at `kill_step` when it holds the only copy of some expert (else the
+            lowest rank that does; `kill_covered` chooses otherwise).
+        covered_kill_step: an earlier step at which a rank all of whose experts have a live copy on another
+            rank is SIGKILLed (the highest such rank other than 0 and `kill_rank`), served without for one
+            step and replaced before `kill_step` (-1: none). `apps.demo_kills`.
+        timeout_us: the floor of the per-step deadline of dispatch/combine/all-reduce (the controller scales
+            it with the measured step time, `demo_kills.step_timeout_us`; a dead rank is noticed within
+            milliseconds by the peer watcher whatever the deadline, a live but late one is masked at it).
         replacement: how the killed rank's replacement starts: "forked" (default: a process started after the
             death, forked from a server that imported torch and the package when the cluster started),
             "spawn" (a fresh interpreter started after the death: its imports count) or "standby" (a warm
@@ -74,6 +80,7 @@ class DemoConfig(NamedTuple):
     replace_after: int = 0
     kill_covered: bool = False
     store: str = "tcp"
+    covered_kill_step: int = -1
 
 
 _RANK_STATE = {}
@@ -298,7 +305,7 @@ def _ep_forward(ctx, x):
         for layer, router in enumerate(state["routers"]):
             gate_up, down = state["unified"].view(layer, LAYOUT_EP)
             out = ep_forward_local(buffer, out, router, gate_up, down, config.top_k, tokens, active,
-                                   timeout_us=config.timeout_us)
+                                   timeout_us=state["timeout_us"])
         return out, None, None
     counts, rows = [], []
     state["masked_by_layer"] = masked = []  # the ranks masked before each layer's round (the reference's skips)
@@ -307,7 +314,7 @@ def _ep_forward(ctx, x):
         row = state["memory"].dispatch_row(layer)
         # fault-aware: entries of an expert with a live copy go to a live copy when this rank's mask says so
         out, count = physical_ep_forward(buffer, out, router, slots, layer, config.top_k, tokens, active, row,
-                                         timeout_us=config.timeout_us, fault_aware=True)
+                                         timeout_us=state["timeout_us"], fault_aware=True)
         counts.append(count.tolist())
         rows.append(row)
     return out, counts, rows
@@ -322,6 +329,7 @@ def _ep_reference(ctx, x, rows, dead):
     state = _RANK_STATE
     config = state["config"]
     reference = x
+    state["skipped"] = 0  # (layer, expert) pairs the reference leaves out: 0 means the full reference
     for layer, weights in enumerate(state["weights"]):
         masked = state["masked_by_layer"][layer] if rows is not None else []
         if rows is None:
@@ -335,6 +343,7 @@ def _ep_reference(ctx, x, rows, dead):
         else:
             per_rank = state["slots"].shape.slots_per_rank
             skip = {e for e in range(config.experts) if int(rows[layer][e]) // per_rank in dead}
+        state["skipped"] += len(skip)
         reference = reference_forward(reference, weights, config.top_k, skip_experts=skip)
     return reference
 
@@ -342,18 +351,22 @@ def _ep_reference(ctx, x, rows, dead):
 def rank_step(ctx, step: int, command: dict):
     """Serve one decode step in the current layout and check it against the reference forward.
 
-    At `config.kill_step` the `config.kill_rank` SIGKILLs itself here. In EP, a rebalance is begun
+    The rank `command["kill_rank"]` names SIGKILLs itself here. In EP, a rebalance is begun
     (when `command` carries one) and advanced by one step before serving.
 
     Arguments:
         ctx: the `launch.RankContext`.
         step: decode step number.
         command: dict with `"requests"` (int, in flight over all ranks) and optionally
-            `"rebalance"` (dict with `"phy2log"` `[L, R * slots_per_rank]` and `"commit_step"`).
+            `"rebalance"` (dict with `"phy2log"` `[L, R * slots_per_rank]` and `"commit_step"`),
+            `"coverage"` (the commit step of a coverage epoch to begin), `"kill_rank"` (the rank that
+            dies now), `"timeout_us"` (this step's deadline) and `"unmask"` (ranks masked while alive
+            in an earlier step: served again from this one).
 
     Returns:
         result: dict with `"seconds"` (float, forward time), `"diff"` (float, DeepEP-style
-            difference against the reference), `"tokens"` (int, this rank's), `"dead"` (list of
+            difference against the reference), `"skipped"` (int, (layer, expert) pairs that reference
+            left out: 0 for the full reference), `"tokens"` (int, this rank's), `"dead"` (list of
             int ranks found inactive), `"layout"`, `"counts"` (per layer, tokens per local
             physical slot, or None), `"reports"` (list of `RebalanceReport` dicts) and
             `"phy2log"` (nested list, or None).
@@ -364,10 +377,13 @@ def rank_step(ctx, step: int, command: dict):
 
     state = _RANK_STATE
     config, unified = state["config"], state["unified"]
-    if step == config.kill_step and ctx.rank == command.get("kill_rank", config.kill_rank):
+    if ctx.rank == command.get("kill_rank"):
         ctx.store.set("demo/killed_at", repr(time.time()))  # the wall clock of the death, for the phases
         os.kill(os.getpid(), signal.SIGKILL)  # the failure the demo survives
     rebalancer, active = state["rebalancer"], state["active"]
+    for rank in command.get("unmask", ()):  # masked while alive (a stall): the controller lets it serve again
+        active[rank] = 1
+    state["timeout_us"] = command.get("timeout_us", config.timeout_us)
     reports = []
     if rebalancer is not None and command.get("rebalance"):
         plan = command["rebalance"]
@@ -381,6 +397,7 @@ def rank_step(ctx, step: int, command: dict):
     if rebalancer is not None and unified.layout == LAYOUT_EP:
         reports = [dict(r._asdict(), at=time.time()) for r in rebalancer.step(step, active)]
     requests = command["requests"]
+    state["skipped"] = 0
     start = time.perf_counter()
     counts = lost = None
     if unified.layout == LAYOUT_EP:
@@ -400,7 +417,7 @@ def rank_step(ctx, step: int, command: dict):
         for layer, router in enumerate(state["routers"]):
             gate_up, down = unified.view(layer, LAYOUT_TP)
             out = tp_forward(state["all_reduce"], out, router, gate_up, down, config.top_k, active,
-                             timeout_us=config.timeout_us)
+                             timeout_us=state["timeout_us"])
         seconds = _finished(start)
         served_at = time.time()
         dead = [r for r in range(ctx.num_ranks) if not int(active[r])]
@@ -410,12 +427,12 @@ def rank_step(ctx, step: int, command: dict):
     for report in reports:
         report["layers"] = list(report["layers"])
     return {"seconds": seconds, "served_at": served_at, "diff": calc_diff(out.cpu(), reference), "tokens": x.size(0),
-            "dead": dead, "lost": lost if unified.layout == LAYOUT_EP else None,
+            "dead": dead, "lost": lost if unified.layout == LAYOUT_EP else None, "skipped": state["skipped"],
             "layout": unified.layout, "counts": counts, "reports": reports,
             "phy2log": state["slots"].phy2log.tolist() if state["slots"] is not None else None}
 
 
-def _uncovered_without(phy2log: np.ndarray, config: DemoConfig, rank: int) -> dict:
+def uncovered_without(phy2log: np.ndarray, config: DemoConfig, rank: int) -> dict:
     """{layer: experts} with no copy outside `rank` in `phy2log` (`eplb.coverage.uncovered_experts`)."""
     from mooncake_ep_switch.eplb.coverage import uncovered_experts
 
@@ -427,12 +444,12 @@ def _uncovered_without(phy2log: np.ndarray, config: DemoConfig, rank: int) -> di
 
 def covered_rank(phy2log: np.ndarray, config: DemoConfig) -> int:
     """The lowest rank all of whose experts have a copy on another rank; `config.kill_rank` when none has."""
-    return next((r for r in range(config.num_ranks) if not _uncovered_without(phy2log, config, r)), config.kill_rank)
+    return next((r for r in range(config.num_ranks) if not uncovered_without(phy2log, config, r)), config.kill_rank)
 
 
 def coverage_commit(phy2log: np.ndarray, config: DemoConfig, dead: int, step: int):
     """The commit step of a coverage epoch begun at `step` (the next one), or None when nothing is uncovered."""
-    return step + 1 if _uncovered_without(phy2log, config, dead) else None
+    return step + 1 if uncovered_without(phy2log, config, dead) else None
 
 
 def _finished(start: float) -> float:

@@ -78,32 +78,50 @@ def summary(metrics, config: DemoConfig, stream) -> None:
         print(f"  EPLB rebalance       step {rebalance['step']}: epoch {rebalance['epoch']} layers {rebalance['layers']} "
               f"{rebalance['outcome']}, {rebalance['moved_bytes'] / 2**20:.2f} MiB moved, commit stall "
               f"{rebalance['stall_ms']:.1f} ms", file=stream)
-    recovery = metrics["recovery"]
-    if recovery is not None:
-        print(f"  failure              rank {recovery['rank']} SIGKILLed at step {recovery['killed_at_step']}; "
-              f"survivors served it without rank(s) {recovery['survivors_saw_dead']}", file=stream)
-        print(f"  recovery             replacement joined, view {recovery['view']}, in "
-              f"{recovery['replace_seconds']:.2f} s; interruption (failure -> first full step "
-              f"{recovery.get('first_full_step')}) {recovery.get('interruption_seconds', float('nan')):.2f} s",
-              file=stream)
-        if "phases" in recovery:
-            for line in phase_lines(recovery):
-                print(line, file=stream)
-        lost = [(s["step"], s["lost_contributions"]) for s in metrics["steps"]
-                if s["lost_contributions"] is not None and recovery["killed_at_step"] <= s["step"]
-                <= recovery.get("first_full_step", recovery["killed_at_step"])]
-        if lost:
-            print("  lost top-k           contributions whose expert had no live copy (tokens x entries), per step: "
-                  + ", ".join(f"step {step} {count}" for step, count in lost), file=stream)
-        if recovery.get("death_to_full_coverage_s") is not None:
-            print(f"  coverage restored    step {recovery['coverage_step']}: every expert has a live copy again, "
-                  f"{recovery['death_to_full_coverage_s']:.2f} s after the death (coverage epoch, weights from the "
-                  "loader: no live rank held them)", file=stream)
+    recoveries = metrics.get("recoveries") or ([metrics["recovery"]] if metrics.get("recovery") else [])
+    for number, recovery in enumerate(recoveries, 1):
+        _recovery_lines(metrics, recovery, f" {number}" if len(recoveries) > 1 else "", stream)
+    for stall in metrics.get("stalls", []):
+        print(f"  stall                step {stall['step']}: rank(s) {stall['ranks']} masked while alive (late past the "
+              f"{stall['timeout_s']:.1f} s deadline: a loaded machine); unmasked for the next step, the step's "
+              "outputs reported apart, not judged", file=stream)
     print("  note                 the switch threshold is a setting here: on this CPU the EP step is faster at every "
           "load; the TP/EP crossover is a GPU effect (see `mooncake-ep simulate`)", file=stream)
+    stalled = "" if metrics.get("stalled_max_calc_diff") is None else \
+        f"; steps with a stall: max calc_diff {metrics['stalled_max_calc_diff']:.2e}, not judged"
     print(f"  correctness          max calc_diff {metrics['max_calc_diff']:.2e} vs single-process reference "
-          f"(limit {CHECK_LIMIT:.0e}): {'PASS' if metrics['correct'] else 'FAIL'}", file=stream)
+          f"(limit {CHECK_LIMIT:.0e}){stalled}: {'PASS' if metrics['correct'] else 'FAIL'}", file=stream)
     print(f"  metrics              {os.path.join(config.out_dir, 'metrics.json')}", file=stream)
     if metrics.get("timeline"):
         print(f"  timeline             {metrics['timeline']}", file=stream)
     print(f"  wall time            {metrics['wall_seconds']:.1f} s", file=stream)
+
+
+def _recovery_lines(metrics, recovery, number: str, stream) -> None:
+    """One kill's lines: the failure, the recovery and its phases, lost top-k contributions, coverage."""
+    what = ("every expert it held had a live copy elsewhere" if recovery.get("covered") else
+            "it held the only copy of some experts")
+    print(f"  failure{number:<14s}rank {recovery['rank']} SIGKILLed at step {recovery['killed_at_step']} ({what}); "
+          f"survivors served it without rank(s) {recovery['survivors_saw_dead']}", file=stream)
+    print(f"  recovery{number:<13s}replacement joined, view {recovery['view']}, in "
+          f"{recovery['replace_seconds']:.2f} s; interruption (failure -> first full step "
+          f"{recovery.get('first_full_step')}) {recovery.get('interruption_seconds', float('nan')):.2f} s",
+          file=stream)
+    if "phases" in recovery:
+        for line in phase_lines(recovery):
+            print(line, file=stream)
+    lost = [(s["step"], s["lost_contributions"]) for s in metrics["steps"]
+            if s["lost_contributions"] is not None and recovery["killed_at_step"] <= s["step"]
+            <= recovery.get("first_full_step", recovery["killed_at_step"])]
+    if lost:
+        print(f"  lost top-k{number:<11s}contributions whose expert had no live copy (tokens x entries), per step: "
+              + ", ".join(f"step {step} {count}" for step, count in lost)
+              + (" (the kill step's rounds ran before the death was known)" if recovery.get("covered") else ""),
+              file=stream)
+    if recovery.get("death_to_full_coverage_s") is not None:
+        print(f"  coverage restored{number:<4s}step {recovery['coverage_step']}: every expert has a live copy again, "
+              f"{recovery['death_to_full_coverage_s']:.2f} s after the death (coverage epoch, weights from the "
+              "loader: no live rank held them)", file=stream)
+    elif recovery.get("covered"):
+        print(f"  coverage{number:<13s}never lost: every expert of rank {recovery['rank']} had a live copy, served "
+              "from it from the step after the death", file=stream)

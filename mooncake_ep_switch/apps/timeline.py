@@ -8,11 +8,14 @@ Input (what the demo writes into its metrics)::
     metrics["events"]: [{"step": int, "kind": str, "label": str}, ...]   # optional
     metrics["recovery"]: {"phases": [{"phase": str, "start_s": float, "seconds": float}, ...],
                           "in_advance": [...]}                       # optional: the wall-clock panel
+    metrics["recoveries"]: [recovery, ...]   # optional, instead: one per kill, all in the wall-clock panel
+    (steps may also carry "lost_contributions": int | None, drawn as bars in their own panel)
 
 Event kinds with their own colour: ``switch``, ``rebalance``, ``kill``, ``rejoin`` (others are
 grey); labels of events at one step stand side by side. A panel whose key no step carries says
 "n/a". With recovery phases, a last panel shows them on the wall clock from the death (seconds),
-a warm standby's phases before the death at negative times. Needs matplotlib (the ``plot`` extra); the
+a warm standby's phases before the death at negative times (with several kills, each kill's phases
+from its own death, named "kill N: ..."). Needs matplotlib (the ``plot`` extra); the
 Agg backend is used, no display.
 """
 import math
@@ -58,7 +61,7 @@ def _validated(metrics: Mapping) -> Dict[str, Any]:
     steps = _entries(metrics, "steps", required=True)
     if not steps:
         raise ValueError("metrics['steps'] must hold at least one step, got an empty list")
-    x, seconds, requests, layout, balance = [], [], [], [], []
+    x, seconds, requests, layout, balance, lost = [], [], [], [], [], []
     for i, s in enumerate(steps):
         for key in ("step", "seconds"):
             if key not in s:
@@ -73,6 +76,8 @@ def _validated(metrics: Mapping) -> Dict[str, Any]:
         layout.append(math.nan if lay is None else LAYOUT_LEVELS[lay])
         b = s.get("balancedness")
         balance.append(math.nan if b is None else _number(b, _where(i, "balancedness")))
+        n = s.get("lost_contributions")
+        lost.append(math.nan if n is None else _number(n, _where(i, "lost_contributions"), integer=True))
     events = []
     for i, e in enumerate(_entries(metrics, "events", required=False)):
         for key in ("step", "kind"):
@@ -86,19 +91,27 @@ def _validated(metrics: Mapping) -> Dict[str, Any]:
             raise TypeError(f"{_where(i, 'label', 'events')} must be a str, got {type(label).__name__} {label!r}")
         events.append((_number(e["step"], _where(i, "step", "events"), integer=True), kind, label))
     phases = []
-    recovery = metrics.get("recovery")
-    if isinstance(recovery, Mapping):
+    recoveries = [(f"metrics['recoveries'][{i}]", r) for i, r in enumerate(_entries(metrics, "recoveries", False))]
+    if not recoveries and isinstance(metrics.get("recovery"), Mapping):
+        recoveries = [("metrics['recovery']", metrics["recovery"])]
+    coverage = []  # (kill number, seconds from its death to full coverage)
+    for number, (name, recovery) in enumerate(recoveries, 1):
+        prefix = f"kill {number}: " if len(recoveries) > 1 else ""
+        if recovery.get("death_to_full_coverage_s") is not None:
+            coverage.append((number, _number(recovery["death_to_full_coverage_s"],
+                                             f"{name}['death_to_full_coverage_s']")))
         for key in ("in_advance", "phases"):
             for i, p in enumerate(_entries(recovery, key, required=False)):
-                where = f"metrics['recovery'][{key!r}][{i}]"
+                where = f"{name}[{key!r}][{i}]"
                 if not isinstance(p.get("phase"), str):
                     raise TypeError(f"{where}['phase'] must be a str, got {p.get('phase')!r}")
-                phases.append((p["phase"], _number(p.get("start_s"), f"{where}['start_s']"),
-                               _number(p.get("seconds"), f"{where}['seconds']"), key == "in_advance"))
+                phases.append((prefix + p["phase"], _number(p.get("start_s"), f"{where}['start_s']"),
+                               _number(p.get("seconds"), f"{where}['seconds']"), key == "in_advance", number))
     order = sorted(range(len(x)), key=x.__getitem__)
     pick = lambda values: [values[j] for j in order]  # noqa: E731
     return {"step": pick(x), "seconds": pick(seconds), "requests": pick(requests), "layout": pick(layout),
-            "balancedness": pick(balance), "events": sorted(events), "phases": phases}
+            "balancedness": pick(balance), "lost": pick(lost), "events": sorted(events), "phases": phases,
+            "coverage": coverage}
 
 
 def plot_demo_timeline(metrics: Mapping, path: str) -> str:
@@ -106,14 +119,17 @@ def plot_demo_timeline(metrics: Mapping, path: str) -> str:
 
     Panels share the step axis: in-flight request count, layout (a step line, TP low, EP high),
     step latency in ms, EPLB balancedness (mean GPU load / max GPU load, 1 = perfectly
-    balanced). Every event is a vertical line through all panels, coloured by kind and labelled at
+    balanced), and, when steps carry them, the top-k contributions lost per step (bars). With
+    recovery phases a last panel puts them on the wall clock from the death. Every event is a vertical line through all panels, coloured by kind and labelled at
     the top. Steps are drawn in step order whatever their order in the list.
 
     Arguments:
         metrics: a dict with ``"steps"`` (required: a non-empty list of dicts with ``"step"`` int
             and ``"seconds"`` float; optional ``"requests"`` int, ``"layout"`` ``"ep"``/``"tp"``,
-            ``"balancedness"`` float or None) and ``"events"`` (optional: a list of dicts with
-            ``"step"`` int, ``"kind"`` str, ``"label"`` str, the label defaulting to the kind).
+            ``"balancedness"`` float or None, ``"lost_contributions"`` int or None), ``"events"``
+            (optional: a list of dicts with ``"step"`` int, ``"kind"`` str, ``"label"`` str, the label
+            defaulting to the kind) and ``"recoveries"`` or ``"recovery"`` (optional, see the module
+            docstring).
         path: the PNG to write.
 
     Returns:
@@ -130,15 +146,21 @@ def plot_demo_timeline(metrics: Mapping, path: str) -> str:
 
     x = data["step"]
     phases = data["phases"]
-    fig = Figure(figsize=(11, 11 if phases else 8.5), constrained_layout=True)
-    FigureCanvasAgg(fig)
-    ratios = (2, 1, 2, 1.5) + ((0.35 * len(phases) + 0.8,) if phases else ())
-    every = fig.subplots(len(ratios), 1, gridspec_kw={"height_ratios": ratios})
-    axes = list(every[:4])
-    for ax in axes[1:]:
-        ax.sharex(axes[0])
     panels = (("requests", "in-flight requests", None), ("layout", "layout", None),
               ("seconds", "step latency (ms)", 1e3), ("balancedness", "balancedness", None))
+    ratios = (2, 1, 2, 1.5)
+    if not all(math.isnan(v) for v in data["lost"]):  # the demo's lost top-k contributions: a panel of bars
+        panels += (("lost", "lost top-k\n(tokens x entries)", None),)
+        ratios += (1.2,)
+    steps_panels = len(panels)
+    fig = Figure(figsize=(11, 0.3 * len(phases) + 10.5 if phases else 8.5 + 1.2 * (steps_panels - 4)),
+                 constrained_layout=True)
+    FigureCanvasAgg(fig)
+    ratios += ((0.3 * len(phases) + 0.8,) if phases else ())
+    every = fig.subplots(len(ratios), 1, gridspec_kw={"height_ratios": ratios})
+    axes = list(every[:steps_panels])
+    for ax in axes[1:]:
+        ax.sharex(axes[0])
     for ax, (key, ylabel, scale) in zip(axes, panels):
         values = data[key]
         ax.set_ylabel(ylabel)
@@ -155,6 +177,12 @@ def plot_demo_timeline(metrics: Mapping, path: str) -> str:
         elif key == "balancedness":
             ax.plot(x, values, marker="o", ms=3, lw=1.0, color="tab:green")
             ax.set_ylim(0.0, 1.05)
+        elif key == "lost":
+            ax.bar(x, [0 if math.isnan(v) else v for v in values], width=0.8, color="tab:red", alpha=0.7)
+            for step, value in zip(x, values):
+                if not math.isnan(value) and value > 0:
+                    ax.annotate(f"{value:.0f}", xy=(step, value), xytext=(0, 2), textcoords="offset points",
+                                ha="center", fontsize=6)
         else:
             ax.plot(x, [v * scale for v in values] if scale else values, marker="o", ms=2.5, lw=1.0,
                     color="tab:orange" if key == "seconds" else "tab:blue")
@@ -175,25 +203,36 @@ def plot_demo_timeline(metrics: Mapping, path: str) -> str:
                        bbox_to_anchor=(1.0, 1.0), title="events", title_fontsize=8)
     axes[0].set_title("demo timeline")
     if phases:
-        _phase_panel(every[-1], phases)
+        _phase_panel(every[-1], phases, data["coverage"])
     fig.savefig(path, dpi=110)
     return path
 
 
-def _phase_panel(ax, phases) -> None:
-    """The recovery's phases as bars on the wall clock from the death (s); the outage (death -> first full
-    step) shaded; a standby's phases before the death in grey."""
+KILL_COLOURS = ("tab:blue", "tab:purple", "tab:cyan", "tab:olive")
+
+
+def _phase_panel(ax, phases, coverage=()) -> None:
+    """The recoveries' phases as bars on the wall clock from each death (s); each outage (death -> first full
+    step) shaded; a standby's phases before the death in grey; a coverage epoch's commit a green line."""
     names = []
-    for row, (name, start, seconds, early) in enumerate(reversed(phases)):
-        colour = "0.6" if early else ("tab:red" if name == "detection" else "tab:blue")
+    for row, (name, start, seconds, early, number) in enumerate(reversed(phases)):
+        colour = "0.6" if early else ("tab:red" if name.endswith("detection") else
+                                      KILL_COLOURS[(number - 1) % len(KILL_COLOURS)])
         ax.broken_barh([(start, max(seconds, 1e-3))], (row - 0.4, 0.8), color=colour, alpha=0.8)
         ax.annotate(f"{seconds * 1e3:.0f} ms", xy=(start + seconds, row), xytext=(3, 0), textcoords="offset points",
                     va="center", fontsize=7)
         names.append(name + (" (before)" if early else ""))
     ax.set_yticks(range(len(names)), names, fontsize=7)
-    end = max(start + seconds for _, start, seconds, early in phases if not early)
-    ax.axvspan(0.0, end, color="tab:red", alpha=0.07, label="outage: death -> first full step")
+    kills = sorted({p[4] for p in phases})
+    for number in kills:
+        ends = [start + seconds for _, start, seconds, early, n in phases if not early and n == number]
+        if ends:
+            ax.axvspan(0.0, max(ends), color=KILL_COLOURS[(number - 1) % len(KILL_COLOURS)], alpha=0.07,
+                       label="outage: death -> first full step" + (f" (kill {number})" if len(kills) > 1 else ""))
     ax.axvline(0.0, color="tab:red", ls="--", lw=1.0)
+    for number, seconds in coverage:
+        ax.axvline(seconds, color="tab:green", ls=":", lw=1.5,
+                   label="every expert covered again" + (f" (kill {number})" if len(kills) > 1 else ""))
     ax.set_xlabel("wall clock from the death (s)")
     ax.set_title("recovery phases", fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
