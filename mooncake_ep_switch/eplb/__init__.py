@@ -12,6 +12,7 @@ from mooncake_ep_switch.eplb.maps import (LiveCopies, build_dispatch_map, live_c
 from mooncake_ep_switch.eplb.online import OnlineRebalancer, RebalanceChunk, RebalanceReport
 from mooncake_ep_switch.eplb.coverage import coverage_placement, restore_coverage, uncovered_experts
 from mooncake_ep_switch.eplb.serving import physical_ep_forward, physical_ep_round
+from mooncake_ep_switch.eplb.shrink_placement import shrink_experts, shrink_placement
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 from mooncake_ep_switch.eplb.policy.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
 from mooncake_ep_switch.eplb.policy.placement import rebalance_experts as place_experts
@@ -51,6 +52,8 @@ __all__ = [
     "placement_from_phy2log",
     "rebalance_experts",
     "restore_coverage",
+    "shrink_experts",
+    "shrink_placement",
     "spread_to_physical",
     "suggest_redundancy",
     "uncovered_experts",
