@@ -18,16 +18,20 @@ Buffer's peer regions, the same on every rank and for a replacement):
     decision/<e % 256>   [epoch, decision]       the decision of chunk epoch `e` (COMMIT 1 / ABORT 2);
                                                  an older epoch's record means "undecided"
     tally/<e>            counter                 votes cast on chunk epoch `e` (`add`, one per vote)
-    done/<e>             "1"                     set by the vote that completes the tally, by an ABORT
-                                                 vote and by the proposal that decides `e`: what a
-                                                 waiting voter checks
+    done/<e>             summary or "1"          set by the vote that completes the tally (a summary: every
+                                                 rank's vote on `e` as `read` reads it, grouped by vote and
+                                                 digest), by an ABORT vote ("1"), and where absent by the
+                                                 proposal that decides `e` and by a voter that stops
+                                                 waiting: what a waiting voter waits for
 
-Store operations per vote are O(1) per rank and round of waiting: a rank creates its own vote key
-only (an absent vote key reads as the initial all-zero record), and while it waits for the others it
-checks the one key `done/<e>` (backoff from 50 us to `POLL_MAX_S`, asking `stop` about dead ranks
-between), reading every vote with one `multi_get` once it is there (or at the deadline), not every
-vote key per round. (Not a blocking `wait`: a TCPStore wait that times out, as one waiting on a
-frozen rank does, was seen to return seconds late on this box, past the operation's store deadline.)
+Store operations per vote are O(1) per rank: a rank creates its own vote key only (an absent vote
+key reads as the initial all-zero record), and while it waits for the others it makes one wait on
+the key `done/<e>` (`membership/key_wait.py`: a blocking wait on a store lane of its own, looked at
+locally while the voter asks `stop` about dead ranks; it never times out in honest use, because a
+voter that stops waiting, at its deadline or for a dead rank, sets `done/<e>` itself). Once it is
+there the voter reads the summary and the decision slot in one round trip (one record instead of R
+votes; the votes themselves, with one `multi_get`, only when the summary does not name every rank
+it waits for, e.g. after an ABORT vote), and its proposal starts from the slot it read.
 The tally is only a wake-up: the vote records decide. The first voter of `e` deletes the keys of
 `e - 256`.
 
@@ -43,11 +47,13 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 from mooncake_ep_switch.buffer.membership.records import RecordStore
 
 DECISION_SLOTS = 256
-POLL_MAX_S = 0.005  # a voter waiting for the others checks done/<e> at least this often (backoff from 50 us)
+POLL_MAX_S = 0.005  # a voter waiting for the others asks `stop` at least this often (backoff from 0.5 ms)
+WAIT_FOREVER_S = 3600.0  # the background wait of a voter without a deadline (renewed when it ends)
 _CAS_ATTEMPTS = 1000  # each failed compare-and-set means another rank stored something: bounded
 VOTE_FIELDS = 8  # epoch, vote, digest and the five plan fields (see the module docstring)
 SUPERSEDED = -1  # `decisions()`: the slot holds a later epoch (this one was decided long ago)
@@ -77,6 +83,7 @@ class Ballot:
         self.num_ranks = num_ranks
         self._there: set = set()  # keys seen to exist (never deleted while this ballot can read them)
         self._votes = False  # prepared with votes: proposals wake the voters (done/<e>)
+        self._slot_seen: Dict[int, bytes] = {}  # epoch -> its decision slot as wait_votes read it (for propose)
 
     @staticmethod
     def _vote_key(rank: int) -> str:
@@ -116,6 +123,7 @@ class Ballot:
         for key in keys:
             initial = [0] * VOTE_FIELDS if key.startswith("vote/") else [0, 0]
             self.store.compare_set(key, "", self._records.encode_record(key, initial))
+        self._there.update(keys)  # created (or found) by the compare-and-set: never deleted
 
     # ------------------------------------------------------------------ votes
     def vote(self, epoch: int, vote: int, digest: int, plan: Tuple[int, ...] = (0, 0, 0, 0, 0),
@@ -138,7 +146,50 @@ class Ballot:
             for old in (f"tally/{epoch - DECISION_SLOTS}", f"done/{epoch - DECISION_SLOTS}"):
                 self.store.delete_key(old)
         if vote != 1 or cast >= (self.num_ranks if voters is None else voters):
-            self.store.set(f"done/{epoch}", "1")  # every vote is in, or an ABORT ends it: wake the voters' wait
+            # Every vote is in, or an ABORT ends it: wake the voters' wait. The vote completing the tally stores the
+            # votes as a waiter would read them (one record, read once by each waiter instead of every vote).
+            key = f"done/{epoch}"
+            self.store.set(key, "1" if vote != 1 else self._records.encode_record(key, self._summary(epoch)))
+
+    def _summary(self, epoch: int) -> dict:
+        """Every rank's vote on `epoch` as `read` reads it, grouped: {"epoch", "groups": [[vote, digest, [ranks]]]}
+        (ranks whose record is of an earlier epoch, or absent, are not in it)."""
+        ranks = list(range(self.num_ranks))
+        keys = [self._vote_key(r) for r in ranks]
+        groups: Dict[Tuple[int, int], List[int]] = {}
+        for rank, key, raw in zip(ranks, keys, self._raws(keys)):
+            if raw is None:
+                continue
+            record = self._decode(key, raw, VOTE_FIELDS)
+            if record is None or record[0] > epoch:
+                groups.setdefault((0, 0), []).append(rank)
+            elif record[0] == epoch:
+                groups.setdefault((record[1], record[2]), []).append(rank)
+        return {"epoch": epoch, "groups": [[vote, digest, members] for (vote, digest), members in groups.items()]}
+
+    def _summarized(self, epoch: int, raw: Optional[bytes], ranks: List[int]) -> Optional[Dict[int, Tuple[int, int]]]:
+        """The votes of `ranks` from the summary `raw` stored at `done/<epoch>`, or None when it is not a valid
+        summary of `epoch` naming a vote of every rank of `ranks` (then the votes are read one by one)."""
+        if raw is None or raw == b"1":
+            return None
+        try:
+            value = self._records._decode(f"done/{epoch}", raw)
+        except MembershipError:
+            return None
+        if not isinstance(value, dict) or value.get("epoch") != epoch or not isinstance(value.get("groups"), list):
+            return None
+        found: Dict[int, Tuple[int, int]] = {}
+        for group in value["groups"]:
+            if not (isinstance(group, list) and len(group) == 3 and _is_int(group[0]) and _is_int(group[1])
+                    and isinstance(group[2], list)):
+                return None
+            for rank in group[2]:
+                if not (_is_int(rank) and rank < self.num_ranks):
+                    return None
+                found[rank] = (group[0], group[1])
+        if any(rank not in found for rank in ranks):
+            return None
+        return {rank: found[rank] for rank in ranks}
 
     def records(self, ranks: List[int]) -> Dict[int, Optional[List[int]]]:
         """The latest vote records of `ranks` as stored, in one store round trip.
@@ -257,7 +308,9 @@ class Ballot:
                 `_CAS_ATTEMPTS` attempts (something other than this job's ranks writes it).
         """
         key = self._decision_key(epoch)
-        raw = self.store.get(key)
+        raw = self._slot_seen.pop(epoch, None)  # the slot as `wait_votes` last read it: a stale one fails the CAS
+        if raw is None:
+            raw = self.store.get(key)
         desired = self._records.encode_record(key, [epoch, decision])
         for _ in range(_CAS_ATTEMPTS):
             stored = self._decision_of(epoch, raw)
@@ -271,7 +324,7 @@ class Ballot:
                 break
             raw = self.store.compare_set(key, expected, desired)
             if self._votes and raw.decode(errors="replace") == desired:
-                self.store.set(f"done/{epoch}", "1")  # decided: wake the voters still waiting
+                self.store.compare_set(f"done/{epoch}", "", "1")  # decided: wake the voters still waiting
         raise RuntimeError(f"{self.what}: the decision slot {self._records.prefix}/{key} of epoch {epoch} holds "
                            f"{bytes(raw[:40])!r} and could not be replaced: something other than this job's ranks "
                            "writes it")
@@ -279,7 +332,7 @@ class Ballot:
     def wait_votes(self, ranks: List[int], epoch: int, timeout_us: int, stop=None) -> Tuple[
             Dict[int, Tuple[int, int]], List[int], Optional[int]]:
         """Wait until every rank of `ranks` voted on `epoch`, it was decided, or the deadline (see the module
-        docstring: a check of `done/<epoch>` per round, the votes read once it is there).
+        docstring: one wait on `done/<epoch>`, then its summary or the votes read once).
 
         Arguments:
             ranks: ranks to wait for.
@@ -294,25 +347,47 @@ class Ballot:
             decided: the stored decision of `epoch` if one was seen, else None.
         """
         deadline = None if timeout_us < 0 else time.monotonic() + timeout_us / 1e6
-        pause, done = 0.00005, False
+        done_key = f"done/{epoch}"
+        # One wait on done/<epoch> (in the background where the store allows: no store operation per round), not a
+        # read of every vote per round; the rounds here only ask `stop` and watch the deadline.
+        waiter = KeyWait(self.store, [done_key], (WAIT_FOREVER_S if deadline is None else timeout_us / 1e6) + 1.0)
+        pause, done, summary_read = 0.0005, False, False
         while True:
-            if not done:  # one key, not every vote: its check is all a round costs until it is there
-                done = bool(self.store.check([f"done/{epoch}"]))
+            if not done:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                slice_s = pause if stop is not None or not waiter.background else (left or WAIT_FOREVER_S)
+                got = waiter.poll(slice_s if left is None else min(slice_s, left))
+                done = bool(got)
+                if got is False:  # the wait ended without the key (the store's error): one check per round from now
+                    waiter = KeyWait(self.store, [done_key], WAIT_FOREVER_S if left is None else left, background=False)
             now = time.monotonic()
             late = deadline is not None and now >= deadline
             # Read the votes once done/<epoch> is there, at the deadline, or when `stop` names a rank (whether
             # it voted decides whether it ends the wait).
             if done or late or (stop is not None and list(stop(list(ranks)))):
-                votes, decided = self.read(ranks, epoch)
+                votes = None
+                if done and not summary_read:  # the completing vote's summary and the decision: one round trip
+                    summary_read = True
+                    slot_key = self._decision_key(epoch)
+                    raw, slot = (self.store.multi_get([done_key, slot_key]) if slot_key in self._there
+                                 else self._raws([done_key, slot_key]))  # done/<epoch> is there: the wait said so
+                    raw, slot = (None if raw is None else bytes(raw)), (None if slot is None else bytes(slot))
+                    votes = self._summarized(epoch, raw, ranks)
+                    decided = None if slot is None else self._decision_of(epoch, slot)
+                    if slot is not None:
+                        self._slot_seen[epoch] = slot
+                if votes is None:
+                    votes, decided = self.read(ranks, epoch)
                 pending = [r for r in ranks if r not in votes]
                 if decided is not None or not pending:
                     return votes, [], decided
                 if any(vote != 1 for vote, _ in votes.values()):
                     return votes, [], None  # an ABORT (or foreign) vote: no need to wait for the rest
                 gone = list(stop(pending)) if stop is not None else []
-                if gone:
+                if gone or late:
+                    if not done:  # end this rank's own wait (and wake the others: its caller decides now)
+                        self.store.compare_set(done_key, "", "1")
                     return votes, gone, None
-                if late:
-                    return votes, [], None
-            time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
+            if done:
+                time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
             pause = min(pause * 2, POLL_MAX_S if not done else 0.002)

@@ -4,18 +4,20 @@ A Buffer's construction and a re-admission read, for every member, the incarnati
 count, its endpoint (with its host id) and its region records. Read rank by rank that costs each
 rank a few store calls per peer, O(R^2) in the group; here each rank makes a constant number of
 calls (`RecordStore.read_raws`: one `check` and one `multi_get` of every key when all are there) and,
-while some are missing, one `check` of all the missing keys per round (backoff to `POLL_MAX_S`), not a
-read of each. Records read here are checked exactly as the one-rank reads check them
+while some are missing, one wait on all the missing keys (`key_wait.KeyWait`; on a store without
+background waits a check of them per round, backoff to `POLL_MAX_S`), not a read of each. Records read here are checked exactly as the one-rank reads check them
 (`Membership.incarnation_of`, `endpoint`, `region_record`).
 """
 import time
 from typing import Callable, Dict, Iterable, List
 
+from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
 from mooncake_ep_switch.buffer.membership.records import MembershipError, valid_endpoint, valid_region_record
 
 __all__ = ["incarnations_of", "published_endpoints", "published_region_records"]
 
-POLL_MAX_S = 0.02  # while records are missing, one check of all of them at least this often (backoff from 1 ms)
+POLL_MAX_S = 0.02  # without a background wait: one check of the missing records at least this often
+LOOK_S = 0.5  # with one: the incarnations are read again this often while records are missing
 _ENDPOINT = "endpoint (dict: region [pid, fd, nbytes], host_id str, te_session str, te_base int)"
 _REGIONS = "region record (dict: kind str, regions list of [pid, fd or IPC handle hex, nbytes], te_bases list of int)"
 
@@ -40,17 +42,25 @@ def _published(membership, ranks: List[int], deadline: float, key_of: Callable[[
     """The valid records `key_of(rank, incarnation)` of `ranks`, waited for until `deadline`; a rank whose record is
     missing or invalid then is left out (its one-rank read names why)."""
     found: Dict[int, dict] = {}
-    pending, pause = list(dict.fromkeys(ranks)), 0.001
+    pending, waiter, waited = list(dict.fromkeys(ranks)), None, None
     while pending:
         incarnations = incarnations_of(membership, pending)
         keys = {r: key_of(r, incarnations[r]) for r in pending}
+        wanted = [keys[r] for r in pending]
         left = deadline - time.monotonic()
-        # Not all there yet: one blocking wait on them (a slice, then the incarnations are read again), not a
-        # read of which ones are missing; at the deadline, what is there is read.
-        if left > 0 and not membership.store.check([keys[r] for r in pending]):
-            time.sleep(min(pause, left))  # not a blocking wait: one timing out can return seconds late (ballot.py)
-            pause = min(pause * 2, POLL_MAX_S)
-            continue
+        # Not all there yet: one wait on them (`KeyWait`: in the background, no store operation while it lasts),
+        # looked at until they are there or `LOOK_S` passed (then the incarnations are read again: a rank may have
+        # been taken over meanwhile); not a check of the missing ones per round. At the deadline, what is there is
+        # read.
+        if left > 0:
+            if waiter is None or wanted != waited:
+                waiter, waited = KeyWait(membership.store, wanted, left + 1.0), wanted
+            there = waiter.poll(min(left, LOOK_S))
+            if there is False:  # the wait ended without them (the store's error): the next round starts another
+                waiter = None
+                time.sleep(min(POLL_MAX_S, max(deadline - time.monotonic(), 0.0)))
+            if not there:
+                continue
         for rank, raw in zip(pending, membership.read_raws([keys[r] for r in pending])):
             try:
                 value = membership.checked(keys[rank], raw, valid, what)

@@ -430,7 +430,7 @@ class Membership(SealingRecords):
         at the deadline whoever is ready seals (the others give that sealer `LEADER_GRACE_S` first).
         Returns True when the view was seen by that wait (it is there: read with one get)."""
         pause, graced, beats = 0.001, False, 1
-        next_beat = time.monotonic() + MEMBER_BEAT_S
+        next_beat = None  # the first beat: after MEMBER_BEAT_S for the leader, WAIT_SLICE_S for the others
         self._sealed_wait = None  # a KeyWait on view/<target> (a non-leader's: looked at locally, no poll)
         while True:
             gone = set(dead()) if dead is not None else set()
@@ -439,6 +439,8 @@ class Membership(SealingRecords):
             skip = gone if stall_deadline is not None else set()
             leads = min(r for r in waiting if r == self.rank or r not in gone) == self.rank
             now = time.monotonic()
+            if next_beat is None:
+                next_beat = now + (MEMBER_BEAT_S if leads else WAIT_SLICE_S)
             past = now >= deadline
             if past and not self._still_coming(waiting, target, dead, stall_deadline):
                 if not leads and not graced:
@@ -716,9 +718,17 @@ class Membership(SealingRecords):
         ranks = list(ranks)
         self.store.set(f"barrier/{name}/{self.rank}", "1")
         keys = [f"barrier/{name}/{r}" for r in ranks]
-        # One blocking wait on every rank's key until the deadline (not in slices: a TCPStore wait that times out
-        # was seen to return seconds late here when many do at once), not a poll of them per round.
-        while not self.wait_keys(keys, deadline - time.monotonic()):
+        # One wait on every rank's key (`KeyWait`), looked at until the deadline, not a poll of them per round; not
+        # a blocking wait that times out at the deadline either: one was seen to return seconds late here when
+        # many do at once.
+        waiter = KeyWait(self.store, keys, max(deadline - time.monotonic(), 0.0) + 1.0)
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            there = waiter.poll(left if waiter.background else min(left, 0.02))
+            if there:
+                return
+            if there is False and left > 0:  # the wait ended without them (the store's error): check per round
+                waiter = KeyWait(self.store, keys, left, background=False)
             if time.monotonic() >= deadline:
                 missing = [r for r in ranks if not self.store.check([f"barrier/{name}/{r}"])]
                 if not missing:

@@ -128,6 +128,36 @@ def valid_peer_state(value) -> bool:
 
 
 
+# Records decoded (and authenticated) or checked before, by (prefix, key, secret, stored bytes[, check]): the same
+# bytes at the same key always decode alike, so a rank reading a record again (a poll, each peer's records after a
+# change) parses and checks it once. Per process: ranks run as threads of one process (the scale bench) share it,
+# so there a record is parsed once per process, not once per rank. Bounded by the bytes it holds.
+_DECODED: dict = {}
+_CHECKED: dict = {}
+_MISSING = object()
+DECODE_CACHE_BYTES = 16 << 20  # what both hold at most (record bytes); past it a map starts empty again
+_held = {"bytes": 0}
+
+
+def _remember(cache: dict, memo: tuple, value: Any) -> None:
+    size = len(memo[3]) + 64
+    if _held["bytes"] + size > DECODE_CACHE_BYTES:
+        _DECODED.clear()
+        _CHECKED.clear()
+        _held["bytes"] = 0
+    cache[memo] = value
+    _held["bytes"] += size
+
+
+def _copy(value: Any) -> Any:
+    """A copy of a decoded JSON value (lists and dicts new, so a caller may change what it got)."""
+    if isinstance(value, list):
+        return [_copy(v) if isinstance(v, (list, dict)) else v for v in value]
+    if isinstance(value, dict):
+        return {k: _copy(v) if isinstance(v, (list, dict)) else v for k, v in value.items()}
+    return value
+
+
 class RecordStore:
     """Read, write and count JSON records under one key prefix of a store.
 
@@ -153,10 +183,19 @@ class RecordStore:
         return text if self.secret is None else f"{_MAC}{self._mac(key, text)}:{text}"
 
     def _decode(self, key: str, raw: bytes, limit: int = MAX_RECORD_BYTES) -> Any:
-        """Parse (and authenticate) one record; MembershipError if it is malformed or forged."""
+        """Parse (and authenticate) one record; MembershipError if it is malformed or forged. A record read
+        again (the same bytes at the same key, prefix and secret) is not parsed again (`_DECODED`)."""
         if len(raw) > limit:
             raise MembershipError(f"store record {self.prefix}/{key} is {len(raw)} bytes (at most "
                                   f"{limit}): not written by this job's ranks; refused")
+        memo = (self.prefix, key, self.secret, bytes(raw))
+        found = _DECODED.get(memo, _MISSING)
+        if found is _MISSING:
+            found = self._parse(key, raw)
+            _remember(_DECODED, memo, found)
+        return _copy(found)
+
+    def _parse(self, key: str, raw: bytes) -> Any:
         try:
             text = raw.decode()
         except UnicodeDecodeError:
@@ -225,7 +264,15 @@ class RecordStore:
         """
         if raw is None:
             return None
+        cacheable = "<" not in getattr(valid, "__qualname__", "<")  # a module's check (not a lambda made per call)
+        memo = (self.prefix, key, self.secret, bytes(raw), valid) if cacheable else None
+        found = _CHECKED.get(memo, _MISSING) if cacheable else _MISSING
+        if found is not _MISSING and len(raw) <= limit:
+            return _copy(found)
         value = self._decode(key, raw, limit)
+        if cacheable and valid(value):
+            _remember(_CHECKED, memo, value)
+            return _copy(value)
         if not valid(value):
             raise MembershipError(f"store record {self.prefix}/{key} is not a valid {what}: {str(value)[:120]!r}; "
                                   "refused (this job's ranks never write such a record)")

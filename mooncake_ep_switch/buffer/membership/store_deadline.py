@@ -21,12 +21,13 @@ end after `IDLE_S` (their client is kept for the next call: no burst of reconnec
 calls at once). A write the stalled call had sent may still land when the host resumes, as
 any delayed message would.
 """
+import _thread
 import contextlib
 import contextvars
+import queue
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, Deque, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -102,18 +103,54 @@ def remaining_s() -> Optional[float]:
     return None if found is None else found[0] - time.monotonic()
 
 
+class _Done:
+    """A one-shot event on one lock (set once, by the job's worker or by `abandon`): lighter than a
+    `threading.Event`, whose set and wait go through a Condition (a store call costs two of them)."""
+
+    __slots__ = ("_lock", "_flag")
+
+    def __init__(self):
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
+        self._flag = False
+
+    def set(self) -> None:
+        if not self._flag:
+            self._flag = True
+            try:
+                self._lock.release()
+            except RuntimeError:  # set twice at once: released already
+                pass
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Whether it was set within `timeout` seconds (None: no limit)."""
+        if self._flag:
+            return True
+        if timeout is not None and timeout <= 0:
+            return False
+        if self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            try:
+                self._lock.release()
+            except RuntimeError:
+                pass
+            return True
+        return self._flag
+
+
 class _Job:
     """One store call: run on a worker, waited for by its caller."""
 
-    __slots__ = ("fn", "done", "value", "error", "retry", "lane")
+    __slots__ = ("fn", "done", "value", "error", "retry")
 
     def __init__(self, fn: Callable[[Any], Any]):
         self.fn = fn
-        self.done = threading.Event()
+        self.done = _Done()
         self.value = None
         self.error: Optional[BaseException] = None
         self.retry = False  # its worker was abandoned before it ran: run it on the next one
-        self.lane = None  # the lane that runs it (a background wait's, to abandon when the caller moves on)
 
 
 class _Lane:
@@ -122,59 +159,57 @@ class _Lane:
     def __init__(self, make_client: Callable[[], Any], name: str):
         self._make_client = make_client
         self._client = None
-        self._jobs: Deque[_Job] = deque()
-        self._cond = threading.Condition()
+        self._jobs: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
+        self._lock = _thread.allocate_lock()
         self._thread: Optional[threading.Thread] = None
         self._name = name
         self.abandoned = False
-        self.inflight = 0  # jobs submitted and not finished
-
-    @property
-    def busy(self) -> bool:
-        """Whether a call is queued or running on this lane."""
-        return self.inflight > 0
 
     def submit(self, job: _Job) -> bool:
         """Queue `job`; False when this lane was abandoned (use another)."""
-        with self._cond:
+        with self._lock:
             if self.abandoned:
                 return False
-            self._jobs.append(job)
-            self.inflight += 1
-            job.lane = self
+            self._jobs.put(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"mep-store-{self._name}", daemon=True)
                 self._thread.start()
-            else:
-                self._cond.notify()
         return True
 
     def abandon(self) -> None:
         """Never use this lane again: queued calls go to the next lane, the worker ends after its call."""
-        with self._cond:
+        jobs = []
+        with self._lock:
             self.abandoned = True
-            jobs, self._jobs = list(self._jobs), deque()
-            self._cond.notify()
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    jobs.append(job)
+            self._jobs.put(None)  # wakes the worker, which ends
         for job in jobs:
             job.retry = True
             job.done.set()
-        with self._cond:
-            self.inflight -= len(jobs)
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                if not self._jobs and not self.abandoned:
-                    self._cond.wait(IDLE_S)
-                if self.abandoned or not self._jobs:
-                    self._thread = None
-                    if self.abandoned:
-                        self._client = None
-                    # An idle lane keeps its client (no call is in flight on it): when every rank of a group
-                    # calls again at once (update_ep_member after a death), nobody reconnects, so the store
-                    # host sees no burst of connections (R at once took seconds at R=64).
-                    return
-                job = self._jobs.popleft()
+            try:
+                job = self._jobs.get(timeout=IDLE_S)
+            except queue.Empty:
+                job = None
+            if job is None:
+                with self._lock:
+                    if self.abandoned or self._jobs.empty():
+                        self._thread = None
+                        if self.abandoned:
+                            self._client = None
+                        # An idle lane keeps its client (no call is in flight on it): when every rank of a group
+                        # calls again at once (update_ep_member after a death), nobody reconnects, so the store
+                        # host sees no burst of connections (R at once took seconds at R=64).
+                        return
+                continue
             try:
                 if self._client is None:
                     self._client = self._make_client()
@@ -184,8 +219,6 @@ class _Lane:
                 if isinstance(error, dist.DistNetworkError):
                     self._client = None  # the connection broke: the next call connects anew
             finally:
-                with self._cond:
-                    self.inflight -= 1
                 job.done.set()
 
 
@@ -219,7 +252,8 @@ class BoundedStore(dist.Store):
         self.background_waits = clone  # waits_in_background(): on a lane with a client of its own
         self._lock = threading.Lock()
         self._lane: Optional[_Lane] = None
-        self._wait_lane: Optional[_Lane] = None
+        self._wait_lane: Optional[_Lane] = None  # background waits (`waits_in_background`), a client of its own
+        self._last_wait: Optional[_Job] = None  # the last background wait (its lane is left to it while it lasts)
 
     def close(self) -> None:
         """Let the worker end (a call still in flight ends when the store answers); later calls start a new one."""
@@ -233,6 +267,11 @@ class BoundedStore(dist.Store):
         with self._lock:
             if self._lane is None:
                 self._lane = _Lane(self._make_client, self.name)
+                if self.background_waits and self._wait_lane is None:
+                    # The wait lane connects now, in the background: when every rank of a group first waits at
+                    # once (update_ep_member after a death), none connects then (R at once took seconds at R=64).
+                    self._wait_lane = _Lane(self._make_client, f"{self.name}-wait")
+                    self._wait_lane.submit(_Job(lambda s: None))
             return self._lane
 
     def _call(self, op: str, key, fn: Callable[[Any], Any]):
@@ -301,15 +340,17 @@ class BoundedStore(dist.Store):
 
     def _background_wait(self, keys, timeout, jobs: list) -> None:
         """Start `wait(keys, timeout)` on the wait lane and append its job to `jobs` (`waits_in_background`). A wait
-        lane still busy with an earlier wait (one its caller stopped waiting for) is left to end by itself."""
+        lane still busy with an earlier wait (one its caller stopped waiting for) is left to end by itself (the
+        wait gets a new lane)."""
         job = _Job(lambda s: s.wait(keys, timeout))
         while True:
             with self._lock:
-                lane = self._wait_lane
-                if lane is None or lane.busy or lane.abandoned:
+                lane, last = self._wait_lane, self._last_wait
+                if lane is None or lane.abandoned or (last is not None and not last.done.is_set()):
                     if lane is not None:
                         lane.abandon()
                     lane = self._wait_lane = _Lane(self._make_client, f"{self.name}-wait")
+                self._last_wait = job
             if lane.submit(job):
                 jobs.append(job)
                 return
