@@ -15,7 +15,8 @@ remaining ranks that commits at the next step. Checked on every survivor:
   without a slot, a rank removed already) is refused by name with nothing changed.
 
 A rank killed during the shrink's vote leaves every survivor on one decision: before its vote, ABORT
-everywhere (then a shrink of both dead ranks commits); after its GO, COMMIT everywhere.
+everywhere (then two different shrinks at once abort, nothing changed, and the same shrink of both
+dead ranks commits); after its GO, COMMIT everywhere.
 """
 import os
 import signal
@@ -247,6 +248,7 @@ def test_shrink_after_a_death_serves_the_reference_over_three_ranks(transport):
 
 def rank_killed_in_vote(ctx, point):
     from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.buffer.membership.removed import removed_ranks
     from mooncake_ep_switch.errors import MembershipError
     from mooncake_ep_switch.faults import FaultPoint
 
@@ -269,8 +271,16 @@ def rank_killed_in_vote(ctx, point):
             while VICTIM not in buffer.dead_peers():
                 assert time.monotonic() < deadline, "the peer watcher never saw VICTIM end"
                 time.sleep(0.01)
-            view = buffer.shrink([VICTIM, DEAD], timeout_s=40)  # again, with the rank that died since
+            before = (buffer.epoch, buffer.members)
+            try:  # two different shrinks at once: rank 0 removes DEAD only, rank 1 both dead ranks
+                buffer.shrink([DEAD] if ctx.rank == 0 else [VICTIM, DEAD], timeout_s=40)
+                outcomes.append(("committed", None))
+            except MembershipError as error:
+                outcomes.append(("aborted", str(error)))
+            unchanged = (buffer.epoch, buffer.members) == before and removed_ranks(buffer.membership) == {}
+            view = buffer.shrink([VICTIM, DEAD], timeout_s=40)  # again, the same dead ranks on both
             outcomes.append(("committed", list(view.ranks)))
+            outcomes.append(("unchanged after two shrinks", unchanged))
         return {"outcomes": outcomes, "members": list(buffer.members), "mask": buffer.active_mask().tolist(),
                 "seconds": time.monotonic() - started}
     finally:
@@ -284,12 +294,19 @@ def test_a_rank_killed_during_the_shrink_vote_leaves_every_survivor_on_one_decis
     for rank in (DEAD, VICTIM):
         assert not outcomes[rank].ok and outcomes[rank].exitcode == -signal.SIGKILL, outcomes[rank]
     results = [outcome_value(outcomes[r]) for r in (0, 1)]
-    for result in results:
+    for rank, result in enumerate(results):
         kinds = [kind for kind, _ in result["outcomes"]]
-        assert kinds == ([first] if first == "committed" else ["aborted", "committed"]), result
-        if first == "aborted":
+        if first == "committed":
+            assert kinds == ["committed"] and result["outcomes"][0][1] == [0, 1], result
+        else:  # aborted; two different shrinks aborted, nothing changed; the same shrink on both commits
+            assert kinds == ["aborted", "aborted", "committed", "unchanged after two shrinks"], result
             assert "nothing changed" in result["outcomes"][0][1] and f"[{VICTIM}]" in result["outcomes"][0][1], result
-        assert result["outcomes"][-1][1] == [0, 1] and result["members"] == [0, 1], result
+            two = result["outcomes"][1][1]
+            assert "aborted on every rank" in two and "nothing changed" in two, result
+            # rank 1 waits for rank 0's vote (another digest); rank 0 may first see VICTIM (in its plan) end
+            assert rank == 0 or "two shrinks at once" in two, result
+            assert result["outcomes"][2][1] == [0, 1] and result["outcomes"][3][1] is True, result
+        assert result["members"] == [0, 1], result
         assert result["mask"] == [1, 1, 0, 0], result
         # Nobody waits for VICTIM once it is seen dead (the view after the decision used to wait half of timeout_s).
         assert result["seconds"] < 10, result
@@ -344,3 +361,4 @@ def test_a_joiner_waiting_when_its_rank_is_removed_is_neither_listed_nor_sealed_
     finally:
         thread.join(30)
         replacement.stop_pending(withdraw=True)
+

@@ -152,17 +152,16 @@ def _vote(core: BufferCore, membership, ranks: Tuple[int, ...], deadline: float)
         if peer in votes and votes[peer][0] != GO:
             reason = f"rank {peer} voted to abort"
             break
+    other = [p for p in peers if p in votes and votes[p][0] == GO and votes[p][1] != digest]
+    if not reason and other:  # named first: the caller's mistake, whatever else happened
+        reason = (f"rank {other[0]} asked for another shrink (other ranks, survivors or epoch than {list(ranks)} "
+                  f"of epoch {core.epoch}): two shrinks at once; every survivor must pass the same ranks")
     pending = [p for p in peers if p not in votes]
     if not reason and gone:
         reason = f"ranks {gone} ended (their process is gone) before voting: remove them too"
     elif not reason and pending:
         reason = (f"ranks {pending} did not vote before a peer decided" if decided is not None
                   else f"ranks {pending} did not vote within the vote's deadline (stalled, or not calling shrink)")
-    if not reason:
-        other = [p for p in peers if votes[p][1] != digest]
-        if other:
-            reason = (f"rank {other[0]} asked for another shrink (other ranks, survivors or epoch than {list(ranks)} "
-                      f"of epoch {core.epoch}): two shrinks at once; every survivor must pass the same ranks")
     outcome = ballot.propose(epoch, ABORT if reason else COMMIT)
     if outcome != COMMIT:
         raise MembershipError(f"shrink of ranks {list(ranks)} aborted on every rank ({reason or 'a peer decided ABORT'}); "
