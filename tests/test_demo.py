@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(out, *args):
     result = subprocess.run([sys.executable, "-m", "mooncake_ep_switch", "demo", "--out", str(out), *args],
@@ -151,3 +153,36 @@ def test_model_demo_without_transformers_says_what_to_install(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
     assert "transformers" in result.stderr and "pip install" in result.stderr
+
+
+def test_demo_stall_deadline_and_verdict():
+    # A rank masked while alive (a loaded machine: it missed the step's deadline) once FAILED a correct default run
+    # (the 2 s deadline masked live rank 2 at step 13 at load ~9). Now each step's deadline scales with the measured
+    # step time, a mask no kill explains is a stall whose step is reported apart, and every other step is judged.
+    from mooncake_ep_switch.apps.demo_kills import (MAX_TIMEOUT_US, STALL_FACTOR, Kill, judged_diffs, plan_kills,
+                                                    stalled_ranks, step_timeout_us)
+    from mooncake_ep_switch.apps.demo_ranks import DemoConfig, request_trace
+
+    config = DemoConfig()
+    assert step_timeout_us(config, []) == config.timeout_us
+    assert step_timeout_us(config, [0.01, 0.03]) == config.timeout_us  # quiet: the floor
+    assert step_timeout_us(config, [0.3, 0.5, 0.2]) == STALL_FACTOR * 500_000  # loaded: 20 x the slowest recent step
+    assert step_timeout_us(config, [5.0] + [0.1] * 5) == STALL_FACTOR * 100_000  # only the last 5 steps count
+    assert step_timeout_us(config, [100.0]) == MAX_TIMEOUT_US
+    kill = Kill(1, 10, True, 1)
+    kill.rank = 3
+    assert stalled_ranks([3], [kill], 10) == [] and stalled_ranks([3], [kill], 11) == []  # the death, its window
+    assert stalled_ranks([2, 3], [kill], 11) == [2] and stalled_ranks([3], [kill], 12) == [3]  # alive, or replaced
+    steps = [{"max_calc_diff": 1e-9, "stalled_ranks": []}, {"max_calc_diff": 5e-3, "stalled_ranks": [2]}]
+    assert judged_diffs(steps) == (1e-9, 5e-3)
+    steps.append({"max_calc_diff": 2e-4, "stalled_ranks": []})  # a wrong output on a step without a stall
+    assert judged_diffs(steps) == (2e-4, 5e-3)
+    assert judged_diffs(steps[:1]) == (1e-9, None)
+    # Bad kill steps are refused by name.
+    trace = request_trace(config)
+    with pytest.raises(ValueError, match="covered_kill_step: expected a step before kill_step"):
+        plan_kills(config._replace(covered_kill_step=24), trace)
+    with pytest.raises(ValueError, match="covered_kill_step: expected a step inside the burst"):
+        plan_kills(config._replace(covered_kill_step=2), trace)
+    assert [(k.step, k.covered, k.replace_after) for k in plan_kills(config._replace(covered_kill_step=10), trace)] \
+        == [(10, True, 1), (25, False, 0)]

@@ -18,7 +18,7 @@ import numpy as np
 from mooncake_ep_switch.apps.demo_ranks import DemoConfig, uncovered_without
 
 __all__ = ["Kill", "plan_kills", "covered_kill_rank", "only_copy_rank", "step_timeout_us", "stalled_ranks",
-           "STALL_FACTOR", "MAX_TIMEOUT_US"]
+           "judged_diffs", "STALL_FACTOR", "MAX_TIMEOUT_US"]
 
 STALL_FACTOR = 20  # a step's deadline: this many times the slowest of the recent steps (never under the floor)
 MAX_TIMEOUT_US = 60_000_000  # the deadline's cap
@@ -112,3 +112,17 @@ def stalled_ranks(dead: List[int], kills: List[Kill], step: int) -> List[int]:
     """The ranks in `dead` that no kill explains at `step` (masked while their process ran)."""
     killed = {k.rank for k in kills if k.rank is not None and (k.step == step or k.window(step))}
     return [r for r in dead if r not in killed]
+
+
+def judged_diffs(steps: List[dict]):
+    """The largest calc_diff of the steps the check judges (no rank masked while alive) and of the others.
+
+    Arguments:
+        steps: the demo's per-step records ("max_calc_diff", "stalled_ranks").
+
+    Returns:
+        (judged, stalled): floats; `judged` 0.0 when every step stalled, `stalled` None when none did.
+    """
+    judged = [s["max_calc_diff"] for s in steps if not s["stalled_ranks"]]
+    stalled = [s["max_calc_diff"] for s in steps if s["stalled_ranks"]]
+    return max(judged, default=0.0), max(stalled, default=None)

@@ -88,7 +88,9 @@ def summary(metrics, config: DemoConfig, stream) -> None:
     print("  note                 the switch threshold is a setting here: on this CPU the EP step is faster at every "
           "load; the TP/EP crossover is a GPU effect (see `mooncake-ep simulate`)", file=stream)
     stalled = "" if metrics.get("stalled_max_calc_diff") is None else \
-        f"; steps with a stall: max calc_diff {metrics['stalled_max_calc_diff']:.2e}, not judged"
+        f"; {len(metrics['stalls'])} step(s) with a stall: max calc_diff {metrics['stalled_max_calc_diff']:.2e}, " \
+        "not judged" + (" (more than half the steps: too few judged)" if 2 * len(metrics["stalls"]) >
+                        len(metrics["steps"]) else "")
     print(f"  correctness          max calc_diff {metrics['max_calc_diff']:.2e} vs single-process reference "
           f"(limit {CHECK_LIMIT:.0e}){stalled}: {'PASS' if metrics['correct'] else 'FAIL'}", file=stream)
     print(f"  metrics              {os.path.join(config.out_dir, 'metrics.json')}", file=stream)
