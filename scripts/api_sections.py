@@ -252,7 +252,7 @@ and the fields are in [observability.md](observability.md).
 
 | command | what it does |
 | --- | --- |
-| `demo [--ranks N] [--steps N] [--transport T] [--device D] [--model NAME] [--out DIR] [--kill-step N]` | the main job: serves a small MoE model on local CPU ranks, kills and replaces a rank, checks every step against a reference (`--help` for defaults) |
+| `demo [--ranks N] [--steps N] [--transport T] [--device D] [--model NAME] [--out DIR] [--kill-step N]` | the main job: serves a small MoE model on local CPU ranks, kills two ranks in turn (one whose experts all have live copies elsewhere, then one holding the only copy of some experts: coverage restored online) and replaces each, checks every step against a reference (`--help` for defaults) |
 | `bench [...]` | transport, switch and EPLB benchmarks with in-run baselines ([benchmarks.md](benchmarks.md)) |
 | `bench soak [...]` | soak benchmark (`python -m mooncake_ep_switch bench soak`): by default 10^4 shm and 10^3 Transfer Engine dispatch + combine rounds at R=2, results checked exactly, RSS, fds and threads sampled; exit code 1 if a check fails or resources are not flat after the warm-up ([benchmarks.md](benchmarks.md)) |
 | `simulate [--seed 0] [--quick] [--calibrate] [--out DIR] [--no-plot]` | replays a bursty serving trace and an RL-rollout trace through the switch policy; exit code 1 if the paper's qualitative result does not hold ([simulate.md](simulate.md)) |
