@@ -9,8 +9,9 @@ rank's rounds are exact again. Before the replacements come, one of the two memb
 quorum): the survivors' rounds stay exact and update_ep_member() fails at its deadline with StoreUnavailable
 naming the etcd store; the admission after it is resumed shows it works again. Then, still on two etcd members, an online EPLB chunk commits on every rank
 (its votes and decision in etcd; every redundant copy read from another host over the Transfer Engine, the
-replacements' copies taken over from the members' placement) and a TP<->EP switch completes both ways
-(on the per-view gloo group the fallback builds through etcd), weights bit-exact against the checkpoint.
+replacements' copies taken over from the members' placement) and a TP<->EP switch of the unified weights
+built before the death completes both ways (gloo collectives on the "mooncake" transport, on a group of the
+current view built through etcd), weights bit-exact against the checkpoint.
 """
 import os
 import signal
@@ -77,13 +78,18 @@ def _checkpoint(layers=LAYERS, inter=INTER):
 
 
 def _build_slots(buffer):
-    """ExpertSlots + OnlineRebalancer (a replacement takes the members' placement over)."""
+    """ExpertSlots + OnlineRebalancer (a replacement takes the members' placement over), then UnifiedWeights
+    (the same order on a replacement: it takes the members' layout)."""
     from mooncake_ep_switch.eplb.online import OnlineRebalancer
     from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+
+    from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
 
     slots = ExpertSlots(buffer, SlotShape(LAYERS, E, SLOTS, H, INTER), _initial_phy2log())
     slots.load(_checkpoint())
     RANK_STATE.update(slots=slots, rebalancer=OnlineRebalancer(slots, timeout_us=TIMEOUT_US, frames_per_step=1))
+    unified = RANK_STATE["unified"] = UnifiedWeights(buffer, WeightShape(E, H, INTER), 2)  # gloo switches here
+    unified.load_full(_checkpoint(layers=2))  # a replacement's: in the members' layout
 
 
 def rank_start(ctx):
@@ -153,17 +159,15 @@ def rank_rebalance(ctx):
 
 
 def rank_switch(ctx):
-    """EP -> TP -> EP on a UnifiedWeights built by every rank of the new view, on the collective fallback's
-    per-view gloo group (its rendezvous through the etcd store); every view bit-exact against the checkpoint.
-    Back on the Transfer Engine afterwards, one more exact round; then tear down."""
+    """EP -> TP -> EP on the UnifiedWeights built before host A's death (the replacements': after their
+    admission). On the "mooncake" transport they switch with gloo collectives, on a group of the current view
+    built through the etcd store at the first switch of the epoch (the constructor's group names the dead
+    processes; a replacement has none); every view bit-exact against the checkpoint. One more exact round;
+    then tear down."""
     from mooncake_ep_switch.switch.switcher import switch_layout
-    from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
 
-    buffer = RANK_STATE["buffer"]
-    buffer._use_fallback = True  # Mooncake's switch: a gloo group of the current view, built through the store
+    buffer, unified = RANK_STATE["buffer"], RANK_STATE["unified"]
     full = _checkpoint(layers=2)
-    unified = UnifiedWeights(buffer, WeightShape(E, H, INTER), 2)
-    unified.load_full(full)
     outcomes = []
     for target in ("tp", "ep"):
         report = switch_layout(buffer, target, weights=unified, timeout_us=30_000_000)
@@ -179,8 +183,7 @@ def rank_switch(ctx):
                         weights.down[:, :, lo:hi])
             got = unified.view(layer)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer} in {target}"
-    unified.destroy()
-    buffer._use_fallback = False
+    RANK_STATE.pop("unified").destroy()
     _round(ctx, buffer, 20)
     RANK_STATE.pop("slots").destroy()
     harness.rank_teardown(ctx)

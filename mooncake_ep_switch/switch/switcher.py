@@ -59,6 +59,7 @@ from mooncake_ep_switch.errors import SwitchError, SwitchFenced  # noqa: F401 (r
 from mooncake_ep_switch.switch import reshard
 from mooncake_ep_switch.switch.kv_cache import PagedKVCache
 from mooncake_ep_switch.switch.kv_plan import KVPlan
+from mooncake_ep_switch.switch.switch_group import switch_group
 from mooncake_ep_switch.switch.unified_weights import EP, INVALID, LAYOUTS, TP, UnifiedWeights
 from mooncake_ep_switch.checks import check_timeout
 
@@ -556,6 +557,11 @@ def _switch_collective(buffer, target: str, unified: UnifiedWeights, kv: Optiona
                        start: float, seq: int) -> SwitchReport:
     source = unified.layout
     transport = buffer.transport
+    group_timeout_s = timeout_us / 1e6 if isinstance(timeout_us, int) and timeout_us > 0 else 300.0
+    group, missing = switch_group(buffer, unified, group_timeout_s)
+    if group is None:  # every rank sees the same view: every rank refuses alike, nothing moved
+        return _report(source, target, source, REFUSED, f"ranks {missing} are not members of the current view: "
+                       "a collective switch needs every rank (admit their replacements first)", start, seq, transport)
     try:  # a local argument error still takes part in the exchange, so that the peers refuse too
         _check_args(buffer, target, unified, kv, timeout_us)
         local_error = None
