@@ -362,3 +362,52 @@ def test_a_joiner_waiting_when_its_rank_is_removed_is_neither_listed_nor_sealed_
         thread.join(30)
         replacement.stop_pending(withdraw=True)
 
+
+
+def rank_stalled_in_vote(ctx):
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.errors import MembershipError
+    from mooncake_ep_switch.faults import FaultPoint
+
+    buffer = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(8, 128, ctx.num_ranks, 4), transport="shm")
+    pids = [None] * ctx.num_ranks
+    dist.all_gather_object(pids, os.getpid(), group=ctx.group)
+    if ctx.rank == VICTIM:
+        buffer._fault = FaultPoint("shrink_before_vote", VICTIM, -1, "stop")  # freezes before its vote, once
+    try:
+        if ctx.rank == DEAD:
+            os.kill(os.getpid(), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while DEAD not in buffer.dead_peers():
+            assert time.monotonic() < deadline, "the peer watcher never saw DEAD end"
+            time.sleep(0.01)
+        started = time.monotonic()
+        try:
+            buffer.shrink([DEAD], timeout_s=4)  # VICTIM is stopped past the vote's deadline (2 s)
+            first = "committed"
+        except MembershipError as error:
+            first = str(error)
+        seconds = time.monotonic() - started
+        if ctx.rank == VICTIM:
+            buffer._fault = None
+        elif ctx.rank == 0:  # decided: let the frozen rank go on; it adopts the decision
+            harness.wait_stopped(pids[VICTIM], 30.0)
+            os.kill(pids[VICTIM], signal.SIGCONT)
+        view = buffer.shrink([DEAD], timeout_s=30)  # again, all three
+        return {"first": first, "seconds": seconds, "view": list(view.ranks)}
+    finally:
+        buffer.destroy()
+
+
+def test_a_rank_stalled_during_the_shrink_vote_aborts_it_everywhere_then_it_commits():
+    with harness.fresh_cluster(R) as cluster:
+        outcomes = cluster.run(rank_stalled_in_vote, timeout_s=120, failure_grace_s=60)
+    assert not outcomes[DEAD].ok
+    results = [outcome_value(outcomes[r]) for r in (0, 1, VICTIM)]
+    for result in results:
+        assert "aborted on every rank" in result["first"] and "nothing changed" in result["first"], results
+        assert result["view"] == [0, 1, 2], results
+    # The survivor that decided names VICTIM; the other may already see it gone on to the retry's attempt.
+    assert any(f"ranks [{VICTIM}] did not vote" in r["first"] for r in results[:2]), results
+    for result in results[:2]:
+        assert result["seconds"] < 10, result  # the vote's deadline (2 s), not more

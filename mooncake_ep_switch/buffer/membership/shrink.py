@@ -149,8 +149,8 @@ def _vote(core: BufferCore, membership, ranks: Tuple[int, ...], deadline: float)
     votes, gone, decided = ballot.wait_votes(peers, epoch, timeout_us, ended)
     reason = ""
     for peer in peers:
-        if peer in votes and votes[peer][0] != GO:
-            reason = f"rank {peer} voted to abort"
+        if peer in votes and votes[peer][0] != GO:  # 0: its record is of a later attempt (this one was decided)
+            reason = f"rank {peer} voted to abort" if votes[peer][0] else f"rank {peer} went on to a later attempt"
             break
     other = [p for p in peers if p in votes and votes[p][0] == GO and votes[p][1] != digest]
     if not reason and other:  # named first: the caller's mistake, whatever else happened
