@@ -187,7 +187,7 @@ class MemberRecords(RecordStore):
             MembershipError: the record is malformed or fails authentication.
         """
         found = self._admissions.get(epoch)
-        if found is None:
+        if found is None and epoch > 0:  # epoch 0 (every rank) is never sealed: no admission record to read
             found = self._read(f"admitted/{epoch}", lambda v: valid_admission(v, self.num_ranks),
                                "admission record (dict: ranks [[rank, incarnation], ...] ascending, call int)")
             if found is not None:

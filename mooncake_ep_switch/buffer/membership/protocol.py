@@ -39,9 +39,9 @@ Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; 
    and epoch); a process whose incarnation is not the bound one never adopts the view (it raises,
    naming the incarnation that holds the rank), and peers read the bound incarnation's endpoint.
    One member does that work before the deadline: the lowest rank of the ranks it waits for that it
-   does not know dead (it checks their readiness with one batched call per round); the others block on
-   `view/<e+1>` (one wait, `key_wait.py`, looked at locally, beating between) and read it with one call, so a change costs
-   O(R) store operations in all (sealing.py). At the deadline every member seals with whoever is ready
+   does not know dead (it checks their readiness with one batched call per round); the others make one
+   wait on `view/<e+1>` (`key_wait.py`, looked at locally, beating between) and read it with one call, so
+   a change costs O(R) store operations in all (sealing.py). At the deadline every member seals with whoever is ready
    (after giving that lowest rank `LEADER_GRACE_S`), as before.
 2. A joiner (a replacement process, or a member that was left out) never seals. It posts
    `ready/<e+1>`, then sets its state to joining for e+1 (so a member that sees it joining also
