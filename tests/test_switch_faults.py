@@ -147,3 +147,94 @@ def test_a_late_rank_at_the_decision_leaves_one_layout():
     assert len(set(outcomes)) == 1, outcomes
     outcome, layout, umm_layout, kv_layout = outcomes[0]
     assert layout == umm_layout == kv_layout and (outcome, layout) in {("refused", "ep"), ("completed", "tp")}
+
+
+# ---------------------------------------------------------------- a collective switch after a replacement
+
+def rank_gloo_weights(ctx):
+    """A Buffer on the "mooncake" transport (its UnifiedWeights switch with gloo collectives) and its weights;
+    a replacement (no group) joins first and builds its weights once admitted (the members' layout)."""
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.elastic import join
+    from mooncake_ep_switch.reference.moe_block import random_weights
+    from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
+    from tests.test_switch_kv import E, H, I
+
+    size = Buffer.get_ep_buffer_size_hint(8, H, ctx.num_ranks, E)
+    if ctx.group is None:
+        buffer = Buffer(join(ctx.store, ctx.rank, ctx.num_ranks), size, transport="mooncake")
+        buffer.update_ep_member(timeout_s=60.0)
+    else:
+        buffer = Buffer(ctx.group, size, transport="mooncake")
+    unified = UnifiedWeights(buffer, WeightShape(E, H, I), MOE_LAYERS)
+    unified.load_full([random_weights(E, H, I, seed=layer) for layer in range(MOE_LAYERS)])
+    harness.RANK_STATE.update(buffer=buffer, unified=unified)
+    return unified.one_sided
+
+
+def rank_gloo_switches(ctx, targets, admit=()):
+    """Members admit `admit` first (once listed); then a switch to each of `targets`: (outcome, layout, reason),
+    weights checked against the checkpoint after each completed one."""
+    import time
+
+    from mooncake_ep_switch.reference.moe_block import random_weights
+    from mooncake_ep_switch.switch.switcher import switch_layout
+    from tests.test_switch_kv import E, H, I
+
+    buffer, unified = harness.RANK_STATE["buffer"], harness.RANK_STATE["unified"]
+    if admit and ctx.rank not in admit:
+        deadline = time.monotonic() + 60
+        while not set(admit) <= set(buffer.pending_joiners()):
+            assert time.monotonic() < deadline, "the replacement never asked to join"
+            time.sleep(0.01)
+        buffer.update_ep_member(timeout_s=60.0)
+    reports = []
+    for target in targets:
+        report = switch_layout(buffer, target, weights=unified, timeout_us=30_000_000)
+        reports.append((report.outcome, report.layout, report.reason))
+        if report.outcome == "completed":
+            for layer in range(MOE_LAYERS):
+                want = _expected_shard(random_weights(E, H, I, seed=layer), target, ctx.rank, ctx.num_ranks)
+                got = unified.view(layer)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer} in {target}"
+    return reports
+
+
+def rank_gloo_leave(ctx):
+    """Rank 1 exits; rank 0 seals it out (update_ep_member) and its switch is refused, naming it."""
+    if ctx.rank == 1:
+        os._exit(3)
+    harness.RANK_STATE["buffer"].update_ep_member(timeout_s=30.0)
+    return rank_gloo_switches(ctx, ["tp"])
+
+
+def rank_gloo_rejoin(ctx):
+    """The replacement joins and builds its weights; rank 0 admits it; then EP -> TP -> EP on both."""
+    if ctx.group is None:
+        assert rank_gloo_weights(ctx) is False
+        return rank_gloo_switches(ctx, ["tp", "ep"])
+    return rank_gloo_switches(ctx, ["tp", "ep"], admit=(1,))
+
+
+def rank_gloo_teardown(ctx):
+    harness.RANK_STATE.pop("unified").destroy()
+    return harness.rank_teardown(ctx)
+
+
+def test_a_collective_switch_after_a_replacement_runs_on_the_new_view():
+    """Weights that switch with gloo collectives (the "mooncake" transport: nothing one-sided) used to keep
+    their constructor's group: with rank 1 dead and sealed out, rank 0's switch raised from inside gloo
+    ("Connection closed by peer"), and a replacement, with no group, failed at once ("Default process group
+    has not been initialized"). Now a switch runs on a gloo group of the current view, built through the store: with
+    rank 1 sealed out the switch is refused naming it (nothing moved); once its replacement is admitted,
+    EP -> TP -> EP completes on both ranks, bit-exact."""
+    with harness.fresh_cluster(2) as cluster:
+        assert harness.check_outcomes(cluster.run(rank_gloo_weights, timeout_s=60)) == [False, False]
+        outcomes = cluster.run(rank_gloo_leave, timeout_s=60, failure_grace_s=30)
+        assert not outcomes[1].ok and outcomes[1].exitcode == 3, outcomes[1]
+        [(outcome, layout, reason)] = harness.outcome_value(outcomes[0])
+        assert (outcome, layout) == ("refused", "ep") and "ranks [1] are not members" in reason, reason
+        cluster.respawn(1)
+        reports = harness.check_outcomes(cluster.run(rank_gloo_rejoin, timeout_s=120))
+        assert reports == [[("completed", "tp", ""), ("completed", "ep", "")]] * 2, reports
+        harness.check_outcomes(cluster.run(rank_gloo_teardown, timeout_s=60))
