@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from mooncake_ep_switch.checks import check_flag, check_int
+from mooncake_ep_switch.checks import INT64_MAX, check_flag, check_int
 from mooncake_ep_switch.elastic_buffer import layout as lay
 from mooncake_ep_switch.elastic_buffer import rows as codec
 from mooncake_ep_switch.elastic_buffer.handle import EPHandle
@@ -23,10 +23,29 @@ def check_tensor(name: str, value, dtype: torch.dtype, shape: Tuple[Optional[int
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     if value.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {value.dtype}")
-    if value.dim() != len(shape) or any(want is not None and got != want for got, want in zip(value.shape, shape)):
-        expected = "[" + ", ".join("*" if want is None else str(want) for want in shape) + "]"
-        raise ValueError(f"{name}: expected shape {expected}, got {list(value.shape)}")
-    return value
+    got = value.shape
+    if len(got) == len(shape):
+        for size, want in zip(got, shape):
+            if want is not None and size != want:
+                break
+        else:
+            return value
+    expected = "[" + ", ".join("*" if want is None else str(want) for want in shape) + "]"
+    raise ValueError(f"{name}: expected shape {expected}, got {list(got)}")
+
+
+def check_flags(names: Tuple[str, ...], values: tuple) -> None:
+    """`check_bool` of each value (a bool passes it unchanged, so only the others are looked at)."""
+    for name, value in zip(names, values):
+        if value is not True and value is not False:
+            check_bool(name, value)
+
+
+def check_small_int(name: str, value, minimum: int, maximum: int = INT64_MAX) -> int:
+    """`checks.check_int` (the same errors), a plain int in range taken as it is."""
+    if type(value) is int and minimum <= value <= maximum:
+        return value
+    return check_int(name, value, minimum, maximum)
 
 
 def group_size(group) -> int:
@@ -41,6 +60,9 @@ def group_size(group) -> int:
 
 
 check_expert_ids = codec.check_expert_ids  # kept here too: the checks of the arguments
+_DISPATCH_FLAGS = ("async_with_compute_stream", "allocate_on_comm_stream", "do_handle_copy", "do_expand",
+                   "do_zero_padding", "use_tma_aligned_col_major_sf")
+_COMBINE_FLAGS = ("async_with_compute_stream", "allocate_on_comm_stream")
 
 
 @dataclass(frozen=True)
@@ -82,14 +104,11 @@ def dispatch_arguments(x, topk_idx, topk_weights, cumulative_local_expert_recv_s
     if hidden < 1:
         raise ValueError(f"x: expected hidden >= 1, got {hidden}")
     device = tokens.device
-    for name, value in (("async_with_compute_stream", async_with_compute_stream),
-                        ("allocate_on_comm_stream", allocate_on_comm_stream), ("do_handle_copy", do_handle_copy),
-                        ("do_expand", do_expand), ("do_zero_padding", do_zero_padding),
-                        ("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)):
-        check_bool(name, value)
+    check_flags(_DISPATCH_FLAGS, (async_with_compute_stream, allocate_on_comm_stream, do_handle_copy, do_expand,
+                                  do_zero_padding, use_tma_aligned_col_major_sf))
     for name, value in (("num_sms", num_sms), ("num_qps", num_qps)):
         if value is not None:  # Mooncake's dispatch defaults num_sms to None, V2's to 0
-            check_int(name, value, 0)
+            check_small_int(name, value, 0)
     if do_zero_padding and not do_expand:
         raise ValueError("do_zero_padding: expected False unless do_expand (padding exists only when expanded)")
     if do_cpu_sync is not None:
@@ -117,12 +136,13 @@ def dispatch_arguments(x, topk_idx, topk_weights, cumulative_local_expert_recv_s
     else:
         if num_experts is None:
             raise ValueError("num_experts: expected the number of experts (no handle to take it from), got None")
-        num_experts = check_int("num_experts", num_experts, R)
+        num_experts = check_small_int("num_experts", num_experts, R)
         if num_experts % R:
             raise ValueError(f"num_experts: expected a multiple of num_ranks={R}, got {num_experts}")
         T = default_tokens if num_max_tokens_per_rank is None else num_max_tokens_per_rank
-        T = check_int("num_max_tokens_per_rank", T, 1)
-        alignment = check_int("expert_alignment", 1 if expert_alignment is None else expert_alignment, 1, 1 << 20)
+        T = check_small_int("num_max_tokens_per_rank", T, 1)
+        alignment = check_small_int("expert_alignment", 1 if expert_alignment is None else expert_alignment, 1,
+                                    1 << 20)
         check_tensor("topk_idx", topk_idx, torch.int64, (num_tokens, None))
         if not 1 <= topk_idx.size(1) <= codec.MAX_TOPK:
             raise ValueError(f"topk_idx: expected 1 to {codec.MAX_TOPK} columns, got {topk_idx.size(1)}")
@@ -158,7 +178,10 @@ def combine_arguments(x, handle, topk_weights, bias, async_with_compute_stream, 
     if topk_weights is not None:
         shape = (rows,) if handle.do_expand else (rows, route.num_topk)
         check_tensor("topk_weights", topk_weights, torch.float32, shape)
-    if not (bias is None or isinstance(bias, torch.Tensor)
+    check_flags(_COMBINE_FLAGS, (async_with_compute_stream, allocate_on_comm_stream))
+    if bias is None:
+        return None, None
+    if not (isinstance(bias, torch.Tensor)
             or (isinstance(bias, tuple) and len(bias) == 2 and all(isinstance(b, torch.Tensor) for b in bias))):
         raise TypeError(f"bias: expected None, a tensor or a pair of tensors, got {type(bias).__name__}"
                         + (f" of {len(bias)}" if isinstance(bias, tuple) else ""))
@@ -173,7 +196,4 @@ def combine_arguments(x, handle, topk_weights, bias, async_with_compute_stream, 
         if part is not None:
             check_tensor(f"bias[{index}]" if isinstance(bias, tuple) else "bias", part, torch.bfloat16,
                           (route.num_tokens, hidden))
-    for name, value in (("async_with_compute_stream", async_with_compute_stream),
-                        ("allocate_on_comm_stream", allocate_on_comm_stream)):
-        check_bool(name, value)
     return biases

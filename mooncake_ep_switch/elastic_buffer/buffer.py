@@ -5,7 +5,7 @@ import torch
 
 from mooncake_ep_switch.buffer.buffer import Buffer
 from mooncake_ep_switch.buffer.handle import EventOverlap
-from mooncake_ep_switch.checks import check_int, check_timeout
+from mooncake_ep_switch.checks import check_int, check_timeout, timeout_in_range
 from mooncake_ep_switch.elastic_buffer import arguments
 from mooncake_ep_switch.elastic_buffer import entry_combine as entries
 from mooncake_ep_switch.elastic_buffer import inner_rows
@@ -401,7 +401,10 @@ class ElasticBuffer:
     def _call_mask(self, active_ranks, timeout_us, device) -> Tuple[torch.Tensor, int]:
         active = self._mask(device) if active_ranks is None else arguments.check_tensor(
             "active_ranks", active_ranks, torch.int32, (self.num_ranks,))
-        timeout_us = self._default_timeout(device) if timeout_us is None else check_timeout(timeout_us)
+        if timeout_us is None:
+            timeout_us = self._default_timeout(device)
+        elif not timeout_in_range(timeout_us):  # a plain int in range passes `check_timeout` unchanged
+            timeout_us = check_timeout(timeout_us)
         return active, timeout_us
 
     # ------------------------------------------------------------------ combine

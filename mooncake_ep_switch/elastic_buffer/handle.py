@@ -45,11 +45,12 @@ class EPHandle:
                  num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
                  num_recv_tokens_per_expert_list: List[int],
                  psum_num_recv_tokens_per_scaleup_rank: Optional[torch.Tensor],
-                 psum_num_recv_tokens_per_expert: torch.Tensor,
+                 psum_num_recv_tokens_per_expert: Optional[torch.Tensor],
                  num_unaligned_recv_tokens_per_expert: Optional[torch.Tensor], recv_src_metadata: Optional[torch.Tensor],
                  dst_buffer_slot_idx: Optional[torch.Tensor], route: Any, num_ranks: int = 0):
         """Keep the attributes. `psum_num_recv_tokens_per_scaleup_rank`, `recv_src_metadata` and
-        `dst_buffer_slot_idx` may be None: each is then computed from `route` (and `num_ranks`) when
+        `dst_buffer_slot_idx` may be None (and `psum_num_recv_tokens_per_expert`, not expanded: the prefix
+        sum of `num_recv_tokens_per_expert_list`): each is then computed from `route` (and `num_ranks`) when
         first read, and kept (a round that never reads them never pays for them). As in V2, a caller may
         assign each (V2's own test trims `recv_src_metadata`); combine reads `route`, never these."""
         self.do_expand = do_expand
@@ -62,7 +63,8 @@ class EPHandle:
         self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
         self._psum_per_rank = psum_num_recv_tokens_per_scaleup_rank
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        self._psum_expert = psum_num_recv_tokens_per_expert
+        self._aligned = tuple(num_recv_tokens_per_expert_list)  # psum_num_recv_tokens_per_expert's, when first read
         self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
         self._src_metadata = recv_src_metadata
         self._dst_slots = dst_buffer_slot_idx
@@ -84,6 +86,19 @@ class EPHandle:
     @psum_num_recv_tokens_per_scaleup_rank.setter
     def psum_num_recv_tokens_per_scaleup_rank(self, value: torch.Tensor) -> None:
         self._psum_per_rank = value  # a plain attribute to callers, as in V2
+
+    @property
+    def psum_num_recv_tokens_per_expert(self) -> torch.Tensor:
+        """`[num_local_experts]` torch.int32 (see the class docstring); when not given, the inclusive prefix
+        sum of the aligned counts, computed when first read."""
+        if self._psum_expert is None:
+            self._psum_expert = torch.tensor(list(itertools.accumulate(self._aligned)), dtype=torch.int32,
+                                             device=self.route.recv_src_global.device)
+        return self._psum_expert
+
+    @psum_num_recv_tokens_per_expert.setter
+    def psum_num_recv_tokens_per_expert(self, value: torch.Tensor) -> None:
+        self._psum_expert = value
 
     @property
     def recv_src_metadata(self) -> torch.Tensor:
@@ -125,8 +140,7 @@ def new_handle(route: lay.Route, do_expand: bool, num_experts: int, alignment: i
         psum_expert = torch.tensor([s + c for s, c in zip(starts, counts)], dtype=torch.int32, device=device)
         unaligned = torch.tensor(counts, dtype=torch.int32, device=device)
     else:
-        psum_expert = torch.tensor(list(itertools.accumulate(aligned)), dtype=torch.int32, device=device)
-        unaligned = None
+        psum_expert = unaligned = None  # the prefix sum of `aligned`, computed when first read
     # The source metadata, the destination slots and the per-rank prefix sum are computed when first read.
     return EPHandle(do_expand=do_expand, num_experts=num_experts, expert_alignment=alignment,
                     num_max_tokens_per_rank=T, num_sms=num_sms, topk_idx=topk_idx.clone() if do_handle_copy
