@@ -1,8 +1,9 @@
 """The membership control plane alone at scale: ranks as threads on one TCPStore, no data plane.
 
-`python -m mooncake_ep_switch.bench membership [--quick] [--ranks 8,16,...]`. Every rank is a thread with
-its own store client, wrapped as a Buffer wraps it (`BoundedStore`: every call on a worker with a
-deadline) and counted (`CountingStore`). Rows, per group size R:
+`python -m mooncake_ep_switch.bench membership [--quick] [--ranks 8,16,...] [--store tcp|etcd]`. Every rank
+is a thread with its own store client (a TCPStore hosted in this process, or with `--store etcd` an
+`EtcdStore` on a 3-member etcd cluster on loopback), wrapped as a Buffer wraps it (`BoundedStore`: every
+call on a worker with a deadline) and counted (`CountingStore`). Rows, per group size R:
 
 * death: rank 0 is dead; the other R-1 call `agree_next_view()` at once, as the survivors'
   `update_ep_member()` does (expected: the other survivors), then `max_call()` of the view;
@@ -12,8 +13,17 @@ deadline) and counted (`CountingStore`). Rows, per group size R:
 
 Each row gives the wall time from the start until the last rank returned and the store operations
 all ranks made in that time (setup excluded), also per rank. Prints a markdown table.
+
+What the times measure: R ranks as threads of one process share one interpreter lock, so the CPU work of
+every rank (store calls through their worker threads, decoding records) adds up on the cores this
+process gets, and a step that costs each rank O(R) work costs the bench O(R^2); R processes on R cores
+(production) pay only their own share. Records decoded once per process (`records.py`) are decoded
+once for all the thread ranks here, once per rank in production. The store operation counts are the
+same either way.
 """
 import argparse
+import itertools
+import os
 import sys
 import threading
 import time
@@ -30,6 +40,7 @@ from mooncake_ep_switch.launcher.launch import host_store
 __all__ = ["CountingStore", "Group", "agree_after_death", "admit_joiner", "main", "run_all"]
 
 SIZES = (8, 16, 32, 64, 128, 256)
+_GROUPS = itertools.count()  # one etcd key prefix per group
 QUICK_SIZES = (8, 32)
 
 
@@ -98,10 +109,22 @@ class CountingStore(dist.Store):
 
 
 class Group:
-    """R ranks' memberships on one store server, each with its own bounded, counted client."""
+    """R ranks' memberships on one store server, each with its own bounded, counted client.
 
-    def __init__(self, num_ranks: int, prefix: str = "bench"):
-        self.server = host_store("127.0.0.1", 0, None, timeout_s=60)
+    Arguments:
+        num_ranks: R.
+        prefix: the memberships' key prefix.
+        etcd: None for a TCPStore hosted in this process, or a started `store.etcd_cluster.LocalEtcdCluster`
+            (each rank an `EtcdStore` client of its own, under a fresh key prefix of the cluster).
+    """
+
+    def __init__(self, num_ranks: int, prefix: str = "bench", etcd=None):
+        if etcd is None:
+            self.server = host_store("127.0.0.1", 0, None, timeout_s=60)
+        else:
+            from mooncake_ep_switch.elastic import connect_store
+            self.server = connect_store(etcd.url(f"{prefix}-{next(_GROUPS)}-{os.getpid()}"), timeout_s=60)
+        self.etcd = etcd
         self.num_ranks, self.prefix = num_ranks, prefix
         self.counts, self.lock = Counter(), threading.Lock()
         self.bounded: List[BoundedStore] = []
@@ -110,8 +133,11 @@ class Group:
             self.members = list(pool.map(self.member, range(num_ranks)))
 
     def member(self, rank: int) -> Membership:
-        client = dist.TCPStore("127.0.0.1", self.server.port, None, False, timeout=self.server.timeout,
-                               wait_for_workers=False)
+        if self.etcd is not None:
+            client = self.server.clone()  # HTTP sessions of its own
+        else:
+            client = dist.TCPStore("127.0.0.1", self.server.port, None, False, timeout=self.server.timeout,
+                                   wait_for_workers=False)
         bounded = BoundedStore(client)
         with self.lock:
             self.bounded.append(bounded)
@@ -218,11 +244,12 @@ def _check_all(results: dict, good) -> None:
         raise RuntimeError(f"ranks ended otherwise than expected: {dict(list(wrong.items())[:4])}")
 
 
-def rows(sizes) -> List[dict]:
-    """Measure each size; returns one dict per (size, scenario)."""
+def rows(sizes, etcd=None) -> List[dict]:
+    """Measure each size (on the etcd cluster `etcd`, or a TCPStore when None); returns one dict per (size,
+    scenario)."""
     found = []
     for size in sizes:
-        group = Group(size)
+        group = Group(size, etcd=etcd)
         try:
             death = agree_after_death(group)
             _check(death["results"], tuple(range(1, size)))
@@ -265,13 +292,25 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mooncake_ep_switch.bench membership")
     parser.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} only")
     parser.add_argument("--ranks", default=None, help="comma-separated group sizes (default 8..256)")
+    parser.add_argument("--store", choices=("tcp", "etcd"), default="tcp",
+                        help="a TCPStore in this process (default) or a 3-member etcd cluster on loopback")
     args = parser.parse_args(argv)
     sizes = [int(v) for v in args.ranks.split(",")] if args.ranks else (QUICK_SIZES if args.quick else SIZES)
-    print("| R | step | seconds | store ops | ops per rank |")
+    print(f"| R | step ({args.store}) | seconds | store ops | ops per rank |")
     print("|---|---|---|---|---|")
-    for row in rows(sizes):
-        print(f"| {row['R']} | {row['step']} | {row['seconds']:.3f} | {row['ops']} | {row['ops'] / row['R']:.1f} |",
-              flush=True)
+
+    def show(found):
+        for row in found:
+            print(f"| {row['R']} | {row['step']} | {row['seconds']:.3f} | {row['ops']} | {row['ops'] / row['R']:.1f} |",
+                  flush=True)
+
+    if args.store == "tcp":
+        show(rows(sizes))
+        return 0
+    from mooncake_ep_switch.store.etcd_cluster import LocalEtcdCluster
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with LocalEtcdCluster(3, data_root=shm) as cluster:
+        show(rows(sizes, etcd=cluster))
     return 0
 
 
