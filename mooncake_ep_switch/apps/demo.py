@@ -243,8 +243,6 @@ def run_demo(config: DemoConfig, stream=sys.stdout) -> dict:
                           "tokens": requests, "balancedness": balanced, "max_calc_diff": max(v["diff"] for v in values),
                           "dead_ranks": dead, "stalled_ranks": stalled, "timeout_s": timeout_us / 1e6,
                           "ranks_serving": len(values)})
-            if pending is not None and "first_full_step" in pending.recovery:
-                pending = None
             if pending is not None and not dead and len(values) == config.num_ranks:
                 recovery = pending.recovery
                 recovery["first_full_step"] = step
