@@ -135,12 +135,15 @@ def valid_peer_state(value) -> bool:
 _DECODED: dict = {}
 _CHECKED: dict = {}
 _MISSING = object()
-DECODE_CACHE_BYTES = 16 << 20  # what both hold at most (record bytes); past it a map starts empty again
+DECODE_CACHE_BYTES = 4 << 20  # what both hold at most (record bytes); past it both start empty again
+DECODE_CACHE_RECORD = MAX_RECORD_BYTES  # larger records (a peer state list) are not kept
 _held = {"bytes": 0}
 
 
 def _remember(cache: dict, memo: tuple, value: Any) -> None:
     size = len(memo[3]) + 64
+    if size > DECODE_CACHE_RECORD:
+        return
     if _held["bytes"] + size > DECODE_CACHE_BYTES:
         _DECODED.clear()
         _CHECKED.clear()
