@@ -129,3 +129,25 @@ def test_plan_records_agree_the_next_base_and_name_a_different_plan(store):
         4, mine, {2: [7, 1, 12, 6, 7, 0xAB, 9, 1]})
     assert difference(4, mine, {2: [3, 1, 12, 2, 3, 0xCD, 5, 1]}) == ""  # an older vote: maybe just late
     assert difference(4, mine, {2: None, 1: [0] * 8}) == ""
+
+
+def test_a_ring_slot_is_reused_over_a_python_store():
+    """The 256th epoch's first vote deletes the keys of the epoch its decision slot held before. Over a
+    store written in Python (the Buffer's `BoundedStore`, the etcd store) torch's C++ PrefixStore could not
+    forward that delete ("Tried to call pure virtual function ::c10d::Store::deleteKey"): the online EPLB
+    raised at chunk epoch 256. The ballot's keys are now prefixed in Python (`KeyPrefix`)."""
+    from mooncake_ep_switch.buffer.membership.store_deadline import BoundedStore
+
+    bounded = BoundedStore(host_store("127.0.0.1", 0, 1, timeout_s=30))
+    try:
+        ballots = _ballots(bounded, num_ranks=2)
+        for epoch in (1, DECISION_SLOTS + 1):
+            for ballot in ballots:
+                ballot.prepare([epoch])
+            for ballot in ballots:
+                ballot.vote(epoch, 1, 0x77)
+            assert ballots[0].propose(epoch, 1) == 1 and ballots[1].decided(epoch) == 1
+        assert not bounded.check(["p/eplb/4/tally/1", "p/eplb/4/done/1"])  # the ring slot's old keys are gone
+        assert bounded.check([f"p/eplb/4/tally/{DECISION_SLOTS + 1}"])
+    finally:
+        bounded.close()

@@ -45,8 +45,7 @@ replaces it).
 import time
 from typing import Dict, Iterable, List, Optional, Tuple
 
-import torch.distributed as dist
-
+from mooncake_ep_switch.buffer.membership.key_prefix import KeyPrefix
 from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 from mooncake_ep_switch.buffer.membership.records import RecordStore
@@ -76,7 +75,7 @@ class Ballot:
 
     def __init__(self, membership, name: str, rank: int, num_ranks: int, what: str = "online EPLB"):
         self.what = what
-        self._records = RecordStore(dist.PrefixStore(name, membership.store), f"{membership.prefix}/{name}",
+        self._records = RecordStore(KeyPrefix(name, membership.store), f"{membership.prefix}/{name}",
                                     membership.secret)
         self.store = self._records.store
         self.rank = rank

@@ -6,6 +6,7 @@ builds on it). Every read is validated; a record that fails is refused with `Mem
 """
 from typing import Dict, Iterable, List, Optional, Set
 
+from mooncake_ep_switch.buffer.membership.key_prefix import KeyPrefix
 from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOINING, MAX_STATE_BYTES, STATES,  # noqa: F401
                                                           MembershipError, RecordStore, valid_admission, valid_endpoint,
                                                           valid_incarnation,
@@ -45,9 +46,7 @@ class MemberRecords(RecordStore):
 
     def __init__(self, store, rank: int, num_ranks: int, prefix: str = "mep", secret=None,
                  take_incarnation: bool = True, replaces: Optional[int] = None):
-        import torch.distributed as dist
-
-        super().__init__(dist.PrefixStore(prefix, store), prefix, secret)
+        super().__init__(KeyPrefix(prefix, store), prefix, secret)  # not torch's PrefixStore: key_prefix.py
         self.rank = rank
         self.num_ranks = num_ranks
         self._admissions = {}  # epoch -> admission record (written once, by compare-and-set: cached when read)
