@@ -37,6 +37,14 @@ TIMEOUT_US = harness.FAULT_TIMEOUT_US
 VICTIM = 2
 
 
+def _wait_seen_dead(buffer, seconds: float = 30.0) -> None:
+    """Until this rank's peer watcher saw DEAD's process end (AssertionError after `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while DEAD not in buffer.dead_peers():
+        assert time.monotonic() < deadline, "the peer watcher never saw DEAD end"
+        time.sleep(0.01)
+
+
 def test_shrink_placement_covers_every_expert_on_the_remaining_ranks_or_names_ranks():
     from mooncake_ep_switch.eplb.coverage import uncovered_experts
     from mooncake_ep_switch.eplb.shrink_placement import shrink_placement
@@ -258,10 +266,7 @@ def rank_killed_in_vote(ctx, point):
         dist.barrier(group=ctx.group)
         if ctx.rank == DEAD:
             os.kill(os.getpid(), signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while DEAD not in buffer.dead_peers():
-            assert time.monotonic() < deadline, "the peer watcher never saw DEAD end"
-            time.sleep(0.01)
+        _wait_seen_dead(buffer)
         outcomes, started = [], time.monotonic()
         try:
             view = buffer.shrink([DEAD], timeout_s=40)  # VICTIM dies in its vote
@@ -377,10 +382,7 @@ def rank_stalled_in_vote(ctx):
     try:
         if ctx.rank == DEAD:
             os.kill(os.getpid(), signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while DEAD not in buffer.dead_peers():
-            assert time.monotonic() < deadline, "the peer watcher never saw DEAD end"
-            time.sleep(0.01)
+        _wait_seen_dead(buffer)
         started = time.monotonic()
         try:
             buffer.shrink([DEAD], timeout_s=4)  # VICTIM is stopped past the vote's deadline (2 s)
