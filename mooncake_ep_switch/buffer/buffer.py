@@ -198,14 +198,13 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
     def _admit_replacement(self, base: str, choice, deadline: float) -> None:
         """Wait, until the constructor's deadline, for the members' `update_ep_member()` to admit this Buffer
         (Mooncake's recovery: a replacement builds a plain Buffer(group) while the others update theirs).
-        Not admitted: the Buffer is destroyed (no longer listed as pending) and, while no view was sealed
-        meanwhile, the rank's earlier incarnation is current again (a Buffer of it in this process goes on)."""
-        epoch = self.membership.epoch()
+        Not admitted: the Buffer is destroyed (no longer listed as pending) and, while no sealed view binds this
+        incarnation, the rank's earlier incarnation is current again (a Buffer of it in this process goes on); the
+        error names the incarnation the newest view admitted instead, if any."""
         try:
             elastic_view.update_ep_member(self._core, max(1.0, deadline - time.monotonic()))
         except BaseException as error:
-            gave_back = (choice.superseding and self.membership.epoch() == epoch
-                         and self.membership.give_back_incarnation())
+            gave_back, holder = replacement.not_admitted(self.membership)
             self.destroy()
             if not isinstance(error, MembershipError):
                 raise
@@ -213,7 +212,7 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
                 f"Buffer: rank {self.rank} builds a Buffer that replaces it in Buffer #{choice.generation} of its "
                 f"group, and no member admitted it within the connect timeout ({self.settings.connect_timeout_s} s): "
                 f"{error}. The other ranks admit it with update_ep_member() while it is being built"
-                + (" (the rank's earlier incarnation is current again)" if gave_back else "")) from error
+                + (" (the rank's earlier incarnation is current again)" if gave_back else "") + holder) from error
         if choice.superseding:  # the Buffer this process held before is left out (its calls refuse)
             replacement.supersede(self._core, base, choice.generation)
 

@@ -30,8 +30,10 @@ n-th Buffer of the group):
   the members hold, by compare-and-set (two replacements of one rank: the second is refused, naming the
   incarnation that took it), and waits to be admitted; the Buffers of `g` this process still holds are
   then left out (their calls refuse; their `update_ep_member()` finds the rank taken over). If it is not
-  admitted, the incarnation it took is given back while no view was sealed meanwhile, so a Buffer of
-  `g` this process still holds goes on as before.
+  admitted, the incarnation it took is given back while no sealed view binds it, so a Buffer of
+  `g` this process still holds goes on as before, and the next replacement takes the rank from the
+  incarnation the members hold. The incarnation taken is the one the members' view binds: when another
+  replacement took the counter past it and still beats, this one's compare-and-set fails by name.
 """
 import threading
 import time
@@ -42,14 +44,16 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.buffer.membership.group_keys import (generation_of, generation_prefix, held_generations,
                                                              hold_joined, joined_generations)
-from mooncake_ep_switch.buffer.membership.protocol import MEMBER_BEAT_MARK, Membership, MembershipError
+from mooncake_ep_switch.buffer.membership.protocol import (JOINER_BEAT_S, JOINER_PROOF_S, MEMBER_BEAT_MARK, Membership,
+                                                            MembershipError)
 from mooncake_ep_switch.buffer.membership.records import RecordStore
 
-__all__ = ["GenerationChoice", "choose_generation", "register_member", "supersede"]
+__all__ = ["GenerationChoice", "choose_generation", "not_admitted", "register_member", "supersede"]
 
 LEFT_OUT_GRACE_S = 10.0  # sealed out of a generation and no other rank builds a new Buffer for this long:
 # a replacement (longer than a member's destroy() before it rebuilds, DESTROY_WAIT_S plus the engine's close)
 _POLL_MAX_S = 0.05
+_BOUND_LOOKBACK = 16  # how many sealed views back a replacement looks for the incarnation the members last held
 
 # Live Buffers of this process per (group prefix, rank, generation), to leave out when a replacement takes over.
 _MEMBERS: Dict[Tuple[str, int, int], "weakref.WeakSet"] = {}
@@ -153,10 +157,14 @@ def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int
                 if beat is not None and MEMBER_BEAT_MARK in beat:
                     if beats.get((target, member), beat) != beat:
                         # its members are waiting for this rank in update_ep_member()
-                        return target, observer.incarnation_of(rank)
+                        holder = _members_holder(observer, rank, epoch)
+                        if holder is not None:
+                            return target, holder
                     beats[(target, member)] = beat
             if rank not in members and time.monotonic() - quiet_since >= LEFT_OUT_GRACE_S:
-                return target, observer.incarnation_of(rank)
+                holder = _members_holder(observer, rank, epoch)
+                if holder is not None:
+                    return target, holder
         if time.monotonic() >= deadline:
             behind = [r for r, value in zip(others, reached) if value < mine]
             where = "" if target is None else f" (it replaces rank {rank} in Buffer #{target}, the first of the group " \
@@ -169,6 +177,47 @@ def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int
                 "others' update_ep_member(), called while it is being built")
         time.sleep(pause)
         pause = min(pause * 2, _POLL_MAX_S)
+
+
+def _members_holder(observer: Membership, rank: int, epoch: int) -> Optional[int]:
+    """The incarnation of `rank` a replacement takes the rank from (compare-and-set), decided in `epoch`; None
+    when a view was sealed since (decide again: another replacement may have been admitted meanwhile).
+
+    The members hold the incarnation their newest view with the rank bound (`_last_bound`; the rank may have been
+    sealed out since). When the counter moved past it, another replacement took the rank after that view: while
+    its heartbeat moves (it waits to be admitted, or stays registered) the members' incarnation is returned, so
+    this replacement's compare-and-set fails and names the one that took it; a replacement that died before it
+    was admitted (no beat for `JOINER_PROOF_S`) is taken over."""
+    bound = _last_bound(observer, rank, epoch)
+    counter = observer.read_counter(f"incarnation/{rank}")
+    if bound is not None and counter > bound and _beating(observer, rank, counter):
+        counter = bound  # a live competing replacement holds the rank: this one is refused, by name
+    return counter if observer.epoch() == epoch else None
+
+
+def _last_bound(observer: Membership, rank: int, epoch: int) -> Optional[int]:
+    """The incarnation of `rank` bound in the newest of epochs `epoch`, `epoch - 1`, ... (at most
+    `_BOUND_LOOKBACK` of them) whose view holds the rank; None when none does or a record is unreadable."""
+    try:
+        for back in range(epoch, max(-1, epoch - _BOUND_LOOKBACK), -1):
+            if back == 0 or rank in observer.view(back).ranks:
+                return observer.admitted_incarnation(back, rank)
+    except MembershipError:
+        return None
+    return None
+
+
+def _beating(observer: Membership, rank: int, incarnation: int) -> bool:
+    """Whether `incarnation` of `rank` beats (`alive/<rank>` moves under its number) within `JOINER_PROOF_S`."""
+    mark = f"{incarnation}:".encode()
+    first = observer.read_raw(f"alive/{rank}")
+    stop = time.monotonic() + JOINER_PROOF_S
+    while time.monotonic() < stop:
+        time.sleep(JOINER_BEAT_S)
+        now = observer.read_raw(f"alive/{rank}")
+        if now is not None and now != first and bytes(now).startswith(mark):
+            return True
+    return False
 
 
 def _target(store, rank: int, num_ranks: int, base: str, secret, newest: int,
@@ -207,8 +256,32 @@ def _held_by_another(observer: Optional[Membership], rank: int, generation: Opti
         return ""
     if holder is None:
         return ""
-    return (f". Rank {rank} is already taken over there: incarnation {holder} holds it (admitted in epoch {epoch} of "
-            f"Buffer #{generation}); exactly one replacement of a rank is admitted, and this one was not")
+    where = "" if generation is None else f" of Buffer #{generation}"
+    return (f". Rank {rank} is already taken over there: incarnation {holder} holds it (admitted in epoch {epoch}"
+            f"{where}); exactly one replacement of a rank is admitted, and this one was not")
+
+
+def not_admitted(membership: Membership) -> Tuple[bool, str]:
+    """A replacement's Buffer was not admitted: give the rank back to the incarnation before it while no sealed
+    view binds this one (so a Buffer of it this process holds goes on, and the next replacement takes the rank
+    from the incarnation the members hold), and name the incarnation the newest view admitted in its place.
+
+    Arguments:
+        membership: the replacement Buffer's `Membership` (before `destroy()`).
+
+    Returns:
+        gave_back: whether the rank's earlier incarnation is current again.
+        holder: "" or a sentence naming the incarnation that holds the rank in the newest view.
+    """
+    try:
+        epoch = membership.epoch()
+        bound = membership.admitted_incarnation(epoch, membership.rank) if epoch >= 1 else None
+    except MembershipError:
+        return False, ""
+    gave_back = bound != membership.incarnation and membership.give_back_incarnation()
+    held = "" if bound is None or bound == membership.incarnation else _held_by_another(
+        membership, membership.rank, None)
+    return gave_back, held
 
 
 def _step_back(counters: RecordStore, rank: int, mine: int, own: int) -> None:
