@@ -112,11 +112,8 @@ def rank_coverage(ctx, death_file, transport):
                 os.kill(os.getpid(), signal.SIGKILL)
             new = list(subscription)
             events += new
-            # The engine's policy: cover at the next step. The "cuda" transport delivers no PeerMasked (its device
-            # calls never report masks to the event bus), hence no ExpertsUncovered: there the engine acts on its mask.
-            uncovered = (not int(active[DEAD]) and not reports and not rebalancer.in_progress) if transport == "cuda" \
-                else any(isinstance(e, ExpertsUncovered) for e in new)
-            if uncovered:
+            # The engine's policy: cover at the next step.
+            if any(isinstance(e, ExpertsUncovered) for e in new):
                 restore_coverage(rebalancer, active, step + 1, loader)
             done = rebalancer.step(step, active)
             reports += done
@@ -199,10 +196,6 @@ def test_coverage_epoch_while_a_rank_is_dead_restores_the_full_reference(tmp_pat
                 if step >= 4 or step == 1:  # committed at step 3's successor: the full reference, nothing lost
                     assert value["skip"] == [] and value["diff_full"] < LIMIT and value["lost"] == 0, at
         kinds = [name for name, _ in result["events"]]
-        if transport == "cuda":  # no PeerMasked/ExpertsUncovered on the "cuda" transport yet (see rank_coverage)
-            assert kinds == ["CoverageRestored"], (where, result["events"])
-            figures.append((result["restored_at"] - died, 0.0, max(result["stall_ms"])))
-            continue
         assert kinds == ["PeerMasked", "ExpertsUncovered", "CoverageRestored"], (where, result["events"])
         masked, uncovered, restored = (e for _, e in result["events"])
         assert (masked.rank, masked.reason) == (DEAD, "dead"), masked

@@ -1,6 +1,8 @@
 """Observability of a fault (issue 41 item 3): a rank SIGKILLed between rounds is masked once, counted in
-`stats()` by its cause as the transport saw it, logged at WARNING, and `update_ep_member()` moves the
-epoch in `stats()` with an INFO line of the new view (docs/observability.md)."""
+`stats()` by its cause as the transport saw it, logged at WARNING, one `PeerMasked` on the Buffer's events by
+the round that met the death (issue 36 item 4), and `update_ep_member()` moves the epoch in `stats()` with an
+INFO line of the new view (docs/observability.md). Also on the "cuda" transport, on the emulated device
+(tests/emulated_device.py), whose device calls report the masks the kernels flagged."""
 import os
 import signal
 
@@ -9,6 +11,7 @@ import torch
 
 from mooncake_ep_switch import Buffer
 from tests import harness
+from tests.test_cuda import on_device
 from tests.reference import structured_inputs, token_count
 from tests.test_observability import _Records
 
@@ -18,7 +21,7 @@ T, HIDDEN, EXPERTS, TOP_K = 16, 256, 6, 2
 # collective fails on the lost connection and the peer watcher tells a process end from a link.
 # Over the Transfer Engine a write to the dead peer can fail first (a link, as the transport sees it).
 CAUSES = {"shm": {"process_end", "deadline"}, "collective": {"process_end", "link"},
-          "mooncake": {"process_end", "link", "deadline"}}
+          "mooncake": {"process_end", "link", "deadline"}, "cuda": {"process_end", "deadline"}}
 
 
 def _round(ctx, buffer, seed):
@@ -36,22 +39,26 @@ def rank_killed(ctx, transport):
     buffer = Buffer(ctx.group, size, disable_p2p=transport == "mooncake", transport=transport)
     _round(ctx, buffer, 1)
     whole = buffer.stats()
+    events = buffer.subscribe()
     if ctx.rank == DEAD:
         os.kill(os.getpid(), signal.SIGKILL)
     with _Records() as log:
         mask = _round(ctx, buffer, 2)
         faulted = buffer.stats()
+        masked = [(type(e).__name__, tuple(e)) for e in events]  # by the round that met the death
         view = buffer.update_ep_member(timeout_s=30.0)
         updated = buffer.stats()
     buffer.destroy()
     return {"whole": whole, "mask": mask, "faulted": faulted, "updated": updated, "view": list(view.ranks),
-            "records": log.records}
+            "records": log.records, "masked": masked}
 
 
-@pytest.mark.parametrize("transport", ["shm", "collective", "mooncake"])
+@pytest.mark.parametrize("transport", ["shm", "collective", "mooncake", "emulated cuda"])
 def test_a_killed_rank_is_one_mask_and_the_epoch_moves(transport):
+    transport = transport.split()[-1]
+    runner = on_device(rank_killed, True) if transport == "cuda" else (rank_killed,)
     with harness.fresh_cluster(NUM_RANKS) as cluster:
-        outcomes = cluster.run(rank_killed, transport, timeout_s=90, failure_grace_s=60)
+        outcomes = cluster.run(*runner, transport, timeout_s=90, failure_grace_s=60)
         processes = list(cluster.processes)
     assert outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
     for outcome in outcomes[:DEAD]:
@@ -67,6 +74,10 @@ def test_a_killed_rank_is_one_mask_and_the_epoch_moves(transport):
         assert value["updated"]["epoch"] > value["faulted"]["epoch"] >= value["whole"]["epoch"] == 0
         assert value["updated"]["members"] == 2
         cause = next(iter(masks))
+        assert [name for name, _ in value["masked"]] == ["PeerMasked"], value["masked"]
+        rank, reason, epoch = value["masked"][0][1]
+        assert rank == DEAD and epoch == value["faulted"]["epoch"], value["masked"]
+        assert reason == "dead" if cause == "process_end" else reason in ("dead", "stalled", "cut"), value["masked"]
         warned = [r for r in value["records"] if r[0] == "WARNING" and r[1] == "mooncake_ep_switch.buffer"]
         assert len(warned) == 1 and f"masked rank {DEAD}" in warned[0][2] and f"[cause: {cause}]" in warned[0][2]
         assert not [r for r in value["records"] if "MICROSECONDS" in r[2]], "a deadline of seconds is no unit mistake"

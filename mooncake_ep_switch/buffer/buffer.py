@@ -419,8 +419,9 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
                 returned: num_tokens * hidden * 2 per call), `wait_s` (seconds spent in the transport
                 sending and waiting for rows; 0 on `"cuda"`, whose calls return before the device ran),
                 `masks` ({`"deadline"`, `"process_end"`, `"link"`: count}: ranks the calls masked in
-                `active_ranks`, by cause as the transport saw it; on `"cuda"` counted when
-                `update_ep_member()` reads the device's flags).
+                `active_ranks`, by cause as the transport saw it; on `"cuda"` counted when a call
+                or `update_ep_member()` reads the device's flags: on a GPU the call after the kernels
+                flagged the mask, on the emulated device the call that masked).
         """
         return self._core.stats.snapshot(self._core)
 

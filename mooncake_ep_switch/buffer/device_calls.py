@@ -52,10 +52,33 @@ def _check_values(core: BufferCore, topk_idx: torch.Tensor, num_experts: int, ac
             raise ValueError(problem)
 
 
-def _run(core: BufferCore, launch, async_finish: bool, return_recv_hook: bool, keep_alive):
+def _observed(core: BufferCore, receive, timeout_us: int, what: str, call: int):
+    """`receive`, then the masks the device flagged so far counted, logged and emitted (`PeerMasked`).
+
+    The transport's `failed_sources` reads the pinned control block without a synchronisation: a
+    flag the device raises later (a kernel still running on a GPU) is seen by the next call's read or
+    by `update_ep_member()`; on the emulated device, whose launches complete at once, by this call's.
+    """
+
+    def run() -> None:
+        receive()
+        if len(core.transport.failed_sources) != core.stats.seen:  # a peer was masked: count, log, emit
+            core.stats.observe(core, timeout_us, what, call)
+
+    return run
+
+
+def _run(core: BufferCore, launch, async_finish: bool, return_recv_hook: bool, keep_alive, observe=None):
     """Launch `launch()` (which returns (transport_plan, receive)) in the call's mode; returns
-    (transport_plan, event, hook, receipt)."""
+    (transport_plan, event, hook, receipt). `observe` (timeout_us, what, call) wraps the receive phase
+    in `_observed`."""
     impl = core.transport
+    if observe is not None:
+        inner = launch
+
+        def launch():
+            transport_plan, receive = inner()
+            return transport_plan, _observed(core, receive, *observe)
     if async_finish:
         current = torch.cuda.current_stream(impl.device)
         comm = impl.comm_stream()
@@ -105,7 +128,7 @@ def dispatch(core: BufferCore, x, topk_idx, active_ranks, num_max_dispatch_token
         keep_alive = (x, topk_idx, active_ranks) + tuple(t for t in outputs if t is not None)
         try:
             transport_plan, event, hook, receipt = _run(core, lambda: impl.dispatch(call, outputs), async_finish,
-                                                 return_recv_hook, keep_alive)
+                                                 return_recv_hook, keep_alive, (timeout_us, "dispatch", call.call))
         except LayoutHeld:
             core.call -= 1  # refused before anything was launched: the call was not made
             raise
@@ -156,7 +179,7 @@ def combine(core: BufferCore, x, topk_idx, topk_weights, active_ranks, timeout_u
         plan.mark_combined()
         keep_alive = (x, topk_idx, topk_weights, active_ranks, out, plan.transport_plan)
         _, event, hook, _ = _run(core, lambda: (None, impl.combine(call)), async_finish, return_recv_hook,
-                                 keep_alive)
+                                 keep_alive, (timeout_us, "combine", call.call))
     finally:
         life.leave()
     return out, event, hook
