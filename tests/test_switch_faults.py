@@ -157,6 +157,7 @@ def rank_gloo_weights(ctx):
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.elastic import join
     from mooncake_ep_switch.reference.moe_block import random_weights
+    from mooncake_ep_switch.switch.tp_collective import TPAllReduce
     from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
     from tests.test_switch_kv import E, H, I
 
@@ -168,8 +169,9 @@ def rank_gloo_weights(ctx):
         buffer = Buffer(ctx.group, size, transport="mooncake")
     unified = UnifiedWeights(buffer, WeightShape(E, H, I), MOE_LAYERS)
     unified.load_full([random_weights(E, H, I, seed=layer) for layer in range(MOE_LAYERS)])
-    harness.RANK_STATE.update(buffer=buffer, unified=unified)
-    return unified.one_sided
+    reduce = TPAllReduce(buffer, REDUCE_ROWS, H)
+    harness.RANK_STATE.update(buffer=buffer, unified=unified, reduce=reduce)
+    return unified.one_sided or reduce.region is not None
 
 
 def rank_gloo_switches(ctx, targets, admit=()):
@@ -200,23 +202,53 @@ def rank_gloo_switches(ctx, targets, admit=()):
     return reports
 
 
+REDUCE_ROWS = 5
+
+
+def _reduce_partial(rank):
+    from tests.test_switch_kv import H
+
+    generator = torch.Generator().manual_seed(900 + rank)
+    return torch.randn((REDUCE_ROWS, H), generator=generator).to(torch.bfloat16).float()
+
+
+def rank_gloo_all_reduce(ctx):
+    """The TP all-reduce (also gloo collectives on the "mooncake" transport) with every rank marked active:
+    (active_ranks after the call, the ranks whose partials the float32 and bf16 results are exactly the
+    rank-order sums of, or None)."""
+    reduce = harness.RANK_STATE["reduce"]
+    active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+    x = _reduce_partial(ctx.rank)
+    out32 = reduce.all_reduce(x, active, 30_000_000, float32_result=True)
+    out16 = reduce.all_reduce(x, active.clone(), 30_000_000)
+    summed = [r for r in range(ctx.num_ranks) if active[r]]
+    want = torch.zeros_like(x)
+    for r in summed:
+        want += _reduce_partial(r)
+    exact = torch.equal(out32, want) and torch.equal(out16, want.to(torch.bfloat16))
+    return active.tolist(), summed if exact else None
+
+
 def rank_gloo_leave(ctx):
-    """Rank 1 exits; rank 0 seals it out (update_ep_member) and its switch is refused, naming it."""
+    """Rank 1 exits; rank 0 seals it out (update_ep_member) and its switch is refused, naming it; its
+    all-reduce runs over the view (rank 0 alone)."""
     if ctx.rank == 1:
         os._exit(3)
     harness.RANK_STATE["buffer"].update_ep_member(timeout_s=30.0)
-    return rank_gloo_switches(ctx, ["tp"])
+    return rank_gloo_switches(ctx, ["tp"]), rank_gloo_all_reduce(ctx)
 
 
 def rank_gloo_rejoin(ctx):
-    """The replacement joins and builds its weights; rank 0 admits it; then EP -> TP -> EP on both."""
+    """The replacement joins and builds its weights; rank 0 admits it; then EP -> TP -> EP on both, and
+    an all-reduce over both."""
     if ctx.group is None:
         assert rank_gloo_weights(ctx) is False
-        return rank_gloo_switches(ctx, ["tp", "ep"])
-    return rank_gloo_switches(ctx, ["tp", "ep"], admit=(1,))
+        return rank_gloo_switches(ctx, ["tp", "ep"]), rank_gloo_all_reduce(ctx)
+    return rank_gloo_switches(ctx, ["tp", "ep"], admit=(1,)), rank_gloo_all_reduce(ctx)
 
 
 def rank_gloo_teardown(ctx):
+    harness.RANK_STATE.pop("reduce").destroy()
     harness.RANK_STATE.pop("unified").destroy()
     return harness.rank_teardown(ctx)
 
@@ -227,14 +259,20 @@ def test_a_collective_switch_after_a_replacement_runs_on_the_new_view():
     ("Connection closed by peer"), and a replacement, with no group, failed at once ("Default process group
     has not been initialized"). Now a switch runs on a gloo group of the current view, built through the store: with
     rank 1 sealed out the switch is refused naming it (nothing moved); once its replacement is admitted,
-    EP -> TP -> EP completes on both ranks, bit-exact."""
+    EP -> TP -> EP completes on both ranks, bit-exact.
+    The TP all-reduce (`TPAllReduce`) had the same gap (before: rank 0's all-reduce raised from inside gloo,
+    the replacement's at once): with rank 1 sealed out it sums rank 0's partial alone and sets rank 1 to 0
+    in active_ranks; after the admission it sums both, exactly (float32 and bf16), on both ranks."""
     with harness.fresh_cluster(2) as cluster:
         assert harness.check_outcomes(cluster.run(rank_gloo_weights, timeout_s=60)) == [False, False]
         outcomes = cluster.run(rank_gloo_leave, timeout_s=60, failure_grace_s=30)
         assert not outcomes[1].ok and outcomes[1].exitcode == 3, outcomes[1]
-        [(outcome, layout, reason)] = harness.outcome_value(outcomes[0])
+        [(outcome, layout, reason)], reduced = harness.outcome_value(outcomes[0])
         assert (outcome, layout) == ("refused", "ep") and "ranks [1] are not members" in reason, reason
+        assert reduced == ([1, 0], [0]), reduced
         cluster.respawn(1)
-        reports = harness.check_outcomes(cluster.run(rank_gloo_rejoin, timeout_s=120))
+        results = harness.check_outcomes(cluster.run(rank_gloo_rejoin, timeout_s=120))
+        reports = [switches for switches, _ in results]
         assert reports == [[("completed", "tp", ""), ("completed", "ep", "")]] * 2, reports
+        assert [reduced for _, reduced in results] == [([1, 1], [0, 1])] * 2, results
         harness.check_outcomes(cluster.run(rank_gloo_teardown, timeout_s=60))

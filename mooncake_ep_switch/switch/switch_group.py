@@ -1,20 +1,68 @@
-"""The process group a collective switch runs on, kept to the current view.
+"""The process group a collective switch or TP all-reduce runs on, kept to the current view.
 
-A `UnifiedWeights` that is not one-sided (its Buffer's transport is `"mooncake"`: shared memory inside a
-host, the Transfer Engine across, which map no weights) switches with gloo collectives. The group it was
-built with is the Buffer's constructor group: after a membership change that group still names the
-replaced ranks' dead processes, and a replacement's Buffer has none. `switch_group` gives the switch a
-gloo group of the current view instead, built through the group's store the first time a switch runs in
-that epoch (every rank calls `switch_layout` together, so every member meets in the rendezvous) and kept
-for the epoch. On the `"collective"` transport and on Mooncake's `_use_fallback`, the structures' group is
-the fallback's own view group (kept current by `buffer.peer_regions`), used as it is.
+A structure that is not one-sided (its Buffer's transport is `"mooncake"`: shared memory inside a host,
+the Transfer Engine across, which map no weights) runs gloo collectives: a `UnifiedWeights` switches with
+them, a `TPAllReduce` gathers its partials with them. The group it was built with is the Buffer's
+constructor group: after a membership change that group still names the replaced ranks' dead processes,
+and a replacement's Buffer has none. `epoch_group` gives the structure a gloo group of the current view
+instead, built through the group's store the first time it runs a collective in that epoch (every rank
+calls it together, so every member meets in the rendezvous) and kept for the epoch. On the
+`"collective"` transport and on Mooncake's `_use_fallback`, the fallback's own view group is used.
+
+- `switch_group`: a switch needs every rank (each holds a shard); a view lacking ranks refuses, naming them.
+- `all_reduce_group`: an all-reduce runs over the members of the current view (a rank outside it
+  contributes nothing, as a dead source on the one-sided path).
 """
 from typing import List, Optional, Tuple
 
 from mooncake_ep_switch.buffer.membership.group_keys import view_group
 from mooncake_ep_switch.buffer.membership.protocol import View
+from mooncake_ep_switch.errors import MembershipError
 
-__all__ = ["switch_group"]
+__all__ = ["switch_group", "all_reduce_group", "epoch_group", "on_fallback"]
+
+
+def on_fallback(buffer) -> bool:
+    """Whether `buffer` runs its calls on the collective fallback (its `process_group` is the fallback's).
+
+    Arguments:
+        buffer: a `Buffer`.
+
+    Returns:
+        on_fallback: bool (built on the `"collective"` transport, or Mooncake's `_use_fallback` set).
+    """
+    return buffer.transport == "collective" or buffer.process_group is not buffer.group
+
+
+def epoch_group(buffer, owner, members: Tuple[int, ...], timeout_s: float, prefix: str, caller: str):
+    """A gloo group of the current view for `owner`, built through the store once per epoch.
+
+    Collective over `members` the first time in an epoch (kept on `owner.view_group` as `(epoch, group)`).
+
+    Arguments:
+        buffer: the `Buffer` of the group (its epoch, rank and membership store are used).
+        owner: the structure the group is for; two structures must pass different `prefix`es.
+        members: the current view's ranks (group rank = position).
+        timeout_s: the group's timeout in seconds (finite, > 0).
+        prefix: key prefix of the group's rendezvous (the epoch is appended).
+        caller: the name errors start with.
+
+    Returns:
+        group: a `torch.distributed.ProcessGroupGloo`.
+
+    Raises:
+        RuntimeError: no store to build the group through.
+    """
+    epoch = buffer.epoch
+    built = getattr(owner, "view_group", None)
+    if built is None or built[0] != epoch:
+        membership = getattr(buffer, "membership", None)
+        if membership is None:
+            raise RuntimeError(f"{caller}: the group lost ranks and the Buffer has no store to build the current "
+                               "view's group through; pass store= to Buffer")
+        group = view_group(membership.store, View(epoch, members), buffer.rank, timeout_s, prefix=prefix)
+        built = owner.view_group = (epoch, group)
+    return built[1]
 
 
 def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], List[int]]:
@@ -33,21 +81,42 @@ def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], L
     Raises:
         RuntimeError: a new view but no store to build its group through.
     """
-    on_fallback = buffer.transport == "collective" or buffer.process_group is not buffer.group  # Mooncake's fallback
-    epoch = buffer.epoch
-    if on_fallback or (epoch == 0 and unified.group is not None):
+    if on_fallback(buffer) or (buffer.epoch == 0 and unified.group is not None):
         return unified.group, []
     members = tuple(buffer.members)
     missing = [r for r in range(unified.num_ranks) if r not in members]
     if missing:
         return None, missing
-    built = getattr(unified, "view_group", None)
-    if built is None or built[0] != epoch:
-        membership = getattr(buffer, "membership", None)
-        if membership is None:
-            raise RuntimeError("switch_layout: the weights' group lost ranks and the Buffer has no store to build "
-                               "the current view's group through; pass store= to Buffer")
-        group = view_group(membership.store, View(epoch, members), unified.rank, timeout_s, prefix="mep/switch")
-        built = unified.view_group = (epoch, group)
-    unified.group = built[1]
-    return built[1], []
+    unified.group = epoch_group(buffer, unified, members, timeout_s, "mep/switch", "switch_layout")
+    return unified.group, []
+
+
+def all_reduce_group(buffer, owner, timeout_s: float, prefix: str) -> Tuple[object, Tuple[int, ...]]:
+    """The group a collective all-reduce of `owner` runs on now, and its members in group-rank order.
+
+    Arguments:
+        buffer: the `Buffer` of the group.
+        owner: its `TPAllReduce` (not one-sided; `group`, `num_ranks` are used).
+        timeout_s: the group's timeout for a group built here (finite, > 0).
+        prefix: the owner's own key prefix for a group built here.
+
+    Returns:
+        group: the process group.
+        members: the EP ranks of `group`, in group-rank order (the current view's members after a
+            membership change, every rank in epoch 0).
+
+    Raises:
+        MembershipError: this rank is not a member of the current view (a replacement not admitted yet).
+        RuntimeError: a new view but no store to build its group through.
+    """
+    everyone = tuple(range(owner.num_ranks))
+    if on_fallback(buffer):
+        group = buffer.process_group
+        return group, everyone if group.size() == owner.num_ranks else tuple(buffer.members)
+    if buffer.epoch == 0 and owner.group is not None:
+        return owner.group, everyone
+    members = tuple(buffer.members)
+    if buffer.rank not in members:
+        raise MembershipError(f"all_reduce: rank {buffer.rank} is not a member of the current view (epoch "
+                              f"{buffer.epoch}, members {list(members)}); call update_ep_member() until it is admitted")
+    return epoch_group(buffer, owner, members, timeout_s, prefix, "all_reduce"), members

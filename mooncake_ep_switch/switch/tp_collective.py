@@ -11,23 +11,30 @@ Region per rank: two halves (call n uses half n % 2, as dispatch does: a rank re
 only after every peer's call n+1 signal, which the peer raises after it finished reading call n),
 each `[R][max_tokens][H]` float32, plus signal words `[2][R]`.
 
-Collective fallback: `all_gather` of the partials, then the same rank-order sum (a dead peer
-cannot be survived there: the collective fails after the group's timeout).
+Collective (the `"collective"` transport, Mooncake's `_use_fallback`, and the `"mooncake"` transport,
+which maps no peer memory): an all-gather of the partials, then the same rank-order sum. It runs on the
+current view's group (`switch_group.all_reduce_group`: the constructor's group in epoch 0, after a
+membership change a gloo group of the view built through the store on the epoch's first call, or the
+fallback's own view group), so after a rank's death and its replacement's admission the members and the
+replacement reduce together; ranks outside the view contribute nothing and are set to 0 in
+`active_ranks`. A peer that dies during the call cannot be survived there: the collective fails after
+the group's timeout.
 
 CUDA tensors (a Buffer on the `"cuda"` transport): the partials and the sum take the host protocol
 above (one device-to-host copy of `x`, one host-to-device copy of the result), so the TP layout keeps
 the same bits and the same fault handling as on the host. The rows are few (a TP step's tokens);
 NCCL is not used: its all-reduce order is not rank order, and a dead peer hangs it.
 """
+import weakref
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.checks import check_int, check_timeout
+from mooncake_ep_switch.switch.switch_group import all_reduce_group
 
 _TAG_SPACE = (1 << 32) - 1
 _SIGNALS_BYTES = 4096
@@ -66,7 +73,8 @@ class TPAllReduce:
             self.data_offset = nbytes - 2 * self.half_bytes
             self.region = SharedRegion(self.group, self.rank, self.num_ranks, nbytes)
         self._registry = getattr(buffer, "peer_regions", None)
-        peer_regions.register(buffer, self, KIND)
+        self._buffer = weakref.ref(buffer)
+        self.index = peer_regions.register(buffer, self, KIND)  # the same on every rank and for a replacement
 
     def _signal_addr(self, rank: int, half: int, source: int) -> int:
         return self.region.peer_bases[rank] + 8 * (half * self.num_ranks + source)
@@ -85,7 +93,9 @@ class TPAllReduce:
                 passes the same N. A CUDA tensor (a Buffer on the "cuda" transport) is staged through
                 host memory; the result comes back on its device.
             active_ranks: `[R]` torch.int32 (1 active, 0 inactive), caller-owned; sources that miss
-                the deadline are set to 0 in place. Inactive ranks are neither sent to nor waited for.
+                the deadline (and, on the collective path, ranks outside the current view) are set to 0
+                in place. Inactive ranks are neither sent to nor waited for (the collective path gathers
+                every member's partial and leaves the inactive ones out of the sum).
             timeout_us: deadline for the whole receive in microseconds, -1 = none.
             float32_result: return the float32 sum itself (no bf16 rounding): with every rank but
                 one passing zeros in a row, that row arrives bit-exact (an all-gather of rows).
@@ -93,6 +103,11 @@ class TPAllReduce:
         Returns:
             out: `[N, H]` torch.bfloat16 on `x`'s device, `bf16(sum over active ranks in rank order of
                 float32 x_r)` (torch.float32 and unrounded with `float32_result`).
+
+        Raises:
+            ValueError: `x` or `active_ranks` of another shape or dtype.
+            MembershipError: on the collective path, this rank is not a member of the current view (a
+                replacement not admitted yet).
         """
         if x.dim() != 2 or x.size(1) != self.hidden or x.size(0) > self.max_tokens or x.dtype not in (
                 torch.float32, torch.bfloat16):
@@ -108,11 +123,7 @@ class TPAllReduce:
         rows = x32.size(0)
         self.call += 1
         if self.region is None:
-            parts = [torch.empty_like(x32) for _ in range(self.num_ranks)]
-            dist.all_gather(parts, x32, group=self.group)
-            out = torch.zeros_like(x32)
-            for part in parts:
-                out += part
+            out = self._gathered_sum(x32, active_ranks, timeout_us)
             return (out if float32_result else out.to(torch.bfloat16)).to(device)
 
         tag = (self.call - 1) % _TAG_SPACE + 1
@@ -143,6 +154,26 @@ class TPAllReduce:
             elif active[s] and s not in late and rows:
                 out += self._slot(self.rank, half, s, nbytes).view(torch.float32).view(rows, self.hidden)
         return (out if float32_result else out.to(torch.bfloat16)).to(device)
+
+    def _gathered_sum(self, x32: torch.Tensor, active_ranks: torch.Tensor, timeout_us: int) -> torch.Tensor:
+        """The collective path: all-gather over the current view's group, float32 sum in rank order of the
+        active members' partials; ranks outside the view are set to 0 in `active_ranks`."""
+        buffer = self._buffer()
+        if buffer is None:
+            raise RuntimeError("all_reduce: the TPAllReduce's Buffer was destroyed")
+        group_timeout_s = timeout_us / 1e6 if timeout_us > 0 else 300.0
+        group, members = all_reduce_group(buffer, self, group_timeout_s, f"mep/{KIND}/{self.index}")
+        parts = [torch.empty_like(x32) for _ in members]
+        group.allgather([parts], [x32]).wait()  # the group's own call: a per-view group is not registered in torch
+        for rank in range(self.num_ranks):
+            if rank not in members:
+                active_ranks[rank] = 0
+        active = active_ranks.tolist()
+        out = torch.zeros_like(x32)
+        for position, rank in enumerate(members):  # members ascend: rank order
+            if rank == self.rank or active[rank]:
+                out += parts[position]
+        return out
 
     # ------------------------------------------------------------------ membership (peer_regions.Participant)
     def shared_regions(self) -> list:
