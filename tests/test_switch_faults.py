@@ -157,9 +157,11 @@ def rank_gloo_weights(ctx):
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.elastic import join
     from mooncake_ep_switch.reference.moe_block import random_weights
+    from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, PagedKVCache
     from mooncake_ep_switch.switch.tp_collective import TPAllReduce
     from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
-    from tests.test_switch_kv import E, H, I
+    from tests.test_switch_kv import D, E, H, H_KV, I, PAGE
+    from tests.test_switch_kv import LAYERS as KV_LAYERS
 
     size = Buffer.get_ep_buffer_size_hint(8, H, ctx.num_ranks, E)
     if ctx.group is None:
@@ -170,8 +172,10 @@ def rank_gloo_weights(ctx):
     unified = UnifiedWeights(buffer, WeightShape(E, H, I), MOE_LAYERS)
     unified.load_full([random_weights(E, H, I, seed=layer) for layer in range(MOE_LAYERS)])
     reduce = TPAllReduce(buffer, REDUCE_ROWS, H)
-    harness.RANK_STATE.update(buffer=buffer, unified=unified, reduce=reduce)
-    return unified.one_sided or reduce.region is not None
+    kv = PagedKVCache(buffer, KVCacheConfig(KV_LAYERS, H_KV, D, PAGE, 96))
+    _populate(kv, ctx.rank, ctx.num_ranks, "ep")  # a replacement starts empty: it prefills its requests again
+    harness.RANK_STATE.update(buffer=buffer, unified=unified, reduce=reduce, kv=kv)
+    return unified.one_sided or reduce.region is not None or kv.region is not None
 
 
 def rank_gloo_switches(ctx, targets, admit=()):
@@ -183,7 +187,7 @@ def rank_gloo_switches(ctx, targets, admit=()):
     from mooncake_ep_switch.switch.switcher import switch_layout
     from tests.test_switch_kv import E, H, I
 
-    buffer, unified = harness.RANK_STATE["buffer"], harness.RANK_STATE["unified"]
+    buffer, unified, kv = harness.RANK_STATE["buffer"], harness.RANK_STATE["unified"], harness.RANK_STATE["kv"]
     if admit and ctx.rank not in admit:
         deadline = time.monotonic() + 60
         while not set(admit) <= set(buffer.pending_joiners()):
@@ -192,8 +196,11 @@ def rank_gloo_switches(ctx, targets, admit=()):
         buffer.update_ep_member(timeout_s=60.0)
     reports = []
     for target in targets:
-        report = switch_layout(buffer, target, weights=unified, timeout_us=30_000_000)
+        report = switch_layout(buffer, target, weights=unified, kv_cache=kv, timeout_us=30_000_000)
         reports.append((report.outcome, report.layout, report.reason))
+        assert kv.layout == report.layout, (kv.layout, report)
+        _check_sharing(kv)  # the KV cache: every request's attention as the dense reference's, in any layout
+        _check_reference(kv, _attention_here(kv, step=0), ctx.num_ranks, step=0)
         if report.outcome == "completed":
             for layer in range(MOE_LAYERS):
                 want = _expected_shard(random_weights(E, H, I, seed=layer), target, ctx.rank, ctx.num_ranks)
@@ -248,6 +255,7 @@ def rank_gloo_rejoin(ctx):
 
 
 def rank_gloo_teardown(ctx):
+    harness.RANK_STATE.pop("kv").destroy()
     harness.RANK_STATE.pop("reduce").destroy()
     harness.RANK_STATE.pop("unified").destroy()
     return harness.rank_teardown(ctx)
@@ -262,7 +270,10 @@ def test_a_collective_switch_after_a_replacement_runs_on_the_new_view():
     EP -> TP -> EP completes on both ranks, bit-exact.
     The TP all-reduce (`TPAllReduce`) had the same gap (before: rank 0's all-reduce raised from inside gloo,
     the replacement's at once): with rank 1 sealed out it sums rank 0's partial alone and sets rank 1 to 0
-    in active_ranks; after the admission it sums both, exactly (float32 and bf16), on both ranks."""
+    in active_ranks; after the admission it sums both, exactly (float32 and bf16), on both ranks.
+    A KV cache switched with the weights had it too (before: its all-to-all raised on both ranks, from gloo on
+    rank 0 and "Default process group has not been initialized" on the replacement); every rank's requests
+    (the replacement prefills its own again) keep the dense reference's attention in every layout."""
     with harness.fresh_cluster(2) as cluster:
         assert harness.check_outcomes(cluster.run(rank_gloo_weights, timeout_s=60)) == [False, False]
         outcomes = cluster.run(rank_gloo_leave, timeout_s=60, failure_grace_s=30)

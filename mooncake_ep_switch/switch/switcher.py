@@ -39,9 +39,9 @@ dead raises `SwitchFenced` (its layout becomes "invalid"); a pull that raced wit
 progress is detected and raises `SwitchError` rather than returning wrong weights.
 
 Collective fallback: entry metadata is exchanged with `all_gather_object`, weights with two
-`all_to_all_single` per layer and KV with one. A peer that dies there cannot be survived (gloo
-fails after the group's timeout): the survivors raise `SwitchError` and mark their weights and KV
-"invalid"; reload from a checkpoint. Refusals (capacity, mismatched calls) are still all-or-nothing.
+all-to-alls per layer and KV with one, all on the current view's group (`switch_group`). A peer that
+dies there cannot be survived (gloo fails after the group's timeout): the survivors raise
+`SwitchError` and mark their weights and KV "invalid"; reload from a checkpoint. Refusals (capacity, mismatched calls) are still all-or-nothing.
 """
 import logging
 import time
@@ -562,6 +562,8 @@ def _switch_collective(buffer, target: str, unified: UnifiedWeights, kv: Optiona
     if group is None:  # every rank sees the same view: every rank refuses alike, nothing moved
         return _report(source, target, source, REFUSED, f"ranks {missing} are not members of the current view: "
                        "a collective switch needs every rank (admit their replacements first)", start, seq, transport)
+    if kv is not None:  # the KV cache moves on the same group (its own is the constructor's, or none)
+        kv.group = group
     try:  # a local argument error still takes part in the exchange, so that the peers refuse too
         _check_args(buffer, target, unified, kv, timeout_us)
         local_error = None
@@ -630,7 +632,8 @@ def _kv_collective(kv: PagedKVCache, plan: KVPlan) -> Tuple[int, int, float]:
         blocks, size = kv.packed_blocks(send_parts[dest], pool, send.data_ptr() + at, True)
         reshard.copy(blocks, (send.data_ptr(), send.data_ptr() + send.numel()), region)
         at += size
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=kv.group)
+    # The group's own call: a per-view group is not registered in torch (all_to_all_single refuses it).
+    kv.group.alltoall_base(recv, send, recv_sizes, send_sizes, dist.AllToAllOptions()).wait()
     at = 0
     for src in range(ranks):
         blocks, size = kv.packed_blocks(recv_moves[src], pool, recv.data_ptr() + at, False)
