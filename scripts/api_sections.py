@@ -225,6 +225,8 @@ Serving on physical experts and moving them while serving (names importable from
         Entry(EPLB, "uncovered_experts"),
         Entry(EPLB, "shrink_experts"),
         Entry(EPLB, "shrink_placement"),
+        Entry(EPLB, "begin_drain"),
+        Entry(EPLB, "finish_drain"),
     )),
     Section("Events (`mooncake_ep_switch.buffer.events`)", intro="""\
 What `Buffer.subscribe()` delivers, for the engine's policy; what to do on each is in

@@ -328,38 +328,48 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
         events.view_changed(core.events, core.rank, before, was_joining, view.epoch, view.ranks)
         return view
 
-    def shrink(self, ranks, timeout_s: Optional[float] = None) -> View:
-        """Remove dead ranks from the group for good (scale-down without a replacement).
+    def shrink(self, ranks, timeout_s: Optional[float] = None, drain: bool = False) -> View:
+        """Remove ranks from the group for good (scale-down): dead ranks, or live ones drained out.
 
-        Collective over the surviving members: every one calls it with the same `ranks`, between steps.
-        They agree in one decision (the store's ballot: a survivor that dies or stalls before its vote
-        aborts it everywhere, nothing changed), record the ranks as removed and agree on the next view
-        without them. Rank ids stay sparse: `num_ranks` is kept and the removed ranks stay 0 in
-        `active_mask()`; `update_ep_member()` never waits for them again and a replacement under their
-        id is refused by name (buffer/membership/shrink.py; docs/recovery.md, "Shrinking the group").
+        Collective, between steps, every caller passing the same `ranks` and `drain`. Dead ranks: every
+        surviving member calls it. A drain (`drain=True`, vLLM's and SGLang's scale-down of live ranks):
+        every member of the view calls it, the drained ranks too, once no token of theirs is in flight and
+        no expert is served only by them (`eplb.drain.begin_drain` moves those first). They agree in one
+        decision (the store's ballot: a voter that dies or stalls before its vote aborts it everywhere,
+        nothing changed), record the ranks as removed and the survivors agree on the next view without
+        them. A drained rank's Buffer then refuses dispatch, combine, `update_ep_member()` and `shrink()`
+        by name; `destroy()` it. Rank ids stay sparse: `num_ranks` is kept and the removed ranks stay 0
+        in `active_mask()`; `update_ep_member()` never waits for them again and a replacement under
+        their id is refused by name (buffer/membership/shrink.py; docs/recovery.md, "Shrinking the
+        group" and "Draining a live rank").
 
         Arguments:
-            ranks: the ranks to remove: ranks whose process this rank saw end (`dead_peers()`), or
-                ranks already sealed out of the view.
+            ranks: the ranks to remove. Dead: ranks whose process this rank saw end (`dead_peers()`), or
+                ranks already sealed out of the view. Drain: live members of the view (this rank may be one).
             timeout_s: deadline for the vote, the view and the re-connection, a finite number > 0
                 (default: the connect timeout setting); half of it for the vote.
+            drain: the ranks are live members that leave (every member votes), not dead ones.
 
         Returns:
-            view: the new `View` without `ranks`. Reset your `active_ranks` to `buffer.active_mask()`
-                and place the experts over the view (`eplb.shrink_placement.shrink_experts`).
+            view: the new `View` without `ranks` (on a drained rank too: the survivors' view, sealed).
+                Reset your `active_ranks` to `buffer.active_mask()` and place the experts over the view
+                (`eplb.shrink_placement.shrink_experts` after a death).
 
         Raises:
-            TypeError, ValueError: `ranks` is not a non-empty list of distinct ranks of the group, holds
-                this rank, a rank removed already, or a live rank (removing a live rank needs a drain,
-                not supported yet), or would leave no rank; `timeout_s` is not valid. Nothing changed.
-            MembershipError: the shrink aborted on every rank (a survivor died or stalled before voting,
+            TypeError, ValueError: `ranks` is not a non-empty list of distinct ranks of the group, holds a
+                rank removed already, or would leave no rank; without a drain it holds this rank or a live
+                rank, with one a rank outside the view or seen dead; `timeout_s` or `drain` is not valid.
+                Nothing changed.
+            MembershipError: the shrink aborted on every rank (a voter died or stalled before voting,
                 another shrink's ranks); nothing changed, call it again. Or the view after the decision
-                could not be agreed (as `update_ep_member()`; the ranks stay removed, call that).
+                could not be agreed (as `update_ep_member()`; the ranks stay removed, call that; a drained
+                rank: the survivors did not seal it in time, it is out all the same). Or this rank is no
+                member (drained already: named).
             RuntimeError: another shrink of this Buffer is in progress.
         """
         core = self._core
         before = core.members
-        view = group_shrink.shrink(core, ranks, timeout_s)
+        view = group_shrink.shrink(core, ranks, timeout_s, drain)
         events.view_changed(core.events, core.rank, before, False, view.epoch, view.ranks)
         return view
 

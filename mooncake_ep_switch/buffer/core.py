@@ -45,6 +45,8 @@ class BufferCore:
         call: the call counter (the tag of the latest call).
         last_plan, prev_plan: the plans of the last two dispatches (handles of older ones are refused).
         destroyed: destroy() ran.
+        drained: why this rank is no member for good (`Buffer.shrink(ranks, drain=True)` drained it out), or
+            "" (the message its dispatch, combine, update_ep_member and shrink raise, `check_not_drained`).
         stats: the `CallStats` counters of `Buffer.stats()` (and the log lines of masks).
         events: the `EventBus` of `Buffer.subscribe()` (buffer/events.py).
     """
@@ -68,6 +70,7 @@ class BufferCore:
     last_plan: Optional[DispatchPlan] = None
     prev_plan: Optional[DispatchPlan] = None
     destroyed: bool = False
+    drained: str = ""
     stats: CallStats = field(default_factory=CallStats)
     events: EventBus = field(default_factory=EventBus)
 
@@ -75,6 +78,11 @@ class BufferCore:
         """Raises BufferDestroyed once the Buffer was destroyed."""
         if self.destroyed:
             raise BufferDestroyed("Buffer: this buffer was destroyed")
+
+    def check_not_drained(self) -> None:
+        """Raises MembershipError (naming the drain) once a drain took this rank out of the group for good."""
+        if self.drained:
+            raise MembershipError(self.drained)
 
     def require_membership(self, what: str):
         """The group's membership records (RuntimeError naming `what` when the Buffer has no store)."""
@@ -91,6 +99,7 @@ class BufferCore:
             ValueError: `active_ranks` has 1 for a rank outside the view.
         """
         if self.rank not in self.members:
+            self.check_not_drained()
             raise MembershipError(f"rank {self.rank} is not a member of the current view (a joiner not yet "
                                   "admitted, or a rank that was left out): call update_ep_member() to be admitted "
                                   "before dispatch or combine")

@@ -13,6 +13,7 @@ from mooncake_ep_switch.eplb.online import OnlineRebalancer, RebalanceChunk, Reb
 from mooncake_ep_switch.eplb.coverage import coverage_placement, restore_coverage, uncovered_experts
 from mooncake_ep_switch.eplb.serving import physical_ep_forward, physical_ep_round
 from mooncake_ep_switch.eplb.shrink_placement import shrink_experts, shrink_placement
+from mooncake_ep_switch.eplb.drain import begin_drain, finish_drain
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 from mooncake_ep_switch.eplb.policy.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
 from mooncake_ep_switch.eplb.policy.placement import rebalance_experts as place_experts
@@ -35,9 +36,11 @@ __all__ = [
     "Placement",
     "RedundancyAdvice",
     "balancedness",
+    "begin_drain",
     "build_dispatch_map",
     "compute_logical_maps",
     "counts_from_topk",
+    "finish_drain",
     "coverage_placement",
     "gpu_loads",
     "greedy_rebalance_experts",

@@ -36,6 +36,7 @@ def update_ep_member(core: BufferCore, timeout_s: Optional[float] = None, exclud
     """The work of `Buffer.update_ep_member()` (see its docstring), for the Buffer of `core`; `exclude`: ranks
     not waited for, `skip_dead`: nor ranks seen dead meanwhile (a shrink's view, membership/shrink.py)."""
     core.check_alive()
+    core.check_not_drained()  # a drained rank is out for good: named, before the joiner's path would say "removed"
     timeout_s = check_seconds("timeout_s", timeout_s, allow_none=True)
     membership = core.require_membership("update_ep_member")
     deadline = time.monotonic() + (core.settings.connect_timeout_s if timeout_s is None else timeout_s)

@@ -1,28 +1,37 @@
-"""`Buffer.shrink(ranks)`: the survivors remove dead ranks from the group for good (scale-down).
+"""`Buffer.shrink(ranks)`: remove ranks from the group for good (scale-down), dead ones or drained live ones.
 
-Every surviving member calls it with the same ranks, between steps. In order:
+Dead ranks (`drain=False`): every surviving member calls it with the same ranks, between steps.
+Drained ranks (`drain=True`, live ranks that leave, as vLLM's and SGLang's elastic EP scale down): every
+member of the view calls it, the drained ranks too, between steps, once no token of theirs is in
+flight and the experts only they held were moved off them (`eplb.drain`). In order:
 
 1. **Checks** (before anything is written; `ValueError`/`TypeError` naming `ranks`): a non-empty list
-   of distinct ranks of the group, not this rank, not removed already, none live: a rank still in the
-   current view must be seen dead by this rank's peer watcher (`Buffer.dead_peers()`, waited for up to
-   `DEAD_WAIT_S`); a live rank needs a drain, which does not exist yet. A rank already out of the view
-   (sealed out after a death, as the collective fallback does by itself) may be removed.
+   of distinct ranks of the group, not removed already, leaving some member. Dead: not this rank, none
+   live: a rank still in the current view must be seen dead by this rank's peer watcher
+   (`Buffer.dead_peers()`, waited for up to `DEAD_WAIT_S`); a rank already out of the view (sealed out
+   after a death, as the collective fallback does by itself) may be removed. Drain: members of the
+   view that this rank has not seen end (this rank may be one of them).
 2. **One decision** (`buffer/ballot.py`, keys `shrink/...` under the membership's prefix): every
-   survivor votes GO with a digest of (its epoch, the ranks, the survivors); each proposes COMMIT if
-   every other survivor voted GO with its digest, ABORT otherwise (a survivor that died before voting,
-   one stalled past the vote deadline, another shrink's ranks); the first proposal stored wins and
-   every rank adopts it. ABORT: nothing changed anywhere (`MembershipError`, call again); a survivor
-   that voted GO and then died still lets it commit everywhere. Attempts are numbered 1, 2, ... per
-   Buffer (at most `MAX_ATTEMPTS` - 1): a retry after an ABORT votes on the next one.
+   voter (the survivors; with a drain the drained ranks too) votes GO with a digest of (its epoch, the
+   ranks, the survivors, drain or not); each proposes COMMIT if every other voter voted GO with its
+   digest, ABORT otherwise (a voter that died before voting, one stalled past the vote deadline,
+   another shrink's ranks); the first proposal stored wins and every rank adopts it. ABORT: nothing
+   changed anywhere (`MembershipError`, call again); a voter that voted GO and then died still lets
+   it commit everywhere. Attempts are numbered 1, 2, ... per Buffer (at most `MAX_ATTEMPTS` - 1): a
+   retry after an ABORT votes on the next one.
 3. **Commit**: the ranks are written to the removed-ranks record (`membership/removed.py`) by every
-   survivor, then the survivors agree on the next view without them (`update_ep_member`'s path, the
+   voter, then the survivors agree on the next view without them (`update_ep_member`'s path, the
    ranks excluded as if seen failed, so nobody waits for them): the returned view never holds them,
    and no later one does (sealers never admit a removed joiner, a replacement is refused by name).
+   A drained rank takes no part in that view: its Buffer refuses every later call by name
+   (`BufferCore.drained`) and it waits for the survivors' view to be sealed (returned to it), after
+   which nothing of the group needs it and it destroys its Buffer.
 
 Rank ids stay sparse: the Buffer keeps `num_ranks`, and the removed ranks stay 0 in
 `active_mask()` forever (NCCL EP's and Mooncake EP's `active_ranks` masks make this free: every
 structure indexed by rank id keeps its shape). docs/recovery.md, "Shrinking the group".
 """
+import logging
 import numbers
 import threading
 import time
@@ -36,6 +45,8 @@ from mooncake_ep_switch.buffer.membership import elastic_view
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError, View, check_seconds
 from mooncake_ep_switch.buffer.membership.removed import record_removed, removed_ranks
 from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
+
+log = logging.getLogger("mooncake_ep_switch.buffer.membership")
 
 __all__ = ["MAX_ATTEMPTS", "DEAD_WAIT_S", "VOTE_SHARE", "check_shrink", "shrink"]
 
@@ -66,36 +77,50 @@ def _ranks_argument(ranks, num_ranks: int) -> Tuple[int, ...]:
     return tuple(sorted(ranks))
 
 
-def check_shrink(core: BufferCore, membership, ranks) -> Tuple[int, ...]:
+def check_shrink(core: BufferCore, membership, ranks, drain: bool = False) -> Tuple[int, ...]:
     """The checks of `shrink` (module docstring, step 1); nothing is written.
 
     Arguments:
         core: the Buffer's `BufferCore`.
         membership: its `Membership`.
         ranks: the ranks to remove.
+        drain: the ranks are live members that leave (a drain), not dead ones.
 
     Returns:
         ranks: sorted tuple of int.
 
     Raises:
-        TypeError: `ranks` is not a list of ints.
-        ValueError: empty, duplicates, outside the group, this rank, every member, removed already,
-            or a rank that is live (named).
-        MembershipError: this rank is not a member (a joiner or left out).
+        TypeError: `ranks` is not a list of ints, `drain` no bool.
+        ValueError: empty, duplicates, outside the group, every member, removed already; without a
+            drain this rank or a live rank, with one a rank outside the view or seen dead (named).
+        MembershipError: this rank is not a member (a joiner, left out, or drained already).
     """
+    if type(drain) is not bool:
+        raise TypeError(f"drain: expected a bool, got {type(drain).__name__}")
     ranks = _ranks_argument(ranks, core.num_ranks)
+    core.check_not_drained()
     if core.joining or core.rank not in core.members:
         raise MembershipError(f"shrink: rank {core.rank} is not a member of the group (a joiner or left out); only "
                               "members remove ranks")
     if not set(core.members) - set(ranks):
         raise ValueError(f"ranks: removing {list(ranks)} would leave no rank of the view {list(core.members)}")
-    if core.rank in ranks:
-        raise ValueError(f"ranks: rank {core.rank} (this rank) cannot remove itself: a live rank leaves only "
-                         "through a drain, which is not supported yet; the other survivors remove it once it died")
+    if core.rank in ranks and not drain:
+        raise ValueError(f"ranks: rank {core.rank} (this rank) cannot remove itself as dead: a live rank leaves "
+                         "through a drain (shrink(ranks, drain=True) on every member, the drained ranks too)")
     removed = removed_ranks(membership)
     again = [r for r in ranks if r in removed]
     if again:
         raise ValueError(f"ranks: {again} were removed already (by the view of epoch {removed[again[0]]})")
+    if drain:
+        outside = [r for r in ranks if r not in core.members]
+        if outside:
+            raise ValueError(f"ranks: {outside} are not members of epoch {core.epoch} (members {list(core.members)}): "
+                             "a drain removes live members; remove ranks out of the view with shrink(ranks)")
+        dead = sorted(set(ranks) & set(core.transport.dead_peers()))
+        if dead:
+            raise ValueError(f"ranks: {dead} are dead (this rank saw their process end): a drain needs them live "
+                             "to hand their experts over; remove them as dead ranks with shrink(ranks)")
+        return ranks
     in_view = [r for r in ranks if r in core.members]
     until = time.monotonic() + DEAD_WAIT_S
     while True:
@@ -105,8 +130,8 @@ def check_shrink(core: BufferCore, membership, ranks) -> Tuple[int, ...]:
         time.sleep(0.01)
     if live:
         raise ValueError(f"ranks: {live} are live (members of epoch {core.epoch} whose process this rank has not "
-                         "seen end): removing a live rank needs a drain (its tokens finish first), which is not "
-                         "supported yet; shrink removes dead ranks only")
+                         "seen end): removing a live rank is a drain (its tokens finish and its experts move "
+                         "first): shrink(ranks, drain=True) on every member, the drained ranks too")
     return ranks
 
 
@@ -123,22 +148,23 @@ def _attempt(ballot: Ballot, members: Iterable[int]) -> int:
                           f"{MAX_ATTEMPTS} decisions); build a new Buffer of the group")
 
 
-def _digest(epoch: int, ranks: Tuple[int, ...], survivors: Tuple[int, ...]) -> int:
-    text = f"{epoch}|{','.join(map(str, ranks))}|{','.join(map(str, survivors))}"
+def _digest(epoch: int, ranks: Tuple[int, ...], survivors: Tuple[int, ...], drain: bool) -> int:
+    text = f"{epoch}|{','.join(map(str, ranks))}|{','.join(map(str, survivors))}" + ("|drain" if drain else "")
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
-def _vote(core: BufferCore, membership, ranks: Tuple[int, ...], deadline: float) -> None:
+def _vote(core: BufferCore, membership, ranks: Tuple[int, ...], deadline: float, drain: bool = False) -> None:
     """Step 2 of the module docstring: one decision; returns on COMMIT, raises on ABORT."""
     survivors = tuple(r for r in core.members if r not in ranks)
-    peers = [r for r in survivors if r != core.rank]
+    voters = core.members if drain else survivors  # a drain's ranks take part
+    peers = [r for r in voters if r != core.rank]
     ballot = Ballot(membership, "shrink", core.rank, core.num_ranks, what="shrink")
     epoch = _attempt(ballot, core.members)
     ballot.prepare([epoch], votes=True)
-    digest = _digest(core.epoch, ranks, survivors)
+    digest = _digest(core.epoch, ranks, survivors, drain)
     if core.fault is not None:
         core.fault.hit("shrink_before_vote", core.rank)
-    ballot.vote(epoch, GO, digest, voters=len(survivors))
+    ballot.vote(epoch, GO, digest, voters=len(voters))
     if core.fault is not None:
         core.fault.hit("shrink_after_vote", core.rank)
     timeout_us = max(1, int((deadline - time.monotonic()) * 1e6))
@@ -158,7 +184,9 @@ def _vote(core: BufferCore, membership, ranks: Tuple[int, ...], deadline: float)
                   f"of epoch {core.epoch}): two shrinks at once; every survivor must pass the same ranks")
     pending = [p for p in peers if p not in votes]
     if not reason and gone:
-        reason = f"ranks {gone} ended (their process is gone) before voting: remove them too"
+        reason = (f"ranks {gone} ended (their process is gone) before voting: "
+                  + ("remove them as dead ranks with shrink(ranks)" if drain and set(gone) <= set(ranks)
+                     else "remove them too"))
     elif not reason and pending:
         reason = (f"ranks {pending} did not vote before a peer decided" if decided is not None
                   else f"ranks {pending} did not vote within the vote's deadline (stalled, or not calling shrink)")
@@ -168,7 +196,7 @@ def _vote(core: BufferCore, membership, ranks: Tuple[int, ...], deadline: float)
                               "nothing changed: call shrink() again on every survivor (with any rank that died since)")
 
 
-def shrink(core: BufferCore, ranks, timeout_s: Optional[float] = None) -> View:
+def shrink(core: BufferCore, ranks, timeout_s: Optional[float] = None, drain: bool = False) -> View:
     """The work of `Buffer.shrink()` (see its docstring and the module docstring), for the Buffer of `core`."""
     core.check_alive()
     timeout_s = check_seconds("timeout_s", timeout_s, allow_none=True)
@@ -181,12 +209,30 @@ def shrink(core: BufferCore, ranks, timeout_s: Optional[float] = None) -> View:
         budget = core.settings.connect_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
         with store_deadline(deadline, "shrink"):
-            ranks = check_shrink(core, membership, ranks)
-            _vote(core, membership, ranks, time.monotonic() + VOTE_SHARE * (deadline - time.monotonic()))
+            ranks = check_shrink(core, membership, ranks, drain)
+            _vote(core, membership, ranks, time.monotonic() + VOTE_SHARE * (deadline - time.monotonic()), drain)
             record_removed(membership, ranks, core.epoch + 1)
+            if core.rank in ranks:  # drained: out for good from here, whatever the survivors' view does
+                return _leave(core, membership, deadline)
         left = max(deadline - time.monotonic(), 1.0)
         # Not waited for: the removed ranks, and a survivor whose process ends meanwhile (it voted GO, then died).
         return elastic_view.update_ep_member(core, left, exclude=ranks, skip_dead=True)
     finally:
         with _LOCK:
             _IN_PROGRESS.discard(core)
+
+
+def _leave(core: BufferCore, membership, deadline: float) -> View:
+    """A drained rank after the COMMIT (step 3): refuse every later call, wait for the survivors' view."""
+    target = core.epoch + 1
+    core.drained = (f"rank {core.rank} was drained out of the EP group for good (Buffer.shrink(drain=True), the view "
+                    f"of epoch {target} leaves it out): this Buffer serves no more calls; destroy() it")
+    before = core.members
+    core.members, core.joining, core.last_plan, core.prev_plan = (), True, None, None
+    view = membership.wait_for(lambda: membership.view(target) if membership.sealed(target) else None,
+                               deadline,
+                               f"the survivors' view of epoch {target} (rank {core.rank} drained)")
+    core.epoch = view.epoch
+    log.info("rank %d drained out of the group: epoch %d, members %s (were %s)", core.rank, view.epoch,
+             list(view.ranks), list(before))
+    return view
