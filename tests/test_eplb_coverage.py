@@ -1,9 +1,9 @@
 """Coverage restored online (issue 36 items 2 and 4): a coverage epoch while a rank is dead, and the events.
 
-R=4 ranks serve two MoE layers on physical experts with `fault_aware=True`, on shared memory and the
-Transfer Engine (the placement of test_eplb_fault_routing: layer 1 holds expert SOLE_EXPERT on rank
-DEAD only). DEAD is SIGKILLed at
-step 2. The engine's policy here is the documented one (docs/recovery.md, "Events"): when its
+R=4 ranks serve two MoE layers on physical experts with `fault_aware=True`, on shared memory, the
+Transfer Engine, the collective fallback (the slots on a second, shm, Buffer) and the emulated CUDA
+device (the placement of test_eplb_fault_routing: layer 1 holds expert SOLE_EXPERT on rank DEAD
+only). DEAD is SIGKILLed at step 2. The engine's policy here is the documented one (docs/recovery.md, "Events"): when its
 subscription shows `ExpertsUncovered`, it begins a coverage epoch (`eplb.coverage.restore_coverage`)
 that commits at the next step; the uncovered expert's weights come from the loader (no live rank
 holds it). Checked on every survivor:
@@ -14,11 +14,15 @@ holds it). Checked on every survivor:
   entry lost;
 * one decision: every survivor commits the same epoch and ends on the same placement, which gives
   SOLE_EXPERT a copy on a survivor and leaves DEAD's slots as they were;
-* events, in order: PeerMasked(DEAD, "dead"), ExpertsUncovered({1: (SOLE_EXPERT,)}), CoverageRestored;
+* events, in order: PeerMasked(DEAD, "dead"), ExpertsUncovered({1: (SOLE_EXPERT,)}), CoverageRestored
+  (on the collective fallback the slots' Buffer sees no mask: the engine acts on the collective
+  Buffer's PeerMasked, which comes with RankLeftOut, and the slots' Buffer reports CoverageRestored);
 * bad placements (an expert with no copy at all / none on a live rank / a change to a dead rank's
   slot) are refused naming `new_phy2log`, nothing changed.
 
-A second death (or a freeze) during the coverage epoch yields one decision on every survivor; a
+A second death (or a freeze) during the coverage epoch yields one decision on every survivor (shared
+memory; a kill after the vote on the Transfer Engine and the collective fallback, a freeze before it
+on the emulated CUDA device); a
 replacement shows JoinerPending then JoinerAdmitted. The time from the death to full coverage is
 printed (docs/benchmarks.md).
 """
@@ -39,7 +43,10 @@ from tests.test_eplb_fault_routing import (DEAD, EXPERTS, HIDDEN, INTER, LAYERS,
                                            SOLE_EXPERT, TOKENS, TOP_K, _inputs)
 
 TIMEOUT_US = harness.FAULT_TIMEOUT_US
-TIMEOUTS = {"shm": harness.FAULT_TIMEOUT_US, "mooncake": harness.FAULT_TIMEOUT_US_TE, "cuda": 3_000_000}
+# The collective masks no live rank by a deadline (its calls block; timeout_us bounds the view change after a
+# death), and no case below waits it out: a long one costs nothing and keeps the vote safe at any load.
+TIMEOUTS = {"shm": harness.FAULT_TIMEOUT_US, "mooncake": harness.FAULT_TIMEOUT_US_TE, "cuda": 3_000_000,
+            "collective": 4 * harness.FAULT_TIMEOUT_US}
 STEPS = 5
 
 
@@ -51,8 +58,10 @@ def _setup(ctx, timeout_us=TIMEOUT_US, transport="shm"):
 
     size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, ctx.num_ranks, R * SLOTS_PER_RANK)
     buffer = Buffer(ctx.group, size, transport=transport)
+    # On the collective fallback the slots' frames sit on a second (shm) Buffer (test_eplb_fault_routing).
+    holder = Buffer(ctx.group, size, transport="shm") if transport == "collective" else buffer
     weights = [random_weights(EXPERTS, HIDDEN, INTER, seed=300 + layer) for layer in range(LAYERS)]
-    slots = ExpertSlots(buffer, SlotShape(LAYERS, EXPERTS, SLOTS_PER_RANK, HIDDEN, INTER),
+    slots = ExpertSlots(holder, SlotShape(LAYERS, EXPERTS, SLOTS_PER_RANK, HIDDEN, INTER),
                         np.asarray(PLACEMENT, dtype=np.int64), spare_frames=1)
     slots.load(weights)
     rebalancer = OnlineRebalancer(slots, timeout_us=timeout_us, frames_per_step=1)
@@ -62,7 +71,14 @@ def _setup(ctx, timeout_us=TIMEOUT_US, transport="shm"):
         loads.append((layer, expert))
         return weights[layer].gate_up[expert], weights[layer].down[expert]
 
-    return buffer, weights, slots, rebalancer, loader, loads
+    return buffer, holder, weights, slots, rebalancer, loader, loads
+
+
+def _teardown(buffer, holder, slots):
+    slots.destroy()
+    buffer.destroy()
+    if holder is not buffer:
+        holder.destroy()
 
 
 def _bad_placements(slots, rebalancer):
@@ -87,7 +103,7 @@ def _bad_placements(slots, rebalancer):
 
 
 def rank_coverage(ctx, death_file, transport):
-    from mooncake_ep_switch.buffer.events import CoverageRestored, ExpertsUncovered
+    from mooncake_ep_switch.buffer.events import CoverageRestored, ExpertsUncovered, PeerMasked
     from mooncake_ep_switch.eplb.coverage import restore_coverage
     from mooncake_ep_switch.eplb.maps import build_dispatch_map
     from mooncake_ep_switch.eplb.serving import physical_ep_forward
@@ -95,10 +111,11 @@ def rank_coverage(ctx, death_file, transport):
 
     _use_device()
     timeout_us = TIMEOUTS[transport]
-    buffer, weights, slots, rebalancer, loader, loads = _setup(ctx, timeout_us, transport)
+    buffer, holder, weights, slots, rebalancer, loader, loads = _setup(ctx, timeout_us, transport)
     device = buffer.device or torch.device("cpu")  # the "cuda" transport's tokens and routers on its device
     routers = [w.router.to(device) for w in weights]
-    subscription = buffer.subscribe()
+    # The collective Buffer masks (PeerMasked, RankLeftOut); the slots' (shm) Buffer derives CoverageRestored.
+    subscriptions = [buffer.subscribe()] + ([holder.subscribe()] if holder is not buffer else [])
     try:
         bad, unchanged = _bad_placements(slots, rebalancer)
         active = buffer.active_mask()
@@ -110,10 +127,11 @@ def rank_coverage(ctx, death_file, transport):
                 with open(death_file, "w") as f:
                     f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
-            new = list(subscription)
+            new = [e for subscription in subscriptions for e in subscription]
             events += new
-            # The engine's policy: cover at the next step.
-            if any(isinstance(e, ExpertsUncovered) for e in new):
+            # The engine's policy: cover at the next step. On the collective fallback the slots' Buffer sees no
+            # PeerMasked, hence no ExpertsUncovered: the engine acts on the collective Buffer's (docs/eplb.md).
+            if any(isinstance(e, PeerMasked if holder is not buffer else ExpertsUncovered) for e in new):
                 restore_coverage(rebalancer, active, step + 1, loader)
             done = rebalancer.step(step, active)
             reports += done
@@ -139,7 +157,7 @@ def rank_coverage(ctx, death_file, transport):
                 layers.append({"skip": sorted(skip), "diff": calc_diff(out, expected), "diff_full": calc_diff(out, full),
                                "lost": int(slots.lost_contributions[layer]) - lost_before})
             steps.append(layers)
-        events += list(subscription)
+        events += [e for subscription in subscriptions for e in subscription]
         restored = [e for e in events if isinstance(e, CoverageRestored)]
         return {"bad": bad, "unchanged": unchanged, "steps": steps, "phy2log": slots.phy2log.tolist(),
                 "reports": [(r.epoch, r.outcome, r.reason, r.commit_step, r.loaded_bytes, r.remote_bytes)
@@ -148,12 +166,12 @@ def rank_coverage(ctx, death_file, transport):
                 "restored_at": restored_at, "seconds": restored[0].seconds if restored else None,
                 "stall_ms": [r.stall_ms for r in reports], "frame_bytes": slots.frame_bytes}
     finally:
-        subscription.close()
-        slots.destroy()
-        buffer.destroy()
+        for subscription in subscriptions:
+            subscription.close()
+        _teardown(buffer, holder, slots)
 
 
-@pytest.mark.parametrize("transport", ["shm", "mooncake", "emulated cuda"])
+@pytest.mark.parametrize("transport", ["shm", "mooncake", "collective", "emulated cuda"])
 def test_coverage_epoch_while_a_rank_is_dead_restores_the_full_reference(tmp_path, transport):
     # "emulated cuda": the "cuda" transport on the emulated device (tests/emulated_device.py), as
     # test_eplb_fault_routing runs case (a) there.
@@ -196,6 +214,14 @@ def test_coverage_epoch_while_a_rank_is_dead_restores_the_full_reference(tmp_pat
                 if step >= 4 or step == 1:  # committed at step 3's successor: the full reference, nothing lost
                     assert value["skip"] == [] and value["diff_full"] < LIMIT and value["lost"] == 0, at
         kinds = [name for name, _ in result["events"]]
+        if transport == "collective":  # the round that met the death agreed a view without DEAD; no ExpertsUncovered
+            assert sorted(kinds) == ["CoverageRestored", "PeerMasked", "RankLeftOut"], (where, result["events"])
+            assert kinds[-1] == "CoverageRestored", (where, result["events"])
+            masked, restored = (e for name, e in result["events"] if name in ("PeerMasked", "CoverageRestored"))
+            assert masked.rank == DEAD and masked.reason in ("dead", "cut"), masked
+            assert restored.layers == (1,) and restored.epoch == committed[0][0], restored
+            figures.append((result["restored_at"] - died, None, max(result["stall_ms"])))  # no ExpertsUncovered
+            continue
         assert kinds == ["PeerMasked", "ExpertsUncovered", "CoverageRestored"], (where, result["events"])
         masked, uncovered, restored = (e for _, e in result["events"])
         assert (masked.rank, masked.reason) == (DEAD, "dead"), masked
@@ -204,7 +230,8 @@ def test_coverage_epoch_while_a_rank_is_dead_restores_the_full_reference(tmp_pat
         figures.append((result["restored_at"] - died, result["seconds"], max(result["stall_ms"])))
     assert sum(len(o.value["loads"]) for o in survivors) == 1, "one survivor loads SOLE_EXPERT from the checkpoint"
     print(f"\n{transport}: death -> full coverage (weights from the loader), per survivor: "
-          + ", ".join(f"{total * 1e3:.0f} ms (uncovered -> restored {seen * 1e3:.0f} ms, commit stall {stall:.1f} ms)"
+          + ", ".join(f"{total * 1e3:.0f} ms (uncovered -> restored "
+                      f"{'n/a' if seen is None else f'{seen * 1e3:.0f} ms'}, commit stall {stall:.1f} ms)"
                       for total, seen, stall in figures))
 
 
@@ -213,7 +240,8 @@ def rank_fault_in_coverage_epoch(ctx, how, transport="shm"):
     or freezes before voting in it (MEP_FAULT_POINT). Returns the epoch's reports and the placement."""
     from mooncake_ep_switch.eplb.coverage import restore_coverage
 
-    buffer, _, slots, rebalancer, loader, _ = _setup(ctx, TIMEOUTS[transport], transport)
+    _use_device()
+    buffer, holder, _, slots, rebalancer, loader, _ = _setup(ctx, TIMEOUTS[transport], transport)
     try:
         pids = [None] * ctx.num_ranks
         dist.all_gather_object(pids, os.getpid(), group=ctx.group)
@@ -236,8 +264,7 @@ def rank_fault_in_coverage_epoch(ctx, how, transport="shm"):
                 "covered_s": covered_s, "loaded_bytes": sum(r.loaded_bytes for r in reports),
                 "free_frames": len(slots.free_frames), "in_progress": rebalancer.in_progress}
     finally:
-        slots.destroy()
-        buffer.destroy()
+        _teardown(buffer, holder, slots)
 
 
 VICTIM = 2
@@ -249,11 +276,15 @@ VICTIM = 2
     ("eplb_after_vote", "kill", "committed", "shm"),
     ("eplb_before_vote", "stop", "aborted", "shm"),
     ("eplb_after_vote", "kill", "committed", "mooncake"),  # the Transfer Engine's peer watcher and deadlines
+    ("eplb_after_vote", "kill", "committed", "collective"),  # the collective Buffer's watcher; slots on shm
+    ("eplb_before_vote", "stop", "aborted", "emulated cuda"),  # device frames, the cuda transport's watcher
 ])
 def test_rank_killed_or_stopped_during_the_coverage_epoch_yields_one_decision(point, how, outcome, transport):
     env = {"MEP_FAULT_POINT": f"{point}:{VICTIM}:1:{how}"} if point else None
+    transport = transport.split()[-1]
+    runner = on_device(rank_fault_in_coverage_epoch, True) if transport == "cuda" else (rank_fault_in_coverage_epoch,)
     with harness.fresh_cluster(R, env=env) as cluster:
-        outcomes = cluster.run(rank_fault_in_coverage_epoch, how, transport, timeout_s=120, failure_grace_s=60)
+        outcomes = cluster.run(*runner, how, transport, timeout_s=120, failure_grace_s=60)
     assert not outcomes[DEAD].ok
     alive = [o for o in outcomes if o.rank != DEAD and (how != "kill" or o.rank != VICTIM)]
     for o in alive:
