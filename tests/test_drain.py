@@ -266,19 +266,18 @@ def test_bad_drains_are_refused_by_name_with_nothing_changed():
     assert finish_drain(buffer, rebalancer, [3], timeout_s=9) == "view" and buffer.shrinks == [([3], True)]
 
 
-def _core_and_membership():
-    """A `BufferCore` of rank 0 of R over an in-process store (no transport but its watcher)."""
+def _cores(ranks=(0,)):
+    """`BufferCore`s of `ranks` (of R) over one in-process store, each with its own `Membership` (no transport
+    but a peer watcher that sees the ranks of `transport.dead` dead)."""
     from mooncake_ep_switch.buffer.core import BufferCore
     from mooncake_ep_switch.buffer.membership.protocol import Membership
     from mooncake_ep_switch.launcher.launch import host_store
 
     store = host_store("127.0.0.1", 0, 1, timeout_s=30)
-    membership = Membership(store, 0, R)
     transport = SimpleNamespace(dead=[2], failed_sources=[])
     transport.dead_peers = lambda: list(transport.dead)
-    core = BufferCore(0, R, SimpleNamespace(connect_timeout_s=5.0), membership=membership, transport=transport,
-                      members=tuple(range(R)))
-    return core, membership
+    return [BufferCore(r, R, SimpleNamespace(connect_timeout_s=5.0), membership=Membership(store, r, R),
+                       transport=transport, members=tuple(range(R))) for r in ranks]
 
 
 def test_bad_shrinks_and_drains_of_a_buffer_are_refused_by_name_with_nothing_changed():
@@ -286,7 +285,7 @@ def test_bad_shrinks_and_drains_of_a_buffer_are_refused_by_name_with_nothing_cha
     from mooncake_ep_switch.buffer.membership.removed import removed_ranks
     from mooncake_ep_switch.errors import MembershipError
 
-    core, membership = _core_and_membership()
+    core = _cores()[0]
     cases = [  # (ranks, drain, exception, message); rank 2 is seen dead, the others live
         ([R], True, ValueError, r"^ranks: expected ranks of the group in \[0, 4\)"),
         ([], True, ValueError, r"^ranks: expected at least one rank"),
@@ -302,23 +301,35 @@ def test_bad_shrinks_and_drains_of_a_buffer_are_refused_by_name_with_nothing_cha
     core.members = (0, 1, 2)  # rank 3 sealed out: a drain removes members only
     with pytest.raises(ValueError, match=r"^ranks: \[3\] are not members of epoch 0"):
         group_shrink.shrink(core, [3], timeout_s=5, drain=True)
-    core.members, core.transport.dead = tuple(range(R)), []
-    # Two resizes at once on one Buffer: the second is refused while the first waits for its votes.
+    core.members = tuple(range(R))
+    removed = removed_ranks(core.membership)
+    assert (core.epoch, core.members, core.drained, removed) == (0, tuple(range(R)), "", {}), removed
+    # A drain of rank 1 that rank 1 takes no part in (ranks 0, 2, 3 call it): it aborts on every caller at the
+    # vote's deadline, naming rank 1; meanwhile a second shrink of rank 0's Buffer (two resizes at once) is
+    # refused at once. Nothing changed anywhere.
+    cores = _cores((0, 2, 3))
+    cores[0].transport.dead = []
     first = {}
-    thread = threading.Thread(target=lambda: first.update(error=_refused(
-        lambda: group_shrink.shrink(core, [1], timeout_s=3, drain=True))))
-    thread.start()
+    threads = [threading.Thread(target=lambda c=c: first.update({c.rank: _refused(
+        lambda: group_shrink.shrink(c, [1], timeout_s=3, drain=True))})) for c in cores]
+    for thread in threads:
+        thread.start()
     try:
         deadline = time.monotonic() + 20
-        while core not in group_shrink._IN_PROGRESS:
+        while cores[0] not in group_shrink._IN_PROGRESS:
             assert time.monotonic() < deadline, "the first shrink never started"
             time.sleep(0.005)
         with pytest.raises(RuntimeError, match=r"^shrink: another shrink of this Buffer is in progress"):
-            group_shrink.shrink(core, [3], timeout_s=3, drain=True)
+            group_shrink.shrink(cores[0], [3], timeout_s=3, drain=True)
     finally:
-        thread.join(30)
-    assert first["error"][0] == "MembershipError" and "aborted on every rank" in first["error"][1], first
-    assert (core.epoch, core.members, core.drained) == (0, tuple(range(R)), "") and removed_ranks(membership) == {}
+        for thread in threads:
+            thread.join(30)
+    for rank, (kind, message) in first.items():
+        assert kind == "MembershipError" and "aborted on every rank" in message and "nothing changed" in message, first
+    assert any("ranks [1] did not vote" in message for _, message in first.values()), first
+    for c in cores:
+        assert (c.epoch, c.members, c.drained) == (0, tuple(range(R)), ""), c
+    assert removed_ranks(cores[0].membership) == {}
     # A drained rank's Buffer refuses by name (what the leaving rank's shrink sets on its commit).
     core.drained, core.members, core.joining = "rank 0 was drained out of the EP group for good (...)", (), True
     with pytest.raises(MembershipError, match=r"^rank 0 was drained out of the EP group"):
