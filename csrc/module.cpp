@@ -161,11 +161,12 @@ PYBIND11_MODULE(_native, m) {
     m.def("combine_recv", &mep::combine_recv, release(), "local_half_base"_a, "num_ranks"_a, "rank"_a,
           "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a, "tag"_a, "active_ptr"_a,
           "timeout_us"_a, "topk_ptr"_a, "weights_ptr"_a, "num_tokens"_a, "top_k"_a, "out_ptr"_a, "abort_ptr"_a = 0,
-          "dead_ptr"_a = 0,
+          "dead_ptr"_a = 0, "bias0_ptr"_a = 0, "bias1_ptr"_a = 0, "bias_stride"_a = 0, "bias_hidden"_a = 0,
           "Wait for the combine signal of every expert of every active owner, then reduce; returns the "
           "ranks newly marked inactive. A non-zero 8-byte word at abort_ptr (0 = none) ends the wait with "
           "RuntimeError; a non-zero int32 dead_ptr[p] (0 = no array) marks an owner whose signals are not "
-          "all there inactive at once.");
+          "all there inactive at once. bias0_ptr / bias1_ptr (0 = none): bf16 [num_tokens, bias_hidden] "
+          "rows bias_stride bytes apart that each token's fp32 sum starts from (weight 1, bias 0 first).");
 
     m.def("dispatch_round", &mep::dispatch_round, release(), "x_ptr"_a, "num_tokens"_a, "hidden"_a, "topk_ptr"_a,
           "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "active_ptr"_a,
@@ -176,9 +177,10 @@ PYBIND11_MODULE(_native, m) {
     m.def("combine_round", &mep::combine_round, release(), "x_ptr"_a, "hidden"_a, "num_experts"_a, "num_ranks"_a,
           "rank"_a, "num_max_dispatch_tokens_per_rank"_a, "src_info_ptr"_a, "layout_range_ptr"_a, "active_ptr"_a,
           "peer_half_bases"_a, "tag"_a, "local_half_base"_a, "timeout_us"_a, "topk_ptr"_a, "weights_ptr"_a,
-          "num_tokens"_a, "top_k"_a, "out_ptr"_a, "abort_ptr"_a = 0, "dead_ptr"_a = 0,
-          "A synchronous combine: combine_send to every destination, then combine_recv; returns the ranks "
-          "newly marked inactive.");
+          "num_tokens"_a, "top_k"_a, "out_ptr"_a, "abort_ptr"_a = 0, "dead_ptr"_a = 0, "bias0_ptr"_a = 0,
+          "bias1_ptr"_a = 0, "bias_stride"_a = 0, "bias_hidden"_a = 0,
+          "A synchronous combine: combine_send to every destination, then combine_recv (its bias "
+          "arguments too); returns the ranks newly marked inactive.");
 
     // ---- packing kernels ----
     m.def("gather_rows", &mep::gather_rows, release(), "dst_ptr"_a, "dst_stride"_a, "src_ptr"_a, "src_stride"_a,
@@ -192,8 +194,10 @@ PYBIND11_MODULE(_native, m) {
           "pos_ptr"_a, "recv_x_ptr"_a, "recv_scales_ptr"_a, "rows_per_expert"_a,
           "Place compact FP8 rows at flat positions of the packed layout with token-contiguous scales.");
     m.def("combine_reduce", &mep::combine_reduce, release(), "out_ptr"_a, "num_tokens"_a, "hidden"_a, "top_k"_a,
-          "row_index_ptr"_a, "weights_ptr"_a, "rows_base_ptr"_a, "row_stride"_a,
-          "out[t] = bf16(sum_k in order of w[t,k] * row(row_index[t,k])), -1 skipped, fp32, no FMA.");
+          "row_index_ptr"_a, "weights_ptr"_a, "rows_base_ptr"_a, "row_stride"_a, "bias0_ptr"_a = 0,
+          "bias1_ptr"_a = 0, "bias_stride"_a = 0, "bias_hidden"_a = 0,
+          "out[t] = bf16(bias0[t] + bias1[t] + sum_k in order of w[t,k] * row(row_index[t,k])), -1 "
+          "skipped, fp32, no FMA; bias0_ptr / bias1_ptr 0 = none, each [num_tokens, bias_hidden] bf16.");
     // ---- the ElasticBuffer's rows on host tensors (dataplane/elastic.cpp) ----
     m.def("elastic_pack_rows", &mep::elastic_pack_rows, release(), "x_ptr"_a, "x_bytes"_a, "scales_ptr"_a,
           "scales_bytes"_a, "topk_ptr"_a, "num_tokens"_a, "top_k"_a, "num_experts"_a, "num_ranks"_a, "rank"_a,

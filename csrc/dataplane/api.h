@@ -49,7 +49,9 @@ void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t 
 std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int64_t rank, int64_t max_tokens,
                               int64_t hidden, int64_t num_experts, int64_t tag, uintptr_t active_ptr,
                               int64_t timeout_us, uintptr_t topk_ptr, uintptr_t weights_ptr, int64_t num_tokens,
-                              int64_t top_k, uintptr_t out_ptr, uintptr_t abort_ptr = 0, uintptr_t dead_ptr = 0);
+                              int64_t top_k, uintptr_t out_ptr, uintptr_t abort_ptr = 0, uintptr_t dead_ptr = 0,
+                              uintptr_t bias0_ptr = 0, uintptr_t bias1_ptr = 0, int64_t bias_stride = 0,
+                              int64_t bias_hidden = 0);
 
 // dispatch_send(..., dest = -1, write_signals = true) then dispatch_recv(...), in one call.
 std::vector<int> dispatch_round(uintptr_t x_ptr, int64_t num_tokens, int64_t hidden, uintptr_t topk_ptr, int64_t top_k,
@@ -65,7 +67,8 @@ std::vector<int> combine_round(uintptr_t x_ptr, int64_t hidden, int64_t num_expe
                                uintptr_t active_ptr, const std::vector<uintptr_t>& peer_half_bases, int64_t tag,
                                uintptr_t local_half_base, int64_t timeout_us, uintptr_t topk_ptr,
                                uintptr_t weights_ptr, int64_t num_tokens, int64_t top_k, uintptr_t out_ptr,
-                               uintptr_t abort_ptr = 0, uintptr_t dead_ptr = 0);
+                               uintptr_t abort_ptr = 0, uintptr_t dead_ptr = 0, uintptr_t bias0_ptr = 0,
+                               uintptr_t bias1_ptr = 0, int64_t bias_stride = 0, int64_t bias_hidden = 0);
 
 // ---- packing kernels (kernels.cpp) ----
 void gather_rows(uintptr_t dst_ptr, int64_t dst_stride, uintptr_t src_ptr, int64_t src_stride, int64_t row_bytes,
@@ -76,8 +79,11 @@ void quantize_fp8_rows(uintptr_t src_ptr, int64_t src_stride, uintptr_t index_pt
                        uintptr_t dst_ptr, uintptr_t scales_ptr);
 void scatter_fp8_rows(uintptr_t data_ptr, uintptr_t scales_ptr, int64_t n, int64_t hidden, uintptr_t pos_ptr,
                       uintptr_t recv_x_ptr, uintptr_t recv_scales_ptr, int64_t rows_per_expert);
+// bias0_ptr / bias1_ptr (0 = none): bf16 `[num_tokens, bias_hidden]` rows `bias_stride` bytes apart that
+// each token's sum starts from (rows.h RowBias); the same in combine_recv and combine_round.
 void combine_reduce(uintptr_t out_ptr, int64_t num_tokens, int64_t hidden, int64_t top_k, uintptr_t row_index_ptr,
-                    uintptr_t weights_ptr, uintptr_t rows_base_ptr, int64_t row_stride);
+                    uintptr_t weights_ptr, uintptr_t rows_base_ptr, int64_t row_stride, uintptr_t bias0_ptr = 0,
+                    uintptr_t bias1_ptr = 0, int64_t bias_stride = 0, int64_t bias_hidden = 0);
 
 // ---- the ElasticBuffer's rows on host tensors (elastic.cpp) ----
 std::vector<int64_t> elastic_pack_rows(uintptr_t x_ptr, int64_t x_bytes, uintptr_t scales_ptr, int64_t scales_bytes,

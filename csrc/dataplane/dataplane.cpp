@@ -689,7 +689,8 @@ void combine_send(uintptr_t x_ptr, int64_t hidden, int64_t num_experts, int64_t 
 std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int64_t rank, int64_t max_tokens,
                               int64_t hidden, int64_t num_experts, int64_t tag, uintptr_t active_ptr,
                               int64_t timeout_us, uintptr_t topk_ptr, uintptr_t weights_ptr, int64_t num_tokens,
-                              int64_t top_k, uintptr_t out_ptr, uintptr_t abort_ptr, uintptr_t dead_ptr) {
+                              int64_t top_k, uintptr_t out_ptr, uintptr_t abort_ptr, uintptr_t dead_ptr,
+                              uintptr_t bias0_ptr, uintptr_t bias1_ptr, int64_t bias_stride, int64_t bias_hidden) {
     Waiter waiter(timeout_us);
     const Layout lay = compute_layout(num_ranks, max_tokens, hidden, num_experts);
     check_call(lay, rank, active_ptr);
@@ -699,6 +700,7 @@ std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int6
     check_range(top_k, 0, int64_t(1) << 31, "top_k");
     const auto* topk = reinterpret_cast<const int64_t*>(topk_ptr);
     const auto* weights = reinterpret_cast<const float*>(weights_ptr);
+    const RowBias bias = make_row_bias(bias0_ptr, bias1_ptr, bias_stride, bias_hidden, hidden);
     if (num_tokens > 0) {
         check_nonnull(out_ptr, "out_ptr");
         if (top_k > 0) {
@@ -762,7 +764,8 @@ std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int6
     // Reduce in top-k order, skipping -1 and experts whose owner is inactive.
     auto* out = reinterpret_cast<uint16_t*>(out_ptr);
     const uint8_t* rows_base = half + lay.combine_data;
-    std::vector<const uint16_t*> rows(size_t(std::max<int64_t>(top_k, 1)));
+    // Two entries in front for the bias rows (biased_sum_row: the sum starts from them).
+    std::vector<const uint16_t*> rows(size_t(std::max<int64_t>(top_k, 1) + 2));
     std::vector<float> w(rows.size());
     for (int64_t t = 0; t < num_tokens; ++t) {
         int64_t n = 0;
@@ -770,11 +773,11 @@ std::vector<int> combine_recv(uintptr_t local_half_base, int64_t num_ranks, int6
             const int64_t e = topk[t * top_k + k];
             if (e < 0 || !active.alive(e / L)) continue;
             const int64_t slot = compact[size_t(e / L)] ? compact_row[size_t(t * top_k + k)] : e * T + t;
-            rows[size_t(n)] = reinterpret_cast<const uint16_t*>(rows_base + slot * lay.row_bytes);
-            w[size_t(n)] = weights[t * top_k + k];
+            rows[size_t(2 + n)] = reinterpret_cast<const uint16_t*>(rows_base + slot * lay.row_bytes);
+            w[size_t(2 + n)] = weights[t * top_k + k];
             ++n;
         }
-        weighted_sum_row(out + t * H, H, rows.data(), w.data(), n);
+        biased_sum_row(out + t * H, H, rows.data() + 2, w.data() + 2, n, bias, t);
     }
     return active.newly_inactive();
 }
@@ -799,11 +802,14 @@ std::vector<int> combine_round(uintptr_t x_ptr, int64_t hidden, int64_t num_expe
                                uintptr_t active_ptr, const std::vector<uintptr_t>& peer_half_bases, int64_t tag,
                                uintptr_t local_half_base, int64_t timeout_us, uintptr_t topk_ptr,
                                uintptr_t weights_ptr, int64_t num_tokens, int64_t top_k, uintptr_t out_ptr,
-                               uintptr_t abort_ptr, uintptr_t dead_ptr) {
+                               uintptr_t abort_ptr, uintptr_t dead_ptr, uintptr_t bias0_ptr, uintptr_t bias1_ptr,
+                               int64_t bias_stride, int64_t bias_hidden) {
+    make_row_bias(bias0_ptr, bias1_ptr, bias_stride, bias_hidden, hidden);  // refused before anything is sent
     combine_send(x_ptr, hidden, num_experts, num_ranks, rank, max_tokens, src_info_ptr, layout_range_ptr, active_ptr,
                  peer_half_bases, tag, -1, true, false, false);
     return combine_recv(local_half_base, num_ranks, rank, max_tokens, hidden, num_experts, tag, active_ptr, timeout_us,
-                        topk_ptr, weights_ptr, num_tokens, top_k, out_ptr, abort_ptr, dead_ptr);
+                        topk_ptr, weights_ptr, num_tokens, top_k, out_ptr, abort_ptr, dead_ptr, bias0_ptr, bias1_ptr,
+                        bias_stride, bias_hidden);
 }
 
 }  // namespace mep

@@ -287,8 +287,51 @@ void scatter_fp8_rows(uintptr_t data_ptr, uintptr_t scales_ptr, int64_t n, int64
     }
 }
 
+RowBias make_row_bias(uintptr_t bias0_ptr, uintptr_t bias1_ptr, int64_t bias_stride, int64_t bias_hidden,
+                      int64_t hidden) {
+    RowBias bias;
+    if (bias0_ptr == 0 && bias1_ptr == 0) return bias;
+    if (bias_hidden <= 0 || bias_hidden > hidden)
+        throw_value_error("bias_hidden: expected [1, " + std::to_string(hidden) + "] (the combine's hidden), got " +
+                          std::to_string(bias_hidden));
+    if (bias_stride < 2 * bias_hidden)
+        throw_value_error("bias_stride: expected >= " + std::to_string(2 * bias_hidden) + " bytes (2 * bias_hidden), got " +
+                          std::to_string(bias_stride));
+    bias.bias0 = reinterpret_cast<const uint8_t*>(bias0_ptr);
+    bias.bias1 = reinterpret_cast<const uint8_t*>(bias1_ptr);
+    bias.stride = bias_stride;
+    bias.hidden = bias_hidden;
+    return bias;
+}
+
+void biased_sum_row(uint16_t* out, int64_t hidden, const uint16_t** rows, float* w, int64_t n, const RowBias& bias,
+                    int64_t t) {
+    const int64_t nb = bias.count();
+    if (nb == 0) {
+        weighted_sum_row(out, hidden, rows, w, n);
+        return;
+    }
+    const uint16_t** first = rows - nb;
+    float* first_w = w - nb;
+    int64_t i = 0;
+    for (const uint8_t* b : {bias.bias0, bias.bias1}) {
+        if (b == nullptr) continue;
+        first[i] = reinterpret_cast<const uint16_t*>(b + t * bias.stride);
+        first_w[i] = 1.0f;
+        ++i;
+    }
+    // Channels are independent: the biased ones, then the rest from the same rows (a bias of zeros
+    // there would add +0.0 to +0.0 first, which changes nothing).
+    weighted_sum_row(out, bias.hidden, first, first_w, n + nb);
+    if (bias.hidden < hidden) {
+        for (int64_t k = 0; k < n; ++k) rows[k] += bias.hidden;
+        weighted_sum_row(out + bias.hidden, hidden - bias.hidden, rows, w, n);
+    }
+}
+
 void combine_reduce(uintptr_t out_ptr, int64_t num_tokens, int64_t hidden, int64_t top_k, uintptr_t row_index_ptr,
-                    uintptr_t weights_ptr, uintptr_t rows_base_ptr, int64_t row_stride) {
+                    uintptr_t weights_ptr, uintptr_t rows_base_ptr, int64_t row_stride, uintptr_t bias0_ptr,
+                    uintptr_t bias1_ptr, int64_t bias_stride, int64_t bias_hidden) {
     check_count(num_tokens, "num_tokens");
     check_count(top_k, "top_k");
     if (hidden <= 0) throw_value_error("hidden must be > 0");
@@ -299,23 +342,25 @@ void combine_reduce(uintptr_t out_ptr, int64_t num_tokens, int64_t hidden, int64
         check_nonnull(weights_ptr, "weights_ptr");
         check_nonnull(rows_base_ptr, "rows_base_ptr");
     }
+    const RowBias bias = make_row_bias(bias0_ptr, bias1_ptr, bias_stride, bias_hidden, hidden);
     const auto* row_index = reinterpret_cast<const int64_t*>(row_index_ptr);
     const auto* weights = reinterpret_cast<const float*>(weights_ptr);
     const auto* base = reinterpret_cast<const uint8_t*>(rows_base_ptr);
     auto* out = reinterpret_cast<uint16_t*>(out_ptr);
 
-    std::vector<const uint16_t*> rows(size_t(std::max<int64_t>(top_k, 1)));
+    // Two entries in front for the bias rows (biased_sum_row).
+    std::vector<const uint16_t*> rows(size_t(std::max<int64_t>(top_k, 1) + 2));
     std::vector<float> w(rows.size());
     for (int64_t t = 0; t < num_tokens; ++t) {
         int64_t n = 0;
         for (int64_t k = 0; k < top_k; ++k) {
             const int64_t idx = row_index[t * top_k + k];
             if (idx < 0) continue;  // -1: not selected
-            rows[size_t(n)] = reinterpret_cast<const uint16_t*>(base + idx * row_stride);
-            w[size_t(n)] = weights[t * top_k + k];
+            rows[size_t(2 + n)] = reinterpret_cast<const uint16_t*>(base + idx * row_stride);
+            w[size_t(2 + n)] = weights[t * top_k + k];
             ++n;
         }
-        weighted_sum_row(out + t * hidden, hidden, rows.data(), w.data(), n);
+        biased_sum_row(out + t * hidden, hidden, rows.data() + 2, w.data() + 2, n, bias, t);
     }
 }
 

@@ -767,7 +767,7 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 active_ranks: torch.Tensor, timeout_us: int, handle, zero_copy: bool = False,
                 async_finish: bool = False, return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
-                diagnostic=None) -> CombineResult:
+                diagnostic=None, *, bias=None) -> CombineResult:
         """Return expert outputs to their token owners and reduce them with the routing weights.
 
         `combined[t] = bf16(sum_k topk_weights[t, k] * y(topk_idx[t, k], t))`, in float32 and in top-k
@@ -788,6 +788,10 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
             return_recv_hook: return after the send phase; `out` is valid after `hook()`.
             out: optional `[num_tokens, hidden]` torch.bfloat16 output tensor.
             diagnostic: Mooncake's newer keyword, accepted and ignored (see `dispatch`).
+            bias: this runtime's keyword (host transports): None, or one or a pair of `[num_tokens, h]`
+                torch.bfloat16 (`h <= hidden`, the same for both) that each token's float32 sum starts
+                from: `bf16(bias0 + bias1 + sum_k ...)` on the first `h` channels, read where they are
+                (never copied or sent).
 
         Returns:
             combined_x: `[num_tokens, hidden]` torch.bfloat16 (`out` if given, else pooled memory that
@@ -804,6 +808,9 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
         if zero_copy:  # the outputs are in the handle's combine buffer already: whatever `x` is, use that
             x = self.get_next_combine_buffer(handle)
         if self.device is not None:
+            if bias is not None:
+                raise ValueError("bias: expected None on the 'cuda' transport (a bias is read by the host "
+                                 f"transports' reduction), got {type(bias).__name__}")
             result = device_calls.combine(self._core, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
                                           async_finish, return_recv_hook, out)
             stats = self._core.stats
@@ -824,6 +831,8 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
                                                           out, self.num_ranks)
             src_info, layout_range, tokens, hidden, experts = fields
             plan = self._core.plan_of(handle)
+        if bias is not None:
+            bias = validation.check_combine_bias(bias, topk_idx.size(0), hidden)
         again = plan.combined
         if again:
             check_combinable_again(plan, self._core.last_plan)
@@ -846,7 +855,8 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
             if again:
                 self._core.call += 1
             call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens,
-                               hidden, experts, self._core.call if again else plan.call, plan.transport_plan, out)
+                               hidden, experts, self._core.call if again else plan.call, plan.transport_plan, out,
+                               bias or ())
             plan.mark_combined()
             core, transport = self._core, self._transport
             stats = core.stats

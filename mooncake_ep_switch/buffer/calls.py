@@ -61,6 +61,9 @@ class CombineCall(NamedTuple):
         call: call number of the matching dispatch.
         transport_plan: the transport's private record of the dispatch, or None.
         out: `[N, hidden]` torch.bfloat16 output.
+        bias: `(bias0, bias1)`, each None or `[N, h]` torch.bfloat16 (`h <= hidden`, row-contiguous, both
+            with the same row stride) that each token's float32 sum starts from (`Buffer.combine`'s `bias`);
+            `()` without one.
     """
 
     x: torch.Tensor
@@ -76,3 +79,16 @@ class CombineCall(NamedTuple):
     call: int
     transport_plan: Any
     out: torch.Tensor
+    bias: tuple = ()
+
+
+def bias_args(bias: tuple) -> dict:
+    """`CombineCall.bias` as the native reductions' keywords (`_native.combine_recv`, `combine_round`,
+    `combine_reduce`): `bias0_ptr`, `bias1_ptr` (0 = none), `bias_stride` (bytes) and `bias_hidden`;
+    `{}` without a bias."""
+    if not bias:
+        return {}
+    part = bias[0] if bias[0] is not None else bias[1]
+    return {"bias0_ptr": 0 if bias[0] is None else bias[0].data_ptr(),
+            "bias1_ptr": 0 if bias[1] is None else bias[1].data_ptr(),
+            "bias_stride": 2 * part.size(1), "bias_hidden": part.size(1)}

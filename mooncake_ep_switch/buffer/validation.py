@@ -232,3 +232,39 @@ def check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, o
     if plan is not None and (plan.num_tokens != topk_idx.size(0) or plan.top_k != topk_idx.size(1)):
         fail("topk_idx", f"the dispatch's shape [{plan.num_tokens}, {plan.top_k}]", list(topk_idx.shape))
     return fields, timeout_us
+
+
+def check_combine_bias(bias, num_tokens: int, hidden: int, device=None) -> tuple:
+    """Check `Buffer.combine`'s `bias`: None, one tensor, or a pair (an entry may be None).
+
+    Arguments:
+        bias: the value given.
+        num_tokens: `N`, the combine's tokens; hidden: the combine's hidden (a bias may be narrower).
+        device: the Buffer's CUDA device, or None for the CPU.
+
+    Returns:
+        bias: `()` when there is none, else the pair `(bias0, bias1)`, each None or a contiguous
+        `[N, h]` torch.bfloat16 with one `h <= hidden` for both (`CombineCall.bias`).
+
+    Raises:
+        TypeError: not None, a tensor or a pair. ValueError: a wrong dtype, device, shape or layout.
+    """
+    if bias is None:
+        return ()
+    pair = (bias, None) if isinstance(bias, torch.Tensor) else bias
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"bias: expected None, a torch.Tensor or a pair of them, got {type(bias).__name__}"
+                        + (f" of {len(bias)}" if isinstance(bias, (tuple, list)) else ""))
+    width = None
+    for index, part in enumerate(pair):
+        if part is None:
+            continue
+        name = "bias" if isinstance(bias, torch.Tensor) else f"bias[{index}]"
+        check_tensor(name, part, torch.bfloat16, 2, (num_tokens, -1), device)
+        if part.size(1) > hidden or (width is not None and part.size(1) != width):
+            fail(name, f"[{num_tokens}, h] with h <= {hidden} (the combine's hidden)"
+                 + ("" if width is None else f" and h = {width} (the other bias)"), list(part.shape))
+        width = part.size(1)
+    if width is None or num_tokens == 0:
+        return ()
+    return tuple(pair)

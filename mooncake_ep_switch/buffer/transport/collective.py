@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
+from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs, bias_args
 from mooncake_ep_switch.buffer.membership.group_keys import view_group
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError
 from mooncake_ep_switch.buffer.transport.members import published_endpoint
@@ -110,14 +110,17 @@ def _ptr(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
 
 
-def combine_reduce(out: torch.Tensor, row_index: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> None:
-    """`out[t] = bf16(sum_k weights[t,k] * rows[row_index[t,k]])` in fp32, top-k order, -1 skipped.
+def combine_reduce(out: torch.Tensor, row_index: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
+                   bias: tuple = ()) -> None:
+    """`out[t] = bf16(bias0[t] + bias1[t] + sum_k weights[t,k] * rows[row_index[t,k]])` in fp32, top-k
+    order, -1 skipped.
 
     Arguments:
         out: `[N, hidden]` torch.bfloat16 output.
         row_index: `[N, K]` torch.int64 rows of `rows`, -1 = skip.
         weights: `[N, K]` torch.float32.
         rows: `[m, hidden]` torch.bfloat16 expert outputs.
+        bias: `CombineCall.bias` (`()`: none).
     """
     hidden = out.size(1)
     if out.size(0) == 0:
@@ -125,10 +128,12 @@ def combine_reduce(out: torch.Tensor, row_index: torch.Tensor, weights: torch.Te
     if rows.size(0) == 0:
         if bool((row_index >= 0).any()):
             raise ValueError("row_index: expected only -1 when there are no rows, got a row reference")
-        out.zero_()
-        return
+        if not bias:
+            out.zero_()
+            return
+        rows = out  # never read (every index is -1); the reduction needs an address
     _native.combine_reduce(_ptr(out), out.size(0), hidden, row_index.size(1), _ptr(row_index), _ptr(weights),
-                           _ptr(rows), hidden * 2)
+                           _ptr(rows), hidden * 2, **bias_args(bias))
 
 
 def _checked(what: str, call, *args, **flags) -> int:
@@ -659,7 +664,7 @@ class CollectiveTransport(HostMemoryTransport):
             keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
             owner = torch.div(call.topk_idx, L, rounding_mode="floor").clamp_(min=0)
             row_index = torch.where(keep_t[owner] & (row_index >= 0), row_index + shift[owner], -1).contiguous()
-        combine_reduce(call.out, row_index, call.topk_weights, recv)
+        combine_reduce(call.out, row_index, call.topk_weights, recv, call.bias)
 
 
 class _Lease:

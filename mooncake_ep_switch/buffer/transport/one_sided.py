@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 import torch
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
+from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs, bias_args
 from mooncake_ep_switch.buffer.layout import RegionLayout, RegionLayouts, check_half_not_reused
 from mooncake_ep_switch.buffer.shared_region import RegionEndpoint, SharedRegion
 from mooncake_ep_switch.buffer.transport.contract import HostMemoryTransport
@@ -546,7 +546,8 @@ class OneSidedTransport(HostMemoryTransport):
             newly = _native.combine_recv(base + offset, self.num_ranks, self.rank, tokens, hidden, experts, tag,
                                          call.active_ranks.data_ptr(), call.timeout_us, call.topk_idx.data_ptr(),
                                          call.topk_weights.data_ptr(), call.topk_idx.size(0), call.topk_idx.size(1),
-                                         call.out.data_ptr(), self.abort_ptr, self.watch.dead_ptr)
+                                         call.out.data_ptr(), self.abort_ptr, self.watch.dead_ptr,
+                                         **bias_args(call.bias))
             if newly:
                 self._masked(newly, (tokens, hidden, experts))
 
@@ -596,6 +597,6 @@ class OneSidedTransport(HostMemoryTransport):
             call.x.data_ptr(), hidden, experts, self.num_ranks, self.rank, tokens, call.src_info.data_ptr(),
             call.layout_range.data_ptr(), call.active_ranks.data_ptr(), self._direct_halves(offset),
             signal_tag(call.call), self.base + offset, call.timeout_us, topk.data_ptr(), call.topk_weights.data_ptr(),
-            num_tokens, top_k, call.out.data_ptr(), self.abort_ptr, self.watch.dead_ptr)
+            num_tokens, top_k, call.out.data_ptr(), self.abort_ptr, self.watch.dead_ptr, **bias_args(call.bias))
         if newly:
             self._masked(newly, (tokens, hidden, experts))
