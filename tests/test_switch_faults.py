@@ -236,13 +236,36 @@ def rank_gloo_all_reduce(ctx):
     return active.tolist(), summed if exact else None
 
 
+def rank_gloo_dead_member(ctx):
+    """Rank 0 once it saw rank 1 end, before sealing it out (as while the store has no quorum): the switch's
+    (outcome, layout, reason) and the all-reduce's (error type, missing, message)."""
+    import time
+
+    from mooncake_ep_switch.switch.switcher import switch_layout
+
+    buffer, unified = harness.RANK_STATE["buffer"], harness.RANK_STATE["unified"]
+    deadline = time.monotonic() + 30
+    while 1 not in buffer.dead_peers():
+        assert time.monotonic() < deadline, "rank 0 never saw rank 1 end"
+        time.sleep(0.01)
+    report = switch_layout(buffer, "tp", weights=unified, kv_cache=harness.RANK_STATE["kv"], timeout_us=30_000_000)
+    try:
+        rank_gloo_all_reduce(ctx)
+        reduced = None
+    except Exception as error:  # noqa: BLE001 - the test names the type it expects
+        reduced = (type(error).__name__, list(getattr(error, "missing", ())), str(error))
+    return (report.outcome, report.layout, report.reason), reduced
+
+
 def rank_gloo_leave(ctx):
-    """Rank 1 exits; rank 0 seals it out (update_ep_member) and its switch is refused, naming it; its
-    all-reduce runs over the view (rank 0 alone)."""
+    """Rank 1 exits; rank 0, before sealing it out, is refused a switch and an all-reduce naming it; then it
+    seals it out (update_ep_member): the switch is refused, naming it; the all-reduce runs over the view
+    (rank 0 alone)."""
     if ctx.rank == 1:
         os._exit(3)
+    unsealed = rank_gloo_dead_member(ctx)
     harness.RANK_STATE["buffer"].update_ep_member(timeout_s=30.0)
-    return rank_gloo_switches(ctx, ["tp"]), rank_gloo_all_reduce(ctx)
+    return rank_gloo_switches(ctx, ["tp"]), rank_gloo_all_reduce(ctx), unsealed
 
 
 def rank_gloo_rejoin(ctx):
@@ -268,6 +291,9 @@ def test_a_collective_switch_after_a_replacement_runs_on_the_new_view():
     has not been initialized"). Now a switch runs on a gloo group of the current view, built through the store: with
     rank 1 sealed out the switch is refused naming it (nothing moved); once its replacement is admitted,
     EP -> TP -> EP completes on both ranks, bit-exact.
+    Before rank 1 is sealed out (as while the store has no quorum), rank 0 knows it dead: its switch and its
+    all-reduce refuse, naming it (before: gloo's "Connection closed by peer"; with R=4 one survivor waited for
+    gloo's timeout instead).
     The TP all-reduce (`TPAllReduce`) had the same gap (before: rank 0's all-reduce raised from inside gloo,
     the replacement's at once): with rank 1 sealed out it sums rank 0's partial alone and sets rank 1 to 0
     in active_ranks; after the admission it sums both, exactly (float32 and bf16), on both ranks.
@@ -278,7 +304,10 @@ def test_a_collective_switch_after_a_replacement_runs_on_the_new_view():
         assert harness.check_outcomes(cluster.run(rank_gloo_weights, timeout_s=60)) == [False, False]
         outcomes = cluster.run(rank_gloo_leave, timeout_s=60, failure_grace_s=30)
         assert not outcomes[1].ok and outcomes[1].exitcode == 3, outcomes[1]
-        [(outcome, layout, reason)], reduced = harness.outcome_value(outcomes[0])
+        [(outcome, layout, reason)], reduced, (unsealed_switch, unsealed_reduce) = harness.outcome_value(outcomes[0])
+        assert unsealed_switch[:2] == ("refused", "ep") and "ranks [1] are dead" in unsealed_switch[2], unsealed_switch
+        assert unsealed_reduce[:2] == ("MembershipError", [1]) and "ranks [1] are dead" in unsealed_reduce[2], \
+            unsealed_reduce
         assert (outcome, layout) == ("refused", "ep") and "ranks [1] are not members" in reason, reason
         assert reduced == ([1, 0], [0]), reduced
         cluster.respawn(1)

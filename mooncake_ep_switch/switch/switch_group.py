@@ -12,6 +12,11 @@ calls it together, so every member meets in the rendezvous) and kept for the epo
 - `switch_group`: a switch needs every rank (each holds a shard); a view lacking ranks refuses, naming them.
 - `all_reduce_group`: an all-reduce runs over the members of the current view (a rank outside it
   contributes nothing, as a dead source on the one-sided path).
+
+Either refuses by name when a member of the view is known dead (`buffer.dead_peers()`: seen by the
+peer watcher, not sealed out yet, e.g. while the store has no quorum): a gloo collective with a dead
+member raised "Connection closed by peer" on some ranks and waited for the group's timeout on others,
+past the caller's deadline. A death that a rank has not seen yet still takes it into gloo.
 """
 from typing import List, Optional, Tuple
 
@@ -19,7 +24,7 @@ from mooncake_ep_switch.buffer.membership.group_keys import view_group
 from mooncake_ep_switch.buffer.membership.protocol import View
 from mooncake_ep_switch.errors import MembershipError
 
-__all__ = ["switch_group", "all_reduce_group", "epoch_group", "on_fallback"]
+__all__ = ["switch_group", "all_reduce_group", "epoch_group", "on_fallback", "dead_members"]
 
 
 def on_fallback(buffer) -> bool:
@@ -32,6 +37,19 @@ def on_fallback(buffer) -> bool:
         on_fallback: bool (built on the `"collective"` transport, or Mooncake's `_use_fallback` set).
     """
     return buffer.transport == "collective" or buffer.process_group is not buffer.group
+
+
+def dead_members(buffer) -> List[int]:
+    """Members of the current view whose process is known to have ended (not sealed out yet).
+
+    Arguments:
+        buffer: a `Buffer`.
+
+    Returns:
+        ranks: list of int, ascending ([] on the collective transport, which watches no peer).
+    """
+    members = set(buffer.members)
+    return [r for r in buffer.dead_peers() if r in members]
 
 
 def epoch_group(buffer, owner, members: Tuple[int, ...], timeout_s: float, prefix: str, caller: str):
@@ -65,7 +83,7 @@ def epoch_group(buffer, owner, members: Tuple[int, ...], timeout_s: float, prefi
     return built[1]
 
 
-def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], List[int]]:
+def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], str]:
     """The group a collective switch of `unified` runs on now (and `unified.group` set to it).
 
     Arguments:
@@ -74,21 +92,26 @@ def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], L
         timeout_s: the group's timeout for a group built here (finite, > 0).
 
     Returns:
-        group: the process group, or None when the current view lacks ranks.
-        missing: ranks of the group that are not members of the current view (a switch needs them all:
-            replace them first); empty when `group` is given.
+        group: the process group, or None when the switch cannot run.
+        refusal: why not, naming the ranks (members known dead, or ranks missing from the current
+            view: a switch needs them all); "" when `group` is given.
 
     Raises:
         RuntimeError: a new view but no store to build its group through.
     """
+    dead = dead_members(buffer)
+    if dead:
+        return None, (f"ranks {dead} are dead but still members of the current view: a collective switch needs "
+                      "every rank (seal them out with update_ep_member() and admit their replacements first)")
     if on_fallback(buffer) or (buffer.epoch == 0 and unified.group is not None):
-        return unified.group, []
+        return unified.group, ""
     members = tuple(buffer.members)
     missing = [r for r in range(unified.num_ranks) if r not in members]
     if missing:
-        return None, missing
+        return None, (f"ranks {missing} are not members of the current view: a collective switch needs every "
+                      "rank (admit their replacements first)")
     unified.group = epoch_group(buffer, unified, members, timeout_s, "mep/switch", "switch_layout")
-    return unified.group, []
+    return unified.group, ""
 
 
 def all_reduce_group(buffer, owner, timeout_s: float, prefix: str) -> Tuple[object, Tuple[int, ...]]:
@@ -106,9 +129,14 @@ def all_reduce_group(buffer, owner, timeout_s: float, prefix: str) -> Tuple[obje
             membership change, every rank in epoch 0).
 
     Raises:
-        MembershipError: this rank is not a member of the current view (a replacement not admitted yet).
+        MembershipError: this rank is not a member of the current view (a replacement not admitted
+            yet), or members of it are known dead (named; seal them out with update_ep_member()).
         RuntimeError: a new view but no store to build its group through.
     """
+    dead = dead_members(buffer)
+    if dead:
+        raise MembershipError(f"all_reduce: ranks {dead} are dead but still members of the current view (epoch "
+                              f"{buffer.epoch}); seal them out with update_ep_member() first", missing=dead)
     everyone = tuple(range(owner.num_ranks))
     if on_fallback(buffer):
         group = buffer.process_group

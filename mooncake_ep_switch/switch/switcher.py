@@ -558,10 +558,9 @@ def _switch_collective(buffer, target: str, unified: UnifiedWeights, kv: Optiona
     source = unified.layout
     transport = buffer.transport
     group_timeout_s = timeout_us / 1e6 if isinstance(timeout_us, int) and timeout_us > 0 else 300.0
-    group, missing = switch_group(buffer, unified, group_timeout_s)
-    if group is None:  # every rank sees the same view: every rank refuses alike, nothing moved
-        return _report(source, target, source, REFUSED, f"ranks {missing} are not members of the current view: "
-                       "a collective switch needs every rank (admit their replacements first)", start, seq, transport)
+    group, refusal = switch_group(buffer, unified, group_timeout_s)
+    if group is None:  # the same view (and, once seen, the same dead) everywhere: every rank refuses, nothing moved
+        return _report(source, target, source, REFUSED, refusal, start, seq, transport)
     if kv is not None:  # the KV cache moves on the same group (its own is the constructor's, or none)
         kv.group = group
     try:  # a local argument error still takes part in the exchange, so that the peers refuse too
