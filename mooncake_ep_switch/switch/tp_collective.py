@@ -107,7 +107,8 @@ class TPAllReduce:
         Raises:
             ValueError: `x` or `active_ranks` of another shape or dtype.
             MembershipError: on the collective path, this rank is not a member of the current view (a
-                replacement not admitted yet).
+                replacement not admitted yet), or members known dead are not sealed out yet (`missing`
+                names them: call `update_ep_member()` first).
         """
         if x.dim() != 2 or x.size(1) != self.hidden or x.size(0) > self.max_tokens or x.dtype not in (
                 torch.float32, torch.bfloat16):
