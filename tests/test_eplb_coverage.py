@@ -15,8 +15,8 @@ holds it). Checked on every survivor:
 * one decision: every survivor commits the same epoch and ends on the same placement, which gives
   SOLE_EXPERT a copy on a survivor and leaves DEAD's slots as they were;
 * events, in order: PeerMasked(DEAD, "dead"), ExpertsUncovered({1: (SOLE_EXPERT,)}), CoverageRestored
-  (on the collective fallback the slots' Buffer sees no mask: the engine acts on the collective
-  Buffer's PeerMasked, which comes with RankLeftOut, and the slots' Buffer reports CoverageRestored);
+  (on the collective fallback after RankLeftOut, the view the call that met the death agreed; the
+  slots, on the shm Buffer, follow the collective Buffer's masks and report to its subscribers);
 * bad placements (an expert with no copy at all / none on a live rank / a change to a dead rank's
   slot) are refused naming `new_phy2log`, nothing changed.
 
@@ -58,11 +58,12 @@ def _setup(ctx, timeout_us=TIMEOUT_US, transport="shm"):
 
     size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, ctx.num_ranks, R * SLOTS_PER_RANK)
     buffer = Buffer(ctx.group, size, transport=transport)
-    # On the collective fallback the slots' frames sit on a second (shm) Buffer (test_eplb_fault_routing).
+    # On the collective fallback the slots' frames sit on a second (shm) Buffer (test_eplb_fault_routing); their
+    # coverage events follow the collective Buffer's masks and reach its subscribers (`events=`).
     holder = Buffer(ctx.group, size, transport="shm") if transport == "collective" else buffer
     weights = [random_weights(EXPERTS, HIDDEN, INTER, seed=300 + layer) for layer in range(LAYERS)]
     slots = ExpertSlots(holder, SlotShape(LAYERS, EXPERTS, SLOTS_PER_RANK, HIDDEN, INTER),
-                        np.asarray(PLACEMENT, dtype=np.int64), spare_frames=1)
+                        np.asarray(PLACEMENT, dtype=np.int64), spare_frames=1, events=buffer)
     slots.load(weights)
     rebalancer = OnlineRebalancer(slots, timeout_us=timeout_us, frames_per_step=1)
     loads = []
@@ -103,7 +104,7 @@ def _bad_placements(slots, rebalancer):
 
 
 def rank_coverage(ctx, death_file, transport):
-    from mooncake_ep_switch.buffer.events import CoverageRestored, ExpertsUncovered, PeerMasked
+    from mooncake_ep_switch.buffer.events import CoverageRestored, ExpertsUncovered
     from mooncake_ep_switch.eplb.coverage import restore_coverage
     from mooncake_ep_switch.eplb.maps import build_dispatch_map
     from mooncake_ep_switch.eplb.serving import physical_ep_forward
@@ -114,8 +115,7 @@ def rank_coverage(ctx, death_file, transport):
     buffer, holder, weights, slots, rebalancer, loader, loads = _setup(ctx, timeout_us, transport)
     device = buffer.device or torch.device("cpu")  # the "cuda" transport's tokens and routers on its device
     routers = [w.router.to(device) for w in weights]
-    # The collective Buffer masks (PeerMasked, RankLeftOut); the slots' (shm) Buffer derives CoverageRestored.
-    subscriptions = [buffer.subscribe()] + ([holder.subscribe()] if holder is not buffer else [])
+    subscription = buffer.subscribe()
     try:
         bad, unchanged = _bad_placements(slots, rebalancer)
         active = buffer.active_mask()
@@ -127,11 +127,10 @@ def rank_coverage(ctx, death_file, transport):
                 with open(death_file, "w") as f:
                     f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
-            new = [e for subscription in subscriptions for e in subscription]
+            new = list(subscription)
             events += new
-            # The engine's policy: cover at the next step. On the collective fallback the slots' Buffer sees no
-            # PeerMasked, hence no ExpertsUncovered: the engine acts on the collective Buffer's (docs/eplb.md).
-            if any(isinstance(e, PeerMasked if holder is not buffer else ExpertsUncovered) for e in new):
+            # The engine's policy: cover at the next step.
+            if any(isinstance(e, ExpertsUncovered) for e in new):
                 restore_coverage(rebalancer, active, step + 1, loader)
             done = rebalancer.step(step, active)
             reports += done
@@ -157,7 +156,7 @@ def rank_coverage(ctx, death_file, transport):
                 layers.append({"skip": sorted(skip), "diff": calc_diff(out, expected), "diff_full": calc_diff(out, full),
                                "lost": int(slots.lost_contributions[layer]) - lost_before})
             steps.append(layers)
-        events += [e for subscription in subscriptions for e in subscription]
+        events += list(subscription)
         restored = [e for e in events if isinstance(e, CoverageRestored)]
         return {"bad": bad, "unchanged": unchanged, "steps": steps, "phy2log": slots.phy2log.tolist(),
                 "reports": [(r.epoch, r.outcome, r.reason, r.commit_step, r.loaded_bytes, r.remote_bytes)
@@ -166,8 +165,7 @@ def rank_coverage(ctx, death_file, transport):
                 "restored_at": restored_at, "seconds": restored[0].seconds if restored else None,
                 "stall_ms": [r.stall_ms for r in reports], "frame_bytes": slots.frame_bytes}
     finally:
-        for subscription in subscriptions:
-            subscription.close()
+        subscription.close()
         _teardown(buffer, holder, slots)
 
 
@@ -214,25 +212,35 @@ def test_coverage_epoch_while_a_rank_is_dead_restores_the_full_reference(tmp_pat
                 if step >= 4 or step == 1:  # committed at step 3's successor: the full reference, nothing lost
                     assert value["skip"] == [] and value["diff_full"] < LIMIT and value["lost"] == 0, at
         kinds = [name for name, _ in result["events"]]
-        if transport == "collective":  # the round that met the death agreed a view without DEAD; no ExpertsUncovered
-            assert sorted(kinds) == ["CoverageRestored", "PeerMasked", "RankLeftOut"], (where, result["events"])
-            assert kinds[-1] == "CoverageRestored", (where, result["events"])
-            masked, restored = (e for name, e in result["events"] if name in ("PeerMasked", "CoverageRestored"))
-            assert masked.rank == DEAD and masked.reason in ("dead", "cut"), masked
-            assert restored.layers == (1,) and restored.epoch == committed[0][0], restored
-            figures.append((result["restored_at"] - died, None, max(result["stall_ms"])))  # no ExpertsUncovered
-            continue
+        if transport == "collective":  # the call that met the death agreed a view without DEAD first
+            assert kinds[0] == "RankLeftOut" and result["events"][0][1].ranks == (DEAD,), (where, result["events"])
+            del result["events"][0], kinds[0]
         assert kinds == ["PeerMasked", "ExpertsUncovered", "CoverageRestored"], (where, result["events"])
         masked, uncovered, restored = (e for _, e in result["events"])
-        assert (masked.rank, masked.reason) == (DEAD, "dead"), masked
+        assert masked.rank == DEAD and masked.reason in (("dead", "cut") if transport == "collective" else ("dead",)), \
+            masked
         assert uncovered.layers == {1: (SOLE_EXPERT,)} and uncovered.ranks == (DEAD,), uncovered
         assert restored.layers == (1,) and restored.epoch == committed[0][0], restored
         figures.append((result["restored_at"] - died, result["seconds"], max(result["stall_ms"])))
     assert sum(len(o.value["loads"]) for o in survivors) == 1, "one survivor loads SOLE_EXPERT from the checkpoint"
     print(f"\n{transport}: death -> full coverage (weights from the loader), per survivor: "
-          + ", ".join(f"{total * 1e3:.0f} ms (uncovered -> restored "
-                      f"{'n/a' if seen is None else f'{seen * 1e3:.0f} ms'}, commit stall {stall:.1f} ms)"
+          + ", ".join(f"{total * 1e3:.0f} ms (uncovered -> restored {seen * 1e3:.0f} ms, commit stall {stall:.1f} ms)"
                       for total, seen, stall in figures))
+
+
+def test_slots_refuse_an_events_buffer_of_another_rank_or_type():
+    """`ExpertSlots(events=...)`: a Buffer of this rank only, refused by name before anything is built."""
+    from types import SimpleNamespace
+
+    from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+
+    buffer = SimpleNamespace(rank=0, num_ranks=R, transport="shm")
+    shape = SlotShape(LAYERS, EXPERTS, SLOTS_PER_RANK, HIDDEN, INTER)
+    with pytest.raises(TypeError, match=r"^events: expected None or a Buffer .* got object$"):
+        ExpertSlots(buffer, shape, PLACEMENT, events=object())
+    other = SimpleNamespace(rank=1, num_ranks=R, subscribe=lambda callback=None: None)
+    with pytest.raises(ValueError, match=rf"^events: expected a Buffer of rank 0 of {R} ranks .* got rank 1 of {R}$"):
+        ExpertSlots(buffer, shape, PLACEMENT, events=other)
 
 
 def rank_fault_in_coverage_epoch(ctx, how, transport="shm"):

@@ -131,12 +131,21 @@ class ExpertSlots:
         prefault: populate the page tables of this and every peer's region now.
         primaries: a `UnifiedWeights` holding the primary copies (see the module docstring), or None
             (every slot in frames).
+        events: the Buffer (of this rank and group) whose masks `ExpertsUncovered` / `CoverageRestored`
+            follow and whose subscribers get them (eplb.coverage); None: `buffer`. On the collective
+            fallback, the collective Buffer that dispatches while the slots sit on a shm one.
     """
 
     def __init__(self, buffer, shape: SlotShape, phy2log, *, spare_frames: Optional[int] = None,
-                 prefault: bool = True, primaries=None):
+                 prefault: bool = True, primaries=None, events=None):
         if not isinstance(shape, SlotShape):
             raise TypeError(f"shape: expected a SlotShape, got {type(shape).__name__}")
+        if events is not None and not callable(getattr(events, "subscribe", None)):
+            raise TypeError(f"events: expected None or a Buffer (its subscribe() gets the coverage events), got "
+                            f"{type(events).__name__}")
+        if events is not None and (events.rank, events.num_ranks) != (buffer.rank, buffer.num_ranks):
+            raise ValueError(f"events: expected a Buffer of rank {buffer.rank} of {buffer.num_ranks} ranks (buffer's), "
+                             f"got rank {events.rank} of {events.num_ranks}")
         if buffer.transport not in ("shm", "mooncake", "cuda"):
             raise ValueError("buffer: expert slots are moved one-sided (shared memory, CUDA IPC, or Transfer Engine "
                              f"reads across hosts); expected a Buffer on transport 'shm', 'cuda' or 'mooncake', got "
@@ -215,7 +224,7 @@ class ExpertSlots:
         self.free_frames: List[int] = list(range(num_layers * self.num_redundant, self.num_frames))
         self.version = 0 if joined is None else joined["version"]  # advanced at every committed placement change
         self.publish_table()
-        self.coverage = CoverageWatch(self, buffer)  # ExpertsUncovered / CoverageRestored events (eplb.coverage)
+        self.coverage = CoverageWatch(self, buffer if events is None else events)  # eplb.coverage's events
 
     # ------------------------------------------------------------------ placement
     def check_primaries(self, name: str, table: np.ndarray) -> None:
