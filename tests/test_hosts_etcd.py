@@ -6,8 +6,9 @@ process of host A is SIGKILLed (its two ranks and the etcd leader; host 0 with r
 it): the four survivors serve the next round exactly without them (shm inside a host, the Transfer Engine
 across), replacements started on host A join through the two etcd members left and are admitted, and every
 rank's rounds are exact again. Before the replacements come, one of the two members left is stopped too (no
-quorum): the survivors' rounds stay exact and update_ep_member() fails at its deadline with StoreUnavailable
-naming the etcd store; the admission after it is resumed shows it works again. Then, still on two etcd members, an online EPLB chunk commits on every rank
+quorum): the survivors' rounds stay exact, update_ep_member() fails at its deadline with StoreUnavailable
+naming the etcd store and a switch of the weights is refused naming the dead ranks (they cannot be sealed out;
+before, it went into gloo with them); the admission after it is resumed shows it works again. Then, still on two etcd members, an online EPLB chunk commits on every rank
 (its votes and decision in etcd; every redundant copy read from another host over the Transfer Engine, the
 replacements' copies taken over from the members' placement) and a TP<->EP switch of the unified weights
 built before the death completes both ways (gloo collectives on the "mooncake" transport, on a group of the
@@ -111,12 +112,21 @@ QUORUM_DEADLINE_S = 2.0  # update_ep_member's deadline while the two etcd member
 
 def rank_quorum_lost(ctx, dead):
     """With one of the two etcd members left stopped: rounds exact around update_ep_member(), which raises
-    StoreUnavailable at its deadline; (seconds, error type, message)."""
+    StoreUnavailable at its deadline; (seconds, error type, message). Then a TP<->EP switch of the weights (gloo
+    collectives), with the dead still members (not sealed out): refused naming them once seen dead, nothing
+    moved; (outcome, layout, reason)."""
+    from mooncake_ep_switch.switch.switcher import switch_layout
+
     buffer = RANK_STATE["buffer"]
     _round(ctx, buffer, 2, dead=dead)
     failure = _error_of(lambda: buffer.update_ep_member(timeout_s=QUORUM_DEADLINE_S))
     _round(ctx, buffer, 3, dead=dead)
-    return failure
+    deadline = time.monotonic() + 30
+    while not set(dead) <= set(buffer.dead_peers()):
+        assert time.monotonic() < deadline, f"dead peers seen: {buffer.dead_peers()}, expected {dead}"
+        time.sleep(0.01)
+    report = switch_layout(buffer, "tp", weights=RANK_STATE["unified"], timeout_us=30_000_000)
+    return failure, (report.outcome, report.layout, report.reason)
 
 
 def rank_admit(ctx, joiners):
@@ -227,9 +237,10 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a):
                                                               timeout_s=60)]
         finally:
             os.kill(etcd.processes[stopped].pid, signal.SIGCONT)
-        for elapsed, kind, message in failures:
+        for (elapsed, kind, message), (outcome, layout, reason) in failures:
             assert kind == "StoreUnavailable" and "etcd://" in message and "update_ep_member" in message, message
             assert elapsed <= QUORUM_DEADLINE_S + LATE_S, (elapsed, message)
+            assert (outcome, layout) == ("refused", "ep") and f"ranks {dead_ranks} are dead" in reason, reason
         phase("quorum window")
         for rank in dead_ranks:  # host A back without its etcd member: the replacements use the two left
             cluster.respawn(rank)
