@@ -474,7 +474,9 @@ class ElasticBuffer:
             _, inner_handle = self._inner_dispatch(empty, route.inner_topk, active, timeout_us, T)
             route.inner_handle, route.inner_call, route.combined = inner_handle, self._inner_dispatches, False
         buffer, inner_handle = self._alive(), route.inner_handle
-        inner_x = buffer.get_next_combine_buffer(inner_handle)[:, :, :columns]
+        # The inner combine buffer, looked up once: passed back as `x` (what `zero_copy=True` would look up again).
+        combine_buffer = buffer.get_next_combine_buffer(inner_handle)
+        inner_x = combine_buffer[:, :, :columns]
         inner_rows.write_partials(inner_x, route, partial, weights, active, T)
         bias = None
         if self._bias_slots:
@@ -483,8 +485,7 @@ class ElasticBuffer:
             # The inner reduction starts from them (bias 0, then bias 1), read in place: no copy.
             bias = tuple(None if b is None else b.to(device).contiguous() for b in biases)
         ones = inner_rows.ones(self._ones_cache, route.inner_topk.shape, device)
-        out, _, _ = buffer.combine(inner_x, route.inner_topk, ones, active, timeout_us, inner_handle, zero_copy=True,
-                                   bias=bias)
+        out, _, _ = buffer.combine(combine_buffer, route.inner_topk, ones, active, timeout_us, inner_handle, bias=bias)
         route.combined = True
         combined_x, combined_weights = inner_rows.read_combined(out, hidden, route.num_topk, topk_weights is not None)
         return combined_x, combined_weights, EventOverlap(None)

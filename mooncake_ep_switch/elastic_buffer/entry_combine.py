@@ -120,7 +120,7 @@ def combine(x: torch.Tensor, handle, topk_weights, biases, active: torch.Tensor,
         buffer = inner_buffer()
         inner_x = buffer.get_next_combine_buffer(inner_handle)
         fill_entries(inner_x, inner_handle, k, x, weights, route.recv_src_global, route.slots, T, active)
-        out, _, _ = buffer.combine(inner_x, inner_topk, ones, active, timeout_us, inner_handle, zero_copy=True)
+        out, _, _ = buffer.combine(inner_x, inner_topk, ones, active, timeout_us, inner_handle)  # x: the buffer
         here = inner_topk[:, 0] >= 0
         values[here, k] = out[here, :hidden]
         combined_weights[here, k] = entry_weight(out[here], hidden)
