@@ -17,6 +17,9 @@ EP group, default every rank of a `num_ranks` world) and, when the members passe
 Buffer, `keep_prefix=True` with a handle to that same store (its PrefixStore prefixes count).
 Without `store=` the members used the default group's store, whose torch-internal prefixes are
 removed, so any client of the server will do.
+
+Growing the group with new processes (new rank ids): every member calls `grow(buffer, R')` and polls
+it at each step boundary, each newcomer calls `join_grow(store, rank, R', bytes, old_num_ranks=R)`.
 """
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -144,3 +147,65 @@ def admit(buffer, joiner: int, timeout_s: float = 60.0):
             raise TimeoutError(f"rank {joiner}'s replacement never asked to join within {timeout_s} s")
         time.sleep(0.01)
     return buffer.update_ep_member(timeout_s=timeout_s)
+
+
+def grow(buffer, num_ranks: int, build=None, timeout_s: Optional[float] = None):
+    """Grow the EP group to `num_ranks` ranks with new processes (scale-up); a member's side.
+
+    Every member of the view calls it with the same arguments, between steps, at the same step; the
+    newcomers (ranks `buffer.num_ranks .. num_ranks - 1`) call `join_grow`. The next Buffer of the grown
+    group is built in the background while `buffer` keeps serving; then call the returned operation's
+    `poll(step)` at every step boundary: it returns None (serve the step on `buffer`) until every rank
+    is built and the members agree the step to switch at, then a `GrowResult` to serve that step on
+    (buffer/membership/grow.py; docs/recovery.md, "Growing the group").
+
+    Arguments:
+        buffer: this member's current `Buffer` (every rank of its group a member; a store).
+        num_ranks: the grown size, in `(buffer.num_ranks, MAX_EP_RANKS]` (`MAX_EP_RANKS` = 64).
+        build: optional `build(new_buffer)` run on every rank once the new Buffer exists, e.g. the grown
+            placement's slots (`eplb.grow_placement.grow_slots`); its value is `GrowResult.built`.
+        timeout_s: deadline of the build in seconds (default: the connect timeout setting).
+
+    Returns:
+        operation: a `GrowOperation`; `operation.poll(step)` at every step boundary.
+
+    Raises:
+        TypeError, ValueError: `num_ranks` not an int larger than the group, or past `MAX_EP_RANKS` (named).
+        MembershipError: this rank is no member, or the view lacks a rank of the group (after a shrink).
+        RuntimeError: a grow of this Buffer in progress, or another member asked another resize (two
+            resizes at once). Nothing changed in any of these cases.
+    """
+    from mooncake_ep_switch.buffer.buffer import Buffer
+    from mooncake_ep_switch.buffer.membership.grow import GrowOperation
+
+    return GrowOperation(buffer, num_ranks, Buffer, build=build, timeout_s=timeout_s)
+
+
+def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, *, old_num_ranks: int,
+              group_ranks: Optional[Sequence[int]] = None, prefix: str = "mep", build=None, timeout_s: float = 60.0):
+    """A newcomer's side of `grow`: wait for the members' request, build the grown Buffer with them.
+
+    Arguments:
+        store: client of the job's store (as `join`'s; torch's prefixes are removed).
+        rank: this newcomer's rank id in the grown group, in `[old_num_ranks, num_ranks)`.
+        num_ranks: the grown size (the members' request must name it).
+        num_ep_buffer_bytes: this newcomer's buffer size (must equal the members').
+        old_num_ranks: the group's size before the grow.
+        group_ranks: the members' group's global ranks in group order (None: `range(old_num_ranks)`).
+        prefix: the members' key prefix (default "mep").
+        build: as `grow`'s (e.g. `grow_slots(new, shape, target, old_num_ranks, None)`: copies from the members).
+        timeout_s: deadline of the whole join in seconds.
+
+    Returns:
+        result: a `GrowResult`: serve from `result.step` on `result.buffer`.
+
+    Raises:
+        TypeError, ValueError: a bad argument, or `num_ranks` or `num_ep_buffer_bytes` other than the members'
+            request (named; the grow then fails on every member, whose Buffers serve on).
+        MembershipError: no request before the deadline, or the grow failed elsewhere (named).
+    """
+    from mooncake_ep_switch.buffer.buffer import Buffer
+    from mooncake_ep_switch.buffer.membership.grow import join_grow as join
+
+    return join(store, rank, num_ranks, num_ep_buffer_bytes, Buffer, old_num_ranks=old_num_ranks,
+                group_ranks=group_ranks, prefix=prefix, build=build, timeout_s=timeout_s)

@@ -38,6 +38,7 @@ SIMULATE_CLI = "mooncake_ep_switch.apps.simulate_cli"
 DEEP_EP = "mooncake_ep_switch.deep_ep"
 METRICS = "mooncake_ep_switch.metrics"
 EVENTS = "mooncake_ep_switch.buffer.events"
+GROW = "mooncake_ep_switch.buffer.membership.grow"
 
 PREAMBLE = """\
 Every public call of `mooncake_ep_switch`, generated from the docstrings of the code (so the text
@@ -105,6 +106,11 @@ How a replacement rank joins a running group and how the members admit it: [reco
         Entry(ELASTIC, "connect_store", prefix="elastic."),
         Entry(ELASTIC, "admit", prefix="elastic."),
         Entry(ELASTIC, "JoinTicket", prefix="elastic."),
+        Entry(ELASTIC, "grow", prefix="elastic."),
+        Entry(ELASTIC, "join_grow", prefix="elastic."),
+        Entry(GROW, "GrowOperation", order=("poll", "ready")),
+        Entry(GROW, "GrowResult"),
+        Data(GROW, "MAX_EP_RANKS", "The largest EP group a grow builds (64); a larger `num_ranks` is refused by name."),
         Section("Warm standby (`mooncake_ep_switch.standby`)", level=3, intro="""\
 A replacement made ready before any death (imports, weights, store), told later which rank it replaces:
 [recovery.md](recovery.md), "A warm standby".
@@ -227,6 +233,9 @@ Serving on physical experts and moving them while serving (names importable from
         Entry(EPLB, "shrink_placement"),
         Entry(EPLB, "begin_drain"),
         Entry(EPLB, "finish_drain"),
+        Entry(EPLB, "grow_placement"),
+        Entry(EPLB, "grow_slots"),
+        Entry(EPLB, "GrownSlots"),
     )),
     Section("Events (`mooncake_ep_switch.buffer.events`)", intro="""\
 What `Buffer.subscribe()` delivers, for the engine's policy; what to do on each is in

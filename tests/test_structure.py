@@ -248,6 +248,9 @@ _THIRD_PARTY = {
     "config._attn_implementation": "transformers' config field for the attention kernel (models/tiny.py)",
     "config._experts_implementation": "transformers' config field for the experts kernel (models/tiny.py)",
     "os._exit": "exit without cleanup in a killed or finished rank process",
+    "group._set_default_backend": "a ProcessGroup over a gloo backend built through the store, not registered with "
+                                  "torch's world (membership/grow.py: torch has no public way to make one)",
+    "group._register_backend": "the same",
     "getattr(worker, '_threads', ())": "concurrent.futures' worker threads (completion.py joins them within "
                                         "destroy()'s bound; the executor has no public handle on them)",
 }

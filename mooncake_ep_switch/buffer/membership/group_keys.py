@@ -61,7 +61,12 @@ def resolve_group(group, store=None) -> GroupIdentity:
         if not dist.is_initialized():
             raise ValueError("group: expected a process group (torch.distributed is not initialized), got None")
         group = dist.group.WORLD
-    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    try:
+        rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    except (RuntimeError, ValueError):  # a group built from a store, not registered (a grown group: grow.py)
+        if not callable(getattr(group, "rank", None)) or not callable(getattr(group, "size", None)):
+            raise
+        rank, num_ranks = group.rank(), group.size()
     if rank < 0:
         raise ValueError("group: this process is not a member of the group it passed")
     try:

@@ -1,0 +1,369 @@
+"""Growing the EP group with new processes (scale-up): the next Buffer of a larger group, one agreed step.
+
+Resizing is a new generation of the group (docs/recovery.md, "Growing the group"): the members of the
+current view and the newcomers (new rank ids `[R, R')`) build the next Buffer over a new process group of
+`R'` ranks, while the members' current Buffer keeps serving, and every rank moves to it at one step the
+members agree on. In order:
+
+1. **Request** (every member, between steps, `GrowOperation`): checks (the size `R'` in `(R, MAX_EP_RANKS]`,
+   the view holds every rank of the group, no other grow of this Buffer in progress), then the request is
+   claimed in the store (`<group>/grow/request`, compare-and-set from absent): `attempt|R|R'|bytes|transport`.
+   A member whose request differs (another size, buffer size or transport: two resizes at once) is refused
+   by name, nothing changed. Attempts are numbered so that a grow that failed can be asked again.
+2. **Newcomers** (`join_grow`): read the request, check their rank, `num_ranks` and `num_ep_buffer_bytes`
+   against it, and record "ready to build" or their refusal (`<group>/grow/<attempt>/newcomer/<rank>`):
+   a refused newcomer raises by name and the grow fails on every member (`grow/<attempt>/failed`), whose
+   current Buffer goes on serving.
+3. **Build** (a background thread on members, in line on newcomers): a gloo group of the `R'` ranks
+   through the store (`grow/<attempt>/pg`), `Buffer(group, bytes, transport=, store=)` keyed under
+   `grow/<attempt>/buffer` (generation 1 of a group of its own), then the caller's `build(buffer)` (the
+   expert slots of the new placement and their weights: `eplb.grow_placement.grow_slots`), then a barrier of
+   the `R'` ranks: once it returns on a member, every newcomer is built and loaded.
+4. **Switch-over** (`GrowOperation.poll(step)`, every member at every step boundary): one decision per
+   poll in the current Buffer's ballot (`grow/<attempt>`): every member votes GO once its build finished,
+   ABORT ("not yet") before; COMMIT when every member voted GO for the same step. The step is written
+   where the newcomers wait for it (`grow/<attempt>/switch`), and every rank serves that step and the
+   later ones on the new Buffer and placement: no step is served twice, lost or on a mixed placement.
+"""
+import threading
+import time
+import weakref
+import zlib
+from datetime import timedelta
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from mooncake_ep_switch.buffer.ballot import DECISION_SLOTS, Ballot
+from mooncake_ep_switch.buffer.membership.group_keys import group_prefix, root_store
+from mooncake_ep_switch.buffer.membership.protocol import MembershipError, check_seconds
+from mooncake_ep_switch.checks import check_int
+
+__all__ = ["MAX_EP_RANKS", "GrowResult", "GrowOperation", "grow_base", "check_grow_size", "join_grow"]
+
+MAX_EP_RANKS = 64  # the largest EP group a grow builds (Mooncake EP / NCCL EP state a maximum of their own)
+GO, ABORT, COMMIT = 1, 2, 1
+_POLL_MAX_S = 0.05
+_IN_PROGRESS: "weakref.WeakSet" = weakref.WeakSet()
+_LOCK = threading.Lock()
+
+
+class GrowResult(NamedTuple):
+    """What a finished grow gives a rank.
+
+    Fields:
+        buffer: the new `Buffer` of the larger group (serve on it from `step`).
+        built: what the caller's `build(buffer)` returned (e.g. the new `ExpertSlots`), or None.
+        step: the step the members agreed to serve first on the new Buffer.
+    """
+
+    buffer: Any
+    built: Any
+    step: int
+
+
+def grow_base(buffer) -> str:
+    """The key prefix of `buffer`'s group that its grow records live under (newcomers name it too).
+
+    Arguments:
+        buffer: a member's `Buffer` with a store.
+
+    Returns:
+        base: str, the group prefix without the generation (`"<prefix>/grp-<hash>"`).
+    """
+    return buffer.membership.prefix.rsplit("/g", 1)[0]
+
+
+def check_grow_size(name: str, num_ranks, current: int) -> int:
+    """`num_ranks` of a grow: an int in `(current, MAX_EP_RANKS]`, else an error naming `name`.
+
+    Arguments:
+        name: the argument name errors name.
+        num_ranks: the size asked for.
+        current: the group's size now.
+
+    Returns:
+        num_ranks: int.
+
+    Raises:
+        TypeError: not an int. ValueError: not larger than `current`, or past `MAX_EP_RANKS`.
+    """
+    num_ranks = check_int(name, num_ranks, 1)
+    if num_ranks <= current:
+        raise ValueError(f"{name}: a grow needs more ranks than the group's {current}, got {num_ranks} "
+                         "(remove ranks with Buffer.shrink())")
+    if num_ranks > MAX_EP_RANKS:
+        raise ValueError(f"{name}: expected at most MAX_EP_RANKS={MAX_EP_RANKS} ranks in an EP group, got {num_ranks}")
+    return num_ranks
+
+
+def _request_text(attempt: int, old: int, new: int, nbytes: int, transport: str) -> str:
+    return f"{attempt}|{old}|{new}|{nbytes}|{transport}"
+
+
+def _parse_request(text: str) -> Tuple[int, int, int, int, str]:
+    attempt, old, new, nbytes, transport = text.split("|")
+    return int(attempt), int(old), int(new), int(nbytes), transport
+
+
+def _get(store, key: str) -> Optional[str]:
+    """The value of `key`, None when absent or empty (a request given up or finished is emptied)."""
+    value = store.get(key).decode() if store.check([key]) else ""
+    return value or None
+
+
+def _wait_key(store, keys: Sequence[str], deadline: float, what: str) -> Tuple[str, str]:
+    """The first of `keys` that exists and its value; MembershipError naming `what` at the deadline."""
+    pause = 0.001
+    while True:
+        for key in keys:
+            value = _get(store, key)
+            if value is not None:
+                return key, value
+        if time.monotonic() >= deadline:
+            raise MembershipError(f"grow: {what} did not come before the deadline")
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
+
+
+def _fail(store, keys: str, reason: str) -> str:
+    """Record the grow's failure (the first reason stored wins); returns the stored reason."""
+    return store.compare_set(f"{keys}/failed", "", reason).decode()
+
+
+def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: int, transport: str,
+           make_buffer: Callable, build: Optional[Callable], timeout_s: float) -> Tuple[Any, Any]:
+    """Step 3 of the module docstring on one rank: the group, the Buffer, `build(buffer)`, the barrier."""
+    keys = f"{base}/grow/{attempt}"
+    rendezvous = dist.PrefixStore(f"{keys}/pg", store)
+    backend = dist.ProcessGroupGloo(rendezvous, rank, num_ranks, timedelta(seconds=timeout_s))
+    group = dist.ProcessGroup(rendezvous, rank, num_ranks)  # a ProcessGroup (not registered with torch's world)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    buffer = make_buffer(group, nbytes, transport=transport, store=dist.PrefixStore(f"{keys}/buffer", store))
+    try:
+        built = build(buffer) if build is not None else None
+        dist.barrier(group=group)
+    except BaseException:
+        buffer.destroy()
+        raise
+    return buffer, built
+
+
+class GrowOperation:
+    """A grow in progress on one member (steps 1, 3 and 4 of the module docstring).
+
+    Built by every member of the view with the same arguments, between steps, at the same step.
+
+    Arguments:
+        buffer: this member's current `Buffer` (serving on until the switch-over).
+        num_ranks: the size of the grown group, in `(buffer.num_ranks, MAX_EP_RANKS]`.
+        make_buffer: the Buffer class (called as `make_buffer(group, bytes, transport=, store=)`).
+        build: optional `build(new_buffer)`, run once the new Buffer exists (on every rank of the grown
+            group): place the experts and stage their weights; its value is `GrowResult.built`.
+        timeout_s: deadline of the build, in seconds (default: the connect timeout setting).
+
+    Raises:
+        TypeError, ValueError: `num_ranks` not an int in range (named); nothing changed.
+        MembershipError: this rank is no member, the view lacks ranks of the group, or the Buffer has no store.
+        RuntimeError: another grow of this Buffer is in progress, or the store holds another resize
+            request of this group (two resizes at once, named); nothing changed.
+    """
+
+    def __init__(self, buffer, num_ranks: int, make_buffer: Callable, build: Optional[Callable] = None,
+                 timeout_s: Optional[float] = None):
+        num_ranks = check_grow_size("num_ranks", num_ranks, buffer.num_ranks)
+        timeout_s = check_seconds("timeout_s", timeout_s, allow_none=True)
+        membership = buffer.membership
+        if membership is None:
+            raise MembershipError("grow: needs the group's store (pass store= to Buffer, or initialise "
+                                  "torch.distributed with a store)")
+        if buffer.joining or buffer.rank not in buffer.members:
+            raise MembershipError(f"grow: rank {buffer.rank} is not a member of the group (a joiner, left out or "
+                                  "drained); only members grow it")
+        missing = [r for r in range(buffer.num_ranks) if r not in buffer.members]
+        if missing:
+            raise MembershipError(f"grow: ranks {missing} are not members of epoch {buffer.epoch}: a grow renumbers "
+                                  "no rank, so it needs every rank of the group (not supported after a shrink yet)")
+        with _LOCK:
+            if buffer in _IN_PROGRESS:
+                raise RuntimeError("grow: another grow of this Buffer is in progress (one resize at a time)")
+            _IN_PROGRESS.add(buffer)
+        try:
+            self._claim(buffer, num_ranks)
+        except BaseException:
+            with _LOCK:
+                _IN_PROGRESS.discard(buffer)
+            raise
+        self._membership = membership
+        self.buffer, self.num_ranks = buffer, num_ranks
+        self.timeout_s = buffer.settings.connect_timeout_s if timeout_s is None else timeout_s
+        self._polls, self._result, self._error = 0, None, None
+        self._thread = threading.Thread(target=self._run, args=(make_buffer, build), daemon=True,
+                                        name=f"mep-grow-{buffer.rank}")
+        self._thread.start()
+
+    def _claim(self, buffer, num_ranks: int) -> None:
+        store, base = buffer.membership.store.inner, grow_base(buffer)  # the group's store, no generation prefix
+        key = f"{base}/grow/request"
+        wanted = _request_text(0, buffer.num_ranks, num_ranks, buffer.num_ep_buffer_bytes, buffer.transport)
+        current = _get(store, key)
+        if current is None:  # absent, or emptied by the grow before this one
+            attempt = store.add(f"{base}/grow/attempts", 1)
+            text = _request_text(attempt, buffer.num_ranks, num_ranks, buffer.num_ep_buffer_bytes, buffer.transport)
+            current = store.compare_set(key, "", text).decode()
+        if current.split("|", 1)[1] != wanted.split("|", 1)[1]:
+            _, old, new, nbytes, transport = _parse_request(current)
+            raise RuntimeError(f"grow: another resize of this group is in progress ({old} -> {new} ranks, "
+                               f"num_ep_buffer_bytes={nbytes}, transport {transport!r}); this rank asked for "
+                               f"{buffer.num_ranks} -> {num_ranks} ranks, {buffer.num_ep_buffer_bytes} bytes, "
+                               f"{buffer.transport!r}: two resizes at once; every member must ask the same")
+        self.attempt = _parse_request(current)[0]
+        self._base, self._store, self._request = base, store, current
+        self._keys = f"{base}/grow/{self.attempt}"
+
+    def _run(self, make_buffer, build) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            newcomers = range(self.buffer.num_ranks, self.num_ranks)
+            for rank in newcomers:
+                _, value = _wait_key(self._store, [f"{self._keys}/newcomer/{rank}", f"{self._keys}/failed"], deadline,
+                                     f"newcomer rank {rank} (join_grow)")
+                if value != "ready":
+                    raise MembershipError(f"grow: {value}")
+            self._result = _build(self._store, self._base, self.attempt, self.buffer.rank, self.num_ranks,
+                                  self.buffer.num_ep_buffer_bytes, self.buffer.transport, make_buffer, build,
+                                  max(1.0, deadline - time.monotonic()))
+        except BaseException as error:  # reported by poll() on every member (the failed record)
+            self._error = error
+            _fail(self._store, self._keys, f"rank {self.buffer.rank}: {error}")
+
+    def ready(self) -> bool:
+        """Whether this member's part of the build finished (the switch-over may be agreed)."""
+        return not self._thread.is_alive()
+
+    def poll(self, step: int) -> Optional[GrowResult]:
+        """Step 4 of the module docstring: call at every step boundary, on every member, with the step about
+        to be served. Collective over the members (a short wait for their votes).
+
+        Arguments:
+            step: the step about to be served (the same on every member).
+
+        Returns:
+            result: None (serve `step` on the current Buffer, poll again at the next), or a `GrowResult`:
+                serve `step` and the later ones on `result.buffer` (then destroy the current Buffer).
+
+        Raises:
+            MembershipError: the grow failed on some rank (named: a newcomer refused, a build error or
+                deadline); nothing changed, the current Buffer serves on.
+        """
+        step = check_int("step", step, 0)
+        if self._polls + 1 >= DECISION_SLOTS:
+            self._finish(f"no switch-over agreed in {DECISION_SLOTS - 1} polls")
+        self._polls += 1
+        epoch, members = self._polls, self.buffer.members
+        ballot = Ballot(self._membership, f"grow/{self.attempt}", self.buffer.rank, self.buffer.num_ranks, what="grow")
+        ballot.prepare([epoch], votes=True)
+        failed = _get(self._store, f"{self._keys}/failed")
+        mine = GO if self.ready() and self._error is None and failed is None else ABORT
+        digest = zlib.crc32(f"{self.attempt}|{step}".encode()) & 0x7FFFFFFF
+        ballot.vote(epoch, mine, digest, voters=len(members))
+        peers = [r for r in members if r != self.buffer.rank]
+        votes, _, _ = ballot.wait_votes(peers, epoch, int(self.timeout_s * 1e6),
+                                        lambda pending: sorted(set(pending) & set(self.buffer.dead_peers())))
+        go = mine == GO and all(p in votes and votes[p] == (GO, digest) for p in peers)
+        decision = ballot.propose(epoch, COMMIT if go else ABORT)
+        if decision == COMMIT:
+            self._thread.join()
+            self._store.set(f"{self._keys}/switch", str(step))
+            self._store.compare_set(f"{self._base}/grow/request", self._request, "")  # every newcomer read it
+            with _LOCK:
+                _IN_PROGRESS.discard(self.buffer)
+            buffer, built = self._result
+            return GrowResult(buffer, built, step)
+        failed = _get(self._store, f"{self._keys}/failed")
+        if failed is not None:
+            self._finish(failed)
+        return None
+
+    def _finish(self, reason: str) -> None:
+        """The grow failed: wait for this member's build to end, give up its request, raise."""
+        _fail(self._store, self._keys, reason)
+        self._thread.join()
+        if self._result is not None:
+            self._result[0].destroy()
+            self._result = None
+        self._store.compare_set(f"{self._base}/grow/request", self._request, "")  # a later grow may ask again
+        with _LOCK:
+            _IN_PROGRESS.discard(self.buffer)
+        raise MembershipError(f"grow to {self.num_ranks} ranks failed ({reason}); nothing changed: the current "
+                              "Buffer serves on")
+
+
+def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_buffer: Callable, *,
+              old_num_ranks: int, group_ranks: Optional[Sequence[int]] = None, prefix: str = "mep",
+              build: Optional[Callable] = None, timeout_s: float = 60.0) -> GrowResult:
+    """A newcomer's side of a grow (steps 2-4 of the module docstring): wait for the members' request, build
+    the new Buffer with them, and return once they agreed the step to serve first.
+
+    Arguments:
+        store: client of the job's store (the members' Buffers use its server, torch's prefixes removed).
+        rank: this newcomer's rank in the grown group, in `[old_num_ranks, num_ranks)`.
+        num_ranks: the size of the grown group.
+        num_ep_buffer_bytes: this newcomer's buffer size (must equal the members').
+        make_buffer: the Buffer class.
+        old_num_ranks: the group's size before the grow.
+        group_ranks: the members' group's global ranks in group order (None: `range(old_num_ranks)`).
+        prefix: the members' key prefix ("mep").
+        build: as `GrowOperation`'s (run on the new Buffer; e.g. its slots, weights from the members' memory).
+        timeout_s: deadline of the whole join, in seconds.
+
+    Returns:
+        result: a `GrowResult` (serve from `result.step` on `result.buffer`).
+
+    Raises:
+        TypeError, ValueError: a bad argument, or one that differs from the members' request (`num_ranks`,
+            `rank`, `num_ep_buffer_bytes`: named; the grow fails on every member, which serve on).
+        MembershipError: no request in time, or the grow failed elsewhere (named).
+    """
+    old_num_ranks = check_int("old_num_ranks", old_num_ranks, 1)
+    num_ranks = check_grow_size("num_ranks", num_ranks, old_num_ranks)
+    rank = check_int("rank", rank, 0)
+    nbytes = check_int("num_ep_buffer_bytes", num_ep_buffer_bytes, 0)
+    timeout_s = check_seconds("timeout_s", timeout_s)
+    if not old_num_ranks <= rank < num_ranks:
+        raise ValueError(f"rank: a newcomer takes a new rank id in [{old_num_ranks}, {num_ranks}), got {rank}")
+    store = root_store(store)
+    base = group_prefix(range(old_num_ranks) if group_ranks is None else group_ranks, prefix)
+    deadline = time.monotonic() + timeout_s
+    _, text = _wait_key(store, [f"{base}/grow/request"], deadline, "the members' grow request")
+    attempt, old, new, wanted, transport = _parse_request(text)
+    keys = f"{base}/grow/{attempt}"
+    refusal = None
+    if (old, new) != (old_num_ranks, num_ranks):
+        refusal = ValueError(f"num_ranks: the members grow the group {old} -> {new} ranks; this newcomer asked "
+                             f"{old_num_ranks} -> {num_ranks}")
+    elif nbytes != wanted:
+        refusal = ValueError(f"num_ep_buffer_bytes: expected the members' {wanted} bytes, got {nbytes} (newcomer "
+                             f"rank {rank}): every rank of the grown group needs the same buffer size")
+    if refusal is not None:
+        store.compare_set(f"{keys}/newcomer/{rank}", "", f"newcomer rank {rank} refused: {refusal}")
+        _fail(store, keys, f"newcomer rank {rank} refused: {refusal}")
+        raise refusal
+    store.compare_set(f"{keys}/newcomer/{rank}", "", "ready")
+    try:
+        buffer, built = _build(store, base, attempt, rank, num_ranks, nbytes, transport, make_buffer, build,
+                               max(1.0, deadline - time.monotonic()))
+    except BaseException as error:
+        _fail(store, keys, f"newcomer rank {rank}: {error}")
+        raise
+    try:
+        key, value = _wait_key(store, [f"{keys}/switch", f"{keys}/failed"], deadline, "the members' switch-over step")
+    except BaseException:
+        buffer.destroy()
+        raise
+    if key.endswith("/failed"):
+        buffer.destroy()
+        raise MembershipError(f"grow to {num_ranks} ranks failed: {value}")
+    return GrowResult(buffer, built, int(value))

@@ -1,0 +1,192 @@
+"""Growing the group with new processes (issue 37 item 2): `GrowOperation` / `join_grow` and `eplb.grow_placement`.
+
+3 -> 5 on shm: ranks 0-2 serve two MoE layers on physical experts over a 3-rank group; ranks 3 and 4 are
+new processes that take no part in it (they build nothing of the 3-rank group). The members ask for the
+grow and keep serving while the 5-rank Buffer and the grown placement are built (the newcomers' slots
+copied from the members' memory); every member polls the switch-over at each step boundary and all
+five ranks serve the agreed step and the next on the new Buffer. Checked on every rank: every step's
+outputs equal the single-process reference (on the old group before, on the grown one from the agreed
+step), the newcomers served exactly the agreed steps, no slot and no dispatch-map entry lies outside the
+5-rank view, and the newcomers' copies came from the members (no loader call).
+
+Bad input (unit tests, no processes): a size past MAX_EP_RANKS or not larger, a newcomer whose
+num_ep_buffer_bytes or size differs from the members' request (refused by name, the grow marked failed),
+two resizes at once (refused by name, the first request kept).
+"""
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import harness
+from tests.reference import calc_diff
+
+R0, R1 = 3, 5
+LAYERS, EXPERTS, HIDDEN, INTER, TOP_K, TOKENS, SPR = 2, 8, 256, 128, 2, 16, 3
+PLACEMENT = [[0, 1, 2, 3, 4, 5, 6, 7, 0], [0, 1, 2, 3, 4, 5, 6, 7, 3]]
+LIMIT = 1e-6
+MAX_POLLS = 200
+
+
+def test_grow_size_is_checked_by_name():
+    from mooncake_ep_switch.buffer.membership.grow import MAX_EP_RANKS, check_grow_size
+
+    assert check_grow_size("num_ranks", 5, 3) == 5
+    with pytest.raises(ValueError, match=rf"^num_ranks: expected at most MAX_EP_RANKS={MAX_EP_RANKS} ranks.*got "
+                                         rf"{MAX_EP_RANKS + 1}"):
+        check_grow_size("num_ranks", MAX_EP_RANKS + 1, 3)
+    with pytest.raises(ValueError, match=r"^num_ranks: a grow needs more ranks than the group's 3, got 3"):
+        check_grow_size("num_ranks", 3, 3)
+    with pytest.raises(TypeError, match=r"^num_ranks"):
+        check_grow_size("num_ranks", "5", 3)
+
+
+def test_grow_placement_keeps_members_and_places_newcomers_in_the_view():
+    from mooncake_ep_switch.eplb.grow_placement import grow_placement
+
+    target = grow_placement(np.asarray(PLACEMENT), R0, R1, SPR, EXPERTS)
+    assert target.shape == (LAYERS, R1 * SPR)
+    assert np.array_equal(target[:, :R0 * SPR], PLACEMENT)  # the members' slots stay (a local copy each)
+    for layer in range(LAYERS):  # replicas of the least-copied experts: copies differ by at most one
+        counts = np.bincount(target[layer], minlength=EXPERTS)
+        assert counts.min() >= 1 and counts.max() - counts.min() <= 1, counts
+    with pytest.raises(ValueError, match=r"^phy2log: expected \[L, 9\]"):
+        grow_placement(np.zeros((2, 8), dtype=np.int64), R0, R1, SPR, EXPERTS)
+
+
+def _fake_member(store, num_ranks=R0, nbytes=1 << 20):
+    membership = SimpleNamespace(prefix="mep/grp-0123456789abcdef/g1", store=SimpleNamespace(inner=store))
+    return SimpleNamespace(membership=membership,
+                           num_ranks=num_ranks, num_ep_buffer_bytes=nbytes, transport="shm")
+
+
+def test_two_resizes_at_once_are_refused_by_name():
+    from mooncake_ep_switch.buffer.membership.grow import GrowOperation
+
+    store = dist.HashStore()
+    first = SimpleNamespace()
+    GrowOperation._claim(first, _fake_member(store), 5)
+    same = SimpleNamespace()
+    GrowOperation._claim(same, _fake_member(store), 5)  # another member of the same grow: the same attempt
+    assert same.attempt == first.attempt == 1
+    with pytest.raises(RuntimeError, match=r"^grow: another resize of this group is in progress \(3 -> 5 ranks, "
+                                           r"num_ep_buffer_bytes=1048576.*asked for 3 -> 6 ranks.*two resizes at once"):
+        GrowOperation._claim(SimpleNamespace(), _fake_member(store), 6)
+    assert store.get("mep/grp-0123456789abcdef/grow/request").decode() == "1|3|5|1048576|shm"  # kept
+
+
+def test_a_newcomer_with_another_buffer_size_is_refused_and_fails_the_grow():
+    from mooncake_ep_switch.buffer.membership.group_keys import group_prefix
+    from mooncake_ep_switch.buffer.membership.grow import join_grow
+
+    store = dist.HashStore()
+    base = group_prefix(range(R0))
+    store.set(f"{base}/grow/request", "4|3|5|1048576|shm")
+    built = []
+    with pytest.raises(ValueError, match=r"^num_ep_buffer_bytes: expected the members' 1048576 bytes, got 4096 "
+                                         r"\(newcomer rank 3\)"):
+        join_grow(store, 3, R1, 4096, lambda *a, **k: built.append(a), old_num_ranks=R0, timeout_s=5)
+    assert not built  # no group, no Buffer
+    assert store.get(f"{base}/grow/4/failed").decode().startswith("newcomer rank 3 refused: num_ep_buffer_bytes")
+    with pytest.raises(ValueError, match=r"^num_ranks: the members grow the group 3 -> 5 ranks; this newcomer asked "
+                                         r"3 -> 6"):
+        join_grow(store, 5, 6, 1048576, lambda *a, **k: built.append(a),
+                  old_num_ranks=R0, timeout_s=5)
+    with pytest.raises(ValueError, match=r"^rank: a newcomer takes a new rank id in \[3, 5\), got 1"):
+        join_grow(store, 1, R1, 1048576, lambda *a, **k: built.append(a), old_num_ranks=R0, timeout_s=5)
+    assert not built
+
+
+def _forward(buffer, slots, weights, rows, active, rank, step):
+    from mooncake_ep_switch.eplb.serving import physical_ep_forward
+    from mooncake_ep_switch.reference.moe_block import reference_forward
+
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn((TOKENS, HIDDEN), generator=generator).to(torch.bfloat16)
+    diffs = []
+    for layer in range(LAYERS):
+        out, _ = physical_ep_forward(buffer, x, weights[layer].router, slots, layer, TOP_K, TOKENS, active,
+                                     rows[layer], timeout_us=harness.FAULT_TIMEOUT_US)
+        diffs.append(calc_diff(out, reference_forward(x, weights[layer], TOP_K)))
+    return max(diffs)
+
+
+def rank_grow(ctx):
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.buffer.membership.grow import GrowOperation, join_grow
+    from mooncake_ep_switch.eplb.grow_placement import grow_placement, grow_slots
+    from mooncake_ep_switch.eplb.maps import build_dispatch_map
+    from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+    from mooncake_ep_switch.reference.moe_block import random_weights
+
+    old_group = dist.new_group(list(range(R0)))  # torch's new_group is called by every process of the world
+    shape = SlotShape(LAYERS, EXPERTS, SPR, HIDDEN, INTER)
+    size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, R1, R1 * SPR)
+    weights = [random_weights(EXPERTS, HIDDEN, INTER, seed=500 + layer) for layer in range(LAYERS)]
+    target = grow_placement(np.asarray(PLACEMENT), R0, R1, SPR, EXPERTS)
+    loads = []
+
+    def loader(layer, expert):
+        loads.append((layer, expert))
+        return weights[layer].gate_up[expert], weights[layer].down[expert]
+
+    diffs, old_steps = {}, []
+    started = time.monotonic()
+    if ctx.rank < R0:
+        buffer = Buffer(old_group, size, transport="shm")
+        slots = ExpertSlots(buffer, shape, np.asarray(PLACEMENT), spare_frames=1)
+        slots.load(weights)
+        active = buffer.active_mask()
+        rows = build_dispatch_map(slots.phy2log, R0, R0)[ctx.rank]
+        diffs[1] = _forward(buffer, slots, weights, rows, active, ctx.rank, 1)
+        old_steps.append(1)
+        grow = GrowOperation(buffer, R1, Buffer, build=lambda new: grow_slots(new, shape, target, R0, slots, 1, loader),
+                             timeout_s=60)
+        step = 2
+        while True:
+            result = grow.poll(step)
+            if result is not None:
+                break
+            assert step < MAX_POLLS, "no switch-over agreed"
+            diffs[step] = _forward(buffer, slots, weights, rows, active, ctx.rank, step)  # the old Buffer serves on
+            old_steps.append(step)
+            step += 1
+        slots.destroy()
+        buffer.destroy()
+    else:
+        result = join_grow(ctx.store, ctx.rank, R1, size, Buffer, old_num_ranks=R0,
+                           build=lambda new: grow_slots(new, shape, target, R0, None, 1, loader), timeout_s=60)
+    grow_s = time.monotonic() - started
+    new, grown = result.buffer, result.built
+    active = new.active_mask()
+    maps = build_dispatch_map(grown.slots.phy2log, R1, R1, active_ranks=active)
+    new_steps = [result.step, result.step + 1]
+    for step in new_steps:
+        diffs[step] = _forward(new, grown.slots, weights, maps[ctx.rank], active, ctx.rank, step)
+    out = {"diffs": diffs, "old_steps": old_steps, "new_steps": new_steps, "members": list(new.members),
+           "num_ranks": new.num_ranks, "mask": active.tolist(), "phy2log": grown.slots.phy2log.tolist(),
+           "max_slot": int(maps.max()), "unserved": int((maps < 0).sum()), "from_members": grown.from_members,
+           "from_loader": grown.from_loader, "loads": loads, "grow_s": round(grow_s, 3)}
+    grown.slots.destroy()
+    new.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_grow_3_to_5_switches_at_one_step_and_serves_exactly():
+    outs = harness.run(R1, rank_grow, timeout_s=180)
+    step = outs[0]["new_steps"][0]
+    for rank, out in enumerate(outs):
+        assert out["new_steps"] == [step, step + 1], (rank, out["new_steps"])  # one agreed step everywhere
+        if rank < R0:  # every step before it served once on the old group, none lost
+            assert out["old_steps"] == list(range(1, step)), (rank, out["old_steps"])
+        assert max(out["diffs"].values()) < LIMIT, (rank, out["diffs"])
+        assert (out["members"], out["num_ranks"], out["mask"]) == (list(range(R1)), R1, [1] * R1)
+        assert out["phy2log"] == outs[0]["phy2log"]  # one placement
+        assert out["max_slot"] < R1 * SPR and out["unserved"] == 0  # no copy outside the view, every expert served
+        assert out["from_loader"] == 0 and out["loads"] == []  # the newcomers' copies came from the members' memory
+        assert out["from_members"] == LAYERS * SPR
+    print("grow 3->5 (s per rank):", [out["grow_s"] for out in outs], "switch step", step)
