@@ -1,8 +1,10 @@
 """Growing the group with new processes (issue 37 item 2): `GrowOperation` / `join_grow` and `eplb.grow_placement`.
 
 3 -> 5 on shm: ranks 0-2 serve two MoE layers on physical experts over a 3-rank group; ranks 3 and 4 are
-new processes that take no part in it (they build nothing of the 3-rank group). The members ask for the
-grow and keep serving while the 5-rank Buffer and the grown placement are built (the newcomers' slots
+new processes that take no part in it (they build nothing of the 3-rank group). A first grow fails: rank 4
+asks with another num_ep_buffer_bytes and is refused by name, rank 3 and every member are told at one poll
+(the members' MembershipError names rank 4's refusal) and the members serve on. Then the members ask again
+and keep serving while the 5-rank Buffer and the grown placement are built (the newcomers' slots
 copied from the members' memory); every member polls the switch-over at each step boundary and all
 five ranks serve the agreed step and the next on the new Buffer. Checked on every rank: every step's
 outputs equal the single-process reference (on the old group before, on the grown one from the agreed
@@ -120,6 +122,7 @@ def rank_grow(ctx):
     from mooncake_ep_switch.eplb.grow_placement import grow_placement, grow_slots
     from mooncake_ep_switch.eplb.maps import build_dispatch_map
     from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+    from mooncake_ep_switch.errors import MembershipError
     from mooncake_ep_switch.reference.moe_block import random_weights
 
     old_group = dist.new_group(list(range(R0)))  # torch's new_group is called by every process of the world
@@ -133,7 +136,7 @@ def rank_grow(ctx):
         loads.append((layer, expert))
         return weights[layer].gate_up[expert], weights[layer].down[expert]
 
-    diffs, old_steps = {}, []
+    diffs, old_steps, refusals = {}, [], []
     started = time.monotonic()
     if ctx.rank < R0:
         buffer = Buffer(old_group, size, transport="shm")
@@ -141,24 +144,35 @@ def rank_grow(ctx):
         slots.load(weights)
         active = buffer.active_mask()
         rows = build_dispatch_map(slots.phy2log, R0, R0)[ctx.rank]
-        diffs[1] = _forward(buffer, slots, weights, rows, active, ctx.rank, 1)
-        old_steps.append(1)
-        grow = GrowOperation(buffer, R1, Buffer, build=lambda new: grow_slots(new, shape, target, R0, slots, 1, loader),
-                             timeout_s=60)
-        step = 2
-        while True:
-            result = grow.poll(step)
-            if result is not None:
-                break
-            assert step < MAX_POLLS, "no switch-over agreed"
-            diffs[step] = _forward(buffer, slots, weights, rows, active, ctx.rank, step)  # the old Buffer serves on
+        step, result = 1, None
+        for attempt in (1, 2):  # 1: a newcomer asks with another buffer size and the grow fails everywhere
+            diffs[step] = _forward(buffer, slots, weights, rows, active, ctx.rank, step)
             old_steps.append(step)
             step += 1
+            grow = GrowOperation(buffer, R1, Buffer, timeout_s=60,
+                                 build=lambda new: grow_slots(new, shape, target, R0, slots, 1, loader))
+            while result is None:
+                try:
+                    result = grow.poll(step)
+                except MembershipError as error:
+                    refusals.append((step, str(error)))
+                    break
+                if result is None:
+                    assert step < MAX_POLLS, "no switch-over agreed"
+                    diffs[step] = _forward(buffer, slots, weights, rows, active, ctx.rank, step)  # the old serves on
+                    old_steps.append(step)
+                    step += 1
         slots.destroy()
         buffer.destroy()
     else:
-        result = join_grow(ctx.store, ctx.rank, R1, size, Buffer, old_num_ranks=R0,
-                           build=lambda new: grow_slots(new, shape, target, R0, None, 1, loader), timeout_s=60)
+        build = lambda new: grow_slots(new, shape, target, R0, None, 1, loader)  # noqa: E731
+        try:  # attempt 1: the last newcomer's buffer size differs (refused by name), the other one is told
+            join_grow(ctx.store, ctx.rank, R1, size + 4096 * (ctx.rank == R1 - 1), Buffer, old_num_ranks=R0,
+                      build=build, timeout_s=60)
+            refusals.append("joined")
+        except (ValueError, MembershipError) as error:
+            refusals.append(f"{type(error).__name__}: {error}")
+        result = join_grow(ctx.store, ctx.rank, R1, size, Buffer, old_num_ranks=R0, build=build, timeout_s=60)
     grow_s = time.monotonic() - started
     new, grown = result.buffer, result.built
     active = new.active_mask()
@@ -169,7 +183,7 @@ def rank_grow(ctx):
     out = {"diffs": diffs, "old_steps": old_steps, "new_steps": new_steps, "members": list(new.members),
            "num_ranks": new.num_ranks, "mask": active.tolist(), "phy2log": grown.slots.phy2log.tolist(),
            "max_slot": int(maps.max()), "unserved": int((maps < 0).sum()), "from_members": grown.from_members,
-           "from_loader": grown.from_loader, "loads": loads, "grow_s": round(grow_s, 3)}
+           "from_loader": grown.from_loader, "loads": loads, "grow_s": round(grow_s, 3), "refusals": refusals}
     grown.slots.destroy()
     new.destroy()
     return out
@@ -179,10 +193,18 @@ def rank_grow(ctx):
 def test_grow_3_to_5_switches_at_one_step_and_serves_exactly():
     outs = harness.run(R1, rank_grow, timeout_s=180)
     step = outs[0]["new_steps"][0]
+    failed_at = outs[0]["refusals"][0][0]
     for rank, out in enumerate(outs):
         assert out["new_steps"] == [step, step + 1], (rank, out["new_steps"])  # one agreed step everywhere
-        if rank < R0:  # every step before it served once on the old group, none lost
+        if rank < R0:  # every step before it served once on the old group, none lost (the failed grow's too)
             assert out["old_steps"] == list(range(1, step)), (rank, out["old_steps"])
+            assert len(out["refusals"]) == 1 and out["refusals"][0][0] == failed_at, out["refusals"]  # one poll
+            assert "newcomer rank 4 refused: num_ep_buffer_bytes: expected the members' " in out["refusals"][0][1]
+            assert "nothing changed: the current Buffer serves on" in out["refusals"][0][1]
+        elif rank == R1 - 1:
+            assert out["refusals"][0].startswith("ValueError: num_ep_buffer_bytes: expected the members' "), out
+        else:
+            assert out["refusals"][0].startswith("MembershipError: grow to 5 ranks failed: newcomer rank 4 refused")
         assert max(out["diffs"].values()) < LIMIT, (rank, out["diffs"])
         assert (out["members"], out["num_ranks"], out["mask"]) == (list(range(R1)), R1, [1] * R1)
         assert out["phy2log"] == outs[0]["phy2log"]  # one placement

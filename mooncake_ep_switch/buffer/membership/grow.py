@@ -13,7 +13,7 @@ members agree on. In order:
 2. **Newcomers** (`join_grow`): read the request, check their rank, `num_ranks` and `num_ep_buffer_bytes`
    against it, and record "ready to build" or their refusal (`<group>/grow/<attempt>/newcomer/<rank>`):
    a refused newcomer raises by name and the grow fails on every member (`grow/<attempt>/failed`), whose
-   current Buffer goes on serving.
+   current Buffer goes on serving. Once every newcomer accepted, the members say "go" (`grow/<attempt>/build`).
 3. **Build** (a background thread on members, in line on newcomers): a gloo group of the `R'` ranks
    through the store (`grow/<attempt>/pg`), `Buffer(group, bytes, transport=, store=)` keyed under
    `grow/<attempt>/buffer` (generation 1 of a group of its own), then the caller's `build(buffer)` (the
@@ -21,7 +21,8 @@ members agree on. In order:
    the `R'` ranks: once it returns on a member, every newcomer is built and loaded.
 4. **Switch-over** (`GrowOperation.poll(step)`, every member at every step boundary): one decision per
    poll in the current Buffer's ballot (`grow/<attempt>`): every member votes GO once its build finished,
-   ABORT ("not yet") before; COMMIT when every member voted GO for the same step. The step is written
+   ABORT ("not yet") before; COMMIT when every member voted GO for the same step, FAILED once any rank
+   recorded the grow's failure (every member raises at that poll, its current Buffer serving on). The step is written
    where the newcomers wait for it (`grow/<attempt>/switch`), and every rank serves that step and the
    later ones on the new Buffer and placement: no step is served twice, lost or on a mixed placement.
 """
@@ -43,7 +44,7 @@ from mooncake_ep_switch.checks import check_int
 __all__ = ["MAX_EP_RANKS", "GrowResult", "GrowOperation", "grow_base", "check_grow_size", "join_grow"]
 
 MAX_EP_RANKS = 64  # the largest EP group a grow builds (Mooncake EP / NCCL EP state a maximum of their own)
-GO, ABORT, COMMIT = 1, 2, 1
+GO, ABORT, COMMIT, FAILED = 1, 2, 1, 3  # votes; decisions COMMIT, ABORT (not yet), FAILED
 _POLL_MAX_S = 0.05
 _IN_PROGRESS: "weakref.WeakSet" = weakref.WeakSet()
 _LOCK = threading.Lock()
@@ -232,6 +233,7 @@ class GrowOperation:
                                      f"newcomer rank {rank} (join_grow)")
                 if value != "ready":
                     raise MembershipError(f"grow: {value}")
+            self._store.set(f"{self._keys}/build", "go")  # every newcomer accepted the request: build together
             self._result = _build(self._store, self._base, self.attempt, self.buffer.rank, self.num_ranks,
                                   self.buffer.num_ep_buffer_bytes, self.buffer.transport, make_buffer, build,
                                   max(1.0, deadline - time.monotonic()))
@@ -273,7 +275,8 @@ class GrowOperation:
         votes, _, _ = ballot.wait_votes(peers, epoch, int(self.timeout_s * 1e6),
                                         lambda pending: sorted(set(pending) & set(self.buffer.dead_peers())))
         go = mine == GO and all(p in votes and votes[p] == (GO, digest) for p in peers)
-        decision = ballot.propose(epoch, COMMIT if go else ABORT)
+        failed = None if go else _get(self._store, f"{self._keys}/failed")
+        decision = ballot.propose(epoch, COMMIT if go else ABORT if failed is None else FAILED)
         if decision == COMMIT:
             self._thread.join()
             self._store.set(f"{self._keys}/switch", str(step))
@@ -282,9 +285,8 @@ class GrowOperation:
                 _IN_PROGRESS.discard(self.buffer)
             buffer, built = self._result
             return GrowResult(buffer, built, step)
-        failed = _get(self._store, f"{self._keys}/failed")
-        if failed is not None:
-            self._finish(failed)
+        if decision == FAILED:  # one decision: every member raises at this poll
+            self._finish(_get(self._store, f"{self._keys}/failed") or "a member saw the grow fail")
         return None
 
     def _finish(self, reason: str) -> None:
@@ -337,9 +339,16 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
     store = root_store(store)
     base = group_prefix(range(old_num_ranks) if group_ranks is None else group_ranks, prefix)
     deadline = time.monotonic() + timeout_s
-    _, text = _wait_key(store, [f"{base}/grow/request"], deadline, "the members' grow request")
-    attempt, old, new, wanted, transport = _parse_request(text)
-    keys = f"{base}/grow/{attempt}"
+    while True:  # the members' request; one of an attempt that failed already is being given up: wait on
+        _, text = _wait_key(store, [f"{base}/grow/request"], deadline, "the members' grow request")
+        attempt, old, new, wanted, transport = _parse_request(text)
+        keys = f"{base}/grow/{attempt}"
+        if _get(store, f"{keys}/failed") is None:
+            break
+        if time.monotonic() >= deadline:
+            raise MembershipError("grow: the members' grow request did not come before the deadline (the last one "
+                                  f"failed: {_get(store, f'{keys}/failed')})")
+        time.sleep(_POLL_MAX_S)
     refusal = None
     if (old, new) != (old_num_ranks, num_ranks):
         refusal = ValueError(f"num_ranks: the members grow the group {old} -> {new} ranks; this newcomer asked "
@@ -352,6 +361,9 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
         _fail(store, keys, f"newcomer rank {rank} refused: {refusal}")
         raise refusal
     store.compare_set(f"{keys}/newcomer/{rank}", "", "ready")
+    key, value = _wait_key(store, [f"{keys}/build", f"{keys}/failed"], deadline, "the members' go to build")
+    if key.endswith("/failed"):
+        raise MembershipError(f"grow to {num_ranks} ranks failed: {value}")
     try:
         buffer, built = _build(store, base, attempt, rank, num_ranks, nbytes, transport, make_buffer, build,
                                max(1.0, deadline - time.monotonic()))
