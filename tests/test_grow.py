@@ -94,6 +94,8 @@ def test_a_newcomer_with_another_buffer_size_is_refused_and_fails_the_grow():
         join_grow(store, 3, R1, 4096, lambda *a, **k: built.append(a), old_num_ranks=R0, timeout_s=5)
     assert not built  # no group, no Buffer
     assert store.get(f"{base}/grow/4/failed").decode().startswith("newcomer rank 3 refused: num_ep_buffer_bytes")
+    store = dist.HashStore()  # a new request (the failed attempt's is not joined again)
+    store.set(f"{base}/grow/request", "5|3|5|1048576|shm")
     with pytest.raises(ValueError, match=r"^num_ranks: the members grow the group 3 -> 5 ranks; this newcomer asked "
                                          r"3 -> 6"):
         join_grow(store, 5, 6, 1048576, lambda *a, **k: built.append(a),

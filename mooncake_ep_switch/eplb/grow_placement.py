@@ -130,7 +130,8 @@ def grow_slots(buffer, shape: SlotShape, phy2log, old_num_ranks: int, current: O
                 holder = _member_holding(slots, layer, expert, old_num_ranks)
                 if holder is None:
                     if loader is None:
-                        raise ValueError(f"loader: layer {layer} expert {expert} has no copy on a member; pass a loader")
+                        raise ValueError(f"loader: layer {layer} expert {expert} has no copy on a member; pass "
+                                         "a loader")
                     src_gate_up, src_down = loader(layer, expert)
                     gate_up.copy_(src_gate_up)
                     down.copy_(src_down)
