@@ -225,3 +225,22 @@ def test_grow_3_to_5_switches_at_one_step_and_serves_exactly(transport):
         assert out["from_loader"] == 0 and out["loads"] == []  # the newcomers' copies came from the members' memory
         assert out["from_members"] == LAYERS * SPR and out["transport"] == transport
     print(f"grow 3->5 on {transport} (s per rank):", [out["grow_s"] for out in outs], "switch step", step)
+
+
+def test_a_grow_needs_a_member_and_a_view_without_holes():
+    from mooncake_ep_switch.buffer.membership.grow import GrowOperation
+    from mooncake_ep_switch.errors import MembershipError
+
+    store = dist.HashStore()
+    after_shrink = _fake_member(store, num_ranks=4)
+    after_shrink.__dict__.update(rank=0, members=(0, 1, 3), joining=False, epoch=2)
+    with pytest.raises(MembershipError, match=r"^grow: ranks \[2\] are not members of epoch 2: a grow renumbers no "
+                                              r"rank.*not supported after a shrink yet"):
+        GrowOperation(after_shrink, 6, None)
+    drained = _fake_member(store, num_ranks=4)
+    drained.__dict__.update(rank=2, members=(0, 1, 3), joining=True, epoch=2)
+    with pytest.raises(MembershipError, match=r"^grow: rank 2 is not a member of the group"):
+        GrowOperation(drained, 6, None)
+    with pytest.raises(ValueError, match=r"^timeout_s"):
+        GrowOperation(after_shrink, 6, None, timeout_s=-1)
+    assert not store.check(["mep/grp-0123456789abcdef/grow/request"])  # nothing claimed
