@@ -169,25 +169,33 @@ def rank_gloo_weights(ctx):
         buffer.update_ep_member(timeout_s=60.0)
     else:
         buffer = Buffer(ctx.group, size, transport="mooncake")
-    unified = UnifiedWeights(buffer, WeightShape(E, H, I), MOE_LAYERS)
-    unified.load_full([random_weights(E, H, I, seed=layer) for layer in range(MOE_LAYERS)])
+    weights = {}
+    for name, seed in WEIGHTS.items():  # several structures of weights on one Buffer, as an engine's
+        weights[name] = UnifiedWeights(buffer, WeightShape(E, H, I), MOE_LAYERS)
+        weights[name].load_full([random_weights(E, H, I, seed=seed + layer) for layer in range(MOE_LAYERS)])
     reduce = TPAllReduce(buffer, REDUCE_ROWS, H)
     kv = PagedKVCache(buffer, KVCacheConfig(KV_LAYERS, H_KV, D, PAGE, 96))
     _populate(kv, ctx.rank, ctx.num_ranks, "ep")  # a replacement starts empty: it prefills its requests again
-    harness.RANK_STATE.update(buffer=buffer, unified=unified, reduce=reduce, kv=kv)
-    return unified.one_sided or reduce.region is not None or kv.region is not None
+    harness.RANK_STATE.update(buffer=buffer, weights=weights, reduce=reduce, kv=kv)
+    return any(w.one_sided for w in weights.values()) or reduce.region is not None or kv.region is not None
 
 
-def rank_gloo_switches(ctx, targets, admit=()):
-    """Members admit `admit` first (once listed); then a switch to each of `targets`: (outcome, layout, reason),
-    weights checked against the checkpoint after each completed one."""
+# Seeds of the UnifiedWeights each rank builds, in this order: "unified" (switched with the KV cache) and
+# "second" switch in every epoch; "fallback" only on the collective fallback after the admission.
+WEIGHTS = {"unified": 0, "second": 100, "fallback": 200}
+
+
+def rank_gloo_switches(ctx, targets, admit=(), names=("unified", "second")):
+    """Members admit `admit` first (once listed); then, for each of `targets`, a switch of each of the weights
+    `names` (the first with the KV cache): (outcome, layout, reason) per switch, weights checked against the
+    checkpoint after each completed one."""
     import time
 
     from mooncake_ep_switch.reference.moe_block import random_weights
     from mooncake_ep_switch.switch.switcher import switch_layout
     from tests.test_switch_kv import E, H, I
 
-    buffer, unified, kv = harness.RANK_STATE["buffer"], harness.RANK_STATE["unified"], harness.RANK_STATE["kv"]
+    buffer, kv = harness.RANK_STATE["buffer"], harness.RANK_STATE["kv"]
     if admit and ctx.rank not in admit:
         deadline = time.monotonic() + 60
         while not set(admit) <= set(buffer.pending_joiners()):
@@ -196,16 +204,22 @@ def rank_gloo_switches(ctx, targets, admit=()):
         buffer.update_ep_member(timeout_s=60.0)
     reports = []
     for target in targets:
-        report = switch_layout(buffer, target, weights=unified, kv_cache=kv, timeout_us=30_000_000)
-        reports.append((report.outcome, report.layout, report.reason))
-        assert kv.layout == report.layout, (kv.layout, report)
-        _check_sharing(kv)  # the KV cache: every request's attention as the dense reference's, in any layout
-        _check_reference(kv, _attention_here(kv, step=0), ctx.num_ranks, step=0)
-        if report.outcome == "completed":
-            for layer in range(MOE_LAYERS):
-                want = _expected_shard(random_weights(E, H, I, seed=layer), target, ctx.rank, ctx.num_ranks)
-                got = unified.view(layer)
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer} in {target}"
+        for name in names:
+            unified = harness.RANK_STATE["weights"][name]
+            with_kv = kv if name == "unified" else None
+            report = switch_layout(buffer, target, weights=unified, kv_cache=with_kv, timeout_us=30_000_000)
+            reports.append((report.outcome, report.layout, report.reason))
+            if with_kv is not None:
+                assert kv.layout == report.layout, (kv.layout, report)
+                _check_sharing(kv)  # the KV cache: every request's attention as the dense reference's, in any layout
+                _check_reference(kv, _attention_here(kv, step=0), ctx.num_ranks, step=0)
+            if report.outcome == "completed":
+                for layer in range(MOE_LAYERS):
+                    checkpoint = random_weights(E, H, I, seed=WEIGHTS[name] + layer)
+                    want = _expected_shard(checkpoint, target, ctx.rank, ctx.num_ranks)
+                    got = unified.view(layer)
+                    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), \
+                        f"{name} layer {layer} in {target}"
     return reports
 
 
@@ -243,7 +257,7 @@ def rank_gloo_dead_member(ctx):
 
     from mooncake_ep_switch.switch.switcher import switch_layout
 
-    buffer, unified = harness.RANK_STATE["buffer"], harness.RANK_STATE["unified"]
+    buffer, unified = harness.RANK_STATE["buffer"], harness.RANK_STATE["weights"]["unified"]
     deadline = time.monotonic() + 30
     while 1 not in buffer.dead_peers():
         assert time.monotonic() < deadline, "rank 0 never saw rank 1 end"
@@ -269,18 +283,24 @@ def rank_gloo_leave(ctx):
 
 
 def rank_gloo_rejoin(ctx):
-    """The replacement joins and builds its weights; rank 0 admits it; then EP -> TP -> EP on both, and
-    an all-reduce over both."""
+    """The replacement joins and builds its weights; rank 0 admits it; then EP -> TP -> EP on both (two
+    structures of weights), an all-reduce over both; then both move onto the collective fallback
+    (`_use_fallback`) and the weights never switched in this epoch switch to TP there."""
     if ctx.group is None:
         assert rank_gloo_weights(ctx) is False
-        return rank_gloo_switches(ctx, ["tp", "ep"]), rank_gloo_all_reduce(ctx)
-    return rank_gloo_switches(ctx, ["tp", "ep"], admit=(1,)), rank_gloo_all_reduce(ctx)
+        switched = rank_gloo_switches(ctx, ["tp", "ep"])
+    else:
+        switched = rank_gloo_switches(ctx, ["tp", "ep"], admit=(1,))
+    reduced = rank_gloo_all_reduce(ctx)
+    harness.RANK_STATE["buffer"]._use_fallback = True
+    return switched, reduced, rank_gloo_switches(ctx, ["tp"], names=("fallback",))
 
 
 def rank_gloo_teardown(ctx):
     harness.RANK_STATE.pop("kv").destroy()
     harness.RANK_STATE.pop("reduce").destroy()
-    harness.RANK_STATE.pop("unified").destroy()
+    for unified in harness.RANK_STATE.pop("weights").values():
+        unified.destroy()
     return harness.rank_teardown(ctx)
 
 
@@ -304,15 +324,17 @@ def test_a_collective_switch_after_a_replacement_runs_on_the_new_view():
         assert harness.check_outcomes(cluster.run(rank_gloo_weights, timeout_s=60)) == [False, False]
         outcomes = cluster.run(rank_gloo_leave, timeout_s=60, failure_grace_s=30)
         assert not outcomes[1].ok and outcomes[1].exitcode == 3, outcomes[1]
-        [(outcome, layout, reason)], reduced, (unsealed_switch, unsealed_reduce) = harness.outcome_value(outcomes[0])
+        switched, reduced, (unsealed_switch, unsealed_reduce) = harness.outcome_value(outcomes[0])
         assert unsealed_switch[:2] == ("refused", "ep") and "ranks [1] are dead" in unsealed_switch[2], unsealed_switch
         assert unsealed_reduce[:2] == ("MembershipError", [1]) and "ranks [1] are dead" in unsealed_reduce[2], \
             unsealed_reduce
-        assert (outcome, layout) == ("refused", "ep") and "ranks [1] are not members" in reason, reason
+        assert [s[:2] for s in switched] == [("refused", "ep")] * 2 and \
+            all("ranks [1] are not members" in reason for _, _, reason in switched), switched
         assert reduced == ([1, 0], [0]), reduced
         cluster.respawn(1)
         results = harness.check_outcomes(cluster.run(rank_gloo_rejoin, timeout_s=120))
-        reports = [switches for switches, _ in results]
-        assert reports == [[("completed", "tp", ""), ("completed", "ep", "")]] * 2, reports
-        assert [reduced for _, reduced in results] == [([1, 1], [0, 1])] * 2, results
+        reports = [switches for switches, _, _ in results]
+        assert reports == [[("completed", "tp", "")] * 2 + [("completed", "ep", "")] * 2] * 2, reports
+        assert [reduced for _, reduced, _ in results] == [([1, 1], [0, 1])] * 2, results
+        assert [fallback for _, _, fallback in results] == [[("completed", "tp", "")]] * 2, results
         harness.check_outcomes(cluster.run(rank_gloo_teardown, timeout_s=60))

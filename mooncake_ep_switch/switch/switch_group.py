@@ -6,10 +6,13 @@ them, a `TPAllReduce` gathers its partials with them. The group it was built wit
 constructor group: after a membership change that group still names the replaced ranks' dead processes,
 and a replacement's Buffer has none. `epoch_group` gives the structure a gloo group of the current view
 instead, built through the group's store the first time it runs a collective in that epoch (every rank
-calls it together, so every member meets in the rendezvous) and kept for the epoch. On the
-`"collective"` transport and on Mooncake's `_use_fallback`, the fallback's own view group is used.
+calls it together, so every member meets in the rendezvous) and kept for the epoch; each structure
+rendezvouses under keys of its own (its participant index), so several switching in one epoch never
+meet. On the `"collective"` transport and on Mooncake's `_use_fallback`, the fallback's group of the
+current view (`buffer.process_group`) is used.
 
-- `switch_group`: a switch needs every rank (each holds a shard); a view lacking ranks refuses, naming them.
+- `switch_group`: a switch needs every rank (each holds a shard); a view lacking ranks refuses, naming them
+  (on the fallback too: after a shrink its group holds the survivors only).
 - `all_reduce_group`: an all-reduce runs over the members of the current view (a rank outside it
   contributes nothing, as a dead source on the one-sided path).
 
@@ -86,9 +89,13 @@ def epoch_group(buffer, owner, members: Tuple[int, ...], timeout_s: float, prefi
 def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], str]:
     """The group a collective switch of `unified` runs on now (and `unified.group` set to it).
 
+    On the fallback: the fallback's group of the current view; otherwise the constructor's group in
+    epoch 0, after a membership change a group of the view built for `unified` (`epoch_group`, keys
+    `mep/switch/<participant index>/group/<epoch>`).
+
     Arguments:
         buffer: the `Buffer` of the group.
-        unified: its `UnifiedWeights` (not one-sided).
+        unified: its `UnifiedWeights` (not one-sided; `group`, `index`, `num_ranks` are used).
         timeout_s: the group's timeout for a group built here (finite, > 0).
 
     Returns:
@@ -103,14 +110,16 @@ def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], s
     if dead:
         return None, (f"ranks {dead} are dead but still members of the current view: a collective switch needs "
                       "every rank (seal them out with update_ep_member() and admit their replacements first)")
-    if on_fallback(buffer) or (buffer.epoch == 0 and unified.group is not None):
-        return unified.group, ""
     members = tuple(buffer.members)
     missing = [r for r in range(unified.num_ranks) if r not in members]
-    if missing:
+    if missing:  # on the fallback too: after a shrink its group holds the survivors only
         return None, (f"ranks {missing} are not members of the current view: a collective switch needs every "
                       "rank (admit their replacements first)")
-    unified.group = epoch_group(buffer, unified, members, timeout_s, "mep/switch", "switch_layout")
+    if on_fallback(buffer):  # the fallback's group of the current view (every rank: group rank = EP rank)
+        unified.group = buffer.process_group
+    elif buffer.epoch > 0 or unified.group is None:
+        suffix = "" if unified.index is None else f"/{unified.index}"  # one rendezvous per structure and epoch
+        unified.group = epoch_group(buffer, unified, members, timeout_s, f"mep/switch{suffix}", "switch_layout")
     return unified.group, ""
 
 

@@ -165,6 +165,7 @@ class UnifiedWeights:
             self.local = self._private
         self._registry = getattr(buffer, "peer_regions", None)
         index = peer_regions.register(buffer, self, KIND)
+        self.index = index  # participant index: the same on every rank (its switch group's keys name it)
         membership = getattr(buffer, "membership", None)
         # One GO/ABORT per switch in the job's store, which every rank reads the same way (one-sided
         # switches; the collective fallback agrees through its all-gather).
