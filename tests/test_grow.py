@@ -12,6 +12,10 @@ outputs equal the single-process reference (on the old group before, on the grow
 step), the newcomers served exactly the agreed steps, no slot and no dispatch-map entry lies outside the
 5-rank view, and the newcomers' copies came from the members (no loader call).
 
+A newcomer SIGKILLed in its build (the weight copy): the grow fails at one poll on every member (FAILED in
+the ballot), no member waits for its own build blocked on the dead peer, every step is served once and
+exactly on the old group, no rank masked.
+
 Bad input (unit tests, no processes): a size past MAX_EP_RANKS or not larger, a newcomer whose
 num_ep_buffer_bytes or size differs from the members' request (refused by name, the grow marked failed),
 two resizes at once (refused by name, the first request kept).
@@ -200,7 +204,6 @@ def rank_grow(ctx, transport):
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "collective"])
 def test_grow_3_to_5_switches_at_one_step_and_serves_exactly(transport):
     outs = harness.run(R1, rank_grow, transport, timeout_s=180)
@@ -244,3 +247,75 @@ def test_a_grow_needs_a_member_and_a_view_without_holes():
     with pytest.raises(ValueError, match=r"^timeout_s"):
         GrowOperation(after_shrink, 6, None, timeout_s=-1)
     assert not store.check(["mep/grp-0123456789abcdef/grow/request"])  # nothing claimed
+
+
+def rank_newcomer_dies(ctx):
+    """Newcomer R1 - 1 is SIGKILLed in its build (the weight copy); the members serve on, told at one poll."""
+    import os
+    import signal
+
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.buffer.membership.grow import GrowOperation, join_grow
+    from mooncake_ep_switch.eplb.grow_placement import grow_placement, grow_slots
+    from mooncake_ep_switch.eplb.maps import build_dispatch_map
+    from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+    from mooncake_ep_switch.errors import MembershipError
+    from mooncake_ep_switch.reference.moe_block import random_weights
+
+    old_group = dist.new_group(list(range(R0)))
+    shape = SlotShape(LAYERS, EXPERTS, SPR, HIDDEN, INTER)
+    size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, R1, R1 * SPR)
+    target = grow_placement(np.asarray(PLACEMENT), R0, R1, SPR, EXPERTS)
+    if ctx.rank >= R0:
+        def build(new):
+            if ctx.rank == R1 - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return grow_slots(new, shape, target, R0, None, 1)
+
+        try:
+            join_grow(ctx.store, ctx.rank, R1, size, Buffer, old_num_ranks=R0, build=build, timeout_s=60)
+            return "joined"
+        except Exception as error:  # the gloo group or the grow's failure record, whichever it met first
+            return f"{type(error).__name__}: {error}"
+    weights = [random_weights(EXPERTS, HIDDEN, INTER, seed=500 + layer) for layer in range(LAYERS)]
+    buffer = Buffer(old_group, size, transport="shm")
+    slots = ExpertSlots(buffer, shape, np.asarray(PLACEMENT), spare_frames=1)
+    slots.load(weights)
+    active = buffer.active_mask()
+    rows = build_dispatch_map(slots.phy2log, R0, R0)[ctx.rank]
+    grow = GrowOperation(buffer, R1, Buffer, timeout_s=60, build=lambda new: grow_slots(new, shape, target, R0,
+                                                                                          slots, 1))
+    diffs, failure, started = {}, None, time.monotonic()
+    for step in range(1, MAX_POLLS):
+        if failure is None:
+            try:
+                assert grow.poll(step) is None, "a grow with a dead newcomer switched over"
+            except MembershipError as error:
+                failure = (step, str(error), round(time.monotonic() - started, 3))
+        diffs[step] = _forward(buffer, slots, weights, rows, active, ctx.rank, step)
+        if failure is not None and step >= failure[0] + 1:
+            break
+    out = {"failure": failure, "diffs": diffs, "members": list(buffer.members), "mask": active.tolist()}
+    slots.destroy()
+    buffer.destroy()
+    return out
+
+
+def test_a_newcomer_killed_in_the_weight_copy_fails_the_grow_at_one_poll_and_the_members_serve_on():
+    import signal
+
+    from tests.harness import outcome_value
+
+    with harness.fresh_cluster(R1) as cluster:
+        outcomes = cluster.run(rank_newcomer_dies, timeout_s=180, failure_grace_s=60)
+    assert not outcomes[R1 - 1].ok and outcomes[R1 - 1].exitcode == -signal.SIGKILL, outcomes[R1 - 1]
+    assert outcome_value(outcomes[R0]) != "joined", outcomes[R0]
+    members = [outcome_value(outcomes[rank]) for rank in range(R0)]
+    step = members[0]["failure"][0]
+    for out in members:
+        assert out["failure"][0] == step, members  # one decision: FAILED at the same poll everywhere
+        assert "grow to 5 ranks failed" in out["failure"][1] and "nothing changed" in out["failure"][1], out
+        assert sorted(out["diffs"]) == list(range(1, step + 2)), out["diffs"]  # every step served once, on the old
+        assert max(out["diffs"].values()) < LIMIT, out["diffs"]
+        assert (out["members"], out["mask"]) == (list(range(R0)), [1] * R0)
+    print("newcomer killed: FAILED at poll", step, "after (s):", [out["failure"][2] for out in members])

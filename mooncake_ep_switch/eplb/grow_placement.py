@@ -76,6 +76,10 @@ class GrownSlots(NamedTuple):
     from_members: int
     from_loader: int
 
+    def destroy(self) -> None:
+        """Destroy the slots (a grow that failed after its build discards them so)."""
+        self.slots.destroy()
+
 
 def _member_holding(slots: ExpertSlots, layer: int, expert: int, old_num_ranks: int):
     per_rank = slots.shape.slots_per_rank

@@ -152,6 +152,14 @@ def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: in
     return buffer, built
 
 
+def _discard(result: Tuple[Any, Any]) -> None:
+    """Destroy a build nobody serves on: `build`'s value if it has `destroy()`, then the new Buffer."""
+    buffer, built = result
+    if callable(getattr(built, "destroy", None)):
+        built.destroy()
+    buffer.destroy()
+
+
 class GrowOperation:
     """A grow in progress on one member (steps 1, 3 and 4 of the module docstring).
 
@@ -162,7 +170,8 @@ class GrowOperation:
         num_ranks: the size of the grown group, in `(buffer.num_ranks, MAX_EP_RANKS]`.
         make_buffer: the Buffer class (called as `make_buffer(group, bytes, transport=, store=)`).
         build: optional `build(new_buffer)`, run once the new Buffer exists (on every rank of the grown
-            group): place the experts and stage their weights; its value is `GrowResult.built`.
+            group): place the experts and stage their weights; its value is `GrowResult.built` (its
+            `destroy()`, if it has one, is called with the new Buffer's when the grow fails after the build).
         timeout_s: deadline of the build, in seconds (default: the connect timeout setting).
 
     Raises:
@@ -201,6 +210,7 @@ class GrowOperation:
         self.buffer, self.num_ranks = buffer, num_ranks
         self.timeout_s = buffer.settings.connect_timeout_s if timeout_s is None else timeout_s
         self._polls, self._result, self._error = 0, None, None
+        self._guard, self._abandoned = threading.Lock(), False  # a failed grow's build is discarded when it ends
         self._thread = threading.Thread(target=self._run, args=(make_buffer, build), daemon=True,
                                         name=f"mep-grow-{buffer.rank}")
         self._thread.start()
@@ -234,12 +244,19 @@ class GrowOperation:
                 if value != "ready":
                     raise MembershipError(f"grow: {value}")
             self._store.set(f"{self._keys}/build", "go")  # every newcomer accepted the request: build together
-            self._result = _build(self._store, self._base, self.attempt, self.buffer.rank, self.num_ranks,
-                                  self.buffer.num_ep_buffer_bytes, self.buffer.transport, make_buffer, build,
-                                  max(1.0, deadline - time.monotonic()))
+            result = _build(self._store, self._base, self.attempt, self.buffer.rank, self.num_ranks,
+                            self.buffer.num_ep_buffer_bytes, self.buffer.transport, make_buffer, build,
+                            max(1.0, deadline - time.monotonic()))
         except BaseException as error:  # reported by poll() on every member (the failed record)
             self._error = error
             _fail(self._store, self._keys, f"rank {self.buffer.rank}: {error}")
+            return
+        with self._guard:
+            abandoned = self._abandoned
+            if not abandoned:
+                self._result = result
+        if abandoned:  # the grow failed while this build ran: nobody will serve on it
+            _discard(result)
 
     def ready(self) -> bool:
         """Whether this member's part of the build finished (the switch-over may be agreed)."""
@@ -290,12 +307,14 @@ class GrowOperation:
         return None
 
     def _finish(self, reason: str) -> None:
-        """The grow failed: wait for this member's build to end, give up its request, raise."""
+        """The grow failed: give up this member's build (never waited for: one still blocked on a dead peer is
+        discarded by its thread when it ends, by the build's deadline), give up the request, raise."""
         _fail(self._store, self._keys, reason)
-        self._thread.join()
-        if self._result is not None:
-            self._result[0].destroy()
-            self._result = None
+        with self._guard:
+            self._abandoned = True
+            result, self._result = self._result, None
+        if result is not None:
+            _discard(result)
         self._store.compare_set(f"{self._base}/grow/request", self._request, "")  # a later grow may ask again
         with _LOCK:
             _IN_PROGRESS.discard(self.buffer)
