@@ -83,6 +83,32 @@ def test_killed_peer_is_flagged_at_once_and_a_live_one_never(how):
             _kill(process)
 
 
+def test_confirm_gone_waits_for_the_verdict_on_an_ended_watch_connection():
+    """`confirm_gone` (asked by a call whose Transfer Engine write to the peer was refused or reset, which
+    comes milliseconds before the dying peer's watch connection ends): True once the watcher's verdict
+    says the peer's listener is gone, asked right after its end without polling the flag first; a live
+    peer: False after the whole wait; a peer not watched through a connection: its flag, at once."""
+    listeners = [PeerWatch(3, rank, "127.0.0.1") for rank in (1, 2)]
+    watch = PeerWatch(3, 0, None)
+    try:
+        for rank, listener in enumerate(listeners, start=1):
+            assert watch.watch_address(rank, "127.0.0.1", listener.port)
+        began = time.monotonic()
+        assert watch.confirm_gone(2, 0.2) is False  # alive: no verdict comes
+        assert 0.2 <= time.monotonic() - began < FLAG_DEADLINE_S
+        listeners[0].close()  # its listener and connections close, as when its process ends
+        began = time.monotonic()
+        assert watch.confirm_gone(1) is True, "the verdict on the ended connection was not waited for"
+        assert time.monotonic() - began < FLAG_DEADLINE_S and watch.dead.tolist() == [0, 1, 0]
+        watch.forget(1)  # not watched: the flag as it is, no wait
+        began = time.monotonic()
+        assert watch.confirm_gone(1) is False and time.monotonic() - began < 1.0
+    finally:
+        watch.close()
+        for listener in listeners:
+            listener.close()
+
+
 def test_closed_connection_of_a_live_peer_is_not_a_death():
     """The peer's listener holds no connection (cap 0, or a stranger's listener): its flag never
     rises, and the watcher stops watching it instead of reconnecting in a loop."""

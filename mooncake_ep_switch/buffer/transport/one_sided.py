@@ -18,7 +18,7 @@ A failed or timed-out write marks the destination inactive in the caller's `acti
 as evidence for membership) instead of raising or hanging.
 """
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -31,7 +31,7 @@ from mooncake_ep_switch.buffer.transport.members import connect_view
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 from mooncake_ep_switch.buffer.transport.te_endpoint import PeerWrite
 from mooncake_ep_switch.faults import FaultPoint
-from mooncake_ep_switch.errors import BufferDestroyed
+from mooncake_ep_switch.errors import BufferDestroyed, PeerBusy
 
 _TAG_SPACE = (1 << 32) - 1
 SELF, SHM, TE = "self", "shm", "te"
@@ -112,7 +112,7 @@ class OneSidedTransport(HostMemoryTransport):
         self._layouts = RegionLayouts(num_ranks, num_ep_buffer_bytes)  # (T, hidden, E) -> layout that fits
         self.te_peers: Dict[int, TePeer] = {}
         self.failed_sources: List[int] = []
-        self._link_failed: Set[int] = set()  # peers a Transfer Engine write failed to (mask_cause: "link")
+        self._link_failed: Dict[int, bool] = {}  # peers a Transfer Engine write failed to -> refused (mask_cause)
         # Address of an int64 word the owner raises to stop every native receive wait (RuntimeError):
         # Buffer.destroy() never waits for a call with no deadline. 0 = none.
         self.abort_ptr = 0
@@ -270,7 +270,9 @@ class OneSidedTransport(HostMemoryTransport):
 
     def mask_cause(self, rank: int) -> str:
         """Why a call masked `rank`: its process ended (the peer watcher), a Transfer Engine write to it
-        failed or timed out (`"link"`, reported once per failed write), else a receive's deadline passed.
+        failed or timed out (`"link"`, reported once per failed write; a write refused or reset waits
+        for the peer watcher's verdict first, `PeerWatch.confirm_gone`: `"process_end"` if it saw the
+        process end), else a receive's deadline passed.
 
         Arguments:
             rank: a rank this transport appended to `failed_sources`.
@@ -279,11 +281,11 @@ class OneSidedTransport(HostMemoryTransport):
             cause: `"process_end"`, `"link"` or `"deadline"`.
         """
         if rank in self.dead_peers():
-            self._link_failed.discard(rank)
+            self._link_failed.pop(rank, None)
             return "process_end"
         if rank in self._link_failed:
-            self._link_failed.discard(rank)
-            return "link"
+            refused = self._link_failed.pop(rank)
+            return "process_end" if refused and self.watch.confirm_gone(rank) else "link"
         return "deadline"
 
     def _masked(self, ranks: List[int], key) -> None:
@@ -309,10 +311,15 @@ class OneSidedTransport(HostMemoryTransport):
             data = [(staging + src, peer.base + dst, n) for src, dst, n in ranges(dest) if n > 0]
             src, dst, n = signals(dest)
             writes.append(PeerWrite(peer.session, data, [(staging + src, peer.base + dst, n)]))
-        for index in sorted(self.te.write_each(writes, timeout_s, in_flight=direct)):
+        failures = self.te.write_each(writes, timeout_s, in_flight=direct)
+        for index in sorted(failures):
             active[targets[index]] = 0
             self._masked([targets[index]], None)
-            self._link_failed.add(targets[index])
+            # Its host answered (refused, or up and the write reset): its process may be ending (`mask_cause`).
+            # Not so: a deadline, writes still in flight (PeerBusy), no answer (the probe's OSError chained).
+            error = failures[index]
+            self._link_failed[targets[index]] = (isinstance(error, ConnectionError) and not isinstance(error, PeerBusy)
+                                                 and error.__cause__ is None)
 
     def _staging_bases(self, offset: int, targets: List[int]) -> List[int]:
         """Half bases for a native send into the staging copy (by destination) for `targets`."""

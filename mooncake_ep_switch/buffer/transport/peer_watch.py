@@ -44,6 +44,7 @@ _ANSWER = b"\x01"  # what a listener sends a watcher it accepted
 _SETTLE_S = 0.1  # pause before probing again a listener that dropped a connection unanswered
 _PROBES = 4  # probe connections before a peer that keeps dropping them is given up on
 _MIN_CONNECTION_S = 1.0  # a watch connection closed younger than this is not reopened (no reconnect storm)
+_VERDICT_S = _PROBES * (_PROBE_TIMEOUT_S + _SETTLE_S)  # bounds `confirm_gone`: the probes of one verdict
 
 
 class _Watched:
@@ -82,6 +83,7 @@ class PeerWatch:
         self.dead = torch.zeros(num_ranks, dtype=torch.int32) if dead is None else dead.zero_()
         self.dead_ptr = self.dead.data_ptr()
         self._lock = threading.Lock()
+        self._verdict = threading.Condition(self._lock)  # notified whenever a peer's watch entry changes
         self._watched: Dict[int, _Watched] = {}
         self._accepted: Dict[int, socket.socket] = {}
         self._max_accepted = max_accepted if max_accepted is not None else 4 * num_ranks
@@ -173,6 +175,32 @@ class PeerWatch:
         # and writes in another, so a flag set in between overruns its output (heap corruption).
         return [rank for rank, flag in enumerate(self.dead.tolist()) if flag]
 
+    def confirm_gone(self, peer: int, timeout_s: float = _VERDICT_S) -> bool:
+        """Whether `peer`'s process is gone, waiting up to `timeout_s` for the watcher's verdict on its
+        watch connection.
+
+        A Transfer Engine write to a peer being SIGKILLed is reset a few milliseconds before its watch
+        connection ends (the dying process closes its descriptors one by one), so the call that met the
+        failure asks why before this thread saw the end: without the wait a death on another host read
+        as a cut link. Call it with a wait only when the peer's end is likely (a write refused or
+        reset): a live peer costs the whole wait. Returns at once for a peer not watched through a
+        connection (its flag as it is).
+
+        Arguments:
+            peer: the peer's rank.
+            timeout_s: the longest wait for the verdict, >= 0 (default: the probes of one verdict).
+
+        Returns:
+            gone: bool, whether the peer's flag in `dead` is raised: False when the watcher found it
+                alive, could not tell, does not watch it through a connection, or said nothing in time.
+        """
+        self._check_peer(peer)
+        with self._verdict:
+            watched = self._watched.get(peer)
+            if not self.dead[peer] and watched is not None and watched.kind == "socket":
+                self._verdict.wait_for(lambda: self._closed or self._watched.get(peer) is not watched, timeout_s)
+            return bool(self.dead[peer])
+
     def is_watched(self, peer: int) -> bool:
         with self._lock:
             return peer in self._watched
@@ -187,6 +215,7 @@ class PeerWatch:
             if self._closed:
                 return not self._thread.is_alive()
             self._closed = True
+            self._verdict.notify_all()  # a `confirm_gone` waits no more
         self._wake()
         self._thread.join(5.0)
         with self._lock:
@@ -227,6 +256,7 @@ class PeerWatch:
             if watched is not None:
                 self._watched[peer] = watched
             self.dead[peer] = 0
+            self._verdict.notify_all()
         if old is not None:
             _close(old)
         self._wake()
@@ -325,6 +355,7 @@ class PeerWatch:
             del self._watched[peer]
             if verdict == "gone":
                 self.dead[peer] = 1
+            self._verdict.notify_all()
         if verdict == "gone":
             log.warning("rank %d: the process of rank %d ended (seen by its %s); waits for it stop now",
                         self.rank, peer, "pidfd" if watched.kind == "pid" else "watch connection")
@@ -372,6 +403,7 @@ class PeerWatch:
                     sock.close()
                     return "alive"
                 self._watched[peer] = fresh
+                self._verdict.notify_all()
             _close(watched)
             return "alive"
         return "unknown"

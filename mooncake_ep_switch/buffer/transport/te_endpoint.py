@@ -888,7 +888,9 @@ class TeEndpoint:
         except ConnectionRefusedError:
             return ConnectionRefusedError(f"{what}: the peer's engine is gone (connection to {peer} refused)")
         except OSError as exc:
-            return ConnectionError(f"{what}: the peer is unreachable ({exc})")
+            error = ConnectionError(f"{what}: the peer is unreachable ({exc})")
+            error.__cause__ = exc  # no answer from its host (`OneSidedTransport` tells it from a refusal)
+            return error
         return ConnectionError(
             f"{what}: the peer is up, so the transfer was most likely rejected: is every remote range "
             "inside memory the peer registered (and not unregistered since)?")
