@@ -118,6 +118,7 @@ def rank_coverage(ctx, death_file, transport):
     subscription = buffer.subscribe()
     try:
         bad, unchanged = _bad_placements(slots, rebalancer)
+        routes = buffer.peer_routes()
         active = buffer.active_mask()
         rows = build_dispatch_map(slots.phy2log, R, R)[ctx.rank]
         dist.barrier(group=ctx.group)
@@ -163,7 +164,7 @@ def rank_coverage(ctx, death_file, transport):
                             for r in reports],
                 "events": [(type(e).__name__, e) for e in events], "loads": loads,
                 "restored_at": restored_at, "seconds": restored[0].seconds if restored else None,
-                "stall_ms": [r.stall_ms for r in reports], "frame_bytes": slots.frame_bytes}
+                "stall_ms": [r.stall_ms for r in reports], "frame_bytes": slots.frame_bytes, "routes": routes}
     finally:
         subscription.close()
         _teardown(buffer, holder, slots)
@@ -178,6 +179,13 @@ def test_coverage_epoch_while_a_rank_is_dead_restores_the_full_reference(tmp_pat
     runner = on_device(rank_coverage, True) if transport == "cuda" else (rank_coverage,)
     with harness.fresh_cluster(R) as cluster:
         outcomes = cluster.run(*runner, death_file, transport, timeout_s=180, failure_grace_s=60)
+    check_coverage(outcomes, death_file, transport)
+
+
+def check_coverage(outcomes, death_file, transport):
+    """The checks of a `rank_coverage` run (the module's docstring; tests/test_hosts_eplb.py runs it across
+    hosts); prints the time from the death to full coverage after `transport` (its name: "collective" has
+    its own first event)."""
     assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
     died = float(open(death_file).read())
     survivors = [o for o in outcomes if o.rank != DEAD]
@@ -293,6 +301,12 @@ def test_rank_killed_or_stopped_during_the_coverage_epoch_yields_one_decision(po
     runner = on_device(rank_fault_in_coverage_epoch, True) if transport == "cuda" else (rank_fault_in_coverage_epoch,)
     with harness.fresh_cluster(R, env=env) as cluster:
         outcomes = cluster.run(*runner, how, transport, timeout_s=120, failure_grace_s=60)
+    check_one_decision(outcomes, point, how, outcome)
+
+
+def check_one_decision(outcomes, point, how, outcome):
+    """The checks of a `rank_fault_in_coverage_epoch` run with VICTIM faulted at `point` (`how`): every
+    survivor reports the one expected `outcome` of epoch 1 and ends on the same placement."""
     assert not outcomes[DEAD].ok
     alive = [o for o in outcomes if o.rank != DEAD and (how != "kill" or o.rank != VICTIM)]
     for o in alive:

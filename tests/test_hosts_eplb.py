@@ -6,13 +6,18 @@ tests/test_eplb_online.py `rank_fault_at_commit`): ranks 0 and 2 stage their new
 host mate (shared memory), ranks 1 and 3 from the other host, read one-sided over the Transfer
 Engine. Votes and the decision live in the launcher's store. Every step's rows are checked against
 the single-process reference and the moved frames against the checkpoint, bit for bit.
+
+Issue 36's serving through a death (cases (a), (b), (c) of tests/test_eplb_fault_routing.py and
+tests/test_eplb_coverage.py, their rank functions and checks) runs here on the Transfer Engine across
+hosts: `test_serving_through_a_death_across_hosts`.
 """
 import signal
 import time
 
+import numpy as np
 import pytest
 
-from tests import harness, test_eplb_online
+from tests import harness, test_eplb_coverage, test_eplb_fault_routing, test_eplb_online
 from tests.harness import outcome_value
 from tests.netns import enter_host, make_network  # noqa: F401 - make_network is a fixture
 
@@ -313,3 +318,68 @@ def test_abandoned_staging_read_never_lands_in_a_committed_frame(make_network):
     assert "staging failed on rank 1" in reader["reports"][0][2], reader["reports"]  # the read missed its deadline
     for rank, result in enumerate(served):
         assert result["frames_ok"] and all(result["exact"]), (rank, result)
+
+
+# ---------------------------------------------------------------- serving through a death across hosts (issue 36)
+
+COVERAGE_HOSTS = [0, 1, 0, 1]  # DEAD (3) on host 1 with rank 1; the coverage epoch's VICTIM (2) on host 0 with rank 0
+
+
+def _check_case_a_can_tell(survivors):
+    """Case (a) is told apart: at the step after the death, routing by the unmasked rows (the entries sent to
+    DEAD's copies skipped) misses the full reference on at least two survivors, so `check_coverage`'s full
+    reference there holds only because the survivors routed around DEAD."""
+    from mooncake_ep_switch.eplb.maps import build_dispatch_map
+    from mooncake_ep_switch.reference.moe_block import random_weights, reference_forward
+    from tests.reference import calc_diff
+
+    f = test_eplb_fault_routing
+    weights = random_weights(f.EXPERTS, f.HIDDEN, f.INTER, seed=300)  # layer 0's (test_eplb_coverage._setup)
+    rows = build_dispatch_map(np.asarray(f.PLACEMENT, dtype=np.int64), f.R, f.R)
+    told = []
+    for o in survivors:
+        x = f._inputs(o.rank, 3)
+        on_dead = {e for e in range(f.EXPERTS) if int(rows[o.rank][0][e]) // f.SLOTS_PER_RANK == f.DEAD}
+        old = reference_forward(x, weights, f.TOP_K, skip_experts=on_dead)
+        told.append(calc_diff(reference_forward(x, weights, f.TOP_K), old) > 100 * f.LIMIT)
+        step3 = o.value["steps"][2][0]
+        assert step3["skip"] == [] and step3["lost"] == 0 and step3["diff_full"] < f.LIMIT, (o.rank, step3)
+    assert sum(told) >= 2, f"the placement should make survivors route to DEAD at step 3: {told}"
+
+
+def test_serving_through_a_death_across_hosts(make_network, tmp_path):
+    """Issue 36's cases on the Transfer Engine across namespace hosts (4 ranks on 2 hosts, COVERAGE_HOSTS; shm
+    inside a host, the Transfer Engine across), one network for both runs:
+
+    * (a) and (b), `test_eplb_coverage.rank_coverage`: DEAD is SIGKILLed at step 2. Layer 0, where every
+      expert of DEAD has a live copy, equals the full single-process reference from the step after the
+      death on, no entry lost (and the unmasked routing would have missed it); layer 1, whose expert
+      SOLE_EXPERT lived on DEAD only, equals the reference without it until the coverage epoch (weights from
+      the loader) commits, then the full reference; every survivor commits the one epoch and the events
+      come in order (`check_coverage`).
+    * (c), `rank_fault_in_coverage_epoch`: DEAD is SIGKILLed, the survivors begin a coverage epoch at once
+      and VICTIM is SIGKILLed after voting GO: the other two survivors (one per host) commit that epoch and
+      end on the same placement (`check_one_decision`).
+    """
+    c = test_eplb_coverage
+    network = make_network(NUM_HOSTS)
+    placement = network.placement(COVERAGE_HOSTS)
+    death_file = str(tmp_path / "death")
+    with harness.fresh_cluster(c.R, network=placement) as cluster:
+        outcomes = cluster.run(c.rank_coverage, death_file, "mooncake", timeout_s=180, failure_grace_s=60)
+        processes = list(cluster.processes)
+    c.check_coverage(outcomes, death_file, "mooncake across namespace hosts")
+    survivors = [o for o in outcomes if o.rank != c.DEAD]
+    for o in survivors:  # shm inside a host, the Transfer Engine across
+        expected = ["self" if peer == o.rank else "shm" if COVERAGE_HOSTS[peer] == COVERAGE_HOSTS[o.rank] else "te"
+                    for peer in range(c.R)]
+        assert o.value["routes"] == expected, (o.rank, o.value["routes"])
+    _check_case_a_can_tell(survivors)
+    point = "eplb_after_vote"
+    with harness.fresh_cluster(c.R, env={"MEP_FAULT_POINT": f"{point}:{c.VICTIM}:1:kill"},
+                               network=placement) as cluster:
+        outcomes = cluster.run(c.rank_fault_in_coverage_epoch, "kill", "mooncake", timeout_s=120, failure_grace_s=60)
+        processes += list(cluster.processes)
+    c.check_one_decision(outcomes, point, "kill", "committed")
+    assert not outcomes[c.VICTIM].ok and outcomes[c.VICTIM].exitcode == -signal.SIGKILL, outcomes[c.VICTIM]
+    assert not any(process.is_alive() for process in processes), "leftover rank processes"
