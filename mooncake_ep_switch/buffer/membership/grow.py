@@ -36,7 +36,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.ballot import DECISION_SLOTS, Ballot
+from mooncake_ep_switch.buffer.ballot import Ballot
 from mooncake_ep_switch.buffer.membership.group_keys import group_prefix, root_store
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError, check_seconds
 from mooncake_ep_switch.checks import check_int
@@ -206,10 +206,12 @@ class GrowOperation:
             with _LOCK:
                 _IN_PROGRESS.discard(buffer)
             raise
-        self._membership = membership
         self.buffer, self.num_ranks = buffer, num_ranks
         self.timeout_s = buffer.settings.connect_timeout_s if timeout_s is None else timeout_s
         self._polls, self._result, self._error = 0, None, None
+        # No switch-over agreed by then (the build's deadline, plus as long again for the vote): FAILED.
+        self._give_up = time.monotonic() + 2 * self.timeout_s
+        self._ballot = Ballot(membership, f"grow/{self.attempt}", buffer.rank, buffer.num_ranks, what="grow")
         self._guard, self._abandoned = threading.Lock(), False  # a failed grow's build is discarded when it ends
         self._thread = threading.Thread(target=self._run, args=(make_buffer, build), daemon=True,
                                         name=f"mep-grow-{buffer.rank}")
@@ -278,11 +280,8 @@ class GrowOperation:
                 deadline); nothing changed, the current Buffer serves on.
         """
         step = check_int("step", step, 0)
-        if self._polls + 1 >= DECISION_SLOTS:
-            self._finish(f"no switch-over agreed in {DECISION_SLOTS - 1} polls")
-        self._polls += 1
-        epoch, members = self._polls, self.buffer.members
-        ballot = Ballot(self._membership, f"grow/{self.attempt}", self.buffer.rank, self.buffer.num_ranks, what="grow")
+        self._polls += 1  # one ballot epoch per poll (the ballot reuses its decision slots in a ring)
+        epoch, members, ballot = self._polls, self.buffer.members, self._ballot
         ballot.prepare([epoch], votes=True)
         failed = _get(self._store, f"{self._keys}/failed")
         mine = GO if self.ready() and self._error is None and failed is None else ABORT
@@ -293,6 +292,9 @@ class GrowOperation:
                                         lambda pending: sorted(set(pending) & set(self.buffer.dead_peers())))
         go = mine == GO and all(p in votes and votes[p] == (GO, digest) for p in peers)
         failed = None if go else _get(self._store, f"{self._keys}/failed")
+        if not go and failed is None and time.monotonic() > self._give_up:
+            failed = _fail(self._store, self._keys, f"rank {self.buffer.rank}: no switch-over agreed within "
+                                                    f"2 * timeout_s = {2 * self.timeout_s} s")
         decision = ballot.propose(epoch, COMMIT if go else ABORT if failed is None else FAILED)
         if decision == COMMIT:
             self._thread.join()
