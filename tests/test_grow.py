@@ -318,4 +318,5 @@ def test_a_newcomer_killed_in_the_weight_copy_fails_the_grow_at_one_poll_and_the
         assert sorted(out["diffs"]) == list(range(1, step + 2)), out["diffs"]  # every step served once, on the old
         assert max(out["diffs"].values()) < LIMIT, out["diffs"]
         assert (out["members"], out["mask"]) == (list(range(R0)), [1] * R0)
-    print("newcomer killed: FAILED at poll", step, "after (s):", [out["failure"][2] for out in members])
+    print("newcomer killed: FAILED at poll", step, "after (s):", [out["failure"][2] for out in members],
+          members[0]["failure"][1])

@@ -137,18 +137,31 @@ def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: in
            make_buffer: Callable, build: Optional[Callable], timeout_s: float) -> Tuple[Any, Any]:
     """Step 3 of the module docstring on one rank: the group, the Buffer, `build(buffer)`, the barrier."""
     keys = f"{base}/grow/{attempt}"
-    rendezvous = dist.PrefixStore(f"{keys}/pg", store)
-    backend = dist.ProcessGroupGloo(rendezvous, rank, num_ranks, timedelta(seconds=timeout_s))
-    group = dist.ProcessGroup(rendezvous, rank, num_ranks)  # a ProcessGroup (not registered with torch's world)
-    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    buffer = make_buffer(group, nbytes, transport=transport, store=dist.PrefixStore(f"{keys}/buffer", store))
+    phase = "the gloo group"
     try:
+        rendezvous = dist.PrefixStore(f"{keys}/pg", store)
+        backend = dist.ProcessGroupGloo(rendezvous, rank, num_ranks, timedelta(seconds=timeout_s))
+        group = dist.ProcessGroup(rendezvous, rank, num_ranks)  # a ProcessGroup (not registered with torch's world)
+        group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+        phase = "the Buffer"
+        buffer = make_buffer(group, nbytes, transport=transport, store=dist.PrefixStore(f"{keys}/buffer", store))
+    except Exception as error:
+        raise MembershipError(f"grow: building {phase} of the {num_ranks}-rank group failed on rank {rank} "
+                              f"({type(error).__name__}: {error})") from error
+    try:
+        phase = "build()"
         built = build(buffer) if build is not None else None
+        phase = "the closing barrier"
         dist.barrier(group=group)
-    except BaseException:
+    except Exception as error:
+        # torch names no gloo error of an unregistered group (its logger raises "not initialized in the world group
+        # map" instead): the ranks this Buffer saw end say more.
+        dead = buffer.dead_peers()
         buffer.destroy()
-        raise
+        raise MembershipError(f"grow: {phase} on the {num_ranks}-rank group failed on rank {rank}"
+                              + (f", ranks {dead} ended" if dead else "")
+                              + f" ({type(error).__name__}: {error})") from error
     return buffer, built
 
 
