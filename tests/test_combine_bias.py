@@ -69,8 +69,9 @@ def rank_buffer_bias(ctx, transport):
                         torch.zeros(1, dtype=x.dtype))
         given = [bias] if isinstance(bias, torch.Tensor) else [b for b in bias if b is not None]
         assert _bits_equal(out, reference(y, topk, weights, given, H)), f"{transport}: case {case} differs"
+    used = buffer.transport
     buffer.destroy()
-    return refused
+    return refused, used
 
 
 def rank_elastic_bias(ctx, transport):
@@ -95,6 +96,7 @@ def rank_elastic_bias(ctx, transport):
         bias = biases[0] if len(biases) == 1 else tuple(biases)
         combined, _, _ = buffer.combine(x, handle, topk_weights=recv_w, bias=bias)
         assert _bits_equal(combined, expected_combine(y_own, mine.topk_idx, E, R, biases, everyone)), len(biases)
+    copies["transport"] = buffer.runtime.transport
     buffer.destroy()
     return copies
 
@@ -103,7 +105,7 @@ def rank_elastic_bias(ctx, transport):
 def test_a_bias_starts_the_sum_and_costs_no_copy(transport):
     """Buffer.combine's bias (one, two, (None, b), narrower than hidden) is exact and bad ones are refused by
     name; an ElasticBuffer's biases are exact and its inner dispatch has no bias columns or rows."""
-    refused = harness.run(2, rank_buffer_bias, transport, timeout_s=180)
-    assert refused == [5, 5]
+    assert harness.run(2, rank_buffer_bias, transport, timeout_s=180) == [(5, transport)] * 2
     for copies in harness.run(2, rank_elastic_bias, transport, timeout_s=180):
-        assert copies == {"routing columns": 2, "bias rows received": 0}  # min(K, R) data columns only
+        # min(K, R) data columns only, and no row of the bias slots
+        assert copies == {"routing columns": 2, "bias rows received": 0, "transport": transport}
