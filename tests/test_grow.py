@@ -109,7 +109,8 @@ def test_a_newcomer_with_another_buffer_size_is_refused_and_fails_the_grow():
     assert not built
 
 
-def _forward(buffer, slots, weights, rows, active, rank, step):
+def _forward(buffer, slots, weights, rows, active, rank, step, dead=None):
+    """Serve `step` on both layers; the max diff against the reference (without the copies on rank `dead`)."""
     from mooncake_ep_switch.eplb.serving import physical_ep_forward
     from mooncake_ep_switch.reference.moe_block import reference_forward
 
@@ -119,11 +120,13 @@ def _forward(buffer, slots, weights, rows, active, rank, step):
     for layer in range(LAYERS):
         out, _ = physical_ep_forward(buffer, x, weights[layer].router, slots, layer, TOP_K, TOKENS, active,
                                      rows[layer], timeout_us=harness.FAULT_TIMEOUT_US)
-        diffs.append(calc_diff(out, reference_forward(x, weights[layer], TOP_K)))
+        skip = {e for e in range(EXPERTS) if dead is not None and int(rows[layer][e]) // SPR == dead}
+        diffs.append(calc_diff(out, reference_forward(x, weights[layer], TOP_K, skip_experts=skip)))
     return max(diffs)
 
 
-def rank_grow(ctx, transport):
+def rank_grow(ctx, transport, then=None):
+    """3 -> 5 (a failed attempt first); `then(ctx, new, slots, weights, step)`, if given, runs on the grown group."""
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.buffer.membership.grow import GrowOperation, join_grow
     from mooncake_ep_switch.eplb.grow_placement import grow_placement, grow_slots
@@ -198,6 +201,8 @@ def rank_grow(ctx, transport):
            "max_slot": int(maps.max()), "unserved": int((maps < 0).sum()), "from_members": grown.from_members,
            "from_loader": grown.from_loader, "loads": loads, "grow_s": round(grow_s, 3), "refusals": refusals}
     out["transport"] = new.transport
+    if then is not None:
+        out["then"] = then(ctx, new, grown.slots, weights, new_steps[-1] + 1)
     grown.slots.destroy()
     for done in {id(new_holder): new_holder, id(new): new}.values():
         done.destroy()
@@ -228,6 +233,50 @@ def test_grow_3_to_5_switches_at_one_step_and_serves_exactly(transport):
         assert out["from_loader"] == 0 and out["loads"] == []  # the newcomers' copies came from the members' memory
         assert out["from_members"] == LAYERS * SPR and out["transport"] == transport
     print(f"grow 3->5 on {transport} (s per rank):", [out["grow_s"] for out in outs], "switch step", step)
+
+
+VICTIM = 1  # a member of the 3-rank group, rank 1 of the grown one
+
+
+def then_kill_one(ctx, new, slots, weights, step):
+    """On the grown Buffer: VICTIM SIGKILLs itself, the survivors serve a round, then agree a view without it."""
+    import os
+    import signal
+
+    from mooncake_ep_switch.eplb.maps import build_dispatch_map
+
+    if ctx.rank == VICTIM:
+        os.kill(os.getpid(), signal.SIGKILL)
+    active = new.active_mask()
+    rows = build_dispatch_map(slots.phy2log, R1, R1, active_ranks=active)[ctx.rank]  # VICTIM not masked yet
+    on_victim = sum(int(rows[layer][e]) // SPR == VICTIM for layer in range(LAYERS) for e in range(EXPERTS))
+    diff = _forward(new, slots, weights, rows, active, ctx.rank, step, dead=VICTIM)
+    started = time.monotonic()
+    view = new.update_ep_member(timeout_s=30)
+    return {"diff": diff, "on_victim": on_victim, "mask": active.tolist(), "epoch": view.epoch,
+            "view": list(view.ranks), "members": list(new.members), "new_mask": new.active_mask().tolist(),
+            "update_s": round(time.monotonic() - started, 3)}
+
+
+def test_a_rank_killed_in_the_grown_group_is_masked_and_the_survivors_agree_a_view():
+    import signal
+
+    from tests.harness import outcome_value
+
+    with harness.fresh_cluster(R1) as cluster:
+        outcomes = cluster.run(rank_grow, "shm", then_kill_one, timeout_s=180, failure_grace_s=60)
+    assert not outcomes[VICTIM].ok and outcomes[VICTIM].exitcode == -signal.SIGKILL, outcomes[VICTIM]
+    survivors = [rank for rank in range(R1) if rank != VICTIM]
+    outs = [outcome_value(outcomes[rank])["then"] for rank in survivors]
+    expected_mask = [int(rank != VICTIM) for rank in range(R1)]
+    for rank, out in zip(survivors, outs):
+        assert out["mask"] == expected_mask, (rank, out)  # the round masked the dead rank, and only it
+        assert out["diff"] < LIMIT, (rank, out)  # exact against the reference without VICTIM's copies
+        assert (out["view"], out["members"], out["new_mask"]) == (survivors, survivors, expected_mask), (rank, out)
+        assert out["epoch"] == outs[0]["epoch"], outs  # one view
+    assert any(out["on_victim"] for out in outs), outs  # the round did route to the dead rank
+    print("grown group, rank", VICTIM, "killed: update_ep_member (s):", [out["update_s"] for out in outs],
+          "epoch", outs[0]["epoch"])
 
 
 def test_a_grow_needs_a_member_and_a_view_without_holes():
