@@ -21,10 +21,9 @@ holds it). Checked on every survivor:
   slot) are refused naming `new_phy2log`, nothing changed.
 
 A second death (or a freeze) during the coverage epoch yields one decision on every survivor (shared
-memory; a kill after the vote on the Transfer Engine and the collective fallback, a freeze before it
-on the emulated CUDA device); a
-replacement shows JoinerPending then JoinerAdmitted. The time from the death to full coverage is
-printed (docs/benchmarks.md).
+memory: a kill before or after the vote, a freeze before it; the Transfer Engine, the collective fallback and
+the emulated CUDA device: a kill after the vote, a freeze before it); a replacement shows JoinerPending
+then JoinerAdmitted. The time from the death to full coverage is printed (docs/benchmarks.md).
 """
 import os
 import signal
@@ -294,6 +293,9 @@ VICTIM = 2
     ("eplb_after_vote", "kill", "committed", "mooncake"),  # the Transfer Engine's peer watcher and deadlines
     ("eplb_after_vote", "kill", "committed", "collective"),  # the collective Buffer's watcher; slots on shm
     ("eplb_before_vote", "stop", "aborted", "emulated cuda"),  # device frames, the cuda transport's watcher
+    ("eplb_before_vote", "stop", "aborted", "mooncake"),  # a frozen rank: the vote's deadline, not its process end
+    ("eplb_before_vote", "stop", "aborted", "collective"),
+    ("eplb_after_vote", "kill", "committed", "emulated cuda"),
 ])
 def test_rank_killed_or_stopped_during_the_coverage_epoch_yields_one_decision(point, how, outcome, transport):
     env = {"MEP_FAULT_POINT": f"{point}:{VICTIM}:1:{how}"} if point else None
