@@ -209,9 +209,20 @@ def rank_grow(ctx, transport, then=None):
     return out
 
 
+def then_fallback(ctx, new, slots, weights, step):
+    """On the grown Buffer (torch never registered its group): every rank sets `_use_fallback`, serves a round."""
+    from mooncake_ep_switch.eplb.maps import build_dispatch_map
+
+    new._use_fallback = True
+    active = new.active_mask()
+    rows = build_dispatch_map(slots.phy2log, R1, R1, active_ranks=active)[ctx.rank]
+    return {"diff": _forward(new, slots, weights, rows, active, ctx.rank, step), "on": new._use_fallback,
+            "runs_on": new._transport.name}
+
+
 @pytest.mark.parametrize("transport", ["shm", "collective"])
 def test_grow_3_to_5_switches_at_one_step_and_serves_exactly(transport):
-    outs = harness.run(R1, rank_grow, transport, timeout_s=180)
+    outs = harness.run(R1, rank_grow, transport, then_fallback if transport == "shm" else None, timeout_s=180)
     step = outs[0]["new_steps"][0]
     failed_at = outs[0]["refusals"][0][0]
     for rank, out in enumerate(outs):
@@ -232,6 +243,9 @@ def test_grow_3_to_5_switches_at_one_step_and_serves_exactly(transport):
         assert out["max_slot"] < R1 * SPR and out["unserved"] == 0  # no copy outside the view, every expert served
         assert out["from_loader"] == 0 and out["loads"] == []  # the newcomers' copies came from the members' memory
         assert out["from_members"] == LAYERS * SPR and out["transport"] == transport
+        if transport == "shm":  # then the grown Buffer moved onto the collective fallback, exact
+            assert out["then"]["on"] and out["then"]["runs_on"] == "collective", out["then"]
+            assert out["then"]["diff"] < LIMIT, out["then"]
     print(f"grow 3->5 on {transport} (s per rank):", [out["grow_s"] for out in outs], "switch step", step)
 
 

@@ -34,6 +34,15 @@ def check_handle_side(transport: Transport, transport_plan) -> None:
         transport.check_side(transport_plan)
 
 
+def _backend_name(group) -> str:
+    """The backend of `group`, lower case: torch's record of it, or the group's own for one torch never
+    registered (a grown group, made through the store: `dist.get_backend` refuses it)."""
+    try:
+        return str(dist.get_backend(group)).lower()
+    except ValueError:  # "... is not initialized in the world group map"
+        return str(group.name()).lower()
+
+
 def _refusal(core: BufferCore, group):
     """Why the Buffer of `core` cannot move to the fallback (an exception naming `_use_fallback`), or None."""
     transport = core.transport
@@ -49,7 +58,7 @@ def _refusal(core: BufferCore, group):
     if core.epoch > 0 and core.membership is None:
         return ValueError("_use_fallback: expected False on a Buffer without the group's store, got True (the "
                           "fallback of a later view runs on a group built through the store)")
-    if group is not None and core.epoch == 0 and str(dist.get_backend(group)).lower() == str(dist.Backend.NCCL):
+    if group is not None and core.epoch == 0 and _backend_name(group) == str(dist.Backend.NCCL):
         return ValueError("_use_fallback: expected False on a Buffer whose process group is NCCL only, got True "
                           "(the fallback exchanges host tensors: it needs a gloo group, or one with a CPU backend)")
     return None
