@@ -359,7 +359,8 @@ def test_serving_through_a_death_across_hosts(make_network, tmp_path):
       come in order (`check_coverage`).
     * (c), `rank_fault_in_coverage_epoch`: DEAD is SIGKILLed, the survivors begin a coverage epoch at once
       and VICTIM is SIGKILLed after voting GO: the other two survivors (one per host) commit that epoch and
-      end on the same placement (`check_one_decision`).
+      end on the same placement (`check_one_decision`); in a second run VICTIM is stopped (SIGSTOP) before
+      voting: the three survivors, VICTIM resumed after the decision too, abort it and keep the placement.
     """
     c = test_eplb_coverage
     network = make_network(NUM_HOSTS)
@@ -382,4 +383,10 @@ def test_serving_through_a_death_across_hosts(make_network, tmp_path):
         processes += list(cluster.processes)
     c.check_one_decision(outcomes, point, "kill", "committed")
     assert not outcomes[c.VICTIM].ok and outcomes[c.VICTIM].exitcode == -signal.SIGKILL, outcomes[c.VICTIM]
+    point = "eplb_before_vote"  # VICTIM frozen before its vote: the vote's deadline, no process end to see
+    with harness.fresh_cluster(c.R, env={"MEP_FAULT_POINT": f"{point}:{c.VICTIM}:1:stop"},
+                               network=placement) as cluster:
+        outcomes = cluster.run(c.rank_fault_in_coverage_epoch, "stop", "mooncake", timeout_s=120, failure_grace_s=60)
+        processes += list(cluster.processes)
+    c.check_one_decision(outcomes, point, "stop", "aborted")
     assert not any(process.is_alive() for process in processes), "leftover rank processes"
