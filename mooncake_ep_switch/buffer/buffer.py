@@ -175,10 +175,11 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
         self._life = core.life
         # Every region peers map beyond the EP region (switch, KV, EPLB): re-mapped on re-admission.
         self.peer_regions = core.peer_regions = PeerRegions(self)
-        self._transport = core.transport = make_transport(
+        core.transport = make_transport(
             transport, group=self.group, rank=self.rank, num_ranks=self.num_ranks,
             num_ep_buffer_bytes=num_ep_buffer_bytes, settings=self.settings, disable_p2p=disable_p2p,
             host_ids=self._host_ids, view_change=self._survivors_view)
+        core.make_collective = mooncake_runtime.collective_maker(core, self.group, self._survivors_view)
         self._transport.abort_ptr = self._life.abort_ptr  # native waits stop once destroy() raises it
         self.transport = self._transport.name
         self.device = self._transport.device  # the CUDA device of a "cuda" Buffer's tensors; None: CPU tensors
@@ -395,6 +396,11 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
             TypeError: `callback` is neither None nor callable.
         """
         return self._core.events.subscribe(callback)
+
+    @property
+    def _transport(self) -> Transport:
+        """The transport running the calls: the core's (`_use_fallback` and a joiner's admission may switch it)."""
+        return self._core.transport
 
     @property
     def runtime(self) -> Transport:
@@ -737,7 +743,7 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
 
     @_use_fallback.setter
     def _use_fallback(self, value) -> None:
-        self._transport = self._core.transport = mooncake_runtime.set_use_fallback(
+        self._core.transport = mooncake_runtime.set_use_fallback(
             self._core, value, self.group, self._survivors_view)
 
     def get_next_combine_buffer(self, handle) -> torch.Tensor:

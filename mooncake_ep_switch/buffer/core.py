@@ -49,6 +49,8 @@ class BufferCore:
             "" (the message its dispatch, combine, update_ep_member and shrink raise, `check_not_drained`).
         stats: the `CallStats` counters of `Buffer.stats()` (and the log lines of masks).
         events: the `EventBus` of `Buffer.subscribe()` (buffer/events.py).
+        make_collective: builds the Buffer's collective fallback (`mooncake_runtime.collective_maker`), for a
+            joiner that takes the members' `_use_fallback` switch at admission; None: not given.
     """
 
     rank: int
@@ -73,6 +75,7 @@ class BufferCore:
     drained: str = ""
     stats: CallStats = field(default_factory=CallStats)
     events: EventBus = field(default_factory=EventBus)
+    make_collective: Optional[Any] = None
 
     def check_alive(self) -> None:
         """Raises BufferDestroyed once the Buffer was destroyed."""

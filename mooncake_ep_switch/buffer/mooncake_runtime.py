@@ -6,8 +6,12 @@ the same point, `mooncake-ep/tests/test_ep_grid.py`) to force the collective pat
 (diagnostic scripts print them; DeepEP V2's ElasticBuffer over Mooncake calls them on its own
 `runtime`, which here is a `Buffer`). `set_use_fallback` does the switch for a Buffer
 (`buffer/transport/fallback.py` runs it); `MooncakeRuntimeQueries` gives the Buffer the queries.
+A rank admitted into the members' view (a replacement, a rank left out) takes their switch first
+(`take_members_switch`, from the record `publish_switch` writes): its calls run where theirs do and
+its next switch meets theirs.
 """
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -19,7 +23,8 @@ from mooncake_ep_switch.buffer.transport.fallback import FallbackSwitch
 from mooncake_ep_switch.checks import check_flag
 from mooncake_ep_switch.errors import MembershipError
 
-__all__ = ["MooncakeRuntimeQueries", "check_handle_side", "on_fallback", "set_use_fallback"]
+__all__ = ["MooncakeRuntimeQueries", "check_handle_side", "collective_maker", "on_fallback", "publish_switch",
+           "set_use_fallback", "take_members_switch"]
 
 
 def on_fallback(transport: Transport) -> bool:
@@ -105,8 +110,7 @@ def set_use_fallback(core: BufferCore, value, group, view_change) -> Transport:
         refusal = _refusal(core, group)
         if refusal is not None:
             raise refusal
-        transport = FallbackSwitch(transport, lambda: CollectiveTransport(
-            group, core.rank, core.num_ranks, view_change=view_change, settings=core.settings))
+        transport = FallbackSwitch(transport, collective_maker(core, group, view_change))
     if value == transport.on_fallback:
         return transport
     deadline = time.monotonic() + core.settings.connect_timeout_s
@@ -116,6 +120,70 @@ def set_use_fallback(core: BufferCore, value, group, view_change) -> Transport:
                                 view.ranks, deadline)
     transport.switch(value, view, core.membership, deadline)
     return transport
+
+
+def collective_maker(core: BufferCore, group, view_change) -> Callable[[], CollectiveTransport]:
+    """How the Buffer of `core` builds its collective fallback when first needed (`core.make_collective`).
+
+    Arguments:
+        core: the Buffer's `BufferCore`.
+        group: the Buffer's process group (the fallback's in epoch 0; None for a replacement's Buffer,
+            whose fallback runs on a group of a later view made through the store).
+        view_change: the Buffer's survivors-view callback, for the collective's recovery from a lost peer.
+
+    Returns:
+        make: a function of no arguments returning a new `CollectiveTransport`.
+    """
+    return lambda: CollectiveTransport(group, core.rank, core.num_ranks, view_change=view_change,
+                                       settings=core.settings)
+
+
+def publish_switch(core: BufferCore, epoch: int) -> None:
+    """A member's half of an admission: record its `_use_fallback` switch for the joiners of `epoch`
+    (before it connects to the view; every member writes the same, they switched together).
+
+    Arguments:
+        core: the member Buffer's `BufferCore` (with the group's store).
+        epoch: the epoch just agreed.
+    """
+    transport = core.transport
+    if isinstance(transport, FallbackSwitch):
+        core.membership.publish_fallback_state(epoch, transport.on_fallback, transport.switches)
+    else:
+        core.membership.publish_fallback_state(epoch, on_fallback(transport), 0)
+
+
+def take_members_switch(core: BufferCore, epoch: int, deadline: float) -> None:
+    """A joiner's half of an admission into `epoch`, before it connects: take the members' switch (their
+    `publish_switch` record), so that its calls run on the path theirs do (the fallback's group of the
+    view is then built with theirs) and its next `_use_fallback` meets theirs. A Buffer built on the
+    collective transport, like members that never switched, has nothing to take.
+
+    Arguments:
+        core: the joiner Buffer's `BufferCore`; its `transport` becomes a `FallbackSwitch` when the
+            members switched.
+        epoch: the epoch that admitted it.
+        deadline: `time.monotonic()` deadline in seconds for the members' record.
+
+    Raises:
+        MembershipError: the members published no record before `deadline`, or they switched and this
+            rank's Buffer cannot (a `"cuda"` one, or one without a fallback to build).
+    """
+    membership = core.membership
+    state = membership.wait_for(lambda: membership.fallback_state(epoch), deadline,
+                                f"the members' _use_fallback switch of epoch {epoch}")
+    transport = core.transport
+    if not isinstance(transport, FallbackSwitch):
+        if state["switches"] == 0 or transport.name == "collective":
+            return
+        if transport.device is not None or core.make_collective is None:
+            raise MembershipError(f"_use_fallback: the members of epoch {epoch} switched their calls (now on "
+                                  f"{'the collective fallback' if state['on'] else 'their own transport'}, "
+                                  f"{state['switches']} switches), but rank {core.rank}'s {transport.name!r} Buffer "
+                                  "cannot switch (the collective fallback packs host tensors; build the "
+                                  "replacement's Buffer as the members built theirs)")
+        transport = core.transport = FallbackSwitch(transport, core.make_collective)
+    transport.adopt(state["on"], state["switches"])
 
 
 class MooncakeRuntimeQueries:

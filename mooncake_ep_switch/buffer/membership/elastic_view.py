@@ -11,6 +11,7 @@ import logging
 import time
 from typing import Iterable, Optional
 
+from mooncake_ep_switch.buffer import mooncake_runtime
 from mooncake_ep_switch.buffer.core import BufferCore
 from mooncake_ep_switch.buffer.membership.protocol import LeftOut, MembershipError, View, check_seconds
 from mooncake_ep_switch.buffer.membership.removed import refuse_removed, removed_ranks
@@ -90,6 +91,10 @@ def _agree_and_connect(core: BufferCore, membership, deadline: float, exclude: s
         core.epoch, core.members, core.joining = view.epoch, view.ranks, False
         core.transport.failed_sources.clear()
         core.stats.resync(core.transport)  # masks are counted from the cleared list on
+        if admitted:  # run the calls where the members run theirs (Mooncake's `_use_fallback`), then connect
+            mooncake_runtime.take_members_switch(core, view.epoch, deadline)
+        else:
+            mooncake_runtime.publish_switch(core, view.epoch)
         try:
             # Half the remaining budget per attempt: a member that died after the view was
             # sealed is found missing in time to agree again without it.
@@ -165,5 +170,6 @@ def survivors_view(core: BufferCore, deadline: float) -> View:
         raise
     _log_view(core, view, "agreed (a collective lost a peer)")
     core.epoch, core.members = view.epoch, view.ranks
+    mooncake_runtime.publish_switch(core, view.epoch)  # for a joiner the seal may have admitted too
     core.transport.connect_members(view, membership, max(deadline, time.monotonic() + 5.0))
     return view

@@ -9,7 +9,7 @@ from typing import Dict, Iterable, List, Optional, Set
 from mooncake_ep_switch.buffer.membership.key_prefix import KeyPrefix
 from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOINING, MAX_STATE_BYTES, STATES,  # noqa: F401
                                                           MembershipError, RecordStore, valid_admission, valid_endpoint,
-                                                          valid_incarnation,
+                                                          valid_fallback_state, valid_incarnation,
                                                           valid_peer_state, valid_ready, valid_region_record,
                                                           valid_state)
 
@@ -348,6 +348,31 @@ class MemberRecords(RecordStore):
         if len(text) > MAX_STATE_BYTES:
             raise ValueError(f"states: {len(text)} bytes encoded, at most {MAX_STATE_BYTES}")
         self.store.set(key, text)
+
+    def publish_fallback_state(self, epoch: int, on: bool, switches: int) -> None:
+        """Publish the members' `_use_fallback` switch for the joiners admitted into `epoch` (every member
+        writes the same record: the members switch together).
+
+        Arguments:
+            epoch: the epoch just agreed.
+            on: whether the members' calls run on the collective fallback.
+            switches: how many switches the members made (their next switch's barrier carries it).
+        """
+        self._put(f"use_fallback/{epoch}", {"on": bool(on), "switches": int(switches)})
+
+    def fallback_state(self, epoch: int) -> Optional[dict]:
+        """The members' `_use_fallback` switch in `epoch` (see `publish_fallback_state`).
+
+        Arguments:
+            epoch: the epoch that admitted the joiner.
+
+        Returns:
+            state: dict with `"on"` (bool) and `"switches"` (int), or None when not published (yet).
+
+        Raises:
+            MembershipError: the record is malformed or fails authentication.
+        """
+        return self._read(f"use_fallback/{epoch}", valid_fallback_state, "fallback state (dict: on bool, switches int)")
 
     def close(self) -> None:
         """Record that this incarnation's Buffer was destroyed (`closed/<rank>`), so a plain `Buffer(group)`

@@ -25,6 +25,8 @@ Buffer generation of one EP group, see `group_prefix` and `generation_prefix`):
     regions/<i>/<rank>/<inc>    JSON {"kind", "regions": [[pid, fd, nbytes], ...]}: shared regions of
                                 participant i of that incarnation (buffer/peer_regions.py)
     regions/state/<e>           JSON list, what the members' participants hand a replacement admitted in e
+    use_fallback/<e>            JSON {"on", "switches"}: the members' `_use_fallback` switch, which a joiner
+                                admitted in e takes before it connects (buffer/mooncake_runtime.py)
 
 Rules that turn evidence into a new epoch e+1 (epoch e has the sealed view V_e; epoch 0 is every rank):
 

@@ -121,6 +121,12 @@ def view_record(value, num_ranks: int) -> Optional[tuple]:
     return None if ranks is None else (ranks, None)
 
 
+def valid_fallback_state(value) -> bool:
+    """A `use_fallback/<e>` record: {"on": bool, "switches": int >= 0}, the members' `_use_fallback` switch."""
+    return (isinstance(value, dict) and set(value) == {"on", "switches"} and isinstance(value["on"], bool)
+            and _is_int(value["switches"], 0, MAX_COUNTER))
+
+
 def valid_peer_state(value) -> bool:
     return isinstance(value, list) and all(
         isinstance(item, dict) and _is_int(item.get("index"), 0, MAX_COUNTER) and isinstance(item.get("kind"), str)

@@ -98,10 +98,7 @@ class FallbackSwitch(RuntimeQueries):
             return
         if on_fallback:
             if self.collective is None:
-                collective = self._make_collective()
-                collective.abort_ptr = self.native.abort_ptr
-                collective.failed_sources = self.failed_sources  # one list: evidence is reported once
-                self.collective, self._collective_epoch = collective, 0
+                self._build_collective()
             if self._collective_epoch != view.epoch:
                 self.collective.connect_members(view, membership, deadline)
                 self._collective_epoch = view.epoch
@@ -109,6 +106,31 @@ class FallbackSwitch(RuntimeQueries):
         self.switches += 1
         log.info("rank %d: calls now run on %s (_use_fallback=%s, epoch %d)", self.native.rank,
                  self.active.name, on_fallback, view.epoch)
+
+    def _build_collective(self) -> None:
+        """Build the fallback (once): it shares the Buffer's abort word and its list of failed sources."""
+        collective = self._make_collective()
+        collective.abort_ptr = self.native.abort_ptr
+        collective.failed_sources = self.failed_sources  # one list: evidence is reported once
+        self.collective, self._collective_epoch = collective, 0
+
+    def adopt(self, on_fallback: bool, switches: int) -> None:
+        """Take the members' switch as a joiner admitted into their view (before it connects): its calls
+        run where theirs do and its next switch meets theirs (`switches`: the count their barrier carries).
+        The fallback, when the members run on it, is built here and connected to the view by
+        `connect_members`, with the members'.
+
+        Arguments:
+            on_fallback: whether the members' calls run on the collective fallback.
+            switches: how many switches the members made.
+        """
+        if on_fallback and self.collective is None:
+            self._build_collective()
+        if on_fallback:
+            self._collective_epoch = None  # connected to the view by connect_members
+        self.on_fallback, self.switches = on_fallback, switches
+        log.info("rank %d: admitted onto the members' path: calls run on %s (_use_fallback=%s, %d switches)",
+                 self.native.rank, self.active.name, on_fallback, switches)
 
     # ------------------------------------------------------------------ membership (contract.Transport)
     def endpoint(self) -> dict:
