@@ -738,7 +738,10 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
         """Whether the Buffer's calls run on the collective fallback, Mooncake's name: built on the
         `"collective"` transport, or switched there by setting it. Mooncake's tests set it on every
         rank together, between the same calls (`mooncake_runtime.set_use_fallback`: True moves the
-        next calls onto the fallback, exact, False back; a Buffer that cannot switch says why)."""
+        next calls onto the fallback, exact, False back; a Buffer that cannot switch says why). The
+        switch outlives `update_ep_member()`: a replacement or a rank left out takes the members' switch
+        when they admit it (its calls run where theirs do; Mooncake re-derives the flag from its
+        runtime there instead)."""
         return mooncake_runtime.on_fallback(self._transport)
 
     @_use_fallback.setter
