@@ -63,6 +63,22 @@ def register_layout_switch(function: Callable) -> None:
     _LAYOUT_SWITCH = function
 
 
+def _weak_view_change(buffer) -> Callable[[float], View]:
+    """`buffer._survivors_view` through a weak reference (for the core's `make_collective`); once the Buffer is
+    gone it raises `BufferDestroyed`."""
+    method = weakref.WeakMethod(buffer._survivors_view)
+
+    def view_change(deadline: float) -> View:
+        bound = method()
+        if bound is None:
+            from mooncake_ep_switch.errors import BufferDestroyed
+
+            raise BufferDestroyed("the Buffer was destroyed: no view of its survivors can be agreed")
+        return bound(deadline)
+
+    return view_change
+
+
 class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
     """Expert-parallel communication buffer for MoE dispatch and combine.
 
@@ -179,7 +195,9 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
             transport, group=self.group, rank=self.rank, num_ranks=self.num_ranks,
             num_ep_buffer_bytes=num_ep_buffer_bytes, settings=self.settings, disable_p2p=disable_p2p,
             host_ids=self._host_ids, view_change=self._survivors_view)
-        core.make_collective = mooncake_runtime.collective_maker(core, self.group, self._survivors_view)
+        # Weakly: the core outlives the Buffer while a call is in flight, and must not keep a Buffer its caller
+        # dropped alive (its finalizer is what stops that call's wait).
+        core.make_collective = mooncake_runtime.collective_maker(core, self.group, _weak_view_change(self))
         self._transport.abort_ptr = self._life.abort_ptr  # native waits stop once destroy() raises it
         self.transport = self._transport.name
         self.device = self._transport.device  # the CUDA device of a "cuda" Buffer's tensors; None: CPU tensors
