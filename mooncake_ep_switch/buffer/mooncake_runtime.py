@@ -110,7 +110,8 @@ def set_use_fallback(core: BufferCore, value, group, view_change) -> Transport:
         refusal = _refusal(core, group)
         if refusal is not None:
             raise refusal
-        transport = FallbackSwitch(transport, collective_maker(core, group, view_change))
+        # The Buffer's own maker when it has one (built once, holding the Buffer weakly), as an admission uses.
+        transport = FallbackSwitch(transport, core.make_collective or collective_maker(core, group, view_change))
     if value == transport.on_fallback:
         return transport
     deadline = time.monotonic() + core.settings.connect_timeout_s
