@@ -41,6 +41,7 @@ def test_soak_cli_runs_both_transports_with_wellformed_figures(tmp_path, capsys)
                 assert s["rss_kib"] > 0 and s["anon_kib"] > 0 and s["fds"] > 0 and s["threads"] >= s["py_threads"] >= 1
                 assert s["malloc_used_kib"] > 0
             assert samples[-1]["shm_handles"] > 0 and result["after_destroy"]["shm_handles"] == 0
+            assert result["threads_left"] == []  # names any Python thread that outlived destroy()
             assert result["after_destroy"]["py_threads"] == samples[0]["py_threads"]
             checks = result["checks"]
             assert sum(checks.values()) == rounds // 5

@@ -240,7 +240,8 @@ def soak_rank(ctx, config: SoakConfig) -> dict:
     Returns:
         result: dict with `samples` (list of `sample()` dicts, the first taken before the Buffer
             existed, the second after it was made, then every `sample_every` rounds), `after_destroy`
-            (a sample once the Buffer was destroyed), `round_seconds` (median, p99, max of a round),
+            (a sample once the Buffer was destroyed), `threads_left` (sorted names of the Python threads
+            alive then that were not before the Buffer), `round_seconds` (median, p99, max of a round),
             `loop_seconds` (wall time of the whole loop, checks and samples included),
             `time_first`/`time_last` (median round time in the first and last tenth after the warm-up),
             `checks` (per mode: sync, async_finish, hook), `failures` (list of str, at most 10),
@@ -257,6 +258,7 @@ def soak_rank(ctx, config: SoakConfig) -> dict:
     counts = _token_counts(config.tokens)
     times = array.array("d", bytes(8 * config.rounds))
     samples = [sample(0)]
+    threads_before = {thread.ident for thread in threading.enumerate()}
     checks = {"sync": 0, "async_finish": 0, "hook": 0}
     failures: List[str] = []
     failure_count = 0
@@ -325,10 +327,11 @@ def soak_rank(ctx, config: SoakConfig) -> dict:
         dist.barrier(group=ctx.group)
     gc.collect()
     after_destroy = sample(config.rounds)
+    threads_left = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
     ordered = sorted(times)
     warm = warmup_rounds(config)
     tenth = max(1, (config.rounds - warm) // 10)
-    return {"samples": samples, "after_destroy": after_destroy, "transport": path, "num_ranks": num_ranks,
+    return {"samples": samples, "after_destroy": after_destroy, "threads_left": threads_left, "transport": path, "num_ranks": num_ranks,
             "round_seconds": {"median": ordered[len(ordered) // 2], "p99": ordered[min(len(ordered) - 1,
                                                                                      int(len(ordered) * 0.99))],
                               "max": ordered[-1]},

@@ -600,7 +600,8 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
             except Exception:  # noqa: BLE001 - the store is gone: nothing to withdraw from
                 pass
         if getattr(self, "_store", None) is not None:
-            self._store.close()  # its worker thread ends (one still waiting for a stalled store: when it answers)
+            # Its worker threads end (one still waiting for a stalled store: when it answers; not waited for past 1 s).
+            self._store.close(join_s=min(wait_s, 1.0))
         self.peer_regions.clear()
         impl, outputs = self._transport, self._outputs
 

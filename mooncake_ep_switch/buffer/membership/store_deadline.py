@@ -176,11 +176,16 @@ class _Lane:
                 self._thread.start()
         return True
 
-    def abandon(self) -> None:
-        """Never use this lane again: queued calls go to the next lane, the worker ends after its call."""
+    def abandon(self) -> Optional[threading.Thread]:
+        """Never use this lane again: queued calls go to the next lane, the worker ends after its call.
+
+        Returns:
+            thread: the lane's worker (to join), or None when it had none.
+        """
         jobs = []
         with self._lock:
             self.abandoned = True
+            thread = self._thread
             while True:
                 try:
                     job = self._jobs.get_nowait()
@@ -192,6 +197,7 @@ class _Lane:
         for job in jobs:
             job.retry = True
             job.done.set()
+        return thread
 
     def _run(self) -> None:
         while True:
@@ -255,13 +261,22 @@ class BoundedStore(dist.Store):
         self._wait_lane: Optional[_Lane] = None  # background waits (`waits_in_background`), a client of its own
         self._last_wait: Optional[_Job] = None  # the last background wait (its lane is left to it while it lasts)
 
-    def close(self) -> None:
-        """Let the worker end (a call still in flight ends when the store answers); later calls start a new one."""
+    def close(self, join_s: float = 1.0) -> None:
+        """Let the workers end and wait up to `join_s` seconds for them; later calls start a new one.
+
+        An idle worker ends at once; one still waiting for a stalled store ends when it answers (the
+        wait for it ends at `join_s`, so destroy() stays bounded).
+
+        Arguments:
+            join_s: the longest wait for the workers, in seconds (0: do not wait).
+        """
         with self._lock:
             lanes, self._lane, self._wait_lane = (self._lane, self._wait_lane), None, None
-        for lane in lanes:
-            if lane is not None:
-                lane.abandon()
+        threads = [lane.abandon() for lane in lanes if lane is not None]
+        until = time.monotonic() + max(0.0, join_s)
+        for thread in threads:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(max(0.0, until - time.monotonic()))
 
     def _current(self) -> _Lane:
         with self._lock:
