@@ -113,6 +113,12 @@ def test_a_live_rank_drained_out_hands_its_experts_over_and_the_three_serve_the_
         results = [outcome_value(o) for o in cluster.run(rank_drain, transport, timeout_s=180)]
     finally:
         harness.check_outcomes(cluster.run(rank_close, timeout_s=60))
+    check_drain(results, transport)
+
+
+def check_drain(results, transport):
+    """The checks of a 4 -> 3 drain of LEAVING on every rank's `rank_drain` value (the test above,
+    tests/test_hosts_resize.py); prints `finish_drain`'s times after `transport` (its name)."""
     assert len({str(r["phy2log"]) for r in results}) == 1, "ranks ended on different placements"
     final = np.asarray(results[0]["phy2log"])
     placed = np.asarray(PLACEMENT)

@@ -9,7 +9,8 @@ lies on a rank of the new group: no copy is placed outside the view.
 `grow_slots` runs inside the grow's `build(buffer)` on every rank of the grown group: it builds the
 `ExpertSlots` of the new placement on the new Buffer, the members copy their slots from their current
 `ExpertSlots`, and after a barrier the newcomers copy each of theirs from a member's frame of the new
-slots over the mapping (as a replacement restores from its peers, `expert_restore`); the engine's
+slots over the mapping (as a replacement restores from its peers, `expert_restore`), or from a member on
+another host with one-sided Transfer Engine reads (`ExpertSlots.read_remote_frame`); the engine's
 `loader` only for an expert no member holds (none when the current placement covers every expert).
 """
 from typing import Callable, NamedTuple, Optional
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 
 __all__ = ["grow_placement", "grow_slots", "GrownSlots"]
+
+_READ_S = 30.0  # deadline of a newcomer's Transfer Engine read of a member's frame (as `ExpertSlots.peer_frame`)
 
 
 def grow_placement(phy2log, old_num_ranks: int, num_ranks: int, slots_per_rank: int, num_logical: int) -> np.ndarray:
@@ -108,6 +111,8 @@ def grow_slots(buffer, shape: SlotShape, phy2log, old_num_ranks: int, current: O
     Raises:
         ValueError: a member without `current`, a newcomer with it, `current` with primaries, or an expert
             no member holds and no loader (named).
+        ConnectionError, TimeoutError: a newcomer's Transfer Engine read of a member's frame on another host
+            failed or missed its deadline (30 s).
     """
     member = buffer.rank < old_num_ranks
     if member != (current is not None):
@@ -142,6 +147,10 @@ def grow_slots(buffer, shape: SlotShape, phy2log, old_num_ranks: int, current: O
                     loaded += 1
                     continue
                 peer, peer_slot = holder
+                if not slots.is_mapped(peer):  # a member on another host: one-sided Transfer Engine reads
+                    slots.read_remote_frame(int(slots.frame_of[layer, local]), peer, layer, peer_slot, _READ_S)
+                    copied += 1
+                    continue
                 frame = slots.peer_frame(peer, layer, peer_slot)
                 region = slots.region.peer(peer)
                 at_gate_up = slots.frames_offset + frame * slots.gate_up_bytes
