@@ -1,8 +1,9 @@
 """Growing the group with new processes (issue 37 item 2): `GrowOperation` / `join_grow` and `eplb.grow_placement`.
 
-3 -> 5 on shm and on the collective fallback (its slots on a second, shm Buffer of each group, as
-test_shrink's): ranks 0-2 serve two MoE layers on physical experts over a 3-rank group; ranks 3 and 4 are
-new processes that take no part in it (they build nothing of the 3-rank group). A first grow fails: rank 4
+3 -> 5 on shm, on the collective fallback (its slots on a second, shm Buffer of each group, as
+test_shrink's) and on the emulated CUDA device (the Transfer Engine across namespace hosts:
+tests/test_hosts_resize.py): ranks 0-2 serve two MoE layers on physical experts over a 3-rank group; ranks 3
+and 4 are new processes that take no part in it (they build nothing of the 3-rank group). A first grow fails: rank 4
 asks with another num_ep_buffer_bytes and is refused by name, rank 3 and every member are told at one poll
 (the members' MembershipError names rank 4's refusal) and the members serve on. Then the members ask again
 and keep serving while the 5-rank Buffer and the grown placement are built (the newcomers' slots
@@ -223,8 +224,14 @@ def then_fallback(ctx, new, slots, weights, step):
             "runs_on": new._transport.name}
 
 
-@pytest.mark.parametrize("transport", ["shm", "collective"])
+@pytest.mark.parametrize("transport", ["shm", "collective", "emulated cuda"])
 def test_grow_3_to_5_switches_at_one_step_and_serves_exactly(transport):
+    if transport == "emulated cuda":  # the "cuda" transport on the emulated device (tests/emulated_device.py): the
+        from tests.test_cuda import on_device  # slots in device memory; fresh processes (the swap stays)
+
+        with harness.fresh_cluster(R1) as cluster:
+            outs = harness.check_outcomes(cluster.run(*on_device(rank_grow, True), "cuda", timeout_s=180))
+        return check_grow(outs, "cuda")
     outs = harness.run(R1, rank_grow, transport, then_fallback if transport == "shm" else None, timeout_s=180)
     check_grow(outs, transport)
 

@@ -84,7 +84,8 @@ def test_drain_a_live_rank_across_hosts(make_network):
     for rank, r in enumerate(results):
         if rank == test_drain.LEAVING:
             continue
-        assert r["transport"] == TRANSPORT and r["routes"] == _routes(rank, HOSTS, test_drain.LEAVING), (rank, r["routes"])
+        assert r["transport"] == TRANSPORT, r["transport"]
+        assert r["routes"] == _routes(rank, HOSTS, test_drain.LEAVING), (rank, r["routes"])
         assert r["te_reads"] == (1 if rank == 0 else 0), (rank, r["te_reads"])  # LEAVING's frame, across hosts
     test_drain.check_drain(results, "mooncake across namespace hosts")
 

@@ -1,9 +1,10 @@
 """Shrinking the group for good (issue 37 item 1): `Buffer.shrink` and `eplb.shrink_placement`.
 
 R=4 ranks serve two MoE layers on physical experts (test_eplb_fault_routing's placement: layer 1 holds
-expert SOLE_EXPERT on rank DEAD only). DEAD is SIGKILLed and no replacement comes; the survivors
-serve the step that meets the death (masked), then call `shrink_experts(buffer, rebalancer, [DEAD],
-...)`: one decision in the store, the view without DEAD, and a coverage epoch over the three
+expert SOLE_EXPERT on rank DEAD only), on shm, the collective fallback and the emulated CUDA device (the
+Transfer Engine across namespace hosts: tests/test_hosts_resize.py). DEAD is SIGKILLed and no replacement
+comes; the survivors serve the step that meets the death (masked), then call `shrink_experts(buffer,
+rebalancer, [DEAD], ...)`: one decision in the store, the view without DEAD, and a coverage epoch over the three
 remaining ranks that commits at the next step. Checked on every survivor:
 
 * outputs: the full single-process reference before the death and from the commit on;
@@ -213,10 +214,16 @@ def rank_close(ctx):
     return rank_teardown(ctx)
 
 
-@pytest.mark.parametrize("transport", ["shm", "collective"])
+@pytest.mark.parametrize("transport", ["shm", "collective", "emulated cuda"])
 def test_shrink_after_a_death_serves_the_reference_over_three_ranks(transport):
+    # "emulated cuda": the "cuda" transport on the emulated device (tests/emulated_device.py), the slots in
+    # device memory; the Transfer Engine across hosts: tests/test_hosts_resize.py.
+    from tests.test_cuda import on_device
+
+    transport = transport.split()[-1]
+    runner = on_device(rank_shrink, True) if transport == "cuda" else (rank_shrink,)
     with harness.fresh_cluster(R) as cluster:
-        outcomes = cluster.run(rank_shrink, transport, timeout_s=180, failure_grace_s=60)
+        outcomes = cluster.run(*runner, transport, timeout_s=180, failure_grace_s=60)
         assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
         survivors = [outcome_value(o) for o in outcomes if o.rank != DEAD]
         if transport == "shm":  # a late replacement under the removed id (the membership's rule: one transport)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 
 __all__ = ["grow_placement", "grow_slots", "GrownSlots"]
@@ -131,7 +132,8 @@ def grow_slots(buffer, shape: SlotShape, phy2log, old_num_ranks: int, current: O
                 gate_up.copy_(src_gate_up)
                 down.copy_(src_down)
                 copied += 1
-    dist.barrier(group=buffer.group)  # the members' copies are in place before a newcomer reads them
+    fence(slots.device, DRAIN_TIMEOUT_S)  # device frames: the copies landed (as `ExpertSlots.load`) ...
+    dist.barrier(group=buffer.group)  # ... on every member before a newcomer reads them
     if not member:
         for layer in range(shape.num_layers):
             for local, expert in enumerate(slots.local_experts(layer)):
@@ -158,4 +160,5 @@ def grow_slots(buffer, shape: SlotShape, phy2log, old_num_ranks: int, current: O
                 gate_up.reshape(-1).view(torch.uint8).copy_(region[at_gate_up:at_gate_up + slots.gate_up_bytes])
                 down.reshape(-1).view(torch.uint8).copy_(region[at_down:at_down + slots.down_bytes])
                 copied += 1
+    fence(slots.device, DRAIN_TIMEOUT_S)  # a newcomer's frames too, before the grow's closing barrier
     return GrownSlots(slots, copied, loaded)
