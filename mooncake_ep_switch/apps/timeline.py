@@ -9,9 +9,10 @@ Input (what the demo writes into its metrics)::
     metrics["recovery"]: {"phases": [{"phase": str, "start_s": float, "seconds": float}, ...],
                           "in_advance": [...]}                       # optional: the wall-clock panel
     metrics["recoveries"]: [recovery, ...]   # optional, instead: one per kill, all in the wall-clock panel
-    (steps may also carry "lost_contributions": int | None, drawn as bars in their own panel)
+    (steps may also carry "lost_contributions": int | None, drawn as bars in their own panel, and
+    "group_size": int, the EP group's size, drawn as a step line in its own panel: the resize demo)
 
-Event kinds with their own colour: ``switch``, ``rebalance``, ``kill``, ``rejoin`` (others are
+Event kinds with their own colour: ``switch``, ``rebalance``, ``kill``, ``rejoin``, ``shrink``, ``grow`` (others are
 grey); labels of events at one step stand side by side. A panel whose key no step carries says
 "n/a". With recovery phases, a last panel shows them on the wall clock from the death (seconds),
 a warm standby's phases before the death at negative times (with several kills, each kill's phases
@@ -22,7 +23,8 @@ import math
 import numbers
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-EVENT_COLOURS = {"switch": "tab:purple", "rebalance": "tab:green", "kill": "tab:red", "rejoin": "tab:blue"}
+EVENT_COLOURS = {"switch": "tab:purple", "rebalance": "tab:green", "kill": "tab:red", "rejoin": "tab:blue",
+                 "shrink": "tab:brown", "grow": "tab:cyan"}
 OTHER_EVENT_COLOUR = "tab:gray"
 LAYOUT_LEVELS = {"tp": 0, "ep": 1}
 
@@ -61,7 +63,7 @@ def _validated(metrics: Mapping) -> Dict[str, Any]:
     steps = _entries(metrics, "steps", required=True)
     if not steps:
         raise ValueError("metrics['steps'] must hold at least one step, got an empty list")
-    x, seconds, requests, layout, balance, lost = [], [], [], [], [], []
+    x, seconds, requests, layout, balance, lost, size = [], [], [], [], [], [], []
     for i, s in enumerate(steps):
         for key in ("step", "seconds"):
             if key not in s:
@@ -78,6 +80,8 @@ def _validated(metrics: Mapping) -> Dict[str, Any]:
         balance.append(math.nan if b is None else _number(b, _where(i, "balancedness")))
         n = s.get("lost_contributions")
         lost.append(math.nan if n is None else _number(n, _where(i, "lost_contributions"), integer=True))
+        g = s.get("group_size")
+        size.append(math.nan if g is None else _number(g, _where(i, "group_size"), integer=True))
     events = []
     for i, e in enumerate(_entries(metrics, "events", required=False)):
         for key in ("step", "kind"):
@@ -110,7 +114,7 @@ def _validated(metrics: Mapping) -> Dict[str, Any]:
     order = sorted(range(len(x)), key=x.__getitem__)
     pick = lambda values: [values[j] for j in order]  # noqa: E731
     return {"step": pick(x), "seconds": pick(seconds), "requests": pick(requests), "layout": pick(layout),
-            "balancedness": pick(balance), "lost": pick(lost), "events": sorted(events), "phases": phases,
+            "balancedness": pick(balance), "lost": pick(lost), "group_size": pick(size), "events": sorted(events), "phases": phases,
             "coverage": coverage}
 
 
@@ -119,14 +123,16 @@ def plot_demo_timeline(metrics: Mapping, path: str) -> str:
 
     Panels share the step axis: in-flight request count, layout (a step line, TP low, EP high),
     step latency in ms, EPLB balancedness (mean GPU load / max GPU load, 1 = perfectly
-    balanced), and, when steps carry them, the top-k contributions lost per step (bars). With
+    balanced), and, when steps carry them, the top-k contributions lost per step (bars) and the EP
+    group's size (a step line). With
     recovery phases a last panel puts them on the wall clock from the death. Every event is a vertical line through all panels, coloured by kind and labelled at
     the top. Steps are drawn in step order whatever their order in the list.
 
     Arguments:
         metrics: a dict with ``"steps"`` (required: a non-empty list of dicts with ``"step"`` int
             and ``"seconds"`` float; optional ``"requests"`` int, ``"layout"`` ``"ep"``/``"tp"``,
-            ``"balancedness"`` float or None, ``"lost_contributions"`` int or None), ``"events"``
+            ``"balancedness"`` float or None, ``"lost_contributions"`` int or None, ``"group_size"`` int),
+            ``"events"``
             (optional: a list of dicts with ``"step"`` int, ``"kind"`` str, ``"label"`` str, the label
             defaulting to the kind) and ``"recoveries"`` or ``"recovery"`` (optional, see the module
             docstring).
@@ -151,6 +157,9 @@ def plot_demo_timeline(metrics: Mapping, path: str) -> str:
     ratios = (2, 1, 2, 1.5)
     if not all(math.isnan(v) for v in data["lost"]):  # the demo's lost top-k contributions: a panel of bars
         panels += (("lost", "lost top-k\n(tokens x entries)", None),)
+        ratios += (1.2,)
+    if not all(math.isnan(v) for v in data["group_size"]):  # the resize demo's EP group size: a step line
+        panels += (("group_size", "EP ranks", None),)
         ratios += (1.2,)
     steps_panels = len(panels)
     fig = Figure(figsize=(11, 0.3 * len(phases) + 10.5 if phases else 8.5 + 1.2 * (steps_panels - 4)),
@@ -177,6 +186,11 @@ def plot_demo_timeline(metrics: Mapping, path: str) -> str:
         elif key == "balancedness":
             ax.plot(x, values, marker="o", ms=3, lw=1.0, color="tab:green")
             ax.set_ylim(0.0, 1.05)
+        elif key == "group_size":
+            ax.step(x, values, where="mid", color="tab:brown", lw=1.5)
+            low, high = min(values), max(values)
+            ax.set_yticks(range(int(low), int(high) + 1))
+            ax.set_ylim(low - 0.5, high + 0.5)
         elif key == "lost":
             ax.bar(x, [0 if math.isnan(v) else v for v in values], width=0.8, color="tab:red", alpha=0.7)
             for step, value in zip(x, values):

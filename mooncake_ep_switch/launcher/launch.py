@@ -255,6 +255,29 @@ class LocalCluster:
         self.broken = False
         return started
 
+    def add_rank(self, threads: int = 1, timeout_s: float = 60.0) -> int:
+        """Start a new process with the next rank id, outside the world group (a newcomer of a grow, which
+        joins through its context's `store`: `elastic.join_grow`); `run(..., ranks=[rank])` reaches it. It is
+        started as `respawn` starts a replacement (forked from the preloaded server with `preload_replacements`).
+
+        Returns:
+            rank: its id (`num_ranks` before the call, which counts it from then on).
+
+        Raises:
+            RuntimeError: the cluster has a `ClusterNetwork` (no place for the new rank).
+            TimeoutError: it did not start within `timeout_s`.
+        """
+        if self.network is not None:
+            raise RuntimeError("add_rank: a cluster over a ClusterNetwork has no place for a new rank")
+        rank, self.num_ranks = self.num_ranks, self.num_ranks + 1
+        self.processes.append(None)
+        self.conns.append(None)
+        self._spawn(rank, threads, replacement=True)
+        if not self._poll(self.conns[rank], time.monotonic() + timeout_s):
+            raise TimeoutError(f"LocalCluster: new rank {rank} did not start within {timeout_s} s")
+        self.conns[rank].recv()
+        return rank
+
     def accept_dead(self, rank: int) -> None:
         """Serve on without the dead `rank`: `run(..., ranks=...)` may be called again for the others (a run
         that found a rank dead marks the cluster broken until then, or until `respawn`).
