@@ -12,7 +12,7 @@ from mooncake_ep_switch.bench import soak
 from mooncake_ep_switch.buffer.transport.select import transfer_engine_available as _transfer_engine_available
 
 SAMPLE_KEYS = {"round", "rss_kib", "anon_kib", "file_kib", "shmem_kib", "malloc_used_kib", "malloc_free_kib", "fds",
-               "py_threads", "threads", "shm_handles", "pool_bytes", "py_objects", "dev_shm", "traced_kib"}
+               "py_threads", "threads", "store_workers", "shm_handles", "pool_bytes", "py_objects", "dev_shm", "traced_kib"}
 
 
 def test_soak_cli_runs_both_transports_with_wellformed_figures(tmp_path, capsys):
@@ -96,6 +96,25 @@ def test_soak_verdict_allows_the_transfer_engine_pool_only(last_fds, ok):
     shm = soak.verdict(_result(30, values, "shm"), soak.SoakConfig("shm", 30, 8, 128, 4, 2, 10, 10, 0.3, 0,
                                                                    warmup_min=0), rss_tol_mib=2.0, rss_tol_pct=1.0)
     assert not shm["ok"]
+
+
+@pytest.mark.parametrize("threads, workers, ok, problem", [
+    ((5, 5, 3, 3), (2, 2, 0, 0), True, None),  # idle store workers ended mid-run (a slow round under load)
+    ((5, 5, 6, 6), (2, 2, 2, 2), False, "Python threads"),  # another thread appeared
+    ((6, 6, 6, 6), (3, 3, 3, 3), False, "store worker threads"),  # past the bound of a Buffer's store
+])
+def test_soak_verdict_judges_threads_without_the_store_workers(threads, workers, ok, problem):
+    """Threads are judged without the store clients' workers (made on demand, ended when idle); those have a bound."""
+    result = _result(30, [(0, 100_000, 9), (10, 100_000, 9), (20, 100_000, 9), (30, 100_000, 9)])
+    for s, count, store in zip(result["samples"][1:], threads, workers):
+        s.update({"py_threads": count, "threads": count + 4, "store_workers": store})
+    config = soak.SoakConfig("shm", 30, 8, 128, 4, 2, 10, 10, 0.3, 0, warmup_min=0)
+    judged = soak.verdict(result, config, rss_tol_mib=2.0, rss_tol_pct=1.0)
+    assert judged["ok"] is ok, judged
+    if problem:
+        assert any(problem in p for p in judged["problems"]), judged["problems"]
+    else:
+        assert judged["growth"]["threads"] == 0 and any("store worker" in n for n in judged["notes"]), judged
 
 
 def test_bench_cli_dispatches_soak(capsys):

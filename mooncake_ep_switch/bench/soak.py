@@ -45,9 +45,12 @@ import tracemalloc
 from typing import List, NamedTuple, Optional
 
 from mooncake_ep_switch import _native
+from mooncake_ep_switch.buffer.membership.store_deadline import IDLE_S
 
 TIMEOUT_US = 60_000_000  # per call; a live peer never misses it, even on a loaded machine
 X_POOL = 4  # distinct token tensors per rank, cycled
+STORE_WORKER_PREFIX = "mep-store-"  # `BoundedStore`'s worker threads (store_deadline._Lane)
+STORE_WORKERS_MAX = 2  # one Buffer's store: a call lane and a wait lane
 
 
 class SoakConfig(NamedTuple):
@@ -209,7 +212,8 @@ def sample(round_index: int, buffer=None) -> dict:
             memfd regions, this rank's and mapped peers'), `malloc_used_kib` / `malloc_free_kib` (glibc
             mallinfo2: bytes allocated by native code and Python, incl. mmapped chunks / free bytes held
             in the malloc arenas; torch's CPU tensors come from malloc too), `fds` (entries of /proc/self/fd), `py_threads`
-            (`threading.active_count()`), `threads` (native, /proc/self/status), `shm_handles`
+            (`threading.active_count()`), `threads` (native, /proc/self/status), `store_workers` (of
+            them, the store clients' worker threads: made on demand, ended after `IDLE_S` idle), `shm_handles`
             (memfd or /dev/shm fds and mappings), `pool_bytes`, `py_objects` (GC-tracked) and
             `dev_shm` (machine-wide /dev/shm entries), `traced_kib` (tracemalloc's current bytes, -1 when
             not tracing).
@@ -224,6 +228,7 @@ def sample(round_index: int, buffer=None) -> dict:
             "file_kib": status.get("RssFile", -1), "shmem_kib": status.get("RssShmem", -1),
             "malloc_used_kib": malloc_used // 1024, "malloc_free_kib": malloc_free // 1024, "fds": len(os.listdir("/proc/self/fd")),
             "py_threads": threading.active_count(), "threads": status.get("Threads", -1),
+            "store_workers": sum(t.name.startswith(STORE_WORKER_PREFIX) for t in threading.enumerate()),
             "shm_handles": _shm_handles(), "pool_bytes": buffer.output_pool_bytes() if buffer is not None else 0,
             "py_objects": len(gc.get_objects()), "dev_shm": dev_shm,
             "traced_kib": tracemalloc.get_traced_memory()[0] // 1024 if tracemalloc.is_tracing() else -1}
@@ -360,11 +365,15 @@ def verdict(result: dict, config: SoakConfig, rss_tol_mib: float, rss_tol_pct: f
             `rounds_per_s`, `ms_per_round` (median), `ok` (bool), `problems` (list of str) and `notes`
             (list of str: variations within an allowance, e.g. `TE_POOL_FDS_PER_PEER`).
     """
-    samples = [s for s in result["samples"][1:]]  # from the Buffer's creation on
+    # The store clients' workers start at a store call and end after IDLE_S idle (a slow round under load lets
+    # them end mid-run): threads are judged without them, and they are judged against their own bound.
+    samples = [dict(s, py_threads=s["py_threads"] - s["store_workers"], threads=s["threads"] - s["store_workers"])
+               for s in result["samples"][1:]]  # from the Buffer's creation on
     warm = warmup_rounds(config)
     post = [s for s in samples if s["round"] >= warm and s["round"] > 0] or samples[-1:]
     base, last = post[0], post[-1]
-    keys = ("rss_kib", "anon_kib", "file_kib", "shmem_kib", "malloc_used_kib", "malloc_free_kib", "fds", "py_threads", "threads", "shm_handles", "pool_bytes", "py_objects", "dev_shm", "traced_kib")
+    keys = ("rss_kib", "anon_kib", "file_kib", "shmem_kib", "malloc_used_kib", "malloc_free_kib", "fds", "py_threads",
+            "threads", "store_workers", "shm_handles", "pool_bytes", "py_objects", "dev_shm", "traced_kib")
     growth = {key: last[key] - base[key] for key in keys}
     rss_growth_kib = max(s["rss_kib"] for s in post) - base["rss_kib"]
     tolerance_kib = max(rss_tol_mib * 1024, base["rss_kib"] * rss_tol_pct / 100)
@@ -392,6 +401,13 @@ def verdict(result: dict, config: SoakConfig, rss_tol_mib: float, rss_tol_pct: f
             continue
         problems.append(f"{label} not constant after the warm-up: {base[key]} -> {last[key]} "
                         f"(range {min(values)}..{max(values)})")
+    workers = max(s["store_workers"] for s in samples)
+    if workers > STORE_WORKERS_MAX:
+        problems.append(f"{workers} store worker threads at once (at most {STORE_WORKERS_MAX}: a call lane and a "
+                        "wait lane)")
+    elif len({s["store_workers"] for s in post}) > 1:
+        notes.append(f"store worker threads came and went after the warm-up ({min(s['store_workers'] for s in post)}.."
+                     f"{max(s['store_workers'] for s in post)}; idle ones end after {IDLE_S:g} s)")
     if result["failure_count"]:
         problems.append(f"{result['failure_count']} check(s) failed: " + "; ".join(result["failures"][:3]))
     return {"baseline_round": base["round"], "growth": growth, "rss_growth_mib": rss_growth_kib / 1024,
