@@ -153,15 +153,19 @@ def grow(buffer, num_ranks: int, build=None, timeout_s: Optional[float] = None):
     """Grow the EP group to `num_ranks` ranks with new processes (scale-up); a member's side.
 
     Every member of the view calls it with the same arguments, between steps, at the same step; the
-    newcomers (ranks `buffer.num_ranks .. num_ranks - 1`) call `join_grow`. The next Buffer of the grown
+    newcomers (ranks `M .. num_ranks - 1` of the grown group, `M` the members of the view) call
+    `join_grow`. The members are ranks `0 .. M-1` of the grown group in the order of their ids: the
+    same ids without a shrink before, renumbered densely after one (`eplb.renumber_placement` maps
+    the placement alike). The grown Buffer runs on the collective fallback where the members' did
+    (`_use_fallback`), on every rank of it. The next Buffer of the grown
     group is built in the background while `buffer` keeps serving; then call the returned operation's
     `poll(step)` at every step boundary: it returns None (serve the step on `buffer`) until every rank
     is built and the members agree the step to switch at, then a `GrowResult` to serve that step on
     (buffer/membership/grow.py; docs/recovery.md, "Growing the group").
 
     Arguments:
-        buffer: this member's current `Buffer` (every rank of its group a member; a store).
-        num_ranks: the grown size, in `(buffer.num_ranks, MAX_EP_RANKS]` (`MAX_EP_RANKS` = 64).
+        buffer: this member's current `Buffer` (a member of its view, after a shrink too; a store).
+        num_ranks: the grown size, in `(M, MAX_EP_RANKS]` (`MAX_EP_RANKS` = 64).
         build: optional `build(new_buffer)` run on every rank once the new Buffer exists, e.g. the grown
             placement's slots (`eplb.grow_placement.grow_slots`); its value is `GrowResult.built`.
         timeout_s: deadline of the build in seconds (default: the connect timeout setting).
@@ -170,10 +174,10 @@ def grow(buffer, num_ranks: int, build=None, timeout_s: Optional[float] = None):
         operation: a `GrowOperation`; `operation.poll(step)` at every step boundary.
 
     Raises:
-        TypeError, ValueError: `num_ranks` not an int larger than the group, or past `MAX_EP_RANKS` (named).
-        MembershipError: this rank is no member, or the view lacks a rank of the group (after a shrink).
-        RuntimeError: a grow of this Buffer in progress, or another member asked another resize (two
-            resizes at once). Nothing changed in any of these cases.
+        TypeError, ValueError: `num_ranks` not an int larger than the view, or past `MAX_EP_RANKS` (named).
+        MembershipError: this rank is no member.
+        RuntimeError: a grow or a shrink of this Buffer in progress, or another member asked another resize
+            (two resizes at once). Nothing changed in any of these cases.
     """
     from mooncake_ep_switch.buffer.buffer import Buffer
     from mooncake_ep_switch.buffer.membership.grow import GrowOperation
@@ -190,8 +194,10 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, *, old
         rank: this newcomer's rank id in the grown group, in `[old_num_ranks, num_ranks)`.
         num_ranks: the grown size (the members' request must name it).
         num_ep_buffer_bytes: this newcomer's buffer size (must equal the members').
-        old_num_ranks: the group's size before the grow.
-        group_ranks: the members' group's global ranks in group order (None: `range(old_num_ranks)`).
+        old_num_ranks: the members of the view the group grows from: its size, or fewer after a shrink
+            (then pass `group_ranks`).
+        group_ranks: the members' group's global ranks in group order, removed ones too (None:
+            `range(old_num_ranks)`).
         prefix: the members' key prefix (default "mep").
         build: as `grow`'s (e.g. `grow_slots(new, shape, target, old_num_ranks, None)`: copies from the members).
         timeout_s: deadline of the whole join in seconds.
@@ -200,9 +206,10 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, *, old
         result: a `GrowResult`: serve from `result.step` on `result.buffer`.
 
     Raises:
-        TypeError, ValueError: a bad argument, or `num_ranks` or `num_ep_buffer_bytes` other than the members'
-            request (named; the grow then fails on every member, whose Buffers serve on).
-        MembershipError: no request before the deadline, or the grow failed elsewhere (named).
+        TypeError, ValueError: a bad argument, or `num_ranks`, `old_num_ranks` or `num_ep_buffer_bytes` other
+            than the members' request (named; the grow then fails on every member, whose Buffers serve on).
+        MembershipError: no request before the deadline, the grow failed elsewhere (named), or this newcomer
+            stalled past the switch-over and the members sealed a view without it meanwhile (named).
     """
     from mooncake_ep_switch.buffer.buffer import Buffer
     from mooncake_ep_switch.buffer.membership.grow import join_grow as join

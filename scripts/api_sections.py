@@ -234,6 +234,7 @@ Serving on physical experts and moving them while serving (names importable from
         Entry(EPLB, "begin_drain"),
         Entry(EPLB, "finish_drain"),
         Entry(EPLB, "grow_placement"),
+        Entry(EPLB, "renumber_placement"),
         Entry(EPLB, "grow_slots"),
         Entry(EPLB, "GrownSlots"),
     )),

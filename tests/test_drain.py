@@ -287,6 +287,7 @@ def _cores(ranks=(0,)):
 
 
 def test_bad_shrinks_and_drains_of_a_buffer_are_refused_by_name_with_nothing_changed():
+    from mooncake_ep_switch.buffer.membership import resize_guard
     from mooncake_ep_switch.buffer.membership import shrink as group_shrink
     from mooncake_ep_switch.buffer.membership.removed import removed_ranks
     from mooncake_ep_switch.errors import MembershipError
@@ -322,7 +323,7 @@ def test_bad_shrinks_and_drains_of_a_buffer_are_refused_by_name_with_nothing_cha
         thread.start()
     try:
         deadline = time.monotonic() + 20
-        while cores[0] not in group_shrink._IN_PROGRESS:
+        while resize_guard.in_progress(cores[0].membership) != "shrink":
             assert time.monotonic() < deadline, "the first shrink never started"
             time.sleep(0.005)
         with pytest.raises(RuntimeError, match=r"^shrink: another shrink of this Buffer is in progress"):

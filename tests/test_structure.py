@@ -239,7 +239,8 @@ def test_errors_is_a_leaf_and_every_runtime_error_class_is_under_its_base():
 # ------------------------------------------------------------------ no side doors (issue 24 item 2)
 # Underscored names that are public API elsewhere: NamedTuple's methods, and third-party internals the
 # runtime relies on knowingly (each with its reason).
-_PUBLIC_UNDERSCORE = {"_asdict", "_replace", "_fields", "_make"}
+_PUBLIC_UNDERSCORE = {"_asdict", "_replace", "_fields", "_make",
+                      "_use_fallback"}  # Mooncake's Buffer attribute: the engines' public switch
 _THIRD_PARTY = {
     "torch._C": "torch's storage use count (calls.py: a pooled output is reused only when nothing holds it)",
     "torch._C._storage_Use_Count": "the same",

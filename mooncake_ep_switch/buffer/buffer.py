@@ -384,7 +384,7 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
                 could not be agreed (as `update_ep_member()`; the ranks stay removed, call that; a drained
                 rank: the survivors did not seal it in time, it is out all the same). Or this rank is no
                 member (drained already: named).
-            RuntimeError: another shrink of this Buffer is in progress.
+            RuntimeError: another shrink or a grow of this Buffer is in progress (named; nothing changed).
         """
         core = self._core
         before = core.members

@@ -14,7 +14,7 @@ from mooncake_ep_switch.eplb.coverage import coverage_placement, restore_coverag
 from mooncake_ep_switch.eplb.serving import physical_ep_forward, physical_ep_round
 from mooncake_ep_switch.eplb.shrink_placement import shrink_experts, shrink_placement
 from mooncake_ep_switch.eplb.drain import begin_drain, finish_drain
-from mooncake_ep_switch.eplb.grow_placement import GrownSlots, grow_placement, grow_slots
+from mooncake_ep_switch.eplb.grow_placement import GrownSlots, grow_placement, grow_slots, renumber_placement
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 from mooncake_ep_switch.eplb.policy.metrics import balancedness, gpu_loads, layer_balancedness, moved_copies
 from mooncake_ep_switch.eplb.policy.placement import rebalance_experts as place_experts
@@ -47,6 +47,7 @@ __all__ = [
     "gpu_loads",
     "grow_placement",
     "grow_slots",
+    "renumber_placement",
     "greedy_rebalance_experts",
     "layer_balancedness",
     "live_copies",

@@ -6,6 +6,11 @@ copies are a local memcpy from its current slots) and gives the newcomers' slots
 experts with the fewest copies that the rank lacks (the next one in expert order on ties). Every slot of the grown table
 lies on a rank of the new group: no copy is placed outside the view.
 
+After a shrink the view has holes and the grow renumbers the members densely (`membership/grow.py`):
+`renumber_placement` keeps the members' columns of the current table in the order of their ids (the
+removed ranks' columns dropped) and `grow_placement` grows that table, so `old_num_ranks` is then the
+number of members and the member of id `members[i]` is rank `i` of the grown group.
+
 `grow_slots` runs inside the grow's `build(buffer)` on every rank of the grown group: it builds the
 `ExpertSlots` of the new placement on the new Buffer, the members copy their slots from their current
 `ExpertSlots`, and after a barrier the newcomers copy each of theirs from a member's frame of the new
@@ -22,9 +27,35 @@ import torch.distributed as dist
 from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 
-__all__ = ["grow_placement", "grow_slots", "GrownSlots"]
+__all__ = ["grow_placement", "renumber_placement", "grow_slots", "GrownSlots"]
 
 _READ_S = 30.0  # deadline of a newcomer's Transfer Engine read of a member's frame (as `ExpertSlots.peer_frame`)
+
+
+def renumber_placement(phy2log, members, slots_per_rank: int) -> np.ndarray:
+    """The members' slots of a placement with holes (after a shrink), numbered as the grown group numbers them.
+
+    Arguments:
+        phy2log: `[L, R * slots_per_rank]` integer current placement (over the group's `R` rank ids).
+        members: the ids of the view's members (`buffer.members`), in `[0, R)`.
+        slots_per_rank: slots per rank.
+
+    Returns:
+        table: `[L, len(members) * slots_per_rank]` int64: rank `i`'s slots are those of `sorted(members)[i]`.
+
+    Raises:
+        ValueError: `phy2log` not 2-D with whole ranks of slots, or `members` empty, repeated or outside
+            `[0, R)` (named).
+    """
+    table = np.asarray(phy2log, dtype=np.int64)
+    if table.ndim != 2 or table.shape[1] % slots_per_rank:
+        raise ValueError(f"phy2log: expected [L, R * {slots_per_rank}] (slots_per_rank), got {list(table.shape)}")
+    num_ranks = table.shape[1] // slots_per_rank
+    ranks = sorted(int(r) for r in members)
+    if not ranks or len(set(ranks)) != len(ranks) or not 0 <= ranks[0] <= ranks[-1] < num_ranks:
+        raise ValueError(f"members: expected distinct rank ids in [0, {num_ranks}), at least one, got {list(members)}")
+    columns = [r * slots_per_rank + s for r in ranks for s in range(slots_per_rank)]
+    return table[:, columns].copy()
 
 
 def grow_placement(phy2log, old_num_ranks: int, num_ranks: int, slots_per_rank: int, num_logical: int) -> np.ndarray:

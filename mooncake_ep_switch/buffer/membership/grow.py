@@ -1,22 +1,31 @@
 """Growing the EP group with new processes (scale-up): the next Buffer of a larger group, one agreed step.
 
-Resizing is a new generation of the group (docs/recovery.md, "Growing the group"): the members of the
-current view and the newcomers (new rank ids `[R, R')`) build the next Buffer over a new process group of
-`R'` ranks, while the members' current Buffer keeps serving, and every rank moves to it at one step the
-members agree on. In order:
+Resizing is a new generation of the group (docs/recovery.md, "Growing the group"): the `M` members of the
+current view and the newcomers build the next Buffer over a new process group of `R'` ranks, while the
+members' current Buffer keeps serving, and every rank moves to it at one step the members agree on.
 
-1. **Request** (every member, between steps, `GrowOperation`): checks (the size `R'` in `(R, MAX_EP_RANKS]`,
-   the view holds every rank of the group, no other grow of this Buffer in progress), then the request is
-   claimed in the store (`<group>/grow/request`, compare-and-set from absent): `attempt|R|R'|bytes|transport`.
-   A member whose request differs (another size, buffer size or transport: two resizes at once) is refused
-   by name, nothing changed. Attempts are numbered so that a grow that failed can be asked again.
+Rank ids of the grown group are dense: the members take ids `0 .. M-1` in the order of their current ids
+and the newcomers `[M, R')`. Without a shrink before (`M` = the group's size `R`) every member keeps its
+id; after one, the view has holes (the removed ids) and the survivors are renumbered: 5 ranks, rank 2
+removed, grown to 6: old ranks 0, 1, 3, 4 are ranks 0, 1, 2, 3 of the grown group, the newcomers 4 and 5.
+(The grown Buffer is a fresh group: nothing of the old ids is left in it, no hole, no removed rank.) In order:
+
+1. **Request** (every member, between steps, `GrowOperation`): checks (the size `R'` in `(M, MAX_EP_RANKS]`,
+   no other resize of this Buffer in progress: `resize_guard`), then the request is claimed in the store
+   (`<group>/grow/request`, compare-and-set from absent): `attempt|M|R'|bytes|transport`, then
+   `|view=<ids>` when the view has holes and `|fallback` when the members' calls run on the collective
+   fallback (`_use_fallback` set on a Buffer of another transport: every rank of the grown group sets it on
+   its new Buffer too). A member whose request differs (another size, buffer size, transport, view or
+   fallback: two resizes at once) is refused by name, nothing changed. Attempts are numbered so that a grow
+   that failed can be asked again.
 2. **Newcomers** (`join_grow`): read the request, check their rank, `num_ranks` and `num_ep_buffer_bytes`
    against it, and record "ready to build" or their refusal (`<group>/grow/<attempt>/newcomer/<rank>`):
    a refused newcomer raises by name and the grow fails on every member (`grow/<attempt>/failed`), whose
    current Buffer goes on serving. Once every newcomer accepted, the members say "go" (`grow/<attempt>/build`).
 3. **Build** (a background thread on members, in line on newcomers): a gloo group of the `R'` ranks
    through the store (`grow/<attempt>/pg`), `Buffer(group, bytes, transport=, store=)` keyed under
-   `grow/<attempt>/buffer` (generation 1 of a group of its own), then the caller's `build(buffer)` (the
+   `grow/<attempt>/buffer` (generation 1 of a group of its own; `_use_fallback` set as the members' is),
+   then the caller's `build(buffer)` (the
    expert slots of the new placement and their weights: `eplb.grow_placement.grow_slots`), then a barrier of
    the `R'` ranks: once it returns on a member, every newcomer is built and loaded.
 4. **Switch-over** (`GrowOperation.poll(step)`, every member at every step boundary): one decision per
@@ -28,7 +37,6 @@ members agree on. In order:
 """
 import threading
 import time
-import weakref
 import zlib
 from datetime import timedelta
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
@@ -37,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake_ep_switch.buffer.ballot import Ballot
+from mooncake_ep_switch.buffer.membership import resize_guard
 from mooncake_ep_switch.buffer.membership.group_keys import group_prefix, root_store
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError, check_seconds
 from mooncake_ep_switch.checks import check_int
@@ -46,8 +55,6 @@ __all__ = ["MAX_EP_RANKS", "GrowResult", "GrowOperation", "grow_base", "check_gr
 MAX_EP_RANKS = 64  # the largest EP group a grow builds (Mooncake EP / NCCL EP state a maximum of their own)
 GO, ABORT, COMMIT, FAILED = 1, 2, 1, 3  # votes; decisions COMMIT, ABORT (not yet), FAILED
 _POLL_MAX_S = 0.05
-_IN_PROGRESS: "weakref.WeakSet" = weakref.WeakSet()
-_LOCK = threading.Lock()
 
 
 class GrowResult(NamedTuple):
@@ -99,13 +106,33 @@ def check_grow_size(name: str, num_ranks, current: int) -> int:
     return num_ranks
 
 
-def _request_text(attempt: int, old: int, new: int, nbytes: int, transport: str) -> str:
-    return f"{attempt}|{old}|{new}|{nbytes}|{transport}"
+def _request_text(attempt: int, old: int, new: int, nbytes: int, transport: str, view: Optional[Sequence[int]] = None,
+                  fallback: bool = False) -> str:
+    """The request record (step 1): `view` only when it has holes, `fallback` only when set."""
+    text = f"{attempt}|{old}|{new}|{nbytes}|{transport}"
+    if view is not None:
+        text += "|view=" + ",".join(map(str, view))
+    return text + ("|fallback" if fallback else "")
 
 
 def _parse_request(text: str) -> Tuple[int, int, int, int, str]:
-    attempt, old, new, nbytes, transport = text.split("|")
+    attempt, old, new, nbytes, transport = text.split("|")[:5]
     return int(attempt), int(old), int(new), int(nbytes), transport
+
+
+def _request_options(text: str) -> Tuple[Optional[Tuple[int, ...]], bool]:
+    """The view with holes (None: every rank of the group) and the fallback flag of a request record."""
+    options = text.split("|")[5:]
+    view = next((tuple(int(r) for r in o[5:].split(",")) for o in options if o.startswith("view=")), None)
+    return view, "fallback" in options
+
+
+def _describe(text: str) -> str:
+    _, old, new, nbytes, transport = _parse_request(text)
+    view, fallback = _request_options(text)
+    return (f"{old} -> {new} ranks, num_ep_buffer_bytes={nbytes}, transport {transport!r}"
+            + (f", the view {list(view)}" if view is not None else "")
+            + (", on the collective fallback" if fallback else ""))
 
 
 def _get(store, key: str) -> Optional[str]:
@@ -134,8 +161,10 @@ def _fail(store, keys: str, reason: str) -> str:
 
 
 def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: int, transport: str,
-           make_buffer: Callable, build: Optional[Callable], timeout_s: float) -> Tuple[Any, Any]:
-    """Step 3 of the module docstring on one rank: the group, the Buffer, `build(buffer)`, the barrier."""
+           make_buffer: Callable, build: Optional[Callable], timeout_s: float,
+           fallback: bool = False) -> Tuple[Any, Any]:
+    """Step 3 of the module docstring on one rank (`rank` of the grown group): the group, the Buffer (moved onto
+    the collective fallback with `fallback`, as the members' is), `build(buffer)`, the barrier."""
     keys = f"{base}/grow/{attempt}"
     phase = "the gloo group"
     try:
@@ -150,6 +179,9 @@ def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: in
         raise MembershipError(f"grow: building {phase} of the {num_ranks}-rank group failed on rank {rank} "
                               f"({type(error).__name__}: {error})") from error
     try:
+        if fallback:  # every rank of the grown group together (the switch meets in the new Buffer's store)
+            phase = "_use_fallback (the members' calls run on the collective fallback)"
+            buffer._use_fallback = True
         phase = "build()"
         built = build(buffer) if build is not None else None
         phase = "the closing barrier"
@@ -176,11 +208,13 @@ def _discard(result: Tuple[Any, Any]) -> None:
 class GrowOperation:
     """A grow in progress on one member (steps 1, 3 and 4 of the module docstring).
 
-    Built by every member of the view with the same arguments, between steps, at the same step.
+    Built by every member of the view with the same arguments, between steps, at the same step. The members
+    take ranks `0 .. M-1` of the grown group in the order of their ids (renumbered densely after a shrink),
+    the newcomers `[M, num_ranks)` (module docstring).
 
     Arguments:
-        buffer: this member's current `Buffer` (serving on until the switch-over).
-        num_ranks: the size of the grown group, in `(buffer.num_ranks, MAX_EP_RANKS]`.
+        buffer: this member's current `Buffer` (serving on until the switch-over; after a shrink too).
+        num_ranks: the size of the grown group, in `(M, MAX_EP_RANKS]` (`M`: the members of the view).
         make_buffer: the Buffer class (called as `make_buffer(group, bytes, transport=, store=)`).
         build: optional `build(new_buffer)`, run once the new Buffer exists (on every rank of the grown
             group): place the experts and stage their weights; its value is `GrowResult.built` (its
@@ -189,14 +223,14 @@ class GrowOperation:
 
     Raises:
         TypeError, ValueError: `num_ranks` not an int in range (named); nothing changed.
-        MembershipError: this rank is no member, the view lacks ranks of the group, or the Buffer has no store.
-        RuntimeError: another grow of this Buffer is in progress, or the store holds another resize
-            request of this group (two resizes at once, named); nothing changed.
+        MembershipError: this rank is no member, or the Buffer has no store.
+        RuntimeError: another grow or a shrink of this Buffer is in progress, or the store holds another
+            resize request of this group (two resizes at once, named); nothing changed.
     """
 
     def __init__(self, buffer, num_ranks: int, make_buffer: Callable, build: Optional[Callable] = None,
                  timeout_s: Optional[float] = None):
-        num_ranks = check_grow_size("num_ranks", num_ranks, buffer.num_ranks)
+        num_ranks = check_grow_size("num_ranks", num_ranks, len(buffer.members))
         timeout_s = check_seconds("timeout_s", timeout_s, allow_none=True)
         membership = buffer.membership
         if membership is None:
@@ -205,21 +239,14 @@ class GrowOperation:
         if buffer.joining or buffer.rank not in buffer.members:
             raise MembershipError(f"grow: rank {buffer.rank} is not a member of the group (a joiner, left out or "
                                   "drained); only members grow it")
-        missing = [r for r in range(buffer.num_ranks) if r not in buffer.members]
-        if missing:
-            raise MembershipError(f"grow: ranks {missing} are not members of epoch {buffer.epoch}: a grow renumbers "
-                                  "no rank, so it needs every rank of the group (not supported after a shrink yet)")
-        with _LOCK:
-            if buffer in _IN_PROGRESS:
-                raise RuntimeError("grow: another grow of this Buffer is in progress (one resize at a time)")
-            _IN_PROGRESS.add(buffer)
+        resize_guard.begin(buffer.membership, "grow")  # a grow or a shrink of this Buffer in progress: refused
         try:
             self._claim(buffer, num_ranks)
         except BaseException:
-            with _LOCK:
-                _IN_PROGRESS.discard(buffer)
+            resize_guard.end(buffer.membership, "grow")
             raise
         self.buffer, self.num_ranks = buffer, num_ranks
+        self._rank = self._members.index(buffer.rank)  # this member's id in the grown group (dense)
         self.timeout_s = buffer.settings.connect_timeout_s if timeout_s is None else timeout_s
         self._polls, self._result, self._error = 0, None, None
         # No switch-over agreed by then (the build's deadline, plus as long again for the vote): FAILED.
@@ -233,35 +260,35 @@ class GrowOperation:
     def _claim(self, buffer, num_ranks: int) -> None:
         store, base = buffer.membership.store.inner, grow_base(buffer)  # the group's store, no generation prefix
         key = f"{base}/grow/request"
-        wanted = _request_text(0, buffer.num_ranks, num_ranks, buffer.num_ep_buffer_bytes, buffer.transport)
+        members = tuple(sorted(buffer.members))
+        view = None if members == tuple(range(buffer.num_ranks)) else members  # holes (after a shrink): named
+        fallback = bool(buffer._use_fallback) and buffer.transport != "collective"  # a collective one is built so
+        options = (len(members), num_ranks, buffer.num_ep_buffer_bytes, buffer.transport, view, fallback)
+        wanted = _request_text(0, *options)
         current = _get(store, key)
         if current is None:  # absent, or emptied by the grow before this one
             attempt = store.add(f"{base}/grow/attempts", 1)
-            text = _request_text(attempt, buffer.num_ranks, num_ranks, buffer.num_ep_buffer_bytes, buffer.transport)
-            current = store.compare_set(key, "", text).decode()
+            current = store.compare_set(key, "", _request_text(attempt, *options)).decode()
         if current.split("|", 1)[1] != wanted.split("|", 1)[1]:
-            _, old, new, nbytes, transport = _parse_request(current)
-            raise RuntimeError(f"grow: another resize of this group is in progress ({old} -> {new} ranks, "
-                               f"num_ep_buffer_bytes={nbytes}, transport {transport!r}); this rank asked for "
-                               f"{buffer.num_ranks} -> {num_ranks} ranks, {buffer.num_ep_buffer_bytes} bytes, "
-                               f"{buffer.transport!r}: two resizes at once; every member must ask the same")
-        self.attempt = _parse_request(current)[0]
+            raise RuntimeError(f"grow: another resize of this group is in progress ({_describe(current)}); this rank "
+                               f"asked for {_describe(wanted)}: two resizes at once; every member must ask the same")
+        self.attempt, self._members, self._fallback = _parse_request(current)[0], members, fallback
         self._base, self._store, self._request = base, store, current
         self._keys = f"{base}/grow/{self.attempt}"
 
     def _run(self, make_buffer, build) -> None:
         deadline = time.monotonic() + self.timeout_s
         try:
-            newcomers = range(self.buffer.num_ranks, self.num_ranks)
+            newcomers = range(len(self._members), self.num_ranks)
             for rank in newcomers:
                 _, value = _wait_key(self._store, [f"{self._keys}/newcomer/{rank}", f"{self._keys}/failed"], deadline,
                                      f"newcomer rank {rank} (join_grow)")
                 if value != "ready":
                     raise MembershipError(f"grow: {value}")
             self._store.set(f"{self._keys}/build", "go")  # every newcomer accepted the request: build together
-            result = _build(self._store, self._base, self.attempt, self.buffer.rank, self.num_ranks,
+            result = _build(self._store, self._base, self.attempt, self._rank, self.num_ranks,
                             self.buffer.num_ep_buffer_bytes, self.buffer.transport, make_buffer, build,
-                            max(1.0, deadline - time.monotonic()))
+                            max(1.0, deadline - time.monotonic()), self._fallback)
         except BaseException as error:  # reported by poll() on every member (the failed record)
             self._error = error
             _fail(self._store, self._keys, f"rank {self.buffer.rank}: {error}")
@@ -313,8 +340,7 @@ class GrowOperation:
             self._thread.join()
             self._store.set(f"{self._keys}/switch", str(step))
             self._store.compare_set(f"{self._base}/grow/request", self._request, "")  # every newcomer read it
-            with _LOCK:
-                _IN_PROGRESS.discard(self.buffer)
+            resize_guard.end(self.buffer.membership, "grow")
             buffer, built = self._result
             return GrowResult(buffer, built, step)
         if decision == FAILED:  # one decision: every member raises at this poll
@@ -331,8 +357,7 @@ class GrowOperation:
         if result is not None:
             _discard(result)
         self._store.compare_set(f"{self._base}/grow/request", self._request, "")  # a later grow may ask again
-        with _LOCK:
-            _IN_PROGRESS.discard(self.buffer)
+        resize_guard.end(self.buffer.membership, "grow")
         raise MembershipError(f"grow to {self.num_ranks} ranks failed ({reason}); nothing changed: the current "
                               "Buffer serves on")
 
@@ -341,7 +366,8 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
               old_num_ranks: int, group_ranks: Optional[Sequence[int]] = None, prefix: str = "mep",
               build: Optional[Callable] = None, timeout_s: float = 60.0) -> GrowResult:
     """A newcomer's side of a grow (steps 2-4 of the module docstring): wait for the members' request, build
-    the new Buffer with them, and return once they agreed the step to serve first.
+    the new Buffer with them, and return once they agreed the step to serve first. Its Buffer runs where the
+    members' run (`_use_fallback` set when theirs is).
 
     Arguments:
         store: client of the job's store (the members' Buffers use its server, torch's prefixes removed).
@@ -349,8 +375,10 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
         num_ranks: the size of the grown group.
         num_ep_buffer_bytes: this newcomer's buffer size (must equal the members').
         make_buffer: the Buffer class.
-        old_num_ranks: the group's size before the grow.
-        group_ranks: the members' group's global ranks in group order (None: `range(old_num_ranks)`).
+        old_num_ranks: the members of the view the group grows from: the group's size, or fewer after a
+            shrink (then pass `group_ranks`: the removed ranks keep their place in the group's ranks).
+        group_ranks: the members' group's global ranks in group order, the removed ones too (None:
+            `range(old_num_ranks)`).
         prefix: the members' key prefix ("mep").
         build: as `GrowOperation`'s (run on the new Buffer; e.g. its slots, weights from the members' memory).
         timeout_s: deadline of the whole join, in seconds.
@@ -360,8 +388,10 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
 
     Raises:
         TypeError, ValueError: a bad argument, or one that differs from the members' request (`num_ranks`,
-            `rank`, `num_ep_buffer_bytes`: named; the grow fails on every member, which serve on).
-        MembershipError: no request in time, or the grow failed elsewhere (named).
+            `old_num_ranks`, `rank`, `num_ep_buffer_bytes`: named; the grow fails on every member, which serve
+            on).
+        MembershipError: no request in time, the grow failed elsewhere (named), or this newcomer stalled past the
+            switch-over and the members sealed a view without it meanwhile (named: join as a replacement).
     """
     old_num_ranks = check_int("old_num_ranks", old_num_ranks, 1)
     num_ranks = check_grow_size("num_ranks", num_ranks, old_num_ranks)
@@ -384,7 +414,11 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
                                   f"failed: {_get(store, f'{keys}/failed')})")
         time.sleep(_POLL_MAX_S)
     refusal = None
-    if (old, new) != (old_num_ranks, num_ranks):
+    if new == num_ranks and old != old_num_ranks:
+        refusal = ValueError(f"old_num_ranks: the members grow the group from its {old} members "
+                             f"{list(_request_options(text)[0] or range(old))}; this newcomer asked from "
+                             f"{old_num_ranks} (after a shrink: the members left in the view)")
+    elif (old, new) != (old_num_ranks, num_ranks):
         refusal = ValueError(f"num_ranks: the members grow the group {old} -> {new} ranks; this newcomer asked "
                              f"{old_num_ranks} -> {num_ranks}")
     elif nbytes != wanted:
@@ -400,7 +434,7 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
         raise MembershipError(f"grow to {num_ranks} ranks failed: {value}")
     try:
         buffer, built = _build(store, base, attempt, rank, num_ranks, nbytes, transport, make_buffer, build,
-                               max(1.0, deadline - time.monotonic()))
+                               max(1.0, deadline - time.monotonic()), _request_options(text)[1])
     except BaseException as error:
         _fail(store, keys, f"newcomer rank {rank}: {error}")
         raise

@@ -33,15 +33,13 @@ structure indexed by rank id keeps its shape). docs/recovery.md, "Shrinking the 
 """
 import logging
 import numbers
-import threading
 import time
-import weakref
 import zlib
 from typing import Iterable, Optional, Tuple
 
 from mooncake_ep_switch.buffer.ballot import DECISION_SLOTS, Ballot
 from mooncake_ep_switch.buffer.core import BufferCore
-from mooncake_ep_switch.buffer.membership import elastic_view
+from mooncake_ep_switch.buffer.membership import elastic_view, resize_guard
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError, View, check_seconds
 from mooncake_ep_switch.buffer.membership.removed import record_removed, removed_ranks
 from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
@@ -55,8 +53,6 @@ DEAD_WAIT_S = 0.5  # a rank of the view not seen dead yet is waited for this lon
 VOTE_SHARE = 0.5  # the share of timeout_s the vote may take (the rest agrees the view and reconnects)
 GO, ABORT = 1, 2  # votes; decisions COMMIT = 1, ABORT = 2 (the ballot's)
 COMMIT = 1
-_IN_PROGRESS: "weakref.WeakSet[BufferCore]" = weakref.WeakSet()
-_LOCK = threading.Lock()
 
 
 def _ranks_argument(ranks, num_ranks: int) -> Tuple[int, ...]:
@@ -201,10 +197,7 @@ def shrink(core: BufferCore, ranks, timeout_s: Optional[float] = None, drain: bo
     core.check_alive()
     timeout_s = check_seconds("timeout_s", timeout_s, allow_none=True)
     membership = core.require_membership("shrink")
-    with _LOCK:
-        if core in _IN_PROGRESS:
-            raise RuntimeError("shrink: another shrink of this Buffer is in progress (one at a time)")
-        _IN_PROGRESS.add(core)
+    resize_guard.begin(membership, "shrink")  # a shrink or a grow of this Buffer in progress: refused by name
     try:
         budget = core.settings.connect_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
@@ -218,8 +211,7 @@ def shrink(core: BufferCore, ranks, timeout_s: Optional[float] = None, drain: bo
         # Not waited for: the removed ranks, and a survivor whose process ends meanwhile (it voted GO, then died).
         return elastic_view.update_ep_member(core, left, exclude=ranks, skip_dead=True)
     finally:
-        with _LOCK:
-            _IN_PROGRESS.discard(core)
+        resize_guard.end(membership, "shrink")
 
 
 def _leave(core: BufferCore, membership, deadline: float) -> View:

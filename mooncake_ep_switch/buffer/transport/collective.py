@@ -254,6 +254,42 @@ def coll_combine_pack(x: torch.Tensor, layout_range: torch.Tensor, max_tokens: i
                     max_tokens, layout_range.data_ptr(), send.data_ptr(), send.size(0))
 
 
+def packed_prefix(x: torch.Tensor, layout_range: torch.Tensor, max_tokens: int, rows: int) -> Optional[torch.Tensor]:
+    """The rows `coll_combine_pack` would write, as a view of `x` itself, when they already lie there in
+    send order: the non-empty `(l, s)` blocks, taken by source rank then local expert, follow each other
+    from `x`'s first row (the ElasticBuffer's inner combine: one local expert holds every row, its
+    sources' blocks one after another). The exchange then reads `x` in place; no copy.
+
+    Arguments:
+        x: `[L, R*T, hidden]` torch.bfloat16 expert outputs; layout_range: `[L, R]` torch.int64;
+        max_tokens: `T`; rows: the rows sent in all (the plan's `rows_to_rank` summed).
+
+    Returns:
+        send: `[rows, hidden]` torch.bfloat16 view of `x`, or None (the blocks are elsewhere, out of
+        range or of another total, or `x` is not contiguous on the host: `coll_combine_pack` copies
+        them, and names a bad layout).
+    """
+    if x.device.type != "cpu" or x.dim() != 3 or not x.is_contiguous() or layout_range.dim() != 2:
+        return None
+    num_local, num_ranks = layout_range.shape
+    RT, offset = num_ranks * max_tokens, 0
+    if x.size(0) != num_local or x.size(1) != RT:
+        return None
+    words = layout_range.tolist()
+    for s in range(num_ranks):
+        for l in range(num_local):
+            word = words[l][s]
+            begin, count = word >> 32, word & 0xFFFFFFFF
+            if count == 0:
+                continue
+            if word < 0 or count > max_tokens or begin + count > RT or l * RT + begin != offset:
+                return None
+            offset += count
+    if offset != rows:
+        return None
+    return x.view(-1, x.size(-1))[:rows]
+
+
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(counts, 0) - counts
 
@@ -571,7 +607,7 @@ class CollectiveTransport(HostMemoryTransport):
         return _LazyPlan(pairs_to.tolist(), row_index, state), receive
 
     # ------------------------------------------------------------------ combine
-    def combine(self, call: CombineCall) -> Callable[[], None]:
+    def combine(self, call: CombineCall, in_place: bool = False) -> Callable[[], None]:
         """Run the send phase of combine; return the receive phase, which fills `call.out`.
 
         A peer that dies during the exchange: survivors move to their own group and run the
@@ -579,6 +615,9 @@ class CollectiveTransport(HostMemoryTransport):
 
         Arguments:
             call: the validated `CombineCall`; `transport_plan` must be the plan `dispatch` returned.
+            in_place: the exchange may read `call.x` itself where its rows already lie in send order
+                (`packed_prefix`): only when the receive phase runs before the caller gets `x` back
+                (`combine_sync`); otherwise they are copied first, as the caller may write `x` again.
 
         Returns:
             receive: callable with no arguments that waits for the exchange and writes the
@@ -591,17 +630,17 @@ class CollectiveTransport(HostMemoryTransport):
             PeerLost: a peer died and no view change is configured.
         """
         try:
-            receive = self._combine_once(call)
+            receive = self._combine_once(call, in_place)
         except PeerLost as error:
             self._recover(call.active_ranks, call.timeout_us, error)
-            receive = self._combine_once(call)
+            receive = self._combine_once(call, in_place)
 
         def guarded() -> None:
             try:
                 receive()
             except PeerLost as error:
                 self._recover(call.active_ranks, call.timeout_us, error)
-                self._combine_once(call)()
+                self._combine_once(call, in_place)()
 
         return guarded
 
@@ -611,9 +650,9 @@ class CollectiveTransport(HostMemoryTransport):
         Arguments:
             call: the validated `CombineCall`; `call.out` is filled here.
         """
-        self.combine(call)()
+        self.combine(call, in_place=True)()
 
-    def _combine_once(self, call: CombineCall) -> Callable[[], None]:
+    def _combine_once(self, call: CombineCall, in_place: bool = False) -> Callable[[], None]:
         R = self.num_ranks
         L = call.num_experts // R
         hidden = call.hidden
@@ -630,8 +669,13 @@ class CollectiveTransport(HostMemoryTransport):
         # Send back exactly what each source sent us, by source, local expert, token.
         lease = self._staging.lease(("combine", call.call % 2), device)
         row = 2 * hidden
-        send = lease.get(0, sum(plan.rows_to_rank) * row).view(torch.bfloat16).view(-1, hidden)
-        coll_combine_pack(call.x, call.layout_range, call.num_max_dispatch_tokens_per_rank, send)
+        send = None
+        if in_place:
+            send = packed_prefix(call.x, call.layout_range, call.num_max_dispatch_tokens_per_rank,
+                                 sum(plan.rows_to_rank))
+        if send is None:
+            send = lease.get(0, sum(plan.rows_to_rank) * row).view(torch.bfloat16).view(-1, hidden)
+            coll_combine_pack(call.x, call.layout_range, call.num_max_dispatch_tokens_per_rank, send)
         # Receive what we sent to every owner that accepted us (one that did not returns nothing).
         output_splits = [n if ok else 0 for n, ok in zip(plan.rows_from_rank, plan.accepted_by)]
         recv = lease.get(1, sum(output_splits) * row).view(torch.bfloat16).view(-1, hidden)
