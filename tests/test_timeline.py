@@ -44,6 +44,20 @@ def test_optional_keys_missing_and_unsorted_steps(tmp_path):
     assert (tmp_path / "partial.png").stat().st_size > 10_000
 
 
+def test_group_size_gets_a_panel_of_its_own(tmp_path):
+    # demo --resize writes the EP group's size per step: one more panel (a taller PNG), steps without it are gaps.
+    def height(path):
+        return int.from_bytes(path.read_bytes()[20:24], "big")  # the PNG's IHDR height
+
+    metrics = synthetic_metrics(12)
+    plot_demo_timeline(metrics, str(tmp_path / "without.png"))
+    for i, step in enumerate(metrics["steps"]):
+        if i != 3:
+            step["group_size"] = 4 if i < 5 else 3 if i < 9 else 5
+    plot_demo_timeline(metrics, str(tmp_path / "with.png"))
+    assert height(tmp_path / "with.png") > height(tmp_path / "without.png")
+
+
 @pytest.mark.parametrize("metrics, error, message", [
     ([], TypeError, "metrics must be a dict, got list"),
     ({}, ValueError, "metrics is missing the required key 'steps'"),
@@ -65,6 +79,8 @@ def test_optional_keys_missing_and_unsorted_steps(tmp_path):
      r"metrics\['steps'\]\[0\]\['requests'\] must be an integer"),
     ({"steps": [{"step": 0, "seconds": 1.0, "balancedness": "high"}]}, TypeError,
      r"metrics\['steps'\]\[0\]\['balancedness'\] must be a number"),
+    ({"steps": [{"step": 0, "seconds": 1.0, "group_size": 4.5}]}, TypeError,
+     r"metrics\['steps'\]\[0\]\['group_size'\] must be an integer, got float 4.5"),
     ({"steps": [{"step": 0, "seconds": 1.0}], "events": "kill"}, TypeError,
      r"metrics\['events'\] must be a list of dicts, got str"),
     ({"steps": [{"step": 0, "seconds": 1.0}], "events": [{"step": 0}]}, ValueError,
