@@ -343,6 +343,7 @@ def test_the_benchmark_round_runs():
         owner = torch.div(topk, 4, rounding_mode="floor")
         assert value["rank_pairs"] == int((owner == 0).any(1).sum() + (owner == 1).any(1).sum())
         assert value["seconds"] > 0 and value["transport"] == "shm"
+        assert len(value["batch_seconds"]) == len(value["legacy_batch_seconds"]) == 5  # measure's per-batch ratios
 
 
 def rank_out_of_order(ctx, transport):

@@ -3,12 +3,16 @@
 `python -m mooncake_ep_switch.bench elastic [--quick]`. For each transport and shape, one rank's
 ElasticBuffer round (dispatch not expanded, the expert side's partials, combine with the weights
 gathered back; `max_num_bias=0`: no bias, as the Buffer has none) and the Buffer's low-latency round on
-the same tokens and routing, in the same rank processes, in alternating batches (both under the same
-load: the 2-core box these rows come from is shared with other work).
+the same tokens and routing, in the same rank processes, in alternating batches of a few rounds (both
+under the same load: the 2-core box these rows come from is shared with other work, whose load moves
+the round time by 2-4x within seconds). The times are the medians of the batch means (the slowest rank's
+per batch); the ratio is the median over batches of the two buffers' ratio in that batch (both ran back
+to back), which a load burst lasting a few batches moves far less than the ratio of the two medians.
 Bandwidth is per rank (DeepEP's convention): the bytes ONE rank's tokens move, once per destination
 rank each way for the ElasticBuffer (V2's layout) and once per (token, expert) pair each way for the
 Buffer, against one core's memcpy of those bytes; never summed over ranks.
 """
+import statistics
 import sys
 from typing import List
 
@@ -33,8 +37,9 @@ def rank_elastic_round(ctx, transport: str, shape: tb.TransportShape, iters: int
 
     Returns:
         result: dict with `"seconds"` and `"legacy_seconds"` (float, the median over batches of the
-            batch's mean round), `"rank_pairs"` (int, this rank's (token, destination rank) pairs) and
-            `"transport"` (str).
+            batch's mean round), `"batch_seconds"` and `"legacy_batch_seconds"` (list of float, every
+            batch's mean round, batch `b` of both back to back), `"rank_pairs"` (int, this rank's
+            (token, destination rank) pairs) and `"transport"` (str).
     """
     from mooncake_ep_switch import Buffer, ElasticBuffer
 
@@ -63,11 +68,12 @@ def rank_elastic_round(ctx, transport: str, shape: tb.TransportShape, iters: int
         legacy = Buffer(ctx.group, size, disable_p2p=transport == "mooncake", transport=transport)
         state["legacy_y"] = torch.randn((shape.experts // ctx.num_ranks, ctx.num_ranks * shape.tokens,
                                          shape.hidden)).to(torch.bfloat16)
-        elastic_seconds, legacy_seconds = tb.timed_interleaved(ctx, [elastic_body, legacy_body], iters, warmup,
-                                                               batches)
+        elastic_batches, legacy_batches = tb.timed_interleaved(ctx, [elastic_body, legacy_body], iters, warmup,
+                                                               batches, per_batch_means=True)
         owner = torch.div(topk, shape.experts // ctx.num_ranks, rounding_mode="floor")
         pairs = sum(int((owner == r).any(dim=1).sum()) for r in range(ctx.num_ranks))
-        return {"seconds": elastic_seconds, "legacy_seconds": legacy_seconds, "rank_pairs": pairs,
+        return {"seconds": statistics.median(elastic_batches), "legacy_seconds": statistics.median(legacy_batches),
+                "batch_seconds": elastic_batches, "legacy_batch_seconds": legacy_batches, "rank_pairs": pairs,
                 "transport": buffer.runtime.transport}
     finally:
         buffer.destroy()
@@ -75,11 +81,21 @@ def rank_elastic_round(ctx, transport: str, shape: tb.TransportShape, iters: int
             legacy.destroy()
 
 
-def measure(cluster: LocalCluster, transport: str, shape: tb.TransportShape, iters: int, warmup: int = 2) -> dict:
-    """Both rounds on a cluster (`rank_elastic_round`); the slowest rank's time of each and the most
-    pairs of one rank."""
-    values = check_outcomes(cluster.run(rank_elastic_round, transport, shape, iters, warmup, timeout_s=900))
-    return {"seconds": max(v["seconds"] for v in values), "legacy_seconds": max(v["legacy_seconds"] for v in values),
+def measure(cluster: LocalCluster, transport: str, shape: tb.TransportShape, iters: int, warmup: int = 3,
+            batches: int = 5) -> dict:
+    """Both rounds on a cluster (`rank_elastic_round`, `iters` rounds of each in `batches` alternating
+    batches), per batch the slowest rank's mean round of each.
+
+    Returns:
+        result: dict with `"seconds"` and `"legacy_seconds"` (float, the median over batches),
+            `"ratio"` (float, the median over batches of legacy / elastic in that batch), `"rank_pairs"`
+            (int, the most pairs of one rank) and `"transport"` (str).
+    """
+    values = check_outcomes(cluster.run(rank_elastic_round, transport, shape, iters, warmup, batches, timeout_s=900))
+    elastic = [max(per_rank) for per_rank in zip(*(v["batch_seconds"] for v in values))]
+    legacy = [max(per_rank) for per_rank in zip(*(v["legacy_batch_seconds"] for v in values))]
+    return {"seconds": statistics.median(elastic), "legacy_seconds": statistics.median(legacy),
+            "ratio": statistics.median([b / a for a, b in zip(elastic, legacy)]),
             "rank_pairs": max(v["rank_pairs"] for v in values), "transport": values[0]["transport"]}
 
 
@@ -92,12 +108,13 @@ def run(quick: bool = False) -> List[dict]:
         label = f"R={shape.num_ranks} T={shape.tokens} hidden={shape.hidden} E={shape.experts} K={shape.top_k}"
         with LocalCluster(shape.num_ranks) as cluster:
             for transport in ("shm", "mooncake", "collective"):
-                # Every transport the same timed rounds, split over 5 alternating batches; the R=4 H=1024 shape
-                # (a round of a few ms) gets 4x as many: with 5 rounds in all (1 per batch) the collective row
-                # spread 0.64-0.98x from run to run.
+                # Every transport the same timed rounds; the R=4 H=1024 shape (a round of a few ms) gets 4x as
+                # many: with 5 rounds in all (1 per batch) the collective row spread 0.64-0.98x from run to
+                # run. Batches of 3-4 rounds each (at least 5): the other work's load moves within seconds.
                 n = iters * (4 if shape.hidden <= 1024 else 1)
+                batches = max(5, n // 4)
                 print(f"elastic vs Buffer: {transport}, {label}", file=sys.stderr, flush=True)
-                elastic = measure(cluster, transport, shape, n)
+                elastic = measure(cluster, transport, shape, n, batches=batches)
                 legacy = {"seconds": elastic["legacy_seconds"]}
                 per_rank = elastic["rank_pairs"] * shape.hidden * 2 * 2  # one rank's tokens, both ways
                 memcpy = tb.memcpy_rank_seconds(per_rank)
@@ -105,8 +122,10 @@ def run(quick: bool = False) -> List[dict]:
                 rows.append({"benchmark": f"ElasticBuffer {name} dispatch+combine (bf16, not expanded)",
                              "shape": label, "ours_ms": elastic["seconds"] * 1e3,
                              "baseline": "legacy Buffer, same tokens and routing", "baseline_ms": legacy["seconds"] * 1e3,
-                             "speedup": legacy["seconds"] / elastic["seconds"],
-                             "note": f"{per_rank / elastic['seconds'] / 1e9:.2f} GB/s per rank "
+                             "speedup": elastic["ratio"],
+                             "note": f"ratio: median of {batches} batches' ratios (of the medians: "
+                                     f"{legacy['seconds'] / elastic['seconds']:.2f}x); "
+                                     f"{per_rank / elastic['seconds'] / 1e9:.2f} GB/s per rank "
                                      f"({per_rank / 1e6:.1f} MB: once per destination rank each way); "
                                      f"1-core memcpy {per_rank / memcpy / 1e9:.2f} GB/s "
                                      f"({memcpy / elastic['seconds']:.2f}x of it)"})

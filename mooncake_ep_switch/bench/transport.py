@@ -51,24 +51,27 @@ def timed(ctx, body, iters: int, warmup: int, batches: int = 5) -> float:
     return timed_interleaved(ctx, [body], iters, warmup, batches)[0]
 
 
-def timed_interleaved(ctx, bodies, iters: int, warmup: int, batches: int = 5) -> list:
+def timed_interleaved(ctx, bodies, iters: int, warmup: int, batches: int = 5, per_batch_means: bool = False) -> list:
     """Seconds per iteration of each of `bodies`, measured in alternating batches in the same processes
-    (batch 1 of each body, then batch 2 of each, ...): a ratio between two bodies then compares them
-    under the same load. Each entry is the median of that body's batch means, as `timed` gives it."""
+    (batch 1 of each body, then batch 2 of each, ...; every other batch takes the bodies in reverse
+    order, so that neither always runs first): a ratio between two bodies then compares them under the
+    same load. Each entry is the median of that body's batch means, as `timed` gives it, or with
+    `per_batch_means` the list of its batch means (batch `b` of every body ran back to back)."""
     for _ in range(warmup):
         for body in bodies:
             body()
     per_batch = max(1, iters // batches)
     means = [[] for _ in bodies]
-    for _ in range(batches):
-        for body, times in zip(bodies, means):
+    for batch in range(batches):
+        order = list(zip(bodies, means))
+        for body, times in (order if batch % 2 == 0 else order[::-1]):
             dist.barrier(group=ctx.group)
             start = time.perf_counter()
             for _ in range(per_batch):
                 body()
             times.append((time.perf_counter() - start) / per_batch)
     dist.barrier(group=ctx.group)
-    return [statistics.median(times) for times in means]
+    return means if per_batch_means else [statistics.median(times) for times in means]
 
 
 def rank_buffer_round(ctx, transport: str, shape: TransportShape, iters: int, warmup: int, use_fp8=False):
