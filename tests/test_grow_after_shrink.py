@@ -15,8 +15,9 @@ placement everywhere. Cells: shm, and shm with `_use_fallback` set on the member
 collective fallback): then every rank of the grown group, the newcomers too, runs on the fallback.
 
 Unit tests (no processes): a grow and a shrink started together on one Buffer refuse each other by name,
-nothing changed; the request of a view with holes names it, and a member asking with another view is
-refused by name; `renumber_placement` keeps the members' columns and checks its arguments.
+nothing changed; the request of a view with holes names it, a member asking with another view is
+refused by name, so is a newcomer that names the group's size instead of the members' count;
+`renumber_placement` keeps the members' columns and checks its arguments.
 """
 import json
 import os
@@ -256,6 +257,21 @@ def test_the_request_of_a_view_with_holes_names_it_and_another_view_is_refused()
                                            r"for 4 -> 6 ranks, .*the view \[0, 1, 2, 4\].*two resizes at once"):
         GrowOperation._claim(SimpleNamespace(), member((0, 1, 2, 4), fallback=True), R1)
     assert store.get("mep/grp-0123456789abcdef/grow/request").decode() == first._request  # kept
+
+
+
+def test_a_newcomer_naming_the_group_size_instead_of_the_members_is_refused_by_name():
+    from mooncake_ep_switch.buffer.membership.group_keys import group_prefix
+    from mooncake_ep_switch.buffer.membership.grow import join_grow
+
+    store = dist.HashStore()
+    base = group_prefix(range(R0))
+    store.set(f"{base}/grow/request", "3|4|6|4096|shm|view=0,1,3,4")
+    built = []
+    with pytest.raises(ValueError, match=r"^old_num_ranks: the members grow the group from its 4 members \[0, 1, 3, 4\]; "
+                                         r"this newcomer asked from 5"):
+        join_grow(store, 5, R1, 4096, lambda *a, **k: built.append(a), old_num_ranks=R0, timeout_s=5)
+    assert not built and store.get(f"{base}/grow/3/failed").decode().startswith("newcomer rank 5 refused: old_num_ranks")
 
 
 def test_renumber_placement_keeps_the_members_columns_in_order():
