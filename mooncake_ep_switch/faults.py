@@ -5,7 +5,10 @@ The value is `point:rank:call:how` with `how` one of `exit` (os._exit), `kill` (
 or `*` for any. Points: `dispatch_after_data` (data written into peers, signals not yet),
 `update_after_ready` (readiness for the next epoch posted, peers not mapped), and in the online
 EPLB commit step (`call` = the chunk's epoch) `eplb_before_vote` (staged, vote not published),
-`eplb_after_vote` (vote published, decision not read).
+`eplb_after_vote` (vote published, decision not read); in a grow (buffer/membership/grow.py, `call` unused)
+`grow_before_vote` (a member whose build finished, its GO not published), `grow_after_decision` (a member
+that read the COMMIT, the switch-over step not written), `grow_weight_copy` (a newcomer past the members'
+copies, its own not made) and `grow_before_switch` (a newcomer built, the switch-over step not read).
 Unset in production: `FaultPoint.parse(None)` is None and nothing is checked.
 """
 import os

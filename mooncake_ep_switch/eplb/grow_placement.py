@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+from mooncake_ep_switch.faults import FaultPoint
 
 __all__ = ["grow_placement", "renumber_placement", "grow_slots", "GrownSlots"]
 
@@ -166,6 +167,9 @@ def grow_slots(buffer, shape: SlotShape, phy2log, old_num_ranks: int, current: O
     fence(slots.device, DRAIN_TIMEOUT_S)  # device frames: the copies landed (as `ExpertSlots.load`) ...
     dist.barrier(group=buffer.group)  # ... on every member before a newcomer reads them
     if not member:
+        fault = FaultPoint.parse(buffer.settings.fault_point)  # test-only (None unless MEP_FAULT_POINT is set)
+        if fault is not None:  # a newcomer dies or freezes in its weight copy
+            fault.hit("grow_weight_copy", buffer.rank)
         for layer in range(shape.num_layers):
             for local, expert in enumerate(slots.local_experts(layer)):
                 gate_up, down = slots.expert(layer, local)

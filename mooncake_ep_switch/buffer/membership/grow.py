@@ -27,11 +27,14 @@ removed, grown to 6: old ranks 0, 1, 3, 4 are ranks 0, 1, 2, 3 of the grown grou
    `grow/<attempt>/buffer` (generation 1 of a group of its own; `_use_fallback` set as the members' is),
    then the caller's `build(buffer)` (the
    expert slots of the new placement and their weights: `eplb.grow_placement.grow_slots`), then a barrier of
-   the `R'` ranks: once it returns on a member, every newcomer is built and loaded.
+   the `R'` ranks: once it returns on a member, every newcomer is built and loaded (a count in the store,
+   `grow/<attempt>/built`: it ends at once on every rank when the grow failed elsewhere or a rank of the new
+   Buffer ended, at the build's deadline when one stalls).
 4. **Switch-over** (`GrowOperation.poll(step)`, every member at every step boundary): one decision per
    poll in the current Buffer's ballot (`grow/<attempt>`): every member votes GO once its build finished,
    ABORT ("not yet") before; COMMIT when every member voted GO for the same step, FAILED once any rank
-   recorded the grow's failure (every member raises at that poll, its current Buffer serving on). The step is written
+   recorded the grow's failure (every member raises at that poll, its current Buffer serving on), a member that
+   ended before the switch-over included (seen by a peer's vote: it serves neither Buffer). The step is written
    where the newcomers wait for it (`grow/<attempt>/switch`), and every rank serves that step and the
    later ones on the new Buffer and placement: no step is served twice, lost or on a mixed placement.
 """
@@ -49,6 +52,7 @@ from mooncake_ep_switch.buffer.membership import resize_guard
 from mooncake_ep_switch.buffer.membership.group_keys import group_prefix, root_store
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError, check_seconds
 from mooncake_ep_switch.checks import check_int
+from mooncake_ep_switch.faults import FaultPoint
 
 __all__ = ["MAX_EP_RANKS", "GrowResult", "GrowOperation", "grow_base", "check_grow_size", "join_grow"]
 
@@ -165,7 +169,7 @@ def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: in
            fallback: bool = False) -> Tuple[Any, Any]:
     """Step 3 of the module docstring on one rank (`rank` of the grown group): the group, the Buffer (moved onto
     the collective fallback with `fallback`, as the members' is), `build(buffer)`, the barrier."""
-    keys = f"{base}/grow/{attempt}"
+    keys, deadline = f"{base}/grow/{attempt}", time.monotonic() + timeout_s
     phase = "the gloo group"
     try:
         rendezvous = dist.PrefixStore(f"{keys}/pg", store)
@@ -185,7 +189,7 @@ def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: in
         phase = "build()"
         built = build(buffer) if build is not None else None
         phase = "the closing barrier"
-        dist.barrier(group=group)
+        _closing_barrier(store, keys, rank, num_ranks, buffer, deadline)
     except Exception as error:
         # torch names no gloo error of an unregistered group (its logger raises "not initialized in the world group
         # map" instead): the ranks this Buffer saw end say more.
@@ -195,6 +199,28 @@ def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: in
                               + (f", ranks {dead} ended" if dead else "")
                               + f" ({type(error).__name__}: {error})") from error
     return buffer, built
+
+
+def _closing_barrier(store, keys: str, rank: int, num_ranks: int, buffer, deadline: float) -> None:
+    """Wait until every rank of the grown group is built and loaded (a count in the store, not a gloo barrier):
+    a grow that failed elsewhere (its failed record) or a rank of the new Buffer that ended ends the wait at
+    once, on a member's build thread as on a newcomer resumed after a stop; MembershipError names which."""
+    count = f"{keys}/built"
+    store.add(count, 1)
+    pause = 0.001
+    while True:
+        failed = _get(store, f"{keys}/failed")
+        if failed is not None:
+            raise MembershipError(f"the grow failed meanwhile ({failed})")
+        if store.add(count, 0) >= num_ranks:
+            return
+        if buffer.dead_peers():
+            raise MembershipError("a rank of the grown group ended before every rank was built")
+        if time.monotonic() >= deadline:
+            raise MembershipError(f"{num_ranks - store.add(count, 0)} of the {num_ranks} ranks were not built and "
+                                  "loaded by the build's deadline (stalled, or slower than timeout_s)")
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
 
 
 def _discard(result: Tuple[Any, Any]) -> None:
@@ -326,17 +352,26 @@ class GrowOperation:
         failed = _get(self._store, f"{self._keys}/failed")
         mine = GO if self.ready() and self._error is None and failed is None else ABORT
         digest = zlib.crc32(f"{self.attempt}|{step}".encode()) & 0x7FFFFFFF
+        fault = FaultPoint.parse(self.buffer.settings.fault_point)  # test-only (None unless MEP_FAULT_POINT is set)
+        if fault is not None and mine == GO:
+            fault.hit("grow_before_vote", self.buffer.rank)
         ballot.vote(epoch, mine, digest, voters=len(members))
         peers = [r for r in members if r != self.buffer.rank]
         votes, _, _ = ballot.wait_votes(peers, epoch, int(self.timeout_s * 1e6),
                                         lambda pending: sorted(set(pending) & set(self.buffer.dead_peers())))
         go = mine == GO and all(p in votes and votes[p] == (GO, digest) for p in peers)
         failed = None if go else _get(self._store, f"{self._keys}/failed")
+        ended = [] if go or failed is not None else sorted(set(peers) & set(self.buffer.dead_peers()))
+        if ended:  # a member died before the switch-over: it can serve neither Buffer, the grow fails at once
+            failed = _fail(self._store, self._keys, f"rank {self.buffer.rank}: members {ended} ended (their process "
+                                                    "is gone) before the switch-over was agreed")
         if not go and failed is None and time.monotonic() > self._give_up:
             failed = _fail(self._store, self._keys, f"rank {self.buffer.rank}: no switch-over agreed within "
                                                     f"2 * timeout_s = {2 * self.timeout_s} s")
         decision = ballot.propose(epoch, COMMIT if go else ABORT if failed is None else FAILED)
         if decision == COMMIT:
+            if fault is not None:
+                fault.hit("grow_after_decision", self.buffer.rank)
             self._thread.join()
             self._store.set(f"{self._keys}/switch", str(step))
             self._store.compare_set(f"{self._base}/grow/request", self._request, "")  # every newcomer read it
@@ -439,11 +474,18 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
         _fail(store, keys, f"newcomer rank {rank}: {error}")
         raise
     try:
+        fault = FaultPoint.parse(buffer.settings.fault_point)  # test-only (None unless MEP_FAULT_POINT is set)
+        if fault is not None:
+            fault.hit("grow_before_switch", rank)
         key, value = _wait_key(store, [f"{keys}/switch", f"{keys}/failed"], deadline, "the members' switch-over step")
+        if key.endswith("/failed"):
+            raise MembershipError(f"grow to {num_ranks} ranks failed: {value}")
+        view = buffer.membership.view()
+        if rank not in view.ranks:  # stalled past the switch-over: the members masked it and sealed it out
+            raise MembershipError(f"grow: newcomer rank {rank} was left out of the grown group (epoch {view.epoch}, "
+                                  f"members {list(view.ranks)}) while it stalled after the switch-over at step "
+                                  f"{value}; start it again as a replacement of rank {rank} (elastic.join)")
     except BaseException:
-        buffer.destroy()
+        _discard((buffer, built))
         raise
-    if key.endswith("/failed"):
-        buffer.destroy()
-        raise MembershipError(f"grow to {num_ranks} ranks failed: {value}")
     return GrowResult(buffer, built, int(value))
