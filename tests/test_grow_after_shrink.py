@@ -268,10 +268,11 @@ def test_a_newcomer_naming_the_group_size_instead_of_the_members_is_refused_by_n
     base = group_prefix(range(R0))
     store.set(f"{base}/grow/request", "3|4|6|4096|shm|view=0,1,3,4")
     built = []
-    with pytest.raises(ValueError, match=r"^old_num_ranks: the members grow the group from its 4 members \[0, 1, 3, 4\]; "
-                                         r"this newcomer asked from 5"):
+    with pytest.raises(ValueError, match=r"^old_num_ranks: the members grow the group from its 4 members "
+                                         r"\[0, 1, 3, 4\]; this newcomer asked from 5"):
         join_grow(store, 5, R1, 4096, lambda *a, **k: built.append(a), old_num_ranks=R0, timeout_s=5)
-    assert not built and store.get(f"{base}/grow/3/failed").decode().startswith("newcomer rank 5 refused: old_num_ranks")
+    failed = store.get(f"{base}/grow/3/failed").decode()
+    assert not built and failed.startswith("newcomer rank 5 refused: old_num_ranks"), failed
 
 
 def test_renumber_placement_keeps_the_members_columns_in_order():
