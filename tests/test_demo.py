@@ -186,3 +186,51 @@ def test_demo_stall_deadline_and_verdict():
         plan_kills(config._replace(covered_kill_step=2), trace)
     assert [(k.step, k.covered, k.replace_after) for k in plan_kills(config._replace(covered_kill_step=10), trace)] \
         == [(10, True, 1), (25, False, 0)]
+
+
+def test_demo_resize_shrinks_after_a_death_then_grows_with_two_new_processes(tmp_path, capsys):
+    # Issue 37 item 4, one run with 2 steps between resizes: 4 ranks serve, rank 2 is SIGKILLed with no replacement
+    # (the survivors serve one step fault-aware, then shrink to 3 and place its experts over the remaining ranks),
+    # then 2 new processes join (3 -> 5, the members renumbered densely). Every step of every rank is checked
+    # against the single-process reference; metrics.json has the group size of each step.
+    out = tmp_path / "resize"
+    metrics, stdout = _run(out, "--resize", "--steps", "2")
+    steps, (shrink, grow) = metrics["steps"], metrics["resizes"]
+    assert metrics["correct"] and metrics["max_calc_diff"] < 1e-6 and metrics["transport"] == "shm"
+    assert [size for size, _, _ in metrics["sizes"]] == [4, 3, 5], metrics["sizes"]
+    assert all(s["one_view"] and s["one_placement"] for s in steps)
+    # The shrink: the step after the death is served by 3 ranks with rank 2 masked, its sole experts lost (the
+    # reference leaves exactly those out); the view without it, then the placement over [0, 1, 3] commits chunk
+    # by chunk and no expert is missing after: the full reference again, nothing lost.
+    death, last_commit = shrink["killed_step"], shrink["commits"][-1]["step"]
+    assert shrink["rank"] == 2 and shrink["view"] == [0, 1, 3] and shrink["chunks"] >= 1
+    assert steps[death]["group_size"] == 3 and steps[death]["masked"] == [2] and steps[death]["lost_contributions"] > 0
+    assert steps[death]["reference_skipped"] > 0 and metrics["loaded_experts"] > 0  # no live copy: from the loader
+    assert all(s["lost_contributions"] == 0 and s["reference_skipped"] == 0 for s in steps[last_commit:])
+    assert all(s["members"] == [0, 1, 3] and s["masked"] == [2] for s in steps[death + 1:grow["switch_step"]])
+    # The grow: asked while 3 ranks serve, every member switched at one step, the newcomers (ranks 3 and 4 of the
+    # grown group) served from that very step; no step lost or served twice.
+    switch = grow["switch_step"]
+    assert (grow["from"], grow["to"]) == (3, 5) and grow["requested_step"] < switch
+    assert {v["step"] for v in grow["members"] + grow["newcomers"]} == {switch}
+    assert sorted(v["rank"] for v in grow["members"]) == [0, 1, 2] and [v["rank"] for v in grow["newcomers"]] == [3, 4]
+    assert [s["step"] for s in steps] == list(range(len(steps)))
+    assert all(s["group_size"] == 5 and s["members"] == [0, 1, 2, 3, 4] and s["masked"] == [] for s in steps[switch:])
+    assert all(v["weight_bytes"] > 0 for v in grow["newcomers"])  # their copies came from the members' memory
+    assert "group size           4 ranks (steps 0-1), 3 ranks" in stdout and "PASS" in stdout
+    assert (out / "timeline.png").exists()
+    # `bench resize --metrics` prints this run's table (the bench runs the same job with larger experts): a row per
+    # phase of each resize, every time a positive number, the two copies against a memcpy of the same bytes.
+    from mooncake_ep_switch.apps.cli import main
+
+    capsys.readouterr()
+    assert main(["bench", "resize", "--metrics", str(out / "metrics.json")]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0].lstrip("| ").split(":")[-1].split(" (")[0].strip() for r in rows] == [
+        "agreement", "weights moved", "switch-over stall"] * 2, rows
+    assert rows[0][0].startswith("| shrink 4 -> 3 (rank 2 dead)") and rows[3][0].startswith("| grow 3 -> 5 (2 new")
+    assert all(float(r[2]) > 0 for r in rows), rows
+    for row in (rows[1], rows[4]):  # weights moved: bytes, a memcpy of them in this run, the ratio
+        assert row[3].startswith("memcpy of its bytes") and float(row[4]) > 0 and row[5].endswith("x"), row
+        assert abs(float(row[5][:-1]) - float(row[4]) / float(row[2])) < 0.01 + 0.01 * float(row[5][:-1]), row
+        assert " MiB into " in row[6], row

@@ -3,7 +3,7 @@
 Subcommands (each has its own `--help`):
   demo      serve a small MoE model on local CPU ranks (the default when no subcommand is given)
   bench     benchmarks with in-run baselines; `bench --help` lists its own subcommands
-            (soak, hosts, elastic, memory, --device cuda)
+            (soak, hosts, elastic, memory, recovery, resize, --device cuda)
   simulate  replay serving and RL-rollout traces through the TP<->EP switch policy
 """
 import argparse
@@ -28,6 +28,8 @@ def _demo(args) -> int:
     if args.transport == "cuda" and args.device != "cuda":
         raise SystemExit("demo: --transport cuda needs --device cuda")
     transport = _host_transport(args.transport)
+    if args.resize:
+        return _resize(args, transport)
     if args.model is not None:
         if args.store != "tcp":
             raise SystemExit("demo --model: runs on the launcher's TCPStore (no --store etcd)")
@@ -65,6 +67,29 @@ def _demo(args) -> int:
     return 0 if metrics["correct"] else 1
 
 
+def _resize(args, transport: str) -> int:
+    """`demo --resize`: serve while the group shrinks after a death and grows with new processes
+    (apps/demo_resize.py)."""
+    from mooncake_ep_switch.apps.demo_resize import run_resize
+    from mooncake_ep_switch.apps.resize_ranks import ResizeConfig
+
+    if args.model is not None or args.device != "cpu" or transport not in ("host", "shm"):
+        raise SystemExit("demo --resize: runs the built-in MoE layers on CPU ranks over shm (no --model, --device "
+                         "cuda or --transport other than auto/host/shm)")
+    defaults = ResizeConfig()
+    smallest = -(-defaults.experts // defaults.slots_per_rank) + 1  # after the shrink every expert still has a slot
+    if not smallest <= args.ranks <= 62:
+        raise SystemExit(f"demo --resize --ranks: expected {smallest} to 62 ranks ({defaults.experts} experts on "
+                         f"{defaults.slots_per_rank} slots per rank after one rank is removed; 2 more after the "
+                         f"grow, at most MAX_EP_RANKS = 64), got {args.ranks}")
+    steps = defaults.steps_between if args.steps is None else args.steps
+    if steps < 2:
+        raise SystemExit(f"demo --resize --steps: expected the steps between resizes, at least 2, got {steps}")
+    config = ResizeConfig(num_ranks=args.ranks, steps_between=steps, out_dir=args.out,
+                          kill_rank=min(defaults.kill_rank, args.ranks - 1))
+    return 0 if run_resize(config)["correct"] else 1
+
+
 def _importable(module: str) -> bool:
     """Whether `module` imports (an optional extra is installed and works)."""
     try:
@@ -85,6 +110,10 @@ def _bench(rest) -> int:
         from mooncake_ep_switch.apps.recovery_bench import main as recovery_main
 
         return recovery_main(rest[1:])
+    if rest[:1] == ["resize"]:  # runs the resize demo's job: with the apps too
+        from mooncake_ep_switch.apps.resize_bench import main as resize_main
+
+        return resize_main(rest[1:])
     from mooncake_ep_switch.bench.__main__ import main as bench_main
 
     return bench_main(rest)
@@ -151,12 +180,17 @@ def main(argv=None) -> int:
                       help="the ranks' control-plane store: tcp (a TCPStore this process hosts, default) or etcd (a "
                            "local 3-member etcd cluster the demo starts: no single point of failure; needs Debian's "
                            "etcd-server and the `etcd` extra)")
+    demo.add_argument("--resize", action="store_true",
+                      help="instead: serve at --ranks ranks while the group is resized: a rank dies with no "
+                           "replacement (shrink by one) and two new processes join (grow by two), every step checked "
+                           "against the single-process reference; --steps is then the steps between resizes "
+                           "(default 3); metrics.json and timeline.png show the group size over the steps")
     demo.add_argument("--model", default=None, choices=["qwen3_moe", "mixtral", "deepseek_v3"],
                       help="instead: a tiny random transformers MoE model generating greedily over EP, TP and "
                            "EPLB, checked against the single-process model (needs the `models` extra)")
     sub.add_parser("bench", add_help=False,
                    help="transport, switch and EPLB benchmarks with in-run baselines; `bench --help` lists "
-                        "them (soak, hosts, elastic, memory, --device cuda)")
+                        "them (soak, hosts, elastic, memory, recovery, resize, --device cuda)")
     from mooncake_ep_switch.apps.simulate_cli import add_arguments as add_simulate_arguments
 
     simulate = sub.add_parser("simulate", help="replay bursty and RL-rollout traces through the TP<->EP switch "
