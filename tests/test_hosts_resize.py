@@ -13,7 +13,12 @@ no dispatch-map entry or slot lies outside the view, and the expert weights come
   rank 0 on host 0, which reads it from LEAVING's frame over the Transfer Engine, then leaves.
 * 3 -> 5 (`GrowOperation` / `join_grow`): newcomer 3 on host 1 and newcomer 4 on host 0 join the 3-rank group
   of hosts 0 and 1 (after a first attempt refused by name); each newcomer copies its slots from the members'
-  memory, from its host mate through the mapping and from the other host over the Transfer Engine.
+  memory, from its host mate through the mapping and from the other host over the Transfer Engine (before the
+  fix it read the other host's region as if mapped: "rank: peer 1 is not mapped"). On the grown group every rank
+  then reads every slot of the other host's ranks over the Transfer Engine (the grown group's region records),
+  each exactly its expert's weights.
+
+The shrink and the grow on the emulated CUDA device: the "emulated cuda" cells of test_shrink and test_grow.
 """
 import signal
 
@@ -91,8 +96,24 @@ def test_drain_a_live_rank_across_hosts(make_network):
 
 
 def then_where(ctx, new, slots, weights, step):
-    """On the grown Buffer: its routes and the slots the rank read over the Transfer Engine."""
-    return {**_where(new), "te_reads": slots.te_reads}
+    """On the grown Buffer: its routes, the slots the rank read over the Transfer Engine in the grow, and whether
+    every slot of every rank of the other host (members and newcomers: the grown group's region records), read
+    over the Transfer Engine into a free frame, holds exactly its expert's weights."""
+    import torch
+    import torch.distributed as dist
+
+    out = {**_where(new), "te_reads": slots.te_reads, "read_back": []}
+    frame, spr = slots.free_frames[0], test_grow.SPR  # nothing serves from a free frame
+    for peer in (p for p in range(new.num_ranks) if not slots.is_mapped(p)):
+        for layer in range(test_grow.LAYERS):
+            for local in range(spr):
+                expert = int(slots.phy2log[layer, peer * spr + local])
+                slots.read_remote_frame(frame, peer, layer, local, 30.0)
+                gate_up, down = slots.frame_views(frame)
+                out["read_back"].append((peer, torch.equal(gate_up, weights[layer].gate_up[expert])
+                                         and torch.equal(down, weights[layer].down[expert])))
+    dist.barrier(group=new.group)  # no rank destroys its slots while another reads them
+    return out
 
 
 def test_grow_3_to_5_across_hosts(make_network):
@@ -105,6 +126,9 @@ def test_grow_3_to_5_across_hosts(make_network):
     assert not any(process.is_alive() for process in processes), "leftover rank processes"
     for rank, out in enumerate(outs):
         assert out["then"]["routes"] == _routes(rank, GROW_HOSTS), (rank, out["then"])
+        other = [peer for peer in range(test_grow.R1) if GROW_HOSTS[peer] != GROW_HOSTS[rank]]
+        assert out["then"]["read_back"] == [(peer, True) for peer in other for _ in range(test_grow.LAYERS *
+                                                                                         test_grow.SPR)], (rank, out)
     # Each newcomer copies its slots from the members holding them: from its host mate through the mapping, from
     # the other host over the Transfer Engine (newcomer 3 reads rank 0's copies, newcomer 4 rank 1's).
     assert [out["then"]["te_reads"] for out in outs] == _across_host_copies(), [out["then"] for out in outs]
