@@ -247,9 +247,11 @@ def _summary(metrics, config: ResizeConfig, stream) -> None:
             everyone = resize["members"] + resize["newcomers"]
             print(f"  grow                 {resize['from']} -> {resize['to']} ranks: asked at step "
                   f"{resize['requested_step']}, switched at step {resize['switch_step']} (request -> switch "
-                  f"{max(v['switch_s'] for v in resize['members']) * 1e3:.0f} ms, weights "
-                  f"{max(v['weight_bytes'] for v in everyone) / 2**20:.2f} MiB per rank at most in "
-                  f"{max(v['weights_s'] for v in everyone) * 1e3:.0f} ms)", file=stream)
+                  f"{max(v['switch_s'] for v in resize['members']) * 1e3:.0f} ms; grow_slots "
+                  f"{max(v['weights_s'] for v in everyone) * 1e3:.0f} ms at most, "
+                  f"{max(v['weight_bytes'] for v in everyone) / 2**20:.2f} MiB per rank, the newcomers' copies from "
+                  f"the members' memory {max(v['copy_s'] or 0 for v in resize['newcomers']) * 1e3:.1f} ms)",
+                  file=stream)
     print(f"  loader reads         {metrics['loaded_experts']} (experts no live rank held)", file=stream)
     print(f"  correctness          max calc_diff {metrics['max_calc_diff']:.2e} vs single-process reference on every "
           f"step (limit {CHECK_LIMIT:.0e}), one view and one placement per step: "

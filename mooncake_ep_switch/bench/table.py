@@ -20,7 +20,8 @@ def format_rows(rows: List[dict]) -> str:
 
     for row in rows:
         lines.append(f"| {row['benchmark']} | {row['shape']} | {number(row['ours_ms'], '.3f')} | {row['baseline']} | "
-                     f"{number(row['baseline_ms'], '.3f')} | {number(row['speedup'], '.2f')}x | {row.get('note', '')} |")
+                     f"{number(row['baseline_ms'], '.3f')} | {number(row['speedup'], '.2f')}"
+                     f"{'' if row['speedup'] is None else 'x'} | {row.get('note', '')} |")
     return "\n".join(lines)
 
 
