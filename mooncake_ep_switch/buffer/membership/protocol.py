@@ -201,9 +201,11 @@ class Membership(SealingRecords):
     def epoch(self) -> int:
         """Current epoch number.
 
-        The counter is a hint (a store writer could set it back, and it moves after the view is
-        sealed): the epoch is past every well-formed (with a job secret: authentic) view sealed
-        after it, looked up one epoch at a time.
+        Views are sealed one after the other, so the epoch is the newest sealed view's number: the
+        view after the newest one this process knows is looked up first (one store call when there
+        is none). Only past it is the counter read, as a hint (a store writer could set it back, and
+        it moves after the view is sealed): the epoch is past every well-formed (with a job secret:
+        authentic) view sealed after it, looked up one epoch at a time.
 
         Returns:
             epoch: int, 0 before any change.
@@ -211,7 +213,15 @@ class Membership(SealingRecords):
         Raises:
             MembershipError: the epoch key holds something other than a count.
         """
-        epoch = self.read_counter("epoch")
+        # Views are sealed one after the other: with no view after the newest one known here (read or sealed;
+        # epoch 0 needs none), that is the epoch, in one store call. The counter (two more) only skips ahead.
+        known = max(self._views, default=0)
+        try:
+            if self._view_record(known + 1) is None:
+                return known
+        except MembershipError:
+            return known  # a malformed or forged view is no epoch; agree_next_view() reports it
+        epoch = max(known + 1, self.read_counter("epoch"))
         for _ in range(_MAX_EPOCH_SKIP):  # bounded: the counter lags by one in honest use
             try:
                 if self._view_record(epoch + 1) is None:
