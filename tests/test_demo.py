@@ -199,6 +199,7 @@ def test_demo_resize_shrinks_after_a_death_then_grows_with_two_new_processes(tmp
     assert metrics["correct"] and metrics["max_calc_diff"] < 1e-6 and metrics["transport"] == "shm"
     assert [size for size, _, _ in metrics["sizes"]] == [4, 3, 5], metrics["sizes"]
     assert all(s["one_view"] and s["one_placement"] for s in steps)
+    assert all(0 < s["balancedness"] <= 1 for s in steps)  # mean / max of the entries each serving rank received
     # The shrink: the step after the death is served by 3 ranks with rank 2 masked, its sole experts lost (the
     # reference leaves exactly those out); the view without it, then the placement over [0, 1, 3] commits chunk
     # by chunk and no expert is missing after: the full reference again, nothing lost.

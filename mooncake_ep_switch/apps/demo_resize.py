@@ -60,7 +60,9 @@ class _Run:
                      "lost_contributions": sum(v["lost"] for v in values),
                      "reference_skipped": max(v["skipped"] for v in values),
                      "one_placement": len(placements) == 1, "one_view": len(members) == 1,
-                     "masked": sorted({i for v in values for i, m in enumerate(v["mask"]) if not m})}
+                     "masked": sorted({i for v in values for i, m in enumerate(v["mask"]) if not m}),
+                     # the expert work spread over the serving ranks: mean / max of the top-k entries each received
+                     "balancedness": _balance([v["received"] for v in values])}
             self.steps.append(entry)
             if committed:
                 self.events.append({"step": self.step, "kind": "rebalance",
@@ -189,6 +191,11 @@ def run_resize(config: ResizeConfig, stream=sys.stdout, memcpy: bool = True, plo
     metrics["timeline"] = _plot(metrics, config, stream) if plot else None
     _summary(metrics, config, stream)
     return metrics
+
+
+def _balance(received):
+    """Mean / max of the entries each rank's experts received in a step (1 = even), None when none came."""
+    return sum(received) / len(received) / max(received) if max(received, default=0) > 0 else None
 
 
 def shrink_bytes(resize: dict) -> dict:

@@ -155,18 +155,19 @@ def rank_serve(ctx, step: int) -> dict:
         _rebuild_map()
     x = _inputs(config, buffer.rank, step)
     alive = np.repeat(active.numpy().astype(bool), config.slots_per_rank)
-    diffs, lost, skipped = [], 0, 0
+    diffs, lost, skipped, received = [], 0, 0, 0
     for layer in range(config.layers):
         before = int(slots.lost_contributions[layer])
-        out, _ = physical_ep_forward(buffer, x, _STATE["weights"][layer].router, slots, layer, config.top_k,
+        out, recv_count = physical_ep_forward(buffer, x, _STATE["weights"][layer].router, slots, layer, config.top_k,
                                      config.tokens, active, _STATE["rows"][layer],
                                      timeout_us=int(config.timeout_s * 1e6), fault_aware=True)
         lost += int(slots.lost_contributions[layer]) - before
+        received += int(recv_count.sum())
         # Exactly the experts without a live copy contribute nothing (fault-aware routing serves the others).
         skip = set(range(config.experts)) - set(slots.phy2log[layer][alive].tolist())
         skipped += len(skip)
         diffs.append(calc_diff(out, reference_forward(x, _STATE["weights"][layer], config.top_k, skip_experts=skip)))
-    return {"rank": buffer.rank, "diff": max(diffs), "lost": lost, "skipped": skipped,
+    return {"rank": buffer.rank, "diff": max(diffs), "lost": lost, "skipped": skipped, "received": received,
             "seconds": time.perf_counter() - started, "members": list(buffer.members),
             "num_ranks": buffer.num_ranks, "mask": active.tolist(), "phy2log": slots.phy2log.tolist(),
             "reports": [{"outcome": r.outcome, "moved_bytes": r.moved_bytes, "loaded_bytes": r.loaded_bytes,
