@@ -5,7 +5,9 @@ rank LEAVING only). Every rank, LEAVING too, calls `begin_drain(buffer, rebalanc
 steps 2 and 3 (the move commits at 3: the sole expert is copied from LEAVING's own frame, the loader is
 never read), then `finish_drain`: one decision of all four, the view [0, 1, 2] sealed; LEAVING's Buffer
 refuses dispatch, update_ep_member and shrink by name and is destroyed; the survivors serve steps 4 and 5
-over three ranks. Every served step is checked against the single-process reference.
+over three ranks. Every served step is checked against the single-process reference. On shm, the
+collective fallback and the emulated CUDA device (the Transfer Engine across namespace hosts:
+tests/test_hosts_resize.py).
 
 A leaving rank killed while the survivors copy its experts (after `begin_drain`, before its vote): the
 move aborts on every survivor, they remove it as a dead rank (`shrink_experts`, its lost copy from the
@@ -106,8 +108,17 @@ def rank_close(ctx):
     return harness.rank_teardown(ctx)
 
 
-@pytest.mark.parametrize("transport", ["shm", "collective"])
+@pytest.mark.parametrize("transport", ["shm", "collective", "emulated cuda"])
 def test_a_live_rank_drained_out_hands_its_experts_over_and_the_three_serve_the_reference(transport):
+    if transport == "emulated cuda":  # the "cuda" transport on the emulated device (tests/emulated_device.py): the
+        from tests.test_cuda import on_device  # slots in device memory; fresh processes (the swap stays)
+
+        with harness.fresh_cluster(R) as cluster:
+            try:
+                results = [outcome_value(o) for o in cluster.run(*on_device(rank_drain, True), "cuda", timeout_s=180)]
+            finally:
+                harness.check_outcomes(cluster.run(rank_close, timeout_s=60))
+        return check_drain(results, "cuda")
     cluster = harness.cluster(R)
     try:
         results = [outcome_value(o) for o in cluster.run(rank_drain, transport, timeout_s=180)]
