@@ -209,10 +209,11 @@ def test_demo_resize_shrinks_after_a_death_then_grows_with_two_new_processes(tmp
     assert steps[death]["reference_skipped"] > 0 and metrics["loaded_experts"] > 0  # no live copy: from the loader
     assert all(s["lost_contributions"] == 0 and s["reference_skipped"] == 0 for s in steps[last_commit:])
     assert all(s["members"] == [0, 1, 3] and s["masked"] == [2] for s in steps[death + 1:grow["switch_step"]])
-    # The grow: asked while 3 ranks serve, every member switched at one step, the newcomers (ranks 3 and 4 of the
-    # grown group) served from that very step; no step lost or served twice.
+    # The grow: asked while 3 ranks serve (they serve on until the build is done: a few steps here), every member
+    # switched at one step, the newcomers (ranks 3 and 4 of the grown group) served from that very step; no step lost
+    # or served twice.
     switch = grow["switch_step"]
-    assert (grow["from"], grow["to"]) == (3, 5) and grow["requested_step"] < switch
+    assert (grow["from"], grow["to"]) == (3, 5) and grow["requested_step"] <= switch
     assert {v["step"] for v in grow["members"] + grow["newcomers"]} == {switch}
     assert sorted(v["rank"] for v in grow["members"]) == [0, 1, 2] and [v["rank"] for v in grow["newcomers"]] == [3, 4]
     assert [s["step"] for s in steps] == list(range(len(steps)))
