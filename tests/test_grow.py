@@ -194,6 +194,7 @@ def rank_grow(ctx, transport, then=None):
             result = join_grow(ctx.store, ctx.rank, R1, size, Buffer, old_num_ranks=R0,
                                build=lambda new: build(new, None), timeout_s=60)
     grow_s = time.monotonic() - started
+    assert result is not None, f"rank {ctx.rank}: no grow succeeded: {refusals}"  # each failed attempt's reason
     new, (new_holder, grown) = result.buffer, result.built
     active = new.active_mask()
     maps = build_dispatch_map(grown.slots.phy2log, R1, R1, active_ranks=active)
