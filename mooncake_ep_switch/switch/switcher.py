@@ -73,11 +73,13 @@ ABORT_KV_DOES_NOT_FIT = 3
 ABORT_DIFFERENT_CALLS = 4
 ABORT_LATE_RANK = 5
 ABORT_DEAD_RANKS = 6
+ABORT_NOT_MEMBERS = 7
 ABORT_CODES = {ABORT_BAD_ARGUMENTS: "a rank rejected its arguments",
                ABORT_KV_DOES_NOT_FIT: "the KV cache does not fit the target layout",
                ABORT_DIFFERENT_CALLS: "the ranks called switch_layout with different arguments or layouts",
                ABORT_LATE_RANK: "a rank did not enter the switch before the deadline",
-               ABORT_DEAD_RANKS: "ranks found dead earlier need recovery"}
+               ABORT_DEAD_RANKS: "ranks found dead earlier need recovery",
+               ABORT_NOT_MEMBERS: "ranks of the weights are not members of the current view"}
 
 _PROGRESS, _DECISION, _DIGEST, _DIGEST_WORDS, _DECL = 0, 8, 64, 48, 512
 
@@ -341,6 +343,11 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
         if unified.dead_ranks:
             raise _Refuse(ABORT_DEAD_RANKS,
                           f"ranks {unified.dead_ranks} died in an earlier switch; recover membership first")
+        members = tuple(buffer.members)
+        missing = [r for r in range(unified.num_ranks) if r not in members]
+        if missing:  # after a shrink or drain: the weights are not re-sharded over a smaller view (docs/resize.md)
+            raise _Refuse(ABORT_NOT_MEMBERS, f"ranks {missing} are not members of the current view: a switch needs "
+                                             "every rank of the weights (admit their replacements first)")
         control.write_digest(_digest(unified, kv, source, target))
         if kv is not None:
             kv.publish_meta()
