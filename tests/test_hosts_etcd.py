@@ -8,9 +8,13 @@ across), replacements started on host A join through the two etcd members left a
 rank's rounds are exact again. Before the replacements come, one of the two members left is stopped too (no
 quorum): the survivors' rounds stay exact, update_ep_member() fails at its deadline with StoreUnavailable
 naming the etcd store and a switch of the weights is refused naming the dead ranks (they cannot be sealed out;
-before, it went into gloo with them); the admission after it is resumed shows it works again. Then, still on two etcd members, an online EPLB chunk commits on every rank
-(its votes and decision in etcd; every redundant copy read from another host over the Transfer Engine, the
-replacements' copies taken over from the members' placement) and a TP<->EP switch of the unified weights
+before, it went into gloo with them); the admission after it is resumed shows it works again. Then, still on
+two etcd members, an online EPLB chunk is staged on every rank (every redundant copy read from another host
+over the Transfer Engine, the replacements' copies taken over from the members' placement) and the quorum is
+lost again in the middle of its vote: rank 0 votes GO and stops one of the two members left, the others vote
+after it. Every rank's commit step raises StoreUnavailable naming the etcd store at the rebalancer's
+timeout_us, rounds exact around it, nothing adopted; resumed, rank 0's GO is in etcd and no decision, and the
+chunk commits at the next step on every rank (one outcome). Then a TP<->EP switch of the unified weights
 built before the death completes both ways (gloo collectives on the "mooncake" transport, on a group of the
 current view built through etcd), weights bit-exact against the checkpoint.
 """
@@ -30,7 +34,7 @@ from tests.harness import RANK_STATE, outcome_value
 from tests.netns import make_network  # noqa: F401 - make_network is a fixture
 from tests.reference import expected_combine, expected_routing, structured_inputs, token_count
 from tests.test_faults import _mock_expert
-from tests.test_store_stall import LATE_S, _error_of
+from tests.test_store_stall import LATE_S, _error_of, rank_workers_end
 
 NUM_HOSTS, RANKS_PER_HOST = 3, 2
 R = NUM_HOSTS * RANKS_PER_HOST
@@ -158,20 +162,75 @@ def rank_full_rounds(ctx):
     return True
 
 
-def rank_rebalance(ctx):
+def rank_rebalance_begin(ctx):
     """Every rank's redundant copy becomes the expert of the rank two further on (another host: a Transfer
-    Engine read, from a replacement's slots for two of them); one chunk committed at step 2 on every rank."""
-    slots, rebalancer = RANK_STATE["slots"], RANK_STATE["rebalancer"]
+    Engine read, from a replacement's slots for two of them), one chunk to commit at step 2; staged at step 1."""
+    rebalancer = RANK_STATE["rebalancer"]
+    rebalancer.begin(_rebalanced_phy2log(), commit_step=2)
+    return rebalancer.step(1, RANK_STATE["buffer"].active_mask())
+
+
+def _rebalanced_phy2log():
     target = _initial_phy2log()
     target[:, SLOTS - 1::SLOTS] = [[(2 * r + 5) % E for r in range(R)]] * LAYERS
-    rebalancer.begin(target, commit_step=2)
-    active = RANK_STATE["buffer"].active_mask()
-    reports = [(r.epoch, r.outcome, r.reason) for step in (1, 2, 3) for r in rebalancer.step(step, active)]
-    frames_ok = all(torch.equal(slots.expert(layer, local)[0], weights.gate_up[expert])
-                    and torch.equal(slots.expert(layer, local)[1], weights.down[expert])
-                    for layer, weights in enumerate(_checkpoint()) for local, expert in enumerate(slots.local_experts(layer)))
-    return {"reports": reports, "placement": slots.phy2log.tolist() == target.tolist(), "frames_ok": frames_ok,
-            "te_reads": slots.te_reads}
+    return target
+
+
+def _frames_ok(slots):
+    return all(torch.equal(slots.expert(layer, local)[0], weights.gate_up[expert])
+               and torch.equal(slots.expert(layer, local)[1], weights.down[expert])
+               for layer, weights in enumerate(_checkpoint()) for local, expert in enumerate(slots.local_experts(layer)))
+
+
+MARK_WAIT_S = 60.0
+
+
+def rank_rebalance_stalled(ctx, member_pid, marker):
+    """At the chunk's commit step rank 0 votes GO and then SIGSTOPs etcd member `member_pid` (with host A's member
+    killed: no quorum); the other ranks vote after that. Every rank's commit step raises StoreUnavailable at the
+    rebalancer's timeout_us (rank 0 waiting for the votes, the others voting), rounds exact around it; nothing
+    adopted (the old placement serves, its frames intact, the chunk still queued). (seconds since the vote or
+    the stop, error type, message)."""
+    buffer, slots, rebalancer = RANK_STATE["buffer"], RANK_STATE["slots"], RANK_STATE["rebalancer"]
+    _round(ctx, buffer, 12)
+    vote, since = slots.ballot.vote, []
+
+    def vote_around_the_stop(epoch, *args, **kwargs):
+        if ctx.rank != 0:
+            deadline = time.monotonic() + MARK_WAIT_S
+            while not os.path.exists(marker):
+                assert time.monotonic() < deadline, "rank 0 never stopped the etcd member"
+                time.sleep(0.005)
+            since.append(time.monotonic())
+        vote(epoch, *args, **kwargs)
+        if ctx.rank == 0:  # its vote is in etcd: the quorum goes
+            harness.stop_process(member_pid)
+            since.append(time.monotonic())
+            with open(marker, "w") as flag:
+                flag.write("stopped")
+
+    slots.ballot.vote = vote_around_the_stop
+    try:
+        _, kind, message = _error_of(lambda: rebalancer.step(2, buffer.active_mask()))
+    finally:
+        del slots.ballot.vote
+    assert since, (kind, message)
+    seconds = time.monotonic() - since[0]
+    assert slots.phy2log.tolist() == _initial_phy2log().tolist() and rebalancer.in_progress, slots.phy2log
+    assert _frames_ok(slots), "a frame that serves changed"
+    _round(ctx, buffer, 13)
+    return seconds, kind, message
+
+
+def rank_rebalance_commit(ctx):
+    """The quorum back: rank 0's vote is in etcd, the chunk undecided; it commits at the next step on every
+    rank (rank 0 votes again)."""
+    slots, rebalancer = RANK_STATE["slots"], RANK_STATE["rebalancer"]
+    before = slots.ballot.records([0])[0][:2], slots.ballot.decisions([1])
+    reports = [(r.epoch, r.outcome, r.reason) for r in rebalancer.step(3, RANK_STATE["buffer"].active_mask())]
+    rank_workers_end(ctx)  # the store workers the stalled calls abandoned end
+    return {"before": before, "reports": reports, "frames_ok": _frames_ok(slots), "te_reads": slots.te_reads,
+            "placement": slots.phy2log.tolist() == _rebalanced_phy2log().tolist()}
 
 
 def rank_switch(ctx):
@@ -207,7 +266,7 @@ def rank_switch(ctx):
 
 
 @pytest.mark.parametrize("host_a", [0, 1], ids=["rank0-and-leader", "leader-not-rank0"])
-def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a):
+def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a, tmp_path):
     dead_ranks = [r for r in range(R) if RANK_HOSTS[r] == host_a]
     network = make_network(NUM_HOSTS)
     began = time.monotonic()
@@ -254,8 +313,22 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a):
         assert all(v == (list(range(R)), views[0][1]) for v in views), views
         assert all(outcome_value(o) for o in cluster.run(rank_full_rounds, timeout_s=120))
         phase("admitted, full rounds")
-        rebalanced = [outcome_value(o) for o in cluster.run(rank_rebalance, timeout_s=120)]
+        assert all(outcome_value(o) == [] for o in cluster.run(rank_rebalance_begin, timeout_s=120))
+        stopped = next(i for i in range(NUM_HOSTS) if i not in (host_a, etcd.leader()))  # rank 0 stops it
+        try:
+            failures = [outcome_value(o) for o in cluster.run(rank_rebalance_stalled, etcd.processes[stopped].pid,
+                                                              str(tmp_path / "member-stopped"), timeout_s=90)]
+        finally:
+            os.kill(etcd.processes[stopped].pid, signal.SIGCONT)
+        for elapsed, kind, message in failures:
+            assert kind == "StoreUnavailable" and "etcd://" in message and "online EPLB commit" in message, message
+            assert elapsed <= TIMEOUT_US / 1e6 + LATE_S, (elapsed, message)
+        assert (tmp_path / "member-stopped").exists()
+        print(f"online EPLB commit without quorum: StoreUnavailable after {[round(f[0], 2) for f in failures]} s "
+              f"(timeout_us {TIMEOUT_US / 1e6} s): {failures[0][2]}")
+        rebalanced = [outcome_value(o) for o in cluster.run(rank_rebalance_commit, timeout_s=120)]
         for rank, result in enumerate(rebalanced):
+            assert result["before"] == ([1, 1], {1: None}), (rank, result)  # rank 0's GO in, nobody decided
             assert result["reports"] == [(1, "committed", "")], (rank, result["reports"])
             assert result["placement"] and result["frames_ok"], (rank, result)
             assert result["te_reads"] == LAYERS, (rank, result)  # the new copy is held only on another host
