@@ -11,8 +11,12 @@ shrunk one (`renumber_placement`) grown by `grow_placement`, the newcomers' copi
 memory. Checked on every rank: every step's outputs equal the single-process reference (5 ranks, 4
 after the shrink, 6 after the grow), no dispatch-map entry names a slot outside the view (VICTIM's after
 the shrink, one past 6 * SPR after the grow), every expert is served, one switch-over step and one
-placement everywhere. Cells: shm, and shm with `_use_fallback` set on the members (the calls on the
-collective fallback): then every rank of the grown group, the newcomers too, runs on the fallback.
+placement everywhere. Cells: shm; shm with `_use_fallback` set on the members (the calls on the collective
+fallback): then every rank of the grown group, the newcomers too, runs on the fallback; a Buffer of the
+"collective" transport (its slots on a second, shm Buffer of each group, as test_shrink's and test_grow's,
+the grown group's built in `build`); the "cuda" transport on the emulated device (the slots in device
+memory). On the Transfer Engine across namespace hosts: tests/test_hosts_resize.py (the same rank function
+and checks).
 
 Unit tests (no processes): a grow and a shrink started together on one Buffer refuse each other by name,
 nothing changed; the request of a view with holes names it, a member asking with another view is
@@ -49,7 +53,15 @@ def _maps(phy2log, num_ranks, active):
     return build_dispatch_map(phy2log, num_ranks, num_ranks, active_ranks=active)
 
 
-def rank_5_4_6(ctx, fallback):
+MODES = {"shm": ("shm", False), "fallback": ("shm", True), "collective": ("collective", False),
+         "cuda": ("cuda", False), "mooncake": ("mooncake", False)}  # mode: (the members' transport, _use_fallback)
+# A live peer must never miss a deadline: the Transfer Engine across hosts and the emulated CUDA device wait longer.
+TIMEOUTS = {"mooncake": harness.FAULT_TIMEOUT_US_TE, "cuda": 3_000_000}
+
+
+def rank_5_4_6(ctx, mode):
+    """5 -> 4 -> 6 on one rank (module docstring); `mode` a key of MODES ("cuda": run it through
+    tests/test_cuda.on_device; "mooncake": on namespace hosts, tests/test_hosts_resize.py)."""
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.buffer.membership.grow import GrowOperation, join_grow
     from mooncake_ep_switch.eplb.grow_placement import grow_placement, grow_slots, renumber_placement
@@ -58,6 +70,7 @@ def rank_5_4_6(ctx, fallback):
     from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
     from mooncake_ep_switch.reference.moe_block import random_weights
 
+    transport, fallback = MODES[mode]
     old_group = dist.new_group(list(range(R0)))  # every process of the world calls it
     shape = SlotShape(LAYERS, EXPERTS, SPR, HIDDEN, INTER)
     size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, R1, R1 * SPR)
@@ -68,36 +81,41 @@ def rank_5_4_6(ctx, fallback):
         loads.append((layer, expert))
         return weights[layer].gate_up[expert], weights[layer].down[expert]
 
+    def holder_of(buffer, **store):  # on the collective transport the slots' frames sit on a second (shm) Buffer
+        return buffer if transport != "collective" else Buffer(buffer.group, size, transport="shm", **store)
+
+    def build(new, current):
+        holder = holder_of(new, store=new.membership.store.inner)
+        return holder, grow_slots(holder, shape, target, len(SURVIVORS), current, 1, loader)
+
     diffs, out = {}, {}
     if ctx.rank >= R0:  # a newcomer: rank 4 or 5 of the grown group; the placement comes from member 0
         rank = ctx.rank - 1
         started = time.monotonic()
-        target = None
-
-        def build(new):
-            return grow_slots(new, shape, target, len(SURVIVORS), None, 1, loader)
-
         ctx.store.wait([PLACEMENT_KEY])
         target = np.asarray(json.loads(ctx.store.get(PLACEMENT_KEY).decode()), dtype=np.int64)
         result = join_grow(ctx.store, rank, R1, size, Buffer, old_num_ranks=len(SURVIVORS), group_ranks=range(R0),
-                           build=build, timeout_s=120)
+                           build=lambda new: build(new, None), timeout_s=120)
         out.update(old_steps=[], shrink_s=None, grow_s=round(time.monotonic() - started, 3))
     else:
-        buffer = Buffer(old_group, size, transport="shm")
+        buffer = Buffer(old_group, size, transport=transport)
         if fallback:
             buffer._use_fallback = True  # Mooncake's switch, on every member together
-        slots = ExpertSlots(buffer, shape, np.asarray(PLACEMENT), spare_frames=1)
+        holder = holder_of(buffer)
+        slots = ExpertSlots(holder, shape, np.asarray(PLACEMENT), spare_frames=1)
         slots.load(weights)
-        rebalancer = OnlineRebalancer(slots, timeout_us=TIMEOUT_US, frames_per_step=1)
+        rebalancer = OnlineRebalancer(slots, timeout_us=TIMEOUTS.get(transport, TIMEOUT_US), frames_per_step=1)
         active = buffer.active_mask()
         diffs[1] = _forward(buffer, slots, weights, _maps(slots.phy2log, R0, active)[ctx.rank], active, ctx.rank, 1)
         if ctx.rank == VICTIM:
             os.kill(os.getpid(), signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while VICTIM not in buffer.dead_peers():  # no step meets the death: the shrink is what is tested
-            assert time.monotonic() < deadline, "the peer watcher never saw VICTIM end"
+        while VICTIM not in holder.dead_peers():  # no step meets the death: the shrink is what is tested
+            assert time.monotonic() < deadline, "the peer watcher never saw VICTIM end"  # (the collective has none)
             time.sleep(0.01)
         started = time.monotonic()
+        if holder is not buffer:
+            holder.shrink([VICTIM], timeout_s=60)  # the slots' Buffer leaves VICTIM too
         view, chunks = shrink_experts(buffer, rebalancer, [VICTIM], 2, loader, timeout_s=60)
         out["shrink_s"] = round(time.monotonic() - started, 3)
         active = buffer.active_mask()
@@ -115,8 +133,7 @@ def rank_5_4_6(ctx, fallback):
         if ctx.rank == SURVIVORS[0]:  # the engine's rank 0 broadcasts the grown placement (as SGLang's scale-up)
             ctx.store.set(PLACEMENT_KEY, json.dumps(target.tolist()))
         started = time.monotonic()
-        grow = GrowOperation(buffer, R1, Buffer, timeout_s=60,
-                             build=lambda new: grow_slots(new, shape, target, len(SURVIVORS), slots, 1, loader))
+        grow = GrowOperation(buffer, R1, Buffer, timeout_s=60, build=lambda new: build(new, slots))
         step, result, old_steps = 4, None, []
         while result is None:
             result = grow.poll(step)
@@ -128,8 +145,9 @@ def rank_5_4_6(ctx, fallback):
                 step += 1
         out.update(old_steps=old_steps, grow_s=round(time.monotonic() - started, 3), old_runs_on=buffer._transport.name)
         slots.destroy()
-        buffer.destroy()
-    new, grown = result.buffer, result.built
+        for old in {id(holder): holder, id(buffer): buffer}.values():
+            old.destroy()
+    new, (new_holder, grown) = result.buffer, result.built
     active = new.active_mask()
     maps = _maps(grown.slots.phy2log, R1, active)
     new_steps = [result.step, result.step + 1]
@@ -138,17 +156,35 @@ def rank_5_4_6(ctx, fallback):
     out.update(diffs=diffs, new_steps=new_steps, rank=new.rank, num_ranks=new.num_ranks, members=list(new.members),
                grown_mask=active.tolist(), phy2log=grown.slots.phy2log.tolist(), max_slot=int(maps.max()),
                unserved=int((maps < 0).sum()), from_members=grown.from_members, from_loader=grown.from_loader,
-               loads=loads, fallback=new._use_fallback, runs_on=new._transport.name)
+               loads=loads, fallback=new._use_fallback, runs_on=new._transport.name, te_reads=grown.slots.te_reads)
+    if transport == "mooncake":  # tests/test_hosts_resize.py: the routes of the grown Buffer
+        out["routes"] = list(new.peer_routes())
     grown.slots.destroy()
-    new.destroy()
+    for done in {id(new_holder): new_holder, id(new): new}.values():
+        done.destroy()
     return out
 
 
-@pytest.mark.parametrize("fallback", [False, True], ids=["shm", "fallback"])
-def test_grow_after_a_shrink_5_to_4_to_6_serves_exactly(fallback):
+@pytest.mark.parametrize("mode", ["shm", "fallback", "collective", "emulated cuda"])
+def test_grow_after_a_shrink_5_to_4_to_6_serves_exactly(mode):
+    # "emulated cuda": the "cuda" transport on the emulated device (tests/emulated_device.py), the slots in device
+    # memory, fresh processes (the swap stays); the Transfer Engine across hosts: tests/test_hosts_resize.py.
+    from tests.test_cuda import on_device
+
+    mode = mode.split()[-1]
+    runner = on_device(rank_5_4_6, True) if mode == "cuda" else (rank_5_4_6,)
     with harness.fresh_cluster(R0 + 2) as cluster:
-        outcomes = cluster.run(rank_5_4_6, fallback, timeout_s=240, failure_grace_s=60)
+        outcomes = cluster.run(*runner, mode, timeout_s=240, failure_grace_s=60)
         cluster.accept_dead(VICTIM)
+    check_5_4_6(outcomes, mode)
+
+
+def check_5_4_6(outcomes, mode):
+    """The checks of 5 -> 4 -> 6 on every rank's `rank_5_4_6` outcome (the test above, tests/test_hosts_resize.py);
+    prints the times after `mode`. Returns the survivors' and newcomers' values (world rank order)."""
+    transport, fallback = MODES[mode]
+    runs_on = "collective" if fallback else transport
+    fallback = runs_on == "collective"  # `_use_fallback` reads True on a Buffer built on the collective transport
     assert not outcomes[VICTIM].ok and outcomes[VICTIM].exitcode == -signal.SIGKILL, outcomes[VICTIM]
     outs = [outcome_value(o) for o in outcomes if o.rank != VICTIM]
     step = outs[0]["new_steps"][0]
@@ -161,14 +197,14 @@ def test_grow_after_a_shrink_5_to_4_to_6_serves_exactly(fallback):
         assert out["phy2log"] == outs[0]["phy2log"], where  # one placement
         assert out["max_slot"] < R1 * SPR and out["unserved"] == 0, where  # nothing outside the view, all served
         assert max(out["diffs"].values()) < LIMIT, (world, out["diffs"])
-        assert (out["fallback"], out["runs_on"]) == (fallback, "collective" if fallback else "shm"), where
+        assert (out["fallback"], out["runs_on"]) == (fallback, runs_on), where
         if world < R0:  # steps 1 (5 ranks), 2-3 (4 ranks, SOLE moved at 2) and the grow's, each once
             assert sorted(out["diffs"]) == list(range(1, step + 2)), where
             assert out["view"] == SURVIVORS and out["mask"] == [int(r != VICTIM) for r in range(R0)], where
             assert out["chunks"] == 1 and out["reports"] == ["committed"], where
             assert out["on_victim"] == 0 and out["shrunk_unserved"] == 0, where  # the shrunk maps skip VICTIM
-            assert out["from_members"] == LAYERS * SPR, where  # its own slots, copied locally
-            assert out["old_runs_on"] == ("collective" if fallback else "shm"), where
+            assert out["from_members"] == LAYERS * SPR and out["te_reads"] == 0, where  # its own slots, local copies
+            assert out["old_runs_on"] == runs_on, where
         else:  # the newcomers' copies came from the members' memory
             assert sorted(out["diffs"]) == [step, step + 1] and out["from_members"] == LAYERS * SPR, where
         assert out["from_loader"] == 0, where
@@ -176,8 +212,9 @@ def test_grow_after_a_shrink_5_to_4_to_6_serves_exactly(fallback):
     for layer in range(LAYERS):  # every expert on the grown group, SOLE too
         assert set(grown[layer].tolist()) == set(range(EXPERTS)), grown
     assert sum(len(out["loads"]) for out in outs) == 1, "one survivor loads SOLE (no live copy) at the shrink"
-    print(f"5 -> 4 -> 6 ({'fallback' if fallback else 'shm'}): shrink (s)", [out["shrink_s"] for out in outs[:4]],
+    print(f"5 -> 4 -> 6 ({mode}): shrink (s)", [out["shrink_s"] for out in outs[:4]],
           "grow (s)", [out["grow_s"] for out in outs], "switch step", step)
+    return outs
 
 
 def _member(core, buffer_bytes=1 << 20):

@@ -17,6 +17,10 @@ no dispatch-map entry or slot lies outside the view, and the expert weights come
   fix it read the other host's region as if mapped: "rank: peer 1 is not mapped"). On the grown group every rank
   then reads every slot of the other host's ranks over the Transfer Engine (the grown group's region records),
   each exactly its expert's weights.
+* 5 -> 4 -> 6 in one job (tests/test_grow_after_shrink.py's rank function and checks): ranks 0, 2, 4 on host 0,
+  1, 3 on host 1; rank 2 is SIGKILLed, the four survivors shrink, then grow with newcomer 5 on host 1 and newcomer
+  6 on host 0 (ranks 4 and 5 of the grown group, the members renumbered densely); each newcomer reads the slots
+  that the first member holding its expert has on the other host over the Transfer Engine.
 
 The shrink and the grow on the emulated CUDA device: the "emulated cuda" cells of test_shrink and test_grow.
 """
@@ -150,3 +154,35 @@ def _across_host_copies():
             counts[slot // spr] += GROW_HOSTS[holder] != GROW_HOSTS[slot // spr]
     assert counts[g.R0] and counts[g.R0 + 1], counts  # both newcomers read across hosts
     return counts
+
+
+RESIZE_HOSTS = [0, 1, 0, 1, 0, 1, 0]  # 5 -> 4 -> 6: ranks 0, 2 (the victim), 4 on host 0, 1, 3 on host 1; newcomer
+# 5 on host 1, newcomer 6 on host 0 (ranks 4 and 5 of the grown group)
+
+
+def test_grow_after_a_shrink_5_to_4_to_6_across_hosts(make_network):
+    """5 -> 4 -> 6 in one job on 2 hosts (test_grow_after_shrink's rank function and checks): the victim on host 0
+    is SIGKILLed, the four survivors of both hosts shrink, then grow by a newcomer on each host, renumbered densely;
+    each newcomer copies its slots from the members' memory, over the Transfer Engine from the other host."""
+    from tests import test_grow_after_shrink as gas
+
+    assert len(RESIZE_HOSTS) == gas.R0 + 2 and RESIZE_HOSTS[gas.VICTIM] == 0
+    network = make_network(NUM_HOSTS)
+    with harness.fresh_cluster(gas.R0 + 2, network=network.placement(RESIZE_HOSTS)) as cluster:
+        outcomes = cluster.run(gas.rank_5_4_6, TRANSPORT, timeout_s=240, failure_grace_s=60)
+        cluster.accept_dead(gas.VICTIM)
+        processes = list(cluster.processes)
+    assert not any(process.is_alive() for process in processes), "leftover rank processes"
+    outs = gas.check_5_4_6(outcomes, TRANSPORT)
+    hosts = [RESIZE_HOSTS[world] for world in gas.SURVIVORS + [gas.R0, gas.R0 + 1]]  # by rank of the grown group
+    for rank, out in enumerate(outs):
+        assert out["routes"] == _routes(rank, hosts), (rank, out["routes"])
+    # Each newcomer copies a slot from the first member slot holding its expert: across hosts over the Transfer Engine.
+    grown, spr, members = outs[0]["phy2log"], gas.SPR, len(gas.SURVIVORS)
+    across = [0] * gas.R1
+    for layer in grown:
+        for slot in range(members * spr, gas.R1 * spr):
+            holder = layer[:members * spr].index(layer[slot]) // spr
+            across[slot // spr] += hosts[holder] != hosts[slot // spr]
+    assert across[members] and across[members + 1], across  # both newcomers read across hosts
+    assert [out["te_reads"] for out in outs] == across, [out["te_reads"] for out in outs]
