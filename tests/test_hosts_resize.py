@@ -186,3 +186,4 @@ def test_grow_after_a_shrink_5_to_4_to_6_across_hosts(make_network):
             across[slot // spr] += hosts[holder] != hosts[slot // spr]
     assert across[members] and across[members + 1], across  # both newcomers read across hosts
     assert [out["te_reads"] for out in outs] == across, [out["te_reads"] for out in outs]
+    print("5 -> 4 -> 6 across hosts: slots read over the Transfer Engine per rank of the grown group", across)
