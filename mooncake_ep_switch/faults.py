@@ -6,7 +6,8 @@ or `*` for any. Points: `dispatch_after_data` (data written into peers, signals 
 `update_after_ready` (readiness for the next epoch posted, peers not mapped), and in the online
 EPLB commit step (`call` = the chunk's epoch) `eplb_before_vote` (staged, vote not published),
 `eplb_after_vote` (vote published, decision not read); in a grow (buffer/membership/grow.py, `call` unused)
-`grow_before_vote` (a member whose build finished, its GO not published), `grow_after_decision` (a member
+`grow_build` (a member's build thread, before the new gloo group), `grow_before_vote` (a member whose build
+finished, its GO not published), `grow_after_decision` (a member
 that read the COMMIT, the switch-over step not written), `grow_weight_copy` (a newcomer past the members'
 copies, its own not made) and `grow_before_switch` (a newcomer built, the switch-over step not read).
 Unset in production: `FaultPoint.parse(None)` is None and nothing is checked.

@@ -3,9 +3,10 @@
 Each case kills or freezes one rank at a named fault point (mooncake_ep_switch/faults.py) of a grow that test_grow
 runs without faults, while ranks 0-2 serve two MoE layers of physical experts at every step and poll the grow:
 
-- a member SIGKILLed at the agreement (`grow_before_vote`: its build finished, its GO not cast): the grow is FAILED
-  at one poll on every survivor, which serve on over the 3-rank group with the dead rank masked; the newcomers
-  are told and leave;
+- a member SIGKILLed as its build begins (`grow_build`: before the new gloo group) or at the agreement
+  (`grow_before_vote`: its build finished, its GO not cast): the grow is FAILED at one poll on every survivor, which
+  serve on over the 3-rank group with the dead rank masked (the others' builds never hold up their polls); the
+  newcomers are told and leave;
 - a member SIGKILLed at the switch-over (`grow_after_decision`: COMMIT read, nothing else done): every survivor
   (members and newcomers) serves the agreed step and the next on the 5-rank group with the dead rank masked;
 - a newcomer SIGSTOPped in its weight copy (`grow_weight_copy`): the members' builds end at the build's deadline,
@@ -157,6 +158,7 @@ def rank_grow_fault(ctx, how, who, grow_s):
 
 # point, how, the faulty rank, the build's deadline, whether the survivors end on the grown group
 CASES = {
+    "member killed as its build begins": ("grow_build", "kill", VICTIM, GROW_S, False),
     "member killed at the agreement": ("grow_before_vote", "kill", VICTIM, GROW_S, False),
     "member killed at the switch-over": ("grow_after_decision", "kill", VICTIM, GROW_S, True),
     "newcomer stopped in the weight copy": ("grow_weight_copy", "stop", STOPPED, COPY_GROW_S, False),
@@ -222,7 +224,7 @@ def test_a_rank_killed_or_stopped_in_a_grow_leaves_one_size_and_one_placement(ca
     if how == "kill" and not grown:
         assert f"members [{who}] ended" in outs[0]["failure"][1], outs[0]["failure"]
     if how == "stop" and not grown:
-        assert "were not built and loaded by the build's deadline" in outs[0]["failure"][1], outs[0]["failure"]
+        assert "had not been built and loaded by the build's deadline" in outs[0]["failure"][1], outs[0]["failure"]
     print(f"\n{case}: {'switched at step' if grown else 'FAILED at poll'} {step}; members' grow ended after (s):",
           [outs[r]["failure"][2] if outs[r]["failure"] else None for r in members], f"whole case {seconds:.1f} s")
 

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from mooncake_ep_switch.buffer.ballot import Ballot
 from mooncake_ep_switch.buffer.membership import resize_guard
 from mooncake_ep_switch.buffer.membership.group_keys import group_prefix, root_store
+from mooncake_ep_switch.buffer.membership.grow_barrier import own_client, store_barrier
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError, check_seconds
 from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.faults import FaultPoint
@@ -172,6 +173,9 @@ def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: in
     keys, deadline = f"{base}/grow/{attempt}", time.monotonic() + timeout_s
     phase = "the gloo group"
     try:
+        # Every rank came first (a count that a failed grow ends at once): gloo's rendezvous would wait for a rank
+        # that died before it came until the deadline, whatever the others learnt meanwhile.
+        store_barrier(store, keys, "arrived", num_ranks, deadline, "come to the build")
         rendezvous = dist.PrefixStore(f"{keys}/pg", store)
         backend = dist.ProcessGroupGloo(rendezvous, rank, num_ranks, timedelta(seconds=timeout_s))
         group = dist.ProcessGroup(rendezvous, rank, num_ranks)  # a ProcessGroup (not registered with torch's world)
@@ -189,7 +193,7 @@ def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: in
         phase = "build()"
         built = build(buffer) if build is not None else None
         phase = "the closing barrier"
-        _closing_barrier(store, keys, rank, num_ranks, buffer, deadline)
+        store_barrier(store, keys, "built", num_ranks, deadline, "been built and loaded", buffer.dead_peers)
     except Exception as error:
         # torch names no gloo error of an unregistered group (its logger raises "not initialized in the world group
         # map" instead): the ranks this Buffer saw end say more.
@@ -199,28 +203,6 @@ def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: in
                               + (f", ranks {dead} ended" if dead else "")
                               + f" ({type(error).__name__}: {error})") from error
     return buffer, built
-
-
-def _closing_barrier(store, keys: str, rank: int, num_ranks: int, buffer, deadline: float) -> None:
-    """Wait until every rank of the grown group is built and loaded (a count in the store, not a gloo barrier):
-    a grow that failed elsewhere (its failed record) or a rank of the new Buffer that ended ends the wait at
-    once, on a member's build thread as on a newcomer resumed after a stop; MembershipError names which."""
-    count = f"{keys}/built"
-    store.add(count, 1)
-    pause = 0.001
-    while True:
-        failed = _get(store, f"{keys}/failed")
-        if failed is not None:
-            raise MembershipError(f"the grow failed meanwhile ({failed})")
-        if store.add(count, 0) >= num_ranks:
-            return
-        if buffer.dead_peers():
-            raise MembershipError("a rank of the grown group ended before every rank was built")
-        if time.monotonic() >= deadline:
-            raise MembershipError(f"{num_ranks - store.add(count, 0)} of the {num_ranks} ranks were not built and "
-                                  "loaded by the build's deadline (stalled, or slower than timeout_s)")
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL_MAX_S)
 
 
 def _discard(result: Tuple[Any, Any]) -> None:
@@ -305,14 +287,21 @@ class GrowOperation:
     def _run(self, make_buffer, build) -> None:
         deadline = time.monotonic() + self.timeout_s
         try:
+            # A store client of its own: the build's waits (the gloo group's rendezvous blocks its client until every
+            # rank came) never hold up this member's polls and membership calls, which share the current Buffer's
+            # store worker (it would stop serving, and its peers mask it).
+            store = own_client(self._store)
             newcomers = range(len(self._members), self.num_ranks)
             for rank in newcomers:
-                _, value = _wait_key(self._store, [f"{self._keys}/newcomer/{rank}", f"{self._keys}/failed"], deadline,
+                _, value = _wait_key(store, [f"{self._keys}/newcomer/{rank}", f"{self._keys}/failed"], deadline,
                                      f"newcomer rank {rank} (join_grow)")
                 if value != "ready":
                     raise MembershipError(f"grow: {value}")
-            self._store.set(f"{self._keys}/build", "go")  # every newcomer accepted the request: build together
-            result = _build(self._store, self._base, self.attempt, self._rank, self.num_ranks,
+            store.set(f"{self._keys}/build", "go")  # every newcomer accepted the request: build together
+            fault = FaultPoint.parse(self.buffer.settings.fault_point)  # test-only (None unless MEP_FAULT_POINT is set)
+            if fault is not None:
+                fault.hit("grow_build", self.buffer.rank)
+            result = _build(store, self._base, self.attempt, self._rank, self.num_ranks,
                             self.buffer.num_ep_buffer_bytes, self.buffer.transport, make_buffer, build,
                             max(1.0, deadline - time.monotonic()), self._fallback)
         except BaseException as error:  # reported by poll() on every member (the failed record)
