@@ -97,7 +97,7 @@ def rank_grow_fault(ctx, how, who, grow_s):
     weights = [random_weights(EXPERTS, HIDDEN, INTER, seed=500 + layer) for layer in range(LAYERS)]
     target = grow_placement(np.asarray(PLACEMENT), R0, R1, SPR, EXPERTS)
     served, started = [], time.monotonic()  # (step, group size, diff, masked ranks) per served step
-    out = {"old_steps": [], "new_steps": [], "failure": None, "result_step": None}
+    out = {"failure": None, "result_step": None}
     if ctx.rank < R0:
         buffer = Buffer(old_group, size, transport="shm")
         slots = ExpertSlots(buffer, shape, np.asarray(PLACEMENT), spare_frames=1)
