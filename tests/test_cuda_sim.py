@@ -159,15 +159,17 @@ class Backend:
                               out["layout_range"].data_ptr(), self.stream())
         self.settle()
 
-    def combine_recv(self, rank, number, topk, weights, active, combined) -> List[int]:
+    def combine_recv(self, rank, number, topk, weights, active, combined, bias=None) -> List[int]:
         s = self.shape
+        bias = {} if bias is None else bias  # the reductions' bias keywords (bias0_ptr, ..., bias_hidden)
         if self.kind == "native":
             base = self.regions[rank].data_ptr() + self.layout.half_offset(number)
             return list(_native.combine_recv(base, s.num_ranks, rank, s.tokens, s.hidden, s.experts,
                                              signal_tag(number), active.data_ptr(), self.timeout_us, topk.data_ptr(),
-                                             weights.data_ptr(), topk.size(0), topk.size(1), combined.data_ptr()))
+                                             weights.data_ptr(), topk.size(0), topk.size(1), combined.data_ptr(),
+                                             **bias))
         self.mod.combine_recv(self.calls[rank], self.region, topk.data_ptr(), weights.data_ptr(), topk.size(0),
-                              topk.size(1), combined.data_ptr(), self.stream())
+                              topk.size(1), combined.data_ptr(), self.stream(), **bias)
         self.settle()
         return self.failed(rank)
 
@@ -181,12 +183,13 @@ class Backend:
 
 def run_round(kind: str, shape: Shape, inputs, number: int, use_fp8: bool, masks: Optional[list] = None,
               absent: tuple = (), leaves_after_dispatch: tuple = (), timeout_us: int = 30_000_000,
-              backend: Optional[Backend] = None, advance: int = 0) -> dict:
+              backend: Optional[Backend] = None, advance: int = 0, biases: Optional[list] = None) -> dict:
     """One dispatch + mock experts + combine of every rank on one backend.
 
     Ranks in `absent` take no part at all; ranks in `leaves_after_dispatch` dispatch and receive but
-    never combine. Returns per-rank outputs (on the CPU), masks and the sources each receive marked
-    failed.
+    never combine. `biases[rank]`: (bias0, bias1, bias_hidden), CPU bf16 `[N, w]` tensors or None whose
+    first bias_hidden channels (rows 2 * w bytes apart) that rank's combine starts from. Returns per-rank
+    outputs (on the CPU), masks and the sources each receive marked failed.
     """
     R = shape.num_ranks
     backend = backend or Backend(kind, shape, timeout_us)
@@ -211,7 +214,15 @@ def run_round(kind: str, shape: Shape, inputs, number: int, use_fp8: bool, masks
     combined = {}
     for rank in combining:
         combined[rank] = torch.full((inputs[rank].x.size(0), shape.hidden), 3.0, dtype=torch.bfloat16, device=dev)
-        failed[rank] += backend.combine_recv(rank, number, topks[rank], weights[rank], actives[rank], combined[rank])
+        bias, parts = None, None  # `parts` holds the bias rows until the (synchronised) receive is done
+        if biases is not None:
+            parts = [None if b is None else b.to(dev) for b in biases[rank][:2]]
+            given = next(b for b in parts if b is not None)
+            bias = {"bias0_ptr": 0 if parts[0] is None else parts[0].data_ptr(),
+                    "bias1_ptr": 0 if parts[1] is None else parts[1].data_ptr(),
+                    "bias_stride": 2 * given.size(1), "bias_hidden": biases[rank][2]}
+        failed[rank] += backend.combine_recv(rank, number, topks[rank], weights[rank], actives[rank], combined[rank],
+                                             bias)
     return {"outs": [{k: v.cpu() for k, v in out.items()} for out in outs],
             "combined": {r: c.cpu() for r, c in combined.items()}, "after_dispatch": after_dispatch,
             "active": [a.tolist() for a in actives], "failed": failed, "backend": backend}
@@ -394,6 +405,85 @@ def test_eager_tag_is_the_host_call_even_after_a_later_one(device):
     assert int(backend.counters[0][0]) == 12
     run_round(device, shape, inputs, 11, False, backend=backend)  # issued before 12, ran after it
     assert int(backend.words[0][0]) == 11 and int(backend.counters[0][0]) == 12
+
+
+def _bias_rows(n: int, width: int, generator: torch.Generator) -> torch.Tensor:
+    """Random bf16 bias rows with some -0.0 and +0.0 (the sum starts from 0.0f + 1.0f * bias: -0.0 becomes
+    +0.0 on the CPU, and must on the device too)."""
+    rows = torch.randn(n, width, generator=generator).to(torch.bfloat16)
+    if n:
+        rows[:, ::7] = -0.0
+        rows[:, 3::11] = 0.0
+    return rows
+
+
+def _biased_reference(seen, topk_idx, weights, parts, bias_hidden, local) -> torch.Tensor:
+    """`bf16(bias0 + bias1 + sum_k w[t,k] * y(e_k, t))` in fp32 from +0.0, bias first (on the first
+    bias_hidden channels), then top-k order; independent of both kernels (tests/reference.py's rule)."""
+    out = torch.zeros((topk_idx.size(0), seen.size(1)), dtype=torch.float32)
+    for part in parts:
+        if part is not None:
+            out[:, :bias_hidden] = out[:, :bias_hidden] + 1.0 * part[:, :bias_hidden].float()
+    for k in range(topk_idx.size(1)):
+        for token in range(topk_idx.size(0)):
+            expert = int(topk_idx[token, k])
+            if expert < 0:
+                continue
+            y = (seen[token].float() * expert_scale(expert)).to(torch.bfloat16).float()
+            out[token] = out[token] + weights[token, k] * y
+    return out.to(torch.bfloat16)
+
+
+# (which biases, their width, the channels they cover): both over every channel; bias 1 alone over an odd
+# number of channels of wider rows (a word of two channels half biased; rows further apart than the channels)
+BIAS_CASES = [pytest.param(((True, True), 256, 256), id="two-full"),
+              pytest.param(((False, True), 200, 129), id="bias1-129-of-200")]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_combine_starts_from_the_bias_as_the_cpu_does(device, case):
+    """The device combine's sum starts from bias 0 then bias 1 (weight 1, read in place), bit for bit the
+    CPU transport's combine_recv with the same bias, and right against an independent reference."""
+    which, width, bias_hidden = case
+    shape = Shape(2, 24, 256, 8, 4)
+    inputs = _inputs(shape, seed=17)
+    for inp in inputs:  # a token that selects nothing: its sum is the bias alone (-0.0 channels give +0.0)
+        if inp.topk_idx.size(0):
+            inp.topk_idx[-1] = -1
+    g = torch.Generator().manual_seed(5)
+    biases = [tuple(_bias_rows(inp.x.size(0), width, g) if on else None for on in which) + (bias_hidden,)
+              for inp in inputs]
+    if all(which):  # +2^24 then -2^24 on channels 8-15: first, they cancel exactly; added after the rows
+        for bias0, bias1, _ in biases:  # (or between), the rows' sum would be rounded to an even integer
+            bias0[:, 8:16], bias1[:, 8:16] = 2.0 ** 24, -2.0 ** 24
+    native = run_round("native", shape, inputs, 5, False, biases=biases)
+    emulated = run_round(device, shape, inputs, 5, False, biases=biases)
+    _assert_identical(shape, native, emulated, range(2), False)
+    plain = run_round("native", shape, inputs, 5, False)
+    for rank, inp in enumerate(inputs):
+        got = emulated["combined"][rank]
+        assert torch.equal(got.view(torch.int16),
+                           _biased_reference(inp.x, inp.topk_idx, inp.weights, biases[rank][:2], bias_hidden,
+                                             shape.experts // shape.num_ranks).view(torch.int16)), rank
+        if inp.x.size(0):  # the bias changed the biased channels, and only those
+            assert not torch.equal(got[:, :bias_hidden], plain["combined"][rank][:, :bias_hidden])
+            assert torch.equal(got[:, bias_hidden:], plain["combined"][rank][:, bias_hidden:])
+
+
+def test_combine_launcher_refuses_bad_bias_arguments():
+    """bias_hidden outside [1, hidden], a stride under its rows or odd, an odd address: refused by name
+    before anything is launched."""
+    backend = Backend("sim", Shape(2, 8, 128, 4, 2), 1000)
+    call = sim.Call(2, 0, 8, 128, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0)  # never launched: checked first
+    bias = torch.zeros(8, 128, dtype=torch.bfloat16)
+    good = dict(bias0_ptr=bias.data_ptr(), bias1_ptr=0, bias_stride=256, bias_hidden=128)
+    for name, change in (("bias_hidden", dict(bias_hidden=0)), ("bias_hidden", dict(bias_hidden=129)),
+                         ("bias_stride", dict(bias_stride=254)), ("bias_stride", dict(bias_stride=257)),
+                         ("bias0_ptr", dict(bias0_ptr=bias.data_ptr() + 1))):
+        with pytest.raises(ValueError, match=name):
+            sim.combine_recv(call, backend.region, 1, 1, 1, 1, 1, 0, **{**good, **change})
+    assert all(int(region.count_nonzero()) == 0 for region in backend.regions)
 
 
 def test_value_check_kernel_names_the_problem():

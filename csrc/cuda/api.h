@@ -90,8 +90,12 @@ void dispatch_recv(const Call& call, const Region& region, bool use_fp8, int32_t
 void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t src_info, uintptr_t layout_range,
                   uintptr_t stream);
 // Combine receive phase: wait per active owner, then the fp32 weighted sum in top-k order -> bf16.
+// bias0_ptr / bias1_ptr (0 = none): bf16 `[num_tokens, bias_hidden]` rows `bias_stride` bytes apart
+// (device memory) that each token's sum starts from on its first bias_hidden channels, bias 0 then
+// bias 1 with weight 1, read in place: the CPU transports' combine_recv bias, bit for bit.
 void combine_recv(const Call& call, const Region& region, uintptr_t topk_idx, uintptr_t topk_weights,
-                  int32_t num_tokens, int32_t top_k, uintptr_t out, uintptr_t stream);
+                  int32_t num_tokens, int32_t top_k, uintptr_t out, uintptr_t stream, uintptr_t bias0_ptr = 0,
+                  uintptr_t bias1_ptr = 0, int64_t bias_stride = 0, int64_t bias_hidden = 0);
 // One value pass over the call's routing and mask (eager calls only; the host reads the code):
 // writes into `problem` (device int32 [4]) {code, row, column, value}; code 0 = fine, 1 = an id
 // outside [-1, E), 2 = an expert twice in a row, 3 = a mask value other than 0 and 1.

@@ -49,7 +49,9 @@ inline void bind_kernels(pybind11::module_& m) {
     m.def("combine_send", &mep_cuda::combine_send, release(), "call"_a, "region"_a, "x"_a, "src_info"_a,
           "layout_range"_a, "stream"_a, "Launch a combine's send phase on `stream`.");
     m.def("combine_recv", &mep_cuda::combine_recv, release(), "call"_a, "region"_a, "topk_idx"_a, "topk_weights"_a,
-          "num_tokens"_a, "top_k"_a, "out"_a, "stream"_a, "Launch a combine's receive phase on `stream`.");
+          "num_tokens"_a, "top_k"_a, "out"_a, "stream"_a, py::kw_only(), "bias0_ptr"_a = 0, "bias1_ptr"_a = 0,
+          "bias_stride"_a = 0, "bias_hidden"_a = 0,
+          "Launch a combine's receive phase on `stream` (the sums start from the bias rows, 0 = none).");
     m.def("check_values", &mep_cuda::check_values, release(), "topk_idx"_a, "num_tokens"_a, "top_k"_a,
           "num_experts"_a, "active"_a, "num_ranks"_a, "problem"_a, "stream"_a,
           "Launch the value check of a call's routing and mask into `problem` (device int32 [4]).");

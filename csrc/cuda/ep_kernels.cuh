@@ -482,11 +482,39 @@ __global__ void k_combine_wait(Call call, Region region) {
     wait_source(call, signals, owner, L, nullptr);
 }
 
-// Block t: out[t] = bf16(sum over k in order of w[t,k] * float(combine_data[e_k][t])), in float32
-// with a separate multiply and add (never fused), skipping -1 and inactive owners. Two channels a
-// thread. Dynamic shared memory: K expert ids (int64) then K weights (float).
+// Up to two bf16 bias tensors `[num_tokens, hidden]` (rows `stride` bytes apart; null = absent) that the
+// combine's sums start from: channel c < hidden of token t adds bias0[t][c] and then bias1[t][c], each
+// with weight 1.0, before the rows (as if they were the first two rows of the top-k), exactly as the CPU
+// transports' reduction (csrc/dataplane/rows.h RowBias, biased_sum_row); channels past `hidden` sum the
+// rows alone. Read where they are: no bias row is ever copied.
+struct Bias {
+    const uint8_t* bias0;
+    const uint8_t* bias1;
+    int64_t stride;
+    int64_t hidden;
+};
+
+// Channel c of token t's sum after its bias rows: 0.0f + 1.0f * bias0 + 1.0f * bias1, each a separate
+// multiply and add (the CPU's operations, so a bias of -0.0 gives +0.0 there too).
+__device__ __forceinline__ float bias_start(const Bias& bias, int64_t t, int64_t c) {
+    float acc = 0.0f;
+    if (c >= bias.hidden) return acc;
+    const uint8_t* const parts[2] = {bias.bias0, bias.bias1};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const uint8_t* rows = parts[i];
+        if (rows == nullptr) continue;
+        const uint16_t value = reinterpret_cast<const uint16_t*>(rows + t * bias.stride)[c];
+        acc = __fadd_rn(acc, __fmul_rn(1.0f, bf16_to_float(value)));
+    }
+    return acc;
+}
+
+// Block t: out[t] = bf16(bias0[t] + bias1[t] + sum over k in order of w[t,k] * float(combine_data[e_k][t])),
+// in float32 with a separate multiply and add (never fused), skipping -1 and inactive owners. Two
+// channels a thread. Dynamic shared memory: K expert ids (int64) then K weights (float).
 __global__ void k_combine_reduce(Call call, Region region, const int64_t* topk, const float* weights, int32_t top_k,
-                                 uint16_t* out) {
+                                 uint16_t* out, Bias bias) {
     int64_t* shared = dynamic_shared<int64_t>();
     int64_t* experts = shared;
     float* w = reinterpret_cast<float*>(shared + top_k);
@@ -503,7 +531,7 @@ __global__ void k_combine_reduce(Call call, Region region, const int64_t* topk, 
     const auto* data = reinterpret_cast<const uint32_t*>(half + region.combine_data);
     const int64_t words_per_row = H / 2;
     for (int64_t j = threadIdx.x; j < words_per_row; j += blockDim.x) {
-        float lo = 0.0f, hi = 0.0f;
+        float lo = bias_start(bias, t, 2 * j), hi = bias_start(bias, t, 2 * j + 1);
         for (int32_t k = 0; k < top_k; ++k) {
             const int64_t expert = experts[k];
             if (expert < 0) continue;
@@ -639,17 +667,32 @@ void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t
 }
 
 void combine_recv(const Call& call, const Region& region, uintptr_t topk_idx, uintptr_t topk_weights,
-                  int32_t num_tokens, int32_t top_k, uintptr_t out, uintptr_t stream) {
+                  int32_t num_tokens, int32_t top_k, uintptr_t out, uintptr_t stream, uintptr_t bias0_ptr,
+                  uintptr_t bias1_ptr, int64_t bias_stride, int64_t bias_hidden) {
     check_call(call);
     if (num_tokens < 0 || num_tokens > call.max_tokens)
         throw std::invalid_argument("num_tokens: expected [0, " + std::to_string(call.max_tokens) + "], got " +
                                     std::to_string(num_tokens));
     if (top_k < 1 || top_k > 4096) throw std::invalid_argument("top_k: expected [1, 4096] (shared memory per token)");
+    Bias bias{nullptr, nullptr, 0, 0};
+    if (bias0_ptr != 0 || bias1_ptr != 0) {  // the CPU reduction's checks (make_row_bias), and bf16 alignment
+        if (bias_hidden <= 0 || bias_hidden > call.hidden)
+            throw std::invalid_argument("bias_hidden: expected [1, " + std::to_string(call.hidden) +
+                                        "] (the combine's hidden), got " + std::to_string(bias_hidden));
+        if (bias_stride < 2 * bias_hidden || bias_stride % 2 != 0)
+            throw std::invalid_argument("bias_stride: expected an even number of bytes >= " +
+                                        std::to_string(2 * bias_hidden) + " (2 * bias_hidden), got " +
+                                        std::to_string(bias_stride));
+        if ((bias0_ptr | bias1_ptr) % 2 != 0)
+            throw std::invalid_argument("bias0_ptr, bias1_ptr: expected 2-byte aligned bf16 rows, got an odd address");
+        bias = Bias{reinterpret_cast<const uint8_t*>(bias0_ptr), reinterpret_cast<const uint8_t*>(bias1_ptr),
+                    bias_stride, bias_hidden};
+    }
     const Stream s = as_stream(stream);
     MEP_LAUNCH(k_combine_wait, call.num_ranks, 32, 0, s, call, region);
     if (num_tokens > 0) {
         const size_t shared = size_t(top_k) * (sizeof(int64_t) + sizeof(float));
-        MEP_LAUNCH(k_combine_reduce, num_tokens, kThreads, shared, s, call, region, reinterpret_cast<const int64_t*>(topk_idx), reinterpret_cast<const float*>(topk_weights), top_k, reinterpret_cast<uint16_t*>(out));
+        MEP_LAUNCH(k_combine_reduce, num_tokens, kThreads, shared, s, call, region, reinterpret_cast<const int64_t*>(topk_idx), reinterpret_cast<const float*>(topk_weights), top_k, reinterpret_cast<uint16_t*>(out), bias);
     }
 }
 
