@@ -3,7 +3,7 @@
 and sources as the index form in every layout. Pure torch, no ranks."""
 import torch
 
-from mooncake_ep_switch.elastic_buffer.inner_rows import as_index, inner_sources, write_biases
+from mooncake_ep_switch.elastic_buffer.inner_rows import as_index, inner_sources
 
 T = 10
 
@@ -57,17 +57,3 @@ def test_tokens_not_ascending_inside_a_block_are_sorted():
 def test_no_rows():
     rows, src_global = inner_sources(_handle({}), 0, T, as_slice=True)
     assert rows == slice(0, 0) and src_global.numel() == 0
-
-
-def test_bias_slots_are_zeroed_and_filled_and_skipped_without_slots():
-    rank, hidden, width = 1, 4, 8
-    src_info, layout_range = _handle({rank: (0, [0, 2])}, slot=1)
-    inner_x = torch.full((3, 3 * T, width), 7.0, dtype=torch.bfloat16)
-    untouched = inner_x.clone()
-    write_biases(inner_x, (src_info, layout_range), (None, None), 0, rank, 3, T)  # no bias slots: nothing
-    assert torch.equal(inner_x, untouched)
-    bias = torch.arange(3 * hidden, dtype=torch.float32).reshape(3, hidden).to(torch.bfloat16)
-    write_biases(inner_x, (src_info, layout_range), (bias, None), 1, rank, 3, T)
-    assert torch.equal(inner_x[1, 0, :hidden], bias[0]) and torch.equal(inner_x[1, 1, :hidden], bias[2])
-    assert not inner_x[1, :2, hidden:].any()  # the rest of a bias row is zero
-    assert torch.equal(inner_x[1, 2:], untouched[1, 2:]) and torch.equal(inner_x[0], untouched[0])

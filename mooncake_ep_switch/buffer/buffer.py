@@ -816,10 +816,10 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
             return_recv_hook: return after the send phase; `out` is valid after `hook()`.
             out: optional `[num_tokens, hidden]` torch.bfloat16 output tensor.
             diagnostic: Mooncake's newer keyword, accepted and ignored (see `dispatch`).
-            bias: this runtime's keyword (host transports): None, or one or a pair of `[num_tokens, h]`
-                torch.bfloat16 (`h <= hidden`, the same for both) that each token's float32 sum starts
-                from: `bf16(bias0 + bias1 + sum_k ...)` on the first `h` channels, read where they are
-                (never copied or sent).
+            bias: this runtime's keyword (every transport): None, or one or a pair of `[num_tokens, h]`
+                torch.bfloat16 (`h <= hidden`, the same for both; CUDA tensors on the 'cuda' transport)
+                that each token's float32 sum starts from: `bf16(bias0 + bias1 + sum_k ...)` on the first
+                `h` channels, read where they are by the reduction (never copied or sent).
 
         Returns:
             combined_x: `[num_tokens, hidden]` torch.bfloat16 (`out` if given, else pooled memory that
@@ -836,11 +836,8 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
         if zero_copy:  # the outputs are in the handle's combine buffer already: whatever `x` is, use that
             x = self.get_next_combine_buffer(handle)
         if self.device is not None:
-            if bias is not None:
-                raise ValueError("bias: expected None on the 'cuda' transport (a bias is read by the host "
-                                 f"transports' reduction), got {type(bias).__name__}")
             result = device_calls.combine(self._core, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
-                                          async_finish, return_recv_hook, out)
+                                          async_finish, return_recv_hook, out, bias)
             stats = self._core.stats
             stats.combines += 1
             stats.combine_bytes += result[0].numel() * 2

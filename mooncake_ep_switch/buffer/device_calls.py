@@ -146,15 +146,17 @@ def dispatch(core: BufferCore, x, topk_idx, active_ranks, num_max_dispatch_token
 
 
 def combine(core: BufferCore, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, async_finish: bool,
-            return_recv_hook: bool, out: Optional[torch.Tensor]):
+            return_recv_hook: bool, out: Optional[torch.Tensor], bias=None):
     """`Buffer.combine` on the `"cuda"` transport (see its docstring for arguments and returns; a zero-copy
-    combine arrives here with `x` already the handle's combine buffer)."""
+    combine arrives here with `x` already the handle's combine buffer). The reduction kernel reads `bias`'s
+    rows where they are (device memory)."""
     impl = core.transport
     if async_finish and return_recv_hook:
         raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
     fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out,
                                                   core.num_ranks, impl.device)
     src_info, layout_range, tokens, hidden, experts = fields
+    bias = validation.check_combine_bias(bias, topk_idx.size(0), hidden, impl.device)
     _check_aligned("x", x)
     _check_aligned("out", out)
     plan = core.plan_of(handle)
@@ -172,12 +174,12 @@ def combine(core: BufferCore, x, topk_idx, topk_weights, active_ranks, timeout_u
     if out is None:
         out = core.outputs.combine_output(topk_idx.size(0), hidden, impl.device, pooled=not capturing)
     call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens, hidden,
-                       experts, plan.call, plan.transport_plan, out)
+                       experts, plan.call, plan.transport_plan, out, bias)
     life = core.life
     life.enter()
     try:
         plan.mark_combined()
-        keep_alive = (x, topk_idx, topk_weights, active_ranks, out, plan.transport_plan)
+        keep_alive = (x, topk_idx, topk_weights, active_ranks, out, plan.transport_plan) + bias
         _, event, hook, _ = _run(core, lambda: (None, impl.combine(call)), async_finish, return_recv_hook,
                                  keep_alive, (timeout_us, "combine", call.call))
     finally:

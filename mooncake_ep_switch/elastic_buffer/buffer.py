@@ -62,9 +62,8 @@ class ElasticBuffer:
             explicitly_destroy: V2's flag; `destroy()` works either way here, and without it the
                 buffer is also released when garbage-collected.
             max_num_bias: this runtime's keyword: how many bias tensors (0 to 2) a combine may add (the
-                bias enters the owner's fp32 sum first, as in V2's reference). On host tensors a bias is
-                read where it is by the inner combine's reduction and costs no copy; on the 'cuda'
-                transport each costs one more copy of every token to its own rank at dispatch.
+                bias enters the owner's fp32 sum first, as in V2's reference). A bias is read where it is
+                by the inner combine's reduction (host or device) and costs no copy of any token.
             transport: this runtime's keyword: "auto", "shm", "mooncake", "collective" or "cuda" (Buffer's).
             disable_p2p: this runtime's keyword (Mooncake's Buffer's): same-host peers over the Transfer
                 Engine too, not shared memory.
@@ -105,9 +104,6 @@ class ElasticBuffer:
         self.num_bytes = num_bytes
         self.runtime = Buffer(group, num_bytes, arguments.check_bool("disable_p2p", disable_p2p), transport=transport,
                               store=store)
-        # Bias slots in the inner routing: only the 'cuda' transport (its reduction cannot start from a
-        # bias); the host transports' inner combine starts each token's sum from the bias rows themselves.
-        self._bias_slots = self.max_num_bias if self.runtime.device is not None else 0
         self.group = self.runtime.group
         self.rank_idx = self.runtime.rank
         self.num_ranks = self.runtime.num_ranks
@@ -360,8 +356,10 @@ class ElasticBuffer:
         width = codec.inner_hidden(hidden, num_topk)
 
         # The call: one inner dispatch of byte rows (no state of this buffer changed before it).
+        # No bias slots (num_bias=0): the inner combine's reduction starts from the bias rows themselves.
         packed, inner_topk = codec.route_and_pack(tokens, scales, topk_idx, topk_weights, width, num_experts, R, rank,
-                                                  self._bias_slots, None if handle is None else handle.route.inner_topk)
+                                                  num_bias=0,
+                                                  cached_routing=None if handle is None else handle.route.inner_topk)
         recv, inner_handle = self._inner_dispatch(packed, inner_topk, active, timeout_us, T)
         rows, src_global = inner_rows.inner_sources(inner_handle, 0, T, as_slice=True)
         got_x, got_scales, local, got_weights, got_counts = codec.unpack_received(recv[0][rows], hidden, num_topk,
@@ -479,10 +477,9 @@ class ElasticBuffer:
         inner_x = combine_buffer[:, :, :columns]
         inner_rows.write_partials(inner_x, route, partial, weights, active, T)
         bias = None
-        if self._bias_slots:
-            inner_rows.write_biases(inner_x, inner_handle, biases, self._bias_slots, self.rank_idx, route.num_tokens, T)
-        elif biases[0] is not None or biases[1] is not None:
-            # The inner reduction starts from them (bias 0, then bias 1), read in place: no copy.
+        if biases[0] is not None or biases[1] is not None:
+            # The inner reduction (host or device) starts from them (bias 0, then bias 1), read in place:
+            # no bias slots in the inner routing, no copy.
             bias = tuple(None if b is None else b.to(device).contiguous() for b in biases)
         ones = inner_rows.ones(self._ones_cache, route.inner_topk.shape, device)
         out, _, _ = buffer.combine(combine_buffer, route.inner_topk, ones, active, timeout_us, inner_handle, bias=bias)
@@ -493,9 +490,10 @@ class ElasticBuffer:
     def _combinable(self, route: lay.Route) -> bool:
         """Whether the inner Buffer still combines `route`'s inner dispatch (its rules, `Buffer.combine`): a
         first combine before any call two numbers later reused the dispatch's region half (a dispatch, or
-        a combine again, takes a number); a combine again only while no dispatch followed."""
+        a combine again, takes a number); a combine again only while no dispatch followed, and never on the
+        'cuda' transport (it combines an inner dispatch once)."""
         if route.combined:
-            return route.inner_call == self._inner_dispatches
+            return self.runtime.device is None and route.inner_call == self._inner_dispatches
         return self.runtime.latest_call - route.inner_handle.plan.call <= 1
 
     def __repr__(self) -> str:

@@ -203,34 +203,6 @@ def read_combined(out: torch.Tensor, hidden: int, num_topk: int, with_weights: b
     return x, (codec.decode_weight_bytes(out[:, hidden:hidden + 4 * num_topk], num_topk) if with_weights else None)
 
 
-def write_biases(inner_x: torch.Tensor, inner_handle, biases, num_bias: int, rank: int, num_tokens: int,
-                 num_max_tokens_per_rank: int) -> None:
-    """Fill the bias slots of the inner combine buffer: this rank's own tokens' bias rows (zeros where no
-    bias is given), summed first by the inner combine. Nothing to do with `num_bias` 0 (no bias slots).
-
-    Arguments:
-        inner_x: the combine buffer's view; inner_handle: its inner dispatch's handle.
-        biases: the pair of `[num_tokens, hidden]` torch.bfloat16 biases (None where absent).
-        num_bias: the bias slots the routing has (the buffer's `max_num_bias`).
-        rank: this rank; num_tokens: its tokens; num_max_tokens_per_rank: `T`.
-    """
-    for slot in range(1, 1 + num_bias):
-        part = biases[slot - 1]
-        rows, bias_global = inner_sources(inner_handle, slot, num_max_tokens_per_rank, as_slice=True)
-        if bias_global.numel() == 0:
-            continue
-        inner_x[slot, rows] = 0
-        if part is None:
-            continue
-        hidden = part.size(1)
-        token = bias_global - rank * num_max_tokens_per_rank
-        own = (token >= 0) & (token < num_tokens)  # only this rank's tokens route to its bias slots
-        if bool(own.all()) and isinstance(rows, slice):
-            inner_x[slot, rows, :hidden] = part[token]
-        elif bool(own.any()):
-            inner_x[slot, as_index(rows, inner_x.device)[own], :hidden] = part[token[own]]
-
-
 def place_again(route: lay.Route, src_global: torch.Tensor, parts, active: torch.Tensor,
                 num_max_tokens_per_rank: int, num_local: int):
     """A cached handle's dispatch: the received parts placed in the handle's layout again (rows from a

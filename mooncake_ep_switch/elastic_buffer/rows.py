@@ -8,13 +8,13 @@ ride on the inner Buffer's dispatch and combine (every transport, every fault ru
   weights (float32) | zeros]`, `inner_hidden` elements wide. The inner dispatch copies rows and
   never computes with them, so every byte arrives as it left.
 * the inner routing of a token: columns `[bias slot 0, bias slot 1, rank groups...]`, inner expert
-  `3 * rank + j` (`j` 0: the token's data, 1 and 2: the owner's own bias slots, routed on the 'cuda'
-  transport only: on host tensors the inner combine starts from the bias itself). Rank groups are
-  ordered by the position of each rank's *last* top-k entry: the order in which V2's reference
+  `3 * rank + j` (`j` 0: the token's data, 1 and 2: the owner's own bias slots, which the ElasticBuffer
+  no longer routes (`num_bias=0`): the inner combine starts from the bias itself, on every transport).
+  Rank groups are ordered by the position of each rank's *last* top-k entry: the order in which V2's reference
   accumulates the per-rank partials (`deep_ep/utils/refs.py`, grouped reduce then ordered sum).
 * a combine row is `[partial (bf16) | this rank's top-k weight bytes as small integers | zeros]`.
   The inner combine sums rows with weight 1.0 in fp32 in the routing's column order, then rounds to
-  bfloat16: bias 0, bias 1 (its `bias` rows, or the bias slots), then the partials, as V2 does. A weight byte `b` becomes the
+  bfloat16: bias 0, bias 1 (its `bias` rows), then the partials, as V2 does. A weight byte `b` becomes the
   bfloat16 number `b` (exact up to 256); every other rank adds 0 at that column, so the sum is `b`
   again, and the owner rebuilds each float32 weight bit for bit.
 """

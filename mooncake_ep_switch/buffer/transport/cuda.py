@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs
+from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs, bias_args
 from mooncake_ep_switch.buffer.layout import RegionLayout, RegionLayouts, check_half_not_reused
 from mooncake_ep_switch.buffer.transport.contract import RuntimeQueries
 from mooncake_ep_switch.buffer.transport.members import connect_view
@@ -344,7 +344,8 @@ class CudaTransport(RuntimeQueries):
             call: the validated `CombineCall`; `transport_plan` is the dispatch's call word.
 
         Returns:
-            receive: callable that launches the wait and the weighted sum into `call.out`.
+            receive: callable that launches the wait and the weighted sum into `call.out` (starting from
+                `call.bias`'s rows, read in place).
         """
         tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
         layout = self._layouts.fit(tokens, hidden, experts)
@@ -364,7 +365,7 @@ class CudaTransport(RuntimeQueries):
             check_half_not_reused("combine", call.call, self.latest_dispatch)
             _cuda.combine_recv(spec, region, call.topk_idx.data_ptr(), call.topk_weights.data_ptr(),
                                call.topk_idx.size(0), call.topk_idx.size(1), call.out.data_ptr(),
-                               torch.cuda.current_stream(self.device).cuda_stream)
+                               torch.cuda.current_stream(self.device).cuda_stream, **bias_args(call.bias))
 
         return receive
 
