@@ -7,8 +7,10 @@
 #   MEP_STAGES="build kernels probe transport graph fault switch demo bench rest mps"   (default: all, in this order)
 #     build      setup.py build_ext --inplace, parallel; FAILS (exit 1) when _cuda is missing or sees no device
 #     kernels    tests/test_cuda_sim.py -k gpu: the nvcc kernels alone in one process against the CPU kernels
+#                (the combine with biases too)
 #     probe      scripts/gpu_probe.py: H=7168 bit-exactness, an R=8 E=256 round past 2^31, kernel-only times
-#     transport  tests/test_cuda.py round trips at R=2 and R=4 (rank processes on the one GPU), against shm
+#     transport  tests/test_cuda.py round trips at R=2 and R=4 (rank processes on the one GPU), against shm;
+#                a combine starting from biases (tests/test_combine_bias.py, the Buffer's and the ElasticBuffer's)
 #     graph      the CUDA graph replay test (again with CUDA_MODULE_LOADING=EAGER if it fails)
 #     fault      a rank SIGKILLed between dispatch and combine, and before dispatch; Xid lines from dmesg
 #     switch     tests/test_switch_device.py -k gpu: TP<->EP switches of weights and KV, a rank killed in a
@@ -95,7 +97,8 @@ if [ -n "${MEP_TRANSPORT_TESTS:-}" ]; then read -r -a TRANSPORT <<< "$MEP_TRANSP
   TRANSPORT=("$T::test_cuda_matches_shm[sync-bf16-2]" "$T::test_cuda_matches_shm[sync-bf16-4]"
     "$T::test_cuda_matches_shm[sync-fp8-4]" "$T::test_cuda_matches_shm[hook-bf16-2]"
     "$T::test_cuda_matches_shm[async-fp8-4]" "$T::test_cuda_two_dispatches_in_a_row[async]"
-    "$T::test_cuda_zero_copy_and_out[True-True]" "$T::test_cuda_inactive_rank[4]"); fi
+    "$T::test_cuda_zero_copy_and_out[True-True]" "$T::test_cuda_inactive_rank[4]"
+    "tests/test_combine_bias.py::test_a_bias_on_the_gpu"); fi
 want transport && stage transport 170 "$OUT/transport.log" "${PT[@]}" --maxfail=3 "${TRANSPORT[@]}"
 if want graph && ! stage graph 70 "$OUT/transport.log" "${PT[@]}" "$T::test_cuda_graph_replays_match_eager"; then
   # A lazily loaded kernel inside a capture is the first suspect: the same test with every module loaded eagerly.
