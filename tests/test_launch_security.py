@@ -113,13 +113,41 @@ def _hang_in_a_named_function(ctx):
     time.sleep(30)  # outlives the run's grace: the launcher gives up on rank 0
 
 
-def test_a_rank_given_up_on_prints_its_stacks(capfd):
+def test_a_rank_given_up_on_prints_its_stacks(capfd, monkeypatch):
     """A rank that does not answer is named with the deadline that ended it, and its threads' stacks
-    reach stderr (faulthandler on SIGUSR1) before it is killed, so a hang in CI can be diagnosed."""
+    reach stderr (faulthandler on SIGUSR1) before it is killed, so a hang in CI can be diagnosed; the launcher
+    asks for its native stacks too (recorded here: gdb on a rank that imported torch takes ~15 s, and
+    test_native_stacks_reach_stderr checks what native_stacks prints)."""
+    from mooncake_ep_switch.launcher import launch
+
+    asked = []
+    monkeypatch.setattr(launch, "native_stacks", lambda rank, pid: asked.append((rank, pid)))
     # Fresh interpreters (not forked from the preloaded server): their stderr is the fd capfd captures now.
     with LocalCluster(2) as cluster:
+        pid = cluster.processes[0].pid
         outcomes = cluster.run(_hang_in_a_named_function, timeout_s=20, failure_grace_s=1)
     assert "rank 1 fails at once" in outcomes[1].error
     assert outcomes[0].error.startswith("no answer within 1 s after another rank failed"), outcomes[0]
     err = capfd.readouterr().err
     assert "_hang_in_a_named_function" in err, err[-2000:]
+    assert asked == [(0, pid)], asked
+
+
+def test_native_stacks_reach_stderr(capfd):
+    """native_stacks prints a process's native threads' stacks (gdb attached in batch mode) under its rank's name."""
+    import shutil
+    import subprocess
+
+    from mooncake_ep_switch.launcher.processes import native_stacks
+
+    if shutil.which("gdb") is None:
+        pytest.skip("no gdb: native_stacks prints nothing")
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        native_stacks(7, sleeper.pid, timeout_s=60)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    err = capfd.readouterr().err
+    assert f"--- native stacks of rank 7 (pid {sleeper.pid}) ---" in err, err[-2000:]
+    assert "nanosleep" in err, err[-2000:]  # sleep's only thread, in the C library's sleep
