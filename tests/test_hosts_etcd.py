@@ -13,10 +13,13 @@ two etcd members, an online EPLB chunk is staged on every rank (every redundant 
 over the Transfer Engine, the replacements' copies taken over from the members' placement) and the quorum is
 lost again in the middle of its vote: rank 0 votes GO and stops one of the two members left, the others vote
 after it. Every rank's commit step raises StoreUnavailable naming the etcd store at the rebalancer's
-timeout_us, rounds exact around it, nothing adopted; resumed, rank 0's GO is in etcd and no decision, and the
-chunk commits at the next step on every rank (one outcome). Then a TP<->EP switch of the unified weights
-built before the death completes both ways (gloo collectives on the "mooncake" transport, on a group of the
-current view built through etcd), weights bit-exact against the checkpoint.
+timeout_us, rounds exact around it, nothing adopted; still without quorum, every rank's TP<->EP switch (all six
+alive and members: its gloo group of the epoch is built through etcd) raises StoreUnavailable naming the etcd
+store at its own deadline, weights bit-exact and unmoved. Resumed, rank 0's GO is in etcd and no decision, and
+the chunk commits at the next step on every rank (one outcome). Then the same TP<->EP switch of the unified
+weights built before the death completes both ways (gloo collectives on the "mooncake" transport, on a group
+of the current view built through etcd; one rank enters it late, after its peers read its rendezvous key),
+weights bit-exact against the checkpoint.
 """
 import os
 import signal
@@ -219,7 +222,35 @@ def rank_rebalance_stalled(ctx, member_pid, marker):
     assert slots.phy2log.tolist() == _initial_phy2log().tolist() and rebalancer.in_progress, slots.phy2log
     assert _frames_ok(slots), "a frame that serves changed"
     _round(ctx, buffer, 13)
-    return seconds, kind, message
+    # Still without quorum, every member alive: the TP<->EP switch that rank_switch makes once it is back. Its
+    # group of this epoch is built through etcd (gloo's rendezvous): StoreUnavailable at its own deadline.
+    from mooncake_ep_switch.switch.switcher import switch_layout
+
+    unified = RANK_STATE["unified"]
+    switch = _error_of(lambda: switch_layout(buffer, "tp", weights=unified, timeout_us=SWITCH_QUORUM_US))
+    assert unified.layout == "ep" and _unified_exact(ctx, unified, "ep"), "the refused switch moved weights"
+    _round(ctx, buffer, 14)
+    return seconds, kind, message, switch
+
+
+SWITCH_QUORUM_US = 2_000_000  # the switch's timeout_us while the quorum is lost
+
+
+def _unified_exact(ctx, unified, layout):
+    """Whether every layer's view of `unified` holds this rank's part of the checkpoint in `layout`, bit for bit."""
+    for layer, weights in enumerate(_checkpoint(layers=2)):
+        if layout == "ep":
+            local = E // R
+            want = (weights.gate_up[ctx.rank * local:(ctx.rank + 1) * local],
+                    weights.down[ctx.rank * local:(ctx.rank + 1) * local])
+        else:
+            lo, hi = ctx.rank * INTER // R, (ctx.rank + 1) * INTER // R
+            want = (torch.cat([weights.gate_up[:, lo:hi], weights.gate_up[:, INTER + lo:INTER + hi]], dim=1),
+                    weights.down[:, :, lo:hi])
+        got = unified.view(layer)
+        if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+            return False
+    return True
 
 
 def rank_rebalance_commit(ctx):
@@ -233,31 +264,29 @@ def rank_rebalance_commit(ctx):
             "placement": slots.phy2log.tolist() == _rebalanced_phy2log().tolist()}
 
 
+# The last rank's delay into rank_switch's first switch. The rendezvous of the switch without quorum left keys that
+# landed once the quorum returned (its abandoned store calls went through): peers that read the late rank's stale
+# address went into gloo with a listener long closed and failed at the group's 30 s timeout (96 s instead of 34 s).
+LATE_ENTRY_S = 1.0
+
+
 def rank_switch(ctx):
     """EP -> TP -> EP on the UnifiedWeights built before host A's death (the replacements': after their
     admission). On the "mooncake" transport they switch with gloo collectives, on a group of the current view
     built through the etcd store at the first switch of the epoch (the constructor's group names the dead
-    processes; a replacement has none); every view bit-exact against the checkpoint. One more exact round;
-    then tear down."""
+    processes; a replacement has none), the last rank entering late; the first is the switch that failed without
+    quorum (rank_rebalance_stalled). Every view bit-exact against the checkpoint. One more exact round; then
+    tear down."""
     from mooncake_ep_switch.switch.switcher import switch_layout
 
     buffer, unified = RANK_STATE["buffer"], RANK_STATE["unified"]
-    full = _checkpoint(layers=2)
     outcomes = []
+    if ctx.rank == R - 1:  # enters late, as a loaded rank would: its peers read its rendezvous key first
+        time.sleep(LATE_ENTRY_S)
     for target in ("tp", "ep"):
         report = switch_layout(buffer, target, weights=unified, timeout_us=30_000_000)
         outcomes.append((report.outcome, report.layout))
-        for layer, weights in enumerate(full):
-            if target == "ep":
-                local = E // R
-                want = (weights.gate_up[ctx.rank * local:(ctx.rank + 1) * local],
-                        weights.down[ctx.rank * local:(ctx.rank + 1) * local])
-            else:
-                lo, hi = ctx.rank * INTER // R, (ctx.rank + 1) * INTER // R
-                want = (torch.cat([weights.gate_up[:, lo:hi], weights.gate_up[:, INTER + lo:INTER + hi]], dim=1),
-                        weights.down[:, :, lo:hi])
-            got = unified.view(layer)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer} in {target}"
+        assert _unified_exact(ctx, unified, target), f"weights in {target}"
     RANK_STATE.pop("unified").destroy()
     _round(ctx, buffer, 20)
     RANK_STATE.pop("slots").destroy()
@@ -320,12 +349,15 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a, tmp_path):
                                                               str(tmp_path / "member-stopped"), timeout_s=90)]
         finally:
             os.kill(etcd.processes[stopped].pid, signal.SIGCONT)
-        for elapsed, kind, message in failures:
+        for elapsed, kind, message, (switch_s, switch_kind, switch_message) in failures:
             assert kind == "StoreUnavailable" and "etcd://" in message and "online EPLB commit" in message, message
             assert elapsed <= TIMEOUT_US / 1e6 + LATE_S, (elapsed, message)
+            assert switch_kind == "StoreUnavailable" and "etcd://" in switch_message, switch_message
+            assert "switch_layout" in switch_message and switch_s <= SWITCH_QUORUM_US / 1e6 + LATE_S, switch_message
         assert (tmp_path / "member-stopped").exists()
         print(f"online EPLB commit without quorum: StoreUnavailable after {[round(f[0], 2) for f in failures]} s "
-              f"(timeout_us {TIMEOUT_US / 1e6} s): {failures[0][2]}")
+              f"(timeout_us {TIMEOUT_US / 1e6} s): {failures[0][2]}; switch_layout: StoreUnavailable after "
+              f"{[round(f[3][0], 2) for f in failures]} s (timeout_us {SWITCH_QUORUM_US / 1e6} s)")
         rebalanced = [outcome_value(o) for o in cluster.run(rank_rebalance_commit, timeout_s=120)]
         for rank, result in enumerate(rebalanced):
             assert result["before"] == ([1, 1], {1: None}), (rank, result)  # rank 0's GO in, nobody decided

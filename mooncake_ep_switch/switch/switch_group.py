@@ -91,7 +91,8 @@ def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], s
 
     On the fallback: the fallback's group of the current view; otherwise the constructor's group in
     epoch 0, after a membership change a group of the view built for `unified` (`epoch_group`, keys
-    `mep/switch/<participant index>/group/<epoch>`).
+    `mep/switch/<participant index>/group/<epoch>`; `.../<participant index>/attempt<n>/group/<epoch>` after n
+    calls of the epoch that ended without a group: refused, or their rendezvous failed).
 
     Arguments:
         buffer: the `Buffer` of the group.
@@ -106,6 +107,16 @@ def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], s
     Raises:
         RuntimeError: a new view but no store to build its group through.
     """
+    epoch, built = buffer.epoch, getattr(unified, "view_group", None)
+    # A rendezvous that did not complete (a refusal below, a store without quorum, a peer that never came)
+    # may leave keys that land late (a stalled etcd member resumes, an abandoned store call goes through): a
+    # rank that read such a stale address at the next attempt went into gloo with a listener long closed and
+    # failed at the group's timeout. Every rank of the view ends a call without a group of the epoch alike
+    # (refused, or the rendezvous failed for all of them), so each counts those calls and the next attempt
+    # rendezvouses under keys of its own.
+    found = getattr(unified, "group_attempt", None)
+    attempt = found[1] if found is not None and found[0] == epoch else 0
+    unified.group_attempt = (epoch, attempt + 1)  # until a group of the epoch is built
     dead = dead_members(buffer)
     if dead:
         return None, (f"ranks {dead} are dead but still members of the current view: a collective switch needs "
@@ -117,9 +128,12 @@ def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], s
                       "rank (admit their replacements first)")
     if on_fallback(buffer):  # the fallback's group of the current view (every rank: group rank = EP rank)
         unified.group = buffer.process_group
-    elif buffer.epoch > 0 or unified.group is None:
+    elif epoch > 0 or unified.group is None:
         suffix = "" if unified.index is None else f"/{unified.index}"  # one rendezvous per structure and epoch
+        if attempt and (built is None or built[0] != epoch):
+            suffix += f"/attempt{attempt}"
         unified.group = epoch_group(buffer, unified, members, timeout_s, f"mep/switch{suffix}", "switch_layout")
+    unified.group_attempt = (epoch, attempt)
     return unified.group, ""
 
 

@@ -316,6 +316,10 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
 
     Returns:
         report: a `SwitchReport` (bytes and times of the weight and KV phases, outcome, dead ranks).
+
+    Raises:
+        StoreUnavailable: the store (its decision record, or the rendezvous of a collective switch's group of
+            the current view) did not answer by `timeout_us`; nothing moved, call again once it answers.
     """
     start = time.perf_counter()
     unified, kv = weights, kv_cache
@@ -565,7 +569,8 @@ def _switch_collective(buffer, target: str, unified: UnifiedWeights, kv: Optiona
     source = unified.layout
     transport = buffer.transport
     group_timeout_s = timeout_us / 1e6 if isinstance(timeout_us, int) and timeout_us > 0 else 300.0
-    group, refusal = switch_group(buffer, unified, group_timeout_s)
+    with store_deadline(_store_deadline(timeout_us), "switch_layout"):  # a group built through a stalled store:
+        group, refusal = switch_group(buffer, unified, group_timeout_s)  # StoreUnavailable by the deadline
     if group is None:  # the same view (and, once seen, the same dead) everywhere: every rank refuses, nothing moved
         return _report(source, target, source, REFUSED, refusal, start, seq, transport)
     if kv is not None:  # the KV cache moves on the same group (its own is the constructor's, or none)
