@@ -8,45 +8,14 @@ completes, rank 1 is drained out (`shrink([1], drain=True)`, no process ends) an
 then rank 0's switch back to EP is refused at once naming rank 1 (well before its `timeout_us`), and its
 weights stay the TP shards of the checkpoint, bit-exact.
 """
-import time
-
 from tests import harness
-from tests.test_switch_group import LAYERS, _weights_match
-from tests.test_switch_kv import E, H, I
+from tests.test_switch_group import rank_switch_after_drain
 
 TIMEOUT_US = 20_000_000  # the refusal comes at once, long before this deadline
 
 
-def rank_shm_switch_after_drain(ctx):
-    from mooncake_ep_switch import Buffer
-    from mooncake_ep_switch.reference.moe_block import random_weights
-    from mooncake_ep_switch.switch.switcher import switch_layout
-    from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
-
-    buffer = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(8, H, ctx.num_ranks, E), transport="shm")
-    unified = UnifiedWeights(buffer, WeightShape(E, H, I), LAYERS)
-    try:
-        unified.load_full([random_weights(E, H, I, seed=layer) for layer in range(LAYERS)])
-        results = []
-        report = switch_layout(buffer, "tp", weights=unified, timeout_us=30_000_000)
-        results.append(((report.outcome, report.layout, report.reason),
-                        _weights_match(unified, "tp", ctx.rank, ctx.num_ranks)))
-        view = buffer.shrink([1], timeout_s=60, drain=True)
-        assert list(view.ranks) == [0], view
-        if ctx.rank == 0:
-            started = time.monotonic()
-            report = switch_layout(buffer, "ep", weights=unified, timeout_us=TIMEOUT_US)
-            results.append(((report.outcome, report.layout, report.reason),
-                            unified.layout == "tp" and _weights_match(unified, "tp", ctx.rank, ctx.num_ranks),
-                            time.monotonic() - started))
-        return results
-    finally:
-        unified.destroy()
-        buffer.destroy()
-
-
 def test_a_one_sided_switch_after_a_drain_is_refused_at_once_naming_the_rank_that_left():
-    rank0, rank1 = harness.run(2, rank_shm_switch_after_drain, timeout_s=120)
+    rank0, rank1 = harness.run(2, rank_switch_after_drain, "shm", TIMEOUT_US, timeout_s=120)
     assert rank1 == [(("completed", "tp", ""), True)], rank1
     assert rank0[0] == (("completed", "tp", ""), True), rank0
     (outcome, layout, reason), unchanged, seconds = rank0[1]

@@ -135,15 +135,16 @@ def _weights_match(unified, layout, rank, num_ranks):
     return True
 
 
-def rank_switch_after_drain(ctx):
-    """Switch EP -> TP, drain rank 1 out, then rank 0 switches back to EP: ((outcome, layout, reason) of
-    each switch, weights exact after each) on rank 0, the first switch's on rank 1."""
+def rank_switch_after_drain(ctx, transport="collective", timeout_us=30_000_000):
+    """Switch EP -> TP, drain rank 1 out, then rank 0 switches back to EP (with `timeout_us`): ((outcome,
+    layout, reason) of each switch, weights exact after each[, seconds of the second]) on rank 0, the first
+    switch's on rank 1."""
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.reference.moe_block import random_weights
     from mooncake_ep_switch.switch.switcher import switch_layout
     from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
 
-    buffer = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(8, H, ctx.num_ranks, E), transport="collective")
+    buffer = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(8, H, ctx.num_ranks, E), transport=transport)
     unified = UnifiedWeights(buffer, WeightShape(E, H, I), LAYERS)
     try:
         unified.load_full([random_weights(E, H, I, seed=layer) for layer in range(LAYERS)])
@@ -154,9 +155,11 @@ def rank_switch_after_drain(ctx):
         view = buffer.shrink([1], timeout_s=60, drain=True)
         assert list(view.ranks) == [0], view
         if ctx.rank == 0:
-            report = switch_layout(buffer, "ep", weights=unified, timeout_us=30_000_000)
+            started = time.monotonic()
+            report = switch_layout(buffer, "ep", weights=unified, timeout_us=timeout_us)
             results.append(((report.outcome, report.layout, report.reason),
-                            unified.layout == "tp" and _weights_match(unified, "tp", ctx.rank, ctx.num_ranks)))
+                            unified.layout == "tp" and _weights_match(unified, "tp", ctx.rank, ctx.num_ranks),
+                            time.monotonic() - started))
         return results
     finally:
         unified.destroy()
@@ -169,6 +172,6 @@ def test_a_collective_switch_after_a_shrink_is_refused_naming_the_ranks_that_lef
     rank0, rank1 = harness.run(2, rank_switch_after_drain, timeout_s=120)
     assert rank1 == [(("completed", "tp", ""), True)], rank1
     assert rank0[0] == (("completed", "tp", ""), True), rank0
-    (outcome, layout, reason), unchanged = rank0[1]
+    (outcome, layout, reason), unchanged, _ = rank0[1]
     assert (outcome, layout) == ("refused", "tp") and "ranks [1] are not members" in reason, rank0
     assert unchanged, "a refused switch changed rank 0's weights"
