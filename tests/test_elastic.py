@@ -24,6 +24,7 @@ TIMEOUT_US_BY_TRANSPORT = {"shm": harness.FAULT_TIMEOUT_US, "mooncake": harness.
                            "collective": harness.FAULT_TIMEOUT_US, "cuda": 3_000_000}
 SLACK_S = harness.FAULT_SLACK_S
 RECOVERY_TIMEOUT_S = 30.0
+DIES_IN_UPDATE_S = 12.0  # update_ep_member's deadline where a member dies in it (half of it is waited out)
 _STATE = {}
 
 
@@ -112,8 +113,8 @@ def harness_die(how):
     _die(how)
 
 
-def rank_recover(ctx, transport, joiners, die_during_update=None):
-    """Admit `joiners` (this process is one of them if it has no group), then three full rounds."""
+def rank_recover(ctx, transport, joiners, die_during_update=None, update_s=RECOVERY_TIMEOUT_S):
+    """Admit `joiners` (this process is one of them if it has no group) by update_ep_member(timeout_s=update_s)."""
     if die_during_update is not None and ctx.rank == die_during_update:
         os.environ["MEP_FAULT_POINT"] = f"update_after_ready:{ctx.rank}:*:kill"
     if ctx.group is None:  # a replacement process
@@ -129,7 +130,7 @@ def rank_recover(ctx, transport, joiners, die_during_update=None):
             assert time.monotonic() < deadline, "joiners never showed up"
             time.sleep(0.01)
     started = time.monotonic()
-    view = buffer.update_ep_member(timeout_s=RECOVERY_TIMEOUT_S)
+    view = buffer.update_ep_member(timeout_s=update_s)
     seconds = time.monotonic() - started
     return {"view": list(view.ranks), "epoch": view.epoch, "seconds": seconds}
 
@@ -205,7 +206,10 @@ def test_rank_dies_during_update_ep_member(transport):
         outcomes = cluster.run(rank_fail, transport, (2,), "before_dispatch", "exit", timeout_s=60, failure_grace_s=30)
         assert [o.ok for o in outcomes] == [True, True, False, True]
         cluster.respawn(2)
-        outcomes = cluster.run(rank_recover, transport, [2], 3, timeout_s=90, failure_grace_s=60)
+        # A member that dies after the seal is found missing when the first connect attempt (half the budget) ends:
+        # a shorter update_ep_member deadline than RECOVERY_TIMEOUT_S (15 s waited out) keeps the case cheap.
+        outcomes = cluster.run(rank_recover, transport, [2], 3, update_s=DIES_IN_UPDATE_S, timeout_s=90,
+                               failure_grace_s=60)
         assert not outcomes[3].ok and outcomes[3].exitcode == -9
         views = [o.value["view"] for o in outcomes if o.ok]
         assert views == [[0, 1, 2]] * 3, views
