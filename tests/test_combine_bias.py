@@ -38,19 +38,24 @@ def _bits_equal(a, b) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
 
 
+def _inputs(seed, n, H, K, E):
+    """n tokens (the first with one top-k entry of -1), their top-k ids and weights, and two biases."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, H, generator=g).to(torch.bfloat16)
+    topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]).to(torch.int64)
+    topk[0, 1] = -1
+    weights = torch.rand(n, K, generator=g)
+    biases = [torch.randn(n, H, generator=g).to(torch.bfloat16) for _ in range(2)]
+    return n, x, topk, weights, biases
+
+
 def rank_buffer_bias(ctx, transport):
     """The legacy Buffer's combine with one, two and narrow biases, exact; bad biases refused by name first."""
     R, rank, T, H, K, E = ctx.num_ranks, ctx.rank, 6, 256, 3, 4 * ctx.num_ranks
     L = E // R
     buffer = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(T, H, R, E), transport=transport,
                     disable_p2p=transport == "mooncake")
-    g = torch.Generator().manual_seed(40 + rank)
-    n = T - rank
-    x = torch.randn(n, H, generator=g).to(torch.bfloat16)
-    topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]).to(torch.int64)
-    topk[0, 1] = -1
-    weights = torch.rand(n, K, generator=g)
-    biases = [torch.randn(n, H, generator=g).to(torch.bfloat16) for _ in range(2)]
+    n, x, topk, weights, biases = _inputs(40 + rank, T - rank, H, K, E)
     active = torch.ones(R, dtype=torch.int32)
     refused = 0
     for case, bias in enumerate([biases[0], tuple(biases), (None, biases[1]), biases[0][:, :H // 2].contiguous()]):
@@ -126,13 +131,7 @@ def rank_cuda_bias_matches_host(ctx):
     L = E // R
     size = Buffer.get_ep_buffer_size_hint(T, H, R, E)
     host, cuda = Buffer(ctx.group, size, transport="shm"), Buffer(ctx.group, size, transport="cuda")
-    g = torch.Generator().manual_seed(60 + rank)
-    n = T - rank
-    x = torch.randn(n, H, generator=g).to(torch.bfloat16)
-    topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]).to(torch.int64)
-    topk[0, 1] = -1
-    weights = torch.rand(n, K, generator=g)
-    biases = [torch.randn(n, H, generator=g).to(torch.bfloat16) for _ in range(2)]
+    n, x, topk, weights, biases = _inputs(60 + rank, T - rank, H, K, E)
     biases[0][:, ::5] = -0.0  # the sum starts from 0.0f + 1.0f * bias: +0.0 on the CPU, on the device too
     active = torch.ones(R, dtype=torch.int32)
     y = torch.where((topk >= 0).unsqueeze(2), x.unsqueeze(1) * (1 + topk.clamp(min=0)).unsqueeze(2).to(x.dtype),
