@@ -207,6 +207,52 @@ def test_switch_layout_fails_at_its_deadline_while_the_store_host_is_stopped():
         assert _run(cluster, rank_workers_end) == [True, True]
 
 
+# ---------------------------------------------------------------------- collective TP all-reduce of a new view
+def _all_reduce_exact(ctx, reduce, timeout_us):
+    """A TP all-reduce of 3 rows whose exact float32 sum is known; True when it is."""
+    x = torch.full((3, 128), float(ctx.rank + 1))
+    out = reduce.all_reduce(x, torch.ones(ctx.num_ranks, dtype=torch.int32), timeout_us, float32_result=True)
+    return torch.equal(out, torch.full((3, 128), float(sum(range(1, ctx.num_ranks + 1)))))
+
+
+def rank_start_all_reduce(ctx, addr):
+    """A TPAllReduce on the Transfer Engine's Buffer (the collective path over a group of the view built through
+    the store; the collective transport's fallback group is the Buffer's own), then a new view (epoch 1): its
+    group is not built yet."""
+    from mooncake_ep_switch.switch.tp_collective import TPAllReduce
+
+    store = RANK_STATE["store"] = connect_store(*addr)
+    buffer = RANK_STATE["buffer"] = Buffer(ctx.group, _size2(), transport="mooncake", disable_p2p=True, store=store)
+    reduce = RANK_STATE["reduce"] = TPAllReduce(buffer, 4, 128)
+    assert _all_reduce_exact(ctx, reduce, int(DEADLINE_S * 1e6))  # epoch 0: the constructor's group
+    return buffer.update_ep_member(timeout_s=60.0).epoch
+
+
+def rank_all_reduce_stalled(ctx):
+    return _error_of(lambda: _all_reduce_exact(ctx, RANK_STATE["reduce"], int(DEADLINE_S * 1e6)))
+
+
+def rank_all_reduce(ctx):
+    # The last rank comes 1 s late, so that its peer reads its rendezvous key first: a stale one (the stalled
+    # attempt's, landed at the resume) would send the peer to a closed listener until the group's timeout.
+    if ctx.rank == ctx.num_ranks - 1:
+        time.sleep(1.0)
+    return _all_reduce_exact(ctx, RANK_STATE["reduce"], 30_000_000)
+
+
+def test_a_collective_all_reduce_of_a_new_view_fails_at_its_deadline_while_the_store_host_is_stopped():
+    """Its group of the new view is built through the store: by the caller's timeout_us (before: the store's)."""
+    with harness.StoreHost() as host, harness.fresh_cluster(2) as cluster:
+        assert _run(cluster, rank_start_all_reduce, host.addr) == [1, 1]
+        host.stop()
+        try:
+            _check_stalled(cluster.run(rank_all_reduce_stalled, timeout_s=STALLED_RUN_S), host.addr, "all_reduce")
+        finally:
+            host.resume()
+        assert _run(cluster, rank_all_reduce) == [True, True]  # the next attempt meets under keys of its own
+        assert _run(cluster, rank_workers_end) == [True, True]
+
+
 # ---------------------------------------------------------------------- online EPLB commit
 EPLB_LAYERS, EPLB_EXPERTS, EPLB_SLOTS, EPLB_HIDDEN, EPLB_INTER = 1, 4, 3, 256, 128
 OLD_PLACEMENT = [[0, 1, 2, 2, 3, 0]]  # rank 0: experts 0, 1 and a copy of 2; rank 1: 2, 3 and a copy of 0

@@ -149,7 +149,8 @@ def all_reduce_group(buffer, owner, timeout_s: float, prefix: str) -> Tuple[obje
     Returns:
         group: the process group.
         members: the EP ranks of `group`, in group-rank order (the current view's members after a
-            membership change, every rank in epoch 0).
+            membership change, every rank in epoch 0). A group of a new view meets under `prefix`, or
+            `prefix/attempt<n>` after n calls of the epoch whose rendezvous failed.
 
     Raises:
         MembershipError: this rank is not a member of the current view (a replacement not admitted
@@ -170,4 +171,14 @@ def all_reduce_group(buffer, owner, timeout_s: float, prefix: str) -> Tuple[obje
     if buffer.rank not in members:
         raise MembershipError(f"all_reduce: rank {buffer.rank} is not a member of the current view (epoch "
                               f"{buffer.epoch}, members {list(members)}); call update_ep_member() until it is admitted")
-    return epoch_group(buffer, owner, members, timeout_s, prefix, "all_reduce"), members
+    # As switch_group: a rendezvous that failed (a store without quorum at the caller's deadline) fails on every
+    # member alike, and its abandoned store calls may land later; the next attempt meets under keys of its own.
+    epoch, built = buffer.epoch, getattr(owner, "view_group", None)
+    found = getattr(owner, "group_attempt", None)
+    attempt = found[1] if found is not None and found[0] == epoch else 0
+    if attempt and (built is None or built[0] != epoch):
+        prefix += f"/attempt{attempt}"
+    owner.group_attempt = (epoch, attempt + 1)  # until a group of the epoch is built
+    group = epoch_group(buffer, owner, members, timeout_s, prefix, "all_reduce")
+    owner.group_attempt = (epoch, attempt)
+    return group, members

@@ -25,6 +25,7 @@ above (one device-to-host copy of `x`, one host-to-device copy of the result), s
 the same bits and the same fault handling as on the host. The rows are few (a TP step's tokens);
 NCCL is not used: its all-reduce order is not rank order, and a dead peer hangs it.
 """
+import time
 import weakref
 from typing import Optional
 
@@ -32,6 +33,7 @@ import torch
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer import peer_regions
+from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.checks import check_int, check_timeout
 from mooncake_ep_switch.switch.switch_group import all_reduce_group
@@ -109,6 +111,8 @@ class TPAllReduce:
             MembershipError: on the collective path, this rank is not a member of the current view (a
                 replacement not admitted yet), or members known dead are not sealed out yet (`missing`
                 names them: call `update_ep_member()` first).
+            StoreUnavailable: on the collective path after a membership change, the store did not answer
+                the rendezvous of the new view's group by `timeout_us`; call again once it answers.
         """
         if x.dim() != 2 or x.size(1) != self.hidden or x.size(0) > self.max_tokens or x.dtype not in (
                 torch.float32, torch.bfloat16):
@@ -163,7 +167,9 @@ class TPAllReduce:
         if buffer is None:
             raise RuntimeError("all_reduce: the TPAllReduce's Buffer was destroyed")
         group_timeout_s = timeout_us / 1e6 if timeout_us > 0 else 300.0
-        group, members = all_reduce_group(buffer, self, group_timeout_s, f"mep/{KIND}/{self.index}")
+        # A group of a new view is built through the store: by the caller's deadline (StoreUnavailable), not the store's.
+        with store_deadline(time.monotonic() + timeout_us / 1e6 if timeout_us > 0 else None, "all_reduce"):
+            group, members = all_reduce_group(buffer, self, group_timeout_s, f"mep/{KIND}/{self.index}")
         parts = [torch.empty_like(x32) for _ in members]
         group.allgather([parts], [x32]).wait()  # the group's own call: a per-view group is not registered in torch
         for rank in range(self.num_ranks):
