@@ -339,7 +339,7 @@ def rank_exit(ctx):
     os._exit(3)  # the process ends (a SIGKILL leaves the harness's cluster marked broken for respawn)
 
 
-def rank_member_update(ctx, wait_for_joiner):
+def rank_member_update(ctx, wait_for_joiner, update_s=30.0):
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.elastic import join
 
@@ -352,7 +352,7 @@ def rank_member_update(ctx, wait_for_joiner):
     while wait_for_joiner and ctx.rank == 0 and 1 not in buffer.pending_joiners():
         assert time.monotonic() < deadline, "the replacement never showed up"
         time.sleep(0.01)
-    view = buffer.update_ep_member(timeout_s=30.0)
+    view = buffer.update_ep_member(timeout_s=update_s)
     events = list(RANK_STATE["events"]) if "events" in RANK_STATE else []
     return {"view": list(view.ranks), "epoch": view.epoch, "events": [(type(e).__name__, e) for e in events]}
 
@@ -362,7 +362,8 @@ def test_subscriber_sees_a_rank_left_out_then_its_replacement_pending_and_admitt
         harness.check_outcomes(cluster.run(rank_subscribe))
         cluster.run(rank_exit, ranks=[1], timeout_s=30)
         cluster.respawn(1)  # the process only: it does nothing until told
-        left = outcome_value(cluster.run(rank_member_update, False, ranks=[0], timeout_s=60)[0])
+        # Rank 1 exited between calls, unknown to rank 0: its update waits half of update_s for it, then seals alone.
+        left = outcome_value(cluster.run(rank_member_update, False, 6.0, ranks=[0], timeout_s=60)[0])
         assert left["view"] == [0], left
         assert [name for name, _ in left["events"]] == ["RankLeftOut"], left
         assert tuple(left["events"][0][1]) == ((1,), left["epoch"]), left
