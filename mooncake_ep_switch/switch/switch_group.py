@@ -58,7 +58,9 @@ def dead_members(buffer) -> List[int]:
 def epoch_group(buffer, owner, members: Tuple[int, ...], timeout_s: float, prefix: str, caller: str):
     """A gloo group of the current view for `owner`, built through the store once per epoch.
 
-    Collective over `members` the first time in an epoch (kept on `owner.view_group` as `(epoch, group)`).
+    Collective over `members` the first time in an epoch (kept on `owner.view_group` as `(epoch, group)`);
+    after n calls of the epoch that ended without it (`_count_call_without_group`: refused, or the rendezvous
+    failed), the rendezvous meets under `<prefix>/attempt<n>`.
 
     Arguments:
         buffer: the `Buffer` of the group (its epoch, rank and membership store are used).
@@ -81,9 +83,37 @@ def epoch_group(buffer, owner, members: Tuple[int, ...], timeout_s: float, prefi
         if membership is None:
             raise RuntimeError(f"{caller}: the group lost ranks and the Buffer has no store to build the current "
                                "view's group through; pass store= to Buffer")
-        group = view_group(membership.store, View(epoch, members), buffer.rank, timeout_s, prefix=prefix)
+        attempt = _calls_without_group(owner, epoch)
+        _count_call_without_group(owner, epoch)  # taken back below once the group is built
+        group = view_group(membership.store, View(epoch, members), buffer.rank, timeout_s,
+                           prefix=f"{prefix}/attempt{attempt}" if attempt else prefix)
+        owner.group_attempt = (epoch, attempt)
         built = owner.view_group = (epoch, group)
     return built[1]
+
+
+# A rendezvous that did not complete (a store without quorum at the caller's deadline, a peer that never came)
+# may leave keys that land late (a stalled etcd member resumes, an abandoned store call goes through): a rank
+# that read such a stale address at the next attempt went into gloo with a listener long closed and failed at
+# the group's timeout. Every rank of the view ends such a call alike (its rendezvous failed, or it refused
+# before it: a rank that saw a death refuses while a peer that did not fails in the rendezvous), so each counts
+# the calls of the epoch that ended without a group and the next one meets under keys of its own.
+def _calls_without_group(owner, epoch: int) -> int:
+    found = getattr(owner, "group_attempt", None)
+    return found[1] if found is not None and found[0] == epoch else 0
+
+
+def _count_call_without_group(owner, epoch: int) -> None:
+    """Count a call of `epoch` on `owner` that ends without its group of the view (refused, or its rendezvous
+    failed): `epoch_group`'s next rendezvous of the epoch meets under `<prefix>/attempt<n>`.
+
+    Arguments:
+        owner: the structure the group is for (its `view_group` and `group_attempt` are used).
+        epoch: the Buffer's current epoch.
+    """
+    built = getattr(owner, "view_group", None)
+    if built is None or built[0] != epoch:
+        owner.group_attempt = (epoch, _calls_without_group(owner, epoch) + 1)
 
 
 def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], str]:
@@ -107,33 +137,22 @@ def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], s
     Raises:
         RuntimeError: a new view but no store to build its group through.
     """
-    epoch, built = buffer.epoch, getattr(unified, "view_group", None)
-    # A rendezvous that did not complete (a refusal below, a store without quorum, a peer that never came)
-    # may leave keys that land late (a stalled etcd member resumes, an abandoned store call goes through): a
-    # rank that read such a stale address at the next attempt went into gloo with a listener long closed and
-    # failed at the group's timeout. Every rank of the view ends a call without a group of the epoch alike
-    # (refused, or the rendezvous failed for all of them), so each counts those calls and the next attempt
-    # rendezvouses under keys of its own.
-    found = getattr(unified, "group_attempt", None)
-    attempt = found[1] if found is not None and found[0] == epoch else 0
-    unified.group_attempt = (epoch, attempt + 1)  # until a group of the epoch is built
     dead = dead_members(buffer)
     if dead:
+        _count_call_without_group(unified, buffer.epoch)
         return None, (f"ranks {dead} are dead but still members of the current view: a collective switch needs "
                       "every rank (seal them out with update_ep_member() and admit their replacements first)")
     members = tuple(buffer.members)
     missing = [r for r in range(unified.num_ranks) if r not in members]
     if missing:  # on the fallback too: after a shrink its group holds the survivors only
+        _count_call_without_group(unified, buffer.epoch)
         return None, (f"ranks {missing} are not members of the current view: a collective switch needs every "
                       "rank (admit their replacements first)")
     if on_fallback(buffer):  # the fallback's group of the current view (every rank: group rank = EP rank)
         unified.group = buffer.process_group
-    elif epoch > 0 or unified.group is None:
+    elif buffer.epoch > 0 or unified.group is None:
         suffix = "" if unified.index is None else f"/{unified.index}"  # one rendezvous per structure and epoch
-        if attempt and (built is None or built[0] != epoch):
-            suffix += f"/attempt{attempt}"
         unified.group = epoch_group(buffer, unified, members, timeout_s, f"mep/switch{suffix}", "switch_layout")
-    unified.group_attempt = (epoch, attempt)
     return unified.group, ""
 
 
@@ -159,6 +178,7 @@ def all_reduce_group(buffer, owner, timeout_s: float, prefix: str) -> Tuple[obje
     """
     dead = dead_members(buffer)
     if dead:
+        _count_call_without_group(owner, buffer.epoch)  # a peer that did not see the death fails in the rendezvous
         raise MembershipError(f"all_reduce: ranks {dead} are dead but still members of the current view (epoch "
                               f"{buffer.epoch}); seal them out with update_ep_member() first", missing=dead)
     everyone = tuple(range(owner.num_ranks))
@@ -171,14 +191,4 @@ def all_reduce_group(buffer, owner, timeout_s: float, prefix: str) -> Tuple[obje
     if buffer.rank not in members:
         raise MembershipError(f"all_reduce: rank {buffer.rank} is not a member of the current view (epoch "
                               f"{buffer.epoch}, members {list(members)}); call update_ep_member() until it is admitted")
-    # As switch_group: a rendezvous that failed (a store without quorum at the caller's deadline) fails on every
-    # member alike, and its abandoned store calls may land later; the next attempt meets under keys of its own.
-    epoch, built = buffer.epoch, getattr(owner, "view_group", None)
-    found = getattr(owner, "group_attempt", None)
-    attempt = found[1] if found is not None and found[0] == epoch else 0
-    if attempt and (built is None or built[0] != epoch):
-        prefix += f"/attempt{attempt}"
-    owner.group_attempt = (epoch, attempt + 1)  # until a group of the epoch is built
-    group = epoch_group(buffer, owner, members, timeout_s, prefix, "all_reduce")
-    owner.group_attempt = (epoch, attempt)
-    return group, members
+    return epoch_group(buffer, owner, members, timeout_s, prefix, "all_reduce"), members
