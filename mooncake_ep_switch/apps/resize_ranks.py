@@ -328,16 +328,12 @@ def rank_placement(ctx) -> list:
     return _STATE["slots"].phy2log.tolist()
 
 
-def rank_memcpy(ctx, nbytes: int, repeats: int = 9) -> float:
-    """The median seconds of a copy of `nbytes` between two tensors of this process (the baseline of a move)."""
-    source = torch.ones(max(1, nbytes), dtype=torch.uint8)
-    target = torch.empty_like(source)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        target.copy_(source)
-        times.append(time.perf_counter() - started)
-    return float(np.median(times))
+def rank_memcpy(ctx, nbytes: int) -> float:
+    """One core's memcpy seconds for `nbytes` on this rank (the baseline of a move: `bench.transport`'s
+    `memcpy_rank_seconds`, the rate of a copy from memory, as every bench here uses)."""
+    from mooncake_ep_switch.bench.transport import memcpy_rank_seconds
+
+    return memcpy_rank_seconds(max(1, int(nbytes)))
 
 
 def rank_teardown(ctx) -> dict:
