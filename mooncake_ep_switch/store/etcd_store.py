@@ -30,7 +30,8 @@ __all__ = ["EtcdStore"]
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 _POLL_MAX_S = 0.05
-_LAST_READ_S = 1.0  # a wait's read made at or past its timeout still gets this long (then: the timeout error)
+_LAST_READ_S = 2.0  # a wait's read made at or past its timeout still gets this long (then: the timeout error); more
+# than etcd's 1 s election timeout and the stalls of a loaded host (a read of a 0.3 s wait got no answer in 1 s once)
 
 
 def _bytes(value) -> bytes:
