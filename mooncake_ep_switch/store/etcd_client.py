@@ -164,6 +164,15 @@ class EtcdConnection:
             if self._preferred == 0 or len(self.endpoints) == 1:
                 time.sleep(min(0.02, max(deadline - time.monotonic(), 0)))  # a full round failed: a breath
 
+    @property
+    def preferred(self) -> int:
+        """The index of the endpoint requests go to first (the last one that answered)."""
+        return self._preferred
+
+    def token(self, deadline: float, what: str) -> str:
+        """The login token (logging in when there is none); for requests made outside `call` (a watch)."""
+        return self._login(deadline, what)
+
     def _endpoint(self, index: int) -> str:
         host, port = self.endpoints[index]
         return f"{host}:{port}"

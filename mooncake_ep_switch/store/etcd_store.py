@@ -11,25 +11,30 @@ the job that claimed the prefix (`connect.connect_etcd`), `<prefix>/ops/` holds 
 recent `add`/`append` calls under a lease (so a call retried after a lost answer returns its first
 result instead of applying twice). Every operation is one etcd transaction, or a loop of
 compare-and-swap transactions on the key's revision (`add`, `append`), hence atomic; reads are
-linearizable (etcd's default). `get`, `wait` and `multi_get` wait for their keys by polling (1 ms,
-doubling to 50 ms) up to the timeout, then raise `DistStoreError` as a TCPStore does. A request
+linearizable (etcd's default). `get`, `wait` and `multi_get` wait for their keys up to the timeout,
+then raise `DistStoreError` as a TCPStore does: one read, then the events of the process's one watch
+stream of the prefix (`etcd_watch.WatchHub`, shared by every store of the prefix and cluster in the
+process); polling (1 ms, doubling to 50 ms) only while no stream is open. `close()` releases it. A request
 that meets a dead or leaderless member goes to the next one (`etcd_client.EtcdConnection`); with no
 member answering, `StoreUnavailable` names the store when the operation's timeout passes.
 """
 import time
 import uuid
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from mooncake_ep_switch.errors import StoreRefused
 from mooncake_ep_switch.store.etcd_client import EtcdConnection, b64, unb64
+from mooncake_ep_switch.store.etcd_watch import WatchHub, hub_for
 
 __all__ = ["EtcdStore"]
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 _POLL_MAX_S = 0.05
+_SLICE_S = 0.5  # a watched wait looks at the stream's health this often (no store operation)
 _LAST_READ_S = 2.0  # a wait's read made at or past its timeout still gets this long (then: the timeout error); more
 # than etcd's 1 s election timeout and the stalls of a loaded host (a read of a 0.3 s wait got no answer in 1 s once)
 
@@ -61,6 +66,8 @@ class EtcdStore(dist.Store):
         timeout: default timeout of every operation (as a TCPStore's `timeout`).
     """
 
+    waits_cheaply = True  # a blocked wait costs no store operation (a watch): BoundedStore may run it in the background
+
     def __init__(self, connection: EtcdConnection, prefix: str, timeout: timedelta = timedelta(seconds=300)):
         super().__init__()
         self.connection = connection
@@ -69,6 +76,10 @@ class EtcdStore(dist.Store):
         self._keys = f"{prefix}/k/".encode()
         self.owner_key = f"{prefix}/owner".encode()
         self._ops = f"{prefix}/ops/".encode()
+        self.reads = 0  # reads made (tests, diagnostics)
+        self._hub_lock = threading.Lock()
+        self._watch: Optional[WatchHub] = None  # the process's watch stream of this prefix, acquired at the first wait
+        self._closed = False
         super().set_timeout(timeout)
 
     def __repr__(self) -> str:
@@ -89,6 +100,12 @@ class EtcdStore(dist.Store):
 
     def _read(self, keys: Sequence[str], deadline: float, what: str, count_only: bool = False) -> List[Optional[bytes]]:
         """Values of `keys` (None where missing), read at one revision."""
+        return self._read_at(keys, deadline, what, count_only)[0]
+
+    def _read_at(self, keys: Sequence[str], deadline: float, what: str,
+                 count_only: bool = False) -> Tuple[List[Optional[bytes]], int]:
+        """Values of `keys` (None where missing) and the revision they were read at."""
+        self.reads += 1
         out: List[Optional[bytes]] = []
         revision = None
         for start in range(0, len(keys), MAX_TXN_OPS):
@@ -109,23 +126,63 @@ class EtcdStore(dist.Store):
                 else:
                     kvs = _range_result(response)
                     out.append(unb64(kvs[0].get("value")) if kvs else None)
-        return out
+        return out, int(revision or 0)
+
+    def _hub(self) -> WatchHub:
+        with self._hub_lock:
+            if self._closed:
+                raise ValueError(f"the etcd store {self.url} is closed")
+            if self._watch is None:
+                self._watch = hub_for(self.connection, self._keys, _prefix_end(self._keys))
+            return self._watch
 
     def _wait_for(self, keys: Sequence[str], timeout_s: float, what: str) -> None:
-        """Return once every key of `keys` exists; `DistStoreError` after `timeout_s`."""
+        """Return once every key of `keys` exists; `DistStoreError` after `timeout_s`.
+
+        The keys are read once after registering with the process's watch stream (`etcd_watch`), then
+        their events wake the wait; while no stream is open (no member answers it) the keys are polled
+        (1 ms, doubling to 50 ms). A read at or past the timeout still gets `_LAST_READ_S`.
+        """
         deadline = time.monotonic() + timeout_s
+        hub = self._hub()
+        names = [self._key(key) for key in keys]
+        waiter = hub.register(names)
         pause = 0.001
-        while True:
-            found = self._read(keys, max(deadline, time.monotonic() + _LAST_READ_S), what, count_only=True)
-            if all(value is not None for value in found):
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = [k for k, v in zip(keys, found) if v is None]
-                raise dist.DistStoreError(f"the etcd store {self.url}: {what} timed out after {timeout_s:.3g} s "
-                                          f"waiting for keys {missing}")
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, _POLL_MAX_S)
+        try:
+            while True:
+                found, revision = self._read_at(keys, max(deadline, time.monotonic() + _LAST_READ_S), what,
+                                                count_only=True)
+                if hub.settle(waiter, [value is not None for value in found], revision):
+                    return
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = [k for k, name in zip(keys, names) if name in waiter.missing]
+                        raise dist.DistStoreError(f"the etcd store {self.url}: {what} timed out after "
+                                                  f"{timeout_s:.3g} s waiting for keys {missing}")
+                    if hub.live:
+                        if waiter.done.wait(min(left, _SLICE_S)):
+                            if not waiter.stale and not waiter.missing:
+                                return
+                            break  # the stream was re-created with a gap: read again
+                        if hub.live:
+                            continue
+                    else:
+                        hub.wait_live(min(left, pause))
+                        pause = min(pause * 2, _POLL_MAX_S)
+                    break  # no stream (or it just failed): read again
+                hub.unsettle(waiter)
+        finally:
+            hub.unregister(waiter)
+
+    def close(self) -> None:
+        """Release this store's share of the process's watch stream (the last one stops its thread) and
+        this thread's HTTP sessions. Later waits raise ValueError."""
+        with self._hub_lock:
+            hub, self._watch, self._closed = self._watch, None, True
+        if hub is not None:
+            hub.release()
+        self.connection.close()
 
     # ------------------------------------------------------------------ torch.distributed.Store
     def set(self, key, value) -> None:
@@ -141,17 +198,15 @@ class EtcdStore(dist.Store):
         """
         timeout_s = self._timeout_s()
         deadline = time.monotonic() + timeout_s
-        pause = 0.001
         while True:
             value = self._read([key], max(deadline, time.monotonic() + _LAST_READ_S), "get")[0]
             if value is not None:
                 return value
-            left = deadline - time.monotonic()
-            if left <= 0:
+            try:
+                self._wait_for([key], max(deadline - time.monotonic(), 0.0), "get")
+            except dist.DistStoreError:
                 raise dist.DistStoreError(f"the etcd store {self.url}: get timed out after {timeout_s:.3g} s "
-                                          f"waiting for key {key!r}")
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, _POLL_MAX_S)
+                                          f"waiting for key {key!r}") from None
 
     def check(self, keys) -> bool:
         """True when every key of `keys` is set (no wait)."""

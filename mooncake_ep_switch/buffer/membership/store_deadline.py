@@ -255,7 +255,9 @@ class BoundedStore(dist.Store):
             super().set_timeout(default)
         clone = isinstance(root, dist.TCPStore)
         self._make_client = (lambda: store.clone()) if clone else (lambda: store)
-        self.background_waits = clone  # waits_in_background(): on a lane with a client of its own
+        # waits_in_background(): on a lane with a client of its own, or on a store whose blocked waits cost no
+        # store operation (an EtcdStore: a watch) and whose client threads may share
+        self.background_waits = clone or bool(getattr(root, "waits_cheaply", False))
         self._lock = threading.Lock()
         self._lane: Optional[_Lane] = None
         self._wait_lane: Optional[_Lane] = None  # background waits (`waits_in_background`), a client of its own
