@@ -153,7 +153,10 @@ class PeerRegions:
             return index
         if membership is None:
             raise RuntimeError(f"{kind}: mapping peers after a membership change needs the group's store")
-        self._map_all(membership, index, kind, peers, regions, deadline)
+        # Collective over the members (a roll call before the read), except while this rank rebuilds (the members
+        # registered this participant before it came).
+        self._map_all(membership, index, kind, peers, regions, deadline,
+                      roll=None if rebuilding else f"regions/{index}/{buffer.epoch}")
         if not rebuilding:  # nobody returns (and could close an fd a slower peer opens) before all mapped
             membership.barrier(f"regions/{index}/{buffer.epoch}", buffer.members, deadline)
         return index
@@ -271,10 +274,10 @@ class PeerRegions:
         return record
 
     def _map_all(self, membership, index: int, kind: str, peers: Sequence[int], regions: list,
-                 deadline: float) -> None:
+                 deadline: float, roll: Optional[str] = None) -> None:
         """`_map` every peer of `peers`, their records read together (`batch_reads`: a constant number of
-        store calls, not a few per peer)."""
-        found = batch_reads.published_region_records(membership, index, peers, deadline)
+        store calls, not a few per peer; after the roll call `roll` when every peer makes it, else None)."""
+        found = batch_reads.published_region_records(membership, index, peers, deadline, roll=roll)
         for peer in peers:
             self._map(membership, index, kind, peer, regions, deadline, found.get(peer))
 

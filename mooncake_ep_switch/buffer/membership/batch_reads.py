@@ -6,13 +6,17 @@ rank a few store calls per peer, O(R^2) in the group; here each rank makes a con
 calls (`RecordStore.read_raws`: one `check` and one `multi_get` of every key when all are there) and,
 while some are missing, one wait on all the missing keys (`key_wait.KeyWait`; on a store without
 background waits a check of them per round, backoff to `POLL_MAX_S`), not a read of each. Records read here are checked exactly as the one-rank reads check them
-(`Membership.incarnation_of`, `endpoint`, `region_record`).
+(`Membership.incarnation_of`, `endpoint`, `region_record`). A collective step (every rank of `ranks`
+and the caller read each other's records) names its `roll` call (`roll_call.py`): each rank then
+counts itself in and waits for one key before it reads, so that it reads every record once, when all
+are there, instead of finding out which are missing while they come in.
 """
 import time
-from typing import Callable, Dict, Iterable, List
+from typing import Callable, Dict, Iterable, List, Optional
 
 from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
 from mooncake_ep_switch.buffer.membership.records import MembershipError, valid_endpoint, valid_region_record
+from mooncake_ep_switch.buffer.membership.roll_call import roll_call
 
 __all__ = ["incarnations_of", "published_endpoints", "published_region_records"]
 
@@ -38,16 +42,22 @@ def incarnations_of(membership, ranks: Iterable[int]) -> Dict[int, int]:
     return membership.incarnations_at(membership.epoch(), ranks)
 
 
-def _published(membership, ranks: List[int], deadline: float, key_of: Callable[[int, int], str], valid, what: str) -> Dict[int, dict]:
+def _published(membership, ranks: List[int], deadline: float, key_of: Callable[[int, int], str], valid, what: str,
+               roll: Optional[str] = None) -> Dict[int, dict]:
     """The valid records `key_of(rank, incarnation)` of `ranks`, waited for until `deadline`; a rank whose record is
-    missing or invalid then is left out (its one-rank read names why)."""
+    missing or invalid then is left out (its one-rank read names why). `roll`: the roll call to count in at first
+    (every rank of `ranks` and the caller make it), or None."""
     found: Dict[int, dict] = {}
     pending, waiter, waited = list(dict.fromkeys(ranks)), None, None
+    # Everyone counted in (their records published before): read them all at once, with no wait for them first.
+    read_now = bool(pending) and roll is not None and roll_call(
+        membership.store, roll, len(set(pending) | {membership.rank}), deadline)
     while pending:
         incarnations = incarnations_of(membership, pending)
         keys = {r: key_of(r, incarnations[r]) for r in pending}
         wanted = [keys[r] for r in pending]
-        left = deadline - time.monotonic()
+        left = -1.0 if read_now else deadline - time.monotonic()
+        read_now = False
         # Not all there yet: one wait on them (`KeyWait`: in the background, no store operation while it lasts),
         # looked at until they are there or `LOOK_S` passed (then the incarnations are read again: a rank may have
         # been taken over meanwhile); not a check of the missing ones per round. At the deadline, what is there is
@@ -76,23 +86,26 @@ def _published(membership, ranks: List[int], deadline: float, key_of: Callable[[
     return found
 
 
-def published_endpoints(membership, ranks: Iterable[int], deadline: float) -> Dict[int, dict]:
+def published_endpoints(membership, ranks: Iterable[int], deadline: float, roll: Optional[str] = None) -> Dict[int, dict]:
     """The published endpoints of `ranks`' current incarnations, waited for until `deadline`.
 
     Arguments:
         membership: the `Membership` whose store holds the endpoints.
         ranks: iterable of int EP ranks.
         deadline: `time.monotonic()` deadline in seconds (the records are read at least once).
+        roll: the name of a roll call (`roll_call.py`) that every rank of `ranks` and this one make once its own
+            endpoint is published (a collective step), or None.
 
     Returns:
         endpoints: rank -> endpoint dict plus `"incarnation"` (as `Membership.endpoint`), for the ranks
             whose valid endpoint was there by `deadline` (the others are absent).
     """
     return _published(membership, list(ranks), deadline, lambda r, inc: f"endpoint/{r}/{inc}", valid_endpoint,
-                      _ENDPOINT)
+                      _ENDPOINT, roll)
 
 
-def published_region_records(membership, index: int, ranks: Iterable[int], deadline: float) -> Dict[int, dict]:
+def published_region_records(membership, index: int, ranks: Iterable[int], deadline: float,
+                             roll: Optional[str] = None) -> Dict[int, dict]:
     """The region records of participant `index` that `ranks`' current incarnations published, waited for
     until `deadline`.
 
@@ -101,10 +114,12 @@ def published_region_records(membership, index: int, ranks: Iterable[int], deadl
         index: participant index, >= 0.
         ranks: iterable of int EP ranks.
         deadline: `time.monotonic()` deadline in seconds (the records are read at least once).
+        roll: the name of a roll call (`roll_call.py`) that every rank of `ranks` and this one make once its own
+            record is published (a collective step), or None.
 
     Returns:
         records: rank -> record (as `Membership.region_record`, plus `"incarnation"`), for the ranks whose
             valid record was there by `deadline` (the others are absent).
     """
     return _published(membership, list(ranks), deadline, lambda r, inc: f"regions/{index}/{r}/{inc}",
-                      valid_region_record, _REGIONS)
+                      valid_region_record, _REGIONS, roll)

@@ -223,11 +223,13 @@ class MemberRecords(RecordStore):
         text = self.encode_record(key, int(incarnation))
         stored = self.store.compare_set(key, "", text)
         if stored.decode(errors="replace") == text:
+            self._bindings[epoch, rank] = int(incarnation)  # written once: `incarnations_at` need not read it
             return int(incarnation)
         value = self._decode(key, stored)
         if not valid_incarnation(value):
             raise MembershipError(f"store record {self.prefix}/{key} is not a valid admitted incarnation: "
                                   f"{str(value)[:120]!r}; refused")
+        self._bindings[epoch, rank] = value
         return value
 
     def _bound(self, target: int, rank: int, incarnation: int) -> bool:

@@ -60,9 +60,11 @@ def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, r
     if membership is None:
         raise RuntimeError(f"connect: {what} exchange endpoints through the store; pass store= to Buffer")
     unreachable, why = [], []
-    # Every member's endpoint in a constant number of store calls (not a few per member); one still missing at
-    # the deadline is read alone, which names why.
-    found = batch_reads.published_endpoints(membership, [p for p in view.ranks if p != rank], deadline)
+    # Every member's endpoint in a constant number of store calls (not a few per member), read once every member
+    # counted itself in (a roll call: every member of the view connects to it, its endpoint published before); one
+    # still missing at the deadline is read alone, which names why.
+    found = batch_reads.published_endpoints(membership, [p for p in view.ranks if p != rank], deadline,
+                                            roll=f"connect/{view.epoch}")
     for peer in range(num_ranks):
         if peer == rank:
             continue
