@@ -167,3 +167,36 @@ def test_one_stream_thread_per_prefix_ended_by_close(etcd_cluster):
     assert len(_watch_threads()) == before
     with pytest.raises(ValueError, match="is closed"):
         stores[2].wait(["k"], timedelta(seconds=1))
+
+
+def test_contended_adds_apply_once_each(etcd_cluster, monkeypatch):
+    """Threads adding to one key at once (a vote tally): every add applied once, each new value returned to
+    exactly one caller, and no swap failed: a process's adds to one key go one at a time (R threads adding at
+    once made O(R) failed swaps each: ~14 requests an add at R=64)."""
+    prefix, threads_n, adds = f"w-{uuid.uuid4().hex[:10]}", 8, 5
+    stores = [_store(etcd_cluster, prefix) for _ in range(threads_n)]
+    made = [_requests(store, monkeypatch) for store in stores]
+    got, errors = [], []
+    start = threading.Barrier(threads_n)
+
+    def add(store):
+        try:
+            start.wait(10)
+            for _ in range(adds):
+                got.append(int(store.add("tally", 1)))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(repr(error))
+
+    workers = [threading.Thread(target=add, args=(s,)) for s in stores]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    try:
+        assert not errors and sorted(got) == list(range(1, threads_n * adds + 1)), (errors, sorted(got))
+        txns = sum(paths.count("kv/txn") for paths in made)
+        assert stores[0].get("tally") == str(threads_n * adds).encode()
+        assert txns == 2 * threads_n * adds, "each add: one snapshot read and one swap that succeeded"
+    finally:
+        for store in stores:
+            store.close()

@@ -16,11 +16,12 @@ results and the operations by name.
 * construction: every rank takes an incarnation, binds it to epoch 0, publishes its endpoint (with
   its host id) and one participant's region record, reads every peer's endpoint and region record
   and the incarnations whose regions it maps, and meets the others at the regions' barrier (what a
-  Buffer's constructor and `PeerRegions.add` exchange through the store).
+  Buffer's constructor and `PeerRegions.add` exchange through the store: each read after a roll call,
+  `membership.roll_call`).
 """
 import itertools
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 from mooncake_ep_switch.bench.membership_bench import Group, run_all
 from mooncake_ep_switch.buffer.ballot import Ballot
@@ -28,7 +29,7 @@ from mooncake_ep_switch.buffer.membership import batch_reads
 from mooncake_ep_switch.buffer.membership.protocol import Membership
 from mooncake_ep_switch.eplb import epochs
 
-__all__ = ["construction", "eplb_vote", "pending_joiners", "switch_decision"]
+__all__ = ["construction", "constructor", "eplb_vote", "pending_joiners", "switch_decision"]
 
 GO, COMMIT = 1, 1
 _NAMES = itertools.count()
@@ -108,30 +109,42 @@ def eplb_vote(group: Group, deadline_s: float = 60.0) -> dict:
 def construction(group: Group, deadline_s: float = 60.0) -> dict:
     """The store part of every rank's Buffer construction, under a fresh prefix; each result is the list of
     host ids that rank read (its own first)."""
-    prefix = f"ctor{next(_NAMES)}"
+    call = constructor(group, f"ctor{next(_NAMES)}", deadline_s)
+    return _timed(group, {r: (lambda rank=r: call(rank)) for r in range(group.num_ranks)}, deadline_s)
+
+
+def constructor(group: Group, prefix: str, deadline_s: float = 60.0) -> Callable[[int], List[str]]:
+    """The store part of one rank's Buffer construction under `prefix` (what `construction` runs on every rank).
+
+    Arguments:
+        group: the ranks (each rank's counted client is used).
+        prefix: a key prefix no construction used before.
+        deadline_s: seconds each rank's construction may take.
+
+    Returns:
+        build: `build(rank)` constructs `rank` and returns the host ids it read (its own first).
+    """
     size = group.num_ranks
     stores = [m.store.underlying_store for m in group.members]  # each rank's counted client (no prefix)
 
-    def call(rank):
-        def run():
-            deadline = time.monotonic() + deadline_s
-            membership = Membership(stores[rank], rank, size, prefix)
-            membership.bind_incarnation(0, rank, membership.incarnation)
-            membership.epoch()
-            membership.publish_endpoint({"region": [1000 + rank, 3, 4096], "host_id": f"host{rank // 8}",
-                                         "te_session": "", "te_base": 1 << 20})
-            membership.publish_region_record(0, {"kind": "bench", "regions": [[1000 + rank, 4, 4096]]})
-            peers = [p for p in range(size) if p != rank]
-            endpoints = batch_reads.published_endpoints(membership, peers, deadline)
-            records = batch_reads.published_region_records(membership, 0, peers, deadline)
-            if any(len(records[p]["regions"]) != 1 for p in peers):
-                raise RuntimeError("a region record did not read back")
-            batch_reads.incarnations_of(membership, range(size))
-            membership.barrier("regions/0/0", range(size), deadline)
-            return [f"host{rank // 8}"] + [endpoints[p]["host_id"] for p in peers]
-        return run
+    def build(rank: int) -> List[str]:
+        deadline = time.monotonic() + deadline_s
+        membership = Membership(stores[rank], rank, size, prefix)
+        membership.bind_incarnation(0, rank, membership.incarnation)
+        membership.epoch()
+        membership.publish_endpoint({"region": [1000 + rank, 3, 4096], "host_id": f"host{rank // 8}",
+                                     "te_session": "", "te_base": 1 << 20})
+        membership.publish_region_record(0, {"kind": "bench", "regions": [[1000 + rank, 4, 4096]]})
+        peers = [p for p in range(size) if p != rank]
+        endpoints = batch_reads.published_endpoints(membership, peers, deadline, roll="connect/0")
+        records = batch_reads.published_region_records(membership, 0, peers, deadline, roll="regions/0/0")
+        if any(len(records[p]["regions"]) != 1 for p in peers):
+            raise RuntimeError("a region record did not read back")
+        batch_reads.incarnations_of(membership, range(size))
+        membership.barrier("regions/0/0", range(size), deadline)
+        return [f"host{rank // 8}"] + [endpoints[p]["host_id"] for p in peers]
 
-    return _timed(group, {r: call(r) for r in range(size)}, deadline_s)
+    return build
 
 
 def expected_hosts(size: int) -> List[List[str]]:

@@ -18,15 +18,16 @@ process); polling (1 ms, doubling to 50 ms) only while no stream is open. `close
 that meets a dead or leaderless member goes to the next one (`etcd_client.EtcdConnection`); with no
 member answering, `StoreUnavailable` names the store when the operation's timeout passes.
 """
+import random
+import threading
 import time
 import uuid
 from datetime import timedelta
-import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from mooncake_ep_switch.errors import StoreRefused
+from mooncake_ep_switch.errors import StoreRefused, StoreUnavailable
 from mooncake_ep_switch.store.etcd_client import EtcdConnection, b64, unb64
 from mooncake_ep_switch.store.etcd_watch import WatchHub, hub_for
 
@@ -34,6 +35,9 @@ __all__ = ["EtcdStore"]
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 _POLL_MAX_S = 0.05
+_CAS_PAUSE_MAX_S = 0.05  # the longest pause after a failed compare-and-swap of add/append
+_KEY_LOCKS: Dict[Any, threading.Lock] = {}  # (cluster, key) -> the lock of this process's add/append on it
+_KEY_LOCKS_LOCK = threading.Lock()
 _SLICE_S = 0.5  # a watched wait looks at the stream's health this often (no store operation)
 _LAST_READ_S = 2.0  # a wait's read made at or past its timeout still gets this long (then: the timeout error); more
 # than etcd's 1 s election timeout and the stalls of a loaded host (a read of a 0.3 s wait got no answer in 1 s once)
@@ -279,17 +283,39 @@ class EtcdStore(dist.Store):
             # deleted between the two transactions: start again
 
     def _update(self, key: str, change, what: str) -> bytes:
-        """Apply `change(old value or None) -> new value` atomically; the new value, applied once."""
+        """Apply `change(old value or None) -> new value` atomically; the new value, applied once.
+
+        A compare-and-swap loop on the key's revision. The threads of one process update a key one at a
+        time (they would only fail each other's swaps: ranks as threads, all adding to a vote tally at
+        once). A failed swap reads the key and the marker again in the same transaction (one request per
+        attempt), and the next attempt waits a random pause that doubles with each failure (up to
+        `_CAS_PAUSE_MAX_S`), spreading the swaps of processes that contend.
+        """
         deadline = time.monotonic() + self._timeout_s()
+        with _KEY_LOCKS_LOCK:
+            lock = _KEY_LOCKS.setdefault((self.connection.name, self._key(key)), threading.Lock())
+        if not lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            raise StoreUnavailable(f"the etcd store {self.url} did not answer {what}({key!r}) within "
+                                   f"{self._timeout_s():.3g} s: another {what} of this process on the key is still "
+                                   "unanswered", store=self.url, operation=what, timeout_s=self._timeout_s())
+        try:
+            return self._swap(key, change, what, deadline)
+        finally:
+            lock.release()
+
+    def _swap(self, key: str, change, what: str, deadline: float) -> bytes:
         name = b64(self._key(key))
         marker = b64(self._ops + uuid.uuid4().hex.encode())
         snapshot = [{"request_range": {"key": name}}, {"request_range": {"key": marker}}]
+        reply = None
+        failures = 0
         while True:
             try:
                 # The key and this call's result marker at one revision: an attempt whose answer was lost (sent
                 # again, or applied late by a new leader) either left its marker here, or has the same guard as
                 # the next attempt (the key unchanged since), so at most one of them applies.
-                reply = self._txn([], snapshot, [], deadline, what)
+                if reply is None:
+                    reply = self._txn([], snapshot, [], deadline, what)
                 kvs, done = (_range_result(response) for response in reply["responses"])
                 if done:
                     return unb64(done[0].get("value"))
@@ -299,12 +325,16 @@ class EtcdStore(dist.Store):
                 lease = self.connection.lease(deadline, what)
                 success = [{"request_put": {"key": name, "value": b64(new)}},
                            {"request_put": {"key": marker, "value": b64(new), "lease": lease}}]
-                if self._txn([guard], success, [], deadline, what).get("succeeded"):
+                reply = self._txn([guard], success, snapshot, deadline, what)
+                if reply.get("succeeded"):
                     return new
+                failures += 1  # another rank changed it first: its snapshot is in `reply`
+                time.sleep(random.uniform(0, min(_CAS_PAUSE_MAX_S, 0.0005 * 2 ** min(failures, 10))))
             except StoreRefused as error:
                 if "lease not found" not in str(error):
                     raise
                 self.connection.forget_lease()  # refused as a whole (nothing applied): a new lease, again
+                reply = None
 
     def add(self, key, amount) -> int:
         """Add `amount` to the integer at `key` (0 when missing); the new value."""
