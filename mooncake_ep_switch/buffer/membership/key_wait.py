@@ -10,6 +10,12 @@ late on this box when many do at once (ballot.py). `KeyWait` starts one blocking
 outcome locally, in slices as short as it likes, while it goes on using the store; it never times out
 in honest use, because the caller that stops waiting sets the key itself (or another rank does).
 On any other store (a client shared by threads, an etcd store) it checks the keys once per `poll`.
+
+A waiter that needs the keys' values once they are there (a sealed view, a ballot's summary) asks for them
+with `read=True`: the background wait is then the store's blocking read of the keys
+(`store_deadline.reads_in_background`), whose outcome holds the values, one store operation instead of a
+wait and a read after it (when R ranks wake at once, R reads fewer on the store and, with ranks as
+threads, R fewer thread hand-offs while every rank needs the interpreter).
 """
 import time
 from datetime import timedelta
@@ -17,7 +23,8 @@ from typing import Iterable, Optional
 
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.membership.store_deadline import BoundedStore, waits_in_background
+from mooncake_ep_switch.buffer.membership.store_deadline import (BoundedStore, reads_in_background,
+                                                                  waits_in_background)
 
 __all__ = ["KeyWait", "background_waits"]
 
@@ -56,27 +63,38 @@ class KeyWait:
         seconds: the longest the wait lasts (a background wait times out then; its caller should set one
             of the keys before, or stop polling by then).
         background: None to decide by the store (`background_waits`); False to check the keys per poll.
+        read: also read the keys' values (`values()`): in the background wait itself where it runs.
     """
 
-    def __init__(self, store, keys: Iterable[str], seconds: float, background: Optional[bool] = None):
+    def __init__(self, store, keys: Iterable[str], seconds: float, background: Optional[bool] = None,
+                 read: bool = False):
         self.store = store
         self.keys = list(keys)
         self._until = time.monotonic() + max(seconds, 0.0)
         self._there: Optional[bool] = None
         self._job = None
         self._pause = 0.0005
+        self._values: Optional[list] = None
         if background is None:
             background = background_waits(store)
+        if background and read and not background_waits(store):
+            background = False  # a read made in place would block up to the store's own timeout: check per poll
         if background:
-            with waits_in_background() as jobs:
+            started = reads_in_background(seconds) if read else waits_in_background()
+            with started as jobs:
                 try:
-                    store.wait(self.keys, timedelta(seconds=max(seconds, 0.001)))
+                    if read:
+                        values = store.multi_get(self.keys)
+                    else:
+                        store.wait(self.keys, timedelta(seconds=max(seconds, 0.001)))
                 except dist.DistStoreError:
                     self._there = False  # made in place (not a background wait) and timed out
             if jobs:
                 self._job = jobs[0]
             elif self._there is None:
                 self._there = True  # made in place and returned: the keys are there
+                if read:
+                    self._values = list(values)
 
     @property
     def background(self) -> bool:
@@ -99,6 +117,8 @@ class KeyWait:
             if not self._job.done.wait(max(seconds, 0.0)):
                 return None
             self._there = not self._job.retry and self._job.error is None
+            if self._there and isinstance(self._job.value, list):
+                self._values = self._job.value  # a background read's values
             return self._there
         if self.store.check(self.keys):
             self._there = True
@@ -110,3 +130,19 @@ class KeyWait:
         time.sleep(max(0.0, min(seconds, self._pause, self._until - now)))
         self._pause = min(self._pause * 2, POLL_MAX_S)
         return None
+
+    def values(self) -> list:
+        """The keys' values (bytes, in the order of `keys`), once `poll()` returned True: those the background read
+        got, else one `multi_get` (the keys are there).
+
+        Returns:
+            values: list of bytes.
+
+        Raises:
+            RuntimeError: called before `poll()` returned True.
+        """
+        if self._there is not True:
+            raise RuntimeError(f"KeyWait.values(): the keys {self.keys[:4]} are not known to be there yet")
+        if self._values is None:
+            self._values = list(self.store.multi_get(self.keys))
+        return [bytes(v) for v in self._values]

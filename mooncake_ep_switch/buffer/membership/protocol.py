@@ -440,7 +440,7 @@ class Membership(SealingRecords):
         know dead seals: it polls the readiness of `waiting` (one batched check per round) and seals once
         every one posted (the others make one wait on the view's key and look at it locally, beating between);
         at the deadline whoever is ready seals (the others give that sealer `LEADER_GRACE_S` first).
-        Returns True when the view was seen by that wait (it is there: read with one get)."""
+        Returns True when the view was seen by that wait (which read it: `_take_view`)."""
         pause, graced, beats = 0.001, False, 1
         next_beat = None  # the first beat: after MEMBER_BEAT_S for the leader, WAIT_SLICE_S for the others
         self._sealed_wait = None  # a KeyWait on view/<target> (a non-leader's: looked at locally, no poll)
@@ -479,7 +479,9 @@ class Membership(SealingRecords):
                                      max(deadline, stall_deadline or deadline)):
                     return True
                 pause = min(pause * 2, SEALED_LOOK_S)
-            if time.monotonic() >= next_beat:  # for a plain Buffer(group) of a rank being replaced (replacement.py)
+            seen = self._sealed_wait is not None and self._sealed_wait.background and self._sealed_wait.poll(0.0)
+            if time.monotonic() >= next_beat and not seen:  # none once the view is there (adopted next round)
+                # (for a plain Buffer(group) of a rank being replaced, replacement.py)
                 beats += 1
                 self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{MEMBER_BEAT}:{beats}")
                 next_beat = time.monotonic() + (MEMBER_BEAT_S if leads else WAIT_SLICE_S)
@@ -488,11 +490,13 @@ class Membership(SealingRecords):
         """Wait up to `seconds` until the view of `target` is there; False when it is not. The first call starts
         one wait on its key (`KeyWait`, lasting past `until`, a `time.monotonic()` value, by `LEADER_GRACE_S` and a
         second), which the later ones look at: no store operation per call where the wait runs in the background
-        (a rank that seals sets the key; a wait that times out is not cut into slices that would)."""
+        (a rank that seals sets the key; a wait that times out is not cut into slices that would). That wait is the
+        store's blocking read of the key, so the view's record comes with it (`_take_view`)."""
         waiter = self._sealed_wait
         if waiter is None or waiter.poll(0.0) is False:
             waiter = self._sealed_wait = KeyWait(self.store, [f"view/{target}"],
-                                                 max(until - time.monotonic(), 0.0) + LEADER_GRACE_S + 1.0)
+                                                 max(until - time.monotonic(), 0.0) + LEADER_GRACE_S + 1.0,
+                                                 read=True)  # the wait is the view's read: no get after it
         return bool(waiter.poll(seconds))
 
     def wait_keys(self, keys: List[str], seconds: float) -> bool:
@@ -536,7 +540,10 @@ class Membership(SealingRecords):
 
     def _take_view(self, current: int, target: int, members: tuple, fast: bool, joining: bool) -> View:
         """Read, check and adopt the sealed view of `target` (rules 1, 3 and 4); `fast`: its keys are there."""
-        ranks = self._decode_view(target, bytes(self.store.get(f"view/{target}"))) if fast else self._view_record(target)
+        if fast:  # the wait for the view read it (KeyWait(read=True)): decoded from there, no store call
+            ranks = self._decode_view(target, self._sealed_wait.values()[0])
+        else:
+            ranks = self._view_record(target)
         admission = self._admissions.get(target)  # the one the view carries (a sealer's record of it)
         if ranks is None:
             raise MembershipError(f"the view of epoch {target} disappeared from the store after it was sealed")

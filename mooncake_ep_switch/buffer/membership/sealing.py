@@ -149,6 +149,9 @@ class SealingRecords(MemberRecords):
                                   "intact; refusing to seal")
         if not quorum([r for r in candidates if r in members], members, gone):
             return False
+        # The ranks the view leaves out, read now: once the view is there every member wakes, and the sealer's
+        # store calls after it (its settling, rule 3) wait behind theirs; only its writes come after.
+        outside = self._read_non_members([r for r in range(self.num_ranks) if r not in candidates])
         # One incarnation per rank of the view (two replacements of one rank: the one another sealer bound
         # first, or the one ready now; the other is never sealed in).
         admission = self._bind_admission(target, {r: ready[r]["incarnation"] for r in candidates},
@@ -164,32 +167,59 @@ class SealingRecords(MemberRecords):
         key = f"view/{target}"
         text = self.encode_record(key, {"view": candidates, "admission": admission})  # adopters read both at once
         if self.store.compare_set(key, "", text).decode(errors="replace") == text:
-            self._settle(target, candidates, bound)
+            self._views[target] = tuple(candidates)  # this sealer's view won: its adoption reads it from here
+            self._settle(target, candidates, bound, outside)
         return True
 
-    def _settle(self, target: int, ranks: List[int], bound: Dict[int, int]) -> None:
+    def _settle(self, target: int, ranks: List[int], bound: Dict[int, int],
+                read: Optional[Dict[int, tuple]] = None) -> None:
         """The sealer whose view won (rule 3): advance the epoch counter, set the members active (one
         `multi_set`) and every other rank inactive unless it registered as joining for a later epoch."""
         try:
-            value, text = self.read_counter_raw("epoch")
-            if value < target:  # a CAS from a value read before another sealer's advance does nothing
-                self.store.compare_set("epoch", "" if text is None else text, str(target))
+            self._advance_epoch(target)
         except MembershipError:
             pass  # a garbage counter: epoch() reports it; the views stay readable
         keys = [f"state/{r}" for r in ranks]
         self.store.multi_set(keys, [self.encode_record(k, {"state": ACTIVE, "incarnation": bound[r], "epoch": target})
                                        for k, r in zip(keys, ranks)])
-        self._deactivate_non_members(ranks, target, skip_unreadable=True)
+        self._deactivate_non_members(ranks, target, skip_unreadable=True, read=read)
 
-    def _deactivate_non_members(self, members, epoch: int, skip_unreadable: bool) -> None:
+    def _advance_epoch(self, target: int) -> None:
+        """Move the epoch counter to `target` unless it holds `target` or more: one compare-and-set from the text the
+        counter holds when the previous change was settled (`str(target - 1)`; absent before the first), which
+        returns what the counter holds; only when that was something else, a second one from the text it returned
+        (never backwards: a CAS from a value read before another sealer's advance does nothing)."""
+        expected = str(target - 1) if target > 1 else ""
+        raw = self.store.compare_set("epoch", expected, str(target))
+        if raw.decode(errors="replace") == str(target):
+            return
+        # The CAS failed: it returned the counter's text, or `expected` itself when the counter is absent.
+        absent = expected != "" and raw.decode(errors="replace") == expected
+        value, text = (0, None) if absent else self.counter_of("epoch", bytes(raw))
+        if value < target:
+            self.store.compare_set("epoch", "" if text is None else text, str(target))
+
+    def _read_non_members(self, ranks: List[int]) -> Dict[int, tuple]:
+        """rank -> (state record, incarnation counter) as stored (None where absent), in one batched read (a check
+        and a multi_get when all exist)."""
+        if not ranks:
+            return {}
+        raws = self.read_raws([f"state/{r}" for r in ranks] + [f"incarnation/{r}" for r in ranks])
+        return {rank: (raws[i], raws[len(ranks) + i]) for i, rank in enumerate(ranks)}
+
+    def _deactivate_non_members(self, members, epoch: int, skip_unreadable: bool,
+                                read: Optional[Dict[int, tuple]] = None) -> None:
         """Rule 3 for the ranks outside `members`: set each inactive for `epoch` (CAS on its state record) unless
         it already is, or registered as joining for a later epoch. `skip_unreadable`: a rank whose incarnation
-        counter does not read as a count is left as it is (else the MembershipError propagates)."""
-        for rank in range(self.num_ranks):
-            if rank in members:
-                continue
+        counter does not read as a count is left as it is (else the MembershipError propagates). `read`: what
+        `_read_non_members` read of some of them before (a sealer reads them before its view wakes every member:
+        only the writes come after; a record changed since fails its CAS, as one changed after any read)."""
+        others = [r for r in range(self.num_ranks) if r not in members]
+        found = dict(read or {})
+        found.update(self._read_non_members([r for r in others if r not in found]))
+        for rank in others:
+            raw, counter = found[rank]
             key = f"state/{rank}"
-            raw = self.read_raw(key)
             try:
                 record = None if raw is None else self._decode(key, raw)
             except MembershipError:
@@ -199,7 +229,7 @@ class SealingRecords(MemberRecords):
             if valid_state(record) and record["state"] == JOINING and record["epoch"] > epoch:
                 continue  # registered for a later epoch: still joining
             try:
-                incarnation = self.read_counter(f"incarnation/{rank}")
+                incarnation = self.counter_of(f"incarnation/{rank}", counter)[0]
             except MembershipError:
                 if skip_unreadable:
                     continue

@@ -27,13 +27,15 @@ import contextvars
 import queue
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch.distributed as dist
 
 from mooncake_ep_switch.errors import StoreUnavailable
 
-__all__ = ["BoundedStore", "STORE_GRACE_S", "bounded", "remaining_s", "store_deadline", "waits_in_background"]
+__all__ = ["BoundedStore", "STORE_GRACE_S", "bounded", "reads_in_background", "remaining_s", "store_deadline",
+           "waits_in_background"]
 
 STORE_GRACE_S = 0.5  # a call an operation makes at or past its deadline (error paths) still gets this long
 IDLE_S = 2.0  # a worker with nothing to do for this long ends (the next call starts one)
@@ -69,6 +71,8 @@ def store_deadline(deadline: Optional[float], what: str) -> Iterator[None]:
 
 # Set by `waits_in_background`: a list that a BoundedStore's wait() appends its started job to (and returns at once).
 _BACKGROUND: "contextvars.ContextVar[Optional[list]]" = contextvars.ContextVar("mep_background_wait", default=None)
+# Set by `reads_in_background`: how long a background `multi_get` waits for its keys (seconds).
+_READ_S: "contextvars.ContextVar[Optional[float]]" = contextvars.ContextVar("mep_background_read", default=None)
 
 
 @contextlib.contextmanager
@@ -91,6 +95,31 @@ def waits_in_background() -> Iterator[list]:
         yield jobs
     finally:
         _BACKGROUND.reset(token)
+
+
+@contextlib.contextmanager
+def reads_in_background(seconds: float) -> Iterator[list]:
+    """As `waits_in_background`, for the `multi_get()` calls this thread makes in the block: each starts on the wait
+    lane a read that blocks until every key is there (the TCPStore's read waits for absent keys), for at most
+    `seconds`, and returns at once (placeholder values); its job's `value` is the values read (`error` set when it
+    timed out). One store operation where a wait and then a read of the keys were two: a waiter that needs the
+    value of the key it waits for (a sealed view, a ballot's summary) has it as soon as the wait ends.
+
+    Only for a store whose `background_waits` is true (`key_wait.background_waits`): elsewhere the read is made in
+    place, and blocks until the keys are there or the store's own timeout.
+
+    Arguments:
+        seconds: the longest the read waits for its keys (> 0).
+
+    Returns:
+        a context manager yielding the list of started jobs.
+    """
+    with waits_in_background() as jobs:
+        token = _READ_S.set(max(float(seconds), 0.001))
+        try:
+            yield jobs
+        finally:
+            _READ_S.reset(token)
 
 
 def remaining_s() -> Optional[float]:
@@ -347,6 +376,16 @@ class BoundedStore(dist.Store):
         return self._call("delete_key", key, lambda s: s.delete_key(key))
 
     def multi_get(self, keys):
+        jobs, read_s = _BACKGROUND.get(), _READ_S.get()
+        if jobs is not None and read_s is not None and self.background_waits:
+            timeout = timedelta(seconds=read_s)
+
+            def read(client):
+                client.set_timeout(timeout)  # the wait lane's own client: its reads and waits only
+                return client.multi_get(keys)
+
+            self._background_job(_Job(read), jobs)
+            return [b""] * len(keys)  # placeholders (a PrefixStore above needs a list): the job's value holds the read
         return self._call("multi_get", keys, lambda s: s.multi_get(keys))
 
     def multi_set(self, keys, values):
@@ -359,7 +398,10 @@ class BoundedStore(dist.Store):
         """Start `wait(keys, timeout)` on the wait lane and append its job to `jobs` (`waits_in_background`). A wait
         lane still busy with an earlier wait (one its caller stopped waiting for) is left to end by itself (the
         wait gets a new lane)."""
-        job = _Job(lambda s: s.wait(keys, timeout))
+        self._background_job(_Job(lambda s: s.wait(keys, timeout)), jobs)
+
+    def _background_job(self, job: _Job, jobs: list) -> None:
+        """Start `job` on the wait lane (a new one while the last background job still runs) and append it to `jobs`."""
         while True:
             with self._lock:
                 lane, last = self._wait_lane, self._last_wait
