@@ -17,14 +17,14 @@ TIERS = {
              "test_elastic_buffer_faults", "test_store_stall", "test_eplb_fault_routing", "test_eplb_coverage", "test_observability",
              "test_observability_faults", "test_elastic_barrier", "test_shrink", "test_drain",
              "test_combine_bias", "test_grow", "test_fallback_replacement", "test_hosts_resize",
-             "test_grow_faults", "test_switch_after_resize", "test_grow_after_shrink"},
+             "test_grow_faults", "test_switch_after_resize", "test_grow_after_shrink", "test_group_wait"},
     # kills, stops or cuts off a process or a link
     "faults": {"test_hosts_etcd", "test_etcd_ballots", "test_faults", "test_membership_faults", "test_switch_faults", "test_partition", "test_peer_watch",
                "test_te_endpoint", "test_readmit_regions", "test_eplb_online", "test_hosts_eplb",
                "test_elastic_buffer_faults", "test_store_stall", "test_eplb_fault_routing",
                "test_eplb_coverage", "test_observability_faults", "test_etcd_store", "test_shrink", "test_drain",
                "test_grow", "test_fallback_replacement", "test_hosts_resize", "test_grow_faults",
-               "test_grow_after_shrink"},
+               "test_grow_after_shrink", "test_group_wait"},
     # pretend hosts in network namespaces (root, ip, tc)
     "multihost": {"test_hosts_etcd", "test_hosts", "test_hosts_eplb", "test_faults", "test_partition", "test_elastic_buffer_faults",
                   "test_hosts_resize"},

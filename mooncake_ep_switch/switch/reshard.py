@@ -157,14 +157,19 @@ def copy(blocks: np.ndarray, dst_range: Tuple[int, int], src_range: Tuple[int, i
     return device_region.copy_blocks(blocks, dst_range, src_range, device)
 
 
-def _all_to_all(output: torch.Tensor, input: torch.Tensor, group) -> None:
+def _all_to_all(output: torch.Tensor, input: torch.Tensor, group, wait=None) -> None:
     """Equal blocks of `input` to every rank of `group`, theirs into `output`, with the group's own
     `alltoall_base`: also on the unregistered per-view gloo group the fallback builds after a
-    membership change (torch's `all_to_all_single` takes registered groups only)."""
-    group.alltoall_base(output, input, [], [], dist.AllToAllOptions()).wait()
+    membership change (torch's `all_to_all_single` takes registered groups only). `wait(work)` waits
+    for it (the switch's bounded wait), else `work.wait()`."""
+    work = group.alltoall_base(output, input, [], [], dist.AllToAllOptions())
+    if wait is None:
+        work.wait()
+    else:
+        wait(work)
 
 
-def collective_layer(unified: UnifiedWeights, way: str, layer: int, staging: torch.Tensor) -> int:
+def collective_layer(unified: UnifiedWeights, way: str, layer: int, staging: torch.Tensor, wait=None) -> int:
     """Reshard one layer with an all-to-all over `unified.group` (the collective fallback).
 
     Arguments:
@@ -172,6 +177,7 @@ def collective_layer(unified: UnifiedWeights, way: str, layer: int, staging: tor
         way: `"ep->tp"` or `"tp->ep"`.
         layer: the layer; source and destination slots follow `step_order`.
         staging: `[slot_bytes]` torch.uint8 scratch (the packing side's buffer).
+        wait: `wait(work)` waits for each all-to-all (the switch's bounded wait), or None (`work.wait()`).
 
     Returns:
         bytes_sent: bytes this rank sent to other ranks.
@@ -196,12 +202,12 @@ def collective_layer(unified: UnifiedWeights, way: str, layer: int, staging: tor
                          base + src_slot * slot, base + src_slot * slot + split, to_tp=True)
             for d in range(ranks)])
         copy(blocks, stage_range, region)
-        _all_to_all(dst_gate_up, stage_gate_up, unified.group)
-        _all_to_all(dst_down, stage_down, unified.group)
+        _all_to_all(dst_gate_up, stage_gate_up, unified.group, wait)
+        _all_to_all(dst_down, stage_down, unified.group, wait)
     else:
         # Send in place (chunk for d = my slice of d's experts, contiguous), unpack what arrives.
-        _all_to_all(stage_gate_up, src_gate_up, unified.group)
-        _all_to_all(stage_down, src_down, unified.group)
+        _all_to_all(stage_gate_up, src_gate_up, unified.group, wait)
+        _all_to_all(stage_down, src_down, unified.group, wait)
         blocks = np.concatenate([
             chunk_blocks(unified, s, stage + s * gate_up_chunk, stage + split + s * down_chunk,
                          base + dst_slot * slot, base + dst_slot * slot + split, to_tp=False)

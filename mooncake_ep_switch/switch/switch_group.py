@@ -19,7 +19,8 @@ current view (`buffer.process_group`) is used.
 Either refuses by name when a member of the view is known dead (`buffer.dead_peers()`: seen by the
 peer watcher, not sealed out yet, e.g. while the store has no quorum): a gloo collective with a dead
 member raised "Connection closed by peer" on some ranks and waited for the group's timeout on others,
-past the caller's deadline. A death that a rank has not seen yet still takes it into gloo.
+past the caller's deadline. A death that a rank has not seen yet still takes it into gloo, where the
+callers wait through `group_wait` (by their own deadline and the peer watcher, not the group's timeout).
 """
 from typing import List, Optional, Tuple
 
@@ -27,7 +28,7 @@ from mooncake_ep_switch.buffer.membership.group_keys import view_group
 from mooncake_ep_switch.buffer.membership.protocol import View
 from mooncake_ep_switch.errors import MembershipError
 
-__all__ = ["switch_group", "all_reduce_group", "epoch_group", "on_fallback", "dead_members"]
+__all__ = ["switch_group", "all_reduce_group", "epoch_group", "on_fallback", "dead_members", "count_call_without_group"]
 
 
 def on_fallback(buffer) -> bool:
@@ -59,7 +60,7 @@ def epoch_group(buffer, owner, members: Tuple[int, ...], timeout_s: float, prefi
     """A gloo group of the current view for `owner`, built through the store once per epoch.
 
     Collective over `members` the first time in an epoch (kept on `owner.view_group` as `(epoch, group)`);
-    after n calls of the epoch that ended without it (`_count_call_without_group`: refused, or the rendezvous
+    after n calls of the epoch that ended without it (`count_call_without_group`: refused, or the rendezvous
     failed), the rendezvous meets under `<prefix>/attempt<n>`.
 
     Arguments:
@@ -84,7 +85,7 @@ def epoch_group(buffer, owner, members: Tuple[int, ...], timeout_s: float, prefi
             raise RuntimeError(f"{caller}: the group lost ranks and the Buffer has no store to build the current "
                                "view's group through; pass store= to Buffer")
         attempt = _calls_without_group(owner, epoch)
-        _count_call_without_group(owner, epoch)  # taken back below once the group is built
+        count_call_without_group(owner, epoch)  # taken back below once the group is built
         group = view_group(membership.store, View(epoch, members), buffer.rank, timeout_s,
                            prefix=f"{prefix}/attempt{attempt}" if attempt else prefix)
         owner.group_attempt = (epoch, attempt)
@@ -103,7 +104,7 @@ def _calls_without_group(owner, epoch: int) -> int:
     return found[1] if found is not None and found[0] == epoch else 0
 
 
-def _count_call_without_group(owner, epoch: int) -> None:
+def count_call_without_group(owner, epoch: int) -> None:
     """Count a call of `epoch` on `owner` that ends without its group of the view (refused, or its rendezvous
     failed): `epoch_group`'s next rendezvous of the epoch meets under `<prefix>/attempt<n>`.
 
@@ -139,13 +140,13 @@ def switch_group(buffer, unified, timeout_s: float) -> Tuple[Optional[object], s
     """
     dead = dead_members(buffer)
     if dead:
-        _count_call_without_group(unified, buffer.epoch)
+        count_call_without_group(unified, buffer.epoch)
         return None, (f"ranks {dead} are dead but still members of the current view: a collective switch needs "
                       "every rank (seal them out with update_ep_member() and admit their replacements first)")
     members = tuple(buffer.members)
     missing = [r for r in range(unified.num_ranks) if r not in members]
     if missing:  # on the fallback too: after a shrink its group holds the survivors only
-        _count_call_without_group(unified, buffer.epoch)
+        count_call_without_group(unified, buffer.epoch)
         return None, (f"ranks {missing} are not members of the current view: a collective switch needs every "
                       "rank (admit their replacements first)")
     if on_fallback(buffer):  # the fallback's group of the current view (every rank: group rank = EP rank)
@@ -178,7 +179,7 @@ def all_reduce_group(buffer, owner, timeout_s: float, prefix: str) -> Tuple[obje
     """
     dead = dead_members(buffer)
     if dead:
-        _count_call_without_group(owner, buffer.epoch)  # a peer that did not see the death fails in the rendezvous
+        count_call_without_group(owner, buffer.epoch)  # a peer that did not see the death fails in the rendezvous
         raise MembershipError(f"all_reduce: ranks {dead} are dead but still members of the current view (epoch "
                               f"{buffer.epoch}); seal them out with update_ep_member() first", missing=dead)
     everyone = tuple(range(owner.num_ranks))

@@ -38,10 +38,14 @@ Assumption: fail-stop within the deadline. A rank that is merely late and finds 
 dead raises `SwitchFenced` (its layout becomes "invalid"); a pull that raced with a late peer's
 progress is detected and raises `SwitchError` rather than returning wrong weights.
 
-Collective fallback: entry metadata is exchanged with `all_gather_object`, weights with two
-all-to-alls per layer and KV with one, all on the current view's group (`switch_group`). A peer that
-dies there cannot be survived (gloo fails after the group's timeout): the survivors raise
-`SwitchError` and mark their weights and KV "invalid"; reload from a checkpoint. Refusals (capacity, mismatched calls) are still all-or-nothing.
+Collective fallback: entry metadata is exchanged with `group_wait.gather_objects`, weights with two
+all-to-alls per layer and KV with one, all on the current view's group (`switch_group`). Each of them
+waits at most `timeout_us` and stops early once the peer watcher sees a member end (`group_wait`), not
+for the group's timeout; the group is then abandoned (refused by name until `update_ep_member()` gives the
+next view its own). A member that died or stalled before the entry exchange completed refuses the switch
+(nothing moved; the reason names the dead ranks or the deadline). A peer that dies after it cannot be
+survived: the survivors raise `SwitchError` and mark their weights and KV "invalid"; reload from a
+checkpoint. Refusals (capacity, mismatched calls) are still all-or-nothing.
 """
 import logging
 import time
@@ -55,10 +59,11 @@ from mooncake_ep_switch.buffer.buffer import register_layout_switch
 from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence
 from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
 from mooncake_ep_switch.buffer.peer_words import wait_peer_words
-from mooncake_ep_switch.errors import SwitchError, SwitchFenced  # noqa: F401 (re-exported)
+from mooncake_ep_switch.errors import MembershipError, SwitchError, SwitchFenced  # noqa: F401 (re-exported)
 from mooncake_ep_switch.switch import reshard
 from mooncake_ep_switch.switch.kv_cache import PagedKVCache
 from mooncake_ep_switch.switch.kv_plan import KVPlan
+from mooncake_ep_switch.switch.group_wait import abandoned_reason, gather_objects, wait_work
 from mooncake_ep_switch.switch.switch_group import switch_group
 from mooncake_ep_switch.switch.unified_weights import EP, INVALID, LAYOUTS, TP, UnifiedWeights
 from mooncake_ep_switch.checks import check_timeout
@@ -277,8 +282,8 @@ def _report(source, target, layout, outcome, reason, start, seq, transport, dead
 
 
 def _store_deadline(timeout_us: int) -> Optional[float]:
-    """Deadline of one store step of a switch (its decision record): `timeout_us` from now, None for -1
-    (then the store's own timeout bounds each call)."""
+    """Deadline of one store step of a switch (its decision record), or of one collective on the fallback:
+    `timeout_us` from now, None for -1 (then the store's own timeout bounds each call)."""
     return None if timeout_us < 0 else time.monotonic() + timeout_us / 1e6
 
 
@@ -307,8 +312,10 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
         weights: the `UnifiedWeights` of this rank.
         kv_cache: the `PagedKVCache` of this rank, or None (weights only).
         timeout_us: deadline of every wait for a peer in microseconds (-1 = none); a peer that
-            misses it is treated as dead (one-sided transport). Collective fallback: the group's
-            own timeout applies instead.
+            misses it is treated as dead (one-sided transport). Collective fallback: each gloo
+            collective waits at most this long and stops once the peer watcher sees a member end (not
+            the group's timeout); before the entry exchange completed the switch is refused naming
+            the dead ranks or the deadline (nothing moved), after it `SwitchError` (weights invalid).
         on_step: test/tracing hook called as `on_step(phase, index)` at "enter" (before anything is
             published), "decide" (before this rank's decision is published), "weights" (before step
             `index`), "weights_partial" (after the first remote chunk of step `index`), "kv" (before
@@ -320,6 +327,7 @@ def switch_layout(buffer, target: str, *, weights: UnifiedWeights, kv_cache: Opt
     Raises:
         StoreUnavailable: the store (its decision record, or the rendezvous of a collective switch's group of
             the current view) did not answer by `timeout_us`; nothing moved, call again once it answers.
+        SwitchError: collective fallback, a member died or stalled after the entry exchange (see above).
     """
     start = time.perf_counter()
     unified, kv = weights, kv_cache
@@ -573,16 +581,27 @@ def _switch_collective(buffer, target: str, unified: UnifiedWeights, kv: Optiona
         group, refusal = switch_group(buffer, unified, group_timeout_s)  # StoreUnavailable by the deadline
     if group is None:  # the same view (and, once seen, the same dead) everywhere: every rank refuses, nothing moved
         return _report(source, target, source, REFUSED, refusal, start, seq, transport)
+    abandoned = abandoned_reason(group)
+    if abandoned is not None:  # a collective on it was given up on (group_wait): the next view has a new one
+        return _report(source, target, source, REFUSED, f"the group of the current view (epoch {buffer.epoch}) is not "
+                       f"usable after an earlier failure ({abandoned}); call update_ep_member() first", start, seq,
+                       transport)
     if kv is not None:  # the KV cache moves on the same group (its own is the constructor's, or none)
         kv.group = group
+    # Every collective below waits at most timeout_us (and stops once the peer watcher sees a member end), not
+    # the group's timeout: a member that died unseen or stalled otherwise kept a survivor in gloo for it.
+    wait = _bounded_wait(buffer, unified, group, timeout_us)
     try:  # a local argument error still takes part in the exchange, so that the peers refuse too
         _check_args(buffer, target, unified, kv, timeout_us)
         local_error = None
         mine = (_digest(unified, kv, source, target), kv.encode_meta() if kv is not None else None)
     except Exception as error:
         local_error, mine = error, ([], None)
-    gathered: List = [None] * unified.num_ranks
-    dist.all_gather_object(gathered, mine, group=unified.group)
+    try:
+        gathered = gather_objects(mine, group, _store_deadline(timeout_us), buffer, range(unified.num_ranks),
+                                  "switch_layout", unified)
+    except (MembershipError, TimeoutError, RuntimeError) as error:  # nothing moved on this rank
+        return _report(source, target, source, REFUSED, f"the entry exchange failed: {error}", start, seq, transport)
     if local_error is not None:
         raise local_error
     digests = [g[0] for g in gathered]
@@ -604,10 +623,10 @@ def _switch_collective(buffer, target: str, unified: UnifiedWeights, kv: Optiona
         staging = torch.empty(unified.slot_bytes, dtype=torch.uint8)
         sent = 0
         for layer, _, _ in reshard.step_order(way, unified.num_layers):
-            sent += reshard.collective_layer(unified, way, layer, staging)
+            sent += reshard.collective_layer(unified, way, layer, staging, wait)
         weight_stats = (sent, unified.layer_bytes * unified.num_layers // unified.num_ranks,
                         (time.perf_counter() - started) * 1e3)
-        kv_stats = _kv_collective(kv, plan) if kv is not None else (0, 0, 0.0)
+        kv_stats = _kv_collective(kv, plan, wait) if kv is not None else (0, 0, 0.0)
     except Exception as error:
         unified.layout = INVALID
         if kv is not None:
@@ -622,7 +641,18 @@ def _switch_collective(buffer, target: str, unified: UnifiedWeights, kv: Optiona
                    prepare_ms=prepare_ms, commit_ms=(time.perf_counter() - commit_start) * 1e3)
 
 
-def _kv_collective(kv: PagedKVCache, plan: KVPlan) -> Tuple[int, int, float]:
+def _bounded_wait(buffer, unified: UnifiedWeights, group, timeout_us: int) -> Callable[[object], None]:
+    """How a collective switch waits for one gloo work on `group`: `group_wait.wait_work` with `timeout_us` from
+    the wait's start (each wait of the one-sided path has the same deadline)."""
+    members = range(unified.num_ranks)
+
+    def wait(work) -> None:
+        wait_work(work, group, _store_deadline(timeout_us), buffer, members, "switch_layout", unified)
+
+    return wait
+
+
+def _kv_collective(kv: PagedKVCache, plan: KVPlan, wait: Callable[[object], None]) -> Tuple[int, int, float]:
     started = time.perf_counter()
     me, ranks = kv.rank, kv.num_ranks
     moves = plan.moves
@@ -644,7 +674,7 @@ def _kv_collective(kv: PagedKVCache, plan: KVPlan) -> Tuple[int, int, float]:
         reshard.copy(blocks, (send.data_ptr(), send.data_ptr() + send.numel()), region)
         at += size
     # The group's own call: a per-view group is not registered in torch (all_to_all_single refuses it).
-    kv.group.alltoall_base(recv, send, recv_sizes, send_sizes, dist.AllToAllOptions()).wait()
+    wait(kv.group.alltoall_base(recv, send, recv_sizes, send_sizes, dist.AllToAllOptions()))
     at = 0
     for src in range(ranks):
         blocks, size = kv.packed_blocks(recv_moves[src], pool, recv.data_ptr() + at, False)

@@ -17,8 +17,10 @@ current view's group (`switch_group.all_reduce_group`: the constructor's group i
 membership change a gloo group of the view built through the store on the epoch's first call, or the
 fallback's own view group), so after a rank's death and its replacement's admission the members and the
 replacement reduce together; ranks outside the view contribute nothing and are set to 0 in
-`active_ranks`. A peer that dies during the call cannot be survived there: the collective fails after
-the group's timeout.
+`active_ranks`. A peer that dies or stalls during the call cannot be survived there, but the call ends by
+its `timeout_us` (`switch.group_wait`: `MembershipError` naming a member the peer watcher saw end, else
+`TimeoutError` at the deadline), not at the group's timeout; that group is then abandoned (the next view's
+group, after `update_ep_member()`, or a new rendezvous of the epoch, serves the next call).
 
 CUDA tensors (a Buffer on the `"cuda"` transport): the partials and the sum take the host protocol
 above (one device-to-host copy of `x`, one host-to-device copy of the result), so the TP layout keeps
@@ -36,6 +38,8 @@ from mooncake_ep_switch.buffer import peer_regions
 from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
 from mooncake_ep_switch.buffer.shared_region import SharedRegion
 from mooncake_ep_switch.checks import check_int, check_timeout
+from mooncake_ep_switch.errors import MembershipError
+from mooncake_ep_switch.switch.group_wait import abandoned_reason, wait_work
 from mooncake_ep_switch.switch.switch_group import all_reduce_group
 
 _TAG_SPACE = (1 << 32) - 1
@@ -109,8 +113,11 @@ class TPAllReduce:
         Raises:
             ValueError: `x` or `active_ranks` of another shape or dtype.
             MembershipError: on the collective path, this rank is not a member of the current view (a
-                replacement not admitted yet), or members known dead are not sealed out yet (`missing`
-                names them: call `update_ep_member()` first).
+                replacement not admitted yet), or members known dead (before or during the call) are not
+                sealed out yet (`missing` names them: call `update_ep_member()` first), or the view's group
+                was abandoned after such a failure.
+            TimeoutError: on the collective path, the gather did not complete by `timeout_us` (a member
+                stalled, or ended unseen by the peer watcher); call `update_ep_member()` before the next call.
             StoreUnavailable: on the collective path after a membership change, the store did not answer
                 the rendezvous of the new view's group by `timeout_us`; call again once it answers.
         """
@@ -167,11 +174,18 @@ class TPAllReduce:
         if buffer is None:
             raise RuntimeError("all_reduce: the TPAllReduce's Buffer was destroyed")
         group_timeout_s = timeout_us / 1e6 if timeout_us > 0 else 300.0
+        deadline = time.monotonic() + timeout_us / 1e6 if timeout_us > 0 else None
         # A group of a new view is built through the store: by the caller's deadline (StoreUnavailable), not the store's.
-        with store_deadline(time.monotonic() + timeout_us / 1e6 if timeout_us > 0 else None, "all_reduce"):
+        with store_deadline(deadline, "all_reduce"):
             group, members = all_reduce_group(buffer, self, group_timeout_s, f"mep/{KIND}/{self.index}")
+        abandoned = abandoned_reason(group)
+        if abandoned is not None:  # a collective on it was given up on (group_wait): the next view has a new one
+            raise MembershipError(f"all_reduce: the group of the current view (epoch {buffer.epoch}) is not usable "
+                                  f"after an earlier failure ({abandoned}); call update_ep_member() first")
         parts = [torch.empty_like(x32) for _ in members]
-        group.allgather([parts], [x32]).wait()  # the group's own call: a per-view group is not registered in torch
+        # The group's own call (a per-view group is not registered in torch), waited for by the caller's deadline
+        # and the peer watcher, not the group's timeout.
+        wait_work(group.allgather([parts], [x32]), group, deadline, buffer, members, "all_reduce", self)
         for rank in range(self.num_ranks):
             if rank not in members:
                 active_ranks[rank] = 0

@@ -1,0 +1,157 @@
+"""A collective switch or TP all-reduce on the collective transport ends by its caller's deadline (switch/group_wait.py).
+
+Before, their gloo collectives ended at the group's timeout (the world group's 120 s, a view group's what
+remained of the `update_ep_member` that built it), not at the caller's `timeout_us`, when a member stalled
+or ended unseen by the peer watcher while the call was in gloo; or they raised gloo's own error.
+
+R=3 on the "collective" transport (fresh cluster: ranks are stopped and killed):
+
+1. Rank 2 is stopped; the switch EP -> TP of ranks 0 and 1 (DEADLINE_S) is refused naming the deadline
+   within DEADLINE_S + SLACK_S, nothing moved (before: both waited in gloo past the run's 40 s, for the
+   world group's 120 s). The group is then refused by name (an all-reduce raises `MembershipError` at once).
+2. Rank 2 killed, ranks 0 and 1 seal it out (`update_ep_member`): the all-reduce over the new view's group
+   sums both partials exactly and sets rank 2 to 0 in `active_ranks`.
+3. Rank 1 is stopped; rank 0 enters an all-reduce (60 s deadline) and rank 1 is killed: it raises
+   `MembershipError` naming rank 1 within a few seconds (before: gloo's "Connection reset by peer").
+"""
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from tests import harness
+
+E, H, I, LAYERS = 6, 128, 48, 2  # R=3 divides E and I
+ROWS = 3
+DEADLINE_S = 2.0  # the stalled switch's timeout_us
+SLACK_S = 3.0  # a loaded 2-core box; the group's own timeout is the world group's 120 s
+IN_CALL_BOUND_S = 8.0  # an all-reduce whose peer is killed during it (60 s deadline) ends this soon
+UPDATE_S = 6.0  # update_ep_member's timeout: a member waits half of it for the killed rank, then connects
+
+
+def _partial(rank):
+    return torch.full((ROWS, H), float(rank + 1))
+
+
+def _reduce(ctx, timeout_s):
+    """All-reduce of a known partial: (active_ranks after, whether the float32 sum is the exact sum of the
+    active ranks' partials)."""
+    reduce = harness.RANK_STATE["reduce"]
+    active = harness.RANK_STATE["buffer"].active_mask()
+    out = reduce.all_reduce(_partial(ctx.rank), active, int(timeout_s * 1e6), float32_result=True)
+    want = sum((_partial(r) for r in range(ctx.num_ranks) if active[r]), torch.zeros(ROWS, H))
+    return active.tolist(), torch.equal(out, want)
+
+
+def _kill(pid):
+    """SIGKILL `pid` (a stopped rank); gone already (the run killed every rank at its deadline) is fine."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _error(call):
+    started = time.monotonic()
+    try:
+        call()
+        return None, time.monotonic() - started
+    except Exception as error:  # noqa: BLE001 - the test checks the type
+        return (type(error).__name__, list(getattr(error, "missing", ())), str(error)), time.monotonic() - started
+
+
+def rank_start(ctx):
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.reference.moe_block import random_weights
+    from mooncake_ep_switch.switch.tp_collective import TPAllReduce
+    from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
+
+    buffer = Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(8, H, ctx.num_ranks, E), transport="collective")
+    unified = UnifiedWeights(buffer, WeightShape(E, H, I), LAYERS)
+    unified.load_full([random_weights(E, H, I, seed=layer) for layer in range(LAYERS)])
+    harness.RANK_STATE.update(buffer=buffer, unified=unified, reduce=TPAllReduce(buffer, ROWS, H))
+    return os.getpid()
+
+
+def rank_switch_stalled(ctx):
+    """A switch EP -> TP with rank 2 stopped: (outcome, layout, reason, seconds, weights as before the call),
+    then an all-reduce's error on the abandoned group and its seconds."""
+    from mooncake_ep_switch.switch.switcher import switch_layout
+
+    buffer, unified = harness.RANK_STATE["buffer"], harness.RANK_STATE["unified"]
+    before = [[part.clone() for part in unified.view(layer)] for layer in range(LAYERS)]
+    started = time.monotonic()
+    report = switch_layout(buffer, "tp", weights=unified, timeout_us=int(DEADLINE_S * 1e6))
+    seconds = time.monotonic() - started
+    intact = unified.layout == "ep" and all(
+        torch.equal(got, want) for layer in range(LAYERS) for got, want in zip(unified.view(layer), before[layer]))
+    reduced, reduce_s = _error(lambda: _reduce(ctx, 30.0))
+    return (report.outcome, report.layout, report.reason, seconds, intact), reduced, reduce_s
+
+
+def rank_seal_and_reduce(ctx):
+    """Seal the killed peer out, then reduce: (the view's ranks, the reduce's result)."""
+    view = harness.RANK_STATE["buffer"].update_ep_member(timeout_s=UPDATE_S)
+    return list(view.ranks), _reduce(ctx, 30.0)
+
+
+def rank_reduce_while_a_peer_dies(ctx, marker):
+    """An all-reduce with a 60 s deadline (`marker` file written just before): (error, seconds)."""
+    with open(marker, "w"):
+        pass
+    return _error(lambda: _reduce(ctx, 60.0))
+
+
+def rank_end(ctx):
+    for name in ("reduce", "unified"):
+        harness.RANK_STATE.pop(name).destroy()
+    harness.rank_teardown(ctx)
+    os._exit(0)  # an abandoned gloo work runs on until its group's timeout (120 s): do not join its thread
+
+
+def test_a_collective_switch_and_all_reduce_end_by_their_deadline_when_a_peer_stalls_or_dies(tmp_path):
+    with harness.fresh_cluster(3) as cluster:
+        pids = harness.check_outcomes(cluster.run(rank_start, timeout_s=60))
+
+        # 1. rank 2 stopped: the switch ends at its own deadline, not the world group's 120 s.
+        harness.stop_process(pids[2])
+        try:
+            results = harness.check_outcomes(cluster.run(rank_switch_stalled, ranks=[0, 1], timeout_s=40))
+        finally:
+            _kill(pids[2])
+            cluster.processes[2].join(10)
+        for rank, ((outcome, layout, reason, seconds, intact), reduced, reduce_s) in enumerate(results):
+            assert (outcome, layout) == ("refused", "ep") and "deadline" in reason, (rank, reason)
+            assert DEADLINE_S - 0.1 <= seconds < DEADLINE_S + SLACK_S, (rank, seconds, reason)
+            assert intact, f"rank {rank}: a refused switch changed the weights"
+            assert reduced[0] == "MembershipError" and "update_ep_member" in reduced[2], (rank, reduced)
+            assert reduce_s < SLACK_S, (rank, reduce_s)
+        cluster.accept_dead(2)
+
+        # 2. rank 2 sealed out: the next view's group works.
+        sealed = harness.check_outcomes(cluster.run(rank_seal_and_reduce, ranks=[0, 1], timeout_s=60))
+        assert sealed == [([0, 1], ([1, 1, 0], True))] * 2, sealed
+
+        # 3. rank 1 stopped, then killed while rank 0 is in an all-reduce: named within seconds.
+        harness.stop_process(pids[1])
+        marker = tmp_path / "entered"
+        outcomes = []
+        caller = threading.Thread(target=lambda: outcomes.append(
+            cluster.run(rank_reduce_while_a_peer_dies, str(marker), ranks=[0], timeout_s=40)))
+        caller.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not marker.exists():
+                assert time.monotonic() < deadline and caller.is_alive(), "rank 0 never started the all-reduce"
+                time.sleep(0.01)
+        finally:
+            _kill(pids[1])
+            caller.join(60)
+        assert not caller.is_alive()
+        [(error, seconds)] = harness.check_outcomes(outcomes[0])
+        assert error[:2] == ("MembershipError", [1]) and "ranks [1]" in error[2], error
+        assert seconds < IN_CALL_BOUND_S, (seconds, error)
+        ended = cluster.run(rank_end, ranks=[0], timeout_s=30)
+        assert not ended[0].ok and ended[0].exitcode == 0, ended
