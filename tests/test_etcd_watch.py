@@ -200,3 +200,26 @@ def test_contended_adds_apply_once_each(etcd_cluster, monkeypatch):
     finally:
         for store in stores:
             store.close()
+
+
+def test_a_background_read_keeps_the_stores_timeout(etcd_cluster):
+    """KeyWait(read=True) on the runtime's wrapper of an EtcdStore: the read waits on the stream and returns the
+    values, and the store (shared with the caller's other calls: there is no clone of an EtcdStore) keeps its own
+    timeout (the TCPStore's wait lane sets its clone's timeout to the wait's)."""
+    store, writer = _store(etcd_cluster), None
+    bounded = BoundedStore(store)
+    try:
+        writer = _store(etcd_cluster, store.prefix)
+        waiter = KeyWait(bounded, ["r"], 0.7, read=True)
+        assert waiter.background and waiter.poll(0.1) is None
+        writer.set("r", b"value")
+        deadline = time.monotonic() + 5 + SLACK_S
+        while waiter.poll(0.1) is None:
+            assert time.monotonic() < deadline
+        assert waiter.values() == [b"value"]
+        assert store.timeout == timedelta(seconds=20), "a wait's timeout became every later call's"
+    finally:
+        bounded.close()
+        store.close()
+        if writer is not None:
+            writer.close()

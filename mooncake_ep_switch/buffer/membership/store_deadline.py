@@ -284,6 +284,7 @@ class BoundedStore(dist.Store):
             super().set_timeout(default)
         clone = isinstance(root, dist.TCPStore)
         self._make_client = (lambda: store.clone()) if clone else (lambda: store)
+        self._clones = clone
         # waits_in_background(): on a lane with a client of its own, or on a store whose blocked waits cost no
         # store operation (an EtcdStore: a watch) and whose client threads may share
         self.background_waits = clone or bool(getattr(root, "waits_cheaply", False))
@@ -381,6 +382,9 @@ class BoundedStore(dist.Store):
             timeout = timedelta(seconds=read_s)
 
             def read(client):
+                if not self._clones:  # a client shared with the caller's lane (an EtcdStore): its timeout stays
+                    client.wait(keys, timeout)
+                    return client.multi_get(keys)
                 client.set_timeout(timeout)  # the wait lane's own client: its reads and waits only
                 return client.multi_get(keys)
 
