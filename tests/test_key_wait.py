@@ -46,9 +46,9 @@ def test_a_voter_waiting_for_a_late_peer_makes_a_constant_number_of_store_operat
     assert votes == {1: (1, 77)} and gone == [] and decided is None, (votes, gone, decided)
     assert waited >= LATE_S * 0.9
     # rank 1's vote: set, add, its summary (check + multi_get of both vote keys) and the done key; rank 0: one
-    # wait and one multi_get of done/<e> with the decision slot
+    # wait, which is the read of done/<e> with the decision slot (a multi_get that blocks until done/<e> is there)
     rank0_ops = counts.get("wait", 0) + counts.get("multi_get", 0) - 1
-    assert counts.get("check", 0) <= 1 and counts.get("wait", 0) == 1 and rank0_ops <= 2, counts
+    assert counts.get("check", 0) <= 1 and rank0_ops == 1, counts
     out[0] = ballots[0].propose(1, 1)
     out[1] = ballots[1].propose(1, 2)
     assert out == {0: 1, 1: 1}

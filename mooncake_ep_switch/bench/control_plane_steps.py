@@ -94,7 +94,7 @@ def eplb_vote(group: Group, deadline_s: float = 60.0) -> dict:
         def run():
             ballot, base = ballots[rank], bases[rank]
             epoch = base + 1
-            ballot.vote(epoch, GO, digest, (base, epoch, *arguments), voters=size)
+            ballot.vote(epoch, GO, digest, (base, epoch, *arguments), voters=size, commit_if=range(size))  # as eplb.online
             peers = [p for p in range(size) if p != rank]
             votes, gone, _ = ballot.wait_votes(peers, epoch, int(deadline_s * 1e6))
             good = len(votes) == len(peers) and all(v == (GO, digest) for v in votes.values())

@@ -28,10 +28,14 @@ Store operations per vote are O(1) per rank: a rank creates its own vote key onl
 key reads as the initial all-zero record), and while it waits for the others it makes one wait on
 the key `done/<e>` (`membership/key_wait.py`: a blocking wait on a store lane of its own, looked at
 locally while the voter asks `stop` about dead ranks; it never times out in honest use, because a
-voter that stops waiting, at its deadline or for a dead rank, sets `done/<e>` itself). Once it is
-there the voter reads the summary and the decision slot in one round trip (one record instead of R
-votes; the votes themselves, with one `multi_get`, only when the summary does not name every rank
-it waits for, e.g. after an ABORT vote), and its proposal starts from the slot it read.
+voter that stops waiting, at its deadline or for a dead rank, sets `done/<e>` itself). That wait is
+the store's blocking read of `done/<e>` and the decision slot (`KeyWait(read=True)`), so once it is
+there the voter has the summary and the decision with no further round trip (one record instead of
+R votes; the votes themselves, with one `multi_get`, only when the summary does not name every rank
+it waits for, e.g. after an ABORT vote), and its proposal starts from the slot it read. A vote that
+completes a unanimous tally of the ranks its caller names (`vote(commit_if=...)`, online EPLB's
+rule) proposes COMMIT before it stores the summary: the others find the decision in that read and
+their proposals make no store call (vote, tally, wait: three operations per rank).
 The tally is only a wake-up: the vote records decide. The first voter of `e` deletes the keys of
 `e - 256`.
 
@@ -83,6 +87,7 @@ class Ballot:
         self._there: set = set()  # keys seen to exist (never deleted while this ballot can read them)
         self._votes = False  # prepared with votes: proposals wake the voters (done/<e>)
         self._slot_seen: Dict[int, bytes] = {}  # epoch -> its decision slot as wait_votes read it (for propose)
+        self._woken: set = set()  # epochs whose done/<e> wait_votes saw (a proposal need not set it)
 
     @staticmethod
     def _vote_key(rank: int) -> str:
@@ -126,7 +131,7 @@ class Ballot:
 
     # ------------------------------------------------------------------ votes
     def vote(self, epoch: int, vote: int, digest: int, plan: Tuple[int, ...] = (0, 0, 0, 0, 0),
-             voters: Optional[int] = None) -> None:
+             voters: Optional[int] = None, commit_if: Optional[Iterable[int]] = None) -> None:
         """Publish this rank's vote and plan digest for `epoch` (one record, replaced per epoch).
 
         Arguments:
@@ -137,6 +142,11 @@ class Ballot:
                 chunk belongs to (`eplb.epochs`): how peers name a different plan and agree on epochs.
             voters: how many ranks vote on `epoch` (default every rank): the vote that completes them
                 wakes the voters' `wait_votes`.
+            commit_if: the ranks whose GO with `digest` makes this rank propose COMMIT (its rule, as online EPLB's:
+                every voter GO with its digest), or None. When this GO completes the tally and the summary it
+                stores shows every one of them GO with `digest`, this rank proposes COMMIT (`propose`: the first
+                proposal stored wins) before it wakes the voters, so their wait reads the decision with the
+                summary and their own `propose` finds it stored (no store call).
         """
         key = self._vote_key(self.rank)
         self.store.set(key, self._records.encode_record(key, [epoch, vote, digest, *plan]))
@@ -148,7 +158,29 @@ class Ballot:
             # Every vote is in, or an ABORT ends it: wake the voters' wait. The vote completing the tally stores the
             # votes as a waiter would read them (one record, read once by each waiter instead of every vote).
             key = f"done/{epoch}"
-            self.store.set(key, "1" if vote != 1 else self._records.encode_record(key, self._summary(epoch)))
+            summary = None if vote != 1 else self._summary(epoch)
+            if summary is not None and commit_if is not None and self._unanimous(summary, commit_if, digest):
+                self._propose_early(epoch)
+            self.store.set(key, "1" if summary is None else self._records.encode_record(key, summary))
+
+    @staticmethod
+    def _unanimous(summary: dict, ranks: Iterable[int], digest: int) -> bool:
+        """Whether the summary `summary` shows every rank of `ranks` voting GO with `digest`."""
+        go = {rank for vote, found, members in summary["groups"] if vote == 1 and found == digest for rank in members}
+        return all(rank in go for rank in ranks)
+
+    def _propose_early(self, epoch: int) -> None:
+        """The completing GO of a unanimous tally proposes COMMIT (see `vote`), by compare-and-set from the slot's
+        initial record (the slot as `prepare` created it; otherwise the CAS returns what it holds and `propose`
+        goes on from there). A slot of a later epoch (this rank fell behind) is left to `wait_votes`/`propose`."""
+        key = self._decision_key(epoch)
+        if key not in self._there:
+            return  # no slot known to exist (a CAS from a guessed text on an absent key returns the guess)
+        self._slot_seen[epoch] = self._records.encode_record(key, [0, 0]).encode()
+        try:
+            self._propose(epoch, 1, wake=False)  # the summary set next wakes the voters
+        except RuntimeError:
+            pass  # behind, or the slot is not this job's: the voters' own proposals find it and raise
 
     def _summary(self, epoch: int) -> dict:
         """Every rank's vote on `epoch` as `read` reads it, grouped: {"epoch", "groups": [[vote, digest, [ranks]]]}
@@ -306,6 +338,10 @@ class Ballot:
             RuntimeError: this rank fell 256 epochs behind, or the slot kept changing under
                 `_CAS_ATTEMPTS` attempts (something other than this job's ranks writes it).
         """
+        return self._propose(epoch, decision, wake=True)
+
+    def _propose(self, epoch: int, decision: int, wake: bool) -> int:
+        """`propose`; `wake`: a proposal that stores the decision sets `done/<epoch>` (wakes the voters)."""
         key = self._decision_key(epoch)
         raw = self._slot_seen.pop(epoch, None)  # the slot as `wait_votes` last read it: a stale one fails the CAS
         if raw is None:
@@ -322,7 +358,7 @@ class Ballot:
             if expected is None:
                 break
             raw = self.store.compare_set(key, expected, desired)
-            if self._votes and raw.decode(errors="replace") == desired:
+            if wake and self._votes and epoch not in self._woken and raw.decode(errors="replace") == desired:
                 self.store.compare_set(f"done/{epoch}", "", "1")  # decided: wake the voters still waiting
         raise RuntimeError(f"{self.what}: the decision slot {self._records.prefix}/{key} of epoch {epoch} holds "
                            f"{bytes(raw[:40])!r} and could not be replaced: something other than this job's ranks "
@@ -349,7 +385,12 @@ class Ballot:
         done_key = f"done/{epoch}"
         # One wait on done/<epoch> (in the background where the store allows: no store operation per round), not a
         # read of every vote per round; the rounds here only ask `stop` and watch the deadline.
-        waiter = KeyWait(self.store, [done_key], (WAIT_FOREVER_S if deadline is None else timeout_us / 1e6) + 1.0)
+        slot_key = self._decision_key(epoch)
+        # The wait is a read of done/<epoch> and the decision slot (which exists: `prepare`) where the slot is known:
+        # woken, the voter has the summary and the decision (a unanimous tally's completing vote proposed first).
+        keys = [done_key, slot_key] if slot_key in self._there else [done_key]
+        waiter = KeyWait(self.store, keys, (WAIT_FOREVER_S if deadline is None else timeout_us / 1e6) + 1.0,
+                         read=len(keys) == 2)
         pause, done, summary_read = 0.0005, False, False
         while True:
             if not done:
@@ -358,17 +399,18 @@ class Ballot:
                 got = waiter.poll(slice_s if left is None else min(slice_s, left))
                 done = bool(got)
                 if got is False:  # the wait ended without the key (the store's error): one check per round from now
-                    waiter = KeyWait(self.store, [done_key], WAIT_FOREVER_S if left is None else left, background=False)
+                    waiter = KeyWait(self.store, keys, WAIT_FOREVER_S if left is None else left, background=False,
+                                     read=len(keys) == 2)
             now = time.monotonic()
             late = deadline is not None and now >= deadline
             # Read the votes once done/<epoch> is there, at the deadline, or when `stop` names a rank (whether
             # it voted decides whether it ends the wait).
             if done or late or (stop is not None and list(stop(list(ranks)))):
                 votes = None
-                if done and not summary_read:  # the completing vote's summary and the decision: one round trip
+                if done and not summary_read:  # the completing vote's summary and the decision: read by the wait
                     summary_read = True
-                    slot_key = self._decision_key(epoch)
-                    raw, slot = (self.store.multi_get([done_key, slot_key]) if slot_key in self._there
+                    self._woken.add(epoch)
+                    raw, slot = (waiter.values() if len(keys) == 2
                                  else self._raws([done_key, slot_key]))  # done/<epoch> is there: the wait said so
                     raw, slot = (None if raw is None else bytes(raw)), (None if slot is None else bytes(slot))
                     votes = self._summarized(epoch, raw, ranks)

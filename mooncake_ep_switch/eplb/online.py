@@ -424,8 +424,8 @@ class OnlineRebalancer:
         if self._fault is not None:
             self._fault.hit("eplb_before_vote", me, chunk.epoch)
         with self._store_step():  # each store step ends by timeout_us (a stalled store host: StoreUnavailable)
-            voters = slots.num_ranks if self._live is None else int(np.count_nonzero(self._live))
-            slots.ballot.vote(chunk.epoch, vote, chunk.digest, tuple(self._plan), voters=voters)
+            voters = [r for r in range(slots.num_ranks) if self._live is None or self._live[r]]  # last GO of all: COMMIT
+            slots.ballot.vote(chunk.epoch, vote, chunk.digest, tuple(self._plan), len(voters), voters if vote == GO else None)
         if self._fault is not None:
             self._fault.hit("eplb_after_vote", me, chunk.epoch)
         if vote == GO:

@@ -1,0 +1,101 @@
+"""Waits that read what they wait for (issue 40, key_wait.py `read=True`): a waiting member gets the sealed view,
+a waiting voter the ballot's summary and decision, in the wait itself (no read after it); and a vote that
+completes a unanimous tally proposes COMMIT before it wakes the others (ballot.py `commit_if`), so their
+proposals make no store call. Ranks as threads on an in-process TCPStore, each with its own bounded, counted
+client (the scale bench's `Group`)."""
+import threading
+
+import pytest
+
+from mooncake_ep_switch.bench.membership_bench import Group, agree_after_death
+from mooncake_ep_switch.buffer.ballot import Ballot
+from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
+from mooncake_ep_switch.buffer.membership.protocol import View
+
+GO, COMMIT = 1, 1
+DEADLINE_US = 30_000_000
+
+
+@pytest.fixture(scope="module")
+def group():
+    built = Group(4, prefix="waitreads")
+    yield built
+    built.close()
+
+
+def test_a_reading_wait_returns_the_value_another_client_set_in_one_store_operation(group):
+    waiter = KeyWait(group.members[0].store, ["wr/a", "wr/b"], 10.0, read=True)
+    assert waiter.background and waiter.poll(0.0) is None
+    group.reset()
+    group.members[1].store.multi_set(["wr/a", "wr/b"], ["A", "B"])
+    assert waiter.poll(10.0) is True
+    assert waiter.values() == [b"A", b"B"]
+    assert dict(group.counts) == {"multi_set": 1}, group.counts  # the values came with the wait: no read after it
+
+
+def test_a_reading_wait_ends_false_at_its_seconds_when_the_key_never_comes(group):
+    waiter = KeyWait(group.members[0].store, ["wr/never"], 0.2, read=True)
+    assert waiter.poll(10.0) is False
+    with pytest.raises(RuntimeError, match="not known to be there"):
+        waiter.values()
+
+
+def _vote_all(ballots, epoch, digests, commit_if):
+    """Every rank votes GO with its digest and waits for the others; returns rank -> (votes, decided, proposal)."""
+    size = len(ballots)
+    out, start = {}, threading.Barrier(size)
+
+    def run(rank):
+        start.wait(30)
+        ballots[rank].vote(epoch, GO, digests[rank], voters=size, commit_if=commit_if)
+        votes, gone, decided = ballots[rank].wait_votes([p for p in range(size) if p != rank], epoch, DEADLINE_US)
+        out[rank] = (votes, decided)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(out) == size, out
+    return out
+
+
+def test_the_vote_completing_a_unanimous_tally_commits_and_the_others_propose_without_a_store_call(group):
+    ballots = [Ballot(m, "eplb/wr1", r, 4) for r, m in enumerate(group.members)]
+    for ballot in ballots:
+        ballot.prepare([1])
+    group.reset()
+    out = _vote_all(ballots, 1, [9] * 4, commit_if=range(4))
+    assert all(decided == COMMIT for _, decided in out.values()), out  # read with the summary, by the wait
+    assert all(len(votes) == 3 and set(votes.values()) == {(GO, 9)} for votes, _ in out.values()), out
+    voted = group.operations()
+    assert [b.propose(1, COMMIT) for b in ballots] == [COMMIT] * 4
+    assert group.operations() == voted, group.counts  # every proposal found the decision it had read
+    # per rank: the vote, the tally and the reading wait; the completing vote also its summary read and the CAS
+    assert voted <= 3 * 4 + 4, group.counts
+
+
+def test_a_tally_with_another_digest_is_left_undecided_for_the_ranks_to_abort(group):
+    ballots = [Ballot(m, "eplb/wr2", r, 4) for r, m in enumerate(group.members)]
+    for ballot in ballots:
+        ballot.prepare([1])
+    out = _vote_all(ballots, 1, [9, 9, 9, 8], commit_if=range(4))
+    assert all(decided is None for _, decided in out.values()), out
+    assert out[0][0][3] == (GO, 8)
+    assert ballots[0].propose(1, 2) == 2 and ballots[3].propose(1, COMMIT) == 2  # the first proposal stored wins
+
+
+def test_members_waiting_for_a_view_read_it_with_their_wait():
+    """R=8, rank 0 dead: each of the 6 waiting members costs its readiness and one reading wait (no get of the
+    view after it), the sealer's settling reads nothing after its view."""
+    size = 8
+    group = Group(size, prefix="waitreads-view")
+    try:
+        outcome = agree_after_death(group, dead_rank=0, deadline_s=60.0)
+        assert all(v == View(1, tuple(range(1, size))) for v in outcome["results"].values()), outcome["results"]
+        counts = outcome["counts"]
+        assert counts.get("get", 0) == 0 and counts.get("wait", 0) == 0, counts
+        assert counts.get("multi_get", 0) <= size - 2 + 3, counts  # the waits; the sealer's ready and non-member reads
+        assert group.members[1].state(0) == "inactive" and group.members[1].epoch() == 1
+    finally:
+        group.close()
