@@ -332,7 +332,9 @@ def test_a_rank_killed_during_the_shrink_vote_leaves_every_survivor_on_one_decis
             assert kinds == ["committed"] and result["outcomes"][0][1] == [0, 1], result
         else:  # aborted; two different shrinks aborted, nothing changed; the same shrink on both commits
             assert kinds == ["aborted", "aborted", "committed", "unchanged after two shrinks"], result
-            assert "nothing changed" in result["outcomes"][0][1] and f"[{VICTIM}]" in result["outcomes"][0][1], result
+            one = result["outcomes"][0][1]
+            # VICTIM named, or (read after the peer aborted and voted on the next attempt already) that peer
+            assert "nothing changed" in one and (f"[{VICTIM}]" in one or "went on to a later attempt" in one), result
             two = result["outcomes"][1][1]
             assert "aborted on every rank" in two and "nothing changed" in two, result
             # each reads the other's vote (another digest; named before rank 0's gone VICTIM): rank 0 votes second
