@@ -155,3 +155,72 @@ def test_a_collective_switch_and_all_reduce_end_by_their_deadline_when_a_peer_st
         assert seconds < IN_CALL_BOUND_S, (seconds, error)
         ended = cluster.run(rank_end, ranks=[0], timeout_s=30)
         assert not ended[0].ok and ended[0].exitcode == 0, ended
+
+
+# ---------------------------------------------------------------- in process: two threads as two ranks of a gloo group
+
+GROUP_TIMEOUT_S = 3.0  # the in-process groups' own timeout: what a wait that ignored the deadline would take
+
+
+def _gloo_pair(prefix):
+    """Rank 0's and rank 1's ProcessGroupGloo of one 2-rank group on a HashStore (built in two threads)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store, groups = dist.HashStore(), {}
+
+    def build(rank):
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2,
+                                             timedelta(seconds=GROUP_TIMEOUT_S))
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert set(groups) == {0, 1}, "the in-process gloo group was not built"
+    return groups[0], groups[1]
+
+
+def test_gather_objects_and_its_waits_in_process():
+    """`gather_objects` returns every rank's object in rank order; with rank 1 absent, rank 0's wait ends at
+    its 0.5 s deadline (`TimeoutError`, not the group's 3 s) or at once when the watcher names rank 1
+    (`MembershipError`, `missing` [1], no deadline); each such group is abandoned and dropped from the
+    structure it was built for, whose next rendezvous of the epoch counts one more attempt."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from mooncake_ep_switch.errors import MembershipError
+    from mooncake_ep_switch.switch import group_wait
+
+    dead = []
+    buffer = SimpleNamespace(epoch=4, members=(0, 1), dead_peers=lambda: list(dead))
+    first, second = _gloo_pair("gather")
+    gathered = {}
+    peer = threading.Thread(target=lambda: gathered.update(
+        one=group_wait.gather_objects({"rank": 1, "long": "x" * 300}, second, time.monotonic() + 30, buffer, (0, 1),
+                                      "test")))
+    peer.start()
+    gathered["zero"] = group_wait.gather_objects(("rank", 0), first, time.monotonic() + 30, buffer, (0, 1), "test")
+    peer.join(30)
+    assert gathered["zero"] == gathered["one"] == [("rank", 0), {"rank": 1, "long": "x" * 300}], gathered
+    assert not group_wait.is_abandoned(first)
+
+    owner = SimpleNamespace(view_group=(4, first))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="deadline"):
+        group_wait.gather_objects("alone", first, time.monotonic() + 0.5, buffer, (0, 1), "test", owner)
+    elapsed = time.monotonic() - started
+    assert 0.5 <= elapsed < GROUP_TIMEOUT_S - 0.5, elapsed
+    assert group_wait.is_abandoned(first) and not group_wait.is_abandoned(second)
+    assert owner.view_group is None and owner.group_attempt == (4, 1), vars(owner)
+
+    first, _ = _gloo_pair("watched")
+    dead.append(1)
+    started = time.monotonic()
+    with pytest.raises(MembershipError, match=r"ranks \[1\] ended") as raised:
+        group_wait.gather_objects("alone", first, None, buffer, (0, 1), "test")
+    assert raised.value.missing == (1,) and time.monotonic() - started < GROUP_TIMEOUT_S - 0.5
+    assert "ranks [1] ended" in group_wait.abandoned_reason(first)
