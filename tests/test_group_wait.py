@@ -183,6 +183,13 @@ def _gloo_pair(prefix):
     return groups[0], groups[1]
 
 
+def _answer_late(group):
+    """The absent rank's side of `gather_objects`'s first exchange, late: the abandoned work of its peer
+    completes instead of holding gloo's worker thread until the group's timeout."""
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+    group.allgather([lengths], [torch.zeros(1, dtype=torch.int64)]).wait()
+
+
 def test_gather_objects_and_its_waits_in_process():
     """`gather_objects` returns every rank's object in rank order; with rank 1 absent, rank 0's wait ends at
     its 0.5 s deadline (`TimeoutError`, not the group's 3 s) or at once when the watcher names rank 1
@@ -216,11 +223,13 @@ def test_gather_objects_and_its_waits_in_process():
     assert 0.5 <= elapsed < GROUP_TIMEOUT_S - 0.5, elapsed
     assert group_wait.is_abandoned(first) and not group_wait.is_abandoned(second)
     assert owner.view_group is None and owner.group_attempt == (4, 1), vars(owner)
+    _answer_late(second)
 
-    first, _ = _gloo_pair("watched")
+    first, second = _gloo_pair("watched")
     dead.append(1)
     started = time.monotonic()
     with pytest.raises(MembershipError, match=r"ranks \[1\] ended") as raised:
         group_wait.gather_objects("alone", first, None, buffer, (0, 1), "test")
     assert raised.value.missing == (1,) and time.monotonic() - started < GROUP_TIMEOUT_S - 0.5
     assert "ranks [1] ended" in group_wait.abandoned_reason(first)
+    _answer_late(second)
