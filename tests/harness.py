@@ -14,6 +14,7 @@ import time
 from typing import Dict, Optional
 
 from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
+from mooncake_ep_switch.models.tiny import RANK_MODULES
 
 _CLUSTERS: Dict[tuple, LocalCluster] = {}
 
@@ -21,6 +22,9 @@ _CLUSTERS: Dict[tuple, LocalCluster] = {}
 # (`LocalCluster(preload=True)`): a cluster starts in ~0.1 s instead of seconds of imports per rank.
 # MEP_TEST_SPAWN=1 starts every rank as a fresh interpreter instead (as a user's job does).
 PRELOAD = os.environ.get("MEP_TEST_SPAWN", "") != "1"
+# That server also imports the transformers modules of the tiny models (once per pytest worker, ~3 s of CPU):
+# a rank that builds one (tests/test_models_serve.py) does not import them again (~3-5 s of CPU per rank).
+PRELOAD_MODULES = RANK_MODULES
 
 # Per-run deadline: generous for 8 ranks on 2 cores, small enough that a hang fails fast.
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEP_TEST_RUN_TIMEOUT_S", "120"))
@@ -43,7 +47,8 @@ def cluster(num_ranks: int, env: Optional[Dict[str, str]] = None) -> LocalCluste
         return existing
     if existing is not None:
         existing.close()
-    created = LocalCluster(num_ranks, env=env, preload=PRELOAD, preload_replacements=PRELOAD)
+    created = LocalCluster(num_ranks, env=env, preload=PRELOAD, preload_replacements=PRELOAD,
+                           preload_modules=PRELOAD_MODULES)
     _CLUSTERS[key] = created
     return created
 
@@ -58,7 +63,7 @@ def fresh_cluster(num_ranks: int, env: Optional[Dict[str, str]] = None, network=
     a `launch.ClusterNetwork`, tests/netns.py); use it in a `with` block. `store`: "tcp" (the launcher's
     TCPStore) or an etcd URL (`etcd_store`)."""
     return LocalCluster(num_ranks, env=env, network=network, preload=PRELOAD,
-                        preload_replacements=PRELOAD, store=store)
+                        preload_replacements=PRELOAD, store=store, preload_modules=PRELOAD_MODULES)
 
 
 def etcd_store(request, kind: str = "etcd") -> str:

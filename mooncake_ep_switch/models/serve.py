@@ -244,7 +244,7 @@ def serve_generation(config: ServeConfig, cluster: Optional[LocalCluster] = None
     Arguments:
         config: the `ServeConfig`.
         cluster: a `LocalCluster` of `config.num_ranks` ranks to use (left running), or None to
-            start one for this call.
+            start one for this call (ranks forked from a server that imported the model's modules).
 
     Returns:
         result: dict with `"steps"` (per step: `"logits"` `[B, V]` torch.float32 of the ranks
@@ -258,7 +258,7 @@ def serve_generation(config: ServeConfig, cluster: Optional[LocalCluster] = None
         RuntimeError: a switch did not complete.
     """
     from mooncake_ep_switch.expert_memory import initial_placement
-    from mooncake_ep_switch.models.tiny import ARCHITECTURES
+    from mooncake_ep_switch.models.tiny import ARCHITECTURES, RANK_MODULES
 
     if config.model not in ARCHITECTURES:
         raise ValueError(f"model: expected one of {sorted(ARCHITECTURES)}, got {config.model!r}")
@@ -267,7 +267,8 @@ def serve_generation(config: ServeConfig, cluster: Optional[LocalCluster] = None
     if config.kill_step >= 0 and not 0 <= config.kill_rank < config.num_ranks:
         raise ValueError(f"kill_rank: expected a rank in [0, {config.num_ranks}), got {config.kill_rank}")
     owned = cluster is None
-    cluster = LocalCluster(config.num_ranks) if owned else cluster
+    # Ranks forked from a server that imported torch and the model's modules once (not seconds of imports per rank).
+    cluster = LocalCluster(config.num_ranks, preload=True, preload_modules=RANK_MODULES) if owned else cluster
     switches = dict(config.switches)
     b = config.sequences_per_rank
     try:

@@ -20,6 +20,10 @@ import torch
 
 HIDDEN = 128  # dispatch needs a multiple of 128
 VOCAB = 128
+# The transformers modules `build_model` imports (seconds of CPU): a launcher's fork server that imported them
+# (`LocalCluster(preload_modules=RANK_MODULES)`) starts ranks that build a model without them.
+RANK_MODULES = ("transformers.models.auto.modeling_auto", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+                "transformers.models.deepseek_v3.modeling_deepseek_v3", "transformers.models.mixtral.modeling_mixtral")
 
 
 class ExpertWeights(NamedTuple):
