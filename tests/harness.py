@@ -23,8 +23,9 @@ _CLUSTERS: Dict[tuple, LocalCluster] = {}
 # MEP_TEST_SPAWN=1 starts every rank as a fresh interpreter instead (as a user's job does).
 PRELOAD = os.environ.get("MEP_TEST_SPAWN", "") != "1"
 # That server also imports the transformers modules of the tiny models (once per pytest worker, ~3 s of CPU):
-# a rank that builds one (tests/test_models_serve.py) does not import them again (~3-5 s of CPU per rank).
-PRELOAD_MODULES = RANK_MODULES
+# a rank that builds one (tests/test_models_serve.py) does not import them again (~3-5 s of CPU per rank);
+# and the switch and EPLB packages (~0.3 s of CPU per rank that uses them).
+PRELOAD_MODULES = RANK_MODULES + ("mooncake_ep_switch.switch", "mooncake_ep_switch.eplb")
 
 # Per-run deadline: generous for 8 ranks on 2 cores, small enough that a hang fails fast.
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEP_TEST_RUN_TIMEOUT_S", "120"))
