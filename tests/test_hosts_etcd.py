@@ -19,7 +19,11 @@ store at its own deadline, weights bit-exact and unmoved. Resumed, rank 0's GO i
 the chunk commits at the next step on every rank (one outcome). Then the same TP<->EP switch of the unified
 weights built before the death completes both ways (gloo collectives on the "mooncake" transport, on a group
 of the current view built through etcd; one rank enters it late, after its peers read its rendezvous key),
-weights bit-exact against the checkpoint.
+weights bit-exact against the checkpoint. Last, tests/test_etcd_ballots.py's checks across the hosts: host A's
+etcd member restarted and made the leader, rank 0 SIGKILLs it (two members left: a quorum) in the middle of a
+decision, a new UnifiedWeights' first switch (its group of the view built through etcd during the election;
+host 0's case) or an EPLB vote (rank 0's GO in, the five others vote after the kill; host 1's case): one
+decision everywhere (completed / committed on every rank), weights, placements and frames exact.
 """
 import os
 import signal
@@ -36,6 +40,8 @@ from tests import harness
 from tests.harness import RANK_STATE, outcome_value
 from tests.netns import make_network  # noqa: F401 - make_network is a fixture
 from tests.reference import expected_combine, expected_routing, structured_inputs, token_count
+from tests.test_etcd_ballots import TIMEOUT_US as BALLOT_TIMEOUT_US
+from tests.test_etcd_ballots import rebalance_with_leader_killed, switch_with_leader_killed
 from tests.test_faults import _mock_expert
 from tests.test_store_stall import LATE_S, _error_of, rank_workers_end
 
@@ -275,8 +281,7 @@ def rank_switch(ctx):
     admission). On the "mooncake" transport they switch with gloo collectives, on a group of the current view
     built through the etcd store at the first switch of the epoch (the constructor's group names the dead
     processes; a replacement has none), the last rank entering late; the first is the switch that failed without
-    quorum (rank_rebalance_stalled). Every view bit-exact against the checkpoint. One more exact round; then
-    tear down."""
+    quorum (rank_rebalance_stalled). Every view bit-exact against the checkpoint. One more exact round."""
     from mooncake_ep_switch.switch.switcher import switch_layout
 
     buffer, unified = RANK_STATE["buffer"], RANK_STATE["unified"]
@@ -289,9 +294,28 @@ def rank_switch(ctx):
         assert _unified_exact(ctx, unified, target), f"weights in {target}"
     RANK_STATE.pop("unified").destroy()
     _round(ctx, buffer, 20)
+    return outcomes
+
+
+def rank_leader_killed(ctx, decision, leader_pid, marker):
+    """test_etcd_ballots' checks across the hosts, then tear down: rank 0 SIGKILLs the etcd leader `leader_pid`
+    (two members left: a quorum) in the middle of `decision`. "switch": a new UnifiedWeights EP -> TP -> EP, killed
+    as it enters (its group of the view meets through etcd during the election); "vote": the slots back to the
+    initial placement (ballot epoch 2: rank 0's GO in, then the kill, the five others vote after it), then to the
+    rebalanced one again. The result of `switch_with_leader_killed` / `rebalance_with_leader_killed`."""
+    buffer = RANK_STATE["buffer"]
+    if decision == "switch":
+        result = switch_with_leader_killed(ctx, buffer, E, INTER, leader_pid, marker, timeout_us=30_000_000)
+    else:
+        slots, rebalancer = RANK_STATE["slots"], RANK_STATE["rebalancer"]
+        rebalancer.timeout_us = BALLOT_TIMEOUT_US  # the vote wait: the election fits in it on a loaded box
+        result = rebalance_with_leader_killed(ctx, slots, rebalancer, buffer.active_mask(), _checkpoint(),
+                                              [_initial_phy2log(), _rebalanced_phy2log()], first_step=4,
+                                              kill_epoch=2, leader_pid=leader_pid, marker=marker)
+    _round(ctx, buffer, 21)
     RANK_STATE.pop("slots").destroy()
     harness.rank_teardown(ctx)
-    return outcomes
+    return result
 
 
 @pytest.mark.parametrize("host_a", [0, 1], ids=["rank0-and-leader", "leader-not-rank0"])
@@ -369,3 +393,21 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a, tmp_path):
         assert switched == [[("completed", "tp"), ("completed", "ep")]] * R, switched
         phase("switched")
         assert etcd.leader() != host_a
+        # The etcd leader killed in the middle of a decision, across the hosts: host A's member back and made the
+        # leader (killing it leaves two: a quorum), rank 0 kills it (host 0's case: its own host's member).
+        etcd.restart(host_a)
+        etcd.move_leader(host_a)
+        decision, marker = ("switch" if host_a == 0 else "vote"), tmp_path / "leader-killed"
+        try:
+            results = [outcome_value(o) for o in cluster.run(rank_leader_killed, decision, etcd.processes[host_a].pid,
+                                                             str(marker), timeout_s=120)]
+            assert marker.exists()
+            assert etcd.leader() != host_a
+        finally:
+            etcd.kill(host_a)  # reaps the killed member
+        if decision == "switch":
+            assert results == [[("completed", "tp", ""), ("completed", "ep", "")]] * R, results
+        for rank, result in enumerate(results if decision == "vote" else []):
+            assert [r[0] for r in result] == [[(2, "committed", "")], [(3, "committed", "")]], (rank, result)
+            assert all(placed and frames for _, placed, frames in result), (rank, result)
+        phase(f"leader killed in a {decision}")
