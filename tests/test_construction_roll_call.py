@@ -79,6 +79,39 @@ def test_a_rank_that_never_comes_fails_the_others_connect_by_their_deadline_nami
         group.close()
 
 
+def test_after_a_membership_change_only_the_member_dead_since_the_seal_is_named_missing():
+    """A later view's connect makes no roll call: a member that published its endpoint and died after the seal
+    never counts in, and a roll call would hold every survivor until its own connect deadline, leaving the
+    barrier none: the survivor whose deadline comes first then names the live peers that are still in the roll
+    call (a later deadline: a replacement's) missing too, and the next view leaves them out (a fresh-clone CI
+    run: tests/test_elastic.py::test_rank_dies_during_update_ep_member lost its replacement that way)."""
+    group = _four()
+    try:
+        prefix, view = "ctor-later", View(1, (0, 1, 2, 3))
+        stores = [m.store.underlying_store for m in group.members]
+        members = [Membership(stores[r], r, 4, prefix) for r in range(4)]
+        for rank in range(4):  # rank 3 too: it published, was sealed into the view, then died
+            members[rank].publish_endpoint({"region": [1, 3, 64], "host_id": "h", "te_session": "", "te_base": 1})
+
+        def connect(rank, seconds):
+            def run():
+                started = time.monotonic()
+                try:
+                    connect_view(rank, 4, view, members[rank], started + seconds, route=lambda peer, found: None,
+                                 drop=lambda peer: None, unreachable_errors=())
+                except MembershipError as error:
+                    return error, time.monotonic() - started
+                return None, time.monotonic() - started
+            return run
+
+        # Rank 2 (a replacement, say) has the later connect deadline.
+        outcome = run_all({0: connect(0, 2.0), 1: connect(1, 2.0), 2: connect(2, 4.0)}, 60)
+        for rank, (error, seconds) in outcome.items():
+            assert isinstance(error, MembershipError) and list(error.missing) == [3], (rank, error)
+    finally:
+        group.close()
+
+
 def test_a_forged_record_is_refused_although_its_writer_counted_in():
     group = _four()
     try:

@@ -212,7 +212,7 @@ def test_rank_dies_during_update_ep_member(transport):
                                failure_grace_s=60)
         assert not outcomes[3].ok and outcomes[3].exitcode == -9
         views = [o.value["view"] for o in outcomes if o.ok]
-        assert views == [[0, 1, 2]] * 3, views
+        assert views == [[0, 1, 2]] * 3, (views, [o.error for o in outcomes])
         cluster.respawn(3)
         recovered = harness_check(cluster.run(rank_recover, transport, [3], timeout_s=60))
         assert all(v["view"] == [0, 1, 2, 3] for v in recovered)

@@ -60,11 +60,13 @@ def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, r
     if membership is None:
         raise RuntimeError(f"connect: {what} exchange endpoints through the store; pass store= to Buffer")
     unreachable, why = [], []
-    # Every member's endpoint in a constant number of store calls (not a few per member), read once every member
-    # counted itself in (a roll call: every member of the view connects to it, its endpoint published before); one
-    # still missing at the deadline is read alone, which names why.
+    # Every member's endpoint in a constant number of store calls (not a few per member); one still missing at the
+    # deadline is read alone, which names why. The group's first view (construction: every member connects at once,
+    # its endpoint published before) reads once every member counted itself in (a roll call). A later view follows
+    # a membership change, where a member that died after the seal never counts in and must be found missing at
+    # once, not at the deadline: its endpoints are read as they are.
     found = batch_reads.published_endpoints(membership, [p for p in view.ranks if p != rank], deadline,
-                                            roll=f"connect/{view.epoch}")
+                                            roll=f"connect/{view.epoch}" if view.epoch == 0 else None)
     for peer in range(num_ranks):
         if peer == rank:
             continue
