@@ -78,6 +78,11 @@ def rank_fail(ctx, transport, dead, kill_point, how):
     os.environ.pop("MEP_FAULT_POINT", None)
     _STATE["buffer"] = buffer
     before = _addresses(buffer)
+    # The ranks leave construction at different times (its last store calls after the final barrier: on the etcd
+    # store under load each takes 0.3-1.2 s, a member not answering within `request_s` is left for the next); a peer
+    # still constructing when a rank's round 0 deadline passes is rightly masked. Round 0 is whole only if every
+    # rank starts it together, so they meet first (as Mooncake's tests meet on the CPU group).
+    torch.distributed.barrier(group=ctx.group)
     _round(ctx, buffer, 0, torch.ones(ctx.num_ranks, dtype=torch.int32))
     active = torch.ones(ctx.num_ranks, dtype=torch.int32)
     if ctx.rank in dead and kill_point == "before_dispatch":
