@@ -90,6 +90,7 @@ import torch.distributed as dist
 from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOINING, MAX_COUNTER,  # noqa: F401
                                                           MAX_RECORD_BYTES, MAX_STATE_BYTES, STATES, MembershipError,
                                                           RecordStore, rank_list, valid_ready, valid_state, view_record)
+from mooncake_ep_switch.buffer.membership.beats import post_beat
 from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
 from mooncake_ep_switch.buffer.membership.member_records import MemberRecords  # noqa: F401 (re-exported)
 from mooncake_ep_switch.buffer.membership.removed import removed_ranks
@@ -483,7 +484,8 @@ class Membership(SealingRecords):
             if time.monotonic() >= next_beat and not seen:  # none once the view is there (adopted next round)
                 # (for a plain Buffer(group) of a rank being replaced, replacement.py)
                 beats += 1
-                self.store.set(f"alive/{self.rank}", f"{self.incarnation}:{MEMBER_BEAT}:{beats}")
+                post_beat(self.store, f"alive/{self.rank}", f"{self.incarnation}:{MEMBER_BEAT}:{beats}")  # with this
+                # process's other ranks' beats (ranks as threads): one request
                 next_beat = time.monotonic() + (MEMBER_BEAT_S if leads else WAIT_SLICE_S)
 
     def _wait_sealed(self, target: int, seconds: float, until: float) -> bool:
