@@ -130,3 +130,64 @@ def test_a_replacement_that_was_not_admitted_gives_the_rank_back(group):
     assert replacement.not_admitted(first) == (True, "")
     assert first.read_counter(f"incarnation/{REPLACED}") == 1  # the members' incarnation is current again
     assert _replace(store, base).incarnation == 2  # the next replacement takes it from there
+
+
+def test_a_replacement_waiting_while_another_is_admitted_is_refused_at_once(group, monkeypatch):
+    """Two replacements of one rank at once, the first admitted before the second saw the members update (they
+    are done, they never beat again). Before, the second waited for its whole deadline (the members' view holds
+    the rank; nobody updates): 60 s of the Buffer's connect timeout in test_membership_faults' two-replacements
+    test. Now it is refused as soon as it reads the view that admitted the other, naming that incarnation."""
+    store, base, _ = group
+    deadline_s = 15.0
+    looked, sealed = threading.Event(), threading.Event()
+    last_bound = replacement._last_bound
+
+    def first_look(observer, rank, epoch):  # the second replacement's first look at the members' view
+        bound = last_bound(observer, rank, epoch)
+        if not looked.is_set():
+            looked.set()
+            assert sealed.wait(30), "the members never sealed the first replacement in"
+        return bound
+
+    monkeypatch.setattr(replacement, "_last_bound", first_look)
+    outcome = {}
+
+    def second():
+        start = time.monotonic()
+        try:
+            outcome["value"] = replacement.choose_generation(store, REPLACED, RANKS, base, None, start + deadline_s)
+        except MembershipError as error:
+            outcome["value"] = error
+        outcome["done"] = time.monotonic()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    try:
+        assert looked.wait(20), "the second replacement never looked at the members' view"
+        survivors = [Membership(store, rank, RANKS, f"{base}/g1", take_incarnation=False) for rank in (0, 1)]
+        for member in survivors:
+            member.incarnation = 1  # epoch 0 binds them
+        first = Membership(store, REPLACED, RANKS, f"{base}/g1", replaces=1)
+        first.publish_endpoint({"region": [7, 3, 4096], "host_id": "h"})
+        views = {}
+
+        def agree(membership, joining):
+            views[membership.rank] = membership.agree_next_view(0, [0, 1, 2], time.monotonic() + 10, joining=joining)
+
+        threads = [threading.Thread(target=agree, args=(m, m is first)) for m in survivors + [first]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(views) == [0, 1, 2] and all(v.ranks == (0, 1, 2) for v in views.values()), views
+        assert survivors[0].admitted_incarnation(views[0].epoch, REPLACED) == first.incarnation == 2
+    finally:
+        released = time.monotonic()
+        sealed.set()
+        thread.join(deadline_s + 10)
+    error = outcome["value"]
+    assert isinstance(error, MembershipError), error
+    assert f"another replacement of rank {REPLACED} was admitted there while it waited: incarnation 2 holds it" \
+        in str(error), error
+    assert outcome["done"] - released < 3.0, (outcome["done"] - released, error)  # not its deadline
+    assert first.read_counter(f"incarnation/{REPLACED}") == 2  # nothing taken from the first

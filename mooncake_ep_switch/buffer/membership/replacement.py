@@ -138,6 +138,7 @@ def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int
     first = [counters.read_counter(str(r)) for r in others]
     observers: Dict[int, Membership] = {}
     beats: Dict[Tuple[int, int], bytes] = {}
+    baselines: Dict[int, Tuple[int, Optional[int]]] = {}  # per target: (epoch, incarnation bound) when first seen
     pause, quiet_since = 0.001, time.monotonic()
     while True:
         reached = [counters.read_counter(str(r)) for r in others]
@@ -150,6 +151,9 @@ def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int
             observer = observers[target]
             epoch = observer.epoch()
             members = observer.view(epoch).ranks
+            if target not in baselines:
+                baselines[target] = (epoch, _last_bound(observer, rank, epoch))
+            _refuse_if_taken(observer, rank, target, mine, epoch, members, baselines[target])
             for member in members:
                 if member == rank or observer.ready_record(epoch + 1, member) is None:
                     continue
@@ -177,6 +181,32 @@ def _wait_for_the_others(store, counters: RecordStore, rank: int, num_ranks: int
                 "others' update_ep_member(), called while it is being built")
         time.sleep(pause)
         pause = min(pause * 2, _POLL_MAX_S)
+
+
+def _refuse_if_taken(observer: Membership, rank: int, target: int, mine: int, epoch: int, members: tuple,
+                     baseline: Tuple[int, Optional[int]]) -> None:
+    """Raise at once when a view of generation `target` sealed since this Buffer first looked (`baseline`: that
+    epoch and the incarnation of `rank` it bound) admitted another incarnation of `rank`: another replacement
+    of this rank was admitted while this one waited (two at once; exactly one is admitted). Without this the
+    loser waited for its whole deadline: the members, done with their `update_ep_member()`, never beat again.
+
+    A replacement that starts after the other was admitted cannot tell it from a dead holder (an idle member
+    writes nothing): it waits for the members' next `update_ep_member()` or its deadline, whose error names
+    the holder (`_held_by_another`)."""
+    first, bound = baseline
+    if epoch <= first or rank not in members:
+        return
+    try:
+        holder = observer.admitted_incarnation(epoch, rank)
+    except MembershipError:
+        return
+    if holder is None or holder == bound or (bound is not None and holder < bound):
+        return
+    raise MembershipError(
+        f"Buffer: rank {rank} builds Buffer #{mine} of its group as a replacement of rank {rank} in Buffer "
+        f"#{target}, and another replacement of rank {rank} was admitted there while it waited: incarnation "
+        f"{holder} holds it (admitted in epoch {epoch} of Buffer #{target}); exactly one replacement of a rank is "
+        "admitted, and this one was not")
 
 
 def _members_holder(observer: Membership, rank: int, epoch: int) -> Optional[int]:
