@@ -233,3 +233,75 @@ def test_gather_objects_and_its_waits_in_process():
     assert raised.value.missing == (1,) and time.monotonic() - started < GROUP_TIMEOUT_S - 0.5
     assert "ranks [1] ended" in group_wait.abandoned_reason(first)
     _answer_late(second)
+
+
+# ---------------------------------------------------------------- the record of abandoned groups stays bounded
+
+class _Work:
+    """A collective given up on: running until the test completes it."""
+
+    def __init__(self):
+        self.done = False
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self):
+        pass
+
+
+class _Group:
+    """A process group stand-in (weakly referenceable, as ProcessGroupGloo is)."""
+
+
+def _give_up(group_wait, group, work):
+    """Abandon `group`: `wait_work` on a running `work` with its deadline already passed."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    buffer = SimpleNamespace(epoch=1, members=(0, 1), dead_peers=lambda: [])
+    with pytest.raises(TimeoutError, match="abandoned"):
+        group_wait.wait_work(work, group, time.monotonic(), buffer, (0, 1), "test")
+
+
+def test_an_abandoned_group_is_let_go_once_its_work_completed_and_nobody_holds_it(monkeypatch):
+    """Before, every abandoned group stayed referenced for the life of the process."""
+    import weakref
+
+    from mooncake_ep_switch.switch import group_wait
+
+    monkeypatch.setattr(group_wait, "_ABANDONED", [])
+    works, refs = [], []
+    for _ in range(3):
+        group, work = _Group(), _Work()
+        _give_up(group_wait, group, work)
+        works.append(work)
+        refs.append(weakref.ref(group))
+        del group
+    assert all(ref() is not None and group_wait.is_abandoned(ref()) for ref in refs)  # held while the work runs
+    for work in works:
+        work.done = True  # gloo's timeout passed
+    latest = _Group()
+    _give_up(group_wait, latest, _Work())
+    assert [ref() for ref in refs] == [None] * 3 and len(group_wait._ABANDONED) == 1
+    assert group_wait.is_abandoned(latest) and "deadline" in group_wait.abandoned_reason(latest)
+
+
+def test_past_the_cap_the_oldest_completed_records_are_dropped(monkeypatch):
+    """Groups still held elsewhere: at most MAX_ABANDONED records, never one whose work still runs."""
+    from mooncake_ep_switch.switch import group_wait
+
+    monkeypatch.setattr(group_wait, "_ABANDONED", [])
+    monkeypatch.setattr(group_wait, "MAX_ABANDONED", 4, raising=False)
+    running = _Group()
+    _give_up(group_wait, running, _Work())
+    held = [_Group() for _ in range(6)]
+    for group in held:
+        work = _Work()
+        _give_up(group_wait, group, work)
+        work.done = True
+    last = _Group()
+    _give_up(group_wait, last, _Work())
+    assert len(group_wait._ABANDONED) == 4
+    assert [group_wait.is_abandoned(g) for g in [running] + held + [last]] == [True] + [False] * 4 + [True] * 3

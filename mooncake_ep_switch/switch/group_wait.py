@@ -14,10 +14,20 @@ would block the caller until gloo's timeout), `is_abandoned` tells the callers t
 group of the view built for a structure (`switch_group.epoch_group`) is dropped from the structure, so its
 next call of the epoch meets under new keys. The fallback's own group of the view is replaced by the next
 view (`update_ep_member()`).
+
+The record of abandoned groups is bounded (a long-lived process gives groups up now and then, for good):
+a group is held strongly only while the work it was abandoned on still runs; once that work completed
+(gloo's timeout passed, or it failed) the record holds it by weak reference, and is dropped once the group
+is gone (nobody else holds it, e.g. the fallback's group replaced by the next view). Past
+`MAX_ABANDONED` records, the oldest whose work completed are dropped although their group may still be held
+elsewhere (then `is_abandoned` no longer knows it: a group given up on that many abandonments ago). Records
+whose work still runs are never dropped: their number is bounded by how many collectives can be given up
+on within one gloo timeout.
 """
 import pickle
 import threading
 import time
+import weakref
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -28,8 +38,33 @@ from mooncake_ep_switch.switch.switch_group import count_call_without_group, dea
 __all__ = ["wait_work", "gather_objects", "is_abandoned", "abandoned_reason"]
 
 _LOCK = threading.Lock()
-# Groups given up on: [group, why] (kept referenced: see the module docstring). One per failed collective.
-_ABANDONED: List[list] = []
+MAX_ABANDONED = 64  # records of abandoned groups kept at most, beyond those whose work still runs (docstring)
+
+
+class _Abandoned:
+    """One abandoned group: held strongly while `work` runs, then by weak reference (module docstring)."""
+
+    __slots__ = ("strong", "weak", "work", "why")
+
+    def __init__(self, group, work, why: str):
+        self.strong, self.weak, self.work, self.why = group, weakref.ref(group), work, why
+
+    def group(self):
+        return self.weak()
+
+    def settle(self, released: list) -> bool:
+        """Let the group go (weak reference only) once its work completed, its strong reference moved to
+        `released` (dropped by the caller outside the lock); returns whether the work still runs."""
+        if self.work is not None and not self.work.is_completed():
+            return True
+        if self.strong is not None:
+            released.append(self.strong)
+        self.strong = self.work = None
+        return False
+
+
+# Groups given up on, oldest first. One per failed collective.
+_ABANDONED: List[_Abandoned] = []
 _WATCHER_GRACE_S = 1.0  # after gloo's own error, how long the peer watcher gets to name the rank that ended
 
 
@@ -55,14 +90,31 @@ def abandoned_reason(group) -> Optional[str]:
         reason: str (the error its collective ended with), or None.
     """
     with _LOCK:
-        return next((why for g, why in _ABANDONED if g is group), None)
+        return next((entry.why for entry in _ABANDONED if entry.group() is group), None)
 
 
-def _abandon(group, owner, epoch: int, why: str) -> None:
-    """Keep `group` referenced and refused from now on; drop it from `owner` (a structure's group of the view)."""
+def _prune(released: list) -> None:
+    """Let go of the groups whose work completed (their strong references into `released`), drop the records
+    whose group is gone, then the oldest whose work completed past `MAX_ABANDONED` (the caller holds `_LOCK`)."""
+    kept = [entry for entry in _ABANDONED if entry.settle(released) or entry.group() is not None]
+    excess = len(kept) - MAX_ABANDONED
+    if excess > 0:
+        oldest_done = [entry for entry in kept if entry.work is None][:excess]
+        kept = [entry for entry in kept if not any(entry is done for done in oldest_done)]
+    _ABANDONED[:] = kept
+
+
+def _abandon(group, owner, epoch: int, why: str, work=None) -> None:
+    """Keep `group` referenced (while `work`, the collective given up on, runs) and refused from now on; drop
+    it from `owner` (a structure's group of the view). Prunes the records (module docstring)."""
+    released = []
     with _LOCK:
-        if not any(g is group for g, _ in _ABANDONED):
-            _ABANDONED.append([group, why])
+        if not any(entry.group() is group for entry in _ABANDONED):
+            _ABANDONED.append(_Abandoned(group, work, why))
+        _prune(released)
+    released.clear()  # groups nobody else holds are destroyed here, outside the lock (their work completed)
+    with _LOCK:
+        _ABANDONED[:] = [entry for entry in _ABANDONED if entry.work is not None or entry.group() is not None]
     if owner is not None and getattr(owner, "view_group", None) is not None and owner.view_group[1] is group:
         owner.view_group = None
         count_call_without_group(owner, epoch)  # its next rendezvous of the epoch meets under keys of its own
@@ -95,14 +147,14 @@ def wait_work(work, group, deadline: Optional[float], buffer, members: Sequence[
         if dead:
             message = (f"{caller}: ranks {dead} ended while this rank waited in a collective of the view (epoch "
                        f"{buffer.epoch}); seal them out with update_ep_member() first")
-            _abandon(group, owner, buffer.epoch, message)
+            _abandon(group, owner, buffer.epoch, message, work)
             raise MembershipError(message, missing=dead)
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             message = (f"{caller}: a collective of the view (epoch {buffer.epoch}, members {sorted(members)}) did not "
                        "complete by the caller's deadline: a member stalled or ended unseen; its group is abandoned "
                        "(update_ep_member() agrees on the next view)")
-            _abandon(group, owner, buffer.epoch, message)
+            _abandon(group, owner, buffer.epoch, message, work)
             raise TimeoutError(message)
         time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
         pause = min(2 * pause, 0.005)
@@ -117,7 +169,7 @@ def wait_work(work, group, deadline: Optional[float], buffer, members: Sequence[
             time.sleep(0.005)
             dead = [r for r in dead_members(buffer) if r in members]
         message = f"{caller}: a collective of the view (epoch {buffer.epoch}) failed in gloo ({error})"
-        _abandon(group, owner, buffer.epoch, message)
+        _abandon(group, owner, buffer.epoch, message, work)
         if dead:
             raise MembershipError(f"{message}; ranks {dead} ended: seal them out with update_ep_member() first",
                                   missing=dead) from error
