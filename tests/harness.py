@@ -98,6 +98,23 @@ def rank_teardown(ctx) -> bool:
     return True
 
 
+def thread_group_fixture(num_ranks: int, prefix: str):
+    """A module-scoped pytest fixture named `group`: `num_ranks` ranks as threads on an in-process TCPStore, each
+    with its own bounded, counted client (the scale bench's `membership_bench.Group`, keys under `prefix`),
+    closed after the module. Use as `group = harness.thread_group_fixture(2, "name")` in a test module."""
+    import pytest
+
+    @pytest.fixture(scope="module", name="group")
+    def group():
+        from mooncake_ep_switch.bench.membership_bench import Group
+
+        built = Group(num_ranks, prefix=prefix)
+        yield built
+        built.close()
+
+    return group
+
+
 def outcome_value(outcome):
     """The value of one rank's `Outcome`, asserting that the rank succeeded."""
     assert outcome.ok, outcome.error

@@ -4,21 +4,15 @@ counted client (the scale bench's `Group`)."""
 import threading
 import time
 
-import pytest
-
-from mooncake_ep_switch.bench.membership_bench import Group
 from mooncake_ep_switch.buffer.ballot import Ballot
 from mooncake_ep_switch.buffer.membership import records
 from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
+from tests import harness
 
 LATE_S = 0.4  # how long the second voter waits before voting
 
 
-@pytest.fixture(scope="module")
-def group():
-    built = Group(2, prefix="keywait")
-    yield built
-    built.close()
+group = harness.thread_group_fixture(2, "keywait")
 
 
 def test_a_voter_waiting_for_a_late_peer_makes_a_constant_number_of_store_operations(group):

@@ -11,16 +11,13 @@ from mooncake_ep_switch.bench.membership_bench import Group, agree_after_death
 from mooncake_ep_switch.buffer.ballot import Ballot
 from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
 from mooncake_ep_switch.buffer.membership.protocol import View
+from tests import harness
 
 GO, COMMIT = 1, 1
 DEADLINE_US = 30_000_000
 
 
-@pytest.fixture(scope="module")
-def group():
-    built = Group(4, prefix="waitreads")
-    yield built
-    built.close()
+group = harness.thread_group_fixture(4, "waitreads")
 
 
 def test_a_reading_wait_returns_the_value_another_client_set_in_one_store_operation(group):
