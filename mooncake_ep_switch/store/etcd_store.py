@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.errors import StoreRefused, StoreUnavailable
 from mooncake_ep_switch.store.etcd_client import EtcdConnection, b64, unb64
+from mooncake_ep_switch.store.etcd_shared import shared_read, shared_write
 from mooncake_ep_switch.store.etcd_watch import WatchHub, hub_for
 
 __all__ = ["EtcdStore"]
@@ -108,8 +109,17 @@ class EtcdStore(dist.Store):
 
     def _read_at(self, keys: Sequence[str], deadline: float, what: str,
                  count_only: bool = False) -> Tuple[List[Optional[bytes]], int]:
-        """Values of `keys` (None where missing) and the revision they were read at."""
+        """Values of `keys` (None where missing) and the revision they were read at: one request, which the
+        same read of another thread of this process may share (`etcd_shared`: ranks as threads that wait for
+        the same key read it at once)."""
         self.reads += 1
+        keys = list(keys)
+        name = (self.connection.name, self._keys, tuple(keys), count_only)
+        return shared_read(name, lambda: self._read_alone(keys, deadline, what, count_only), deadline,
+                           self.connection.request_s)
+
+    def _read_alone(self, keys: List[str], deadline: float, what: str,
+                    count_only: bool) -> Tuple[List[Optional[bytes]], int]:
         out: List[Optional[bytes]] = []
         revision = None
         for start in range(0, len(keys), MAX_TXN_OPS):
@@ -195,7 +205,13 @@ class EtcdStore(dist.Store):
     def set(self, key, value) -> None:
         """Set `key` to `value` (str or bytes)."""
         deadline = time.monotonic() + self._timeout_s()
-        self.connection.call("kv/put", {"key": b64(self._key(key)), "value": b64(_bytes(value))}, deadline, "set")
+        self._puts([{"request_put": {"key": b64(self._key(key)), "value": b64(_bytes(value))}}], deadline, "set")
+
+    def _puts(self, puts: List[Dict[str, Any]], deadline: float, what: str) -> None:
+        """Apply `puts` in one transaction, which the puts of this process's other threads may share
+        (`etcd_shared.shared_write`: ranks as threads posting at once)."""
+        shared_write((self.connection.name, self._keys), puts,
+                     lambda operations: self._txn([], operations, [], deadline, what), deadline)
 
     def get(self, key) -> bytes:
         """The value of `key`, waiting up to the store's timeout for it to be set.
@@ -249,7 +265,7 @@ class EtcdStore(dist.Store):
         for start in range(0, len(keys), MAX_TXN_OPS):
             puts = [{"request_put": {"key": b64(self._key(k)), "value": b64(_bytes(v))}}
                     for k, v in zip(keys[start:start + MAX_TXN_OPS], values[start:start + MAX_TXN_OPS])]
-            self._txn([], puts, [], deadline, "multi_set")
+            self._puts(puts, deadline, "multi_set")
 
     def compare_set(self, key, expected, desired) -> bytes:
         """Set `key` to `desired` if its value is `expected` (or it is missing and `expected` is empty).

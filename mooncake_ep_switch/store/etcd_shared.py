@@ -1,0 +1,209 @@
+"""Identical reads of one process's threads share one etcd request, and their puts go out together (issue 40).
+
+When the ranks of a group are threads of one process (the membership bench, tests), R of them read
+the same keys at once: every survivor waits for the same `view/<e>` and reads it when it is sealed.
+Each read is an HTTP request (and its thread's share of the interpreter), so at R=256 the cluster and
+the client drained ~500 identical reads one by one. `shared_read` lets a read join a request for
+the same keys that is not sent yet, and stays linearizable: a read joins only a request sent after
+it began (while one is in the air the next one collects the later readers and is sent when the one in
+the air answers, or after `connection.request_s` at most), so its answer is a state of the store
+between the call and its return. A reader whose request failed, or did not answer by the reader's
+own deadline, reads alone (and gets its own error).
+
+`shared_write` does the same for puts (`set`, `multi_set`): R ranks post their readiness at once. A put
+joins the puts pending for the cluster and prefix, and the thread that finds no post under way sends
+every pending one in one transaction (up to `MAX_PUTS` puts, no key twice: flat combining, no thread of
+its own; it posts what came meanwhile too, `_ROUNDS` times at most, then hands the rest to one of their
+threads). Each caller's puts stay atomic (one transaction) and its call returns after they were applied.
+A caller whose post failed, or did not answer by its deadline, sends its own puts (and gets its own
+error). With one rank per process nothing is shared.
+"""
+import threading
+import time
+from typing import Any, Callable, Dict, Hashable, List, Optional
+
+__all__ = ["MAX_PUTS", "shared_read", "shared_write"]
+
+MAX_PUTS = 128  # puts per transaction (etcd's default --max-txn-ops)
+_ROUNDS = 8  # posts one caller makes for the others before it hands the rest on
+
+
+class _Flight:
+    """One request and the readers that take its answer."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: Optional[BaseException] = None
+        self.readers = 1
+
+
+class _Slot:
+    """The requests for one set of keys: the one in the air and the next one (collecting readers)."""
+
+    def __init__(self):
+        self.air: Optional[_Flight] = None
+        self.next: Optional[_Flight] = None
+
+
+_SLOTS: Dict[Hashable, _Slot] = {}
+_LOCK = threading.Lock()
+
+
+def shared_read(name: Hashable, read: Callable[[], Any], deadline: float, wait_s: float) -> Any:
+    """The answer of `read()`, or of a request for the same `name` sent after this call began.
+
+    Arguments:
+        name: what is read (cluster, keys, kind of read): equal names read the same.
+        read: makes the request and returns its answer (not changed by the callers: they get a copy of a list).
+        deadline: `time.monotonic()` value by which this reader wants an answer (past it, it reads alone).
+        wait_s: the longest a request waits for the one in the air before it is sent anyway.
+
+    Returns:
+        the answer (its lists copied for each reader).
+
+    Raises:
+        what `read()` raises when this reader reads alone or sends the request.
+    """
+    with _LOCK:
+        slot = _SLOTS.setdefault(name, _Slot())
+        if slot.air is None:
+            flight, role, ahead = _Flight(), "send", None
+            slot.air = flight
+        elif slot.next is not None:
+            flight, role, ahead = slot.next, "join", None
+            flight.readers += 1
+        else:
+            flight, role, ahead = _Flight(), "send", slot.air
+            slot.next = flight
+    if role == "join":
+        if flight.done.wait(max(deadline - time.monotonic(), 0.0)) and flight.error is None:
+            return _copy(flight.value)
+        return read()  # its request failed or is late for this reader: alone, with its own error
+    if ahead is not None:
+        ahead.done.wait(max(min(wait_s, deadline - time.monotonic()), 0.0))
+        with _LOCK:
+            if slot.next is flight:
+                slot.next = None  # later readers collect for another request
+            slot.air = flight
+    try:
+        flight.value = read()
+        return _copy(flight.value)
+    except BaseException as error:
+        flight.error = error
+        raise
+    finally:
+        with _LOCK:
+            if slot.air is flight:
+                slot.air = None
+            if slot.air is None and slot.next is None and _SLOTS.get(name) is slot:
+                del _SLOTS[name]
+        flight.done.set()
+
+
+def _copy(value: Any) -> Any:
+    """`value` with its lists (at the top and inside a tuple) copied: each reader may change its own."""
+    if isinstance(value, tuple):
+        return tuple(list(item) if isinstance(item, list) else item for item in value)
+    return list(value) if isinstance(value, list) else value
+
+
+class _Puts:
+    """One caller's puts, waiting to be sent (by whichever thread posts)."""
+
+    def __init__(self, puts: List[Dict[str, Any]], keys: List[str]):
+        self.puts, self.keys = puts, keys
+        self.done = threading.Event()  # set when its post answered, or when its thread is to post
+        self.applied = False
+        self.post = False  # handed over: this caller's thread posts (the last poster left)
+
+
+class _Queue:
+    def __init__(self):
+        self.pending: List[_Puts] = []
+        self.posting = False
+
+
+_QUEUES: Dict[Hashable, _Queue] = {}
+
+
+def shared_write(name: Hashable, puts: List[Dict[str, Any]], send: Callable[[List[Dict[str, Any]]], Any],
+                 deadline: float) -> None:
+    """Apply `puts` (etcd `request_put` operations, at most `MAX_PUTS`, no key twice) in one transaction, sent with
+    the puts other threads of this process make for the same `name` meanwhile.
+
+    Arguments:
+        name: the cluster and prefix (equal names: the puts may share a transaction).
+        puts: `{"request_put": {"key": ..., "value": ...}}` operations.
+        send: sends a list of puts as one transaction (raises when it was not applied or not answered).
+        deadline: `time.monotonic()` value by which this caller wants its puts applied.
+
+    Raises:
+        ValueError: more than `MAX_PUTS` puts.
+        what `send` raises for this caller's own puts.
+    """
+    if len(puts) > MAX_PUTS:
+        raise ValueError(f"puts: expected at most {MAX_PUTS} operations per transaction, got {len(puts)}")
+    item = _Puts(puts, [put["request_put"]["key"] for put in puts])
+    with _LOCK:
+        queue = _QUEUES.setdefault(name, _Queue())
+        queue.pending.append(item)
+        post = not queue.posting
+        queue.posting = True
+    if not post:
+        item.done.wait(max(deadline - time.monotonic(), 0.0))
+        with _LOCK:
+            if item.applied:
+                return
+            post = item.post
+            if not post and item in queue.pending:
+                queue.pending.remove(item)  # late: not taken yet
+        if not post:
+            send(puts)  # its post failed, or none answered by this caller's deadline: alone, with its own error
+            return
+    try:
+        for _ in range(_ROUNDS):
+            if not _post_round(queue, send):
+                break
+    finally:
+        with _LOCK:
+            if item in queue.pending:
+                queue.pending.remove(item)  # never taken (a key also in another's puts): sent alone below
+            if queue.pending:
+                heir = queue.pending[0]  # its thread posts the rest
+                heir.post = True
+                heir.done.set()
+            else:
+                queue.posting = False
+                if _QUEUES.get(name) is queue:
+                    del _QUEUES[name]
+    if not item.applied:
+        send(puts)  # its post failed or it was never taken: alone, with its own error
+
+
+def _post_round(queue: _Queue, send: Callable[[List[Dict[str, Any]]], Any]) -> bool:
+    """Send the pending puts that fit one transaction (no key twice) through `send`; False when none was pending."""
+    with _LOCK:
+        taken: List[_Puts] = []
+        keys: set = set()
+        rest: List[_Puts] = []
+        for waiting in queue.pending:
+            if not keys.intersection(waiting.keys) and sum(len(t.puts) for t in taken) + len(waiting.puts) <= MAX_PUTS:
+                taken.append(waiting)
+                keys.update(waiting.keys)
+            else:
+                rest.append(waiting)
+        queue.pending = rest
+    if not taken:
+        return False
+    try:
+        send([put for waiting in taken for put in waiting.puts])
+        applied = True
+    except BaseException:  # noqa: BLE001 - each caller sends its own puts again, and gets its own error
+        applied = False
+    with _LOCK:
+        for waiting in taken:
+            waiting.applied = applied
+    for waiting in taken:
+        waiting.done.set()
+    return True
