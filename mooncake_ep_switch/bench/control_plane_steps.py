@@ -16,8 +16,8 @@ results and the operations by name.
 * construction: every rank takes an incarnation, binds it to epoch 0, publishes its endpoint (with
   its host id) and one participant's region record, reads every peer's endpoint and region record
   and the incarnations whose regions it maps, and meets the others at the regions' barrier (what a
-  Buffer's constructor and `PeerRegions.add` exchange through the store: each read after a roll call,
-  `membership.roll_call`).
+  Buffer's constructor and `PeerRegions.add` exchange through the store: each read a collective step's,
+  `batch_reads` with `together`: the bindings, then the records, each in one wait once all are there).
 """
 import itertools
 import time
@@ -136,11 +136,11 @@ def constructor(group: Group, prefix: str, deadline_s: float = 60.0) -> Callable
                                      "te_session": "", "te_base": 1 << 20})
         membership.publish_region_record(0, {"kind": "bench", "regions": [[1000 + rank, 4, 4096]]})
         peers = [p for p in range(size) if p != rank]
-        endpoints = batch_reads.published_endpoints(membership, peers, deadline, roll="connect/0")
-        records = batch_reads.published_region_records(membership, 0, peers, deadline, roll="regions/0/0")
+        endpoints = batch_reads.published_endpoints(membership, peers, deadline, together=0)
+        records = batch_reads.published_region_records(membership, 0, peers, deadline, together=0)
         if any(len(records[p]["regions"]) != 1 for p in peers):
             raise RuntimeError("a region record did not read back")
-        batch_reads.incarnations_of(membership, range(size))
+        membership.incarnations_at(0, range(size))  # PeerRegions.snapshot
         membership.barrier("regions/0/0", range(size), deadline)
         return [f"host{rank // 8}"] + [endpoints[p]["host_id"] for p in peers]
 

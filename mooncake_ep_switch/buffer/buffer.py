@@ -207,8 +207,8 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
         if self.membership is not None:
             self.membership.publish_endpoint(dict(self._transport.endpoint(), host_id=self.settings.host_id))
         if not self.joining:  # a joiner registers as joining in update_ep_member(), when it waits
-            self.connect()
-            self.peer_regions.snapshot(self.members)  # whose regions participants map (a later incarnation joins)
+            self._connect(construction=True)
+            self.peer_regions.snapshot(self.members, self.epoch)  # whose regions participants map (a later one joins)
         elif choice is not None:  # a plain Buffer(group) that replaces this rank: admitted before it returns
             self._admit_replacement(base, choice, deadline)
         if generation is not None:
@@ -304,8 +304,13 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
         if self.joining:
             raise MembershipError(f"connect: rank {self.rank} is not a member yet; update_ep_member() admits and "
                                   "connects it")
+        self._connect(construction=False)
+
+    def _connect(self, construction: bool) -> None:
+        """`connect()`; `construction`: at the constructor (every member connects at once: `members.connect_view`)."""
         deadline = time.monotonic() + self.settings.connect_timeout_s
-        self._transport.connect_members(View(self.epoch, self.members), self.membership, deadline)
+        self._transport.connect_members(View(self.epoch, self.members), self.membership, deadline,
+                                        construction=construction)
 
     def update_ep_member(self, timeout_s: Optional[float] = None) -> View:
         """Agree on the next membership epoch and refresh peers (Mooncake's meaning, elastic).

@@ -74,15 +74,17 @@ class PeerRegions:
         self._expected: List[dict] = []  # a replacement's participants still to rebuild (from the members)
         self._known: Dict[int, int] = {}  # member -> incarnation whose regions are mapped here
 
-    def snapshot(self, ranks: Sequence[int]) -> None:
+    def snapshot(self, ranks: Sequence[int], epoch: int) -> None:
         """Remember the incarnations of `ranks` (the members now mapped); a later one is a joiner.
 
         Arguments:
             ranks: iterable of int EP ranks.
+            epoch: the epoch of the view whose members were mapped (its incarnations: those read to map them are
+                kept, so no store call re-reads them).
         """
         membership = self._buffer().membership
         if membership is not None:
-            self._known = batch_reads.incarnations_of(membership, ranks)
+            self._known = membership.incarnations_at(epoch, ranks)
 
     # ------------------------------------------------------------------ construction
     def joined_state(self, kind: str) -> Optional[dict]:
@@ -153,10 +155,10 @@ class PeerRegions:
             return index
         if membership is None:
             raise RuntimeError(f"{kind}: mapping peers after a membership change needs the group's store")
-        # Collective over the members (a roll call before the read), except while this rank rebuilds (the members
-        # registered this participant before it came).
+        # Collective over the members (their records read once all are there, `batch_reads`), except while this rank
+        # rebuilds (the members registered this participant before it came).
         self._map_all(membership, index, kind, peers, regions, deadline,
-                      roll=None if rebuilding else f"regions/{index}/{buffer.epoch}")
+                      together=None if rebuilding else buffer.epoch)
         if not rebuilding:  # nobody returns (and could close an fd a slower peer opens) before all mapped
             membership.barrier(f"regions/{index}/{buffer.epoch}", buffer.members, deadline)
         return index
@@ -201,7 +203,7 @@ class PeerRegions:
         membership = buffer.membership
         states = membership.wait_for(lambda: membership.peer_state(view.epoch), deadline,
                                      f"the members' participant state of epoch {view.epoch}")
-        self.snapshot(view.ranks)
+        self.snapshot(view.ranks, view.epoch)
         live = self.participants()
         if not live:
             self._expected = list(states)
@@ -274,10 +276,11 @@ class PeerRegions:
         return record
 
     def _map_all(self, membership, index: int, kind: str, peers: Sequence[int], regions: list,
-                 deadline: float, roll: Optional[str] = None) -> None:
+                 deadline: float, together: Optional[int] = None) -> None:
         """`_map` every peer of `peers`, their records read together (`batch_reads`: a constant number of
-        store calls, not a few per peer; after the roll call `roll` when every peer makes it, else None)."""
-        found = batch_reads.published_region_records(membership, index, peers, deadline, roll=roll)
+        store calls, not a few per peer; `together`: the epoch when every peer publishes and reads at once, else
+        None)."""
+        found = batch_reads.published_region_records(membership, index, peers, deadline, together=together)
         for peer in peers:
             self._map(membership, index, kind, peer, regions, deadline, found.get(peer))
 

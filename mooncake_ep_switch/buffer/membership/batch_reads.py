@@ -5,18 +5,25 @@ count, its endpoint (with its host id) and its region records. Read rank by rank
 rank a few store calls per peer, O(R^2) in the group; here each rank makes a constant number of
 calls (`RecordStore.read_raws`: one `check` and one `multi_get` of every key when all are there) and,
 while some are missing, one wait on all the missing keys (`key_wait.KeyWait`; on a store without
-background waits a check of them per round, backoff to `POLL_MAX_S`), not a read of each. Records read here are checked exactly as the one-rank reads check them
-(`Membership.incarnation_of`, `endpoint`, `region_record`). A collective step (every rank of `ranks`
-and the caller read each other's records) names its `roll` call (`roll_call.py`): each rank then
-counts itself in and waits for one key before it reads, so that it reads every record once, when all
-are there, instead of finding out which are missing while they come in.
+background waits a check of them per round, backoff to `POLL_MAX_S`), not a read of each. Records read here are
+checked exactly as the one-rank reads check them (`Membership.incarnation_of`, `endpoint`, `region_record`).
+
+A collective step (every rank of `ranks` and the caller publish their records, then read each other's: a
+Buffer's construction, a participant's regions) names its epoch (`together`): the incarnations are then the
+ones that epoch bound (each rank's own binding in epoch 0, the sealer's admission record after), and each
+rank reads its peers' bindings and then their records each in one background read that waits until all are
+there (`KeyWait(read=True)`: the wait and the read are one store call, made once, when all are there). At
+R=256 ranks as threads each store call a rank makes one after the other costs 0.2-0.5 s (issue 40): two
+calls, where the roll call that came before made seven (count in, wait, the epoch, then a check and a
+`multi_get` of the bindings and of the records). A rank that never publishes keeps the others waiting until
+their deadline, as before; a record read that way is still validated and authenticated one by one, and one
+missing or invalid then is waited for and read as before (which names why).
 """
 import time
 from typing import Callable, Dict, Iterable, List, Optional
 
 from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
 from mooncake_ep_switch.buffer.membership.records import MembershipError, valid_endpoint, valid_region_record
-from mooncake_ep_switch.buffer.membership.roll_call import roll_call
 
 __all__ = ["incarnations_of", "published_endpoints", "published_region_records"]
 
@@ -42,22 +49,82 @@ def incarnations_of(membership, ranks: Iterable[int]) -> Dict[int, int]:
     return membership.incarnations_at(membership.epoch(), ranks)
 
 
+def _bound_incarnations(membership, epoch: int, ranks: List[int], deadline: float) -> Optional[Dict[int, int]]:
+    """The incarnations `epoch` bound for `ranks` (epoch 0: each rank's own binding, waited for until `deadline`
+    and read in that wait; later: the sealer's admission record), or None when some are not known by then."""
+    if epoch > 0:
+        try:
+            admission = membership.admission(epoch)  # kept since the agreement: no store call
+        except MembershipError:
+            return None
+        bound = dict(admission["ranks"]) if admission is not None else {}
+        return {r: bound[r] for r in ranks} if all(r in bound for r in ranks) else None
+    found = membership.known_bindings(0, ranks)
+    rest = [r for r in ranks if r not in found]
+    if rest:
+        raws = _read_when_there(membership.store, [f"admitted/0/{r}" for r in rest], deadline)
+        if raws is None:
+            return None
+        found.update(membership.keep_bindings(0, rest, raws))
+    return found if len(found) == len(ranks) else None
+
+
+def _read_when_there(store, keys: List[str], deadline: float) -> Optional[List[bytes]]:
+    """The values of `keys` once all are there (one background read where the store has one: `KeyWait`), or None
+    when `deadline` passed first or the wait failed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return None
+    waiter = KeyWait(store, keys, left + 1.0, read=True)
+    while True:
+        left = max(deadline - time.monotonic(), 0.0)
+        there = waiter.poll(left if waiter.background else min(left, POLL_MAX_S))
+        if there:
+            return waiter.values()
+        if there is False or time.monotonic() >= deadline:
+            return None
+
+
+def _read_together(membership, ranks: List[int], epoch: int, deadline: float, key_of: Callable[[int, int], str],
+                   valid, what: str) -> Dict[int, dict]:
+    """A collective step's read (module docstring): the valid records of `ranks`' incarnations bound in `epoch`,
+    read when all are there; {} or fewer ranks when some are not by `deadline` (the caller reads those again)."""
+    incarnations = _bound_incarnations(membership, epoch, ranks, deadline)
+    if incarnations is None:
+        return {}
+    keys = [key_of(r, incarnations[r]) for r in ranks]
+    found: Dict[int, dict] = {}
+    for rank, key, raw in zip(ranks, keys, _read_when_there(membership.store, keys, deadline) or ()):
+        value = _valid(membership, key, raw, valid, what)
+        if value is not None:
+            found[rank] = dict(value, incarnation=incarnations[rank])
+    return found
+
+
+def _valid(membership, key: str, raw: Optional[bytes], valid, what: str) -> Optional[dict]:
+    """The record `raw` read at `key` checked (`Membership.checked`), None when absent, malformed or forged (read
+    again by the caller: a valid one may replace it)."""
+    try:
+        return membership.checked(key, raw, valid, what)
+    except MembershipError:
+        return None
+
+
 def _published(membership, ranks: List[int], deadline: float, key_of: Callable[[int, int], str], valid, what: str,
-               roll: Optional[str] = None) -> Dict[int, dict]:
+               together: Optional[int] = None) -> Dict[int, dict]:
     """The valid records `key_of(rank, incarnation)` of `ranks`, waited for until `deadline`; a rank whose record is
-    missing or invalid then is left out (its one-rank read names why). `roll`: the roll call to count in at first
-    (every rank of `ranks` and the caller make it), or None."""
+    missing or invalid then is left out (its one-rank read names why). `together`: the epoch of a collective step
+    (module docstring), or None."""
     found: Dict[int, dict] = {}
     pending, waiter, waited = list(dict.fromkeys(ranks)), None, None
-    # Everyone counted in (their records published before): read them all at once, with no wait for them first.
-    read_now = bool(pending) and roll is not None and roll_call(
-        membership.store, roll, len(set(pending) | {membership.rank}), deadline)
+    if pending and together is not None:
+        found.update(_read_together(membership, pending, together, deadline, key_of, valid, what))
+        pending = [r for r in pending if r not in found]
     while pending:
         incarnations = incarnations_of(membership, pending)
         keys = {r: key_of(r, incarnations[r]) for r in pending}
         wanted = [keys[r] for r in pending]
-        left = -1.0 if read_now else deadline - time.monotonic()
-        read_now = False
+        left = deadline - time.monotonic()
         # Not all there yet: one wait on them (`KeyWait`: in the background, no store operation while it lasts),
         # looked at until they are there or `LOOK_S` passed (then the incarnations are read again: a rank may have
         # been taken over meanwhile); not a check of the missing ones per round. At the deadline, what is there is
@@ -86,26 +153,27 @@ def _published(membership, ranks: List[int], deadline: float, key_of: Callable[[
     return found
 
 
-def published_endpoints(membership, ranks: Iterable[int], deadline: float, roll: Optional[str] = None) -> Dict[int, dict]:
+def published_endpoints(membership, ranks: Iterable[int], deadline: float,
+                        together: Optional[int] = None) -> Dict[int, dict]:
     """The published endpoints of `ranks`' current incarnations, waited for until `deadline`.
 
     Arguments:
         membership: the `Membership` whose store holds the endpoints.
         ranks: iterable of int EP ranks.
         deadline: `time.monotonic()` deadline in seconds (the records are read at least once).
-        roll: the name of a roll call (`roll_call.py`) that every rank of `ranks` and this one make once its own
-            endpoint is published (a collective step), or None.
+        together: the epoch of a collective step (every rank of `ranks` and this one publish their endpoint, bound
+            to their incarnation in that epoch, then read: the module docstring), or None.
 
     Returns:
         endpoints: rank -> endpoint dict plus `"incarnation"` (as `Membership.endpoint`), for the ranks
             whose valid endpoint was there by `deadline` (the others are absent).
     """
     return _published(membership, list(ranks), deadline, lambda r, inc: f"endpoint/{r}/{inc}", valid_endpoint,
-                      _ENDPOINT, roll)
+                      _ENDPOINT, together)
 
 
 def published_region_records(membership, index: int, ranks: Iterable[int], deadline: float,
-                             roll: Optional[str] = None) -> Dict[int, dict]:
+                             together: Optional[int] = None) -> Dict[int, dict]:
     """The region records of participant `index` that `ranks`' current incarnations published, waited for
     until `deadline`.
 
@@ -114,12 +182,12 @@ def published_region_records(membership, index: int, ranks: Iterable[int], deadl
         index: participant index, >= 0.
         ranks: iterable of int EP ranks.
         deadline: `time.monotonic()` deadline in seconds (the records are read at least once).
-        roll: the name of a roll call (`roll_call.py`) that every rank of `ranks` and this one make once its own
-            record is published (a collective step), or None.
+        together: the epoch of a collective step (every rank of `ranks` and this one publish their record, then
+            read: the module docstring), or None.
 
     Returns:
         records: rank -> record (as `Membership.region_record`, plus `"incarnation"`), for the ranks whose
             valid record was there by `deadline` (the others are absent).
     """
     return _published(membership, list(ranks), deadline, lambda r, inc: f"regions/{index}/{r}/{inc}",
-                      valid_region_record, _REGIONS, roll)
+                      valid_region_record, _REGIONS, together)

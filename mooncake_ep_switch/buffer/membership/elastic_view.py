@@ -99,7 +99,7 @@ def _agree_and_connect(core: BufferCore, membership, deadline: float, exclude: s
             # Half the remaining budget per attempt: a member that died after the view was
             # sealed is found missing in time to agree again without it.
             attempt = time.monotonic() + max(MIN_CONNECT_ATTEMPT_S, CONNECT_ATTEMPT_SHARE * (deadline - time.monotonic()))
-            core.transport.connect_members(view, membership, min(attempt, deadline))
+            core.transport.connect_members(view, membership, min(attempt, deadline), construction=False)
         except MembershipError as error:
             if not error.missing or time.monotonic() >= deadline:
                 raise
@@ -171,5 +171,5 @@ def survivors_view(core: BufferCore, deadline: float) -> View:
     _log_view(core, view, "agreed (a collective lost a peer)")
     core.epoch, core.members = view.epoch, view.ranks
     mooncake_runtime.publish_switch(core, view.epoch)  # for a joiner the seal may have admitted too
-    core.transport.connect_members(view, membership, max(deadline, time.monotonic() + 5.0))
+    core.transport.connect_members(view, membership, max(deadline, time.monotonic() + 5.0), construction=False)
     return view

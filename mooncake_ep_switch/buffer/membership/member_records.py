@@ -168,6 +168,24 @@ class MemberRecords(RecordStore):
             found[rank] = self.counter_of(key, raw)[0]
         return {r: found[r] for r in ranks}
 
+    def known_bindings(self, epoch: int, ranks: Iterable[int]) -> Dict[int, int]:
+        """rank -> incarnation of the bindings of `ranks` in `epoch` known here (written or read once: kept)."""
+        return {int(r): self._bindings[epoch, int(r)] for r in ranks if (epoch, int(r)) in self._bindings}
+
+    def keep_bindings(self, epoch: int, ranks: Iterable[int], raws: Iterable[Optional[bytes]]) -> Dict[int, int]:
+        """rank -> incarnation of the bindings `admitted/<epoch>/<rank>` of `ranks` read as `raws` (in that order,
+        None: absent) that are valid, kept as `incarnations_at` keeps those it reads (a malformed or forged one is
+        left out: the caller reads that rank again, which names why)."""
+        found: Dict[int, int] = {}
+        for rank, raw in zip(ranks, raws):
+            try:
+                value = self.checked(f"admitted/{epoch}/{rank}", raw, valid_incarnation, "admitted incarnation")
+            except MembershipError:
+                continue
+            if value is not None:
+                found[int(rank)] = self._bindings[epoch, int(rank)] = value
+        return found
+
     def admission(self, epoch: int) -> Optional[dict]:
         """The admission record the sealer of `epoch` wrote before its view (`admitted/<epoch>`), or None.
 

@@ -315,13 +315,24 @@ class RecordStore:
 
         The new value carries a random nonce, so two writers that raced from one value never both
         believe they won. With `expected`, only when the counter still holds it; returns the new
-        value, or -1 when the counter moved on.
+        value, or -1 when the counter moved on. Without `expected` the first attempt assumes the counter
+        absent (a rank's first incarnation, a group's first generation: one store call, no read before it);
+        a counter that is there answers that compare-and-set with its value, which the next attempt starts
+        from (a compare-and-set answers the current value when it does not set).
         """
-        for _ in range(1000):  # bounded: each failed CAS means another writer succeeded
+        if expected is None:
+            old, text = 0, None
+        else:
             old, text = self.read_counter_raw(key)
+        for _ in range(1000):  # bounded: each failed CAS means another writer succeeded
             if expected is not None and old != expected:
                 return -1
             new = f"{old + 1}:{secrets.token_hex(8)}"
-            if self.store.compare_set(key, "" if text is None else text, new).decode(errors="replace") == new:
+            stored = bytes(self.store.compare_set(key, "" if text is None else text, new))
+            if stored.decode(errors="replace") == new:
                 return old + 1
+            if text is not None and stored.decode(errors="replace") == text:
+                old, text = self.read_counter_raw(key)  # the answer of a CAS on an absent key: read it
+            else:
+                old, text = self.counter_of(key, stored)
         raise MembershipError(f"store counter {self.prefix}/{key} kept changing under 1000 attempts")

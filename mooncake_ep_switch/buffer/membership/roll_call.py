@@ -1,5 +1,9 @@
 """A roll call: every rank of a collective step counts itself in, and one key says that all did (issue 40).
 
+No step of the package makes one any more: a Buffer's construction reads its peers' bindings and records in one
+background read each that waits until all are there (`batch_reads`, `together`), two store calls where a roll
+call and the reads after it made seven. What follows is how construction used it.
+
 A collective exchange through the store (a Buffer's construction: every rank publishes its endpoint or
 region record, then reads every peer's) used to have each rank wait for its R-1 peers' keys, and read
 which of them were there while some were missing: each such read costs a rank store operations that

@@ -342,7 +342,7 @@ class CollectiveTransport(HostMemoryTransport):
             return {}
         return {"pid": os.getpid(), "watch_host": self.settings.bind_host, "watch_port": self.watch.port}
 
-    def connect_members(self, view, membership, deadline: float) -> None:
+    def connect_members(self, view, membership, deadline: float, construction: bool = False) -> None:
         """Run on the group of `view`: the constructor's group in epoch 0, else one built from the
         store with the epoch in its prefix (a gloo group cannot lose or regain a member).
 
@@ -351,6 +351,8 @@ class CollectiveTransport(HostMemoryTransport):
             membership: the `Membership` whose store builds the group; may be None only in epoch 0
                 with a constructor group.
             deadline: `time.monotonic()` deadline in seconds.
+            construction: whether the Buffer is being constructed (the group's own collectives need no store
+                exchange either way: accepted as every transport's `connect_members` takes it).
 
         Raises:
             RuntimeError: a new view but no `membership` (no store).

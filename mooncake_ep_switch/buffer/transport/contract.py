@@ -35,8 +35,9 @@ class Transport(Protocol):
     def endpoint(self) -> dict:
         """What peers need to reach this rank (published in the membership store)."""
 
-    def connect_members(self, view, membership, deadline: float) -> None:
-        """Reach every member of `view` (and drop everything else) before `deadline`."""
+    def connect_members(self, view, membership, deadline: float, construction: bool = False) -> None:
+        """Reach every member of `view` (and drop everything else) before `deadline`; `construction`: at the
+        Buffer's construction (every member connects at once), False after a membership change."""
 
     def dispatch(self, call: DispatchCall, outputs: DispatchOutputs) -> Tuple[object, Callable[[], None]]:
         """Send phase; returns (the transport's private plan for combine, the receive phase)."""

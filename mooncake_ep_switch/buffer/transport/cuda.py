@@ -126,13 +126,15 @@ class CudaTransport(RuntimeQueries):
         """None: no peer is reached over the Transfer Engine."""
         return None
 
-    def connect_members(self, view, membership, deadline: float) -> None:
+    def connect_members(self, view, membership, deadline: float, construction: bool = False) -> None:
         """Open every member's region by its IPC handle (same host only); close everything else.
 
         Arguments:
             view: the membership `View` to connect.
             membership: the `Membership` whose store holds the endpoints.
             deadline: `time.monotonic()` deadline in seconds.
+            construction: True at the Buffer's construction (every member connects at once), False after a
+                membership change (`members.connect_view`).
 
         Raises:
             RuntimeError: `membership` is None (no store).
@@ -144,7 +146,7 @@ class CudaTransport(RuntimeQueries):
         # An IPC handle that no longer opens (its process is gone) is a member that cannot be reached.
         connect_view(self.rank, self.num_ranks, view, membership, deadline, self._open, self._drop,
                      (TimeoutError, MembershipError, RuntimeError), before_barrier=self._write_peer_table,
-                     what="the cuda transport's IPC handles")
+                     what="the cuda transport's IPC handles", construction=construction)
 
     def _open(self, peer: int, found: dict) -> None:
         """Map `peer`'s region from its published endpoint (validated), replacing an older mapping."""

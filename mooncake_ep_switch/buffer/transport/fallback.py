@@ -100,7 +100,7 @@ class FallbackSwitch(RuntimeQueries):
             if self.collective is None:
                 self._build_collective()
             if self._collective_epoch != view.epoch:
-                self.collective.connect_members(view, membership, deadline)
+                self.collective.connect_members(view, membership, deadline, construction=False)
                 self._collective_epoch = view.epoch
         self.on_fallback = on_fallback
         self.switches += 1
@@ -137,11 +137,12 @@ class FallbackSwitch(RuntimeQueries):
         """The Buffer's own transport's endpoint (peers map and watch it; the fallback needs none)."""
         return self.native.endpoint()
 
-    def connect_members(self, view, membership, deadline: float) -> None:
-        """Connect the Buffer's own transport to `view`, and the fallback too while it runs the calls."""
-        self.native.connect_members(view, membership, deadline)
+    def connect_members(self, view, membership, deadline: float, construction: bool = False) -> None:
+        """Connect the Buffer's own transport to `view`, and the fallback too while it runs the calls
+        (`construction`: at the Buffer's construction, as every transport's `connect_members` takes it)."""
+        self.native.connect_members(view, membership, deadline, construction=construction)
         if self.on_fallback:
-            self.collective.connect_members(view, membership, deadline)
+            self.collective.connect_members(view, membership, deadline, construction=construction)
             self._collective_epoch = view.epoch
 
     def dead_peers(self) -> List[int]:

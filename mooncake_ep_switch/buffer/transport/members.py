@@ -36,7 +36,8 @@ def published_endpoint(membership, peer: int, deadline: float) -> dict:
 
 def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, route: Callable[[int, dict], None],
                  drop: Callable[[int], None], unreachable_errors: Tuple[Type[BaseException], ...],
-                 before_barrier: Optional[Callable[[], None]] = None, what: str = "the one-sided transports") -> None:
+                 before_barrier: Optional[Callable[[], None]] = None, what: str = "the one-sided transports", *,
+                 construction: bool) -> None:
     """Reach every member of `view` but this rank, drop every other rank, then a barrier of the view.
 
     Arguments:
@@ -51,6 +52,10 @@ def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, r
             was sealed into the view (it is named in the final error); any other propagates.
         before_barrier: called once every member was reached, before the barrier, or None.
         what: the transport's name in the error for a missing store.
+        construction: True at the Buffer's construction (every member connects at once, its endpoint published
+            and its incarnation bound before: each member's endpoint is read once all are there, in one wait);
+            False after a membership change (a member that died after the seal never publishes: the endpoints
+            are read as they are, and one missing is found at once, not at the deadline).
 
     Raises:
         RuntimeError: `membership` is None (no store).
@@ -61,12 +66,12 @@ def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, r
         raise RuntimeError(f"connect: {what} exchange endpoints through the store; pass store= to Buffer")
     unreachable, why = [], []
     # Every member's endpoint in a constant number of store calls (not a few per member); one still missing at the
-    # deadline is read alone, which names why. The group's first view (construction: every member connects at once,
-    # its endpoint published before) reads once every member counted itself in (a roll call). A later view follows
-    # a membership change, where a member that died after the seal never counts in and must be found missing at
-    # once, not at the deadline: its endpoints are read as they are.
+    # deadline is read alone, which names why. At construction every member connects at once, its endpoint
+    # published before: the bindings and then the endpoints are read when all are there, one wait each. After a
+    # membership change a member that died after the seal never publishes and must be found missing at once, not
+    # at the deadline: the endpoints are read as they are.
     found = batch_reads.published_endpoints(membership, [p for p in view.ranks if p != rank], deadline,
-                                            roll=f"connect/{view.epoch}" if view.epoch == 0 else None)
+                                            together=view.epoch if construction else None)
     for peer in range(num_ranks):
         if peer == rank:
             continue

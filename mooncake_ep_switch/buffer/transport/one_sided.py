@@ -170,7 +170,7 @@ class OneSidedTransport(HostMemoryTransport):
             found.update(te_session=self.te.session_id, te_base=self.base, watch_port=self.watch.port)
         return found
 
-    def connect_members(self, view, membership, deadline: float) -> None:
+    def connect_members(self, view, membership, deadline: float, construction: bool = False) -> None:
         """Route and map every member of `view`; drop everything else. No group collective.
 
         Waits (until `deadline`) for each member's endpoint in the store; same-host members are
@@ -180,6 +180,8 @@ class OneSidedTransport(HostMemoryTransport):
             view: the membership `View` (epoch, ranks) to connect.
             membership: the `Membership` whose store holds the endpoints (None is refused).
             deadline: `time.monotonic()` deadline in seconds.
+            construction: True at the Buffer's construction (every member connects at once), False after a
+                membership change (`members.connect_view`).
 
         Raises:
             RuntimeError: `membership` is None (no store).
@@ -192,7 +194,7 @@ class OneSidedTransport(HostMemoryTransport):
 
         connect_view(self.rank, self.num_ranks, view, membership, deadline,
                      lambda peer, found: self._route(peer, found, deadline), self._drop,
-                     (OSError, ConnectionError, TimeoutError, MembershipError))
+                     (OSError, ConnectionError, TimeoutError, MembershipError), construction=construction)
 
     def _route(self, peer: int, found: dict, deadline: float) -> None:
         """Reach `peer` at its published endpoint: shared memory on this host, else the TE; watch it."""
