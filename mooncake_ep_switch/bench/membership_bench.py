@@ -1,6 +1,6 @@
 """The membership control plane alone at scale: ranks as threads on one TCPStore, no data plane.
 
-`python -m mooncake_ep_switch.bench membership [--quick] [--ranks 8,16,...] [--store tcp|etcd]`. Every rank
+`python -m mooncake_ep_switch.bench membership [--quick] [--ranks 8,16,...] [--store tcp|etcd] [--steps ...]`. Every rank
 is a thread with its own store client (a TCPStore hosted in this process, or with `--store etcd` an
 `EtcdStore` on a 3-member etcd cluster on loopback), wrapped as a Buffer wraps it (`BoundedStore`: every
 call on a worker with a deadline) and counted (`CountingStore`). Rows, per group size R:
@@ -244,36 +244,46 @@ def _check_all(results: dict, good) -> None:
         raise RuntimeError(f"ranks ended otherwise than expected: {dict(list(wrong.items())[:4])}")
 
 
-def rows(sizes, etcd=None) -> List[dict]:
+STEPS = ("death", "join", "joiners", "switch", "eplb", "construction")  # `--steps` names, in the order they run
+
+
+def rows(sizes, etcd=None, steps=STEPS) -> List[dict]:
     """Measure each size (on the etcd cluster `etcd`, or a TCPStore when None); returns one dict per (size,
-    scenario)."""
+    scenario). `steps`: the names of `STEPS` to run (a joiner is admitted after a death: "join" runs "death")."""
+    from mooncake_ep_switch.bench import control_plane_steps as cp
     found = []
     for size in sizes:
         group = Group(size, etcd=etcd)
         try:
-            death = agree_after_death(group)
-            _check(death["results"], tuple(range(1, size)))
-            found.append({"R": size, "step": "view after a death", "seconds": death["seconds"], "ops": death["ops"]})
-            join = admit_joiner(group)
-            _check(join["results"], tuple(range(size)))
-            found.append({"R": size, "step": "joiner admitted", "seconds": join["seconds"], "ops": join["ops"]})
-            from mooncake_ep_switch.bench import control_plane_steps as steps
-            listed = steps.pending_joiners(group)
-            _check_all(listed["results"], lambda r, v: v == [0])
-            found.append({"R": size, "step": "pending joiners listed", "seconds": listed["seconds"], "ops": listed["ops"]})
-            switch = steps.switch_decision(group)
-            _check_all(switch["results"], lambda r, v: v == 1)
-            found.append({"R": size, "step": "switch decision", "seconds": switch["seconds"], "ops": switch["ops"]})
-            vote = steps.eplb_vote(group)
-            _check_all(vote["results"], lambda r, v: isinstance(v, tuple) and v[:2] == (1, size - 1))
-            _check_all(vote["begin"]["results"], lambda r, v: v == 0)
-            found.append({"R": size, "step": "EPLB begin", "seconds": vote["begin"]["seconds"],
-                          "ops": vote["begin"]["ops"]})
-            found.append({"R": size, "step": "EPLB vote", "seconds": vote["seconds"], "ops": vote["ops"]})
-            built = steps.construction(group)
-            hosts = steps.expected_hosts(size)
-            _check_all(built["results"], lambda r, v: v == hosts[r])
-            found.append({"R": size, "step": "construction", "seconds": built["seconds"], "ops": built["ops"]})
+            if "death" in steps or "join" in steps:
+                death = agree_after_death(group)
+                _check(death["results"], tuple(range(1, size)))
+                found.append({"R": size, "step": "view after a death", "seconds": death["seconds"], "ops": death["ops"]})
+            if "join" in steps:
+                join = admit_joiner(group)
+                _check(join["results"], tuple(range(size)))
+                found.append({"R": size, "step": "joiner admitted", "seconds": join["seconds"], "ops": join["ops"]})
+            if "joiners" in steps:
+                listed = cp.pending_joiners(group)
+                _check_all(listed["results"], lambda r, v: v == [0])
+                found.append({"R": size, "step": "pending joiners listed", "seconds": listed["seconds"],
+                              "ops": listed["ops"]})
+            if "switch" in steps:
+                switch = cp.switch_decision(group)
+                _check_all(switch["results"], lambda r, v: v == 1)
+                found.append({"R": size, "step": "switch decision", "seconds": switch["seconds"], "ops": switch["ops"]})
+            if "eplb" in steps:
+                vote = cp.eplb_vote(group)
+                _check_all(vote["results"], lambda r, v: isinstance(v, tuple) and v[:2] == (1, size - 1))
+                _check_all(vote["begin"]["results"], lambda r, v: v == 0)
+                found.append({"R": size, "step": "EPLB begin", "seconds": vote["begin"]["seconds"],
+                              "ops": vote["begin"]["ops"]})
+                found.append({"R": size, "step": "EPLB vote", "seconds": vote["seconds"], "ops": vote["ops"]})
+            if "construction" in steps:
+                built = cp.construction(group)
+                hosts = cp.expected_hosts(size)
+                _check_all(built["results"], lambda r, v: v == hosts[r])
+                found.append({"R": size, "step": "construction", "seconds": built["seconds"], "ops": built["ops"]})
         finally:
             group.close()
         print(f"R={size} done", file=sys.stderr, flush=True)
@@ -284,7 +294,7 @@ def main(argv=None) -> int:
     """Print the membership control plane's table (see the module docstring).
 
     Arguments:
-        argv: command-line arguments (`--quick`, `--ranks 8,16`), default `sys.argv[1:]`.
+        argv: command-line arguments (`--quick`, `--ranks 8,16`, `--steps construction`), default `sys.argv[1:]`.
 
     Returns:
         exit status 0.
@@ -294,8 +304,14 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", default=None, help="comma-separated group sizes (default 8..256)")
     parser.add_argument("--store", choices=("tcp", "etcd"), default="tcp",
                         help="a TCPStore in this process (default) or a 3-member etcd cluster on loopback")
+    parser.add_argument("--steps", default=",".join(STEPS),
+                        help=f"comma-separated steps to run, of {','.join(STEPS)} (default all; join runs death)")
     args = parser.parse_args(argv)
     sizes = [int(v) for v in args.ranks.split(",")] if args.ranks else (QUICK_SIZES if args.quick else SIZES)
+    steps = [v.strip() for v in args.steps.split(",") if v.strip()]
+    unknown = [v for v in steps if v not in STEPS]
+    if unknown or not steps:
+        parser.error(f"--steps: expected names of {','.join(STEPS)}, got {args.steps!r}")
     print(f"| R | step ({args.store}) | seconds | store ops | ops per rank |")
     print("|---|---|---|---|---|")
 
@@ -305,12 +321,12 @@ def main(argv=None) -> int:
                   flush=True)
 
     if args.store == "tcp":
-        show(rows(sizes))
+        show(rows(sizes, steps=steps))
         return 0
     from mooncake_ep_switch.store.etcd_cluster import LocalEtcdCluster
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with LocalEtcdCluster(3, data_root=shm) as cluster:
-        show(rows(sizes, etcd=cluster))
+        show(rows(sizes, etcd=cluster, steps=steps))
     return 0
 
 
