@@ -1,5 +1,6 @@
 """Reads and puts of one process's threads sharing etcd requests (store/etcd_shared.py, issue 40), with fake
-requests: a read joins only a request sent after it began (linearizable), readers arriving together share one,
+requests: a read joins only a request sent after it began (linearizable), readers arriving together share one
+(each taking its own keys of it),
 a failed shared request leaves each reader to read alone; puts pending while a post is in the air go out in one
 transaction, never with a key twice, and a failed post leaves each caller to send its own (and get its error)."""
 import threading
@@ -49,31 +50,41 @@ def _wait_until(condition):
         time.sleep(0.001)
 
 
-def test_readers_share_only_a_request_sent_after_they_began():
+def _read(gate):
+    """A fake read on `gate`: each key's value names the request that read it; the revision is its number."""
+    def read(keys):
+        number = gate(list(keys))[0]
+        return [f"{key}@{number}" for key in keys], number
+    return read
+
+
+def test_readers_share_only_a_request_sent_after_they_began_each_taking_its_keys():
     gate, results = Gate(), {}
     name = ("read", object())
     deadline = time.monotonic() + 60
-    first = _thread(results, 0, etcd_shared.shared_read, name, gate, deadline, 30.0)
+    first = _thread(results, 0, etcd_shared.shared_read, name, ["a"], _read(gate), deadline, 30.0)
     assert gate.entered.acquire(timeout=30)  # request 1 is in the air
-    later = [_thread(results, r, etcd_shared.shared_read, name, gate, deadline, 30.0) for r in (1, 2, 3)]
+    later = [_thread(results, r, etcd_shared.shared_read, name, keys, _read(gate), deadline, 30.0)
+             for r, keys in ((1, ["a"]), (2, ["b", "a"]), (3, ["c"]))]
     _wait_until(lambda: etcd_shared._SLOTS[name].next is not None and etcd_shared._SLOTS[name].next.readers == 3)
     gate.release.set()
     for thread in [first] + later:
         thread.join(30)
-    # Reader 0 got request 1; the three that began while it was in the air got request 2, not request 1's answer.
-    assert results == {0: [1], 1: [2], 2: [2], 3: [2]}
-    assert len(gate.sent) == 2 and name not in etcd_shared._SLOTS
+    # Reader 0 got request 1; the three that began while it was in the air got request 2 (one read of all their
+    # keys at one revision), not request 1's answer.
+    assert results == {0: (["a@1"], 1), 1: (["a@2"], 2), 2: (["b@2", "a@2"], 2), 3: (["c@2"], 2)}
+    assert gate.sent == [["a"], ["a", "b", "c"]] and name not in etcd_shared._SLOTS
 
 
 def test_a_failed_shared_read_leaves_each_reader_to_read_alone():
     gate, results = Gate(), {}
     name = ("read", object())
     deadline = time.monotonic() + 60
-    first = _thread(results, 0, etcd_shared.shared_read, name, gate, deadline, 30.0)
+    first = _thread(results, 0, etcd_shared.shared_read, name, ["a"], _read(gate), deadline, 30.0)
     assert gate.entered.acquire(timeout=30)
     gate.fail = True
-    second = _thread(results, 1, etcd_shared.shared_read, name, gate, deadline, 30.0)
-    third = _thread(results, 2, etcd_shared.shared_read, name, gate, deadline, 30.0)
+    second = _thread(results, 1, etcd_shared.shared_read, name, ["a"], _read(gate), deadline, 30.0)
+    third = _thread(results, 2, etcd_shared.shared_read, name, ["b"], _read(gate), deadline, 30.0)
     _wait_until(lambda: etcd_shared._SLOTS[name].next is not None and etcd_shared._SLOTS[name].next.readers == 2)
     gate.release.set()
     for thread in (first, second, third):

@@ -390,3 +390,39 @@ def test_gloo_rendezvous_over_the_etcd_store(etcd_cluster):
     for thread in threads:
         thread.join(30)
     assert not errors and out == {0: 3.0, 1: 3.0}, (errors, out)
+
+
+def test_adds_of_one_process_threads_to_one_key_are_applied_together_each_once(store, monkeypatch):
+    """32 threads (ranks as threads) add to one counter at once: each gets its own distinct result, the counter ends
+    at the sum, and their swaps were combined (fewer transactions than one swap per add); appends too."""
+    import threading
+
+    from mooncake_ep_switch.store.etcd_store import EtcdStore
+
+    real, sent = EtcdStore._txn, []
+
+    def txn(self, compare, success, failure, deadline, what):
+        if what in ("add", "append"):
+            sent.append(what)
+        return real(self, compare, success, failure, deadline, what)
+
+    monkeypatch.setattr(EtcdStore, "_txn", txn)
+    clients = [store.clone() for _ in range(32)]
+    results, start = {}, threading.Barrier(32)
+
+    def add(rank):
+        start.wait(30)
+        results[rank] = clients[rank].add("tally", 1)
+        clients[rank].append("log", f"{rank},")
+
+    threads = [threading.Thread(target=add, args=(r,)) for r in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for client in clients:
+        client.close()
+    assert sorted(results.values()) == list(range(1, 33))
+    assert store.get("tally") == b"32"
+    assert sorted(int(r) for r in store.get("log").decode().strip(",").split(",")) == list(range(32))
+    assert len(sent) < 2 * 2 * 32  # a swap per add and per append, each a snapshot and a compare-and-swap, before

@@ -3,8 +3,9 @@
 When the ranks of a group are threads of one process (the membership bench, tests), R of them read
 the same keys at once: every survivor waits for the same `view/<e>` and reads it when it is sealed.
 Each read is an HTTP request (and its thread's share of the interpreter), so at R=256 the cluster and
-the client drained ~500 identical reads one by one. `shared_read` lets a read join a request for
-the same keys that is not sent yet, and stays linearizable: a read joins only a request sent after
+the client drained ~500 identical reads one by one; at construction every rank reads its R-1 peers'
+records. `shared_read` lets a read join a request of the same kind that is not sent yet, adding its keys
+to it (the request reads them all at one revision, each reader takes its own), and stays linearizable: a read joins only a request sent after
 it began (while one is in the air the next one collects the later readers and is sent when the one in
 the air answers, or after `connection.request_s` at most), so its answer is a state of the store
 between the call and its return. A reader whose request failed, or did not answer by the reader's
@@ -20,26 +21,32 @@ error). With one rank per process nothing is shared.
 """
 import threading
 import time
-from typing import Any, Callable, Dict, Hashable, List, Optional
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 __all__ = ["MAX_PUTS", "shared_read", "shared_write"]
 
 MAX_PUTS = 128  # puts per transaction (etcd's default --max-txn-ops)
 _ROUNDS = 8  # posts one caller makes for the others before it hands the rest on
+MAX_SHARED_KEYS = 1024  # keys one shared read asks for at most (a reader that would pass it reads alone)
 
 
 class _Flight:
-    """One request and the readers that take its answer."""
+    """One request and the readers that take its answer: it reads the keys of all of them."""
 
-    def __init__(self):
+    def __init__(self, keys: List[Any]):
+        self.keys: Dict[Any, None] = dict.fromkeys(keys)  # grows while it collects readers, frozen when sent
         self.done = threading.Event()
-        self.value: Any = None
+        self.values: Dict[Any, Any] = {}
+        self.revision: Any = None
         self.error: Optional[BaseException] = None
         self.readers = 1
 
+    def answer(self, keys: List[Any]) -> Tuple[List[Any], Any]:
+        return [self.values[key] for key in keys], self.revision
+
 
 class _Slot:
-    """The requests for one set of keys: the one in the air and the next one (collecting readers)."""
+    """The requests of one kind of read: the one in the air and the next one (collecting readers)."""
 
     def __init__(self):
         self.air: Optional[_Flight] = None
@@ -50,17 +57,20 @@ _SLOTS: Dict[Hashable, _Slot] = {}
 _LOCK = threading.Lock()
 
 
-def shared_read(name: Hashable, read: Callable[[], Any], deadline: float, wait_s: float) -> Any:
-    """The answer of `read()`, or of a request for the same `name` sent after this call began.
+def shared_read(name: Hashable, keys: List[Any], read: Callable[[List[Any]], Tuple[List[Any], Any]], deadline: float,
+                wait_s: float) -> Tuple[List[Any], Any]:
+    """The values of `keys` and the revision they were read at, read by `read(keys)` or by a request of the same
+    kind (`name`) for these keys and others, sent after this call began.
 
     Arguments:
-        name: what is read (cluster, keys, kind of read): equal names read the same.
-        read: makes the request and returns its answer (not changed by the callers: they get a copy of a list).
+        name: the kind of read (cluster, prefix, values or presence): equal names may share a request.
+        keys: the keys to read.
+        read: reads a list of keys at one revision; returns (their values in order, the revision).
         deadline: `time.monotonic()` value by which this reader wants an answer (past it, it reads alone).
         wait_s: the longest a request waits for the one in the air before it is sent anyway.
 
     Returns:
-        the answer (its lists copied for each reader).
+        (values of `keys` in order, revision).
 
     Raises:
         what `read()` raises when this reader reads alone or sends the request.
@@ -68,27 +78,34 @@ def shared_read(name: Hashable, read: Callable[[], Any], deadline: float, wait_s
     with _LOCK:
         slot = _SLOTS.setdefault(name, _Slot())
         if slot.air is None:
-            flight, role, ahead = _Flight(), "send", None
+            flight, role, ahead = _Flight(keys), "send", None
             slot.air = flight
-        elif slot.next is not None:
+        elif slot.next is not None and len(slot.next.keys) + len(keys) <= MAX_SHARED_KEYS:
             flight, role, ahead = slot.next, "join", None
             flight.readers += 1
+            flight.keys.update(dict.fromkeys(keys))
+        elif slot.next is not None:
+            flight, role, ahead = None, "alone", None
         else:
-            flight, role, ahead = _Flight(), "send", slot.air
+            flight, role, ahead = _Flight(keys), "send", slot.air
             slot.next = flight
+    if role == "alone":
+        return read(keys)
     if role == "join":
         if flight.done.wait(max(deadline - time.monotonic(), 0.0)) and flight.error is None:
-            return _copy(flight.value)
-        return read()  # its request failed or is late for this reader: alone, with its own error
+            return flight.answer(keys)
+        return read(keys)  # its request failed or is late for this reader: alone, with its own error
     if ahead is not None:
         ahead.done.wait(max(min(wait_s, deadline - time.monotonic()), 0.0))
-        with _LOCK:
-            if slot.next is flight:
-                slot.next = None  # later readers collect for another request
-            slot.air = flight
+    with _LOCK:
+        if slot.next is flight:
+            slot.next = None  # later readers collect for another request
+        slot.air = flight
+        asked = list(flight.keys)  # frozen: no reader joins it any more
     try:
-        flight.value = read()
-        return _copy(flight.value)
+        values, flight.revision = read(asked)
+        flight.values = dict(zip(asked, values))
+        return flight.answer(keys)
     except BaseException as error:
         flight.error = error
         raise
@@ -99,13 +116,6 @@ def shared_read(name: Hashable, read: Callable[[], Any], deadline: float, wait_s
             if slot.air is None and slot.next is None and _SLOTS.get(name) is slot:
                 del _SLOTS[name]
         flight.done.set()
-
-
-def _copy(value: Any) -> Any:
-    """`value` with its lists (at the top and inside a tuple) copied: each reader may change its own."""
-    if isinstance(value, tuple):
-        return tuple(list(item) if isinstance(item, list) else item for item in value)
-    return list(value) if isinstance(value, list) else value
 
 
 class _Puts:

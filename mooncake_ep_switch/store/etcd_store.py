@@ -37,8 +37,28 @@ __all__ = ["EtcdStore"]
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 _POLL_MAX_S = 0.05
 _CAS_PAUSE_MAX_S = 0.05  # the longest pause after a failed compare-and-swap of add/append
-_KEY_LOCKS: Dict[Any, threading.Lock] = {}  # (cluster, key) -> the lock of this process's add/append on it
 _KEY_LOCKS_LOCK = threading.Lock()
+_MAX_CHANGES = 60  # add/append calls applied in one swap (2 + 2 per call operations: under etcd's 128 per transaction)
+
+
+class _Change:
+    """One add/append call waiting to be applied (by whichever thread of the process swaps the key)."""
+
+    def __init__(self, change, deadline: float):
+        self.change, self.deadline = change, deadline
+        self.done = threading.Event()  # set when its swap answered, or when its thread is to swap (`post`)
+        self.post = False
+        self.value: bytes = b""
+        self.error: Optional[BaseException] = None
+
+
+class _ChangeQueue:
+    def __init__(self):
+        self.pending: List[_Change] = []
+        self.busy = False
+
+
+_KEY_QUEUES: Dict[Any, _ChangeQueue] = {}  # (cluster, key) -> this process's add/append calls on it
 _SLICE_S = 0.5  # a watched wait looks at the stream's health this often (no store operation)
 _LAST_READ_S = 2.0  # a wait's read made at or past its timeout still gets this long (then: the timeout error); more
 # than etcd's 1 s election timeout and the stalls of a loaded host (a read of a 0.3 s wait got no answer in 1 s once)
@@ -110,12 +130,11 @@ class EtcdStore(dist.Store):
     def _read_at(self, keys: Sequence[str], deadline: float, what: str,
                  count_only: bool = False) -> Tuple[List[Optional[bytes]], int]:
         """Values of `keys` (None where missing) and the revision they were read at: one request, which the
-        same read of another thread of this process may share (`etcd_shared`: ranks as threads that wait for
-        the same key read it at once)."""
+        reads of other threads of this process may share (`etcd_shared`: ranks as threads that wait for the
+        same key, or read their peers' records, read at once)."""
         self.reads += 1
-        keys = list(keys)
-        name = (self.connection.name, self._keys, tuple(keys), count_only)
-        return shared_read(name, lambda: self._read_alone(keys, deadline, what, count_only), deadline,
+        return shared_read((self.connection.name, self._keys, count_only), list(keys),
+                           lambda asked: self._read_alone(asked, deadline, what, count_only), deadline,
                            self.connection.request_s)
 
     def _read_alone(self, keys: List[str], deadline: float, what: str,
@@ -304,50 +323,103 @@ class EtcdStore(dist.Store):
     def _update(self, key: str, change, what: str) -> bytes:
         """Apply `change(old value or None) -> new value` atomically; the new value, applied once.
 
-        A compare-and-swap loop on the key's revision. The threads of one process update a key one at a
-        time (they would only fail each other's swaps: ranks as threads, all adding to a vote tally at
-        once). A failed swap reads the key and the marker again in the same transaction (one request per
-        attempt), and the next attempt waits a random pause that doubles with each failure (up to
-        `_CAS_PAUSE_MAX_S`), spreading the swaps of processes that contend.
+        A compare-and-swap loop on the key's revision. The threads of one process do not race each other's
+        swaps (ranks as threads, all adding to a vote tally or a roll call at once): their changes of one key
+        wait in a queue, and the thread that finds none under way applies every waiting one in one swap
+        (each change to the previous one's result, each caller answered with its own intermediate value,
+        each with its own result marker), then the ones that came meanwhile. A failed swap reads the key and
+        the markers again in the same transaction (one request per attempt), and the next attempt waits a
+        random pause that doubles with each failure (up to `_CAS_PAUSE_MAX_S`), spreading the swaps of
+        processes that contend.
         """
         deadline = time.monotonic() + self._timeout_s()
+        mine = _Change(change, deadline)
+        where = (self.connection.name, self._key(key))
         with _KEY_LOCKS_LOCK:
-            lock = _KEY_LOCKS.setdefault((self.connection.name, self._key(key)), threading.Lock())
-        if not lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
-            raise StoreUnavailable(f"the etcd store {self.url} did not answer {what}({key!r}) within "
-                                   f"{self._timeout_s():.3g} s: another {what} of this process on the key is still "
-                                   "unanswered", store=self.url, operation=what, timeout_s=self._timeout_s())
+            queue = _KEY_QUEUES.setdefault(where, _ChangeQueue())
+            queue.pending.append(mine)
+            post = not queue.busy
+            queue.busy = True
+        if not post:
+            mine.done.wait(max(deadline - time.monotonic(), 0.0))
+            with _KEY_LOCKS_LOCK:
+                if mine.done.is_set() and not mine.post:
+                    pass
+                elif mine.post:
+                    post = True
+                else:
+                    if mine in queue.pending:
+                        queue.pending.remove(mine)
+                    raise StoreUnavailable(
+                        f"the etcd store {self.url} did not answer {what}({key!r}) within {self._timeout_s():.3g} s: "
+                        f"another {what} of this process on the key is still unanswered", store=self.url,
+                        operation=what, timeout_s=self._timeout_s())
+            if not post:
+                if mine.error is not None:
+                    raise mine.error
+                return mine.value
         try:
-            return self._swap(key, change, what, deadline)
+            while True:
+                with _KEY_LOCKS_LOCK:
+                    taken, queue.pending = queue.pending[:_MAX_CHANGES], queue.pending[_MAX_CHANGES:]
+                    if not taken:
+                        break
+                try:
+                    values = self._swap(key, [c.change for c in taken], what, deadline)
+                    for waiting, value in zip(taken, values):
+                        waiting.value = value
+                except BaseException as error:  # noqa: BLE001 - each caller of the swap gets it
+                    for waiting in taken:
+                        waiting.error = error
+                for waiting in taken:
+                    waiting.done.set()
+                if mine.done.is_set() and time.monotonic() >= deadline:
+                    break  # past this caller's deadline: the rest is handed on
         finally:
-            lock.release()
+            with _KEY_LOCKS_LOCK:
+                if queue.pending:
+                    heir = queue.pending[0]
+                    heir.post = True
+                    heir.done.set()
+                else:
+                    queue.busy = False
+                    if _KEY_QUEUES.get(where) is queue:
+                        del _KEY_QUEUES[where]
+        if mine.error is not None:
+            raise mine.error
+        return mine.value
 
-    def _swap(self, key: str, change, what: str, deadline: float) -> bytes:
+    def _swap(self, key: str, changes, what: str, deadline: float) -> List[bytes]:
         name = b64(self._key(key))
-        marker = b64(self._ops + uuid.uuid4().hex.encode())
-        snapshot = [{"request_range": {"key": name}}, {"request_range": {"key": marker}}]
+        markers = [b64(self._ops + uuid.uuid4().hex.encode()) for _ in changes]
+        snapshot = [{"request_range": {"key": name}}] + [{"request_range": {"key": m}} for m in markers]
         reply = None
         failures = 0
         while True:
             try:
-                # The key and this call's result marker at one revision: an attempt whose answer was lost (sent
-                # again, or applied late by a new leader) either left its marker here, or has the same guard as
+                # The key and the calls' result markers at one revision: an attempt whose answer was lost (sent
+                # again, or applied late by a new leader) either left its markers here, or has the same guard as
                 # the next attempt (the key unchanged since), so at most one of them applies.
                 if reply is None:
                     reply = self._txn([], snapshot, [], deadline, what)
-                kvs, done = (_range_result(response) for response in reply["responses"])
-                if done:
-                    return unb64(done[0].get("value"))
-                new = change(unb64(kvs[0].get("value")) if kvs else None)
+                kvs, *done = (_range_result(response) for response in reply["responses"])
+                if done[0]:
+                    return [unb64(found[0].get("value")) if found else b"" for found in done]
+                value = unb64(kvs[0].get("value")) if kvs else None
+                new = []
+                for change in changes:
+                    value = change(value)
+                    new.append(value)
                 guard = ({"key": name, "result": "EQUAL", "target": "MOD", "mod_revision": kvs[0]["mod_revision"]}
                          if kvs else {"key": name, "result": "EQUAL", "target": "CREATE", "create_revision": 0})
                 lease = self.connection.lease(deadline, what)
-                success = [{"request_put": {"key": name, "value": b64(new)}},
-                           {"request_put": {"key": marker, "value": b64(new), "lease": lease}}]
+                success = [{"request_put": {"key": name, "value": b64(new[-1])}}]
+                success += [{"request_put": {"key": marker, "value": b64(result), "lease": lease}}
+                            for marker, result in zip(markers, new)]
                 reply = self._txn([guard], success, snapshot, deadline, what)
                 if reply.get("succeeded"):
                     return new
-                failures += 1  # another rank changed it first: its snapshot is in `reply`
+                failures += 1  # another process changed it first: its snapshot is in `reply`
                 time.sleep(random.uniform(0, min(_CAS_PAUSE_MAX_S, 0.0005 * 2 ** min(failures, 10))))
             except StoreRefused as error:
                 if "lease not found" not in str(error):
