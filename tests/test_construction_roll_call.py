@@ -6,13 +6,11 @@ fails the others' construction by their deadline, naming it; a forged record is 
 import threading
 import time
 
-import pytest
 
 from mooncake_ep_switch.bench import control_plane_steps as steps
 from mooncake_ep_switch.bench.membership_bench import Group, run_all
 from mooncake_ep_switch.buffer.membership import batch_reads
 from mooncake_ep_switch.buffer.membership.protocol import Membership, MembershipError, View
-from mooncake_ep_switch.buffer.membership.roll_call import roll_call
 from mooncake_ep_switch.buffer.transport.members import connect_view
 
 R = 64
@@ -136,20 +134,5 @@ def test_a_forged_record_is_refused_although_its_writer_counted_in():
             ranks, seconds = outcome[rank]
             assert ranks == [p for p in range(3) if p != rank], (rank, outcome[rank])  # rank 3's forged one left out
             assert seconds >= 1.0, outcome[rank]  # waited for a valid one until the deadline
-    finally:
-        group.close()
-
-
-def test_a_roll_call_needs_every_rank_and_refuses_a_bad_count():
-    group = _four()
-    try:
-        store = group.members[0].store
-        started = time.monotonic()
-        assert roll_call(store, "short", 2, started + 0.3) is False  # the second rank never counts in
-        assert 0.3 <= time.monotonic() - started < 0.3 + 10
-        assert roll_call(group.members[1].store, "short", 2, time.monotonic() + 30) is True  # now both did
-        assert roll_call(store, "short", 2, time.monotonic() + 30) is True  # announced once: stays there
-        with pytest.raises(ValueError, match="count: expected an int >= 1"):
-            roll_call(store, "bad", 0, time.monotonic() + 1)
     finally:
         group.close()

@@ -324,7 +324,7 @@ class EtcdStore(dist.Store):
         """Apply `change(old value or None) -> new value` atomically; the new value, applied once.
 
         A compare-and-swap loop on the key's revision. The threads of one process do not race each other's
-        swaps (ranks as threads, all adding to a vote tally or a roll call at once): their changes of one key
+        swaps (ranks as threads, all adding to a vote tally at once): their changes of one key
         wait in a queue, and the thread that finds none under way applies every waiting one in one swap
         (each change to the previous one's result, each caller answered with its own intermediate value,
         each with its own result marker), then the ones that came meanwhile. A failed swap reads the key and
