@@ -196,7 +196,8 @@ def test_contended_adds_apply_once_each(etcd_cluster, monkeypatch):
         assert not errors and sorted(got) == list(range(1, threads_n * adds + 1)), (errors, sorted(got))
         txns = sum(paths.count("kv/txn") for paths in made)
         assert stores[0].get("tally") == str(threads_n * adds).encode()
-        assert txns == 2 * threads_n * adds, "each add: one snapshot read and one swap that succeeded"
+        assert txns <= 2 * threads_n * adds, "each add: at most one snapshot read and one swap that succeeded " \
+            "(adds waiting together share one swap)"
     finally:
         for store in stores:
             store.close()
