@@ -426,3 +426,56 @@ def test_adds_of_one_process_threads_to_one_key_are_applied_together_each_once(s
     assert store.get("tally") == b"32"
     assert sorted(int(r) for r in store.get("log").decode().strip(",").split(",")) == list(range(32))
     assert len(sent) < 2 * 2 * 32  # a swap per add and per append, each a snapshot and a compare-and-swap, before
+
+
+def test_an_add_whose_deadline_passes_inside_a_swap_in_flight_gets_that_swaps_outcome(store, monkeypatch):
+    """A caller whose add waits behind another thread's swap gets StoreUnavailable at its deadline only while its
+    add was not taken (not applied); once a swap in flight holds it, it waits for that swap's answer (its add may
+    be applied: an error then would hide it)."""
+    from mooncake_ep_switch.store import etcd_store
+
+    real, gates, entered = etcd_store.EtcdStore._swap, [threading.Event(), threading.Event()], threading.Semaphore(0)
+    calls = []
+
+    def swap(self, key, changes, what, deadline):
+        calls.append(len(changes))
+        entered.release()
+        assert gates[min(len(calls) - 1, 1)].wait(30)
+        return real(self, key, changes, what, deadline)
+
+    monkeypatch.setattr(etcd_store.EtcdStore, "_swap", swap)
+    short = store.clone()
+    short.set_timeout(timedelta(seconds=0.5))
+    results = {}
+
+    def add(name, client):
+        try:
+            results[name] = client.add("n", 1)
+        except StoreUnavailable as error:
+            results[name] = error
+
+    def queued():
+        with etcd_store._KEY_LOCKS_LOCK:
+            return sum(len(queue.pending) for queue in etcd_store._KEY_QUEUES.values())
+
+    first = threading.Thread(target=add, args=("first", store))
+    first.start()
+    assert entered.acquire(timeout=30)  # the first add's swap is in flight
+    late = threading.Thread(target=add, args=("late", short))
+    late.start()
+    late.join(30)  # waited 0.5 s behind it, never taken: not applied
+    assert isinstance(results["late"], StoreUnavailable) and queued() == 0
+    held = threading.Thread(target=add, args=("held", short))
+    held.start()
+    stop = time.monotonic() + 30
+    while queued() != 1:
+        assert time.monotonic() < stop
+        time.sleep(0.001)
+    gates[0].set()  # the first swap answers; its thread takes the waiting add into a second swap, held open
+    assert entered.acquire(timeout=30)
+    held.join(2.0)  # past its 0.5 s deadline it still waits for that swap
+    assert held.is_alive() and calls == [1, 1]
+    gates[1].set()
+    held.join(30), first.join(30)
+    assert results["first"] == 1 and results["held"] == 2 and store.get("n") == b"2"
+    short.close()

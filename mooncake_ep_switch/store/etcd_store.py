@@ -48,6 +48,8 @@ class _Change:
         self.change, self.deadline = change, deadline
         self.done = threading.Event()  # set when its swap answered, or when its thread is to swap (`post`)
         self.post = False
+        self.taken_until = 0.0  # the deadline of the swap it is in (set when taken)
+        self.abandoned = False  # its caller's deadline passed while that swap was in flight
         self.value: bytes = b""
         self.error: Optional[BaseException] = None
 
@@ -347,13 +349,17 @@ class EtcdStore(dist.Store):
                     pass
                 elif mine.post:
                     post = True
+                elif mine in queue.pending:
+                    queue.pending.remove(mine)  # not taken by a swap: not applied
                 else:
-                    if mine in queue.pending:
-                        queue.pending.remove(mine)
-                    raise StoreUnavailable(
-                        f"the etcd store {self.url} did not answer {what}({key!r}) within {self._timeout_s():.3g} s: "
-                        f"another {what} of this process on the key is still unanswered", store=self.url,
-                        operation=what, timeout_s=self._timeout_s())
+                    mine.abandoned = True  # in a swap in flight: its outcome is still to come (below)
+            if mine.abandoned and mine.done.wait(max(mine.taken_until + 1.0 - time.monotonic(), 0.0)):
+                post = mine.post
+            elif not mine.done.is_set():
+                raise StoreUnavailable(
+                    f"the etcd store {self.url} did not answer {what}({key!r}) within {self._timeout_s():.3g} s: "
+                    f"another {what} of this process on the key is still unanswered", store=self.url,
+                    operation=what, timeout_s=self._timeout_s())
             if not post:
                 if mine.error is not None:
                     raise mine.error
@@ -364,6 +370,8 @@ class EtcdStore(dist.Store):
                     taken, queue.pending = queue.pending[:_MAX_CHANGES], queue.pending[_MAX_CHANGES:]
                     if not taken:
                         break
+                    for waiting in taken:
+                        waiting.taken_until = deadline  # its caller waits for this swap's outcome until then
                 try:
                     values = self._swap(key, [c.change for c in taken], what, deadline)
                     for waiting, value in zip(taken, values):
