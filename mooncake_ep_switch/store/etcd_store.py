@@ -16,7 +16,9 @@ then raise `DistStoreError` as a TCPStore does: one read, then the events of the
 stream of the prefix (`etcd_watch.WatchHub`, shared by every store of the prefix and cluster in the
 process); polling (1 ms, doubling to 50 ms) only while no stream is open. `close()` releases it. A request
 that meets a dead or leaderless member goes to the next one (`etcd_client.EtcdConnection`); with no
-member answering, `StoreUnavailable` names the store when the operation's timeout passes.
+member answering, `StoreUnavailable` names the store when the operation's timeout passes. The threads of
+one process (ranks as threads) share requests: reads made at once go out as one read of all their keys,
+puts as one transaction, `add`/`append`s of one key as one swap (`etcd_shared`, `_update`).
 """
 import random
 import threading
