@@ -121,6 +121,14 @@ def outcome_value(outcome):
     return outcome.value
 
 
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    """Poll `condition()` every millisecond until it is true; fail the test after `timeout_s`."""
+    stop = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < stop, "condition not reached"
+        time.sleep(0.001)
+
+
 def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
     """Return once every thread of process `pid` is stopped (SIGSTOP); AssertionError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

@@ -10,6 +10,8 @@ import pytest
 
 from mooncake_ep_switch.store import etcd_shared
 
+from tests.harness import wait_until
+
 
 class Gate:
     """A fake request that blocks until released, recording what it was sent."""
@@ -43,13 +45,6 @@ def _thread(results, key, fn, *args):
     return thread
 
 
-def _wait_until(condition):
-    stop = time.monotonic() + 30
-    while not condition():
-        assert time.monotonic() < stop, "condition not reached"
-        time.sleep(0.001)
-
-
 def _read(gate):
     """A fake read on `gate`: each key's value names the request that read it; the revision is its number."""
     def read(keys):
@@ -66,7 +61,7 @@ def test_readers_share_only_a_request_sent_after_they_began_each_taking_its_keys
     assert gate.entered.acquire(timeout=30)  # request 1 is in the air
     later = [_thread(results, r, etcd_shared.shared_read, name, keys, _read(gate), deadline, 30.0)
              for r, keys in ((1, ["a"]), (2, ["b", "a"]), (3, ["c"]))]
-    _wait_until(lambda: etcd_shared._SLOTS[name].next is not None and etcd_shared._SLOTS[name].next.readers == 3)
+    wait_until(lambda: etcd_shared._SLOTS[name].next is not None and etcd_shared._SLOTS[name].next.readers == 3)
     gate.release.set()
     for thread in [first] + later:
         thread.join(30)
@@ -85,7 +80,7 @@ def test_a_failed_shared_read_leaves_each_reader_to_read_alone():
     gate.fail = True
     second = _thread(results, 1, etcd_shared.shared_read, name, ["a"], _read(gate), deadline, 30.0)
     third = _thread(results, 2, etcd_shared.shared_read, name, ["b"], _read(gate), deadline, 30.0)
-    _wait_until(lambda: etcd_shared._SLOTS[name].next is not None and etcd_shared._SLOTS[name].next.readers == 2)
+    wait_until(lambda: etcd_shared._SLOTS[name].next is not None and etcd_shared._SLOTS[name].next.readers == 2)
     gate.release.set()
     for thread in (first, second, third):
         thread.join(30)
@@ -106,7 +101,7 @@ def test_puts_pending_during_a_post_go_out_together_without_a_key_twice():
     more = [_thread(results, 1, etcd_shared.shared_write, name, [_put("b"), _put("c")], gate, deadline),
             _thread(results, 2, etcd_shared.shared_write, name, [_put("d")], gate, deadline),
             _thread(results, 3, etcd_shared.shared_write, name, [_put("b", "again")], gate, deadline)]
-    _wait_until(lambda: len(etcd_shared._QUEUES[name].pending) == 3)
+    wait_until(lambda: etcd_shared._WRITES.waiting(name) == 3)
     assert all(thread.is_alive() for thread in more)  # none returns before its puts were applied
     gate.release.set()
     for thread in [first] + more:
@@ -114,7 +109,7 @@ def test_puts_pending_during_a_post_go_out_together_without_a_key_twice():
     assert results == {0: None, 1: None, 2: None, 3: None}
     keys = [[put["request_put"]["key"] for put in sent] for sent in gate.sent]
     assert keys == [["a"], ["b", "c", "d"], ["b"]]  # "b" twice: its second put waits for the next transaction
-    assert name not in etcd_shared._QUEUES
+    assert not etcd_shared._WRITES.has(name)
 
 
 def test_a_failed_post_leaves_each_caller_to_send_its_own_and_get_its_error():
@@ -125,7 +120,7 @@ def test_a_failed_post_leaves_each_caller_to_send_its_own_and_get_its_error():
     assert gate.entered.acquire(timeout=30)
     gate.fail = True
     second = _thread(results, 1, etcd_shared.shared_write, name, [_put("b")], gate, deadline)
-    _wait_until(lambda: len(etcd_shared._QUEUES[name].pending) == 1)
+    wait_until(lambda: etcd_shared._WRITES.waiting(name) == 1)
     gate.release.set()
     first.join(30), second.join(30)
     assert isinstance(results[0], ConnectionError) and isinstance(results[1], ConnectionError)

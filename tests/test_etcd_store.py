@@ -455,8 +455,7 @@ def test_an_add_whose_deadline_passes_inside_a_swap_in_flight_gets_that_swaps_ou
             results[name] = error
 
     def queued():
-        with etcd_store._KEY_LOCKS_LOCK:
-            return sum(len(queue.pending) for queue in etcd_store._KEY_QUEUES.values())
+        return etcd_store._CHANGES.waiting()
 
     first = threading.Thread(target=add, args=("first", store))
     first.start()

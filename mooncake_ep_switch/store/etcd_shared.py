@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
+from mooncake_ep_switch.store.combining import Combiner, Waiting
+
 __all__ = ["MAX_PUTS", "shared_read", "shared_write"]
 
 MAX_PUTS = 128  # puts per transaction (etcd's default --max-txn-ops)
@@ -118,23 +120,16 @@ def shared_read(name: Hashable, keys: List[Any], read: Callable[[List[Any]], Tup
         flight.done.set()
 
 
-class _Puts:
+class _Puts(Waiting):
     """One caller's puts, waiting to be sent (by whichever thread posts)."""
 
-    def __init__(self, puts: List[Dict[str, Any]], keys: List[str]):
-        self.puts, self.keys = puts, keys
-        self.done = threading.Event()  # set when its post answered, or when its thread is to post
-        self.applied = False
-        self.post = False  # handed over: this caller's thread posts (the last poster left)
+    def __init__(self, puts: List[Dict[str, Any]], deadline: float):
+        super().__init__(deadline)
+        self.puts = puts
+        self.keys = [put["request_put"]["key"] for put in puts]
 
 
-class _Queue:
-    def __init__(self):
-        self.pending: List[_Puts] = []
-        self.posting = False
-
-
-_QUEUES: Dict[Hashable, _Queue] = {}
+_WRITES = Combiner()
 
 
 def shared_write(name: Hashable, puts: List[Dict[str, Any]], send: Callable[[List[Dict[str, Any]]], Any],
@@ -154,66 +149,24 @@ def shared_write(name: Hashable, puts: List[Dict[str, Any]], send: Callable[[Lis
     """
     if len(puts) > MAX_PUTS:
         raise ValueError(f"puts: expected at most {MAX_PUTS} operations per transaction, got {len(puts)}")
-    item = _Puts(puts, [put["request_put"]["key"] for put in puts])
-    with _LOCK:
-        queue = _QUEUES.setdefault(name, _Queue())
-        queue.pending.append(item)
-        post = not queue.posting
-        queue.posting = True
-    if not post:
-        item.done.wait(max(deadline - time.monotonic(), 0.0))
-        with _LOCK:
-            if item.applied:
-                return
-            post = item.post
-            if not post and item in queue.pending:
-                queue.pending.remove(item)  # late: not taken yet
-        if not post:
-            send(puts)  # its post failed, or none answered by this caller's deadline: alone, with its own error
-            return
-    try:
-        for _ in range(_ROUNDS):
-            if not _post_round(queue, send):
-                break
-    finally:
-        with _LOCK:
-            if item in queue.pending:
-                queue.pending.remove(item)  # never taken (a key also in another's puts): sent alone below
-            if queue.pending:
-                heir = queue.pending[0]  # its thread posts the rest
-                heir.post = True
-                heir.done.set()
-            else:
-                queue.posting = False
-                if _QUEUES.get(name) is queue:
-                    del _QUEUES[name]
-    if not item.applied:
-        send(puts)  # its post failed or it was never taken: alone, with its own error
+    mine = _Puts(puts, deadline)
+    if _WRITES.submit(name, mine, _take_puts, lambda taken: send([put for item in taken for put in item.puts]),
+                      rounds=_ROUNDS) and mine.error is None:
+        return
+    send(puts)  # its post failed, was never taken, or none answered by this caller's deadline: alone, with its own error
 
 
-def _post_round(queue: _Queue, send: Callable[[List[Dict[str, Any]]], Any]) -> bool:
-    """Send the pending puts that fit one transaction (no key twice) through `send`; False when none was pending."""
-    with _LOCK:
-        taken: List[_Puts] = []
-        keys: set = set()
-        rest: List[_Puts] = []
-        for waiting in queue.pending:
-            if not keys.intersection(waiting.keys) and sum(len(t.puts) for t in taken) + len(waiting.puts) <= MAX_PUTS:
-                taken.append(waiting)
-                keys.update(waiting.keys)
-            else:
-                rest.append(waiting)
-        queue.pending = rest
-    if not taken:
-        return False
-    try:
-        send([put for waiting in taken for put in waiting.puts])
-        applied = True
-    except BaseException:  # noqa: BLE001 - each caller sends its own puts again, and gets its own error
-        applied = False
-    with _LOCK:
-        for waiting in taken:
-            waiting.applied = applied
-    for waiting in taken:
-        waiting.done.set()
-    return True
+def _take_puts(pending: List[Waiting]) -> Tuple[List[Waiting], List[Waiting]]:
+    """The pending puts that fit one transaction (no key twice, at most `MAX_PUTS`), and the rest."""
+    taken: List[Waiting] = []
+    keys: set = set()
+    rest: List[Waiting] = []
+    count = 0
+    for waiting in pending:
+        if not keys.intersection(waiting.keys) and count + len(waiting.puts) <= MAX_PUTS:
+            taken.append(waiting)
+            keys.update(waiting.keys)
+            count += len(waiting.puts)
+        else:
+            rest.append(waiting)
+    return taken, rest

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from mooncake_ep_switch.errors import StoreRefused, StoreUnavailable
+from mooncake_ep_switch.store.combining import Combiner, Waiting
 from mooncake_ep_switch.store.etcd_client import EtcdConnection, b64, unb64
 from mooncake_ep_switch.store.etcd_shared import shared_read, shared_write
 from mooncake_ep_switch.store.etcd_watch import WatchHub, hub_for
@@ -39,30 +40,19 @@ __all__ = ["EtcdStore"]
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 _POLL_MAX_S = 0.05
 _CAS_PAUSE_MAX_S = 0.05  # the longest pause after a failed compare-and-swap of add/append
-_KEY_LOCKS_LOCK = threading.Lock()
 _MAX_CHANGES = 60  # add/append calls applied in one swap (2 + 2 per call operations: under etcd's 128 per transaction)
 
 
-class _Change:
+class _Change(Waiting):
     """One add/append call waiting to be applied (by whichever thread of the process swaps the key)."""
 
     def __init__(self, change, deadline: float):
-        self.change, self.deadline = change, deadline
-        self.done = threading.Event()  # set when its swap answered, or when its thread is to swap (`post`)
-        self.post = False
-        self.taken_until = 0.0  # the deadline of the swap it is in (set when taken)
-        self.abandoned = False  # its caller's deadline passed while that swap was in flight
+        super().__init__(deadline)
+        self.change = change
         self.value: bytes = b""
-        self.error: Optional[BaseException] = None
 
 
-class _ChangeQueue:
-    def __init__(self):
-        self.pending: List[_Change] = []
-        self.busy = False
-
-
-_KEY_QUEUES: Dict[Any, _ChangeQueue] = {}  # (cluster, key) -> this process's add/append calls on it
+_CHANGES = Combiner()  # (cluster, key) -> this process's add/append calls on it
 _SLICE_S = 0.5  # a watched wait looks at the stream's health this often (no store operation)
 _LAST_READ_S = 2.0  # a wait's read made at or past its timeout still gets this long (then: the timeout error); more
 # than etcd's 1 s election timeout and the stalls of a loaded host (a read of a 0.3 s wait got no answer in 1 s once)
@@ -336,65 +326,19 @@ class EtcdStore(dist.Store):
         random pause that doubles with each failure (up to `_CAS_PAUSE_MAX_S`), spreading the swaps of
         processes that contend.
         """
-        deadline = time.monotonic() + self._timeout_s()
-        mine = _Change(change, deadline)
-        where = (self.connection.name, self._key(key))
-        with _KEY_LOCKS_LOCK:
-            queue = _KEY_QUEUES.setdefault(where, _ChangeQueue())
-            queue.pending.append(mine)
-            post = not queue.busy
-            queue.busy = True
-        if not post:
-            mine.done.wait(max(deadline - time.monotonic(), 0.0))
-            with _KEY_LOCKS_LOCK:
-                if mine.done.is_set() and not mine.post:
-                    pass
-                elif mine.post:
-                    post = True
-                elif mine in queue.pending:
-                    queue.pending.remove(mine)  # not taken by a swap: not applied
-                else:
-                    mine.abandoned = True  # in a swap in flight: its outcome is still to come (below)
-            if mine.abandoned and mine.done.wait(max(mine.taken_until + 1.0 - time.monotonic(), 0.0)):
-                post = mine.post
-            elif not mine.done.is_set():
-                raise StoreUnavailable(
-                    f"the etcd store {self.url} did not answer {what}({key!r}) within {self._timeout_s():.3g} s: "
-                    f"another {what} of this process on the key is still unanswered", store=self.url,
-                    operation=what, timeout_s=self._timeout_s())
-            if not post:
-                if mine.error is not None:
-                    raise mine.error
-                return mine.value
-        try:
-            while True:
-                with _KEY_LOCKS_LOCK:
-                    taken, queue.pending = queue.pending[:_MAX_CHANGES], queue.pending[_MAX_CHANGES:]
-                    if not taken:
-                        break
-                    for waiting in taken:
-                        waiting.taken_until = deadline  # its caller waits for this swap's outcome until then
-                try:
-                    values = self._swap(key, [c.change for c in taken], what, deadline)
-                    for waiting, value in zip(taken, values):
-                        waiting.value = value
-                except BaseException as error:  # noqa: BLE001 - each caller of the swap gets it
-                    for waiting in taken:
-                        waiting.error = error
-                for waiting in taken:
-                    waiting.done.set()
-                if mine.done.is_set() and time.monotonic() >= deadline:
-                    break  # past this caller's deadline: the rest is handed on
-        finally:
-            with _KEY_LOCKS_LOCK:
-                if queue.pending:
-                    heir = queue.pending[0]
-                    heir.post = True
-                    heir.done.set()
-                else:
-                    queue.busy = False
-                    if _KEY_QUEUES.get(where) is queue:
-                        del _KEY_QUEUES[where]
+        mine = _Change(change, time.monotonic() + self._timeout_s())
+
+        def apply(taken: List[Waiting]) -> None:
+            for waiting, value in zip(taken, self._swap(key, [c.change for c in taken], what, mine.deadline)):
+                waiting.value = value
+
+        if not _CHANGES.submit((self.connection.name, self._key(key)), mine,
+                               lambda pending: (pending[:_MAX_CHANGES], pending[_MAX_CHANGES:]), apply,
+                               flight_grace_s=1.0):
+            raise StoreUnavailable(
+                f"the etcd store {self.url} did not answer {what}({key!r}) within {self._timeout_s():.3g} s: "
+                f"another {what} of this process on the key is still unanswered", store=self.url,
+                operation=what, timeout_s=self._timeout_s())
         if mine.error is not None:
             raise mine.error
         return mine.value
