@@ -96,3 +96,44 @@ def test_members_waiting_for_a_view_read_it_with_their_wait():
         assert group.members[1].state(0) == "inactive" and group.members[1].epoch() == 1
     finally:
         group.close()
+
+
+def test_shared_reading_waits_of_one_process_make_one_read_and_each_gets_the_value(group):
+    """Two ranks' reading waits with `shared=True` on one key make one store read; another key, or a wait without
+    `shared`, reads for itself."""
+    group.reset()
+    first = KeyWait(group.members[0].store, ["wr/shared"], 10.0, read=True, shared=True)
+    second = KeyWait(group.members[1].store, ["wr/shared"], 10.0, read=True, shared=True)
+    alone = KeyWait(group.members[2].store, ["wr/shared"], 10.0, read=True)
+    other = KeyWait(group.members[3].store, ["wr/shared-other"], 10.0, read=True, shared=True)
+    assert dict(group.counts) == {"multi_get": 3}, group.counts  # first (second joined it), alone, other
+    assert first.background and second.background and second.poll(0.0) is None
+    group.members[2].store.multi_set(["wr/shared", "wr/shared-other"], ["V", "W"])
+    for waiter, value in ((first, b"V"), (second, b"V"), (alone, b"V"), (other, b"W")):
+        assert waiter.poll(10.0) is True
+        assert waiter.values() == [value]
+    assert dict(group.counts) == {"multi_get": 3, "multi_set": 1}, group.counts  # no read after the waits
+
+
+def test_a_shared_read_that_ends_without_the_key_ends_its_joiners_waits_and_a_new_wait_reads_anew(group):
+    short = KeyWait(group.members[0].store, ["wr/shared-late"], 0.2, read=True, shared=True)
+    joined = KeyWait(group.members[1].store, ["wr/shared-late"], 30.0, read=True, shared=True)
+    assert short.poll(10.0) is False and joined.poll(10.0) is False  # the read it joined timed out
+    group.reset()
+    again = KeyWait(group.members[1].store, ["wr/shared-late"], 30.0, read=True, shared=True)
+    assert dict(group.counts) == {"multi_get": 1}, group.counts  # a read of its own: the ended one is not joined
+    group.members[0].store.set("wr/shared-late", "L")
+    assert again.poll(10.0) is True and again.values() == [b"L"]
+
+
+def test_members_waiting_for_a_view_in_one_process_share_one_read_of_it():
+    """R=8, rank 0 dead, ranks as threads: the 6 waiting members' waits for the view are one read (two when the
+    view is sealed before the last one starts its wait), not 6; the sealer's reads come on top."""
+    size = 8
+    group = Group(size, prefix="waitreads-shared-view")
+    try:
+        outcome = agree_after_death(group, dead_rank=0, deadline_s=60.0)
+        assert all(v == View(1, tuple(range(1, size))) for v in outcome["results"].values()), outcome["results"]
+        assert outcome["counts"].get("multi_get", 0) <= 2 + 3, outcome["counts"]
+    finally:
+        group.close()

@@ -16,19 +16,40 @@ with `read=True`: the background wait is then the store's blocking read of the k
 (`store_deadline.reads_in_background`), whose outcome holds the values, one store operation instead of a
 wait and a read after it (when R ranks wake at once, R reads fewer on the store and, with ranks as
 threads, R fewer thread hand-offs while every rank needs the interpreter).
+
+A reading wait made with `shared=True`, for keys written once and never changed (a sealed view), joins the
+background read that another thread of this process has under way for the same keys of the same store and
+prefix (`beats.destination`), if one does: ranks as threads (the bench, tests) then wake from one read where
+each woke from its own (at R=256, 255 reads and worker wake-ups at the moment every rank needs the
+interpreter). A value read by a read that began before this waiter did is the one it would read: the keys
+never change once there. With one rank per process (production) there is nothing to join.
 """
+import threading
 import time
 from datetime import timedelta
-from typing import Iterable, Optional
+from typing import Dict, Hashable, Iterable, Optional
 
 import torch.distributed as dist
 
+from mooncake_ep_switch.buffer.membership.beats import destination
 from mooncake_ep_switch.buffer.membership.store_deadline import (BoundedStore, reads_in_background,
                                                                   waits_in_background)
 
 __all__ = ["KeyWait", "background_waits"]
 
 POLL_MAX_S = 0.02  # without a background wait: the longest pause between two checks of the keys
+
+# Shared reading waits under way in this process: (destination, keys) -> the background read's job.
+_SHARED: Dict[Hashable, object] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _joined(name: Hashable):
+    """The shared read under way for `name`, or None; drops the entries of reads that ended."""
+    with _SHARED_LOCK:
+        for key in [k for k, job in _SHARED.items() if job.done.is_set()]:
+            del _SHARED[key]
+        return _SHARED.get(name)
 
 
 def background_waits(store) -> bool:
@@ -64,10 +85,14 @@ class KeyWait:
             of the keys before, or stop polling by then).
         background: None to decide by the store (`background_waits`); False to check the keys per poll.
         read: also read the keys' values (`values()`): in the background wait itself where it runs.
+        shared: with `read`, for keys written once and never changed: join the background read of the same keys
+            that another thread of this process has under way (see the module docstring). That read lasts as its
+            starter asked: when it ends without the keys, `poll()` says False here too, maybe before `seconds`
+            (wait again: a new `KeyWait`).
     """
 
     def __init__(self, store, keys: Iterable[str], seconds: float, background: Optional[bool] = None,
-                 read: bool = False):
+                 read: bool = False, shared: bool = False):
         self.store = store
         self.keys = list(keys)
         self._until = time.monotonic() + max(seconds, 0.0)
@@ -79,6 +104,14 @@ class KeyWait:
             background = background_waits(store)
         if background and read and not background_waits(store):
             background = False  # a read made in place would block up to the store's own timeout: check per poll
+        name = None
+        if background and read and shared:
+            where = destination(store)
+            name = None if where is None else (where, tuple(self.keys))
+        if name is not None:
+            self._job = _joined(name)
+            if self._job is not None:
+                return
         if background:
             started = reads_in_background(seconds) if read else waits_in_background()
             with started as jobs:
@@ -91,6 +124,9 @@ class KeyWait:
                     self._there = False  # made in place (not a background wait) and timed out
             if jobs:
                 self._job = jobs[0]
+                if name is not None:
+                    with _SHARED_LOCK:
+                        _SHARED[name] = self._job
             elif self._there is None:
                 self._there = True  # made in place and returned: the keys are there
                 if read:

@@ -498,7 +498,8 @@ class Membership(SealingRecords):
         if waiter is None or waiter.poll(0.0) is False:
             waiter = self._sealed_wait = KeyWait(self.store, [f"view/{target}"],
                                                  max(until - time.monotonic(), 0.0) + LEADER_GRACE_S + 1.0,
-                                                 read=True)  # the wait is the view's read: no get after it
+                                                 read=True, shared=True)  # the wait is the view's read (no get after
+            # it), one for the ranks of this process (a view never changes once sealed)
         return bool(waiter.poll(seconds))
 
     def wait_keys(self, keys: List[str], seconds: float) -> bool:
