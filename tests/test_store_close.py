@@ -62,3 +62,22 @@ def test_close_waits_for_a_stalled_call_at_most_join_s():
     while _workers(store) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _workers(store) == []
+
+
+def test_an_idle_worker_keeps_running_for_the_next_call_until_close():
+    """Issue 40: an idle lane's worker stays (a group's next membership change finds it running: with ranks as
+    threads, restarting every rank's workers at once cost ~0.4 s of a view change at R=256); close() ends it."""
+    host = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    store = BoundedStore(host)
+    try:
+        store.set("idle", b"v")
+        workers = _workers(store)
+        assert workers, "a call runs on a worker thread"
+        until = time.monotonic() + 3.0  # longer than the 2 s after which an idle worker used to end
+        while time.monotonic() < until:
+            assert all(t.is_alive() for t in workers), "an idle worker ended"
+            time.sleep(0.05)
+        assert store.get("idle") == b"v" and _workers(store) == workers  # the same workers made it
+    finally:
+        store.close()
+    assert _workers(store) == []

@@ -57,9 +57,10 @@ def _store_workers() -> int:
 
 
 def rank_workers_end(ctx, timeout_s=30.0):
-    """Every store worker a stalled call abandoned ends once the store answers (at most the current one idles)."""
+    """Every store worker a stalled call abandoned ends once the store answers (at most the current lanes' two idle:
+    the call lane's and the wait lane's, store_deadline.IDLE_S)."""
     deadline = time.monotonic() + timeout_s
-    while _store_workers() > 1:
+    while _store_workers() > 2:
         assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
         time.sleep(0.01)
     return True
