@@ -120,14 +120,22 @@ class Ballot:
             votes: also this rank's vote key (False: decisions only, as a layout switch, whose votes
                 are words in shared memory, needs).
         """
+        epochs = sorted(set(epochs))
         keys = sorted({self._decision_key(e) for e in epochs})
         if votes:  # this rank's own vote key only: the others' read as the initial record while absent
             self._votes = True
             keys.insert(0, self._vote_key(self.rank))
+        found = {}
         for key in keys:
             initial = [0] * VOTE_FIELDS if key.startswith("vote/") else [0, 0]
-            self.store.compare_set(key, "", self._records.encode_record(key, initial))
+            found[key] = self.store.compare_set(key, "", self._records.encode_record(key, initial))
         self._there.update(keys)  # created (or found) by the compare-and-set: never deleted
+        # The slot as the compare-and-set answered (what it holds now): `propose` starts from it instead of a read
+        # (a stale one fails its compare-and-set, which answers what the slot holds then). The latest epochs only.
+        for epoch in epochs[-DECISION_SLOTS:]:
+            self._slot_seen[epoch] = bytes(found[self._decision_key(epoch)])
+        for epoch in sorted(self._slot_seen)[:-DECISION_SLOTS]:
+            del self._slot_seen[epoch]
 
     # ------------------------------------------------------------------ votes
     def vote(self, epoch: int, vote: int, digest: int, plan: Tuple[int, ...] = (0, 0, 0, 0, 0),
