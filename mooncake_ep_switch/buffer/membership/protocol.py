@@ -91,6 +91,7 @@ from mooncake_ep_switch.buffer.membership.records import (ACTIVE, INACTIVE, JOIN
                                                           MAX_RECORD_BYTES, MAX_STATE_BYTES, STATES, MembershipError,
                                                           RecordStore, rank_list, valid_ready, valid_state, view_record)
 from mooncake_ep_switch.buffer.membership.beats import post_beat
+from mooncake_ep_switch.buffer.membership.combined_posts import post_combined
 from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
 from mooncake_ep_switch.buffer.membership.member_records import MemberRecords  # noqa: F401 (re-exported)
 from mooncake_ep_switch.buffer.membership.removed import removed_ranks
@@ -399,11 +400,11 @@ class Membership(SealingRecords):
             self.set_state(JOINING, epoch=target)  # after the readiness: whoever sees it joining finds it ready
             self._await_admission(current, target, members, deadline, call)
             fast = False
-        else:  # readiness and the first member beat in one call
-            self.store.multi_set([f"ready/{target}/{self.rank}", f"alive/{self.rank}"],
-                                 [self.encode_record(f"ready/{target}/{self.rank}",
-                                                     {"incarnation": self.incarnation, "call": int(call)}),
-                                  f"{self.incarnation}:{MEMBER_BEAT}:1"])
+        else:  # readiness and the first member beat in one call (with this process's other ranks' posts)
+            post_combined(self.store, [f"ready/{target}/{self.rank}", f"alive/{self.rank}"],
+                          [self.encode_record(f"ready/{target}/{self.rank}",
+                                              {"incarnation": self.incarnation, "call": int(call)}),
+                           f"{self.incarnation}:{MEMBER_BEAT}:1"])
             fast = self._await_seal(target, members, waiting, deadline, dead, stall_deadline)
         return self._take_view(current, target, members, fast, joining)
 
