@@ -17,19 +17,25 @@ R=256 ranks as threads each store call a rank makes one after the other costs 0.
 calls, where the roll call that came before made seven (count in, wait, the epoch, then a check and a
 `multi_get` of the bindings and of the records). A rank that never publishes keeps the others waiting until
 their deadline, as before; a record read that way is still validated and authenticated one by one, and one
-missing or invalid then is waited for and read as before (which names why).
+missing or invalid then is waited for and read as before (which names why). The ranks that run as threads of one
+process (the scale bench) share those reads (`shared_reads`: one read of an exchange for the threads that came
+while the one before was in the air, each record checked once per process, not once per thread); a record read
+together keeps its nested lists shared with the other threads (read them, do not change them).
 """
 import time
 from typing import Callable, Dict, Iterable, List, Optional
 
+from mooncake_ep_switch.buffer.membership import shared_reads
 from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
-from mooncake_ep_switch.buffer.membership.records import MembershipError, valid_endpoint, valid_region_record
+from mooncake_ep_switch.buffer.membership.records import (MembershipError, valid_endpoint,
+                                                          valid_incarnation, valid_region_record)
 
 __all__ = ["incarnations_of", "published_endpoints", "published_region_records"]
 
 POLL_MAX_S = 0.02  # without a background wait: one check of the missing records at least this often
 LOOK_S = 0.5  # with one: the incarnations are read again this often while records are missing
 _ENDPOINT = "endpoint (dict: region [pid, fd, nbytes], host_id str, te_session str, te_base int)"
+_BINDING = "admitted incarnation (int >= 1)"
 _REGIONS = "region record (dict: kind str, regions list of [pid, fd or IPC handle hex, nbytes], te_bases list of int)"
 
 
@@ -62,10 +68,15 @@ def _bound_incarnations(membership, epoch: int, ranks: List[int], deadline: floa
     found = membership.known_bindings(0, ranks)
     rest = [r for r in ranks if r not in found]
     if rest:
-        raws = _read_when_there(membership.store, [f"admitted/0/{r}" for r in rest], deadline)
-        if raws is None:
-            return None
-        found.update(membership.keep_bindings(0, rest, raws))
+        keys = [f"admitted/0/{r}" for r in rest]
+        shared = shared_reads.read_checked(membership, "admitted/0", keys, valid_incarnation, _BINDING, deadline)
+        if shared is not None:
+            found.update(membership.keep_bindings(0, rest, [shared.get(k) for k in keys], checked=True))
+        else:
+            raws = _read_when_there(membership.store, keys, deadline)
+            if raws is None:
+                return None
+            found.update(membership.keep_bindings(0, rest, raws))
     return found if len(found) == len(ranks) else None
 
 
@@ -86,7 +97,7 @@ def _read_when_there(store, keys: List[str], deadline: float) -> Optional[List[b
 
 
 def _read_together(membership, ranks: List[int], epoch: int, deadline: float, key_of: Callable[[int, int], str],
-                   valid, what: str) -> Dict[int, dict]:
+                   valid, what: str, exchange: str) -> Dict[int, dict]:
     """A collective step's read (module docstring): the valid records of `ranks`' incarnations bound in `epoch`,
     read when all are there; {} or fewer ranks when some are not by `deadline` (the caller reads those again)."""
     incarnations = _bound_incarnations(membership, epoch, ranks, deadline)
@@ -94,6 +105,13 @@ def _read_together(membership, ranks: List[int], epoch: int, deadline: float, ke
         return {}
     keys = [key_of(r, incarnations[r]) for r in ranks]
     found: Dict[int, dict] = {}
+    shared = shared_reads.read_checked(membership, f"{exchange}/{epoch}", keys, valid, what, deadline)
+    if shared is not None:  # records shared by this process's threads: each gets its own dicts
+        for rank, key in zip(ranks, keys):
+            value = shared.get(key)
+            if value is not None:
+                found[rank] = dict(value, incarnation=incarnations[rank])
+        return found
     for rank, key, raw in zip(ranks, keys, _read_when_there(membership.store, keys, deadline) or ()):
         value = _valid(membership, key, raw, valid, what)
         if value is not None:
@@ -111,14 +129,14 @@ def _valid(membership, key: str, raw: Optional[bytes], valid, what: str) -> Opti
 
 
 def _published(membership, ranks: List[int], deadline: float, key_of: Callable[[int, int], str], valid, what: str,
-               together: Optional[int] = None) -> Dict[int, dict]:
+               together: Optional[int] = None, exchange: str = "") -> Dict[int, dict]:
     """The valid records `key_of(rank, incarnation)` of `ranks`, waited for until `deadline`; a rank whose record is
     missing or invalid then is left out (its one-rank read names why). `together`: the epoch of a collective step
     (module docstring), or None."""
     found: Dict[int, dict] = {}
     pending, waiter, waited = list(dict.fromkeys(ranks)), None, None
     if pending and together is not None:
-        found.update(_read_together(membership, pending, together, deadline, key_of, valid, what))
+        found.update(_read_together(membership, pending, together, deadline, key_of, valid, what, exchange))
         pending = [r for r in pending if r not in found]
     while pending:
         incarnations = incarnations_of(membership, pending)
@@ -169,7 +187,7 @@ def published_endpoints(membership, ranks: Iterable[int], deadline: float,
             whose valid endpoint was there by `deadline` (the others are absent).
     """
     return _published(membership, list(ranks), deadline, lambda r, inc: f"endpoint/{r}/{inc}", valid_endpoint,
-                      _ENDPOINT, together)
+                      _ENDPOINT, together, "endpoint")
 
 
 def published_region_records(membership, index: int, ranks: Iterable[int], deadline: float,
@@ -190,4 +208,4 @@ def published_region_records(membership, index: int, ranks: Iterable[int], deadl
             valid record was there by `deadline` (the others are absent).
     """
     return _published(membership, list(ranks), deadline, lambda r, inc: f"regions/{index}/{r}/{inc}",
-                      valid_region_record, _REGIONS, together)
+                      valid_region_record, _REGIONS, together, f"regions/{index}")

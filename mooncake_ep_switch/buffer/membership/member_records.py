@@ -172,14 +172,17 @@ class MemberRecords(RecordStore):
         """rank -> incarnation of the bindings of `ranks` in `epoch` known here (written or read once: kept)."""
         return {int(r): self._bindings[epoch, int(r)] for r in ranks if (epoch, int(r)) in self._bindings}
 
-    def keep_bindings(self, epoch: int, ranks: Iterable[int], raws: Iterable[Optional[bytes]]) -> Dict[int, int]:
+    def keep_bindings(self, epoch: int, ranks: Iterable[int], raws: Iterable[Optional[bytes]],
+                      checked: bool = False) -> Dict[int, int]:
         """rank -> incarnation of the bindings `admitted/<epoch>/<rank>` of `ranks` read as `raws` (in that order,
-        None: absent) that are valid, kept as `incarnations_at` keeps those it reads (a malformed or forged one is
-        left out: the caller reads that rank again, which names why)."""
+        None: absent; `checked`: incarnations checked already, by a read `shared_reads` shared) that are valid, kept
+        as `incarnations_at` keeps those it reads (a malformed or forged one is left out: the caller reads that rank
+        again, which names why)."""
         found: Dict[int, int] = {}
         for rank, raw in zip(ranks, raws):
             try:
-                value = self.checked(f"admitted/{epoch}/{rank}", raw, valid_incarnation, "admitted incarnation")
+                value = raw if checked else self.checked(f"admitted/{epoch}/{rank}", raw, valid_incarnation,
+                                                         "admitted incarnation")
             except MembershipError:
                 continue
             if value is not None:
