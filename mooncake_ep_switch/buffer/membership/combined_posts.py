@@ -9,10 +9,13 @@ server and key prefixes) meanwhile, and the thread that finds none under way sen
 `multi_set` (`store.combining.Combiner`, flat combining: no thread of its own). Each caller returns once a
 post holding its keys was applied; when that post failed, or none answered by the caller's store deadline
 (`store_deadline.remaining_s`), it sends its own, which raises as its own `multi_set` did. With one rank per
-process (production) every post holds one caller's keys: its own `multi_set`, as before.
+process (production) every post holds one caller's keys: its own `multi_set`, as before; a caller that finds no
+other post to its destination in progress sends it at once (no queue: what a lone rank costs is one lock), and
+the callers that come while it is in the air are queued.
 """
+import threading
 import time
-from typing import Hashable, List, Tuple
+from typing import Dict, Hashable, List, Tuple
 
 from mooncake_ep_switch.buffer.membership.beats import destination
 from mooncake_ep_switch.buffer.membership.store_deadline import remaining_s
@@ -24,6 +27,8 @@ MAX_KEYS = 128  # keys per post (etcd's default --max-txn-ops)
 _ROUNDS = 2  # posts one caller sends for the others before it hands the rest to one of them
 _NO_DEADLINE_S = 300.0  # without a store deadline: the longest a caller waits for another's post (its store's bound)
 _POSTS = Combiner()
+_ACTIVE: Dict[Hashable, int] = {}  # destination -> callers of post_combined in progress
+_ACTIVE_LOCK = threading.Lock()
 
 
 class _Post(Waiting):
@@ -65,12 +70,24 @@ def post_combined(store, keys: List[str], values: list) -> None:
     if name is None:
         store.multi_set(keys, values)
         return
-    left = remaining_s()
-    mine = _Post(keys, values, time.monotonic() + (_NO_DEADLINE_S if left is None else max(left, 0.0)))
+    with _ACTIVE_LOCK:
+        others = _ACTIVE.get(name, 0)
+        _ACTIVE[name] = others + 1
+    try:
+        if not others:  # alone (one rank per process): its own post at once
+            store.multi_set(keys, values)
+            return
+        left = remaining_s()
+        mine = _Post(keys, values, time.monotonic() + (_NO_DEADLINE_S if left is None else max(left, 0.0)))
 
-    def send(taken: List[Waiting]) -> None:
-        store.multi_set([k for post in taken for k in post.keys], [v for post in taken for v in post.values])
+        def send(taken: List[Waiting]) -> None:
+            store.multi_set([k for post in taken for k in post.keys], [v for post in taken for v in post.values])
 
-    if _POSTS.submit(name, mine, _take, send, rounds=_ROUNDS) and mine.error is None:
-        return
-    store.multi_set(keys, values)  # its post failed, was never taken, or none answered in time: alone, its own error
+        if _POSTS.submit(name, mine, _take, send, rounds=_ROUNDS) and mine.error is None:
+            return
+        store.multi_set(keys, values)  # its post failed, was never taken, or none answered in time: alone, its error
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE[name] -= 1
+            if not _ACTIVE[name]:
+                del _ACTIVE[name]
