@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
-__all__ = ["Combiner", "Waiting"]
+__all__ = ["Combiner", "Waiting", "disjoint_batch"]
 
 
 class Waiting:
@@ -39,6 +39,21 @@ class _Queue:
 
 
 Take = Callable[[List[Waiting]], Tuple[List[Waiting], List[Waiting]]]
+
+
+def disjoint_batch(pending: List[Waiting], limit: int) -> Tuple[List[Waiting], List[Waiting]]:
+    """A `take` for calls that write keys (each with a `keys` list): the waiting calls, in order, that fit one
+    request of at most `limit` keys with no key twice, and the rest."""
+    taken: List[Waiting] = []
+    rest: List[Waiting] = []
+    keys: set = set()
+    for waiting in pending:
+        if not keys.intersection(waiting.keys) and len(keys) + len(waiting.keys) <= limit:
+            taken.append(waiting)
+            keys.update(waiting.keys)
+        else:
+            rest.append(waiting)
+    return taken, rest
 
 
 class Combiner:

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
-from mooncake_ep_switch.store.combining import Combiner, Waiting
+from mooncake_ep_switch.store.combining import Combiner, Waiting, disjoint_batch
 
 __all__ = ["MAX_PUTS", "shared_read", "shared_write"]
 
@@ -150,23 +150,7 @@ def shared_write(name: Hashable, puts: List[Dict[str, Any]], send: Callable[[Lis
     if len(puts) > MAX_PUTS:
         raise ValueError(f"puts: expected at most {MAX_PUTS} operations per transaction, got {len(puts)}")
     mine = _Puts(puts, deadline)
-    if _WRITES.submit(name, mine, _take_puts, lambda taken: send([put for item in taken for put in item.puts]),
-                      rounds=_ROUNDS) and mine.error is None:
+    if _WRITES.submit(name, mine, lambda pending: disjoint_batch(pending, MAX_PUTS),
+                      lambda taken: send([put for item in taken for put in item.puts]), rounds=_ROUNDS) and mine.error is None:
         return
     send(puts)  # its post failed, was never taken, or none answered by this caller's deadline: alone, with its own error
-
-
-def _take_puts(pending: List[Waiting]) -> Tuple[List[Waiting], List[Waiting]]:
-    """The pending puts that fit one transaction (no key twice, at most `MAX_PUTS`), and the rest."""
-    taken: List[Waiting] = []
-    keys: set = set()
-    rest: List[Waiting] = []
-    count = 0
-    for waiting in pending:
-        if not keys.intersection(waiting.keys) and count + len(waiting.puts) <= MAX_PUTS:
-            taken.append(waiting)
-            keys.update(waiting.keys)
-            count += len(waiting.puts)
-        else:
-            rest.append(waiting)
-    return taken, rest

@@ -15,11 +15,11 @@ the callers that come while it is in the air are queued.
 """
 import threading
 import time
-from typing import Dict, Hashable, List, Tuple
+from typing import Dict, Hashable, List
 
 from mooncake_ep_switch.buffer.membership.beats import destination
 from mooncake_ep_switch.buffer.membership.store_deadline import remaining_s
-from mooncake_ep_switch.store.combining import Combiner, Waiting
+from mooncake_ep_switch.store.combining import Combiner, Waiting, disjoint_batch
 
 __all__ = ["post_combined"]
 
@@ -35,18 +35,6 @@ class _Post(Waiting):
     def __init__(self, keys: List[str], values: list, deadline: float):
         super().__init__(deadline)
         self.keys, self.values = keys, values
-
-
-def _take(pending: List[Waiting]) -> Tuple[List[Waiting], List[Waiting]]:
-    """The waiting posts that fit one `multi_set` (no key twice, at most `MAX_KEYS` keys), and the rest."""
-    taken, rest, keys = [], [], set()
-    for post in pending:
-        if not keys.intersection(post.keys) and len(keys) + len(post.keys) <= MAX_KEYS:
-            taken.append(post)
-            keys.update(post.keys)
-        else:
-            rest.append(post)
-    return taken, rest
 
 
 def post_combined(store, keys: List[str], values: list) -> None:
@@ -83,7 +71,7 @@ def post_combined(store, keys: List[str], values: list) -> None:
         def send(taken: List[Waiting]) -> None:
             store.multi_set([k for post in taken for k in post.keys], [v for post in taken for v in post.values])
 
-        if _POSTS.submit(name, mine, _take, send, rounds=_ROUNDS) and mine.error is None:
+        if _POSTS.submit(name, mine, lambda pending: disjoint_batch(pending, MAX_KEYS), send, rounds=_ROUNDS) and mine.error is None:
             return
         store.multi_set(keys, values)  # its post failed, was never taken, or none answered in time: alone, its error
     finally:
