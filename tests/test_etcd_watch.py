@@ -6,6 +6,8 @@ counted); the stream survives the kill of the member it reads from and a compact
 it resumes at; waits end at their timeout; stores of one prefix share one stream thread, which ends
 with the last store's close().
 """
+import os
+import signal
 import threading
 import time
 import uuid
@@ -17,6 +19,8 @@ import torch.distributed as dist
 from mooncake_ep_switch.buffer.membership.key_wait import KeyWait
 from mooncake_ep_switch.buffer.membership.store_deadline import BoundedStore
 from mooncake_ep_switch.elastic import connect_store
+from mooncake_ep_switch.store import etcd_store
+from tests import harness
 
 SLACK_S = 2.0  # scheduling slack on a loaded 2-core box
 
@@ -118,6 +122,70 @@ def test_the_stream_survives_the_kill_of_its_member(etcd_cluster):
         store.close()
         if writer is not None:
             writer.close()
+
+
+def test_a_stream_that_delivers_nothing_does_not_hold_a_wait_to_its_timeout(etcd_cluster):
+    """A stream can be open and deliver nothing: its member far behind the others, or without a leader (an isolated
+    member accepts a watch and applies nothing). Seen once in CI beside 2 CPU hogs: a ballot's wait for done/<e>
+    ran to its 15 s deadline on one rank while the others, woken at once, decided in 0.3 s. A wait reads its keys
+    again every `_RECHECK_S` (here: the stream stays open, its events are dropped)."""
+    store, writer = _store(etcd_cluster), None
+    try:
+        writer = _store(etcd_cluster, store.prefix)
+        store.set("first", b"1")
+        store.wait(["first"], timedelta(seconds=10))
+        hub = store._watch
+        hub._hand_out = lambda key, revision, present: None  # the stream stays open; no event of it ever comes
+        setter = _set_later(writer, "late", 0.3)
+        start = time.monotonic()
+        store.wait(["late"], timedelta(seconds=20))
+        took = time.monotonic() - start
+        setter.join()
+        assert took < etcd_store._RECHECK_S + SLACK_S, f"woken after {took:.1f} s: the stream alone was trusted"
+        assert hub.streams >= 1 and hub.events >= 1
+    finally:
+        store.close()
+        if writer is not None:
+            writer.close()
+
+
+def test_the_stream_leaves_a_member_without_a_leader(etcd_cluster):
+    """The other two members stopped: the stream's member has no leader and applies nothing. It must not keep the
+    stream (a plain etcd watch stays open and silent there, and is re-created there each time it is quiet): the hub
+    asks for a member with a leader (etcd's require-leader metadata), which refuses or cancels the stream, so it
+    moves on to the next member."""
+    store, others, waiting = _store(etcd_cluster), [], None
+    try:
+        store.set("a", b"1")
+        store.wait(["a"], timedelta(seconds=10))
+        hub = store._watch
+        member = hub._index
+        waiter = store.clone()
+
+        def wait_released():
+            try:
+                waiter.wait(["released"], timedelta(seconds=60))
+            finally:
+                waiter.close()
+
+        waiting = threading.Thread(target=wait_released, daemon=True)
+        waiting.start()  # a waiter keeps the stream's thread running
+        others = [i for i in range(len(etcd_cluster.processes)) if i != member]
+        for index in others:
+            harness.stop_process(etcd_cluster.processes[index].pid)
+        deadline = time.monotonic() + 15 + SLACK_S
+        while hub._index == member:
+            assert time.monotonic() < deadline, "the stream stayed on a member without a leader"
+            time.sleep(0.02)
+    finally:
+        for index in others:
+            os.kill(etcd_cluster.processes[index].pid, signal.SIGCONT)
+        if waiting is not None:
+            etcd_cluster.wait_healthy(range(len(etcd_cluster.processes)), 30.0)
+            store.set("released", b"1")
+            waiting.join(20)
+            assert not waiting.is_alive()
+        store.close()
 
 
 def test_a_compacted_resume_revision_reads_again(etcd_cluster):

@@ -56,6 +56,8 @@ _CHANGES = Combiner()  # (cluster, key) -> this process's add/append calls on it
 _SLICE_S = 0.5  # a watched wait looks at the stream's health this often (no store operation)
 _LAST_READ_S = 2.0  # a wait's read made at or past its timeout still gets this long (then: the timeout error); more
 # than etcd's 1 s election timeout and the stalls of a loaded host (a read of a 0.3 s wait got no answer in 1 s once)
+_RECHECK_S = 2.0  # a watched wait reads its keys again this often: a stream can be open and deliver nothing (its
+# member far behind the cluster, or without a leader until etcd cancels the stream), and the read fails over
 
 
 def _bytes(value) -> bytes:
@@ -168,7 +170,9 @@ class EtcdStore(dist.Store):
 
         The keys are read once after registering with the process's watch stream (`etcd_watch`), then
         their events wake the wait; while no stream is open (no member answers it) the keys are polled
-        (1 ms, doubling to 50 ms). A read at or past the timeout still gets `_LAST_READ_S`.
+        (1 ms, doubling to 50 ms). An open stream is not trusted alone: the keys are read again every
+        `_RECHECK_S` (a stream's member can lag or lose its leader while the others decide; the read fails
+        over to a member that answers). A read at or past the timeout still gets `_LAST_READ_S`.
         """
         deadline = time.monotonic() + timeout_s
         hub = self._hub()
@@ -181,6 +185,7 @@ class EtcdStore(dist.Store):
                                                 count_only=True)
                 if hub.settle(waiter, [value is not None for value in found], revision):
                     return
+                recheck = time.monotonic() + _RECHECK_S
                 while True:
                     left = deadline - time.monotonic()
                     if left <= 0 and not final:
@@ -191,16 +196,16 @@ class EtcdStore(dist.Store):
                         raise dist.DistStoreError(f"the etcd store {self.url}: {what} timed out after "
                                                   f"{timeout_s:.3g} s waiting for keys {missing}")
                     if hub.live:
-                        if waiter.done.wait(min(left, _SLICE_S)):
+                        if waiter.done.wait(max(0.0, min(left, _SLICE_S, recheck - time.monotonic()))):
                             if not waiter.stale and not waiter.missing:
                                 return
                             break  # the stream was re-created with a gap: read again
-                        if hub.live:
+                        if hub.live and time.monotonic() < recheck:
                             continue
                     else:
                         hub.wait_live(min(left, pause))
                         pause = min(pause * 2, _POLL_MAX_S)
-                    break  # no stream (or it just failed): read again
+                    break  # no stream (or it just failed), or time to look past the stream: read again
                 hub.unsettle(waiter)
         finally:
             hub.unregister(waiter)

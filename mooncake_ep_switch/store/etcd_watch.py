@@ -7,7 +7,7 @@ so a waiter costs one read when it starts (after registering: no update is lost 
 and the watch, see `Waiter`) and nothing while it waits.
 
 The stream is kept by one thread: resumed from the last revision seen + 1 on another member when
-its member dies or stops answering (no event lost), re-created from the present when that revision
+its member dies, stops answering or has no leader (no event lost), re-created from the present when that revision
 was compacted (every waiter then reads again), and re-opened after `IDLE_S` of silence (a stalled
 member is left then). The thread ends when the last store using the hub is closed, or when the hub
 has had no waiter for `IDLE_S` (the next waiter starts it again). Hubs are shared through
@@ -241,7 +241,10 @@ class WatchHub:
         with self._lock:
             if self._last is not None:
                 request["start_revision"] = self._last + 1
-        headers = {}
+        # etcd's require-leader metadata (clientv3.WithRequireLeader): a member without a leader refuses the stream,
+        # and cancels an open one ("no leader") a few election timeouts after it lost it, instead of keeping it open
+        # and silent (an isolated member applies nothing); the stream then moves on to the next member.
+        headers = {"Grpc-Metadata-Hasleader": "true"}
         if self.connection.user is not None:
             headers["Authorization"] = self.connection.token(time.monotonic() + self.connection.request_s, "watch")
         url = f"{'https' if self.connection.secure else 'http'}://{host}:{port}/v3/watch"
