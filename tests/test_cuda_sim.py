@@ -183,12 +183,14 @@ class Backend:
 
 def run_round(kind: str, shape: Shape, inputs, number: int, use_fp8: bool, masks: Optional[list] = None,
               absent: tuple = (), leaves_after_dispatch: tuple = (), timeout_us: int = 30_000_000,
-              backend: Optional[Backend] = None, advance: int = 0, biases: Optional[list] = None) -> dict:
+              backend: Optional[Backend] = None, advance: int = 0, biases: Optional[list] = None,
+              out_offset: int = 0) -> dict:
     """One dispatch + mock experts + combine of every rank on one backend.
 
     Ranks in `absent` take no part at all; ranks in `leaves_after_dispatch` dispatch and receive but
     never combine. `biases[rank]`: (bias0, bias1, bias_hidden), CPU bf16 `[N, w]` tensors or None whose
-    first bias_hidden channels (rows 2 * w bytes apart) that rank's combine starts from. Returns per-rank
+    first bias_hidden channels (rows 2 * w bytes apart) that rank's combine starts from. `out_offset`: the
+    combine's output starts that many bf16 elements into its allocation (1: 2 bytes off alignment). Returns per-rank
     outputs (on the CPU), masks and the sources each receive marked failed.
     """
     R = shape.num_ranks
@@ -213,7 +215,9 @@ def run_round(kind: str, shape: Shape, inputs, number: int, use_fp8: bool, masks
         backend.combine_send(rank, number, ys[rank], outs[rank], actives[rank])
     combined = {}
     for rank in combining:
-        combined[rank] = torch.full((inputs[rank].x.size(0), shape.hidden), 3.0, dtype=torch.bfloat16, device=dev)
+        tokens = inputs[rank].x.size(0)
+        flat = torch.full((tokens * shape.hidden + out_offset,), 3.0, dtype=torch.bfloat16, device=dev)
+        combined[rank] = flat[out_offset:].view(tokens, shape.hidden)
         bias, parts = None, None  # `parts` holds the bias rows until the (synchronised) receive is done
         if biases is not None:
             parts = [None if b is None else b.to(dev) for b in biases[rank][:2]]
@@ -469,6 +473,26 @@ def test_combine_starts_from_the_bias_as_the_cpu_does(device, case):
         if inp.x.size(0):  # the bias changed the biased channels, and only those
             assert not torch.equal(got[:, :bias_hidden], plain["combined"][rank][:, :bias_hidden])
             assert torch.equal(got[:, bias_hidden:], plain["combined"][rank][:, bias_hidden:])
+
+
+@pytest.mark.parametrize("offset", [1, 4], ids=["out-2-bytes-off", "out-8-bytes-off"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_combine_into_a_misaligned_output_gives_the_same_bits(device, offset):
+    """k_combine_reduce sums 8 channels a thread with one 16-byte load per row where the rows and the output are
+    16-byte aligned (every other test here), else 2 channels a thread with 4-byte loads: an output 2 or 8 bytes
+    past a 16-byte boundary takes the narrow path, bit for bit the CPU transport's combine and the wide path's
+    result (K=6: a partial group of rows in flight; random values, a masked-out expert row per token)."""
+    shape = Shape(4, 24, 384, 16, 6)
+    inputs = _inputs(shape, seed=23, random_values=True)
+    for inp in inputs:
+        if inp.topk_idx.size(0):
+            inp.topk_idx[:, 2] = -1
+    native = run_round("native", shape, inputs, 3, False, out_offset=offset)
+    emulated = run_round(device, shape, inputs, 3, False, out_offset=offset)
+    aligned = run_round(device, shape, inputs, 3, False)
+    _assert_identical(shape, native, emulated, range(shape.num_ranks), False)
+    for rank in range(shape.num_ranks):
+        assert torch.equal(emulated["combined"][rank].view(torch.int16), aligned["combined"][rank].view(torch.int16))
 
 
 def test_combine_launcher_refuses_bad_bias_arguments():

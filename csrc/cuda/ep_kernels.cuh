@@ -510,9 +510,26 @@ __device__ __forceinline__ float bias_start(const Bias& bias, int64_t t, int64_t
     return acc;
 }
 
+// Rows of a token whose loads k_combine_reduce issues before it sums any of them.
+constexpr int kRowsInFlight = 4;
+
+// Channel pair (lo, hi) of a bf16 word += w * row, a separate multiply and add each (never fused).
+__device__ __forceinline__ void add_pair(float& lo, float& hi, float w, uint32_t pair) {
+    lo = __fadd_rn(lo, __fmul_rn(w, bf16_to_float(uint16_t(pair & 0xffffu))));
+    hi = __fadd_rn(hi, __fmul_rn(w, bf16_to_float(uint16_t(pair >> 16))));
+}
+
+__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
+    return uint32_t(float_to_bf16(lo)) | (uint32_t(float_to_bf16(hi)) << 16);
+}
+
 // Block t: out[t] = bf16(bias0[t] + bias1[t] + sum over k in order of w[t,k] * float(combine_data[e_k][t])),
-// in float32 with a separate multiply and add (never fused), skipping -1 and inactive owners. Two
-// channels a thread. Dynamic shared memory: K expert ids (int64) then K weights (float).
+// in float32 with a separate multiply and add (never fused), skipping -1 and inactive owners. Where the
+// rows and `out` are 16-byte aligned (hidden is a multiple of 128: every row is when its region is), a
+// thread sums 8 channels with one 16-byte load per row, the loads of kRowsInFlight rows issued before
+// their sums; else 2 channels with 4-byte loads. Each channel is the same float32 operations in the same
+// order either way (its bias, then the rows in top-k order): the same bits. Dynamic shared memory: K
+// expert ids (int64) then K weights (float).
 __global__ void k_combine_reduce(Call call, Region region, const int64_t* topk, const float* weights, int32_t top_k,
                                  uint16_t* out, Bias bias) {
     int64_t* shared = dynamic_shared<int64_t>();
@@ -528,19 +545,47 @@ __global__ void k_combine_reduce(Call call, Region region, const int64_t* topk, 
     }
     __syncthreads();
     const uint8_t* half = half_base(call, region, call.rank);
-    const auto* data = reinterpret_cast<const uint32_t*>(half + region.combine_data);
+    const uint8_t* rows = half + region.combine_data;
+    if (H % 8 == 0 && ((reinterpret_cast<uintptr_t>(rows) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0) {
+        const auto* data = reinterpret_cast<const int4*>(rows);
+        const int64_t groups = H / 8;  // 16-byte groups of 8 channels a row
+        for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
+            float acc[8];
+#pragma unroll
+            for (int c = 0; c < 8; ++c) acc[c] = bias_start(bias, t, 8 * g + c);
+            for (int32_t k0 = 0; k0 < top_k; k0 += kRowsInFlight) {
+                int4 got[kRowsInFlight];
+#pragma unroll
+                for (int i = 0; i < kRowsInFlight; ++i) {  // the loads first: the rows are read together
+                    const int64_t expert = k0 + i < top_k ? experts[k0 + i] : -1;
+                    got[i] = expert >= 0 ? data[(expert * T + t) * groups + g] : int4{0, 0, 0, 0};
+                }
+#pragma unroll
+                for (int i = 0; i < kRowsInFlight; ++i) {  // then the sums, in top-k order
+                    if (k0 + i >= top_k || experts[k0 + i] < 0) continue;
+                    const float weight = w[k0 + i];
+                    add_pair(acc[0], acc[1], weight, uint32_t(got[i].x));
+                    add_pair(acc[2], acc[3], weight, uint32_t(got[i].y));
+                    add_pair(acc[4], acc[5], weight, uint32_t(got[i].z));
+                    add_pair(acc[6], acc[7], weight, uint32_t(got[i].w));
+                }
+            }
+            reinterpret_cast<int4*>(out)[t * groups + g] =
+                int4{int(bf16_pair(acc[0], acc[1])), int(bf16_pair(acc[2], acc[3])), int(bf16_pair(acc[4], acc[5])),
+                     int(bf16_pair(acc[6], acc[7]))};
+        }
+        return;
+    }
+    const auto* data = reinterpret_cast<const uint32_t*>(rows);
     const int64_t words_per_row = H / 2;
     for (int64_t j = threadIdx.x; j < words_per_row; j += blockDim.x) {
         float lo = bias_start(bias, t, 2 * j), hi = bias_start(bias, t, 2 * j + 1);
         for (int32_t k = 0; k < top_k; ++k) {
             const int64_t expert = experts[k];
             if (expert < 0) continue;
-            const uint32_t pair = data[(expert * T + t) * words_per_row + j];
-            lo = __fadd_rn(lo, __fmul_rn(w[k], bf16_to_float(uint16_t(pair & 0xffffu))));
-            hi = __fadd_rn(hi, __fmul_rn(w[k], bf16_to_float(uint16_t(pair >> 16))));
+            add_pair(lo, hi, w[k], data[(expert * T + t) * words_per_row + j]);
         }
-        reinterpret_cast<uint32_t*>(out)[t * words_per_row + j] = uint32_t(float_to_bf16(lo)) |
-                                                                  (uint32_t(float_to_bf16(hi)) << 16);
+        reinterpret_cast<uint32_t*>(out)[t * words_per_row + j] = bf16_pair(lo, hi);
     }
 }
 
