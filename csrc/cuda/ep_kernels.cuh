@@ -112,15 +112,25 @@ __device__ __forceinline__ void block_fence_system() {
     if (threadIdx.x == 0) __threadfence_system();
 }
 
-// A warp copies `nbytes` (a multiple of 16) from src to dst: 16-byte accesses when both are
-// 16-byte aligned, else 2-byte ones (rows are bf16 or FP8 with even sizes).
+// A warp copies `nbytes` (a multiple of 16) from src to dst (never overlapping: a row between two
+// regions): 16-byte accesses when both are 16-byte aligned, four of a lane's loads issued before its
+// stores (the compiler cannot hoist a load above a store that may alias it, so a plain loop has one
+// load in flight: a row of a peer's memory was read at one access per round trip); else 2-byte ones
+// (rows are bf16 or FP8 with even sizes).
 __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int64_t nbytes, int lane) {
     if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
         const int64_t n = nbytes / 16;
         auto* d = reinterpret_cast<int4*>(dst);
         const auto* s = reinterpret_cast<const int4*>(src);
-#pragma unroll 4
-        for (int64_t i = lane; i < n; i += 32) d[i] = s[i];
+        int64_t i = lane;
+        for (; i + 96 < n; i += 128) {
+            const int4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
+            d[i] = a;
+            d[i + 32] = b;
+            d[i + 64] = c;
+            d[i + 96] = e;
+        }
+        for (; i < n; i += 32) d[i] = s[i];
     } else {
         const int64_t n = nbytes / 2;
         auto* d = reinterpret_cast<uint16_t*>(dst);
