@@ -770,6 +770,42 @@ def test_two_replacements_of_one_rank_exactly_one_is_admitted():
     assert not any(p.is_alive() for p in processes)
 
 
+def test_the_sealer_waits_for_the_holders_readiness_over_the_losers(store):
+    """Issue 43 item 2, a race the fault loop met once beside 2 CPU hogs: the replacement that lost rank 2 (the
+    older incarnation) posted its readiness after the holder did, so the ready record the sealer read was the
+    loser's. Its key was there ("posted"), but the record was not the rank's current incarnation's: the sealer
+    sealed at once without rank 2, admitting neither replacement, long before its deadline. Before the deadline it
+    must wait for every awaited rank's valid readiness (the holder posts again within a few beats, or as it
+    joins: here 0.5 s later)."""
+    members = [Membership(store, r, 3, prefix="p") for r in range(2)]
+    original = Membership(store, 2, 3, prefix="p")
+    for member in members + [original]:
+        member.bind_incarnation(0, member.rank, member.incarnation)
+    loser, holder = Membership(store, 2, 3, prefix="p"), Membership(store, 2, 3, prefix="p")
+    holder.publish_endpoint({"region": [1000 + holder.incarnation, 3, 4096], "host_id": "h"})
+    loser._put("ready/1/2", {"incarnation": loser.incarnation, "call": 0})  # read last: the loser's record
+    results = {}
+
+    def run(key, membership, joining, delay_s):
+        time.sleep(delay_s)
+        try:
+            results[key] = membership.agree_next_view(0, [0, 1, 2], time.monotonic() + 8.0, joining=joining)
+        except MembershipError as error:
+            results[key] = error
+
+    threads = [threading.Thread(target=run, args=args) for args in
+               [(0, members[0], False, 0.0), (1, members[1], False, 0.0), ("holder", holder, True, 0.5)]]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results[0] == results[1] == results["holder"] and results[0].ranks == (0, 1, 2), results
+    assert time.monotonic() - started < 8.0, "sealed at the deadline, not when the holder posted"
+    assert members[0].admitted_incarnation(1, 2) == holder.incarnation
+    assert members[0].endpoint(2)["region"] == [1000 + holder.incarnation, 3, 4096]
+
+
 def test_a_rank_sealed_with_one_incarnation_refuses_another(store):
     """Issue 43 item 2 at the protocol: two joiners of rank 2 (incarnations taken one after the other) and
     members 0 and 1 agree; exactly one joiner adopts the view, the other raises naming the one admitted,

@@ -468,11 +468,15 @@ class Membership(SealingRecords):
             if leads:
                 if self.sealed(target):
                     return False
-                if posted(self, target, [r for r in waiting if r not in skip]):
-                    if self.seal_view(target, members, gone, waiting, self._alive):
+                expected_now = [r for r in waiting if r not in skip]
+                if posted(self, target, expected_now):
+                    # Before the deadline every awaited rank's readiness must be valid: a replacement's record that
+                    # another replacement of that rank overwrote (it lost the rank, the holder posts again) is not.
+                    if self.seal_view(target, members, gone, waiting, self._alive, required=expected_now):
                         return False
-                    # Not a quorum yet (this rank was told not to wait for members that may be alive): wait
-                    # for more members, or for another side's seal, until the deadline.
+                    # Not a quorum yet (this rank was told not to wait for members that may be alive), or an awaited
+                    # rank's readiness is not its current incarnation's: wait for more members, for the holder's
+                    # post, or for another side's seal, until the deadline.
                 time.sleep(pause)
                 pause = min(pause * 2, 0.02)
             else:  # one wait on the view's key, looked at every `pause` (whether the leader is seen dead, the beat)

@@ -101,7 +101,7 @@ class SealingRecords(MemberRecords):
         return found
 
     def seal_view(self, target: int, members: Sequence[int], gone: Iterable[int], likely: Sequence[int],
-             alive: Callable[[List[int]], set]) -> bool:
+             alive: Callable[[List[int]], set], required: Sequence[int] = ()) -> bool:
         """Seal `view/<target>` (rule 1): ready members of the current view and ready registered joiners
         whose heartbeat moves (`alive`), when they are a quorum of the members (rule 5).
 
@@ -112,6 +112,9 @@ class SealingRecords(MemberRecords):
             gone: ranks known dead (they do not count for the quorum).
             likely: ranks expected ready (checked in one call).
             alive: returns the joiners of a list whose heartbeat moves (`Membership._alive`).
+            required: ranks whose readiness must read back valid for this seal (before the deadline, every rank the
+                sealer waits for): when one's record is not its current incarnation's (two replacements of a rank,
+                the other one's post read last; the holder posts again), nothing is written and the sealer waits.
 
         Returns:
             attempted: whether the view's compare-and-set was made (it picked one view, this one or
@@ -123,6 +126,8 @@ class SealingRecords(MemberRecords):
         """
         gone = set(gone)
         ready = self.read_ready(target, self._ready_ranks(target, likely))
+        if any(r not in ready for r in required):
+            return False
         candidates = []
         for rank in sorted(ready):
             if rank not in members:
