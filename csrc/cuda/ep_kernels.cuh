@@ -537,7 +537,8 @@ __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
 // in float32 with a separate multiply and add (never fused), skipping -1 and inactive owners. Where the
 // rows and `out` are 16-byte aligned (hidden is a multiple of 128: every row is when its region is), a
 // thread sums 8 channels with one 16-byte load per row, the loads of kRowsInFlight rows issued before
-// their sums; else 2 channels with 4-byte loads. Each channel is the same float32 operations in the same
+// their sums; else 2 channels with 4-byte loads (stored as one 4-byte word, or as two bf16 where `out` is 2
+// bytes off a 4-byte boundary). Each channel is the same float32 operations in the same
 // order either way (its bias, then the rows in top-k order): the same bits. Dynamic shared memory: K
 // expert ids (int64) then K weights (float).
 __global__ void k_combine_reduce(Call call, Region region, const int64_t* topk, const float* weights, int32_t top_k,
@@ -588,6 +589,7 @@ __global__ void k_combine_reduce(Call call, Region region, const int64_t* topk, 
     }
     const auto* data = reinterpret_cast<const uint32_t*>(rows);
     const int64_t words_per_row = H / 2;
+    const bool out_pairs = (reinterpret_cast<uintptr_t>(out) & 3u) == 0;
     for (int64_t j = threadIdx.x; j < words_per_row; j += blockDim.x) {
         float lo = bias_start(bias, t, 2 * j), hi = bias_start(bias, t, 2 * j + 1);
         for (int32_t k = 0; k < top_k; ++k) {
@@ -595,7 +597,13 @@ __global__ void k_combine_reduce(Call call, Region region, const int64_t* topk, 
             if (expert < 0) continue;
             add_pair(lo, hi, w[k], data[(expert * T + t) * words_per_row + j]);
         }
-        reinterpret_cast<uint32_t*>(out)[t * words_per_row + j] = bf16_pair(lo, hi);
+        const int64_t at = t * words_per_row + j;
+        if (out_pairs) {
+            reinterpret_cast<uint32_t*>(out)[at] = bf16_pair(lo, hi);
+        } else {  // `out` 2 bytes off a 4-byte boundary: a 4-byte store there faults on the GPU
+            out[2 * at] = float_to_bf16(lo);
+            out[2 * at + 1] = float_to_bf16(hi);
+        }
     }
 }
 
