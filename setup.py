@@ -75,13 +75,16 @@ native = Pybind11Extension(
 )
 
 # The same kernels (csrc/cuda/ep_kernels.cuh) built by the host compiler on a block/warp emulator,
-# on every machine: CI runs the device-kernel logic without a GPU (tests/test_cuda_sim.py).
+# on every machine: CI runs the device-kernel logic without a GPU (tests/test_cuda_sim.py). Every typed
+# access is checked for its alignment and traps (SIGILL) when it is off, as the GPU faults on one
+# (cudaErrorMisalignedAddress) where x86 would let it pass: the check needs no sanitizer runtime.
 cuda_sim = Pybind11Extension(
     "mooncake_ep_switch._cuda_sim",
     ["csrc/cuda/sim.cpp", "csrc/cuda/sim_runtime.cpp"],
     include_dirs=["csrc"],
     cxx_std=17,
-    extra_compile_args=["-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-unknown-pragmas"],
+    extra_compile_args=["-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-unknown-pragmas",
+                        "-fsanitize=alignment", "-fsanitize-undefined-trap-on-error"],
     depends=glob.glob("csrc/cuda/*.h") + glob.glob("csrc/cuda/*.cuh") + ["csrc/common/numerics.h"],
 )
 

@@ -12,6 +12,10 @@ FP8 codes and scales, src_info (its zeroed tail too), layout_range, recv_count, 
 the masks after timeouts. Structured inputs are also checked against the independent references of
 tests/reference.py.
 """
+import os
+import signal
+import subprocess
+import sys
 from typing import Dict, List, NamedTuple, Optional
 
 import pytest
@@ -495,6 +499,27 @@ def test_combine_into_a_misaligned_output_gives_the_same_bits(device, offset):
     _assert_identical(shape, native, emulated, range(shape.num_ranks), False)
     for rank in range(shape.num_ranks):
         assert torch.equal(emulated["combined"][rank].view(torch.int16), aligned["combined"][rank].view(torch.int16))
+
+
+@pytest.mark.parametrize("offset", [0, 4, 8], ids=["aligned", "4-bytes-off", "8-bytes-off"])
+def test_the_emulator_traps_a_misaligned_wide_access_as_the_gpu_faults(offset):
+    """A GPU faults on a 16-byte access off a 16-byte boundary (cudaErrorMisalignedAddress, a dead context);
+    x86 lets it pass, so the emulator checks every typed access's alignment and traps (setup.py's flags).
+    Without them a kernel's misaligned store passed CI and first faulted on an H200 (docs/benchmarks.md,
+    2026-11-29). One 16-byte load, in a child process: an aligned one reads, any other is killed by SIGILL."""
+    code = ("import ctypes; from mooncake_ep_switch import _cuda_sim as sim\n"
+            "words = (ctypes.c_int32 * 16)(*range(16))\n"
+            "base = (ctypes.addressof(words) + 15) // 16 * 16\n"
+            "first = (base - ctypes.addressof(words)) // 4 + OFFSET // 4\n"
+            "got = sim.load_int4(base + OFFSET)\n"
+            "assert got == sum(range(first, first + 4)), got\n"
+            "print('read', got)\n").replace("OFFSET", str(offset))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if offset == 0:
+        assert child.returncode == 0 and child.stdout.startswith("read "), (child.returncode, child.stderr[-2000:])
+    else:
+        assert child.returncode == -signal.SIGILL, (child.returncode, child.stdout, child.stderr[-2000:])
 
 
 def test_combine_launcher_refuses_bad_bias_arguments():

@@ -10,7 +10,22 @@
 #include "cuda/device.h"
 #include "cuda/ep_kernels.cuh"
 
+namespace {
+
+// One 16-byte load at `address`, as the kernels' wide accesses do: it traps (SIGILL) unless `address` is
+// 16-byte aligned, as the GPU faults (setup.py builds this module with alignment checks that trap).
+// tests/test_cuda_sim.py proves the checks are in the build with it.
+int64_t load_int4(uintptr_t address) {
+    const mep_sim::int4 v = *reinterpret_cast<const mep_sim::int4*>(address);
+    return int64_t(v.x) + v.y + v.z + v.w;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_cuda_sim, m) {
+    using namespace pybind11::literals;
     m.doc() = "The CUDA dispatch/combine kernels on a host emulator of blocks and warps (tests and CI)";
     mep_cuda::bind_kernels(m);
+    m.def("load_int4", &load_int4, "address"_a,
+          "The sum of the four int32 at `address` (16-byte aligned; any other address traps, as on the GPU)");
 }

@@ -21,7 +21,7 @@ struct dim3 {
     dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 
-struct int4 {
+struct alignas(16) int4 {  // as CUDA's: a 16-byte access, which the GPU faults on unless 16-byte aligned
     int x, y, z, w;
 };
 
