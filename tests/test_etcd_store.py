@@ -8,6 +8,7 @@ timeout with nothing written. The cluster is the session's (`etcd_cluster` in co
 that kills or stops a member brings it back before it ends.
 """
 import os
+import re
 import signal
 import threading
 import time
@@ -199,14 +200,31 @@ def test_failover_past_a_dead_endpoint_and_a_deadline_without_quorum(etcd_cluste
         os.kill(etcd_cluster.processes[index].pid, signal.SIGSTOP)
     try:
         begin = time.monotonic()
-        with pytest.raises(StoreUnavailable, match=rf"etcd://.*{prefix}.*update_ep_member") as caught:
+        try:
             with store_deadline(time.monotonic() + 0.5, "update_ep_member"):
-                bounded.compare_set("k", b"1", b"2")
-        assert time.monotonic() - begin < 0.5 + SLACK_S and prefix in caught.value.store
+                got = bounded.compare_set("k", b"1", b"2")
+        except StoreUnavailable as error:
+            caught = error
+        else:  # seen once in CI (cause unknown): say what came back and whether the members were really stopped
+            pytest.fail(f"compare_set returned {got!r} after {time.monotonic() - begin:.3f} s without a quorum; "
+                        f"stopped members {stopped} (leader first), their states "
+                        f"{[_process_state(etcd_cluster.processes[i].pid) for i in stopped]}, pids "
+                        f"{[etcd_cluster.processes[i].pid for i in stopped]}")
+        assert re.search(rf"etcd://.*{prefix}.*update_ep_member", str(caught)), str(caught)
+        assert time.monotonic() - begin < 0.5 + SLACK_S and prefix in caught.store
     finally:
         for index in stopped:
             os.kill(etcd_cluster.processes[index].pid, signal.SIGCONT)
         bounded.close()
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of `pid` in /proc (T: stopped), or why it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError as error:
+        return type(error).__name__
 
 
 @pytest.mark.parametrize("url, part", [
