@@ -184,7 +184,8 @@ def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: in
         phase = "the Buffer"
         buffer = make_buffer(group, nbytes, transport=transport, store=dist.PrefixStore(f"{keys}/buffer", store))
     except Exception as error:
-        raise MembershipError(f"grow: building {phase} of the {num_ranks}-rank group failed on rank {rank} "
+        raise MembershipError(f"grow: building {phase} of the {num_ranks}-rank group (attempt {attempt}) failed on "
+                              f"rank {rank} "
                               f"({type(error).__name__}: {error})") from error
     try:
         if fallback:  # every rank of the grown group together (the switch meets in the new Buffer's store)
@@ -453,7 +454,8 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
         _fail(store, keys, f"newcomer rank {rank} refused: {refusal}")
         raise refusal
     store.compare_set(f"{keys}/newcomer/{rank}", "", "ready")
-    key, value = _wait_key(store, [f"{keys}/build", f"{keys}/failed"], deadline, "the members' go to build")
+    key, value = _wait_key(store, [f"{keys}/build", f"{keys}/failed"], deadline,
+                           f"the members' go to build (attempt {attempt})")
     if key.endswith("/failed"):
         raise MembershipError(f"grow to {num_ranks} ranks failed: {value}")
     try:
@@ -466,7 +468,8 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
         fault = FaultPoint.parse(buffer.settings.fault_point)  # test-only (None unless MEP_FAULT_POINT is set)
         if fault is not None:
             fault.hit("grow_before_switch", rank)
-        key, value = _wait_key(store, [f"{keys}/switch", f"{keys}/failed"], deadline, "the members' switch-over step")
+        key, value = _wait_key(store, [f"{keys}/switch", f"{keys}/failed"], deadline,
+                               f"the members' switch-over step (attempt {attempt})")
         if key.endswith("/failed"):
             raise MembershipError(f"grow to {num_ranks} ranks failed: {value}")
         view = buffer.membership.view()
