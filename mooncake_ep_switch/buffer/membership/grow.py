@@ -185,8 +185,7 @@ def _build(store, base: str, attempt: int, rank: int, num_ranks: int, nbytes: in
         buffer = make_buffer(group, nbytes, transport=transport, store=dist.PrefixStore(f"{keys}/buffer", store))
     except Exception as error:
         raise MembershipError(f"grow: building {phase} of the {num_ranks}-rank group (attempt {attempt}) failed on "
-                              f"rank {rank} "
-                              f"({type(error).__name__}: {error})") from error
+                              f"rank {rank} ({type(error).__name__}: {error})") from error
     try:
         if fallback:  # every rank of the grown group together (the switch meets in the new Buffer's store)
             phase = "_use_fallback (the members' calls run on the collective fallback)"
