@@ -113,6 +113,94 @@ def test_a_newcomer_with_another_buffer_size_is_refused_and_fails_the_grow():
     assert not built
 
 
+def test_a_newcomer_rank_taken_in_an_attempt_is_refused_by_name():
+    """One rank of an attempt is one process: a second join_grow of that rank (another process, or this one again
+    after it gave up) is refused by name instead of entering a rendezvous nobody else comes to."""
+    import os
+
+    from mooncake_ep_switch.buffer.membership.group_keys import group_prefix
+    from mooncake_ep_switch.buffer.membership.grow import join_grow
+    from mooncake_ep_switch.errors import MembershipError
+
+    store = dist.HashStore()
+    base = group_prefix(range(R0))
+    store.set(f"{base}/grow/request", "2|3|5|1048576|shm")
+    built = []
+    for held, who in [("ready pid 1 0123456789ab", "by another process"),
+                      (f"ready pid {os.getpid()} 0123456789ab", "this process joined that attempt before")]:
+        store.set(f"{base}/grow/2/newcomer/3", held)
+        with pytest.raises(MembershipError, match=rf"^grow: newcomer rank 3 of attempt 2 is taken \('{held}'\): {who}"):
+            join_grow(store, 3, R1, 1048576, lambda *a, **k: built.append(a), old_num_ranks=R0, timeout_s=5)
+        assert store.get(f"{base}/grow/2/newcomer/3").decode() == held and not store.check([f"{base}/grow/2/failed"])
+    assert not built
+
+
+NEWCOMER_S = 15.0  # their first deadline: the build (~1 s, more on a loaded box) fits, the switch-over never comes
+
+
+def rank_newcomer_deadline(ctx, gave_up):
+    """The members poll only once both newcomers' first join_grow ended: built, they waited for a switch-over until
+    their deadline. Their first poll must fail the grow (a newcomer left: nothing changed); then the members ask
+    again and both newcomers join that next attempt (never the one they gave up). `gave_up`: this run's count of the
+    newcomers' first join_grow ended."""
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.buffer.membership.grow import GrowOperation, join_grow
+    from mooncake_ep_switch.errors import MembershipError
+
+    old_group = dist.new_group(list(range(R0)))
+    size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, R1, R1 * SPR)
+    deadline = time.monotonic() + 90
+    if ctx.rank >= R0:
+        try:
+            join_grow(ctx.store, ctx.rank, R1, size, Buffer, old_num_ranks=R0, timeout_s=NEWCOMER_S)
+            first = "joined"
+        except MembershipError as error:
+            first = str(error)
+        finally:
+            ctx.store.add(gave_up, 1)
+        result = join_grow(ctx.store, ctx.rank, R1, size, Buffer, old_num_ranks=R0, timeout_s=60)
+        attempts = None
+    else:
+        buffer = Buffer(old_group, size, transport="shm")
+        grow = GrowOperation(buffer, R1, Buffer, timeout_s=60)
+        while ctx.store.add(gave_up, 0) < R1 - R0:
+            assert time.monotonic() < deadline, "the newcomers' first join_grow did not end"
+            time.sleep(0.05)
+        assert grow.ready(), "the members' build did not finish with the newcomers'"
+        try:
+            grow.poll(1)
+            first = "switched"
+        except MembershipError as error:
+            first = str(error)
+        again = GrowOperation(buffer, R1, Buffer, timeout_s=60)
+        attempts, step, result = (grow.attempt, again.attempt), 2, None
+        while result is None:
+            assert time.monotonic() < deadline, "no switch-over agreed in the next attempt"
+            result = again.poll(step)
+            step += 1
+        buffer.destroy()
+    new = result.buffer
+    out = {"first": first, "attempts": attempts, "step": result.step, "members": list(new.members),
+           "num_ranks": new.num_ranks}
+    new.destroy()
+    return out
+
+
+def test_a_newcomer_past_its_deadline_fails_the_grow_and_joins_the_next_attempt():
+    import uuid
+
+    outs = harness.run(R1, rank_newcomer_deadline, f"grow-deadline/{uuid.uuid4().hex}", timeout_s=150)
+    for rank, out in enumerate(outs):
+        assert (out["members"], out["num_ranks"], out["step"]) == (list(range(R1)), R1, outs[0]["step"]), (rank, out)
+        if rank < R0:  # told at their first poll (no switch to a group whose newcomers left), then one more attempt
+            assert out["first"].startswith("grow to 5 ranks failed (newcomer rank "), (rank, out["first"])
+            assert "switch-over step (attempt " in out["first"] and "nothing changed" in out["first"], out["first"]
+            assert out["attempts"][1] > out["attempts"][0] == outs[0]["attempts"][0], out["attempts"]
+        else:  # its own deadline, or the other newcomer's failure record if that one's deadline came first
+            assert out["first"].endswith(f"grow: the members' switch-over step (attempt {outs[0]['attempts'][0]}) did "
+                                         "not come before the deadline"), (rank, out["first"])
+
+
 def _forward(buffer, slots, weights, rows, active, rank, step, dead=None):
     """Serve `step` on both layers; the max diff against the reference (without the copies on rank `dead`)."""
     from mooncake_ep_switch.eplb.serving import physical_ep_forward
@@ -185,14 +273,16 @@ def rank_grow(ctx, transport, then=None):
         for old in {id(holder): holder, id(buffer): buffer}.values():
             old.destroy()
     else:
+        # A newcomer's deadline covers the whole join: rank 3's first call may span the failed attempt and the next
+        # one's build (60 s ran out there once in CI beside 2 CPU hogs; the members' builds end by their 60 s).
         try:  # attempt 1: the last newcomer's buffer size differs (refused by name), the other one is told
             result = join_grow(ctx.store, ctx.rank, R1, size + 4096 * (ctx.rank == R1 - 1), Buffer, old_num_ranks=R0,
-                               build=lambda new: build(new, None), timeout_s=60)
+                               build=lambda new: build(new, None), timeout_s=120)
             refusals.append("joined")  # rank 3 read the request only after attempt 1 failed: it joined attempt 2
         except (ValueError, MembershipError) as error:
             refusals.append(f"{type(error).__name__}: {error}")
             result = join_grow(ctx.store, ctx.rank, R1, size, Buffer, old_num_ranks=R0,
-                               build=lambda new: build(new, None), timeout_s=60)
+                               build=lambda new: build(new, None), timeout_s=120)
     grow_s = time.monotonic() - started
     assert result is not None, f"rank {ctx.rank}: no grow succeeded: {refusals}"  # each failed attempt's reason
     new, (new_holder, grown) = result.buffer, result.built

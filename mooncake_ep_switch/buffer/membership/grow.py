@@ -19,9 +19,11 @@ removed, grown to 6: old ranks 0, 1, 3, 4 are ranks 0, 1, 2, 3 of the grown grou
    fallback: two resizes at once) is refused by name, nothing changed. Attempts are numbered so that a grow
    that failed can be asked again.
 2. **Newcomers** (`join_grow`): read the request, check their rank, `num_ranks` and `num_ep_buffer_bytes`
-   against it, and record "ready to build" or their refusal (`<group>/grow/<attempt>/newcomer/<rank>`):
-   a refused newcomer raises by name and the grow fails on every member (`grow/<attempt>/failed`), whose
-   current Buffer goes on serving. Once every newcomer accepted, the members say "go" (`grow/<attempt>/build`).
+   against it, and record "ready to build" (with the process's pid and a nonce: a second newcomer of one
+   rank, or a call again of one that gave up, is refused by name) or their refusal
+   (`<group>/grow/<attempt>/newcomer/<rank>`): a refused newcomer raises by name and the grow fails on every
+   member (`grow/<attempt>/failed`), whose current Buffer goes on serving. Once every newcomer accepted, the
+   members say "go" (`grow/<attempt>/build`).
 3. **Build** (a background thread on members, in line on newcomers): a gloo group of the `R'` ranks
    through the store (`grow/<attempt>/pg`), `Buffer(group, bytes, transport=, store=)` keyed under
    `grow/<attempt>/buffer` (generation 1 of a group of its own; `_use_fallback` set as the members' is),
@@ -34,12 +36,15 @@ removed, grown to 6: old ranks 0, 1, 3, 4 are ranks 0, 1, 2, 3 of the grown grou
    poll in the current Buffer's ballot (`grow/<attempt>`): every member votes GO once its build finished,
    ABORT ("not yet") before; COMMIT when every member voted GO for the same step, FAILED once any rank
    recorded the grow's failure (every member raises at that poll, its current Buffer serving on), a member that
-   ended before the switch-over included (seen by a peer's vote: it serves neither Buffer). The step is written
+   ended before the switch-over included (seen by a peer's vote: it serves neither Buffer), and a newcomer whose
+   deadline passed after its build with no step agreed (it records the failure and leaves). The step is written
    where the newcomers wait for it (`grow/<attempt>/switch`), and every rank serves that step and the
    later ones on the new Buffer and placement: no step is served twice, lost or on a mixed placement.
 """
+import os
 import threading
 import time
+import uuid
 import zlib
 from datetime import timedelta
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
@@ -60,6 +65,7 @@ __all__ = ["MAX_EP_RANKS", "GrowResult", "GrowOperation", "grow_base", "check_gr
 MAX_EP_RANKS = 64  # the largest EP group a grow builds (Mooncake EP / NCCL EP state a maximum of their own)
 GO, ABORT, COMMIT, FAILED = 1, 2, 1, 3  # votes; decisions COMMIT, ABORT (not yet), FAILED
 _POLL_MAX_S = 0.05
+_READY = "ready"  # a newcomer's record that it accepted the request (then its pid and a nonce: `join_grow`)
 
 
 class GrowResult(NamedTuple):
@@ -295,7 +301,7 @@ class GrowOperation:
             for rank in newcomers:
                 _, value = _wait_key(store, [f"{self._keys}/newcomer/{rank}", f"{self._keys}/failed"], deadline,
                                      f"newcomer rank {rank} (join_grow)")
-                if value != "ready":
+                if not value.startswith(_READY):
                     raise MembershipError(f"grow: {value}")
             store.set(f"{self._keys}/build", "go")  # every newcomer accepted the request: build together
             fault = FaultPoint.parse(self.buffer.settings.fault_point)  # test-only (None unless MEP_FAULT_POINT is set)
@@ -414,7 +420,10 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
         TypeError, ValueError: a bad argument, or one that differs from the members' request (`num_ranks`,
             `old_num_ranks`, `rank`, `num_ep_buffer_bytes`: named; the grow fails on every member, which serve
             on).
-        MembershipError: no request in time, the grow failed elsewhere (named), or this newcomer stalled past the
+        MembershipError: no request in time, the grow failed elsewhere (named), this rank of the attempt is taken
+            (another process, or an earlier call of this one that gave up: join the members' next request), the
+            deadline passed after the build with no switch-over agreed (the attempt is failed on every member,
+            which serve on: a later call joins their next request), or this newcomer stalled past the
             switch-over and the members sealed a view without it meanwhile (named: join as a replacement).
     """
     old_num_ranks = check_int("old_num_ranks", old_num_ranks, 1)
@@ -452,7 +461,15 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
         store.compare_set(f"{keys}/newcomer/{rank}", "", f"newcomer rank {rank} refused: {refusal}")
         _fail(store, keys, f"newcomer rank {rank} refused: {refusal}")
         raise refusal
-    store.compare_set(f"{keys}/newcomer/{rank}", "", "ready")
+    # This process's own ready record: a second join_grow of this rank in one attempt (a newcomer that gave up and
+    # called again, or two processes started for one rank) would otherwise meet a rendezvous nobody else comes to.
+    ready = f"{_READY} pid {os.getpid()} {uuid.uuid4().hex[:12]}"
+    held = store.compare_set(f"{keys}/newcomer/{rank}", "", ready).decode()
+    if held != ready:
+        raise MembershipError(f"grow: newcomer rank {rank} of attempt {attempt} is taken ({held!r}): "
+                              + ("this process joined that attempt before and gave up"
+                                 if held.startswith(f"{_READY} pid {os.getpid()} ") else "by another process")
+                              + "; join the members' next grow request")
     key, value = _wait_key(store, [f"{keys}/build", f"{keys}/failed"], deadline,
                            f"the members' go to build (attempt {attempt})")
     if key.endswith("/failed"):
@@ -467,8 +484,15 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
         fault = FaultPoint.parse(buffer.settings.fault_point)  # test-only (None unless MEP_FAULT_POINT is set)
         if fault is not None:
             fault.hit("grow_before_switch", rank)
-        key, value = _wait_key(store, [f"{keys}/switch", f"{keys}/failed"], deadline,
-                               f"the members' switch-over step (attempt {attempt})")
+        try:
+            key, value = _wait_key(store, [f"{keys}/switch", f"{keys}/failed"], deadline,
+                                   f"the members' switch-over step (attempt {attempt})")
+        except MembershipError as error:  # built, gone by the deadline: the members must not switch to a group
+            # without it (they are told at their next poll and serve on), unless they agreed it meanwhile
+            _fail(store, keys, f"newcomer rank {rank}: {error}")
+            key, value = f"{keys}/switch", _get(store, f"{keys}/switch")
+            if value is None:
+                raise
         if key.endswith("/failed"):
             raise MembershipError(f"grow to {num_ranks} ranks failed: {value}")
         view = buffer.membership.view()
