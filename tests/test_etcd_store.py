@@ -185,10 +185,16 @@ def test_exactly_one_winner_of_a_compare_set_race_while_the_leader_dies(etcd_clu
 
 def test_failover_past_a_dead_endpoint_and_a_deadline_without_quorum(etcd_cluster):
     prefix = _prefix()
-    with socket_pair() as (dead, _):  # a port nobody listens on, first in the list
-        start = time.monotonic()
-        store = connect_store(f"etcd://127.0.0.1:{dead},{','.join(etcd_cluster.endpoints)}/{prefix}", timeout_s=10,
-                              job="q")
+    # A port nobody listens on, first in the list, held bound for the whole test: freed, it could be taken by a
+    # member of another test's etcd cluster (they start on free ports), which would answer for a dead endpoint.
+    with socket_pair() as (dead, _):
+        _failover_and_deadline(etcd_cluster, prefix, dead)
+
+
+def _failover_and_deadline(etcd_cluster, prefix, dead):
+    start = time.monotonic()
+    store = connect_store(f"etcd://127.0.0.1:{dead},{','.join(etcd_cluster.endpoints)}/{prefix}", timeout_s=10,
+                          job="q")
     store.set("k", b"1")
     assert store.get("k") == b"1" and time.monotonic() - start < 1 + SLACK_S
     # Two of three members stopped: no quorum. A membership operation's deadline ends the call with an error
@@ -206,7 +212,10 @@ def test_failover_past_a_dead_endpoint_and_a_deadline_without_quorum(etcd_cluste
         except StoreUnavailable as error:
             caught = error
         else:  # seen once in CI (cause unknown): say what came back and whether the members were really stopped
-            pytest.fail(f"compare_set returned {got!r} after {time.monotonic() - begin:.3f} s without a quorum; "
+            connection = store.connection
+            pytest.fail(f"compare_set returned {got!r} after {time.monotonic() - begin:.3f} s without a quorum "
+                        f"(last answer from {connection.endpoints[connection.preferred]}, the dead endpoint "
+                        f"127.0.0.1:{dead}, the members {etcd_cluster.endpoints}); "
                         f"stopped members {stopped} (leader first), their states "
                         f"{[_process_state(etcd_cluster.processes[i].pid) for i in stopped]}, pids "
                         f"{[etcd_cluster.processes[i].pid for i in stopped]}")
