@@ -201,6 +201,77 @@ def test_a_newcomer_past_its_deadline_fails_the_grow_and_joins_the_next_attempt(
                                          "not come before the deadline"), (rank, out["first"])
 
 
+LATE = 2  # the member slower to its GrowOperation
+
+
+def rank_member_late(ctx, refused):
+    """Every member builds its GrowOperation at step 1, LATE one second after newcomer 4 was refused (`refused`: this
+    run's key of that); ranks 0 and 1 poll once the refusal is recorded (the grow's failure already there). A gloo
+    barrier of the members stands for a served step between polls. Every member must raise at step 1 (LATE joined
+    the attempt), then all agree a switch-over in the next attempt."""
+    from datetime import timedelta
+
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.buffer.membership.grow import GrowOperation, join_grow
+    from mooncake_ep_switch.errors import MembershipError
+
+    old_group = dist.new_group(list(range(R0)), timeout=timedelta(seconds=60))
+    size = Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, R1, R1 * SPR)
+    deadline = time.monotonic() + 90
+    refusals, result = [], None
+    if ctx.rank >= R0:
+        try:
+            result = join_grow(ctx.store, ctx.rank, R1, size + 4096 * (ctx.rank == R1 - 1), Buffer, old_num_ranks=R0,
+                               timeout_s=60)
+        except (ValueError, MembershipError) as error:
+            refusals.append(type(error).__name__)
+        finally:
+            if ctx.rank == R1 - 1:
+                ctx.store.set(refused, "1")
+        if result is None:
+            result = join_grow(ctx.store, ctx.rank, R1, size, Buffer, old_num_ranks=R0, timeout_s=60)
+    else:
+        buffer = Buffer(old_group, size, transport="shm")
+        step = 1
+        for attempt in (1, 2):
+            if attempt == 1:
+                if ctx.rank == LATE:
+                    ctx.store.wait([refused], timedelta(seconds=60))
+                    time.sleep(1.0)
+                grow = GrowOperation(buffer, R1, Buffer, timeout_s=10)  # no agreement within 20 s: FAILED
+                ctx.store.wait([refused], timedelta(seconds=60))
+            else:
+                grow = GrowOperation(buffer, R1, Buffer, timeout_s=10)
+            while result is None:
+                assert time.monotonic() < deadline, "no outcome"
+                try:
+                    result = grow.poll(step)
+                except MembershipError as error:
+                    refusals.append((step, str(error)))
+                    break
+                finally:
+                    dist.barrier(group=old_group)  # the step served
+                    step += 1
+            if result is not None:
+                break
+        buffer.destroy()
+    new = result.buffer
+    out = {"refusals": refusals, "step": result.step, "members": list(new.members), "num_ranks": new.num_ranks}
+    new.destroy()
+    return out
+
+
+def test_a_member_late_to_a_failing_grow_raises_at_the_same_poll_and_the_next_attempt_switches():
+    import uuid
+
+    outs = harness.run(R1, rank_member_late, f"grow-late/{uuid.uuid4().hex}", timeout_s=150)
+    for rank, out in enumerate(outs):
+        assert (out["members"], out["num_ranks"], out["step"]) == (list(range(R1)), R1, outs[0]["step"]), (rank, out)
+        if rank < R0:  # LATE too: the same poll, newcomer 4's refusal named
+            assert [s for s, _ in out["refusals"]] == [1], (rank, out["refusals"])
+            assert "newcomer rank 4 refused: num_ep_buffer_bytes" in out["refusals"][0][1], out["refusals"]
+
+
 def _forward(buffer, slots, weights, rows, active, rank, step, dead=None):
     """Serve `step` on both layers; the max diff against the reference (without the copies on rank `dead`)."""
     from mooncake_ep_switch.eplb.serving import physical_ep_forward

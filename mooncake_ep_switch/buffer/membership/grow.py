@@ -352,8 +352,8 @@ class GrowOperation:
             fault.hit("grow_before_vote", self.buffer.rank)
         ballot.vote(epoch, mine, digest, voters=len(members))
         peers = [r for r in members if r != self.buffer.rank]
-        votes, _, _ = ballot.wait_votes(peers, epoch, int(self.timeout_s * 1e6),
-                                        lambda pending: sorted(set(pending) & set(self.buffer.dead_peers())))
+        votes, _, decided = ballot.wait_votes(peers, epoch, int(self.timeout_s * 1e6),
+                                              lambda pending: sorted(set(pending) & set(self.buffer.dead_peers())))
         go = mine == GO and all(p in votes and votes[p] == (GO, digest) for p in peers)
         failed = None if go else _get(self._store, f"{self._keys}/failed")
         ended = [] if go or failed is not None else sorted(set(peers) & set(self.buffer.dead_peers()))
@@ -363,6 +363,8 @@ class GrowOperation:
         if not go and failed is None and time.monotonic() > self._give_up:
             failed = _fail(self._store, self._keys, f"rank {self.buffer.rank}: no switch-over agreed within "
                                                     f"2 * timeout_s = {2 * self.timeout_s} s")
+        if failed is not None and decided is None:
+            self._wait_voted(peers, epoch)
         decision = ballot.propose(epoch, COMMIT if go else ABORT if failed is None else FAILED)
         if decision == COMMIT:
             if fault is not None:
@@ -376,6 +378,24 @@ class GrowOperation:
         if decision == FAILED:  # one decision: every member raises at this poll
             self._finish(_get(self._store, f"{self._keys}/failed") or "a member saw the grow fail")
         return None
+
+    def _wait_voted(self, peers: Sequence[int], epoch: int) -> None:
+        """Before a FAILED proposal: wait until every live member voted on `epoch` (or it was decided, or `timeout_s`).
+
+        An ABORT vote ends the ballot's wait at once, but a FAILED decision is every member's, at one poll. A member
+        slower to its `GrowOperation` has not voted yet and may not have read the request: decided without it, the
+        request is given up under it, it asks a new attempt of its own, and the others join that one at their next
+        grow one poll later, so the members' ballot epochs of one step differ and no switch-over is ever agreed
+        (seen beside 2 CPU hogs: 448 polls, then the newcomers' deadline). Its vote here means it joined this attempt.
+        """
+        deadline, pause = time.monotonic() + self.timeout_s, 0.001
+        while True:
+            votes, decided = self._ballot.read(list(peers), epoch)
+            pending = set(peers) - set(votes) - set(self.buffer.dead_peers())
+            if decided is not None or not pending or time.monotonic() >= deadline:
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
 
     def _finish(self, reason: str) -> None:
         """The grow failed: give up this member's build (never waited for: one still blocked on a dead peer is
