@@ -318,6 +318,19 @@ def rank_leader_killed(ctx, decision, leader_pid, marker):
     return result
 
 
+def _quorum_back(etcd, host_a, phase, what):
+    """Wait until both running members answer /health (which needs a leader), then print how long it took.
+
+    The quorum back means a leader again: the resumed member and the one left hold an election first, seconds on a
+    loaded box, and a phase started at once met it with its 4 s store deadlines (CI beside 2 CPU hogs: the online
+    EPLB commit's vote read). Each phase is asked of a store that answers; the phases without a quorum test the
+    deadlines. (Once rank 0's own vote, before it stopped a member, also ran out of its 4 s, with admission and
+    rounds done through the store just before: if that recurs after this wait, the store was slow, not electing.)"""
+    since = time.monotonic()
+    etcd.wait_healthy([i for i in range(NUM_HOSTS) if i != host_a], 30.0)
+    phase(f"{what} (a leader after {time.monotonic() - since:.1f} s)")
+
+
 @pytest.mark.parametrize("host_a", [0, 1], ids=["rank0-and-leader", "leader-not-rank0"])
 def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a, tmp_path):
     dead_ranks = [r for r in range(R) if RANK_HOSTS[r] == host_a]
@@ -360,6 +373,7 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a, tmp_path):
             assert elapsed <= QUORUM_DEADLINE_S + LATE_S, (elapsed, message)
             assert (outcome, layout) == ("refused", "ep") and f"ranks {dead_ranks} are dead" in reason, reason
         phase("quorum window")
+        _quorum_back(etcd, host_a, phase, "quorum back after the window")
         for rank in dead_ranks:  # host A back without its etcd member: the replacements use the two left
             cluster.respawn(rank)
         views = [outcome_value(o) for o in cluster.run(rank_admit, dead_ranks, timeout_s=120)]
@@ -367,6 +381,7 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a, tmp_path):
         assert all(outcome_value(o) for o in cluster.run(rank_full_rounds, timeout_s=120))
         phase("admitted, full rounds")
         assert all(outcome_value(o) == [] for o in cluster.run(rank_rebalance_begin, timeout_s=120))
+        _quorum_back(etcd, host_a, phase, "the store answers before the stop")  # rank 0's vote goes in first
         stopped = next(i for i in range(NUM_HOSTS) if i not in (host_a, etcd.leader()))  # rank 0 stops it
         try:
             failures = [outcome_value(o) for o in cluster.run(rank_rebalance_stalled, etcd.processes[stopped].pid,
@@ -382,12 +397,7 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a, tmp_path):
         print(f"online EPLB commit without quorum: StoreUnavailable after {[round(f[0], 2) for f in failures]} s "
               f"(timeout_us {TIMEOUT_US / 1e6} s): {failures[0][2]}; switch_layout: StoreUnavailable after "
               f"{[round(f[3][0], 2) for f in failures]} s (timeout_us {SWITCH_QUORUM_US / 1e6} s)")
-        # The quorum back means a leader again: the resumed member and the one left hold an election first (seconds
-        # on a loaded box, past the commit's 4 s vote deadline once: CI, 2 CPU hogs). The commit is asked of a store
-        # that answers again; its deadline without one is the stalled phase above.
-        quorum_since = time.monotonic()
-        etcd.wait_healthy([i for i in range(NUM_HOSTS) if i != host_a], 30.0)
-        phase(f"quorum back (a leader after {time.monotonic() - quorum_since:.1f} s)")
+        _quorum_back(etcd, host_a, phase, "quorum back")
         rebalanced = [outcome_value(o) for o in cluster.run(rank_rebalance_commit, timeout_s=120)]
         for rank, result in enumerate(rebalanced):
             assert result["before"] == ([1, 1], {1: None}), (rank, result)  # rank 0's GO in, nobody decided
