@@ -186,12 +186,20 @@ def rank_newcomer_deadline(ctx, gave_up):
     return out
 
 
-def test_a_newcomer_past_its_deadline_fails_the_grow_and_joins_the_next_attempt():
+def _grown_everywhere(rank_fn, name):
+    """Run `rank_fn(ctx, key)` on the R1 ranks (`key`: this run's own store key) and check that they all serve one
+    grown group of R1 ranks from one agreed step; every rank's value."""
     import uuid
 
-    outs = harness.run(R1, rank_newcomer_deadline, f"grow-deadline/{uuid.uuid4().hex}", timeout_s=150)
+    outs = harness.run(R1, rank_fn, f"{name}/{uuid.uuid4().hex}", timeout_s=150)
     for rank, out in enumerate(outs):
         assert (out["members"], out["num_ranks"], out["step"]) == (list(range(R1)), R1, outs[0]["step"]), (rank, out)
+    return outs
+
+
+def test_a_newcomer_past_its_deadline_fails_the_grow_and_joins_the_next_attempt():
+    outs = _grown_everywhere(rank_newcomer_deadline, "grow-deadline")
+    for rank, out in enumerate(outs):
         if rank < R0:  # told at their first poll (no switch to a group whose newcomers left), then one more attempt
             assert out["first"].startswith("grow to 5 ranks failed (newcomer rank "), (rank, out["first"])
             assert "switch-over step (attempt " in out["first"] and "nothing changed" in out["first"], out["first"]
@@ -262,11 +270,7 @@ def rank_member_late(ctx, refused):
 
 
 def test_a_member_late_to_a_failing_grow_raises_at_the_same_poll_and_the_next_attempt_switches():
-    import uuid
-
-    outs = harness.run(R1, rank_member_late, f"grow-late/{uuid.uuid4().hex}", timeout_s=150)
-    for rank, out in enumerate(outs):
-        assert (out["members"], out["num_ranks"], out["step"]) == (list(range(R1)), R1, outs[0]["step"]), (rank, out)
+    for rank, out in enumerate(_grown_everywhere(rank_member_late, "grow-late")):
         if rank < R0:  # LATE too: the same poll, newcomer 4's refusal named
             assert [s for s, _ in out["refusals"]] == [1], (rank, out["refusals"])
             assert "newcomer rank 4 refused: num_ep_buffer_bytes" in out["refusals"][0][1], out["refusals"]
