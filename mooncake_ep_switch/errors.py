@@ -14,7 +14,8 @@ Buffer is gone", or one family below. Each class also keeps the builtin base it 
     ├── PeerLost (RuntimeError)          a collective failed because a peer of the group is gone
     ├── StoreUnavailable (TimeoutError)  the group's store did not answer by the operation's deadline
     ├── StoreRefused (RuntimeError)      the group's store (an etcd cluster) refused a request
-    └── PeerBusy (ConnectionError)       a transfer refused: abandoned transfers with that peer may still land
+    ├── PeerBusy (ConnectionError)       a transfer refused: abandoned transfers with that peer may still land
+    └── SlotsNotLoaded (RuntimeError)    a peer's expert slots are not loaded yet: nothing was read from them
 
 This module imports nothing of the package: every room may raise these.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 from typing import Sequence
 
 __all__ = ["MooncakeEpError", "BufferDestroyed", "MembershipError", "LeftOut", "SwitchError", "SwitchFenced",
-           "PeerLost", "PeerBusy", "StoreUnavailable", "StoreRefused"]
+           "PeerLost", "PeerBusy", "StoreUnavailable", "StoreRefused", "SlotsNotLoaded"]
 
 
 class MooncakeEpError(Exception):
@@ -105,3 +106,17 @@ class PeerBusy(MooncakeEpError, ConnectionError):
     over local memory reused since), so nothing more goes to that peer, and no read lands in those
     bytes, until the engine has finished or failed every one of them (`TeEndpoint.abandoned_with`,
     `wait_reaped`)."""
+
+
+class SlotsNotLoaded(MooncakeEpError, RuntimeError):
+    """A peer's expert slots hold no weights yet (it has not finished `ExpertSlots.load`, or the copies
+    of a grow or a replacement's restore): its frame table says so, and nothing was read from its
+    frames. A rebalance staging from it waits for it, up to its deadline (`eplb/online.py`).
+
+    Attributes:
+        rank: the peer whose slots are not loaded.
+    """
+
+    def __init__(self, message: str, rank: int = -1):
+        super().__init__(message)
+        self.rank = rank

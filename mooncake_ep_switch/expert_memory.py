@@ -130,6 +130,7 @@ class ExpertMemory:
                     # device copies from the peers' memory have landed before anyone is told (a rebalance
                     # may then reuse a frame this rank read from)
                     fence(self.slots.device, timeout_us / 1e6 if timeout_us > 0 else DRAIN_TIMEOUT_S)
+                    self.slots.mark_loaded()  # peers may stage from these slots from now on
                     total = self.unified.num_layers * slot_shape.slots_per_rank
                     counts = (total - len(missing), len(missing))
                 else:

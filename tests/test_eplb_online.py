@@ -29,7 +29,7 @@ def _initial_phy2log():
     return np.asarray([rows] * LAYERS, dtype=np.int64)
 
 
-def _setup(ctx, spare_frames=SLOTS_PER_RANK, transport="shm", timeout_us=TIMEOUT_US):
+def _setup(ctx, spare_frames=SLOTS_PER_RANK, transport="shm", timeout_us=TIMEOUT_US, load=True):
     from mooncake_ep_switch import Buffer
     from mooncake_ep_switch.eplb.online import OnlineRebalancer
     from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
@@ -40,7 +40,8 @@ def _setup(ctx, spare_frames=SLOTS_PER_RANK, transport="shm", timeout_us=TIMEOUT
     weights = [random_weights(EXPERTS, HIDDEN, INTER, seed=100 + layer) for layer in range(LAYERS)]
     slots = ExpertSlots(buffer, SlotShape(LAYERS, EXPERTS, SLOTS_PER_RANK, HIDDEN, INTER), _initial_phy2log(),
                         spare_frames=spare_frames)
-    slots.load(weights)
+    if load:
+        slots.load(weights)
     rebalancer = OnlineRebalancer(slots, timeout_us=timeout_us, frames_per_step=1)
     return buffer, weights, slots, rebalancer
 
@@ -403,6 +404,62 @@ def test_begin_with_different_targets_is_refused_by_name_and_the_next_rebalance_
             (rank, result["second"])
         assert result["placement_is_target"] and result["frames_ok"], f"rank {rank}"
         assert result["free_frames"] == 1 and not result["in_progress"], f"rank {rank}"
+
+
+LOADER, LATE = 0, 1  # the rank whose move reads a copy only LATE holds; the rank that loads late or never
+
+
+def rank_holder_loads_late(ctx, marker, late_load):
+    """Loading is not collective: rank LOADER begins a rebalance whose move reads expert 3 (held by rank
+    LATE only) while LATE has not loaded its slots (it waits for `marker`, written once LOADER's pre-commit
+    step ran; then loads, or never with `late_load` False). Per rank: the reports, whether the placement is
+    the target, and whether its frames hold the checkpoint's weights (None on a rank that never loaded)."""
+    import time
+
+    buffer, weights, slots, rebalancer = _setup(ctx, load=ctx.rank != LATE)
+    target = slots.phy2log.copy()
+    target[:, LOADER * SLOTS_PER_RANK + 2] = 3  # LOADER's redundant copy of expert 2 -> expert 3 (LATE's only)
+    if ctx.rank == LATE:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker):
+            assert time.monotonic() < deadline, "rank LOADER never ran its pre-commit step"
+            time.sleep(0.005)
+        if late_load:
+            slots.load(weights)
+    rebalancer.begin(target, commit_step=2)
+    reports = rebalancer.step(1)  # LOADER: its move's holder has not loaded: nothing is read
+    if ctx.rank == LOADER:
+        open(marker, "w").close()
+    reports += rebalancer.step(2)
+    result = {"reports": [(r.epoch, r.outcome, r.reason) for r in reports],
+              "placement_is_target": bool(np.array_equal(slots.phy2log, target)),
+              "frames_ok": _frames_match_checkpoint(slots, weights) if ctx.rank != LATE or late_load else None,
+              "free_frames": len(slots.free_frames)}
+    dist.barrier(group=ctx.group)  # nobody unmaps its slots while a peer may still read them
+    slots.destroy()
+    buffer.destroy()
+    return result
+
+
+@pytest.mark.parametrize("late_load", [True, False], ids=["loads-after-the-first-step", "never-loads"])
+def test_a_holder_that_has_not_loaded_its_slots_is_never_read(tmp_path, late_load):
+    """A rank's staging never copies from a holder whose frames hold no weights yet: on the old code rank
+    LOADER copied LATE's zeroed frame and committed it (silently wrong weights; seen in CI as
+    test_etcd_ballots' frames check). Now the move waits: it stages at the commit step once LATE loaded
+    and commits bit-exact, or, LATE never loading, every rank aborts at the deadline, LOADER naming LATE."""
+    results = harness.run(R, rank_holder_loads_late, str(tmp_path / "staged"), late_load, timeout_s=90)
+    for rank, result in enumerate(results):
+        if late_load:
+            assert result["reports"] == [(1, "committed", "")], (rank, result)
+            assert result["placement_is_target"] and result["frames_ok"], (rank, result)
+        else:
+            assert [r[:2] for r in result["reports"]] == [(1, "aborted")], (rank, result)
+            assert not result["placement_is_target"], (rank, result)
+            assert result["frames_ok"] is (None if rank == LATE else True), (rank, result)
+        assert result["free_frames"] == SLOTS_PER_RANK, (rank, result)  # the staged frame back on abort or freed
+    if not late_load:
+        reason = results[LOADER]["reports"][0][2]
+        assert "staging failed on rank 0" in reason and "rank 1's expert slots are not loaded yet" in reason, reason
 
 
 def rank_diverged_epochs(ctx, behind, ahead):

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence
 from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
 from mooncake_ep_switch.faults import FaultPoint
 
@@ -164,7 +163,8 @@ def grow_slots(buffer, shape: SlotShape, phy2log, old_num_ranks: int, current: O
                 gate_up.copy_(src_gate_up)
                 down.copy_(src_down)
                 copied += 1
-    fence(slots.device, DRAIN_TIMEOUT_S)  # device frames: the copies landed (as `ExpertSlots.load`) ...
+    if member:
+        slots.mark_loaded()  # fenced: the copies landed (as `ExpertSlots.load`) ...
     dist.barrier(group=buffer.group)  # ... on every member before a newcomer reads them
     if not member:
         fault = FaultPoint.parse(buffer.settings.fault_point)  # test-only (None unless MEP_FAULT_POINT is set)
@@ -195,5 +195,6 @@ def grow_slots(buffer, shape: SlotShape, phy2log, old_num_ranks: int, current: O
                 gate_up.reshape(-1).view(torch.uint8).copy_(region[at_gate_up:at_gate_up + slots.gate_up_bytes])
                 down.reshape(-1).view(torch.uint8).copy_(region[at_down:at_down + slots.down_bytes])
                 copied += 1
-    fence(slots.device, DRAIN_TIMEOUT_S)  # a newcomer's frames too, before the grow's closing barrier
+    if not member:
+        slots.mark_loaded()  # a newcomer's frames too (fenced), before the grow's closing barrier
     return GrownSlots(slots, copied, loaded)

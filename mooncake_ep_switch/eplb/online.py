@@ -12,7 +12,10 @@ copy in the *old* placement into one of this rank's free frames. The holder is t
 has a copy, else the least-used holder of this host (a copy through the shared mapping), else the
 least-used holder on another host (one-sided Transfer Engine reads of its frame-table entry and
 frame, `ExpertSlots.read_remote_frame`; ranks of several hosts, the `"mooncake"` transport).
-Nothing that serves is written: dispatch/combine keep running on the old placement.
+Nothing that serves is written: dispatch/combine keep running on the old placement. A holder whose
+slots are not loaded yet (`ExpertSlots.load` has not finished there: loading is not collective) is
+never read: its move waits for a later step, and at the commit step for the holder, up to
+`timeout_us` (past it this rank votes ABORT, naming the holder).
 
 Commit (at the chunk's commit step, before the step's forward). A rank finishes its staging (the
 only stall, bounded by `frames_per_step` having done most of it), then publishes its vote with the
@@ -55,12 +58,15 @@ from mooncake_ep_switch.eplb import epochs
 from mooncake_ep_switch.eplb.coverage import check_live_target, load_frame
 from mooncake_ep_switch.eplb.live import alive_ranks
 from mooncake_ep_switch.eplb.slots import ExpertSlots, check_phy2log
+from mooncake_ep_switch.errors import SlotsNotLoaded
 from mooncake_ep_switch.faults import FaultPoint
 
 GO, ABORT = 1, 2
 DECIDE_COMMIT, DECIDE_ABORT = 1, 2
 COMMITTED = "committed"
 ABORTED = "aborted"
+
+_NOT_LOADED_POLL_S = 0.01  # the commit step's retry of a source whose slots are still loading
 
 log = logging.getLogger("mooncake_ep_switch.eplb")
 
@@ -367,11 +373,16 @@ class OnlineRebalancer:
     def _read_timeout_s(self) -> float:
         return 30.0 if self.timeout_us < 0 else max(0.05, self.timeout_us / 1e6)
 
-    def _stage(self, staging: _Staging, budget: int, active: Optional[np.ndarray] = None) -> None:
+    def _stage(self, staging: _Staging, budget: int, active: Optional[np.ndarray] = None,
+               wait_s: Optional[float] = None) -> None:
+        """Stage up to `budget` moves of `staging`. A source whose slots are not loaded yet (`SlotsNotLoaded`:
+        nothing was read) stops this step's staging (None `wait_s`, a step before the commit) or is tried
+        again until it is loaded, up to `wait_s` seconds (the commit step; past it the chunk aborts)."""
         if staging.error:
             return
         slots = self.slots
         started = time.perf_counter()
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         moves = staging.chunk.moves
         try:
             while staging.next_move < moves.shape[0] and budget > 0:
@@ -379,23 +390,37 @@ class OnlineRebalancer:
                 src_rank, src_slot = self._source(layer, expert, active)
                 frame = slots.take_free_frame()
                 staging.frames.append(frame)
-                if src_rank < 0:  # no live copy anywhere: the checkpoint
-                    load_frame(slots, self._loader, frame, layer, expert)
-                    staging.loaded_bytes += slots.frame_bytes
-                elif slots.is_mapped(src_rank):
-                    blocks, src_range = slots.source_blocks(frame, src_rank, layer, src_slot)
-                    copy_blocks(blocks, slots.region_range(slots.rank), src_range, slots.device)
-                else:  # a holder on another host: one-sided Transfer Engine reads
-                    slots.read_remote_frame(frame, src_rank, layer, src_slot, self._read_timeout_s())
-                    staging.te_bytes += slots.frame_bytes
-                staging.moved_bytes += slots.frame_bytes
-                if 0 <= src_rank != slots.rank:
-                    staging.remote_bytes += slots.frame_bytes
+                try:
+                    self._copy(staging, frame, layer, expert, src_rank, src_slot)
+                except SlotsNotLoaded as error:  # nothing was read into the frame: it is free again
+                    slots.free_frames.append(staging.frames.pop())
+                    if deadline is None:
+                        break
+                    if time.monotonic() >= deadline:
+                        raise SlotsNotLoaded(f"{error} within {wait_s:g} s", error.rank) from None
+                    time.sleep(_NOT_LOADED_POLL_S)
+                    continue
                 staging.next_move += 1
                 budget -= 1
         except Exception as error:  # a staging failure votes ABORT; nothing that serves was touched
             staging.error = f"staging failed on rank {slots.rank}: {error}"
         staging.stage_ms += (time.perf_counter() - started) * 1e3
+
+    def _copy(self, staging: _Staging, frame: int, layer: int, expert: int, src_rank: int, src_slot: int) -> None:
+        """Copy `expert` of `layer` into this rank's `frame` from (`src_rank`, `src_slot`) or the loader (-1)."""
+        slots = self.slots
+        if src_rank < 0:  # no live copy anywhere: the checkpoint
+            load_frame(slots, self._loader, frame, layer, expert)
+            staging.loaded_bytes += slots.frame_bytes
+        elif slots.is_mapped(src_rank):
+            blocks, src_range = slots.source_blocks(frame, src_rank, layer, src_slot)
+            copy_blocks(blocks, slots.region_range(slots.rank), src_range, slots.device)
+        else:  # a holder on another host: one-sided Transfer Engine reads
+            slots.read_remote_frame(frame, src_rank, layer, src_slot, self._read_timeout_s())
+            staging.te_bytes += slots.frame_bytes
+        staging.moved_bytes += slots.frame_bytes
+        if 0 <= src_rank != slots.rank:
+            staging.remote_bytes += slots.frame_bytes
 
     def _commit(self, staging: _Staging, step: int, active_ranks: Optional[torch.Tensor]) -> RebalanceReport:
         slots = self.slots
@@ -408,7 +433,7 @@ class OnlineRebalancer:
                 raise ValueError(f"active_ranks: expected a [{slots.num_ranks}] torch.int32 tensor, got "
                                  f"{getattr(active_ranks, 'shape', type(active_ranks).__name__)}")
             active = active_ranks.cpu().numpy().copy()
-        self._stage(staging, chunk.moves.shape[0], active)
+        self._stage(staging, chunk.moves.shape[0], active, wait_s=self._read_timeout_s())
         if not staging.error:
             try:  # a GO says this rank's frames are complete: device copies must have landed
                 fence(slots.device, self._read_timeout_s())

@@ -13,7 +13,8 @@ the host):
 
     [0, 4096)                     control page: [0, 8) receives a peer's frame-table entry read
                                   over the Transfer Engine; the rest is unused
-    [4096, 4096 + table_bytes)    frame table, int32 `[L, slots_per_rank]` (read by peers)
+    [4096, 4096 + table_bytes)    frame table, int32 `[L, slots_per_rank]` (read by peers); every entry
+                                  -2 until this rank's frames hold its weights (`mark_loaded`)
     gate/up of every frame        `[num_frames, 2I, H]` bf16
     down of every frame           `[num_frames, H, I]` bf16
 
@@ -23,6 +24,13 @@ Buffer's Transfer Engine and its address published with the peer regions (buffer
 a peer on another host reads the table entry and then the frame one-sided over the engine
 (`read_remote_frame`). Every frame id read from a peer is checked against the frame count before
 it becomes an address, and every range against both regions' bounds.
+
+Loaded before read. Construction is collective, loading is not: a peer that has mapped this rank's
+region may stage from it while this rank is still loading. So the table a peer reads says "not
+loaded" (-2 in every entry) until this rank's frames hold its weights (`load`, or the copies of a
+grow or a replacement's restore, which then call `mark_loaded`); a read of such a table raises
+`SlotsNotLoaded` before any byte of a frame is read, and a rebalance waits for that peer instead
+of copying what its frames held before (zeros).
 
 The votes and decisions of the online rebalance live in the job's store (`buffer.ballot`), one
 `Ballot` per slots, created here because its keys are named by the slots' participant index.
@@ -46,11 +54,13 @@ from mooncake_ep_switch.checks import check_int
 from mooncake_ep_switch.eplb._convert import as_indices
 from mooncake_ep_switch.eplb.coverage import CoverageWatch
 from mooncake_ep_switch.buffer.ballot import Ballot
+from mooncake_ep_switch.errors import SlotsNotLoaded
 from mooncake_ep_switch.eplb.policy.tables import expert_counts
 
 CONTROL_BYTES = 4096
 _TE_SCRATCH = 0  # control-page offset where a table entry read over the Transfer Engine lands
 _PAGE = 4096
+_NOT_LOADED = -2  # every frame-table entry until `mark_loaded` (a primary's entry is -1 once loaded)
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -223,6 +233,7 @@ class ExpertSlots:
         self.frame_of[:, self.num_primary:] = np.arange(num_layers * self.num_redundant).reshape(num_layers, -1)
         self.free_frames: List[int] = list(range(num_layers * self.num_redundant, self.num_frames))
         self.version = 0 if joined is None else joined["version"]  # advanced at every committed placement change
+        self.loaded = False  # the frames hold this rank's weights (`mark_loaded`); peers read -2 until then
         self.publish_table()
         self.coverage = CoverageWatch(self, buffer if events is None else events)  # eplb.coverage's events
 
@@ -312,7 +323,19 @@ class ExpertSlots:
                 gate_up, down = self.expert(index, local_slot)
                 gate_up.copy_(weights.gate_up[expert])
                 down.copy_(weights.down[expert])
+        self.mark_loaded()
+
+    def mark_loaded(self) -> None:
+        """Tell peers this rank's frames hold its weights: they may read them from now on.
+
+        `load` calls it; call it yourself only after filling every frame another way (the copies of
+        `eplb.grow_slots` and of a replacement's restore do). Until then the frame table peers read
+        says "not loaded" and a rebalance staging from this rank waits for it (`SlotsNotLoaded`).
+        With primaries, load the unified weights first: peers read them once this is called.
+        """
         fence(self.device, DRAIN_TIMEOUT_S)  # device frames: loaded before any peer can stage from them
+        self.loaded = True
+        self.publish_table()
 
     def take_free_frame(self) -> int:
         """Take a free frame for staging: one that no abandoned Transfer Engine read may still land in.
@@ -342,11 +365,24 @@ class ExpertSlots:
 
     # ------------------------------------------------------------------ frame tables
     def publish_table(self) -> None:
-        """Write this rank's frame table where peers read it."""
+        """Write this rank's frame table where peers read it (every entry "not loaded" before `mark_loaded`)."""
         per_rank = self.shape.slots_per_rank
         count = self.shape.num_layers * per_rank
         view = self.region.local[self.table_offset:self.table_offset + 4 * count].view(torch.int32)
-        view.copy_(torch.from_numpy(self.frame_of.reshape(-1).astype(np.int32)))
+        table = self.frame_of.reshape(-1) if self.loaded else np.full(count, _NOT_LOADED)
+        view.copy_(torch.from_numpy(table.astype(np.int32)))
+
+    def _not_loaded(self, rank: int) -> SlotsNotLoaded:
+        return SlotsNotLoaded(f"rank {rank}'s expert slots are not loaded yet (its frame table says so: "
+                              "ExpertSlots.load has not finished there); nothing was read from its frames", rank)
+
+    def _check_peer_loaded(self, rank: int) -> None:
+        """Raise `SlotsNotLoaded` unless mapped `rank` published its table after loading (its first entry)."""
+        if rank != self.rank and int(self.region.peer(rank)[self.table_offset:self.table_offset + 4]
+                                     .view(torch.int32)[0]) == _NOT_LOADED:
+            raise self._not_loaded(rank)
+        if rank == self.rank and not self.loaded:
+            raise self._not_loaded(rank)
 
     def peer_frame(self, rank: int, layer: int, local_slot: int, timeout_s: float = 30.0) -> int:
         """Frame of `rank`'s slot (`layer`, `local_slot`), read from its table and bounds-checked.
@@ -365,12 +401,15 @@ class ExpertSlots:
         Raises:
             ValueError: `local_slot` is a primary (lives in the unified weights, not a frame), or the
                 peer's table names a frame outside `[0, num_frames)`.
+            SlotsNotLoaded: `rank`'s table says its slots are not loaded yet.
             RuntimeError: `rank` is neither mapped nor reached over the Transfer Engine.
             ConnectionError / TimeoutError: the Transfer Engine read failed or missed its deadline.
         """
         if local_slot < self.num_primary:
             raise ValueError(f"local_slot: {local_slot} is a primary (in the unified weights), not a frame")
         if rank == self.rank:
+            if not self.loaded:
+                raise self._not_loaded(rank)
             return int(self.frame_of[layer, local_slot])
         index = layer * self.shape.slots_per_rank + local_slot
         at = self.table_offset + 4 * index
@@ -381,6 +420,8 @@ class ExpertSlots:
             scratch.view(torch.int32)[0] = -1
             self.region.read_peer(rank, [(_TE_SCRATCH, at, 4)], timeout_s)
             value = int(scratch.view(torch.int32)[0])
+        if value == _NOT_LOADED:
+            raise self._not_loaded(rank)
         if not 0 <= value < self.num_frames:
             raise ValueError(f"rank {rank}'s frame table names frame {value} for layer {layer} slot {local_slot}; "
                              f"expected a frame in [0, {self.num_frames})")
@@ -424,6 +465,7 @@ class ExpertSlots:
 
         Raises:
             ValueError: a bad frame id (`dst_frame`, or one in `src_rank`'s table).
+            SlotsNotLoaded: `src_rank`'s slots are not loaded yet (nothing was read).
             RuntimeError: `src_rank` is not reached over the Transfer Engine.
             ConnectionError / TimeoutError: a read failed or missed the deadline (the frame is then
                 partly written: it is a free frame, nothing serves from it).
@@ -460,6 +502,7 @@ class ExpertSlots:
 
         Raises:
             ValueError: a bad frame id in `src_rank`'s table (see `peer_frame`).
+            SlotsNotLoaded: `src_rank`'s slots are not loaded yet.
             RuntimeError: the primaries are not serving in the EP layout, or `src_rank`'s region is not mapped.
         """
         dst_base = self.region.peer_bases[self.rank]
@@ -467,6 +510,7 @@ class ExpertSlots:
             from mooncake_ep_switch.switch.unified_weights import EP
 
             self._check_primaries_serving()
+            self._check_peer_loaded(src_rank)
             unified = self.primaries
             base = unified.peer_slot_base(src_rank, unified.slot_of(layer, EP))
             sources = (base + src_slot * self.gate_up_bytes,
