@@ -21,8 +21,10 @@ Buffer's peer regions, the same on every rank and for a replacement):
     done/<e>             summary or "1"          set by the vote that completes the tally (a summary: every
                                                  rank's vote on `e` as `read` reads it, grouped by vote and
                                                  digest), by an ABORT vote ("1"), and where absent by the
-                                                 proposal that decides `e` and by a voter that stops
-                                                 waiting: what a waiting voter waits for
+                                                 proposal that decides `e` (an ABORT's: a summary, its
+                                                 proposer may vote on a later epoch before a slow voter
+                                                 reads) and by a voter that stops waiting: what a waiting
+                                                 voter waits for
 
 Store operations per vote are O(1) per rank: a rank creates its own vote key only (an absent vote
 key reads as the initial all-zero record), and while it waits for the others it makes one wait on
@@ -367,7 +369,12 @@ class Ballot:
                 break
             raw = self.store.compare_set(key, expected, desired)
             if wake and self._votes and epoch not in self._woken and raw.decode(errors="replace") == desired:
-                self.store.compare_set(f"done/{epoch}", "", "1")  # decided: wake the voters still waiting
+                # Decided: wake the voters still waiting. An ABORT wakes them with the votes as stored now, so a
+                # voter woken after a peer moved on to a later epoch (its vote record replaced) still reads that
+                # peer's vote on this one (e.g. another digest, the reason worth naming).
+                done = f"done/{epoch}"
+                wake_with = "1" if decision == 1 else self._records.encode_record(done, self._summary(epoch))
+                self.store.compare_set(done, "", wake_with)
         raise RuntimeError(f"{self.what}: the decision slot {self._records.prefix}/{key} of epoch {epoch} holds "
                            f"{bytes(raw[:40])!r} and could not be replaced: something other than this job's ranks "
                            "writes it")
