@@ -462,6 +462,58 @@ def test_a_holder_that_has_not_loaded_its_slots_is_never_read(tmp_path, late_loa
         assert "staging failed on rank 0" in reason and "rank 1's expert slots are not loaded yet" in reason, reason
 
 
+class _PrefaultAfter:
+    """`slots._native` on rank LATE: its constructor's prefault of the peers' regions (after they were mapped,
+    before the rest of the constructor ran) waits until `marker` exists."""
+
+    def __init__(self, native, marker):
+        self._native, self._marker = native, marker
+
+    def prefault(self, *args):
+        import time
+
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self._marker):
+            assert time.monotonic() < deadline, "rank LOADER never read LATE's table"
+            time.sleep(0.005)
+        return self._native.prefault(*args)
+
+
+def rank_table_read_while_the_holder_is_built(ctx, marker):
+    """Rank LATE stalls in its ExpertSlots constructor once the peers mapped its region; rank LOADER, built,
+    reads LATE's frame table then (what a rebalance's staging would read). Returns what it read on LOADER."""
+    from mooncake_ep_switch import SlotsNotLoaded
+    from mooncake_ep_switch.eplb import slots as slots_module
+
+    if ctx.rank == LATE:
+        slots_module._native = _PrefaultAfter(slots_module._native, marker)
+    try:
+        buffer, weights, slots, _ = _setup(ctx)
+    finally:
+        slots_module._native = getattr(slots_module._native, "_native", slots_module._native)
+    read = None
+    if ctx.rank == LOADER:
+        try:
+            read = slots.peer_frame(LATE, 0, 2)
+        except SlotsNotLoaded as error:
+            read = f"not loaded: rank {error.rank}"
+        open(marker, "w").close()
+    dist.barrier(group=ctx.group)
+    after = slots.peer_frame(LATE, 0, 2) if ctx.rank == LOADER else None  # LATE loaded: its frame now
+    slots.destroy()
+    buffer.destroy()
+    return read, after
+
+
+def test_a_holders_table_reads_not_loaded_from_the_moment_peers_map_it(tmp_path):
+    """The table says "not loaded" before the region is shared: on the first version of the fix it was published
+    at the end of the constructor, so a peer that read it in between (LATE slow in its prefault) read a zeroed
+    table, frame 0, and would have staged its zeros."""
+    results = harness.run(R, rank_table_read_while_the_holder_is_built, str(tmp_path / "read"), timeout_s=90)
+    # Once LATE loaded: the frame of its layer-0 slot 2 (every slot in a frame, layer 0's are frames 0-2).
+    assert results[LOADER] == (f"not loaded: rank {LATE}", 2), results[LOADER]
+
+
 def rank_diverged_epochs(ctx, behind, ahead):
     """Chunk epochs diverged before a rebalance (a rank's count set back or forward, as a replacement
     given a wrong `epoch` would have): a rank behind numbers like its peers at once; a rank ahead

@@ -14,7 +14,7 @@ least-used holder on another host (one-sided Transfer Engine reads of its frame-
 frame, `ExpertSlots.read_remote_frame`; ranks of several hosts, the `"mooncake"` transport).
 Nothing that serves is written: dispatch/combine keep running on the old placement. A holder whose
 slots are not loaded yet (`ExpertSlots.load` has not finished there: loading is not collective) is
-never read: its move waits for a later step, and at the commit step for the holder, up to
+never read: its move waits for a later step, and at the commit step for the holder, up to half of
 `timeout_us` (past it this rank votes ABORT, naming the holder).
 
 Commit (at the chunk's commit step, before the step's forward). A rank finishes its staging (the
@@ -394,6 +394,8 @@ class OnlineRebalancer:
                     self._copy(staging, frame, layer, expert, src_rank, src_slot)
                 except SlotsNotLoaded as error:  # nothing was read into the frame: it is free again
                     slots.free_frames.append(staging.frames.pop())
+                    if 0 <= src_rank != slots.rank:
+                        self._holder_use[src_rank] -= 1  # not used: `_source` counted it
                     if deadline is None:
                         break
                     if time.monotonic() >= deadline:
@@ -433,7 +435,9 @@ class OnlineRebalancer:
                 raise ValueError(f"active_ranks: expected a [{slots.num_ranks}] torch.int32 tensor, got "
                                  f"{getattr(active_ranks, 'shape', type(active_ranks).__name__)}")
             active = active_ranks.cpu().numpy().copy()
-        self._stage(staging, chunk.moves.shape[0], active, wait_s=self._read_timeout_s())
+        # A holder still loading is waited for half the vote's deadline: this rank's ABORT naming it then reaches
+        # the peers before their own wait for its vote ends (they would abort with "did not vote" instead).
+        self._stage(staging, chunk.moves.shape[0], active, wait_s=self._read_timeout_s() / 2)
         if not staging.error:
             try:  # a GO says this rank's frames are complete: device copies must have landed
                 fence(slots.device, self._read_timeout_s())

@@ -211,6 +211,12 @@ class ExpertSlots:
         nbytes = self.down_offset + self.num_frames * self.down_bytes
         self.device = peer_regions.memory_device(buffer)  # the frames' CUDA device ("cuda"), None: host memory
         self.region = new_region(self.group, self.rank, self.num_ranks, nbytes, self.device)
+        self.frame_of = np.full((num_layers, per_rank), -1, dtype=np.int64)  # -1: a primary (not in a frame)
+        self.frame_of[:, self.num_primary:] = np.arange(num_layers * self.num_redundant).reshape(num_layers, -1)
+        self.free_frames: List[int] = list(range(num_layers * self.num_redundant, self.num_frames))
+        self.loaded = False  # the frames hold this rank's weights (`mark_loaded`); peers read -2 until then
+        # "Not loaded" before any peer maps the region (`register` below): its zeroed table would name frame 0.
+        self.publish_table()
         self._registry = getattr(buffer, "peer_regions", None)
         self.te_reads = 0  # frames staged from another host over the Transfer Engine
         # [L] top-k entries eplb.serving lost (expert on no live copy), cumulative: diff it per step
@@ -229,12 +235,7 @@ class ExpertSlots:
         self._gate_up = local[self.frames_offset:self.down_offset].view(torch.bfloat16).view(
             self.num_frames, 2 * inter, hidden)
         self._down = local[self.down_offset:nbytes].view(torch.bfloat16).view(self.num_frames, hidden, inter)
-        self.frame_of = np.full((num_layers, per_rank), -1, dtype=np.int64)  # -1: a primary (not in a frame)
-        self.frame_of[:, self.num_primary:] = np.arange(num_layers * self.num_redundant).reshape(num_layers, -1)
-        self.free_frames: List[int] = list(range(num_layers * self.num_redundant, self.num_frames))
         self.version = 0 if joined is None else joined["version"]  # advanced at every committed placement change
-        self.loaded = False  # the frames hold this rank's weights (`mark_loaded`); peers read -2 until then
-        self.publish_table()
         self.coverage = CoverageWatch(self, buffer if events is None else events)  # eplb.coverage's events
 
     # ------------------------------------------------------------------ placement
