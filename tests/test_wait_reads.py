@@ -82,15 +82,20 @@ def test_a_tally_with_another_digest_is_left_undecided_for_the_ranks_to_abort(gr
     assert ballots[0].propose(1, 2) == 2 and ballots[3].propose(1, COMMIT) == 2  # the first proposal stored wins
 
 
-def test_a_voter_woken_after_an_abort_reads_the_proposers_vote_although_it_went_on_to_the_next_epoch(group):
-    """Rank 0 votes on epoch 1 with another digest, decides ABORT and votes on epoch 2 (its record replaced) before
-    rank 1's wait reads: rank 1 still reads rank 0's vote on epoch 1 (the ABORT woke it with the votes), so it can
-    name the other digest (a shrink's "two shrinks at once") instead of "went on to a later attempt"."""
-    ballots = [Ballot(m, "eplb/wr3", r, 4, what="shrink") for r, m in enumerate(group.members)]
+@pytest.mark.parametrize("woken_by", ["abort-proposal", "stopped-wait"])
+def test_a_voter_woken_after_an_abort_reads_the_proposers_vote_although_it_went_on_to_the_next_epoch(group, woken_by):
+    """Rank 0 votes on epoch 1 with another digest, decides ABORT (at once, or after its wait stopped for a dead
+    voter, rank 2: the shrink test's case) and votes on epoch 2 (its record replaced) before rank 1's wait reads:
+    rank 1 still reads rank 0's vote on epoch 1 (it was woken with the votes), so it can name the other digest
+    (a shrink's "two shrinks at once") instead of "went on to a later attempt"."""
+    ballots = [Ballot(m, f"eplb/wr3{woken_by}", r, 4, what="shrink") for r, m in enumerate(group.members)]
     for ballot in ballots:
         ballot.prepare([1, 2])
     ballots[1].vote(1, GO, 9, voters=2)
     ballots[0].vote(1, GO, 8, voters=3)  # its tally is not complete: nobody is woken by a vote
+    if woken_by == "stopped-wait":
+        votes, gone, decided = ballots[0].wait_votes([1, 2], 1, DEADLINE_US, lambda pending: [2] if 2 in pending else [])
+        assert (votes, gone, decided) == ({1: (GO, 9)}, [2], None)
     assert ballots[0].propose(1, 2) == 2
     ballots[0].vote(2, GO, 8, voters=3)
     votes, gone, decided = ballots[1].wait_votes([0], 1, DEADLINE_US)

@@ -21,10 +21,10 @@ Buffer's peer regions, the same on every rank and for a replacement):
     done/<e>             summary or "1"          set by the vote that completes the tally (a summary: every
                                                  rank's vote on `e` as `read` reads it, grouped by vote and
                                                  digest), by an ABORT vote ("1"), and where absent by the
-                                                 proposal that decides `e` (an ABORT's: a summary, its
-                                                 proposer may vote on a later epoch before a slow voter
-                                                 reads) and by a voter that stops waiting: what a waiting
-                                                 voter waits for
+                                                 proposal that decides `e` and by a voter that stops
+                                                 waiting (these two: a summary where it is an ABORT or the
+                                                 wait's end, as its writer may vote on a later epoch before
+                                                 a slow voter reads): what a waiting voter waits for
 
 Store operations per vote are O(1) per rank: a rank creates its own vote key only (an absent vote
 key reads as the initial all-zero record), and while it waits for the others it makes one wait on
@@ -369,15 +369,18 @@ class Ballot:
                 break
             raw = self.store.compare_set(key, expected, desired)
             if wake and self._votes and epoch not in self._woken and raw.decode(errors="replace") == desired:
-                # Decided: wake the voters still waiting. An ABORT wakes them with the votes as stored now, so a
-                # voter woken after a peer moved on to a later epoch (its vote record replaced) still reads that
-                # peer's vote on this one (e.g. another digest, the reason worth naming).
-                done = f"done/{epoch}"
-                wake_with = "1" if decision == 1 else self._records.encode_record(done, self._summary(epoch))
-                self.store.compare_set(done, "", wake_with)
+                self._wake(epoch, summary=decision != 1)  # decided: wake the voters still waiting
         raise RuntimeError(f"{self.what}: the decision slot {self._records.prefix}/{key} of epoch {epoch} holds "
                            f"{bytes(raw[:40])!r} and could not be replaced: something other than this job's ranks "
                            "writes it")
+
+    def _wake(self, epoch: int, summary: bool = True) -> None:
+        """Set `done/<epoch>` unless it is set: wake the voters still waiting. With `summary` (a voter that stops
+        waiting, a proposal that stores ABORT: no complete tally, rare) the votes as stored now, so a voter woken
+        after a peer moved on to a later epoch (its vote record replaced) still reads that peer's vote on this one
+        (e.g. another digest, the reason worth naming); "1" otherwise (the waiters read the votes)."""
+        key = f"done/{epoch}"
+        self.store.compare_set(key, "", self._records.encode_record(key, self._summary(epoch)) if summary else "1")
 
     def wait_votes(self, ranks: List[int], epoch: int, timeout_us: int, stop=None) -> Tuple[
             Dict[int, Tuple[int, int]], List[int], Optional[int]]:
@@ -442,7 +445,7 @@ class Ballot:
                 gone = list(stop(pending)) if stop is not None else []
                 if gone or late:
                     if not done:  # end this rank's own wait (and wake the others: its caller decides now)
-                        self.store.compare_set(done_key, "", "1")
+                        self._wake(epoch)
                     return votes, gone, None
             if done:
                 time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
