@@ -54,6 +54,20 @@ def cluster(num_ranks: int, env: Optional[Dict[str, str]] = None) -> LocalCluste
     return created
 
 
+def open_fds() -> set:
+    """(fd, what it names) of every descriptor open in this process. Leak checks compare the pairs opened since
+    (`after - before`), never the whole list: in a test worker that ran other tests, the collector or another
+    test's thread may close descriptors of theirs meanwhile; a descriptor left open is a new pair even where it
+    reuses a number closed meanwhile."""
+    pairs = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            pairs.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:
+            pass  # closed meanwhile (the listing's own descriptor, or another thread's)
+    return pairs
+
+
 def run(num_ranks: int, function, *args, env=None, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs):
     """Run `function(ctx, *args, **kwargs)` on every rank of a cached cluster; return the values."""
     return check_outcomes(cluster(num_ranks, env).run(function, *args, timeout_s=timeout_s, **kwargs))

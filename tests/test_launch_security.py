@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.buffer.transport.sockets import listening, socket_inodes
 from mooncake_ep_switch.launcher.launch import LocalCluster
+from tests import harness
 
 
 def _listening_on(port: int):
@@ -86,18 +87,6 @@ def test_host_store_binds_the_requested_address(host):
     assert len(os.listdir("/proc/self/fd")) <= before  # the listening socket went with the store
 
 
-def _open_fds():
-    """(fd, what it names) of every descriptor open in this process: a descriptor that is new, or a number reused
-    for something else, is a new pair."""
-    pairs = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            pairs.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-        except OSError:
-            pass  # closed meanwhile (the listing's own descriptor, or another thread's)
-    return pairs
-
-
 def test_host_store_bad_arguments_raise_and_leak_nothing():
     from mooncake_ep_switch.launcher.launch import host_store
 
@@ -105,7 +94,7 @@ def test_host_store_bad_arguments_raise_and_leak_nothing():
     # in a test worker that ran other tests, the collector (or another test's thread) may close descriptors of
     # theirs meanwhile (CI saw 11 fewer after, none more).
     gc.collect()
-    before = _open_fds()
+    before = harness.open_fds()
     with pytest.raises(ValueError, match="port: expected 0 <= port <= 65535, got 70000"):
         host_store("127.0.0.1", 70000)
     with pytest.raises(ValueError, match="host: expected a non-empty"):
@@ -120,7 +109,7 @@ def test_host_store_bad_arguments_raise_and_leak_nothing():
     assert taken.get("still") == b"usable"
     del taken
     gc.collect()
-    assert _open_fds() - before == set()
+    assert harness.open_fds() - before == set()
 
 
 def _hang_in_a_named_function(ctx):

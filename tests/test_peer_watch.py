@@ -2,6 +2,7 @@
 
 Peers are real child processes (spawn); each is killed in a finally block and every wait has a deadline.
 """
+import gc
 import multiprocessing
 import os
 import signal
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
-from tests.harness import stop_process
+from tests.harness import open_fds, stop_process
 
 _CTX = multiprocessing.get_context("spawn")
 FLAG_DEADLINE_S = 3.0  # a flag must rise within this after the peer died (typically a few ms)
@@ -210,15 +211,16 @@ def test_listener_holds_the_connection_when_watch_address_returns():
 
 
 def test_close_leaves_no_thread_or_descriptor():
-    threads = threading.active_count()
-    fds = len(os.listdir("/proc/self/fd"))
+    gc.collect()
+    threads = set(threading.enumerate())
+    fds = open_fds()
     for _ in range(5):
         watch = PeerWatch(4, 0, "127.0.0.1")
         watch.watch_process(1, os.getpid())
         watch.watch_address(2, "127.0.0.1", watch.port)  # its own listener stands in for a peer
         watch.close()
-    assert threading.active_count() == threads
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert set(threading.enumerate()) - threads == set()  # new ones only: another test's may end meanwhile
+    assert open_fds() - fds == set()
 
 
 def test_a_probe_that_reaches_itself_counts_as_nothing_listening():
