@@ -939,3 +939,22 @@ def test_a_teardown_that_takes_long_reports_what_each_thread_waits_in():
     from mooncake_ep_switch import _native
 
     assert "\n" in _native.thread_report(4) and _native.thread_report(1).count("\n") <= 2
+
+
+@pytest.mark.parametrize("probe, refused, answered", [
+    (ConnectionRefusedError, True, True),  # nothing listens: the engine is gone
+    (ConnectionResetError, False, True),  # a listener torn down with the probe in its queue: its host answered
+    (socket.timeout, False, False),  # no answer from its host (a cut link): the cause is chained
+])
+def test_a_failed_writes_probe_tells_an_answering_host_from_a_silent_one(monkeypatch, probe, refused, answered):
+    """`OneSidedTransport` asks the peer watcher why a write failed only when the peer's host answered the probe
+    (an error without `__cause__`). A reset of the probe (seen beside 2 CPU hogs: the dying peer's listener closed
+    while the probe sat in its queue) is an answer; it used to be chained as "no answer", and the survivor masked
+    a SIGKILLed peer as a cut link ('cut') before its watcher, 50 ms later, saw the process end."""
+    def create_connection(address, timeout=None):
+        raise probe("probe")
+
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    error = TeEndpoint._failure_error("10.0.0.1:12345", "TE write to 10.0.0.1:12345 failed")
+    assert isinstance(error, ConnectionError) and isinstance(error, ConnectionRefusedError) is refused, error
+    assert (error.__cause__ is None) is answered, (error, error.__cause__)

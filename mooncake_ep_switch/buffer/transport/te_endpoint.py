@@ -887,6 +887,10 @@ class TeEndpoint:
                 pass
         except ConnectionRefusedError:
             return ConnectionRefusedError(f"{what}: the peer's engine is gone (connection to {peer} refused)")
+        except (ConnectionResetError, ConnectionAbortedError) as exc:
+            # Its host answered: a listener torn down with the connection in its queue (a process ending, its
+            # descriptors closed one by one) resets it. Not "no answer": the caller asks the peer watcher.
+            return ConnectionError(f"{what}: the peer's engine reset the probe ({exc}): its process may be ending")
         except OSError as exc:
             error = ConnectionError(f"{what}: the peer is unreachable ({exc})")
             error.__cause__ = exc  # no answer from its host (`OneSidedTransport` tells it from a refusal)
