@@ -379,10 +379,11 @@ class ExpertSlots:
 
     def _check_peer_loaded(self, rank: int) -> None:
         """Raise `SlotsNotLoaded` unless mapped `rank` published its table after loading (its first entry)."""
-        if rank != self.rank and int(self.region.peer(rank)[self.table_offset:self.table_offset + 4]
-                                     .view(torch.int32)[0]) == _NOT_LOADED:
-            raise self._not_loaded(rank)
-        if rank == self.rank and not self.loaded:
+        if rank == self.rank:
+            loaded = self.loaded
+        else:
+            loaded = int(self.region.peer(rank)[self.table_offset:self.table_offset + 4].view(torch.int32)[0]) != _NOT_LOADED
+        if not loaded:
             raise self._not_loaded(rank)
 
     def peer_frame(self, rank: int, layer: int, local_slot: int, timeout_s: float = 30.0) -> int:
