@@ -382,7 +382,8 @@ class ExpertSlots:
         if rank == self.rank:
             loaded = self.loaded
         else:
-            loaded = int(self.region.peer(rank)[self.table_offset:self.table_offset + 4].view(torch.int32)[0]) != _NOT_LOADED
+            entry = self.region.peer(rank)[self.table_offset:self.table_offset + 4].view(torch.int32)
+            loaded = int(entry[0]) != _NOT_LOADED
         if not loaded:
             raise self._not_loaded(rank)
 
