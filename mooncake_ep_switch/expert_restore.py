@@ -6,7 +6,9 @@ their redundant copies). A replacement admitted by `update_ep_member()` that reb
 `ExpertMemory` in the EP layout copies every physical expert (slot) of its own from a live
 member's copy over shared memory (a peer's primary in its unified weights first, else a peer's
 frame), and reads the caller's checkpoint loader only when some slot has no live copy; the loader
-is not called at all when the peers hold everything. The members are not serving meanwhile (they
+is not called at all when the peers hold everything. Only peers of this host that have loaded their
+slots are read: another replacement admitted at the same time is still restoring its own (its
+table reads "not loaded"), and what only it holds comes from the loader, never its zeros. The members are not serving meanwhile (they
 wait in `update_ep_member()` for the replacement's regions), so the copies are stable.
 
 In the TP layout every rank holds only a slice of every expert, so nothing is copied from peers:
@@ -61,7 +63,10 @@ def _peer_copy(unified, slots, peer: int, layer: int, peer_slot: int) -> Tuple[t
 
 
 def _holder(slots, layer: int, expert: int, live: Sequence[int]) -> Optional[Tuple[int, int]]:
-    """(peer, its local slot) of a live peer's copy of logical `expert`: a primary first, else a frame."""
+    """(peer, its local slot) of a readable peer's copy of logical `expert`: a primary first, else a frame.
+
+    `live` holds only peers mapped here that have loaded their slots (`readable_peers`).
+    """
     per_rank = slots.shape.slots_per_rank
     row = slots.phy2log[layer]
     found = [(int(slot) % per_rank >= slots.num_primary, int(slot) // per_rank, int(slot) % per_rank)
@@ -72,13 +77,31 @@ def _holder(slots, layer: int, expert: int, live: Sequence[int]) -> Optional[Tup
     return peer, peer_slot
 
 
+def readable_peers(slots, live: Sequence[int]) -> List[int]:
+    """The ranks of `live` (this rank left out) whose copies may be read here: mapped and loaded.
+
+    A peer on another host is not mapped, and a peer that has not loaded its slots yet (another
+    replacement still restoring its own, say) holds zeros; both are skipped, so that what only they
+    hold is read from the caller's weights instead.
+
+    Arguments:
+        slots: this rank's `ExpertSlots` (peers mapped).
+        live: member ranks not known dead.
+
+    Returns:
+        peers: list of int ranks, in `live`'s order.
+    """
+    return [rank for rank in live if rank != slots.rank and slots.is_mapped(rank) and slots.is_loaded(rank)]
+
+
 def restore_from_peers(unified, slots, live: Sequence[int]) -> List[Tuple[int, int]]:
     """Copy every slot of this rank that a live peer holds a copy of; returns the slots left to load.
 
     Arguments:
         unified: this rank's `UnifiedWeights` (EP layout; its primaries are slots `[0, num_primary)`).
         slots: this rank's `ExpertSlots` (the placement the members use; peers mapped).
-        live: ranks whose copies may be read (this rank is skipped).
+        live: member ranks not known dead; only those mapped here that have loaded their slots are read
+            (`readable_peers`), so a slot only another host or an unloaded peer holds is left to load.
 
     Returns:
         missing: `[(layer, local_slot), ...]` of this rank's slots no live peer holds.
@@ -89,7 +112,7 @@ def restore_from_peers(unified, slots, live: Sequence[int]) -> List[Tuple[int, i
     """
     if unified.layout != EP:
         raise ValueError(f"unified: weights are restored from peers in the EP layout only, got {unified.layout!r}")
-    live = [rank for rank in live if rank != slots.rank]
+    live = readable_peers(slots, live)
     missing = []
     for layer in range(slots.shape.num_layers):
         for local_slot, expert in enumerate(slots.local_experts(layer)):

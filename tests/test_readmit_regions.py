@@ -256,3 +256,49 @@ def test_expert_memory_without_weights_is_refused():
     assert value["usable"], value
     assert value["errors"][0].startswith("ValueError: layers: expected the full weights or a loader, got None"), value
     assert value["errors"][1].startswith("TypeError: layers: expected a sequence of layers"), value
+
+
+def rank_restore_beside_an_unloaded_peer(ctx):
+    """Ranks 0 and 1 load; rank 2 (a second replacement still restoring) does not. Rank 0 then restores from peers."""
+    import torch.distributed as dist
+
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.eplb.slots import ExpertSlots, SlotShape
+    from mooncake_ep_switch.expert_restore import load_missing, restore_from_peers
+    from mooncake_ep_switch.switch import WeightShape
+    from mooncake_ep_switch.switch.unified_weights import UnifiedWeights
+
+    weights = _load()
+    with Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(TOKENS, HIDDEN, R, R * PER_RANK), transport="shm") as buffer:
+        unified = UnifiedWeights(buffer, WeightShape(EXPERTS, HIDDEN, INTER), LAYERS, layout="ep")
+        slots = ExpertSlots(buffer, SlotShape(LAYERS, EXPERTS, PER_RANK, HIDDEN, INTER), _placement(2),
+                            primaries=unified, spare_frames=1)
+        if ctx.rank != 2:
+            unified.load_full(weights)
+            slots.load(weights)
+        dist.barrier(group=ctx.group)
+        result = None
+        if ctx.rank == 0:
+            missing = restore_from_peers(unified, slots, [0, 1, 2])
+            load_missing(slots, weights, missing)
+            exact = [torch.equal(slots.expert(layer, slot)[0], weights[layer].gate_up[expert])
+                     and torch.equal(slots.expert(layer, slot)[1], weights[layer].down[expert])
+                     for layer in range(LAYERS) for slot, expert in enumerate(slots.local_experts(layer))]
+            result = {"missing": missing, "exact": exact, "loaded": [slots.is_loaded(rank) for rank in range(R)]}
+        dist.barrier(group=ctx.group)
+        slots.destroy()
+        unified.destroy()
+    return result
+
+
+def test_a_replacement_never_restores_from_a_peer_that_has_not_loaded_its_slots():
+    """Two replacements at once: what only the other (still restoring, zeros) holds comes from the loader.
+
+    Rank 0 holds experts [0, 1 | 4] per layer: 0 is a frame on rank 1 (loaded), 4 rank 2's primary,
+    and rank 2 has not loaded. Before `readable_peers`, rank 0 copied rank 2's zeroed primary as
+    expert 4 and reported nothing missing for it.
+    """
+    value = harness.run(R, rank_restore_beside_an_unloaded_peer, timeout_s=60)[0]
+    assert value["loaded"] == [True, True, False], value
+    assert value["missing"] == [(layer, slot) for layer in range(LAYERS) for slot in (1, 2)], value
+    assert all(value["exact"]), value

@@ -377,14 +377,26 @@ class ExpertSlots:
         return SlotsNotLoaded(f"rank {rank}'s expert slots are not loaded yet (its frame table says so: "
                               "ExpertSlots.load has not finished there); nothing was read from its frames", rank)
 
+    def is_loaded(self, rank: int) -> bool:
+        """Whether `rank`'s frames and primaries hold its weights (its published table says so).
+
+        Arguments:
+            rank: this rank, or a peer whose region is mapped here (`is_mapped`).
+
+        Returns:
+            loaded: bool; False until `rank` called `mark_loaded` (`load`, a grow, a replacement's restore).
+
+        Raises:
+            RuntimeError: `rank`'s region is not mapped here.
+        """
+        if rank == self.rank:
+            return self.loaded
+        entry = self.region.peer(rank)[self.table_offset:self.table_offset + 4].view(torch.int32)
+        return int(entry[0]) != _NOT_LOADED
+
     def _check_peer_loaded(self, rank: int) -> None:
         """Raise `SlotsNotLoaded` unless mapped `rank` published its table after loading (its first entry)."""
-        if rank == self.rank:
-            loaded = self.loaded
-        else:
-            entry = self.region.peer(rank)[self.table_offset:self.table_offset + 4].view(torch.int32)
-            loaded = int(entry[0]) != _NOT_LOADED
-        if not loaded:
+        if not self.is_loaded(rank):
             raise self._not_loaded(rank)
 
     def peer_frame(self, rank: int, layer: int, local_slot: int, timeout_s: float = 30.0) -> int:
