@@ -150,9 +150,15 @@ def rank_5_4_6(ctx, mode):
     new, (new_holder, grown) = result.buffer, result.built
     active = new.active_mask()
     maps = _maps(grown.slots.phy2log, R1, active)
-    new_steps = [result.step, result.step + 1]
+    new_steps, times, subscription = [result.step, result.step + 1], [], new.subscribe()
     for step in new_steps:
+        times.append(round(time.time(), 3))
         diffs[step] = _forward(new, grown.slots, weights, maps[new.rank], active, new.rank, step)
+    times.append(round(time.time(), 3))
+    events = list(iter(subscription.poll, None))
+    masked = [(e.rank, e.reason) for e in events if type(e).__name__ == "PeerMasked"]
+    subscription.close()
+    out.update(new_times=times, masks=masked)  # for a failure's message: when, and whom each rank masked why
     out.update(diffs=diffs, new_steps=new_steps, rank=new.rank, num_ranks=new.num_ranks, members=list(new.members),
                grown_mask=active.tolist(), phy2log=grown.slots.phy2log.tolist(), max_slot=int(maps.max()),
                unserved=int((maps < 0).sum()), from_members=grown.from_members, from_loader=grown.from_loader,
@@ -189,8 +195,11 @@ def check_5_4_6(outcomes, mode):
     outs = [outcome_value(o) for o in outcomes if o.rank != VICTIM]
     step = outs[0]["new_steps"][0]
     expected_rank = {old: new for new, old in enumerate(SURVIVORS + [R0, R0 + 1])}  # dense; newcomers 4, 5
+    # Every rank's grown step times (wall clock), mask and mask causes: a mask seen on one rank is explained by the others
+    timeline = [(world, out["new_times"], out["grown_mask"], out["masks"]) for world, out in
+                zip(SURVIVORS + [R0, R0 + 1], outs)]
     for world, out in zip(SURVIVORS + [R0, R0 + 1], outs):
-        where = f"rank {world}: {out}"
+        where = f"rank {world}: {out}; every rank (world, grown step times, mask, causes): {timeline}"
         assert out["rank"] == expected_rank[world], where
         assert out["new_steps"] == [step, step + 1], where  # one switch-over step everywhere
         assert (out["num_ranks"], out["members"], out["grown_mask"]) == (R1, list(range(R1)), [1] * R1), where
