@@ -8,8 +8,9 @@ member's copy over shared memory (a peer's primary in its unified weights first,
 frame), and reads the caller's checkpoint loader only when some slot has no live copy; the loader
 is not called at all when the peers hold everything. Only peers of this host that have loaded their
 slots are read: another replacement admitted at the same time is still restoring its own (its
-table reads "not loaded"), and what only it holds comes from the loader, never its zeros. The members are not serving meanwhile (they
-wait in `update_ep_member()` for the replacement's regions), so the copies are stable.
+table reads "not loaded"), and what only it holds comes from the loader, never its zeros. The
+members are not serving meanwhile (they wait in `update_ep_member()` for the replacement's
+regions), so the copies are stable.
 
 In the TP layout every rank holds only a slice of every expert, so nothing is copied from peers:
 the loader provides the replacement's slices (as it does for every rank at start).

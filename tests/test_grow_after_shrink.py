@@ -195,7 +195,7 @@ def check_5_4_6(outcomes, mode):
     outs = [outcome_value(o) for o in outcomes if o.rank != VICTIM]
     step = outs[0]["new_steps"][0]
     expected_rank = {old: new for new, old in enumerate(SURVIVORS + [R0, R0 + 1])}  # dense; newcomers 4, 5
-    # Every rank's grown step times (wall clock), mask and mask causes: a mask seen on one rank is explained by the others
+    # Every rank's grown step times (wall clock), mask and mask causes: one rank's mask is explained by the others'
     timeline = [(world, out["new_times"], out["grown_mask"], out["masks"]) for world, out in
                 zip(SURVIVORS + [R0, R0 + 1], outs)]
     for world, out in zip(SURVIVORS + [R0, R0 + 1], outs):

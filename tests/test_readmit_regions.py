@@ -62,6 +62,14 @@ def _close(out, ref):
     return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum()) < 1e-6
 
 
+def slots_exact(slots, weights) -> bool:
+    """Whether every physical expert (slot) of `slots` holds its logical expert of `weights`, bit for bit
+    (device slots are compared on the host; tests/test_switch_device.py uses it too)."""
+    return all(torch.equal(slots.expert(layer, slot)[0].cpu(), weights[layer].gate_up[expert])
+               and torch.equal(slots.expert(layer, slot)[1].cpu(), weights[layer].down[expert])
+               for layer in range(slots.shape.num_layers) for slot, expert in enumerate(slots.local_experts(layer)))
+
+
 def _counted_load():
     """The loader a replacement gets: counts its calls."""
     harness.RANK_STATE["loads"] = harness.RANK_STATE.get("loads", 0) + 1
@@ -140,9 +148,7 @@ def _rebalance(ctx, target, first_step):
         ok, done = _ep_step(ctx, step)
         exact.append(ok)
         reports += done
-    frames = all(torch.equal(memory.slots.expert(layer, slot)[0], harness.RANK_STATE["weights"][layer].gate_up[expert])
-                 and torch.equal(memory.slots.expert(layer, slot)[1], harness.RANK_STATE["weights"][layer].down[expert])
-                 for layer in range(LAYERS) for slot, expert in enumerate(memory.slots.local_experts(layer)))
+    frames = slots_exact(memory.slots, harness.RANK_STATE["weights"])
     return {"reports": reports, "exact": exact, "frames": frames,
             "placement": bool(np.array_equal(memory.slots.phy2log, target))}
 
@@ -281,10 +287,8 @@ def rank_restore_beside_an_unloaded_peer(ctx):
         if ctx.rank == 0:
             missing = restore_from_peers(unified, slots, [0, 1, 2])
             load_missing(slots, weights, missing)
-            exact = [torch.equal(slots.expert(layer, slot)[0], weights[layer].gate_up[expert])
-                     and torch.equal(slots.expert(layer, slot)[1], weights[layer].down[expert])
-                     for layer in range(LAYERS) for slot, expert in enumerate(slots.local_experts(layer))]
-            result = {"missing": missing, "exact": exact, "loaded": [slots.is_loaded(rank) for rank in range(R)]}
+            result = {"missing": missing, "exact": slots_exact(slots, weights),
+                      "loaded": [slots.is_loaded(rank) for rank in range(R)]}
         dist.barrier(group=ctx.group)
         slots.destroy()
         unified.destroy()
@@ -301,4 +305,4 @@ def test_a_replacement_never_restores_from_a_peer_that_has_not_loaded_its_slots(
     value = harness.run(R, rank_restore_beside_an_unloaded_peer, timeout_s=60)[0]
     assert value["loaded"] == [True, True, False], value
     assert value["missing"] == [(layer, slot) for layer in range(LAYERS) for slot in (1, 2)], value
-    assert all(value["exact"]), value
+    assert value["exact"], value

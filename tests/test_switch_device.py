@@ -327,13 +327,6 @@ def _memory(buffer, loader):
                         redundant_per_rank=readmit.REDUNDANT, timeout_us=readmit.TIMEOUT_US)
 
 
-def _slots_exact(memory, weights) -> bool:
-    slots = memory.slots
-    return all(torch.equal(slots.expert(layer, slot)[0].cpu(), weights[layer].gate_up[expert])
-               and torch.equal(slots.expert(layer, slot)[1].cpu(), weights[layer].down[expert])
-               for layer in range(slots.shape.num_layers) for slot, expert in enumerate(slots.local_experts(layer)))
-
-
 def rank_readmit_setup(ctx) -> dict:
     """Members: a "cuda" Buffer and ExpertMemory (placement COVERED: every slot of rank DEAD has a copy on a
     member), one switch EP -> TP -> EP; rank DEAD is then SIGKILLed. A replacement: its Buffer only."""
@@ -369,8 +362,9 @@ def rank_readmit(ctx) -> dict:
     if ctx.rank == readmit.DEAD:
         loads = []
         memory = _STATE["memory"] = _memory(buffer, lambda: loads.append(1) or readmit._load())
-        result.update(restored=tuple(memory.restored), loads=len(loads), slots_exact=_slots_exact(memory, readmit._load()),
-                      seq=memory.unified.seq, device=str(memory.slots.region.local.device))
+        result.update(restored=tuple(memory.restored), loads=len(loads),
+                      slots_exact=readmit.slots_exact(memory.slots, readmit._load()), seq=memory.unified.seq,
+                      device=str(memory.slots.region.local.device))
     return result
 
 
@@ -393,7 +387,8 @@ def rank_after_readmit(ctx) -> dict:
         reports += memory.rebalancer.step(step, None)
     result = {"switches": [to_tp, to_ep], "tp_views": views,
               "reports": [(r.outcome, r.commit_step) for r in reports],
-              "placement": bool(np.array_equal(memory.slots.phy2log, target)), "frames": _slots_exact(memory, weights)}
+              "placement": bool(np.array_equal(memory.slots.phy2log, target)),
+              "frames": readmit.slots_exact(memory.slots, weights)}
     memory.destroy()
     buffer.destroy()
     return result
