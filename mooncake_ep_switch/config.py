@@ -158,8 +158,20 @@ def etcd_job_id(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
 # `MC_TCP_PROGRESS_TIMEOUT_SEC` / `MC_TCP_STATUS_TIMEOUT_SEC`, where the user set them, win.
 TE_TCP_STALL_TIMEOUT_S = 5
 
+# How many TCP connections ("lanes") the Transfer Engine's TCP transport opens to one peer. Its default
+# is 4, opened lazily: a Buffer's construction proves one data connection per peer (a real probe
+# write), and the first dispatch/combine, which writes several ranges per peer at once, then opened
+# up to three more inside the call. Under CPU contention one write on such a fresh connection now and
+# then got no status frame for 4-5 s (a whole call's deadline), the writer masked a live peer, and
+# tests/test_hosts_resize.py's 5 -> 4 -> 6 grow failed 4 runs in 52 (issue 43). With one lane every
+# call uses the connection the probe proved: 0 failures in 49 runs under the same load. A round writes
+# a few ranges per peer; docs/benchmarks.md ("Across hosts") measures both settings.
+# `MC_TCP_LANES_PER_PEER`, where the user set it, wins.
+TE_TCP_LANES_PER_PEER = 1
 
-def set_transfer_engine_defaults(tcp_stall_timeout_s: Optional[int] = None, log_level: Optional[str] = None) -> None:
+
+def set_transfer_engine_defaults(tcp_stall_timeout_s: Optional[int] = None, log_level: Optional[str] = None,
+                                 tcp_lanes_per_peer: Optional[int] = None) -> None:
     """Set the Mooncake Transfer Engine's own environment variables before an engine starts (the one place they are written).
 
     The engine reads `MC_*` variables when it starts; a value the user already set wins.
@@ -168,9 +180,13 @@ def set_transfer_engine_defaults(tcp_stall_timeout_s: Optional[int] = None, log_
         tcp_stall_timeout_s: seconds after which the engine's TCP transport fails a stalled
             transfer (`MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_TCP_STATUS_TIMEOUT_SEC`), or None.
         log_level: the engine's log level (`MC_LOG_LEVEL`: "INFO", "WARNING", "ERROR"), or None.
+        tcp_lanes_per_peer: TCP connections the engine's TCP transport opens to one peer
+            (`MC_TCP_LANES_PER_PEER`), or None.
     """
     if tcp_stall_timeout_s is not None:
         os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(tcp_stall_timeout_s))
         os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", str(tcp_stall_timeout_s))
     if log_level is not None:
         os.environ.setdefault("MC_LOG_LEVEL", str(log_level))
+    if tcp_lanes_per_peer is not None:
+        os.environ.setdefault("MC_TCP_LANES_PER_PEER", str(tcp_lanes_per_peer))

@@ -79,7 +79,8 @@ def _agent_main(conn, options):
     watchdog.start()
     try:
         endpoint = TeEndpoint(timeout_s=options.get("timeout_s", 5.0), log_level="ERROR",
-                              tcp_stall_timeout_s=options.get("tcp_stall_timeout_s"))
+                              tcp_stall_timeout_s=options.get("tcp_stall_timeout_s"),
+                              tcp_lanes_per_peer=options.get("tcp_lanes_per_peer"))
         nbytes = options.get("nbytes", 1 << 20)
         if options.get("buffer") == "torch":
             import torch
@@ -129,6 +130,9 @@ def _agent_main(conn, options):
         "reading_into": lambda off, n: endpoint.reading_into(base + off, n),
         "wait_reaped": lambda peer, timeout: endpoint.wait_reaped(peer, timeout),
         "close": lambda: endpoint.close(),
+        "data_port": lambda: _data_port(endpoint),
+        "connections_to": _connections_to,
+        "lanes_setting": lambda: os.environ.get("MC_TCP_LANES_PER_PEER"),
     }
 
     def rounds(peer, remote_base, data_off, data_len, sig_off, count, each=False):
@@ -179,6 +183,30 @@ def _agent_main(conn, options):
         except BaseException as exc:
             conn.send(("err", type(exc).__name__, str(exc), time.monotonic() - began))
     endpoint.close()
+
+
+def _data_port(endpoint) -> int:
+    """The port of `endpoint`'s TE data listener: the one of its listening ports that is not its session's
+    (the handshake port)."""
+    handshake = int(endpoint.session_id.rpartition(":")[2])
+    ports = {int(address.rpartition(":")[2]) for address in endpoint.listen_addresses} - {handshake}
+    assert len(ports) == 1, (endpoint.session_id, endpoint.listen_addresses)
+    return ports.pop()
+
+
+def _connections_to(port: int) -> int:
+    """How many established TCP sockets this process holds whose remote port is `port`."""
+    from mooncake_ep_switch.buffer.transport.sockets import _tcp_rows
+
+    inodes = {int(fields[9]) for fields, _ in _tcp_rows()
+              if len(fields) >= 10 and fields[3] == "01" and int(fields[2].split(":")[1], 16) == port}
+    links = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{name}"))
+        except OSError:
+            continue
+    return sum(link.startswith("socket:[") and int(link[8:-1]) in inodes for link in links)
 
 
 def _write_each(endpoint, base, writes, timeout):
@@ -321,6 +349,11 @@ def test_bad_arguments_are_clear_errors():
     for bad_host in ("0.0.0.0", "", "127.0.0.1:5000"):
         with pytest.raises(ValueError):
             TeEndpoint(bind_host=bad_host)
+    before = os.environ.get("MC_TCP_LANES_PER_PEER")
+    for bad_lanes, error in ((0, ValueError), (17, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="tcp_lanes_per_peer"):
+            TeEndpoint(tcp_lanes_per_peer=bad_lanes)
+    assert os.environ.get("MC_TCP_LANES_PER_PEER") == before  # nothing set by a refused call
     buffer = mmap.mmap(-1, 1 << 16)
     outside = mmap.mmap(-1, 1 << 16)
     base = _address(buffer)
@@ -409,6 +442,30 @@ def test_two_processes_write_structured_bytes_into_each_other(agents):
             got = agent.call("read", position + 7 * i, size)[0]
             assert got == _pattern(10 * source + i, size), (rank, i)
             position += size
+
+
+@pytest.mark.parametrize("lanes", [None, 1])
+def test_one_lane_keeps_every_write_on_the_connection_the_first_write_opened(agents, lanes):
+    """With `tcp_lanes_per_peer=1` (what a Buffer sets, `config.TE_TCP_LANES_PER_PEER`) every write to a
+    peer, however many are in flight, goes over the one data connection the first write opened. TE's
+    own default (None here) opens more while a batch's ranges wait: fresh connections inside a call,
+    which under CPU contention now and then stalled a write for a whole deadline (issue 43)."""
+    writer, victim = agents(each=[{"nbytes": 1 << 20, "tcp_lanes_per_peer": lanes}, {"nbytes": 1 << 20}])
+    assert writer.call("lanes_setting")[0] == (None if lanes is None else str(lanes))
+    port = victim.call("data_port")[0]
+    writer.call("fill", 0, _pattern(5, 1 << 16))
+    writer.call("write", victim.session, 0, victim.addr, 64, 5.0)  # the first write: one connection
+    assert writer.call("connections_to", port)[0] == 1
+    ranges = 32  # a round's many ranges in flight at once
+    for _ in range(10):
+        writer.call("write_batch", victim.session, [2048 * i for i in range(ranges)],
+                    [victim.addr + 2048 * i for i in range(ranges)], [2048] * ranges, 5.0)
+    assert victim.call("read", 0, 1 << 16)[0] == _pattern(5, 1 << 16)
+    opened = writer.call("connections_to", port)[0]
+    if lanes == 1:
+        assert opened == 1
+    else:  # TE's default: more lanes opened inside the batches (what the setting avoids)
+        assert opened > 1
 
 
 def test_four_processes_all_to_all_batches(agents):

@@ -111,6 +111,8 @@ class TeEndpoint:
             itself gives up on a stalled peer (and releases abandoned writes) after that long.
         log_level: if given ("INFO", "WARNING", "ERROR"), sets MC_LOG_LEVEL (unless already set)
             before the engine starts; TE logs to stderr through glog.
+        tcp_lanes_per_peer: if given (>= 1), sets MC_TCP_LANES_PER_PEER (unless already set)
+            before the engine starts: how many TCP connections TE opens to one peer (1-16, its default 4).
         spin_s: how long a write polls for completion without sleeping before it starts
             sleeping between polls (10% of the time waited, 50 us to 2 ms).
     """
@@ -126,6 +128,7 @@ class TeEndpoint:
         tcp_stall_timeout_s: Optional[int] = None,
         log_level: Optional[str] = None,
         spin_s: float = 0.0003,
+        tcp_lanes_per_peer: Optional[int] = None,
     ) -> None:
         if not isinstance(bind_host, str) or bind_host.strip() in _WILDCARDS:
             raise ValueError(
@@ -144,7 +147,9 @@ class TeEndpoint:
         self.spin_s = float(spin_s)
         if tcp_stall_timeout_s is not None:
             tcp_stall_timeout_s = check_int("tcp_stall_timeout_s", tcp_stall_timeout_s, 1)
-        set_transfer_engine_defaults(tcp_stall_timeout_s, log_level)
+        if tcp_lanes_per_peer is not None:
+            tcp_lanes_per_peer = check_int("tcp_lanes_per_peer", tcp_lanes_per_peer, 1, 16)  # TE caps it at 16
+        set_transfer_engine_defaults(tcp_stall_timeout_s, log_level, tcp_lanes_per_peer)
 
         self._engine = None
         self._closed = True  # until the engine is up
