@@ -446,10 +446,10 @@ def test_two_processes_write_structured_bytes_into_each_other(agents):
 
 @pytest.mark.parametrize("lanes", [None, 1])
 def test_one_lane_keeps_every_write_on_the_connection_the_first_write_opened(agents, lanes):
-    """With `tcp_lanes_per_peer=1` (what a Buffer sets, `config.TE_TCP_LANES_PER_PEER`) every write to a
-    peer, however many are in flight, goes over the one data connection the first write opened. TE's
-    own default (None here) opens more while a batch's ranges wait: fresh connections inside a call,
-    which under CPU contention now and then stalled a write for a whole deadline (issue 43)."""
+    """With `tcp_lanes_per_peer=1` every write to a peer, however many are in flight, goes over the one
+    data connection the first write opened. TE's own default (None here, 4 lanes) opens more while a
+    batch's ranges wait: fresh connections inside a call (issue 43: the setting removed a first-call
+    stall across hosts but broke a rejoin after a link outage, so a Buffer keeps TE's default)."""
     writer, victim = agents(each=[{"nbytes": 1 << 20, "tcp_lanes_per_peer": lanes}, {"nbytes": 1 << 20}])
     assert writer.call("lanes_setting")[0] == (None if lanes is None else str(lanes))
     port = victim.call("data_port")[0]
@@ -464,7 +464,7 @@ def test_one_lane_keeps_every_write_on_the_connection_the_first_write_opened(age
     opened = writer.call("connections_to", port)[0]
     if lanes == 1:
         assert opened == 1
-    else:  # TE's default: more lanes opened inside the batches (what the setting avoids)
+    else:  # TE's default: more lanes opened inside the batches
         assert opened > 1
 
 

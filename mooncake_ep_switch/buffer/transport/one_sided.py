@@ -127,10 +127,10 @@ class OneSidedTransport(HostMemoryTransport):
         self.watch = PeerWatch(num_ranks, rank, settings.bind_host if name == "mooncake" else None)
         if name == "mooncake":
             from mooncake_ep_switch.buffer.transport.te_endpoint import TeEndpoint
-            from mooncake_ep_switch.config import TE_TCP_LANES_PER_PEER, TE_TCP_STALL_TIMEOUT_S
+            from mooncake_ep_switch.config import TE_TCP_STALL_TIMEOUT_S
 
             self.te = TeEndpoint(settings.bind_host, settings.te_protocol, log_level="ERROR",
-                                 tcp_stall_timeout_s=TE_TCP_STALL_TIMEOUT_S, tcp_lanes_per_peer=TE_TCP_LANES_PER_PEER)
+                                 tcp_stall_timeout_s=TE_TCP_STALL_TIMEOUT_S)
             self.te.register(self.base, self.nbytes)
             # Untouched (torch.empty: fresh mmapped pages): only the bytes a round packs become resident.
             # torch.zeros wrote every page, keeping a whole region's worth resident per rank (issue 28).
