@@ -196,17 +196,11 @@ def _data_port(endpoint) -> int:
 
 def _connections_to(port: int) -> int:
     """How many established TCP sockets this process holds whose remote port is `port`."""
-    from mooncake_ep_switch.buffer.transport.sockets import _tcp_rows
+    from mooncake_ep_switch.buffer.transport.sockets import _tcp_rows, socket_inodes
 
-    inodes = {int(fields[9]) for fields, _ in _tcp_rows()
-              if len(fields) >= 10 and fields[3] == "01" and int(fields[2].split(":")[1], 16) == port}
-    links = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            links.append(os.readlink(f"/proc/self/fd/{name}"))
-        except OSError:
-            continue
-    return sum(link.startswith("socket:[") and int(link[8:-1]) in inodes for link in links)
+    mine = socket_inodes()
+    return sum(len(fields) >= 10 and fields[3] == "01" and int(fields[2].split(":")[1], 16) == port
+               and int(fields[9]) in mine for fields, _ in _tcp_rows())
 
 
 def _write_each(endpoint, base, writes, timeout):
