@@ -158,6 +158,17 @@ def etcd_job_id(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
 # `MC_TCP_PROGRESS_TIMEOUT_SEC` / `MC_TCP_STATUS_TIMEOUT_SEC`, where the user set them, win.
 TE_TCP_STALL_TIMEOUT_S = 5
 
+# How many TCP connections ("lanes") the Transfer Engine's TCP transport opens to one peer. Its default
+# is 4, opened lazily: a Buffer's construction proves one data connection per peer (a real probe
+# write), and the first dispatch/combine, which writes several ranges per peer at once, then opened
+# up to three more inside the call. Under CPU contention one write on such a fresh connection now and
+# then got no status frame for 4-5 s (a whole call's deadline), the writer masked a live peer, and
+# tests/test_hosts_resize.py's 5 -> 4 -> 6 grow failed 4 runs in 52 (issue 43). With one lane every
+# call uses the connection the probe proved: 0 failures in 49 runs under the same load. A round writes
+# a few ranges per peer; docs/benchmarks.md ("Across hosts") measures both settings.
+# `MC_TCP_LANES_PER_PEER`, where the user set it, wins.
+TE_TCP_LANES_PER_PEER = 1
+
 
 def set_transfer_engine_defaults(tcp_stall_timeout_s: Optional[int] = None, log_level: Optional[str] = None,
                                  tcp_lanes_per_peer: Optional[int] = None) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Sequence
 
 __all__ = ["MooncakeEpError", "BufferDestroyed", "MembershipError", "LeftOut", "SwitchError", "SwitchFenced",
-           "PeerLost", "PeerBusy", "StoreUnavailable", "StoreRefused", "SlotsNotLoaded"]
+           "PeerLost", "PeerBusy", "TransferFailed", "StoreUnavailable", "StoreRefused", "SlotsNotLoaded"]
 
 
 class MooncakeEpError(Exception):
@@ -106,6 +106,14 @@ class PeerBusy(MooncakeEpError, ConnectionError):
     over local memory reused since), so nothing more goes to that peer, and no read lands in those
     bytes, until the engine has finished or failed every one of them (`TeEndpoint.abandoned_with`,
     `wait_reaped`)."""
+
+
+class TransferFailed(MooncakeEpError, ConnectionError):
+    """The Transfer Engine failed a transfer although the peer's engine answers a connection: a range
+    outside the memory the peer registered (or unregistered since), or, for about a second after a link
+    outage, TE's data connection to the peer not re-established yet (TE fails writes at once while a
+    reconnect round that failed during the outage cools down). A caller that knows its ranges are
+    valid (a connect probe) may try again within its deadline."""
 
 
 class SlotsNotLoaded(MooncakeEpError, RuntimeError):

@@ -23,7 +23,9 @@ import time
 
 import pytest
 
+from mooncake_ep_switch.buffer.transport.one_sided import PROBE_BYTES, PROBE_RETRY_S, write_probe
 from mooncake_ep_switch.buffer.transport.te_endpoint import PeerWrite, TeEndpoint, load_transfer_engine
+from mooncake_ep_switch.errors import TransferFailed
 from tests.harness import stop_process
 
 _CTX = multiprocessing.get_context("spawn")
@@ -438,12 +440,60 @@ def test_two_processes_write_structured_bytes_into_each_other(agents):
             position += size
 
 
+class _FailingWrites:
+    """A stand-in for `TeEndpoint.write` that raises `errors[i]` on call i (None: the write lands)."""
+
+    def __init__(self, errors):
+        self.errors, self.calls = list(errors), []
+
+    def write(self, session, local_addr, remote_addr, nbytes, timeout_s=None):
+        self.calls.append((session, local_addr, remote_addr, nbytes, timeout_s))
+        error = self.errors.pop(0) if self.errors else None
+        if error is not None:
+            raise error
+
+
+@pytest.mark.parametrize("fails", [0, 1, 3])
+def test_connect_probe_tries_again_while_te_reconnects(fails):
+    """After a link outage TE fails writes at once for about a second while the peer's engine answers
+    (`TransferFailed`: its reconnect round failed during the outage and cools down). The connect probe's
+    range is valid, so it tries again within its deadline: with one lane per peer a rejoin's probe
+    otherwise failed and the rank agreed a view alone (tests/test_partition.py, issue 43)."""
+    te = _FailingWrites([TransferFailed("TE is reconnecting")] * fails)
+    started = time.monotonic()
+    write_probe(te, "10.0.0.1:7000", 4096, 8192, started + 5.0)
+    assert len(te.calls) == fails + 1
+    assert all(call[:4] == ("10.0.0.1:7000", 4096, 8192, PROBE_BYTES) for call in te.calls)
+    assert all(0.1 <= call[4] <= 5.0 for call in te.calls)  # each try gets what is left of the deadline
+    assert time.monotonic() - started >= fails * PROBE_RETRY_S
+
+
+@pytest.mark.parametrize("error", [TimeoutError("no answer"), ConnectionRefusedError("engine gone"),
+                                   ConnectionError("unreachable")])
+def test_connect_probe_does_not_retry_a_dead_or_silent_peer(error):
+    """Only `TransferFailed` is tried again: a refused, unreachable or timed-out peer is reported at once
+    (a member that died after the seal is found missing without waiting for the deadline)."""
+    te = _FailingWrites([error, None])
+    with pytest.raises(type(error)):
+        write_probe(te, "10.0.0.1:7000", 4096, 8192, time.monotonic() + 5.0)
+    assert len(te.calls) == 1
+
+
+def test_connect_probe_gives_up_at_its_deadline():
+    te = _FailingWrites([TransferFailed("still failing")] * 100)
+    started = time.monotonic()
+    with pytest.raises(TransferFailed, match="still failing"):
+        write_probe(te, "10.0.0.1:7000", 4096, 8192, started + 1.0)
+    assert 1.0 - PROBE_RETRY_S <= time.monotonic() - started < 1.0 + PROBE_RETRY_S
+    assert 1 < len(te.calls) <= 1 + 1.0 / PROBE_RETRY_S
+
+
 @pytest.mark.parametrize("lanes", [None, 1])
 def test_one_lane_keeps_every_write_on_the_connection_the_first_write_opened(agents, lanes):
-    """With `tcp_lanes_per_peer=1` every write to a peer, however many are in flight, goes over the one
-    data connection the first write opened. TE's own default (None here, 4 lanes) opens more while a
-    batch's ranges wait: fresh connections inside a call (issue 43: the setting removed a first-call
-    stall across hosts but broke a rejoin after a link outage, so a Buffer keeps TE's default)."""
+    """With `tcp_lanes_per_peer=1` (what a Buffer sets, `config.TE_TCP_LANES_PER_PEER`) every write to a
+    peer, however many are in flight, goes over the one data connection the first write opened. TE's
+    own default (None here, 4 lanes) opens more while a batch's ranges wait: fresh connections inside a
+    call, which under CPU contention now and then stalled a write for a whole deadline (issue 43)."""
     writer, victim = agents(each=[{"nbytes": 1 << 20, "tcp_lanes_per_peer": lanes}, {"nbytes": 1 << 20}])
     assert writer.call("lanes_setting")[0] == (None if lanes is None else str(lanes))
     port = victim.call("data_port")[0]
@@ -458,7 +508,7 @@ def test_one_lane_keeps_every_write_on_the_connection_the_first_write_opened(age
     opened = writer.call("connections_to", port)[0]
     if lanes == 1:
         assert opened == 1
-    else:  # TE's default: more lanes opened inside the batches
+    else:  # TE's default: more lanes opened inside the batches (what the setting avoids)
         assert opened > 1
 
 

@@ -31,18 +31,47 @@ from mooncake_ep_switch.buffer.transport.members import connect_view
 from mooncake_ep_switch.buffer.transport.peer_watch import PeerWatch
 from mooncake_ep_switch.buffer.transport.te_endpoint import PeerWrite
 from mooncake_ep_switch.faults import FaultPoint
-from mooncake_ep_switch.errors import BufferDestroyed, PeerBusy
+from mooncake_ep_switch.errors import BufferDestroyed, PeerBusy, TransferFailed
 
 _TAG_SPACE = (1 << 32) - 1
 SELF, SHM, TE = "self", "shm", "te"
 CONTROL_BYTES = _native.CONTROL_BYTES  # the region's control block, before the two halves
 PROBE_BYTES = 8  # the control block (first CONTROL_BYTES of a region) holds one probe word per source rank
+PROBE_RETRY_S = 0.2  # a connect probe TE failed while the peer answers is tried again after this (`write_probe`)
 
 
 def peer_probe_offset(rank: int) -> int:
     """Offset in a peer's region of the word that `rank` writes to prove its TE data path (ranks
     beyond the control block share words: nothing reads them)."""
     return PROBE_BYTES * (rank % (CONTROL_BYTES // PROBE_BYTES))
+
+
+def write_probe(te, session: str, local_addr: int, remote_addr: int, deadline: float) -> None:
+    """Prove the Transfer Engine's data path to a peer: write the PROBE_BYTES at `local_addr` into its
+    probe word at `remote_addr` by `deadline`.
+
+    A failure while the peer's engine answers (`TransferFailed`) is tried again every PROBE_RETRY_S: the
+    probe's range is valid, so it means TE's data connection is not back yet (after a link outage TE fails
+    writes at once for about a second while a reconnect round that failed during the outage cools down).
+
+    Arguments:
+        te: the `TeEndpoint`.
+        session: the peer engine's session id, "host:port".
+        local_addr: int, this rank's staging address of the probe word.
+        remote_addr: int, the probe word's address in the peer's region.
+        deadline: `time.monotonic()` deadline in seconds.
+
+    Raises:
+        as `TeEndpoint.write`; `TransferFailed` only when it still fails within PROBE_RETRY_S of `deadline`.
+    """
+    while True:
+        try:
+            te.write(session, local_addr, remote_addr, PROBE_BYTES, timeout_s=max(0.1, deadline - time.monotonic()))
+            return
+        except TransferFailed:
+            if time.monotonic() + PROBE_RETRY_S >= deadline:
+                raise
+            time.sleep(PROBE_RETRY_S)
 
 
 DEFAULT_TE_TIMEOUT_S = 30.0  # TE writes when the call has no deadline (timeout_us == -1)
@@ -127,10 +156,10 @@ class OneSidedTransport(HostMemoryTransport):
         self.watch = PeerWatch(num_ranks, rank, settings.bind_host if name == "mooncake" else None)
         if name == "mooncake":
             from mooncake_ep_switch.buffer.transport.te_endpoint import TeEndpoint
-            from mooncake_ep_switch.config import TE_TCP_STALL_TIMEOUT_S
+            from mooncake_ep_switch.config import TE_TCP_LANES_PER_PEER, TE_TCP_STALL_TIMEOUT_S
 
             self.te = TeEndpoint(settings.bind_host, settings.te_protocol, log_level="ERROR",
-                                 tcp_stall_timeout_s=TE_TCP_STALL_TIMEOUT_S)
+                                 tcp_stall_timeout_s=TE_TCP_STALL_TIMEOUT_S, tcp_lanes_per_peer=TE_TCP_LANES_PER_PEER)
             self.te.register(self.base, self.nbytes)
             # Untouched (torch.empty: fresh mmapped pages): only the bytes a round packs become resident.
             # torch.zeros wrote every page, keeping a whole region's worth resident per rank (issue 28).
@@ -228,8 +257,7 @@ class OneSidedTransport(HostMemoryTransport):
             # until the deadline to finish them (after a link outage they complete once it is back).
             self.te.wait_reaped(session, max(0.0, deadline - time.monotonic()))
             probe = peer_probe_offset(self.rank)
-            self.te.write(session, self.staging.data_ptr() + probe, base + probe, PROBE_BYTES,
-                          timeout_s=max(0.1, deadline - time.monotonic()))
+            write_probe(self.te, session, self.staging.data_ptr() + probe, base + probe, deadline)
             port = found.get("watch_port")
             if isinstance(port, int) and 0 < port < 65536:
                 host = session.rpartition(":")[0]

@@ -21,13 +21,13 @@ from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.transport.sockets import (abort_connections, listening, parse_session,
                                                         socket_inodes)
 from mooncake_ep_switch.config import set_transfer_engine_defaults
-from mooncake_ep_switch.errors import PeerBusy  # noqa: F401 (re-exported)
+from mooncake_ep_switch.errors import PeerBusy, TransferFailed  # noqa: F401 (re-exported)
 from mooncake_ep_switch.checks import check_int
 
-__all__ = ["PeerBusy", "PeerWrite", "TeEndpoint", "load_transfer_engine"]
+__all__ = ["PeerBusy", "PeerWrite", "TransferFailed", "TeEndpoint", "load_transfer_engine"]
 
 
-# PeerBusy lives in errors.py (one hierarchy), re-exported here.
+# PeerBusy and TransferFailed live in errors.py (one hierarchy), re-exported here.
 
 
 class _Abandoned(NamedTuple):
@@ -361,9 +361,9 @@ class TeEndpoint:
               timeout_s: Optional[float] = None) -> None:
         """Copy [local_addr, +nbytes) into the peer's [remote_addr, +nbytes); returns when done.
 
-        Raises ConnectionRefusedError if the peer's engine is gone, ConnectionError if the peer
-        is reachable but the write failed (typically: the remote range is not inside memory the
-        peer registered), TimeoutError if it did not finish within `timeout_s` (the write may
+        Raises ConnectionRefusedError if the peer's engine is gone, TransferFailed (a ConnectionError)
+        if the peer is reachable but the write failed (typically: the remote range is not inside memory
+        the peer registered; for about a second after a link outage, TE still reconnecting), TimeoutError if it did not finish within `timeout_s` (the write may
         still land later: treat the peer as failed), PeerBusy (a ConnectionError, nothing
         submitted) while transfers abandoned with that peer are still in flight. Bad arguments raise TypeError/ValueError, a
         closed endpoint RuntimeError.
@@ -900,6 +900,7 @@ class TeEndpoint:
             error = ConnectionError(f"{what}: the peer is unreachable ({exc})")
             error.__cause__ = exc  # no answer from its host (`OneSidedTransport` tells it from a refusal)
             return error
-        return ConnectionError(
-            f"{what}: the peer is up, so the transfer was most likely rejected: is every remote range "
-            "inside memory the peer registered (and not unregistered since)?")
+        return TransferFailed(
+            f"{what}: the peer is up, so the transfer was rejected (is every remote range inside memory the "
+            "peer registered, and not unregistered since?) or TE is still re-establishing its connection to "
+            "the peer (about a second after a link outage)")
