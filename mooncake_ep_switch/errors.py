@@ -15,6 +15,7 @@ Buffer is gone", or one family below. Each class also keeps the builtin base it 
     ├── StoreUnavailable (TimeoutError)  the group's store did not answer by the operation's deadline
     ├── StoreRefused (RuntimeError)      the group's store (an etcd cluster) refused a request
     ├── PeerBusy (ConnectionError)       a transfer refused: abandoned transfers with that peer may still land
+    ├── TransferFailed (ConnectionError) TE failed a transfer while the peer's engine answers
     └── SlotsNotLoaded (RuntimeError)    a peer's expert slots are not loaded yet: nothing was read from them
 
 This module imports nothing of the package: every room may raise these.
@@ -110,10 +111,11 @@ class PeerBusy(MooncakeEpError, ConnectionError):
 
 class TransferFailed(MooncakeEpError, ConnectionError):
     """The Transfer Engine failed a transfer although the peer's engine answers a connection: a range
-    outside the memory the peer registered (or unregistered since), or, for about a second after a link
-    outage, TE's data connection to the peer not re-established yet (TE fails writes at once while a
-    reconnect round that failed during the outage cools down). A caller that knows its ranges are
-    valid (a connect probe) may try again within its deadline."""
+    outside the memory the peer registered (or unregistered since); a peer that stalled the transfer
+    (TE's stall timeout; a stopped process's host still accepts connections); or the first transfer
+    after TE lost its only connection to the peer (a link outage, `MC_TCP_LANES_PER_PEER=1`): TE fails it
+    at once and starts its 1 s reconnect cooldown, after which it connects again. A caller that knows its
+    ranges are valid (a connect probe, `one_sided.write_probe`) may try a fast failure again."""
 
 
 class SlotsNotLoaded(MooncakeEpError, RuntimeError):

@@ -23,9 +23,10 @@ import time
 
 import pytest
 
-from mooncake_ep_switch.buffer.transport.one_sided import PROBE_BYTES, PROBE_RETRY_S, write_probe
+from mooncake_ep_switch.buffer.transport.one_sided import (PROBE_BYTES, PROBE_FAST_FAIL_S, PROBE_RETRY_S,
+                                                           PROBE_RETRY_WINDOW_S, write_probe)
 from mooncake_ep_switch.buffer.transport.te_endpoint import PeerWrite, TeEndpoint, load_transfer_engine
-from mooncake_ep_switch.errors import TransferFailed
+from mooncake_ep_switch.errors import PeerBusy, TransferFailed
 from tests.harness import stop_process
 
 _CTX = multiprocessing.get_context("spawn")
@@ -441,13 +442,15 @@ def test_two_processes_write_structured_bytes_into_each_other(agents):
 
 
 class _FailingWrites:
-    """A stand-in for `TeEndpoint.write` that raises `errors[i]` on call i (None: the write lands)."""
+    """A stand-in for `TeEndpoint.write` that raises `errors[i]` on call i (None: the write lands),
+    after `delay_s`."""
 
-    def __init__(self, errors):
-        self.errors, self.calls = list(errors), []
+    def __init__(self, errors, delay_s=0.0):
+        self.errors, self.calls, self.delay_s = list(errors), [], delay_s
 
     def write(self, session, local_addr, remote_addr, nbytes, timeout_s=None):
         self.calls.append((session, local_addr, remote_addr, nbytes, timeout_s))
+        time.sleep(self.delay_s)
         error = self.errors.pop(0) if self.errors else None
         if error is not None:
             raise error
@@ -455,10 +458,10 @@ class _FailingWrites:
 
 @pytest.mark.parametrize("fails", [0, 1, 3])
 def test_connect_probe_tries_again_while_te_reconnects(fails):
-    """After a link outage TE fails writes at once for about a second while the peer's engine answers
-    (`TransferFailed`: its reconnect round failed during the outage and cools down). The connect probe's
-    range is valid, so it tries again within its deadline: with one lane per peer a rejoin's probe
-    otherwise failed and the rank agreed a view alone (tests/test_partition.py, issue 43)."""
+    """After a link outage the first write to a peer whose only TE connection was lost fails at once
+    while the peer's engine answers (`TransferFailed`), and starts TE's 1 s reconnect cooldown. The
+    connect probe's range is valid, so it tries again: with one lane per peer a rejoin's probe otherwise
+    failed and the rank agreed a view alone (tests/test_partition.py, issue 43)."""
     te = _FailingWrites([TransferFailed("TE is reconnecting")] * fails)
     started = time.monotonic()
     write_probe(te, "10.0.0.1:7000", 4096, 8192, started + 5.0)
@@ -469,23 +472,36 @@ def test_connect_probe_tries_again_while_te_reconnects(fails):
 
 
 @pytest.mark.parametrize("error", [TimeoutError("no answer"), ConnectionRefusedError("engine gone"),
-                                   ConnectionError("unreachable")])
+                                   ConnectionError("unreachable"), PeerBusy("abandoned writes in flight")])
 def test_connect_probe_does_not_retry_a_dead_or_silent_peer(error):
-    """Only `TransferFailed` is tried again: a refused, unreachable or timed-out peer is reported at once
-    (a member that died after the seal is found missing without waiting for the deadline)."""
+    """Only `TransferFailed` is tried again: a refused, unreachable, busy or timed-out peer is reported at
+    once (a member that died after the seal is found missing without waiting for the deadline)."""
     te = _FailingWrites([error, None])
     with pytest.raises(type(error)):
         write_probe(te, "10.0.0.1:7000", 4096, 8192, time.monotonic() + 5.0)
     assert len(te.calls) == 1
 
 
-def test_connect_probe_gives_up_at_its_deadline():
-    te = _FailingWrites([TransferFailed("still failing")] * 100)
+def test_connect_probe_does_not_retry_a_slow_failure():
+    """A `TransferFailed` that took PROBE_FAST_FAIL_S or more (a stalled peer, failed by TE's stall
+    timeout while its host still accepts connections) is reported, not tried again until the deadline."""
+    te = _FailingWrites([TransferFailed("stalled"), None], delay_s=PROBE_FAST_FAIL_S)
+    with pytest.raises(TransferFailed, match="stalled"):
+        write_probe(te, "10.0.0.1:7000", 4096, 8192, time.monotonic() + 10.0)
+    assert len(te.calls) == 1
+
+
+@pytest.mark.parametrize("budget_s", [1.0, 30.0])
+def test_connect_probe_gives_up_at_its_deadline_or_retry_window(budget_s):
+    """A probe that keeps failing at once gives up at its deadline, or PROBE_RETRY_WINDOW_S after the first
+    failure when the deadline is further (a range the peer rejects is not retried for a whole deadline)."""
+    te = _FailingWrites([TransferFailed("still failing")] * 1000)
     started = time.monotonic()
     with pytest.raises(TransferFailed, match="still failing"):
-        write_probe(te, "10.0.0.1:7000", 4096, 8192, started + 1.0)
-    assert 1.0 - PROBE_RETRY_S <= time.monotonic() - started < 1.0 + PROBE_RETRY_S
-    assert 1 < len(te.calls) <= 1 + 1.0 / PROBE_RETRY_S
+        write_probe(te, "10.0.0.1:7000", 4096, 8192, started + budget_s)
+    limit = min(budget_s, PROBE_RETRY_WINDOW_S)
+    assert limit - PROBE_RETRY_S <= time.monotonic() - started < limit + 1.0
+    assert 1 < len(te.calls) <= 1 + limit / PROBE_RETRY_S
 
 
 @pytest.mark.parametrize("lanes", [None, 1])

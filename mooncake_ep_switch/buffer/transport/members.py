@@ -5,7 +5,7 @@ the store, reach it (map its region, open its IPC handle, connect its engine), d
 outside the view, and meet the others at a barrier before returning, so that no rank destroys a
 region a slower peer is about to map.
 """
-from typing import Callable, Optional, Tuple, Type
+from typing import Callable, Dict, Optional, Tuple, Type
 
 from mooncake_ep_switch.buffer.membership import batch_reads
 from mooncake_ep_switch.buffer.membership.protocol import MembershipError
@@ -37,7 +37,7 @@ def published_endpoint(membership, peer: int, deadline: float) -> dict:
 def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, route: Callable[[int, dict], None],
                  drop: Callable[[int], None], unreachable_errors: Tuple[Type[BaseException], ...],
                  before_barrier: Optional[Callable[[], None]] = None, what: str = "the one-sided transports", *,
-                 construction: bool) -> None:
+                 construction: bool, before_routes: Optional[Callable[[Dict[int, dict]], None]] = None) -> None:
     """Reach every member of `view` but this rank, drop every other rank, then a barrier of the view.
 
     Arguments:
@@ -51,6 +51,8 @@ def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, r
         unreachable_errors: exceptions of waiting or `route` that mean the member died since it
             was sealed into the view (it is named in the final error); any other propagates.
         before_barrier: called once every member was reached, before the barrier, or None.
+        before_routes: called once with the endpoints read in one batch (rank -> endpoint; a member whose
+            endpoint was not there yet is missing), before any `route`, or None. It must not raise for a peer.
         what: the transport's name in the error for a missing store.
         construction: True at the Buffer's construction (every member connects at once, its endpoint published
             and its incarnation bound before: each member's endpoint is read once all are there, in one wait);
@@ -72,6 +74,8 @@ def connect_view(rank: int, num_ranks: int, view, membership, deadline: float, r
     # at the deadline: the endpoints are read as they are.
     found = batch_reads.published_endpoints(membership, [p for p in view.ranks if p != rank], deadline,
                                             together=view.epoch if construction else None)
+    if before_routes is not None:
+        before_routes(found)
     for peer in range(num_ranks):
         if peer == rank:
             continue

@@ -37,7 +37,12 @@ _TAG_SPACE = (1 << 32) - 1
 SELF, SHM, TE = "self", "shm", "te"
 CONTROL_BYTES = _native.CONTROL_BYTES  # the region's control block, before the two halves
 PROBE_BYTES = 8  # the control block (first CONTROL_BYTES of a region) holds one probe word per source rank
-PROBE_RETRY_S = 0.2  # a connect probe TE failed while the peer answers is tried again after this (`write_probe`)
+# A connect probe that TE failed at once (within PROBE_FAST_FAIL_S) while the peer answers is tried again after
+# PROBE_RETRY_S, for up to PROBE_RETRY_WINDOW_S (TE's reconnect cooldown is 1 s; `write_probe`).
+PROBE_RETRY_S = 0.2
+PROBE_FAST_FAIL_S = 1.0
+PROBE_RETRY_WINDOW_S = 3.0
+PROBE_KICK_S = 0.3  # how long the probes of every TE peer at once (`_kick`) are waited for
 
 
 def peer_probe_offset(rank: int) -> int:
@@ -50,9 +55,12 @@ def write_probe(te, session: str, local_addr: int, remote_addr: int, deadline: f
     """Prove the Transfer Engine's data path to a peer: write the PROBE_BYTES at `local_addr` into its
     probe word at `remote_addr` by `deadline`.
 
-    A failure while the peer's engine answers (`TransferFailed`) is tried again every PROBE_RETRY_S: the
-    probe's range is valid, so it means TE's data connection is not back yet (after a link outage TE fails
-    writes at once for about a second while a reconnect round that failed during the outage cools down).
+    A write that TE failed at once while the peer's engine answers (`TransferFailed` within
+    PROBE_FAST_FAIL_S) is tried again every PROBE_RETRY_S, for up to PROBE_RETRY_WINDOW_S after the first
+    such failure: the probe's range is valid, so it means TE lost its only connection to the peer (a link
+    outage): the first write after that fails at once and starts TE's 1 s reconnect cooldown, after which
+    TE connects again. A slow failure (a stalled peer, failed by TE's stall timeout), a refused, reset or
+    unreachable peer, a timeout and PeerBusy are not tried again.
 
     Arguments:
         te: the `TeEndpoint`.
@@ -62,14 +70,19 @@ def write_probe(te, session: str, local_addr: int, remote_addr: int, deadline: f
         deadline: `time.monotonic()` deadline in seconds.
 
     Raises:
-        as `TeEndpoint.write`; `TransferFailed` only when it still fails within PROBE_RETRY_S of `deadline`.
+        as `TeEndpoint.write`.
     """
+    first_failure = None
     while True:
+        started = time.monotonic()
         try:
-            te.write(session, local_addr, remote_addr, PROBE_BYTES, timeout_s=max(0.1, deadline - time.monotonic()))
+            te.write(session, local_addr, remote_addr, PROBE_BYTES, timeout_s=max(0.1, deadline - started))
             return
         except TransferFailed:
-            if time.monotonic() + PROBE_RETRY_S >= deadline:
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            if (now - started >= PROBE_FAST_FAIL_S or now - first_failure >= PROBE_RETRY_WINDOW_S
+                    or now + PROBE_RETRY_S >= deadline):
                 raise
             time.sleep(PROBE_RETRY_S)
 
@@ -223,7 +236,31 @@ class OneSidedTransport(HostMemoryTransport):
 
         connect_view(self.rank, self.num_ranks, view, membership, deadline,
                      lambda peer, found: self._route(peer, found, deadline), self._drop,
-                     (OSError, ConnectionError, TimeoutError, MembershipError), construction=construction)
+                     (OSError, ConnectionError, TimeoutError, MembershipError), construction=construction,
+                     before_routes=lambda found: self._kick(found, deadline))
+
+    def _kick(self, found: Dict[int, dict], deadline: float) -> None:
+        """One probe write to every peer reached over TE before (handshaken) at its published endpoint, all at
+        once, failures ignored: where TE lost its only connection to a peer (a link outage), the first write
+        fails at once and starts TE's 1 s reconnect cooldown, so the cooldowns of all peers run together
+        instead of one after another in `_route`'s probes (`write_probe`)."""
+        if self.te is None:
+            return
+        probe = peer_probe_offset(self.rank)
+        writes = []
+        for peer, endpoint in sorted(found.items()):
+            session, base = endpoint.get("te_session"), endpoint.get("te_base")
+            same_host = endpoint.get("host_id") == self.settings.host_id
+            if (self.allow_shm and same_host) or not isinstance(session, str) or not isinstance(base, int) \
+                    or base <= 0 or not self.te.is_connected(session):
+                continue
+            writes.append(PeerWrite(session, [(self.staging.data_ptr() + probe, base + probe, PROBE_BYTES)], []))
+        left = deadline - time.monotonic()
+        if writes and left > 0:
+            try:
+                self.te.write_each(writes, timeout_s=min(PROBE_KICK_S, left))
+            except (ValueError, TypeError):  # a malformed endpoint: `_route` names it
+                pass
 
     def _route(self, peer: int, found: dict, deadline: float) -> None:
         """Reach `peer` at its published endpoint: shared memory on this host, else the TE; watch it."""

@@ -363,10 +363,11 @@ class TeEndpoint:
 
         Raises ConnectionRefusedError if the peer's engine is gone, TransferFailed (a ConnectionError)
         if the peer is reachable but the write failed (typically: the remote range is not inside memory
-        the peer registered; for about a second after a link outage, TE still reconnecting), TimeoutError if it did not finish within `timeout_s` (the write may
-        still land later: treat the peer as failed), PeerBusy (a ConnectionError, nothing
-        submitted) while transfers abandoned with that peer are still in flight. Bad arguments raise TypeError/ValueError, a
-        closed endpoint RuntimeError.
+        the peer registered; or the first write after TE lost its connection to the peer), TimeoutError
+        if it did not finish within `timeout_s` (the write may still land later: treat the peer as
+        failed), PeerBusy (a ConnectionError, nothing submitted) while transfers abandoned with that
+        peer are still in flight. Bad arguments raise TypeError/ValueError, a closed endpoint
+        RuntimeError.
 
         Arguments:
             peer_session: the peer engine's session id, "host:port".
@@ -399,7 +400,7 @@ class TeEndpoint:
         A one-sided read (the peer's process does nothing): the peer must have registered the
         remote ranges, and the local ranges must lie in memory registered here. Handshakes first
         if the peer was never contacted (`connect`). Errors as `write`: ConnectionRefusedError
-        (the peer's engine is gone), ConnectionError (typically a remote range outside the
+        (the peer's engine is gone), TransferFailed (typically a remote range outside the
         peer's registered memory: TE refuses it, nothing is read), TimeoutError (the reads may
         still land later: do not use the local ranges as complete, and `reading_into` says when
         they may be reused), PeerBusy (nothing submitted) while transfers abandoned with that
@@ -478,8 +479,8 @@ class TeEndpoint:
 
         Returns:
             failures: dict index into `writes` -> the exception `write` would have raised for that
-                peer (ConnectionRefusedError, ConnectionError, TimeoutError, or PeerBusy when nothing
-                was submitted to it because earlier abandoned writes to it are still in flight);
+                peer (ConnectionRefusedError, TransferFailed, ConnectionError, TimeoutError, or PeerBusy when
+                nothing was submitted to it because earlier abandoned writes to it are still in flight);
                 empty when all landed.
 
         Raises:
@@ -901,6 +902,6 @@ class TeEndpoint:
             error.__cause__ = exc  # no answer from its host (`OneSidedTransport` tells it from a refusal)
             return error
         return TransferFailed(
-            f"{what}: the peer is up, so the transfer was rejected (is every remote range inside memory the "
-            "peer registered, and not unregistered since?) or TE is still re-establishing its connection to "
-            "the peer (about a second after a link outage)")
+            f"{what}: the peer's engine answers, so TE rejected the transfer (is every remote range inside memory "
+            "the peer registered, and not unregistered since?), the peer stalled it, or TE had lost its "
+            "connection to the peer (a link outage: TE connects again after a 1 s cooldown)")
