@@ -264,6 +264,10 @@ def rank_rebalance_commit(ctx):
     rank (rank 0 votes again)."""
     slots, rebalancer = RANK_STATE["slots"], RANK_STATE["rebalancer"]
     before = slots.ballot.records([0])[0][:2], slots.ballot.decisions([1])
+    # Each store step gets the ballots' 15 s from here on: this phase checks that the commit goes through once the
+    # store answers, not how fast. A store just back from an election, with the stalled phase's abandoned requests
+    # landing, once took over 4 s (TIMEOUT_US) to answer rank 0's vote read beside 2 CPU hogs (issue 43's loop).
+    rebalancer.timeout_us = BALLOT_TIMEOUT_US
     reports = [(r.epoch, r.outcome, r.reason) for r in rebalancer.step(3, RANK_STATE["buffer"].active_mask())]
     rank_workers_end(ctx)  # the store workers the stalled calls abandoned end
     return {"before": before, "reports": reports, "frames_ok": _frames_ok(slots), "te_reads": slots.te_reads,
