@@ -136,6 +136,13 @@ _ASSIGN = "assign rank"  # the message that tells a standby which rank it is
 STANDBY = -1  # the rank a standby's functions see until it is assigned one
 
 
+def _last_line(error: Optional[str], limit: int = 400) -> str:
+    """The last non-empty line of a rank's error (a traceback's exception line), at most `limit` characters."""
+    lines = [line.strip() for line in (error or "").splitlines() if line.strip()]
+    line = lines[-1] if lines else "no message"
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 class LocalCluster:
     """A set of local CPU ranks that run functions on request.
 
@@ -411,6 +418,7 @@ class LocalCluster:
                 pass
         deadline = time.monotonic() + timeout_s
         failed_at: Optional[float] = None  # when a rank first failed (the others then get failure_grace_s)
+        first_failed: Optional[RankOutcome] = None  # that rank's outcome, named to the ranks that did not answer
         outcomes: Dict[int, RankOutcome] = {}
         pending = set(targets)
         while pending and time.monotonic() < deadline:
@@ -436,10 +444,10 @@ class LocalCluster:
                     self.broken = True
                 if rank in outcomes and not outcomes[rank].ok:
                     if failed_at is None:
-                        failed_at = time.monotonic()
+                        failed_at, first_failed = time.monotonic(), outcomes[rank]
                     deadline = min(deadline, time.monotonic() + failure_grace_s)
         waited = (f"{timeout_s} s" if failed_at is None or failed_at + failure_grace_s > deadline + 1e-3
-                  else f"{failure_grace_s} s after another rank failed")
+                  else f"{failure_grace_s} s after rank {first_failed.rank} failed ({_last_line(first_failed.error)})")
         for rank in pending:
             outcomes[rank] = RankOutcome(rank, False, None, f"no answer within {waited} (its threads' stacks: "
                                          "the test's captured stderr)", None)
