@@ -478,8 +478,11 @@ def join_grow(store, rank: int, num_ranks: int, num_ep_buffer_bytes: int, make_b
         refusal = ValueError(f"num_ep_buffer_bytes: expected the members' {wanted} bytes, got {nbytes} (newcomer "
                              f"rank {rank}): every rank of the grown group needs the same buffer size")
     if refusal is not None:
-        store.compare_set(f"{keys}/newcomer/{rank}", "", f"newcomer rank {rank} refused: {refusal}")
+        # The failed record first: a member that reads the refusal from newcomer/<rank> fails the attempt too, and
+        # had it come first its wrapped "rank 1: grow: newcomer rank 4 refused: ..." was the reason every rank got
+        # (first writer wins; seen once in 21 runs of tests/test_grow.py beside 2 CPU hogs).
         _fail(store, keys, f"newcomer rank {rank} refused: {refusal}")
+        store.compare_set(f"{keys}/newcomer/{rank}", "", f"newcomer rank {rank} refused: {refusal}")
         raise refusal
     # This process's own ready record: a second join_grow of this rank in one attempt (a newcomer that gave up and
     # called again, or two processes started for one rank) would otherwise meet a rendezvous nobody else comes to.
