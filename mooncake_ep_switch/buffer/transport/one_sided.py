@@ -246,15 +246,13 @@ class OneSidedTransport(HostMemoryTransport):
         instead of one after another in `_route`'s probes (`write_probe`)."""
         if self.te is None:
             return
-        probe = peer_probe_offset(self.rank)
         writes = []
         for peer, endpoint in sorted(found.items()):
             session, base = endpoint.get("te_session"), endpoint.get("te_base")
-            same_host = endpoint.get("host_id") == self.settings.host_id
-            if (self.allow_shm and same_host) or not isinstance(session, str) or not isinstance(base, int) \
+            if self._over_shm(endpoint) or not isinstance(session, str) or not isinstance(base, int) \
                     or base <= 0 or not self.te.is_connected(session):
                 continue
-            writes.append(PeerWrite(session, [(self.staging.data_ptr() + probe, base + probe, PROBE_BYTES)], []))
+            writes.append(PeerWrite(session, [(*self._probe_word(base), PROBE_BYTES)], []))
         left = deadline - time.monotonic()
         if writes and left > 0:
             try:
@@ -262,11 +260,19 @@ class OneSidedTransport(HostMemoryTransport):
             except (ValueError, TypeError):  # a malformed endpoint: `_route` names it
                 pass
 
+    def _over_shm(self, found: dict) -> bool:
+        """Whether a peer at the published endpoint `found` is reached through shared memory (its host is this one)."""
+        return self.allow_shm and found.get("host_id") == self.settings.host_id
+
+    def _probe_word(self, base: int) -> Tuple[int, int]:
+        """(this rank's staging address, the address in a peer's region at `base`) of this rank's probe word."""
+        probe = peer_probe_offset(self.rank)
+        return self.staging.data_ptr() + probe, base + probe
+
     def _route(self, peer: int, found: dict, deadline: float) -> None:
         """Reach `peer` at its published endpoint: shared memory on this host, else the TE; watch it."""
-        same_host = found.get("host_id") == self.settings.host_id
         self._layouts.settle(peer)  # mapped anew: it writes in the current layout (docs/recovery.md, section 4)
-        if self.allow_shm and same_host:
+        if self._over_shm(found):
             # Watched before the region is mapped: the mapping then proves the pid is the peer's.
             self.watch.watch_process(peer, RegionEndpoint(*found["region"]).pid)
             self._halves.clear()
@@ -293,8 +299,7 @@ class OneSidedTransport(HostMemoryTransport):
             # stopped peer) may still land in its region (TeEndpoint refuses with PeerBusy): give TE
             # until the deadline to finish them (after a link outage they complete once it is back).
             self.te.wait_reaped(session, max(0.0, deadline - time.monotonic()))
-            probe = peer_probe_offset(self.rank)
-            write_probe(self.te, session, self.staging.data_ptr() + probe, base + probe, deadline)
+            write_probe(self.te, session, *self._probe_word(base), deadline)
             port = found.get("watch_port")
             if isinstance(port, int) and 0 < port < 65536:
                 host = session.rpartition(":")[0]
