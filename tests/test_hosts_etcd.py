@@ -25,6 +25,7 @@ decision, a new UnifiedWeights' first switch (its group of the view built throug
 host 0's case) or an EPLB vote (rank 0's GO in, the five others vote after the kill; host 1's case): one
 decision everywhere (completed / committed on every rank), weights, placements and frames exact.
 """
+import contextlib
 import os
 import signal
 import time
@@ -335,6 +336,18 @@ def _quorum_back(etcd, host_a, phase, what):
     phase(f"{what} (a leader after {time.monotonic() - since:.1f} s)")
 
 
+@contextlib.contextmanager
+def _member_logs_on_failure(etcd):
+    """Print the tail of every etcd member's log when the block fails (what the cluster went through: elections,
+    ReadIndex retries, slow applies), then let the failure go on."""
+    try:
+        yield
+    except BaseException:
+        for index in range(etcd.count):
+            print(f"--- etcd member m{index} log (tail) ---\n{etcd.log(index, tail_bytes=12000)}")
+        raise
+
+
 @pytest.mark.parametrize("host_a", [0, 1], ids=["rank0-and-leader", "leader-not-rank0"])
 def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a, tmp_path):
     dead_ranks = [r for r in range(R) if RANK_HOSTS[r] == host_a]
@@ -344,7 +357,8 @@ def test_a_whole_host_lost_with_the_etcd_leader(make_network, host_a, tmp_path):
     def phase(name):
         print(f"host {host_a}: {name} done at {time.monotonic() - began:.1f} s")
 
-    with harness.fresh_cluster(R, network=network.placement(RANK_HOSTS), store="etcd") as cluster:
+    with harness.fresh_cluster(R, network=network.placement(RANK_HOSTS), store="etcd") as cluster, \
+            _member_logs_on_failure(cluster.etcd):
         etcd = cluster.etcd
         assert cluster.store is None and etcd.endpoints == [f"{a}:2379" for a in network.addresses]
         started = [outcome_value(o) for o in cluster.run(rank_start, timeout_s=120)]

@@ -23,6 +23,10 @@ from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["LocalEtcdCluster"]
 
+# What each member writes to its log (`log()`): warnings too (slow applies, ReadIndex retries, lost peers), the
+# record of what the cluster went through when a test that killed or stopped a member fails.
+MEMBER_LOG_LEVEL = "warn"
+
 
 def _free_ports(count: int, host: str) -> List[int]:
     sockets = []
@@ -193,7 +197,7 @@ class LocalEtcdCluster:
                    "--initial-cluster", peers, "--initial-cluster-token", self._token,
                    "--initial-cluster-state", "new" if new else "existing",
                    "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
-                   "--logger", "zap", "--log-outputs", "stderr", "--log-level", "error"]
+                   "--logger", "zap", "--log-outputs", "stderr", "--log-level", MEMBER_LOG_LEVEL]
         if self.namespaces is not None:  # on its pretend host
             command = ["ip", "netns", "exec", self.namespaces[index]] + command
         setpriv = shutil.which("setpriv")
@@ -252,11 +256,11 @@ class LocalEtcdCluster:
                     raise RuntimeError(f"etcd member m{index} not healthy after {timeout_s} s: {self.log(index)}")
                 time.sleep(0.05)
 
-    def log(self, index: int) -> str:
-        """The tail of member `index`'s log."""
+    def log(self, index: int, tail_bytes: int = 2000) -> str:
+        """The last `tail_bytes` of member `index`'s log (its warnings: slow applies, ReadIndex retries)."""
         try:
             with open(os.path.join(self.directory or "", f"m{index}.log"), "rb") as handle:
-                return handle.read()[-2000:].decode(errors="replace")
+                return handle.read()[-tail_bytes:].decode(errors="replace")
         except OSError:
             return "(no log)"
 
