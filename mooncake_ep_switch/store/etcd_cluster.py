@@ -8,6 +8,7 @@ cluster whose starter was SIGKILLed is removed by the next `start()` in the same
 carries the starter's pid). Ports are free loopback ports picked at start.
 """
 import json
+import numbers
 import os
 import shutil
 import signal
@@ -258,9 +259,13 @@ class LocalEtcdCluster:
 
     def log(self, index: int, tail_bytes: int = 2000) -> str:
         """The last `tail_bytes` of member `index`'s log (its warnings: slow applies, ReadIndex retries)."""
+        if isinstance(tail_bytes, bool) or not isinstance(tail_bytes, numbers.Integral) or tail_bytes < 1:
+            raise ValueError(f"tail_bytes: expected an int >= 1, got {tail_bytes!r}")
+        tail_bytes = int(tail_bytes)
         try:
             with open(os.path.join(self.directory or "", f"m{index}.log"), "rb") as handle:
-                return handle.read()[-tail_bytes:].decode(errors="replace")
+                handle.seek(max(0, os.fstat(handle.fileno()).st_size - tail_bytes))  # the tail only: warnings add up
+                return handle.read(tail_bytes).decode(errors="replace")
         except OSError:
             return "(no log)"
 
