@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests import harness
+from tests.test_etcd_ballots import TIMEOUT_US as BALLOT_TIMEOUT_US
 
 R = 4
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K, TOKENS = 2, 8, 256, 128, 2, 16
@@ -231,13 +232,17 @@ def test_rank_killed_mid_rebalance_keeps_old_placement(use_mask):
         assert result["stall_ms"] < TIMEOUT_US / 1e3 / 2, result["stall_ms"]
 
 
-def rank_fault_at_commit(ctx, faulty, how, transport="shm", timeout_us=TIMEOUT_US, corrupt_table=None):
+def rank_fault_at_commit(ctx, faulty, how, transport="shm", timeout_us=TIMEOUT_US, corrupt_table=None,
+                         commit_timeout_us=None):
     """Every redundant copy moves (one chunk, epoch 1, commit step 3); rank `faulty` freezes
     (SIGSTOP, resumed by a peer once that peer has decided) or dies at the fault point set in
     MEP_FAULT_POINT (none: `how="none"`). With `corrupt_table=(rank, layer, local_slot, value)` that
-    rank first publishes a bad frame id in its frame table (bad peer data). Returns the placement
-    and whether every step's output matched the reference."""
+    rank first publishes a bad frame id in its frame table (bad peer data). `commit_timeout_us`: the
+    rebalancer's deadline per commit store step (None: `timeout_us`, as dispatch/combine). Returns the
+    placement and whether every step's output matched the reference."""
     buffer, weights, slots, rebalancer = _setup(ctx, transport=transport, timeout_us=timeout_us)
+    if commit_timeout_us is not None:
+        rebalancer.timeout_us = commit_timeout_us
     if corrupt_table is not None and ctx.rank == corrupt_table[0]:
         _, layer, local_slot, value = corrupt_table
         at = slots.table_offset + 4 * (layer * SLOTS_PER_RANK + local_slot)
@@ -288,7 +293,12 @@ def rank_fault_at_commit(ctx, faulty, how, transport="shm", timeout_us=TIMEOUT_U
 def test_slow_or_dead_rank_at_commit_step_all_ranks_agree(faulty, point, how, outcome, store, request):
     env = {"MEP_FAULT_POINT": f"{point}:{faulty}:1:{how}"}
     with harness.fresh_cluster(R, env=env, store=harness.etcd_store(request, store)) as cluster:
-        outcomes = cluster.run(rank_fault_at_commit, faulty, how, timeout_s=120, failure_grace_s=60)
+        # On etcd each commit store step (vote, vote wait, decision) is a round trip to the cluster: it gets
+        # test_etcd_ballots' deadline. 2.5 s was once missed by a decision read (load ~12 on 2 cores, 2 CPU
+        # hogs, no member stopped). Nobody waits it out: every live rank has voted when rank 2 dies.
+        commit_timeout_us = BALLOT_TIMEOUT_US if store == "etcd" else None
+        outcomes = cluster.run(rank_fault_at_commit, faulty, how, timeout_s=120, failure_grace_s=60,
+                               commit_timeout_us=commit_timeout_us)
         if store == "etcd":  # the votes went there (the ranks have no other store)
             assert type(cluster.store).__name__ == "EtcdStore" and cluster.store.num_keys() > 0
     if how == "kill":
