@@ -240,9 +240,8 @@ def rank_fault_at_commit(ctx, faulty, how, transport="shm", timeout_us=TIMEOUT_U
     rank first publishes a bad frame id in its frame table (bad peer data). `commit_timeout_us`: the
     rebalancer's deadline per commit store step (None: `timeout_us`, as dispatch/combine). Returns the
     placement and whether every step's output matched the reference."""
-    buffer, weights, slots, rebalancer = _setup(ctx, transport=transport, timeout_us=timeout_us)
-    if commit_timeout_us is not None:
-        rebalancer.timeout_us = commit_timeout_us
+    buffer, weights, slots, rebalancer = _setup(  # _setup's timeout_us is the rebalancer's
+        ctx, transport=transport, timeout_us=timeout_us if commit_timeout_us is None else commit_timeout_us)
     if corrupt_table is not None and ctx.rank == corrupt_table[0]:
         _, layer, local_slot, value = corrupt_table
         at = slots.table_offset + 4 * (layer * SLOTS_PER_RANK + local_slot)

@@ -52,16 +52,15 @@ def _kill_until_gone(process) -> float:
     """SIGKILL `process` and reap it; return when it was gone. A killed process closes its sockets as it is torn
     down, which needs a core: on a loaded host that came 1.2 s after kill() (CI beside 2 CPU hogs, load 13), so
     a flag's latency is measured from here, not from the kill()."""
-    os.kill(process.pid, signal.SIGKILL)
-    process.join(10)
+    _kill(process, join_s=10)
     assert not process.is_alive(), "the killed process was not reaped"
     return time.monotonic()
 
 
-def _kill(process):
+def _kill(process, join_s=5):
     if process.is_alive():
         process.kill()
-    process.join(5)
+    process.join(join_s)
 
 
 @pytest.mark.parametrize("how", ["process", "address"])
