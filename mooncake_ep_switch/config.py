@@ -35,6 +35,11 @@ class Settings(NamedTuple):
             `active_ranks` on the device in eager calls, which costs one host synchronisation
             per call (never inside CUDA graph capture, where they are not checked). Default on;
             `MEP_CUDA_CHECK_VALUES=0` turns it off (the kernels still skip out-of-range ids).
+        cuda_fused_kernels: on the `"cuda"` transport, launch the fused dispatch/combine kernels (8
+            launches a round trip instead of 12-13: the signals from the row kernels' last block, the
+            layout from the waits' last block, the call word and quantization in the ranking launch);
+            outputs are the same bits. Default off until a GPU run has verified them
+            (`scripts/gpu_check.sh`); `MEP_CUDA_FUSED_KERNELS=1` turns it on.
     """
 
     host_id: str
@@ -44,6 +49,7 @@ class Settings(NamedTuple):
     fault_point: Optional[str]
     job_secret: Optional[bytes] = None
     cuda_check_values: bool = True
+    cuda_fused_kernels: bool = False
 
 
 def _read_first_line(path: str) -> str:
@@ -100,6 +106,7 @@ def settings() -> Settings:
         fault_point=env.get("MEP_FAULT_POINT") or None,
         job_secret=secret.encode() if secret else None,
         cuda_check_values=_flag(env, "MEP_CUDA_CHECK_VALUES", True),
+        cuda_fused_kernels=_flag(env, "MEP_CUDA_FUSED_KERNELS", False),
     )
 
 

@@ -4,15 +4,18 @@
 # so a hang in one stage still leaves the others' logs; stages are stopped with SIGINT so pytest prints
 # its summary. At most 8 files under $OUT (only those come back from a lent machine): env.txt build.log
 # kernels.log transport.log switch.log bench.log bench.md summary.txt.
-#   MEP_STAGES="build kernels probe transport graph fault switch demo bench rest mps"   (default: all, in this order)
+#   MEP_STAGES="build kernels probe transport graph fault fused switch demo bench rest mps"   (default: all, in order)
 #     build      setup.py build_ext --inplace, parallel; FAILS (exit 1) when _cuda is missing or sees no device
 #     kernels    tests/test_cuda_sim.py -k gpu: the nvcc kernels alone in one process against the CPU kernels
 #                (the combine with biases too)
-#     probe      scripts/gpu_probe.py: H=7168 bit-exactness, an R=8 E=256 round past 2^31, kernel-only times
+#     probe      scripts/gpu_probe.py: H=7168 bit-exactness, an R=8 E=256 round past 2^31, kernel-only times,
+#                each for the split and the fused launches (interleaved A/B)
 #     transport  tests/test_cuda.py round trips at R=2 and R=4 (rank processes on the one GPU), against shm;
 #                a combine starting from biases (tests/test_combine_bias.py, the Buffer's and the ElasticBuffer's)
 #     graph      the CUDA graph replay test (again with CUDA_MODULE_LOADING=EAGER if it fails)
 #     fault      a rank SIGKILLed between dispatch and combine, and before dispatch; Xid lines from dmesg
+#     fused      the transport, graph and fault tests again with MEP_CUDA_FUSED_KERNELS=1 (the fused launches
+#                in rank processes; the kernels and probe stages already ran them in one process)
 #     switch     tests/test_switch_device.py -k gpu: TP<->EP switches of weights and KV, a rank killed in a
 #                switch, an EPLB abort and commit, a replacement restored from device copies (vs the host path)
 #     demo       python -m mooncake_ep_switch demo --device cuda (switches, online EPLB, a rank replaced)
@@ -22,7 +25,8 @@
 #   MEP_TRANSPORT_TESTS="<pytest node ids>"    override the transport selection (follow-up runs)
 #   MEP_PROBE_ARGS="--profile --skip-r8"        arguments of the probe (follow-up runs)
 #   MEP_TRY_MPS=0                               skip the MPS stage
-#   MEP_MPS_BENCH=1                             also the bench (--quick) under MPS, its table into bench.log
+#   MEP_MPS_BENCH=1                             also the bench (--quick) under MPS, its table into bench.log, with
+#                                               the split launches and then with MEP_CUDA_FUSED_KERNELS=1
 #   MEP_PIP_CHECK=0                             skip the background offline `pip wheel` of the package
 #   MEP_ALLOW_NO_DEVICE=1                       dry run of the machinery on a machine without a GPU
 # Prebuilt modules (mooncake_ep_switch/*.so) are used when they import from this tree (MEP_FORCE_BUILD=1 rebuilds).
@@ -32,7 +36,7 @@ OUT=${OUT:-/tmp/mep_gpu_out}
 mkdir -p "$OUT"
 BUDGET=${MEP_CHECK_BUDGET_S:-420}
 DEADLINE=$(( $(date +%s) + BUDGET ))
-STAGES=" ${MEP_STAGES:-build kernels probe transport graph fault bench rest mps} "
+STAGES=" ${MEP_STAGES:-build kernels probe transport graph fault fused bench rest mps} "
 export PATH="$PATH:/usr/local/cuda/bin" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 export MEP_TEST_RUN_TIMEOUT_S=${MEP_TEST_RUN_TIMEOUT_S:-45}   # harness.run deadline: hangs dump rank stacks
 PY=${PYTHON:-python3}
@@ -107,6 +111,12 @@ fi
 want fault && stage fault 110 "$OUT/transport.log" "${PT[@]}" "$T::test_cuda_rank_killed[between]" \
   "$T::test_cuda_rank_killed[before_dispatch]"
 want fault && xid fault >> "$SUM" 2>&1
+FUSED=("$T::test_cuda_matches_shm[sync-bf16-2]" "$T::test_cuda_matches_shm[sync-fp8-4]"
+  "$T::test_cuda_matches_shm[async-fp8-4]" "$T::test_cuda_two_dispatches_in_a_row[async]"
+  "$T::test_cuda_inactive_rank[4]" "$T::test_cuda_graph_replays_match_eager" "$T::test_cuda_rank_killed[between]"
+  "$T::test_cuda_rank_killed[before_dispatch]" "tests/test_combine_bias.py::test_a_bias_on_the_gpu")
+want fused && MEP_CUDA_FUSED_KERNELS=1 stage fused 170 "$OUT/transport.log" "${PT[@]}" --maxfail=3 "${FUSED[@]}"
+want fused && xid fused >> "$SUM" 2>&1
 want switch && stage switch 170 "$OUT/switch.log" "${PT[@]}" tests/test_switch_device.py -k gpu
 want switch && xid switch >> "$SUM" 2>&1
 want demo && stage demo 120 "$OUT/switch.log" $PY -m mooncake_ep_switch demo --device cuda --out /tmp/mep_demo_out
@@ -128,6 +138,8 @@ if want mps && [ "${MEP_TRY_MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control
     stage mps 60 "$OUT/transport.log" "${PT[@]}" --maxfail=1 "$T::test_cuda_matches_shm[sync-bf16-4]" \
       "$T::test_cuda_matches_shm[async-fp8-4]"
     [ "${MEP_MPS_BENCH:-0}" = 1 ] && stage mps-bench 60 "$OUT/bench.log" $PY -m mooncake_ep_switch.bench --device cuda --quick
+    [ "${MEP_MPS_BENCH:-0}" = 1 ] && MEP_CUDA_FUSED_KERNELS=1 stage mps-bench-fused 60 "$OUT/bench.log" \
+      $PY -m mooncake_ep_switch.bench --device cuda --quick
     echo quit | timeout 10 nvidia-cuda-mps-control
     tail -5 "$CUDA_MPS_LOG_DIRECTORY"/control.log >> "$SUM" 2>/dev/null
   else echo "mps: daemon did not start" >> "$SUM"; fi

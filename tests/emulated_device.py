@@ -98,7 +98,7 @@ def install():
 
     regions, opened, host, sizes = {}, {}, {}, {}
     fake = types.SimpleNamespace()
-    for name in ("Call", "Region", "check_values", "combine_recv", "combine_send", "dispatch_recv",
+    for name in ("Call", "Region", "call_word_size", "check_values", "combine_recv", "combine_send", "dispatch_recv",
                  "dispatch_scratch_bytes", "dispatch_send"):
         setattr(fake, name, getattr(_cuda_sim, name))
 

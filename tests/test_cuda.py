@@ -463,9 +463,10 @@ def test_cuda_rank_killed(kill_point):
     killed_case(kill_point)
 
 
-def killed_case(kill_point: str, emulated: bool = False) -> None:
-    """4 ranks, rank DEAD SIGKILLed at `kill_point` in round 2: survivors within the deadline, exact."""
-    with harness.fresh_cluster(4) as cluster:
+def killed_case(kill_point: str, emulated: bool = False, env=None) -> None:
+    """4 ranks, rank DEAD SIGKILLed at `kill_point` in round 2: survivors within the deadline, exact. `env`: the
+    ranks' extra environment (MEP_CUDA_FUSED_KERNELS)."""
+    with harness.fresh_cluster(4, env=env) as cluster:
         outcomes = cluster.run(*on_device(rank_killed, emulated), kill_point, timeout_s=90, failure_grace_s=30)
     assert not outcomes[DEAD].ok and outcomes[DEAD].exitcode == -signal.SIGKILL, outcomes[DEAD]
     for outcome in outcomes:

@@ -35,15 +35,20 @@ def rank_two_dispatches_every_mode(ctx) -> bool:
     return True
 
 
-def _emulated(num_ranks: int, function, *args, timeout_s: float = 180):
-    with harness.fresh_cluster(num_ranks) as cluster:
+# The split launches and the fused ones (MEP_CUDA_FUSED_KERNELS, the same outputs bit for bit)
+LAUNCHES = [pytest.param(None, id="split"), pytest.param({"MEP_CUDA_FUSED_KERNELS": "1"}, id="fused")]
+
+
+def _emulated(num_ranks: int, function, *args, timeout_s: float = 180, env=None):
+    with harness.fresh_cluster(num_ranks, env=env) as cluster:
         return check_outcomes(cluster.run(run_emulated, function.__module__, function.__name__, *args,
                                           timeout_s=timeout_s))
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("num_ranks", [2, 4])
-def test_emulated_buffer_body_matches_shm(num_ranks):
-    assert _emulated(num_ranks, rank_rounds, ROUNDS) == [len(ROUNDS)] * num_ranks
+def test_emulated_buffer_body_matches_shm(num_ranks, launches):
+    assert _emulated(num_ranks, rank_rounds, ROUNDS, env=launches) == [len(ROUNDS)] * num_ranks
 
 
 def test_emulated_two_dispatches_in_a_row():
@@ -58,9 +63,10 @@ def test_emulated_misuse_two_buffers_and_after_destroy():
     assert all(_emulated(2, test_cuda.rank_misuse))
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("kill_point", ["before_dispatch", "between"])
-def test_emulated_rank_killed(kill_point):
-    test_cuda.killed_case(kill_point, emulated=True)
+def test_emulated_rank_killed(kill_point, launches):
+    test_cuda.killed_case(kill_point, emulated=True, env=launches)
 
 
 def test_emulated_rank_replaced_with_update_ep_member():

@@ -31,9 +31,11 @@ from tests.reference import (dequantize, expected_combine, expected_routing, exp
 
 SHORT_US = 5_000  # deadline of the rounds in which a rank does not take part
 NO_DEVICE = bool(cuda_unavailable_reason())
-# The device backends: the emulator everywhere, the GPU where there is one ("no CUDA device" skips).
-DEVICES = [pytest.param("sim", id="emulator"),
-           pytest.param("cuda", id="gpu", marks=pytest.mark.skipif(NO_DEVICE, reason="no CUDA device"))]
+# The device backends: the emulator everywhere, the GPU where there is one ("no CUDA device" skips); each
+# with the split launches and with the fused ones (Call.fused: MEP_CUDA_FUSED_KERNELS).
+ON_GPU = pytest.mark.skipif(NO_DEVICE, reason="no CUDA device")
+DEVICES = [pytest.param("sim", id="emulator"), pytest.param("sim-fused", id="emulator-fused"),
+           pytest.param("cuda", id="gpu", marks=ON_GPU), pytest.param("cuda-fused", id="gpu-fused", marks=ON_GPU)]
 
 
 class Shape(NamedTuple):
@@ -72,13 +74,16 @@ def _mock_expert(rank: int, shape: Shape, out: dict, use_fp8: bool) -> torch.Ten
 
 
 class Backend:
-    """R ranks' regions and per-rank state for one implementation ("native", "sim" or "cuda").
+    """R ranks' regions and per-rank state for one implementation ("native", "sim" or "cuda"; "sim-fused" and
+    "cuda-fused" launch the fused kernels).
 
     The "cuda" backend keeps regions, peer table, counters, call words, scratch, masks and outputs in
     device memory and the control words in pinned host memory (which the device reads and writes).
     """
 
     def __init__(self, kind: str, shape: Shape, timeout_us: int):
+        self.fused = kind.endswith("-fused")
+        kind = kind[:-len("-fused")] if self.fused else kind
         self.kind, self.shape, self.timeout_us = kind, shape, timeout_us
         self.mod = _cuda if kind == "cuda" else sim
         self.device = "cuda" if kind == "cuda" else "cpu"
@@ -95,6 +100,7 @@ class Backend:
         self.calls: Dict[int, object] = {}
         self.words: Dict[int, torch.Tensor] = {}
         self.dead_words = True  # False: the calls name no peer-watcher words (scripts/gpu_probe.py compares)
+        self.reuse_words = False  # True: every dispatch of a rank reuses its call word (as a graph's replays do)
 
     def stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream if self.kind == "cuda" else 0
@@ -108,7 +114,8 @@ class Backend:
         control = self.controls[rank]
         return self.mod.Call(R, rank, s.tokens, s.hidden, s.experts, number & 1, number, self.peer_table.data_ptr(),
                         active.data_ptr(), self.counters[rank].data_ptr(), word.data_ptr(), control.data_ptr(),
-                        control.data_ptr() + 4 * (1 + R) if self.dead_words else 0, self.timeout_us, advance)
+                        control.data_ptr() + 4 * (1 + R) if self.dead_words else 0, self.timeout_us, advance,
+                        fused=int(self.fused))
 
     def dispatch_send(self, rank, number, x, topk, active, use_fp8, advance=0):
         s = self.shape
@@ -122,7 +129,10 @@ class Backend:
         if key not in self.scratch:
             nbytes = self.mod.dispatch_scratch_bytes(s.num_ranks, s.tokens, s.hidden, s.experts, topk.size(1))
             self.scratch[key] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        word = torch.zeros(1 + s.num_ranks, dtype=torch.int64, device=self.device)
+        # poisoned, as the transport's torch.empty may leave it: the kernels write every word they read
+        word = self.words.get(rank) if self.reuse_words else None
+        if word is None:
+            word = torch.full((self.mod.call_word_size(s.num_ranks),), -1, dtype=torch.int64, device=self.device)
         self.words[rank] = word
         call = self._call(rank, number, active, word, advance)
         self.calls[rank] = call
@@ -405,6 +415,23 @@ def test_graph_mode_advances_the_tag_on_the_device(device):
         _assert_identical(shape, native, result, range(2), False)
 
 
+@pytest.mark.parametrize("device", [d for d in DEVICES if "fused" in d.values[0]])
+def test_fused_kernels_leave_their_arrival_counts_at_zero(device):
+    """The fused kernels' last block resets its grid's arrival count, so a call word serves every replay of a
+    graph: three rounds on the same (first poisoned) call words, every one right, the counts 0 after each."""
+    shape = Shape(4, 24, 384, 16, 6)  # combine rows on a (4, 4, z) grid
+    backend = Backend(device, shape, 30_000_000)
+    backend.reuse_words = True
+    for replay, seed in enumerate((40, 41, 42)):
+        inputs = _inputs(shape, seed=seed)
+        result = run_round(device, shape, inputs, 9, False, backend=backend, advance=1)
+        _assert_identical(shape, run_round("native", shape, inputs, 9 + replay, False), result, range(4), False)
+        for rank in range(4):
+            word = backend.words[rank].cpu()
+            assert int(word[0]) == 9 + replay
+            assert word[1 + shape.num_ranks:].tolist() == [0, 0, 0], (rank, word.tolist())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_eager_tag_is_the_host_call_even_after_a_later_one(device):
     """Eager calls use the host's number exactly (dispatches on two streams keep the host's order)."""
@@ -522,6 +549,36 @@ def test_the_emulator_traps_a_misaligned_wide_access_as_the_gpu_faults(offset):
         assert child.returncode == -signal.SIGILL, (child.returncode, child.stdout, child.stderr[-2000:])
 
 
+def test_the_fused_launches_are_a_setting_off_by_default(monkeypatch):
+    """MEP_CUDA_FUSED_KERNELS (config.py, the one place the environment is read): off unset, "1" on, else refused
+    by name."""
+    from mooncake_ep_switch.config import settings
+
+    monkeypatch.delenv("MEP_CUDA_FUSED_KERNELS", raising=False)
+    assert settings().cuda_fused_kernels is False
+    monkeypatch.setenv("MEP_CUDA_FUSED_KERNELS", "1")
+    assert settings().cuda_fused_kernels is True
+    monkeypatch.setenv("MEP_CUDA_FUSED_KERNELS", "yes")
+    with pytest.raises(ValueError, match="MEP_CUDA_FUSED_KERNELS: expected '0' or '1', got 'yes'"):
+        settings()
+
+
+def test_the_gpu_probe_and_check_script_run_their_dry_runs():
+    """scripts/gpu_probe.py (what a lent GPU's few minutes run) on the emulator at tiny shapes: both launch
+    variants bit-exact against the CPU kernels and timed; and scripts/gpu_check.sh parses."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    probe = subprocess.run([sys.executable, "scripts/gpu_probe.py", "--sim", "--iters", "1"], capture_output=True,
+                           text=True, timeout=300, cwd=root)
+    assert probe.returncode == 0, probe.stdout[-3000:] + probe.stderr[-3000:]
+    for line in ("EXACT bf16 Shape", "EXACT fp8 fused Shape", "TIME bf16 fused Shape", "LARGE fused Shape",
+                 "PROBE OK"):
+        assert line in probe.stdout, (line, probe.stdout[-3000:])
+    assert "MISMATCH" not in probe.stdout
+    syntax = subprocess.run(["bash", "-n", "scripts/gpu_check.sh"], capture_output=True, text=True, timeout=60,
+                            cwd=root)
+    assert syntax.returncode == 0, syntax.stderr
+
+
 def test_combine_launcher_refuses_bad_bias_arguments():
     """bias_hidden outside [1, hidden], a stride under its rows or odd, an odd address: refused by name
     before anything is launched."""
@@ -566,6 +623,12 @@ def test_launchers_refuse_out_of_range_shapes():
     outside = sim.Call(2, 2, 8, 128, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0)  # rank 2 of 2
     with pytest.raises(ValueError, match="rank 2 outside"):
         sim.dispatch_send(outside, backend.region, 1, 0, 1, 1, use_fp8=False, scratch=1, stream=0)
+    not_a_flag = sim.Call(2, 0, 8, 128, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0, fused=2)
+    with pytest.raises(ValueError, match="fused"):
+        sim.dispatch_send(not_a_flag, backend.region, 1, 0, 1, 1, use_fp8=False, scratch=1, stream=0)
+    with pytest.raises(ValueError, match="num_ranks"):
+        sim.call_word_size(0)
+    assert sim.call_word_size(8) == 1 + 8 + 3
     odd_hidden = sim.Call(2, 0, 8, 100, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0)
     with pytest.raises(ValueError, match="hidden"):
         sim.combine_recv(odd_hidden, backend.region, 1, 1, 1, 1, 1, 0)

@@ -65,13 +65,18 @@ struct Call {
     uintptr_t peer_bases;  // device array [R] of uint64 region bases as mapped here (0 = unreachable)
     uintptr_t active;      // device int32 [R], the caller's active_ranks
     uintptr_t counter;     // device uint64: the last call number this rank's dispatches used
-    uintptr_t call_word;   // device int64 [1 + R]: [0] the call number of this dispatch (its handle's word),
-                           // [1 + r] scratch of the send kernels (whether peer r is writable this phase)
+    uintptr_t call_word;   // device int64 [call_word_size(R)]: [0] the call number of this dispatch (its handle's
+                           // word), [1 + r] scratch of the send kernels (whether peer r is writable this phase),
+                           // then the fused kernels' arrival counts (zeroed by the dispatch's first kernel)
     uintptr_t control;     // mapped host int32 [1 + R]: [0] abort (destroy), [1 + s] set when s failed
     uintptr_t dead;        // mapped host int32 [R]: set by the peer watcher when s's process ended (0 = none)
     int64_t timeout_us;    // per source, -1 = none
     int32_t advance;       // 0: the call number is host_call; 1: max(counter + 1, host_call) (graphs)
+    int32_t fused;         // 1: the fused launches (8 a round trip instead of 12-13), same outputs bit for bit
 };
+
+// int64 words of a call word (see Call::call_word) for `num_ranks` ranks.
+int64_t call_word_size(int32_t num_ranks);
 
 // Scratch of one dispatch shape (device memory the caller owns, sized by dispatch_scratch_bytes).
 int64_t dispatch_scratch_bytes(int32_t num_ranks, int32_t max_tokens, int32_t hidden, int32_t num_experts,

@@ -87,9 +87,40 @@ __device__ __forceinline__ bool writable_now(const Call& call, int32_t peer) {
     return call.dead == 0 || reinterpret_cast<const volatile int32_t*>(call.dead)[peer] == 0;
 }
 
-// The call word: [0] the call number, [1 + r] whether peer r is writable in this send phase.
+// The call word (call_word_size(R) int64): [0] the call number, [1 + r] whether peer r is writable in this
+// send phase, [1 + R + i] the arrival count of the fused kernel i (kArrive*, below).
 __device__ __forceinline__ int64_t* writable_snapshot(const Call& call) {
     return reinterpret_cast<int64_t*>(call.call_word) + 1;
+}
+
+// The fused kernels (Call::fused): each block of a grid arrives once it has done its part, and the block
+// that arrives last also does the step that needed the whole grid done (the signals after the rows, the
+// layout after the waits), which the split launches run as a kernel of their own.
+constexpr int kArriveDispatchRows = 0, kArriveDispatchWait = 1, kArriveCombineRows = 2, kArrivals = 3;
+
+__device__ __forceinline__ unsigned* arrivals(const Call& call, int which) {
+    return reinterpret_cast<unsigned*>(reinterpret_cast<int64_t*>(call.call_word) + 1 + call.num_ranks + which);
+}
+
+// Every thread of every block of the grid calls it once, after the block's work: true in every thread of
+// the block that arrived last, which then sees (device scope) every write the grid's blocks made before they
+// arrived (their threads met at the barrier, then one thread fenced and counted), and has reset the count
+// for the next launch (every other block has counted). The row kernels fence at system scope before it
+// (block_fence_system), so their rows are visible system-wide before the last block's signals.
+__device__ __forceinline__ bool arrived_last(unsigned* count) {
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
+        last = atomicAdd(count, 1u) == blocks - 1 ? 1 : 0;
+        if (last) {
+            atomicExch(count, 0u);
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    return last != 0;
 }
 
 __device__ __forceinline__ bool writable(const Call& call, int32_t peer) {
@@ -197,7 +228,7 @@ Scratch carve(uintptr_t base, int32_t half_index, int32_t R, int32_t T, int32_t 
 // dispatches issued on two streams keep the host's order whatever order their kernels run in;
 // calls that may replay without the host (captured in a CUDA graph, or any call once a graph was
 // captured: advance == 1) take max(counter + 1, host_call), a new number at every replay.
-__global__ void k_advance_call(Call call) {
+__device__ __forceinline__ void advance_call(const Call& call) {
     snapshot_writable(call);
     if (threadIdx.x != 0) return;
     auto* counter = reinterpret_cast<unsigned long long*>(call.counter);
@@ -215,10 +246,12 @@ __global__ void k_advance_call(Call call) {
     *reinterpret_cast<uint64_t*>(call.call_word) = next;
 }
 
+__global__ void k_advance_call(Call call) { advance_call(call); }
+
 // Block e ranks the tokens that selected expert e, ascending (a block-wide scan of a flag per
 // token): slots[t*K + k] = that rank for the k with topk[t][k] == e; send_counts[e] = how many.
-__global__ void k_rank_tokens(const int64_t* topk, int32_t num_tokens, int32_t top_k, Scratch scratch) {
-    const int32_t expert = blockIdx.x;
+__device__ __forceinline__ void rank_tokens(int32_t expert, const int64_t* topk, int32_t num_tokens, int32_t top_k,
+                                            const Scratch& scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __shared__ int32_t warp_totals[kWarps];
     int32_t running = 0;
@@ -247,10 +280,13 @@ __global__ void k_rank_tokens(const int64_t* topk, int32_t num_tokens, int32_t t
     if (threadIdx.x == 0) scratch.send_counts[expert] = running;
 }
 
+__global__ void k_rank_tokens(const int64_t* topk, int32_t num_tokens, int32_t top_k, Scratch scratch) {
+    rank_tokens(blockIdx.x, topk, num_tokens, top_k, scratch);
+}
+
 // Block t quantizes token t: a warp per 128-channel group (4 channels a lane), amax by the bf16
 // magnitude bits, scale and codes by the shared rules of common/numerics.h.
-__global__ void k_quantize(const uint16_t* x, int32_t hidden, Scratch scratch) {
-    const int32_t t = blockIdx.x;
+__device__ __forceinline__ void quantize_token(int32_t t, const uint16_t* x, int32_t hidden, const Scratch& scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int32_t groups = hidden / kScaleGroup;
     for (int32_t g = warp; g < groups; g += kWarps) {
@@ -273,10 +309,33 @@ __global__ void k_quantize(const uint16_t* x, int32_t hidden, Scratch scratch) {
     }
 }
 
+__global__ void k_quantize(const uint16_t* x, int32_t hidden, Scratch scratch) {
+    quantize_token(blockIdx.x, x, hidden, scratch);
+}
+
+// Fused: the first kernel of a send phase. Blocks [0, E) rank the tokens of expert b, block E advances the
+// call number, takes the writable snapshot and zeroes the arrival counts, blocks E + 1 + t quantize token t
+// (FP8; none for bf16).
+__global__ void k_dispatch_prepare(Call call, const int64_t* topk, int32_t num_tokens, int32_t top_k,
+                                   const uint16_t* x, Scratch scratch) {
+    const int32_t E = call.num_experts, block = int32_t(blockIdx.x);
+    if (block < E) {
+        rank_tokens(block, topk, num_tokens, top_k, scratch);
+    } else if (block == E) {
+        // the whole int64 word (the count is its low half)
+        for (int which = threadIdx.x; which < kArrivals; which += blockDim.x)
+            reinterpret_cast<int64_t*>(call.call_word)[1 + call.num_ranks + which] = 0;
+        advance_call(call);
+    } else {
+        quantize_token(block - E - 1, x, call.hidden, scratch);
+    }
+}
+
 // A warp per (token, k): the token's row (bf16, or its FP8 codes and scales) goes into
 // dispatch_data[l][rank][slot] of the expert's owner, its index into dispatch_src.
-__global__ void k_dispatch_rows(Call call, Region region, const uint8_t* x, const int64_t* topk, int32_t num_tokens,
-                                int32_t top_k, bool use_fp8, Scratch scratch) {
+__device__ __forceinline__ void dispatch_rows(const Call& call, const Region& region, const uint8_t* x,
+                                              const int64_t* topk, int32_t num_tokens, int32_t top_k, bool use_fp8,
+                                              const Scratch& scratch) {
     const int lane = threadIdx.x & 31;
     const int64_t warps = int64_t(gridDim.x) * kWarps;
     const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, E = call.num_experts;
@@ -307,8 +366,13 @@ __global__ void k_dispatch_rows(Call call, Region region, const uint8_t* x, cons
     block_fence_system();  // the block's rows are visible system-wide before any signal
 }
 
+__global__ void k_dispatch_rows(Call call, Region region, const uint8_t* x, const int64_t* topk, int32_t num_tokens,
+                                int32_t top_k, bool use_fp8, Scratch scratch) {
+    dispatch_rows(call, region, x, topk, num_tokens, top_k, use_fp8, scratch);
+}
+
 // Thread per expert: dispatch_signals[rank][l] of the expert's owner = (tag << 32) | count.
-__global__ void k_dispatch_signals(Call call, Region region, Scratch scratch) {
+__device__ __forceinline__ void dispatch_signals(const Call& call, const Region& region, const Scratch& scratch) {
     const int32_t R = call.num_ranks, E = call.num_experts, L = E / R;
     const uint32_t tag = call_tag(*reinterpret_cast<const uint64_t*>(call.call_word));
     __threadfence_system();
@@ -320,6 +384,17 @@ __global__ void k_dispatch_signals(Call call, Region region, Scratch scratch) {
         auto* signal = reinterpret_cast<uint64_t*>(half + region.dispatch_signals) + int64_t(call.rank) * L + local;
         store_release_sys(signal, make_signal(tag, uint32_t(scratch.send_counts[expert])));
     }
+}
+
+__global__ void k_dispatch_signals(Call call, Region region, Scratch scratch) {
+    dispatch_signals(call, region, scratch);
+}
+
+// Fused: the rows, then (the block that arrives last) the signals.
+__global__ void k_dispatch_rows_signals(Call call, Region region, const uint8_t* x, const int64_t* topk,
+                                        int32_t num_tokens, int32_t top_k, bool use_fp8, Scratch scratch) {
+    dispatch_rows(call, region, x, topk, num_tokens, top_k, use_fp8, scratch);
+    if (arrived_last(arrivals(call, kArriveDispatchRows))) dispatch_signals(call, region, scratch);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -387,7 +462,8 @@ __global__ void k_dispatch_wait(Call call, Region region, Scratch scratch) {
 }
 
 // Thread per local expert: begins (sources ascending), layout_range and recv_count.
-__global__ void k_dispatch_layout(Call call, Scratch scratch, int64_t* layout_range, int32_t* recv_count) {
+__device__ __forceinline__ void dispatch_layout(const Call& call, const Scratch& scratch, int64_t* layout_range,
+                                                int32_t* recv_count) {
     const int32_t R = call.num_ranks, L = call.num_experts / R;
     for (int32_t l = threadIdx.x; l < L; l += blockDim.x) {
         int64_t begin = 0;
@@ -400,6 +476,20 @@ __global__ void k_dispatch_layout(Call call, Scratch scratch, int64_t* layout_ra
         }
         recv_count[l] = int32_t(begin);
     }
+}
+
+__global__ void k_dispatch_layout(Call call, Scratch scratch, int64_t* layout_range, int32_t* recv_count) {
+    dispatch_layout(call, scratch, layout_range, recv_count);
+}
+
+// Fused: block `source` (one warp) waits for it, then the block that arrives last lays out every source's counts.
+__global__ void k_dispatch_wait_layout(Call call, Region region, Scratch scratch, int64_t* layout_range,
+                                       int32_t* recv_count) {
+    const int32_t source = blockIdx.x, L = call.num_experts / call.num_ranks;
+    const uint8_t* half = half_base(call, region, call.rank);
+    const auto* signals = reinterpret_cast<const uint64_t*>(half + region.dispatch_signals) + int64_t(source) * L;
+    wait_source(call, signals, source, L, scratch.recv_counts + int64_t(source) * L);
+    if (arrived_last(arrivals(call, kArriveDispatchWait))) dispatch_layout(call, scratch, layout_range, recv_count);
 }
 
 // Blocks (source, l, z): that source's rows of local expert l into recv_x[l][begin..], src_info and
@@ -445,8 +535,8 @@ __global__ void k_snapshot_writable(Call call) { snapshot_writable(call); }
 
 // Blocks (source, l, z): rows x[l][begin + i] go to combine_data[rank*L + l][src_info[l][begin + i]] of
 // the token owner `source`, every gridDim.z-th group of kWarps rows per block. Counts and token indices are bounds-checked (a bad one is skipped).
-__global__ void k_combine_rows(Call call, Region region, const uint8_t* x, const int32_t* src_info,
-                               const int64_t* layout_range) {
+__device__ __forceinline__ void combine_rows(const Call& call, const Region& region, const uint8_t* x,
+                                             const int32_t* src_info, const int64_t* layout_range) {
     const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, L = call.num_experts / R;
     const int32_t source = blockIdx.x, local = blockIdx.y;
     if (writable(call, source)) {
@@ -469,8 +559,13 @@ __global__ void k_combine_rows(Call call, Region region, const uint8_t* x, const
     block_fence_system();  // the block's rows are visible system-wide before any signal
 }
 
+__global__ void k_combine_rows(Call call, Region region, const uint8_t* x, const int32_t* src_info,
+                               const int64_t* layout_range) {
+    combine_rows(call, region, x, src_info, layout_range);
+}
+
 // Thread per (token owner, l): combine_signals[rank*L + l] of the owner = (tag << 32) | count.
-__global__ void k_combine_signals(Call call, Region region, const int64_t* layout_range) {
+__device__ __forceinline__ void combine_signals(const Call& call, const Region& region, const int64_t* layout_range) {
     const int32_t R = call.num_ranks, L = call.num_experts / R;
     const uint32_t tag = call_tag(*reinterpret_cast<const uint64_t*>(call.call_word));
     __threadfence_system();
@@ -483,6 +578,17 @@ __global__ void k_combine_signals(Call call, Region region, const int64_t* layou
         auto* signal = reinterpret_cast<uint64_t*>(half + region.combine_signals) + int64_t(call.rank) * L + local;
         store_release_sys(signal, make_signal(tag, count));
     }
+}
+
+__global__ void k_combine_signals(Call call, Region region, const int64_t* layout_range) {
+    combine_signals(call, region, layout_range);
+}
+
+// Fused: the rows, then (the block that arrives last) the signals.
+__global__ void k_combine_rows_signals(Call call, Region region, const uint8_t* x, const int32_t* src_info,
+                                       const int64_t* layout_range) {
+    combine_rows(call, region, x, src_info, layout_range);
+    if (arrived_last(arrivals(call, kArriveCombineRows))) combine_signals(call, region, layout_range);
 }
 
 __global__ void k_combine_wait(Call call, Region region) {
@@ -666,6 +772,11 @@ int64_t dispatch_scratch_bytes(int32_t num_ranks, int32_t max_tokens, int32_t hi
     return 2 * scratch_sizes(num_ranks, max_tokens, hidden, num_experts, top_k).half;
 }
 
+int64_t call_word_size(int32_t num_ranks) {
+    if (num_ranks < 1) throw std::invalid_argument("num_ranks: expected >= 1, got " + std::to_string(num_ranks));
+    return 1 + int64_t(num_ranks) + kArrivals;
+}
+
 // Shape limits of the launches (the Python layer checks the call first; these keep a direct
 // caller from launching out of bounds).
 void check_call(const Call& call) {
@@ -680,6 +791,7 @@ void check_call(const Call& call) {
                                     std::to_string(call.num_experts));
     if (call.max_tokens < 1) throw std::invalid_argument("max_tokens: expected >= 1");
     if (call.half_index != 0 && call.half_index != 1) throw std::invalid_argument("half_index: expected 0 or 1");
+    if (call.fused != 0 && call.fused != 1) throw std::invalid_argument("fused: expected 0 or 1");
     if (!call.peer_bases || !call.active || !call.counter || !call.call_word || !call.control)
         throw std::invalid_argument("call: a null device address");
 }
@@ -695,6 +807,14 @@ void dispatch_send(const Call& call, const Region& region, uintptr_t x, int32_t 
                                   call.num_experts, top_k);
     const auto* topk = reinterpret_cast<const int64_t*>(topk_idx);
     const Stream s = as_stream(stream);
+    if (call.fused) {  // two launches: ranking, call word and quantization; then rows and signals
+        const int64_t blocks = int64_t(call.num_experts) + 1 + (use_fp8 ? num_tokens : 0);
+        MEP_LAUNCH(k_dispatch_prepare, unsigned(blocks), kThreads, 0, s, call, topk, num_tokens, top_k,
+                   reinterpret_cast<const uint16_t*>(x), scratch);
+        MEP_LAUNCH(k_dispatch_rows_signals, copy_blocks(int64_t(num_tokens) * top_k), kThreads, 0, s, call, region,
+                   reinterpret_cast<const uint8_t*>(x), topk, num_tokens, top_k, use_fp8, scratch);
+        return;
+    }
     MEP_LAUNCH(k_advance_call, 1, kThreads, 0, s, call);
     MEP_LAUNCH(k_rank_tokens, call.num_experts, kThreads, 0, s, topk, num_tokens, top_k, scratch);
     if (use_fp8 && num_tokens > 0) {
@@ -714,8 +834,14 @@ void dispatch_recv(const Call& call, const Region& region, bool use_fp8, int32_t
                                   call.num_experts, top_k);
     const Stream s = as_stream(stream);
     const int32_t L = call.num_experts / call.num_ranks;
-    MEP_LAUNCH(k_dispatch_wait, call.num_ranks, 32, 0, s, call, region, scratch);
-    MEP_LAUNCH(k_dispatch_layout, 1, kThreads, 0, s, call, scratch, reinterpret_cast<int64_t*>(layout_range), reinterpret_cast<int32_t*>(recv_count));
+    if (call.fused) {
+        MEP_LAUNCH(k_dispatch_wait_layout, call.num_ranks, 32, 0, s, call, region, scratch,
+                   reinterpret_cast<int64_t*>(layout_range), reinterpret_cast<int32_t*>(recv_count));
+    } else {
+        MEP_LAUNCH(k_dispatch_wait, call.num_ranks, 32, 0, s, call, region, scratch);
+        MEP_LAUNCH(k_dispatch_layout, 1, kThreads, 0, s, call, scratch, reinterpret_cast<int64_t*>(layout_range),
+                   reinterpret_cast<int32_t*>(recv_count));
+    }
     MEP_LAUNCH(k_dispatch_unpack, dim3(call.num_ranks + 1, L, split_blocks((call.num_ranks + 1) * L, call.max_tokens)), kThreads, 0, s, call, region, use_fp8, scratch, reinterpret_cast<uint8_t*>(recv_x), reinterpret_cast<float*>(recv_scales), reinterpret_cast<int32_t*>(src_info), reinterpret_cast<const int32_t*>(recv_count));
 }
 
@@ -725,6 +851,12 @@ void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t
     const Stream s = as_stream(stream);
     const int32_t L = call.num_experts / call.num_ranks;
     MEP_LAUNCH(k_snapshot_writable, 1, kThreads, 0, s, call);
+    if (call.fused) {
+        MEP_LAUNCH(k_combine_rows_signals, dim3(call.num_ranks, L, split_blocks(call.num_ranks * L, call.max_tokens)),
+                   kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x),
+                   reinterpret_cast<const int32_t*>(src_info), reinterpret_cast<const int64_t*>(layout_range));
+        return;
+    }
     MEP_LAUNCH(k_combine_rows, dim3(call.num_ranks, L, split_blocks(call.num_ranks * L, call.max_tokens)), kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const int32_t*>(src_info), reinterpret_cast<const int64_t*>(layout_range));
     MEP_LAUNCH(k_combine_signals, 1, kThreads, 0, s, call, region, reinterpret_cast<const int64_t*>(layout_range));
 }

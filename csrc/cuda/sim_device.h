@@ -78,6 +78,7 @@ inline uint32_t __shfl_xor_sync(unsigned, uint32_t value, int lane_mask) {
 }
 inline int __popc(unsigned value) { return __builtin_popcount(value); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __nanosleep(unsigned) { mep_sim::pause(); }
 // Round-to-nearest float operations (compiled with -ffp-contract=off: never fused).
 inline float __fdiv_rn(float a, float b) { return a / b; }
@@ -91,6 +92,12 @@ inline int atomicCAS(int* addr, int compare, int value) {
 inline unsigned long long atomicCAS(unsigned long long* addr, unsigned long long compare, unsigned long long value) {
     __atomic_compare_exchange_n(addr, &compare, value, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     return compare;
+}
+inline unsigned atomicAdd(unsigned* addr, unsigned value) {
+    return __atomic_fetch_add(addr, value, __ATOMIC_SEQ_CST);
+}
+inline unsigned atomicExch(unsigned* addr, unsigned value) {
+    return __atomic_exchange_n(addr, value, __ATOMIC_SEQ_CST);
 }
 inline unsigned long long atomicMax(unsigned long long* addr, unsigned long long value) {
     unsigned long long seen = __atomic_load_n(addr, __ATOMIC_SEQ_CST);

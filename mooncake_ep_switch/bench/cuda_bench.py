@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch.bench import transport as tb
 from mooncake_ep_switch.bench.table import run_table_cli
+from mooncake_ep_switch.config import settings
 from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 
 TIMEOUT_US = 30_000_000
@@ -160,7 +161,8 @@ def run(quick: bool = False) -> List[dict]:
         latency = {graph: _measure(cluster, small, iters, 20, False, graph) for graph in (False, True)}
         shm = tb.measure(cluster, "shm", shape, 20 if not quick else 5)
     label = f"R=2 T=128 hidden=7168 E=32 K=8 ({per_rank / 1e6:.1f} MB per rank)"
-    where = f"{device}; ranks {sharing}"
+    launches = "fused" if settings().cuda_fused_kernels else "split"  # the ranks inherit MEP_CUDA_FUSED_KERNELS
+    where = f"{device}; {launches} launches; ranks {sharing}"
     for (fp8, graph), result in results.items():
         # DeepEP's convention: the bytes that move, FP8 rows (H bytes + H/128 float32 scales) for an FP8
         # dispatch, bf16 rows for combine.

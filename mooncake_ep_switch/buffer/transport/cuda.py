@@ -56,7 +56,7 @@ class CudaTransport(RuntimeQueries):
         rank: this rank.
         num_ranks: group size.
         num_ep_buffer_bytes: size of every rank's device region (> 0).
-        settings: the runtime `Settings` (host identity, value checks).
+        settings: the runtime `Settings` (host identity, value checks, fused kernels).
 
     Raises:
         RuntimeError: no usable CUDA device here, or the CUDA extension was not built (the reason).
@@ -278,7 +278,8 @@ class CudaTransport(RuntimeQueries):
             self._graphs = True
         return _cuda.Call(self.num_ranks, self.rank, tokens, hidden, experts, number & 1, number,
                           self.peer_table.data_ptr(), active.data_ptr(), self.counter.data_ptr(),
-                          call_word.data_ptr(), self._control_ptr, self._dead_ptr, timeout_us, int(self._graphs))
+                          call_word.data_ptr(), self._control_ptr, self._dead_ptr, timeout_us, int(self._graphs),
+                          fused=int(self.settings.cuda_fused_kernels))
 
     def comm_stream(self) -> torch.cuda.Stream:
         """The stream `async_finish` calls run on (made on first use)."""
@@ -295,8 +296,9 @@ class CudaTransport(RuntimeQueries):
             outputs: the `DispatchOutputs` the receive phase fills.
 
         Returns:
-            private: `[1 + R]` torch.int64 CUDA tensor: [0] the call number the device used (combine reads
-                it), [1 + r] the send kernels' snapshot of whether peer r is writable.
+            private: `[1 + R + 3]` torch.int64 CUDA tensor: [0] the call number the device used (combine reads
+                it), [1 + r] the send kernels' snapshot of whether peer r is writable, then the fused kernels'
+                arrival counts.
             receive: callable that launches the receive kernels on the then-current stream.
         """
         tokens, experts, hidden = call.num_max_dispatch_tokens_per_rank, call.num_experts, call.x.size(1)
@@ -307,8 +309,9 @@ class CudaTransport(RuntimeQueries):
         region = self._region(layout)
         top_k = call.topk_idx.size(1)
         scratch = self._scratch_for(tokens, hidden, experts, top_k)
-        # [0] the call number the device used; [1 + r] the send kernels' snapshot of writable peers
-        call_word = torch.empty(1 + self.num_ranks, dtype=torch.int64, device=self.device)
+        # [0] the call number the device used; [1 + r] the send kernels' snapshot of writable peers; then the
+        # fused kernels' arrival counts (csrc/cuda/api.h Call::call_word)
+        call_word = torch.empty(_cuda.call_word_size(self.num_ranks), dtype=torch.int64, device=self.device)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call_word, call.timeout_us)
         self.latest_dispatch = call.call
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
