@@ -540,6 +540,52 @@ def test_gpu_block_copies_match_the_host_copy(count, aligned, max_rows, max_widt
     assert torch.equal(dst, before), "a refused call queued some of its blocks"
 
 
+class _StandInEvent:
+    """An event that completes at its `done_after`-th query (never for None), for `DeviceMoves.fence` on the CPU."""
+
+    def __init__(self, done_after):
+        self.done_after, self.queries = done_after, 0
+
+    def record(self, stream=None):
+        pass
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done_after is not None and self.queries >= self.done_after
+
+
+@pytest.mark.parametrize("done_after", [1, 40, None], ids=["landed", "lands-while-spinning", "never"])
+def test_fence_yields_before_it_sleeps_and_ends_at_its_deadline(monkeypatch, done_after):
+    """A switch fences once per layer and its copies take tens of microseconds: the fence queries its event
+    with the core yielded in between for `FENCE_SPIN_S` (a sleep would overshoot by ~60 us each) and only then
+    sleeps; a device that never finishes is given up on at the deadline, naming the queued bytes."""
+    import types
+
+    from mooncake_ep_switch.buffer import device_region
+
+    event = _StandInEvent(done_after)
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    stand_in = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=lambda: event,
+                                                                current_stream=lambda device=None: stream))
+    monkeypatch.setattr(device_region, "torch", stand_in)
+    sleeps, yields = [], []
+    monkeypatch.setattr(device_region.time, "sleep", lambda seconds: sleeps.append(seconds))
+    monkeypatch.setattr(device_region.os, "sched_yield", lambda: yields.append(1))
+    # a spin long enough that a loaded machine's preemption cannot end it early; 10 ms of it when nothing lands
+    monkeypatch.setattr(device_region, "FENCE_SPIN_S", 5.0 if done_after else 0.01)
+    moves = device_region.DeviceMoves.__new__(device_region.DeviceMoves)
+    moves.device, moves.stream, moves.unfenced_bytes, moves._in_flight = "cuda:0", stream, 4096, [("e", ())]
+    if done_after is None:
+        with pytest.raises(TimeoutError, match="did not finish 4096 queued bytes of moves within 0.05 s"):
+            moves.fence(0.05)
+        assert yields and sleeps and sleeps[:3] == [1e-5, 2e-5, 4e-5] and max(sleeps) <= 1e-3
+        assert moves.unfenced_bytes == 4096  # still owed
+        return
+    moves.fence(10.0)
+    assert sleeps == [] and len(yields) == done_after - 1 and event.queries == done_after
+    assert moves.unfenced_bytes == 0 and moves._in_flight == []
+
+
 def rank_owner_gone(ctx, how: str) -> dict:
     """Rank 0 exports 64 MiB of 0xA5 by IPC; rank 1 opens it; rank 0 then frees it and allocates 64 MiB of
     0x5A (`how="free"`), or is SIGKILLed (`"kill"`); rank 1 reads what it still maps."""

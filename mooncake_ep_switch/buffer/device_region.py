@@ -261,7 +261,10 @@ class DeviceMoves:
     def fence(self, timeout_s: float) -> None:
         """Wait until every queued move and everything queued before on the caller's stream completed.
 
-        Polls an event (yielding) up to `timeout_s`; the caller's stream then also waits for the moves.
+        Polls an event up to `timeout_s`: yielding the core between queries for the first `FENCE_SPIN_S` (a
+        switch fences once per layer, and its copies take tens of microseconds: a sleep, ~60 us at least on
+        Linux, would overshoot each), then sleeping with a growing pause; the caller's stream then also waits
+        for the moves.
 
         Arguments:
             timeout_s: deadline in seconds (> 0).
@@ -273,12 +276,17 @@ class DeviceMoves:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         event = torch.cuda.Event()
         event.record(self.stream)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline, spin_until = started + timeout_s, started + FENCE_SPIN_S
         pause = 1e-5
         while not event.query():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"the device did not finish {self.unfenced_bytes} queued bytes of moves within "
                                    f"{timeout_s:.3g} s")
+            if now < spin_until:
+                os.sched_yield()
+                continue
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
@@ -290,6 +298,8 @@ _MOVES: Dict[str, DeviceMoves] = {}
 #: Seconds a wait for this rank's queued moves (or loads) may take when no call deadline applies: `unmap_peer()`,
 #: `destroy()`, the loads, a failed switch's drain.
 DRAIN_TIMEOUT_S = 30.0
+#: Seconds a fence yields the core between event queries before it sleeps between them (`DeviceMoves.fence`).
+FENCE_SPIN_S = 2e-4
 #: Below this many blocks a move is one runtime copy per block, from this many on one kernel (csrc/cuda).
 KERNEL_MIN_BLOCKS = 8
 # Device memory a wedged device might still touch: never released (destroy() after a failed drain).
