@@ -72,7 +72,8 @@ struct Call {
     uintptr_t dead;        // mapped host int32 [R]: set by the peer watcher when s's process ended (0 = none)
     int64_t timeout_us;    // per source, -1 = none
     int32_t advance;       // 0: the call number is host_call; 1: max(counter + 1, host_call) (graphs)
-    int32_t fused;         // 1: the fused launches (8 a round trip instead of 12-13), same outputs bit for bit
+    int32_t fused;         // 1: the fused launches (8 a round trip instead of 12-13), same outputs bit for bit;
+                           // they write the arrival counts: call_word must hold call_word_size(R) words
 };
 
 // int64 words of a call word (see Call::call_word) for `num_ranks` ranks.

@@ -18,8 +18,9 @@
 // The call number lives on the device: the first kernel of a dispatch writes it into the
 // dispatch's call word, which every later kernel of that dispatch and of its combine reads: the
 // host's number for eager calls, `max(counter + 1, host_call)` once a graph was captured
-// (k_advance_call). A captured CUDA graph therefore uses a new tag on every replay (stale signals of an earlier replay never match), while the region half
-// stays the one chosen at capture (one dispatch and its combine strictly alternate per rank, which
+// (advance_call: k_advance_call, or block E of the fused k_dispatch_prepare). A captured CUDA graph
+// therefore uses a new tag on every replay (stale signals of an earlier replay never match), while
+// the region half stays the one chosen at capture (one dispatch and its combine strictly alternate per rank, which
 // is what makes reusing a half safe, docs/protocol.md).
 //
 // Waits are bounded on the device: each receive waits per source up to timeout_us on the GPU's
@@ -106,8 +107,10 @@ __device__ __forceinline__ unsigned* arrivals(const Call& call, int which) {
 // the block that arrived last, which then sees (device scope) every write the grid's blocks made before they
 // arrived (their threads met at the barrier, then one thread fenced and counted), and has reset the count
 // for the next launch (every other block has counted). The row kernels fence at system scope before it
-// (block_fence_system), so their rows are visible system-wide before the last block's signals.
-__device__ __forceinline__ bool arrived_last(unsigned* count) {
+// (block_fence_system); with `release_sys` the last block's counting thread then fences at system scope
+// before its threads meet, so the rows of every block are ordered before the release stores of the
+// signals that the last block's threads make next (one system fence in that block, not one per thread).
+__device__ __forceinline__ bool arrived_last(unsigned* count, bool release_sys) {
     __shared__ int last;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -116,7 +119,8 @@ __device__ __forceinline__ bool arrived_last(unsigned* count) {
         last = atomicAdd(count, 1u) == blocks - 1 ? 1 : 0;
         if (last) {
             atomicExch(count, 0u);
-            __threadfence();
+            if (release_sys) __threadfence_system();
+            else __threadfence();
         }
     }
     __syncthreads();
@@ -135,7 +139,8 @@ __device__ __forceinline__ void snapshot_writable(const Call& call) {
 
 // The end of a kernel that wrote rows into peers' regions: the block's threads meet at a barrier, then
 // one thread fences at system scope, so every row the block wrote is ordered (by the fence's
-// cumulativity) before the signals a later kernel of the stream stores with release semantics. One
+// cumulativity) before the signals stored with release semantics after it: by a later kernel of the
+// stream (split launches), or by the grid's last block once this block arrived (fused launches). One
 // fence per block, not per thread: on an H100 a system-scope fence cost about 1 us per warp and the
 // fences of a grid ran one after another (1 ms for the 1024 warps of an R=2 T=128 K=8 dispatch).
 __device__ __forceinline__ void block_fence_system() {
@@ -371,11 +376,14 @@ __global__ void k_dispatch_rows(Call call, Region region, const uint8_t* x, cons
     dispatch_rows(call, region, x, topk, num_tokens, top_k, use_fp8, scratch);
 }
 
-// Thread per expert: dispatch_signals[rank][l] of the expert's owner = (tag << 32) | count.
-__device__ __forceinline__ void dispatch_signals(const Call& call, const Region& region, const Scratch& scratch) {
+// Thread per expert: dispatch_signals[rank][l] of the expert's owner = (tag << 32) | count. `fence_each`:
+// every thread fences at system scope first (the split launches' kernel of its own); the fused launches'
+// last block had one thread fence at system scope before its threads met (arrived_last).
+__device__ __forceinline__ void dispatch_signals(const Call& call, const Region& region, const Scratch& scratch,
+                                                 bool fence_each) {
     const int32_t R = call.num_ranks, E = call.num_experts, L = E / R;
     const uint32_t tag = call_tag(*reinterpret_cast<const uint64_t*>(call.call_word));
-    __threadfence_system();
+    if (fence_each) __threadfence_system();
     for (int32_t expert = threadIdx.x; expert < E; expert += blockDim.x) {
         const int32_t dest = expert / L, local = expert % L;
         if (!writable(call, dest)) continue;
@@ -387,14 +395,14 @@ __device__ __forceinline__ void dispatch_signals(const Call& call, const Region&
 }
 
 __global__ void k_dispatch_signals(Call call, Region region, Scratch scratch) {
-    dispatch_signals(call, region, scratch);
+    dispatch_signals(call, region, scratch, true);
 }
 
 // Fused: the rows, then (the block that arrives last) the signals.
 __global__ void k_dispatch_rows_signals(Call call, Region region, const uint8_t* x, const int64_t* topk,
                                         int32_t num_tokens, int32_t top_k, bool use_fp8, Scratch scratch) {
     dispatch_rows(call, region, x, topk, num_tokens, top_k, use_fp8, scratch);
-    if (arrived_last(arrivals(call, kArriveDispatchRows))) dispatch_signals(call, region, scratch);
+    if (arrived_last(arrivals(call, kArriveDispatchRows), true)) dispatch_signals(call, region, scratch, false);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -489,7 +497,8 @@ __global__ void k_dispatch_wait_layout(Call call, Region region, Scratch scratch
     const uint8_t* half = half_base(call, region, call.rank);
     const auto* signals = reinterpret_cast<const uint64_t*>(half + region.dispatch_signals) + int64_t(source) * L;
     wait_source(call, signals, source, L, scratch.recv_counts + int64_t(source) * L);
-    if (arrived_last(arrivals(call, kArriveDispatchWait))) dispatch_layout(call, scratch, layout_range, recv_count);
+    if (arrived_last(arrivals(call, kArriveDispatchWait), false))
+        dispatch_layout(call, scratch, layout_range, recv_count);
 }
 
 // Blocks (source, l, z): that source's rows of local expert l into recv_x[l][begin..], src_info and
@@ -564,11 +573,13 @@ __global__ void k_combine_rows(Call call, Region region, const uint8_t* x, const
     combine_rows(call, region, x, src_info, layout_range);
 }
 
-// Thread per (token owner, l): combine_signals[rank*L + l] of the owner = (tag << 32) | count.
-__device__ __forceinline__ void combine_signals(const Call& call, const Region& region, const int64_t* layout_range) {
+// Thread per (token owner, l): combine_signals[rank*L + l] of the owner = (tag << 32) | count. `fence_each`:
+// as dispatch_signals'.
+__device__ __forceinline__ void combine_signals(const Call& call, const Region& region, const int64_t* layout_range,
+                                                bool fence_each) {
     const int32_t R = call.num_ranks, L = call.num_experts / R;
     const uint32_t tag = call_tag(*reinterpret_cast<const uint64_t*>(call.call_word));
-    __threadfence_system();
+    if (fence_each) __threadfence_system();
     for (int32_t index = threadIdx.x; index < R * L; index += blockDim.x) {
         const int32_t source = index / L, local = index % L;
         if (!writable(call, source)) continue;
@@ -581,14 +592,14 @@ __device__ __forceinline__ void combine_signals(const Call& call, const Region& 
 }
 
 __global__ void k_combine_signals(Call call, Region region, const int64_t* layout_range) {
-    combine_signals(call, region, layout_range);
+    combine_signals(call, region, layout_range, true);
 }
 
 // Fused: the rows, then (the block that arrives last) the signals.
 __global__ void k_combine_rows_signals(Call call, Region region, const uint8_t* x, const int32_t* src_info,
                                        const int64_t* layout_range) {
     combine_rows(call, region, x, src_info, layout_range);
-    if (arrived_last(arrivals(call, kArriveCombineRows))) combine_signals(call, region, layout_range);
+    if (arrived_last(arrivals(call, kArriveCombineRows), true)) combine_signals(call, region, layout_range, false);
 }
 
 __global__ void k_combine_wait(Call call, Region region) {

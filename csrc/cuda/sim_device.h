@@ -50,6 +50,9 @@ unsigned char* dynamic_shared_bytes();
 // Throws std::runtime_error if the threads of a block stop making progress without waiting on
 // anything outside the block (a barrier some thread never reaches).
 void run_grid(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()>& body);
+// The order run_grid runs a grid's blocks in: ascending (default) or descending index. A GPU runs them in any
+// order and at once; a kernel whose result depends on which block finishes last shows it in one of the two.
+void set_block_order(bool reversed);
 
 }  // namespace mep_sim
 

@@ -47,6 +47,7 @@ struct Block {
 };
 
 Block* running = nullptr;
+bool blocks_reversed = false;  // set_block_order
 std::vector<std::unique_ptr<char[]>> stacks;  // reused between launches
 
 Block& block() {
@@ -152,56 +153,60 @@ void run_grid(dim3 grid, dim3 dim, size_t shared_bytes, const std::function<void
     const size_t threads = size_t(dim.x) * dim.y * dim.z;
     if (threads == 0 || threads > 1024) throw std::invalid_argument("mep_sim: block size must be in [1, 1024]");
     while (stacks.size() < threads) stacks.emplace_back(new char[kStackBytes]);
-    for (unsigned bz = 0; bz < grid.z; ++bz)
-        for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                Block b;
-                b.index = dim3(bx, by, bz);
-                b.dim = dim;
-                b.grid = grid;
-                b.body = &body;
-                b.shared.assign(shared_bytes + 16, 0);
-                b.fibers.resize(threads);
-                b.warps.resize((threads + 31) / 32);
-                for (size_t w = 0; w < b.warps.size(); ++w) b.warps[w].lanes = int(std::min<size_t>(32, threads - 32 * w));
-                for (size_t t = 0; t < threads; ++t) {
-                    Fiber& f = b.fibers[t];
-                    f.index = dim3(unsigned(t % dim.x), unsigned(t / dim.x % dim.y), unsigned(t / (size_t(dim.x) * dim.y)));
-                    getcontext(&f.context);
-                    f.context.uc_stack.ss_sp = stacks[t].get();
-                    f.context.uc_stack.ss_size = kStackBytes;
-                    f.context.uc_link = &b.scheduler;
-                    makecontext(&f.context, trampoline, 0);
-                }
-                running = &b;
-                uint64_t idle = 0, waiting = 0, seen = b.progress, paused = b.pauses;
-                std::string error;
-                for (;;) {
-                    bool alive = false;
-                    for (size_t t = 0; t < threads; ++t) {
-                        if (b.fibers[t].done) continue;
-                        alive = true;
-                        b.current = int(t);
-                        swapcontext(&b.scheduler, &b.fibers[t].context);
-                    }
-                    b.current = -1;
-                    if (!alive) break;
-                    if (b.progress != seen) {
-                        seen = b.progress;
-                        idle = waiting = 0;
-                    } else if (b.pauses != paused) {  // only waits on other ranks: back off politely
-                        paused = b.pauses;
-                        idle = 0;
-                        if (++waiting > kSpinRounds) std::this_thread::sleep_for(std::chrono::microseconds(20));
-                    } else if (++idle > kMaxIdleRounds) {
-                        error = "mep_sim: block (" + std::to_string(bx) + ", " + std::to_string(by) +
-                                ") made no progress: a barrier or warp collective that some thread never reaches";
-                        break;
-                    }
-                }
-                running = nullptr;
-                if (!error.empty()) throw std::runtime_error(error);  // the fibers' stacks are abandoned
+    const uint64_t blocks = uint64_t(grid.x) * grid.y * grid.z;
+    for (uint64_t n = 0; n < blocks; ++n) {
+        const uint64_t i = blocks_reversed ? blocks - 1 - n : n;  // x fastest, as a GPU numbers blocks
+        Block b;
+        b.index = dim3(unsigned(i % grid.x), unsigned(i / grid.x % grid.y),
+                       unsigned(i / (uint64_t(grid.x) * grid.y)));
+        b.dim = dim;
+        b.grid = grid;
+        b.body = &body;
+        b.shared.assign(shared_bytes + 16, 0);
+        b.fibers.resize(threads);
+        b.warps.resize((threads + 31) / 32);
+        for (size_t w = 0; w < b.warps.size(); ++w) b.warps[w].lanes = int(std::min<size_t>(32, threads - 32 * w));
+        for (size_t t = 0; t < threads; ++t) {
+            Fiber& f = b.fibers[t];
+            f.index = dim3(unsigned(t % dim.x), unsigned(t / dim.x % dim.y), unsigned(t / (size_t(dim.x) * dim.y)));
+            getcontext(&f.context);
+            f.context.uc_stack.ss_sp = stacks[t].get();
+            f.context.uc_stack.ss_size = kStackBytes;
+            f.context.uc_link = &b.scheduler;
+            makecontext(&f.context, trampoline, 0);
+        }
+        running = &b;
+        uint64_t idle = 0, waiting = 0, seen = b.progress, paused = b.pauses;
+        std::string error;
+        for (;;) {
+            bool alive = false;
+            for (size_t t = 0; t < threads; ++t) {
+                if (b.fibers[t].done) continue;
+                alive = true;
+                b.current = int(t);
+                swapcontext(&b.scheduler, &b.fibers[t].context);
             }
+            b.current = -1;
+            if (!alive) break;
+            if (b.progress != seen) {
+                seen = b.progress;
+                idle = waiting = 0;
+            } else if (b.pauses != paused) {  // only waits on other ranks: back off politely
+                paused = b.pauses;
+                idle = 0;
+                if (++waiting > kSpinRounds) std::this_thread::sleep_for(std::chrono::microseconds(20));
+            } else if (++idle > kMaxIdleRounds) {
+                error = "mep_sim: block (" + std::to_string(b.index.x) + ", " + std::to_string(b.index.y) + ", " +
+                        std::to_string(b.index.z) +
+                        ") made no progress: a barrier or warp collective that some thread never reaches";
+                break;
+            }
+        }
+        running = nullptr;
+        if (!error.empty()) throw std::runtime_error(error);  // the fibers' stacks are abandoned
+    }
 }
+
+void set_block_order(bool reversed) { blocks_reversed = reversed; }
 
 }  // namespace mep_sim
