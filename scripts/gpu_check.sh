@@ -23,7 +23,10 @@
 #     rest       the rest of tests/test_cuda.py, with whatever budget is left
 #     mps        the R=4 rounds again under MPS, if the image has nvidia-cuda-mps-control
 #   MEP_TRANSPORT_TESTS="<pytest node ids>"    override the transport selection (follow-up runs)
-#   MEP_PROBE_ARGS="--profile --skip-r8"        arguments of the probe (follow-up runs)
+#   MEP_PROBE_ARGS="--profile --skip-r8"        arguments of the probe (follow-up runs); "--sweep" times the launch
+#                                               tuning grid (Call.row_warps x Call.grid_blocks) per launch variant
+# The speed issue's A/B in one call (kernels alone both ways, the tuning sweep, the MPS bench both ways):
+#   MEP_STAGES="build kernels probe fused mps" MEP_PROBE_ARGS="--profile --sweep --skip-r8" MEP_MPS_BENCH=1
 #   MEP_TRY_MPS=0                               skip the MPS stage
 #   MEP_MPS_BENCH=1                             also the bench (--quick) under MPS, its table into bench.log, with
 #                                               the split launches and then with MEP_CUDA_FUSED_KERNELS=1

@@ -101,6 +101,7 @@ class Backend:
         self.words: Dict[int, torch.Tensor] = {}
         self.dead_words = True  # False: the calls name no peer-watcher words (scripts/gpu_probe.py compares)
         self.reuse_words = False  # True: every dispatch of a rank reuses its call word (as a graph's replays do)
+        self.row_warps = self.grid_blocks = 0  # the launches' tuning (Call.row_warps, Call.grid_blocks; 0 = default)
 
     def stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream if self.kind == "cuda" else 0
@@ -115,7 +116,7 @@ class Backend:
         return self.mod.Call(R, rank, s.tokens, s.hidden, s.experts, number & 1, number, self.peer_table.data_ptr(),
                         active.data_ptr(), self.counters[rank].data_ptr(), word.data_ptr(), control.data_ptr(),
                         control.data_ptr() + 4 * (1 + R) if self.dead_words else 0, self.timeout_us, advance,
-                        fused=int(self.fused))
+                        fused=int(self.fused), row_warps=self.row_warps, grid_blocks=self.grid_blocks)
 
     def dispatch_send(self, rank, number, x, topk, active, use_fp8, advance=0):
         s = self.shape
@@ -419,6 +420,27 @@ def test_graph_mode_advances_the_tag_on_the_device(device):
         _assert_identical(shape, native, result, range(2), False)
 
 
+# (row_warps, grid_blocks): rows in 2, 3 (uneven parts, a last part shorter) and 8 parts (an FP8 row of 128 bytes
+# leaves parts empty); one block per (peer, expert) pair looping over all its rows; more blocks than rows allow
+TUNINGS = [pytest.param((2, 0), id="2-warps-a-row"), pytest.param((3, 1), id="3-warps-a-row-one-block-a-pair"),
+           pytest.param((8, 100000), id="8-warps-a-row-many-blocks")]
+
+
+@pytest.mark.parametrize("tuning", TUNINGS)
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], Shape(2, 16, 128, 4, 2)], ids=_shape_id)
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_launch_tuning_gives_the_same_bits(device, shape, use_fp8, tuning):
+    """Call.row_warps (warps that share a row's copy) and Call.grid_blocks (blocks the per-(peer, expert) kernels
+    aim for) change only how the work is spread: every output is the CPU transport's, bit for bit."""
+    inputs = _inputs(shape, seed=shape.num_ranks + 19, random_values=True)
+    backend = Backend(device, shape, 30_000_000)
+    backend.row_warps, backend.grid_blocks = tuning
+    native = run_round("native", shape, inputs, 4, use_fp8)
+    emulated = run_round(device, shape, inputs, 4, use_fp8, backend=backend)
+    _assert_identical(shape, native, emulated, range(shape.num_ranks), use_fp8)
+
+
 @pytest.fixture
 def blocks_in_reverse():
     """The emulator runs every grid's blocks in descending index order for the test, then ascending again."""
@@ -597,11 +619,11 @@ def test_the_gpu_probe_and_check_script_run_their_dry_runs():
     """scripts/gpu_probe.py (what a lent GPU's few minutes run) on the emulator at tiny shapes: both launch
     variants bit-exact against the CPU kernels and timed; and scripts/gpu_check.sh parses."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    probe = subprocess.run([sys.executable, "scripts/gpu_probe.py", "--sim", "--iters", "1"], capture_output=True,
-                           text=True, timeout=300, cwd=root)
+    probe = subprocess.run([sys.executable, "scripts/gpu_probe.py", "--sim", "--iters", "1", "--sweep"],
+                           capture_output=True, text=True, timeout=300, cwd=root)
     assert probe.returncode == 0, probe.stdout[-3000:] + probe.stderr[-3000:]
     for line in ("EXACT bf16 Shape", "EXACT fp8 fused Shape", "TIME bf16 fused Shape", "LARGE fused Shape",
-                 "PROBE OK"):
+                 "PROFILE bf16 fused row_warps=4 grid_blocks=1056", "SWEEP best", "PROBE OK"):
         assert line in probe.stdout, (line, probe.stdout[-3000:])
     assert "MISMATCH" not in probe.stdout
     syntax = subprocess.run(["bash", "-n", "scripts/gpu_check.sh"], capture_output=True, text=True, timeout=60,
@@ -659,6 +681,11 @@ def test_launchers_refuse_out_of_range_shapes():
     with pytest.raises(ValueError, match="num_ranks"):
         sim.call_word_size(0)
     assert sim.call_word_size(8) == 1 + 8 + 3
+    for name, tuning in (("row_warps", dict(row_warps=33)), ("row_warps", dict(row_warps=-1)),
+                         ("grid_blocks", dict(grid_blocks=-2))):
+        bad = sim.Call(2, 0, 8, 128, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0, **tuning)
+        with pytest.raises(ValueError, match=name):
+            sim.dispatch_send(bad, backend.region, 1, 0, 1, 1, use_fp8=False, scratch=1, stream=0)
     odd_hidden = sim.Call(2, 0, 8, 100, 4, 0, 1, 1, 1, 1, 1, 1, 0, 1000, 0)
     with pytest.raises(ValueError, match="hidden"):
         sim.combine_recv(odd_hidden, backend.region, 1, 1, 1, 1, 1, 0)

@@ -74,6 +74,8 @@ struct Call {
     int32_t advance;       // 0: the call number is host_call; 1: max(counter + 1, host_call) (graphs)
     int32_t fused;         // 1: the fused launches (8 a round trip instead of 12-13), same outputs bit for bit;
                            // they write the arrival counts: call_word must hold call_word_size(R) words
+    int32_t row_warps;     // warps that copy one row between them, a part each (0 = 1): launch tuning
+    int32_t grid_blocks;   // blocks the per-(peer, local expert) kernels aim for in all (0 = 264): launch tuning
 };
 
 // int64 words of a call word (see Call::call_word) for `num_ranks` ranks.

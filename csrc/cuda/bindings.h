@@ -28,14 +28,14 @@ inline void bind_kernels(pybind11::module_& m) {
         .def(py::init([](int32_t num_ranks, int32_t rank, int32_t max_tokens, int32_t hidden, int32_t num_experts,
                          int32_t half_index, int64_t host_call, uintptr_t peer_bases, uintptr_t active,
                          uintptr_t counter, uintptr_t call_word, uintptr_t control, uintptr_t dead, int64_t timeout_us,
-                         int32_t advance, int32_t fused) {
+                         int32_t advance, int32_t fused, int32_t row_warps, int32_t grid_blocks) {
                  return mep_cuda::Call{num_ranks, rank,    max_tokens, hidden,    num_experts, half_index, host_call,
                                        peer_bases, active, counter,    call_word, control,     dead,       timeout_us,
-                                       advance,    fused};
+                                       advance,    fused,       row_warps,  grid_blocks};
              }),
              "num_ranks"_a, "rank"_a, "max_tokens"_a, "hidden"_a, "num_experts"_a, "half_index"_a, "host_call"_a,
              "peer_bases"_a, "active"_a, "counter"_a, "call_word"_a, "control"_a, "dead"_a, "timeout_us"_a,
-             "advance"_a, "fused"_a = 0);
+             "advance"_a, "fused"_a = 0, "row_warps"_a = 0, "grid_blocks"_a = 0);
 
     m.def("call_word_size", &mep_cuda::call_word_size, "num_ranks"_a,
           "int64 words of a call's word (the call number, the writable snapshot, the fused kernels' counts).");

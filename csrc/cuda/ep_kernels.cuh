@@ -175,6 +175,24 @@ __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int6
     }
 }
 
+// The warps that copy one row between them (Call::row_warps; 0 = 1).
+__host__ __device__ __forceinline__ int32_t row_warps(const Call& call) {
+    return call.row_warps > 0 ? call.row_warps : 1;
+}
+
+// Part `part` of `parts` of a row of `nbytes`: [offset, offset + bytes), the parts 16-byte multiples but the
+// last (so every part starts as aligned as the row does; a part past the row's end is empty).
+struct RowPart {
+    int64_t offset, bytes;
+};
+
+__device__ __forceinline__ RowPart row_part(int64_t nbytes, int32_t part, int32_t parts) {
+    const int64_t chunk = (nbytes + int64_t(parts) * 16 - 1) / (int64_t(parts) * 16) * 16;
+    const int64_t offset = int64_t(part) * chunk;
+    const int64_t left = nbytes - offset;
+    return RowPart{offset, left <= 0 ? 0 : (left < chunk ? left : chunk)};
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scratch of one dispatch shape (two copies, one per region half: at most two dispatches live)
 // ---------------------------------------------------------------------------------------------
@@ -336,8 +354,8 @@ __global__ void k_dispatch_prepare(Call call, const int64_t* topk, int32_t num_t
     }
 }
 
-// A warp per (token, k): the token's row (bf16, or its FP8 codes and scales) goes into
-// dispatch_data[l][rank][slot] of the expert's owner, its index into dispatch_src.
+// row_warps(call) warps per (token, k), a part of the row each: the token's row (bf16, or its FP8 codes and
+// scales) goes into dispatch_data[l][rank][slot] of the expert's owner, its index into dispatch_src.
 __device__ __forceinline__ void dispatch_rows(const Call& call, const Region& region, const uint8_t* x,
                                               const int64_t* topk, int32_t num_tokens, int32_t top_k, bool use_fp8,
                                               const Scratch& scratch) {
@@ -346,8 +364,11 @@ __device__ __forceinline__ void dispatch_rows(const Call& call, const Region& re
     const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, E = call.num_experts;
     const int32_t L = E / R, G = H / kScaleGroup;
     const int64_t row_bytes = 2 * int64_t(H);
-    for (int64_t pair = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); pair < int64_t(num_tokens) * top_k;
-         pair += warps) {
+    const int32_t parts = row_warps(call);
+    for (int64_t item = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); item < int64_t(num_tokens) * top_k * parts;
+         item += warps) {
+        const int64_t pair = item / parts;
+        const int32_t part = int32_t(item % parts);
         const int64_t expert = topk[pair];
         if (expert < 0 || expert >= E) continue;
         const int32_t dest = int32_t(expert / L), local = int32_t(expert % L);
@@ -360,13 +381,16 @@ __device__ __forceinline__ void dispatch_rows(const Call& call, const Region& re
         const int64_t slot = (int64_t(local) * R + call.rank) * T + rank_in_expert;
         uint8_t* row = half + region.dispatch_data + slot * row_bytes;
         if (use_fp8) {
-            warp_copy(row, scratch.fp8_rows + t * H, H, lane);
+            const RowPart piece = row_part(H, part, parts);
+            warp_copy(row + piece.offset, scratch.fp8_rows + t * H + piece.offset, piece.bytes, lane);
             float* scales = reinterpret_cast<float*>(half + region.dispatch_scales) + slot * G;
-            for (int32_t g = lane; g < G; g += 32) scales[g] = scratch.fp8_scales[t * G + g];
+            if (part == 0)
+                for (int32_t g = lane; g < G; g += 32) scales[g] = scratch.fp8_scales[t * G + g];
         } else {
-            warp_copy(row, x + t * row_bytes, row_bytes, lane);
+            const RowPart piece = row_part(row_bytes, part, parts);
+            warp_copy(row + piece.offset, x + t * row_bytes + piece.offset, piece.bytes, lane);
         }
-        if (lane == 0) reinterpret_cast<int32_t*>(half + region.dispatch_src)[slot] = int32_t(t);
+        if (lane == 0 && part == 0) reinterpret_cast<int32_t*>(half + region.dispatch_src)[slot] = int32_t(t);
     }
     block_fence_system();  // the block's rows are visible system-wide before any signal
 }
@@ -503,7 +527,8 @@ __global__ void k_dispatch_wait_layout(Call call, Region region, Scratch scratch
 
 // Blocks (source, l, z): that source's rows of local expert l into recv_x[l][begin..], src_info and
 // (FP8) the scales, token axis contiguous [L][G][R*T]; the gridDim.z blocks of one (source, l) take
-// every gridDim.z-th group of kWarps rows. Blocks (R, l, z) zero src_info past the count.
+// every gridDim.z-th group of kWarps row parts (row_warps(call) warps a row). Blocks (R, l, z) zero
+// src_info past the count.
 __global__ void k_dispatch_unpack(Call call, Region region, bool use_fp8, Scratch scratch, uint8_t* recv_x,
                                   float* recv_scales, int32_t* src_info, const int32_t* recv_count) {
     const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, L = call.num_experts / R;
@@ -522,11 +547,17 @@ __global__ void k_dispatch_unpack(Call call, Region region, bool use_fp8, Scratc
     const uint8_t* half = half_base(call, region, call.rank);
     const int64_t row_bytes = 2 * int64_t(H), out_bytes = use_fp8 ? H : row_bytes;
     const int lane = threadIdx.x & 31;
-    for (int32_t i = int32_t(blockIdx.z) * kWarps + (threadIdx.x >> 5); i < count; i += int32_t(gridDim.z) * kWarps) {
+    const int32_t parts = row_warps(call);
+    for (int64_t item = int64_t(blockIdx.z) * kWarps + (threadIdx.x >> 5); item < int64_t(count) * parts;
+         item += int64_t(gridDim.z) * kWarps) {
+        const int64_t i = item / parts;
+        const int32_t part = int32_t(item % parts);
         const int64_t slot = (int64_t(local) * R + source) * T + i;
         const int64_t row = begin + i;
-        warp_copy(recv_x + (local * rows + row) * out_bytes, half + region.dispatch_data + slot * row_bytes, out_bytes,
-                  lane);
+        const RowPart piece = row_part(out_bytes, part, parts);
+        warp_copy(recv_x + (local * rows + row) * out_bytes + piece.offset,
+                  half + region.dispatch_data + slot * row_bytes + piece.offset, piece.bytes, lane);
+        if (part != 0) continue;
         if (use_fp8) {
             const float* scales = reinterpret_cast<const float*>(half + region.dispatch_scales) + slot * G;
             for (int32_t g = lane; g < G; g += 32) recv_scales[(int64_t(local) * G + g) * rows + row] = scales[g];
@@ -543,7 +574,8 @@ __global__ void k_dispatch_unpack(Call call, Region region, bool use_fp8, Scratc
 __global__ void k_snapshot_writable(Call call) { snapshot_writable(call); }
 
 // Blocks (source, l, z): rows x[l][begin + i] go to combine_data[rank*L + l][src_info[l][begin + i]] of
-// the token owner `source`, every gridDim.z-th group of kWarps rows per block. Counts and token indices are bounds-checked (a bad one is skipped).
+// the token owner `source`, every gridDim.z-th group of kWarps row parts per block (row_warps(call) warps a
+// row). Counts and token indices are bounds-checked (a bad one is skipped).
 __device__ __forceinline__ void combine_rows(const Call& call, const Region& region, const uint8_t* x,
                                              const int32_t* src_info, const int64_t* layout_range) {
     const int32_t R = call.num_ranks, T = call.max_tokens, H = call.hidden, L = call.num_experts / R;
@@ -555,13 +587,16 @@ __device__ __forceinline__ void combine_rows(const Call& call, const Region& reg
         const int64_t rows = int64_t(R) * T, row_bytes = 2 * int64_t(H);
         if (half != nullptr && count <= T && begin >= 0 && begin + count <= rows) {
             const int lane = threadIdx.x & 31;
-            for (int64_t i = int64_t(blockIdx.z) * kWarps + (threadIdx.x >> 5); i < count;
-                 i += int64_t(gridDim.z) * kWarps) {
+            const int32_t parts = row_warps(call);
+            for (int64_t item = int64_t(blockIdx.z) * kWarps + (threadIdx.x >> 5); item < count * parts;
+                 item += int64_t(gridDim.z) * kWarps) {
+                const int64_t i = item / parts;
                 const int32_t t = src_info[local * rows + begin + i];
                 if (t < 0 || t >= T) continue;
                 const int64_t expert = int64_t(call.rank) * L + local;
-                warp_copy(half + region.combine_data + (expert * T + t) * row_bytes,
-                          x + (local * rows + begin + i) * row_bytes, row_bytes, lane);
+                const RowPart piece = row_part(row_bytes, int32_t(item % parts), parts);
+                warp_copy(half + region.combine_data + (expert * T + t) * row_bytes + piece.offset,
+                          x + (local * rows + begin + i) * row_bytes + piece.offset, piece.bytes, lane);
             }
         }
     }
@@ -756,14 +791,15 @@ __global__ void k_check_values(const int64_t* topk, int32_t num_tokens, int32_t 
 
 Stream as_stream(uintptr_t stream) { return reinterpret_cast<Stream>(stream); }
 
-// Blocks along z for kernels with a block per (peer, local expert): enough blocks in all to cover the
-// GPU's multiprocessors a few times over (an R=2 E=32 call has only 32 such pairs), never more than
-// one block per kWarps rows of one pair.
-unsigned split_blocks(int32_t pairs, int32_t max_rows) {
-    const int64_t target = 264;  // two blocks per multiprocessor of an H100 (132)
+// Blocks along z for kernels with a block per (peer, local expert): about call.grid_blocks blocks in all
+// (default 264: two per multiprocessor of an H100's 132; an R=2 E=32 call has only 32 such pairs), never
+// more than one block per kWarps row parts of one pair, nor past the grid's 65535 in z.
+unsigned split_blocks(const Call& call, int32_t pairs) {
+    const int64_t target = call.grid_blocks > 0 ? call.grid_blocks : 264;
     int64_t z = (target + pairs - 1) / pairs;
-    const int64_t most = (int64_t(max_rows) + kWarps - 1) / kWarps;
+    const int64_t most = (int64_t(call.max_tokens) * row_warps(call) + kWarps - 1) / kWarps;
     if (z > most) z = most;
+    if (z > 65535) z = 65535;
     return unsigned(z < 1 ? 1 : z);
 }
 
@@ -803,6 +839,11 @@ void check_call(const Call& call) {
     if (call.max_tokens < 1) throw std::invalid_argument("max_tokens: expected >= 1");
     if (call.half_index != 0 && call.half_index != 1) throw std::invalid_argument("half_index: expected 0 or 1");
     if (call.fused != 0 && call.fused != 1) throw std::invalid_argument("fused: expected 0 or 1");
+    if (call.row_warps < 0 || call.row_warps > 32)
+        throw std::invalid_argument("row_warps: expected [0, 32] (0 = 1), got " + std::to_string(call.row_warps));
+    if (call.grid_blocks < 0 || call.grid_blocks > (1 << 20))
+        throw std::invalid_argument("grid_blocks: expected [0, 2^20] (0 = 264), got " +
+                                    std::to_string(call.grid_blocks));
     if (!call.peer_bases || !call.active || !call.counter || !call.call_word || !call.control)
         throw std::invalid_argument("call: a null device address");
 }
@@ -822,8 +863,8 @@ void dispatch_send(const Call& call, const Region& region, uintptr_t x, int32_t 
         const int64_t blocks = int64_t(call.num_experts) + 1 + (use_fp8 ? num_tokens : 0);
         MEP_LAUNCH(k_dispatch_prepare, unsigned(blocks), kThreads, 0, s, call, topk, num_tokens, top_k,
                    reinterpret_cast<const uint16_t*>(x), scratch);
-        MEP_LAUNCH(k_dispatch_rows_signals, copy_blocks(int64_t(num_tokens) * top_k), kThreads, 0, s, call, region,
-                   reinterpret_cast<const uint8_t*>(x), topk, num_tokens, top_k, use_fp8, scratch);
+        MEP_LAUNCH(k_dispatch_rows_signals, copy_blocks(int64_t(num_tokens) * top_k * row_warps(call)), kThreads, 0, s,
+                   call, region, reinterpret_cast<const uint8_t*>(x), topk, num_tokens, top_k, use_fp8, scratch);
         return;
     }
     MEP_LAUNCH(k_advance_call, 1, kThreads, 0, s, call);
@@ -832,7 +873,7 @@ void dispatch_send(const Call& call, const Region& region, uintptr_t x, int32_t 
         MEP_LAUNCH(k_quantize, num_tokens, kThreads, 0, s, reinterpret_cast<const uint16_t*>(x), call.hidden, scratch);
     }
     if (num_tokens > 0) {
-        MEP_LAUNCH(k_dispatch_rows, copy_blocks(int64_t(num_tokens) * top_k), kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x), topk, num_tokens, top_k, use_fp8, scratch);
+        MEP_LAUNCH(k_dispatch_rows, copy_blocks(int64_t(num_tokens) * top_k * row_warps(call)), kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x), topk, num_tokens, top_k, use_fp8, scratch);
     }
     MEP_LAUNCH(k_dispatch_signals, 1, kThreads, 0, s, call, region, scratch);
 }
@@ -853,7 +894,7 @@ void dispatch_recv(const Call& call, const Region& region, bool use_fp8, int32_t
         MEP_LAUNCH(k_dispatch_layout, 1, kThreads, 0, s, call, scratch, reinterpret_cast<int64_t*>(layout_range),
                    reinterpret_cast<int32_t*>(recv_count));
     }
-    MEP_LAUNCH(k_dispatch_unpack, dim3(call.num_ranks + 1, L, split_blocks((call.num_ranks + 1) * L, call.max_tokens)), kThreads, 0, s, call, region, use_fp8, scratch, reinterpret_cast<uint8_t*>(recv_x), reinterpret_cast<float*>(recv_scales), reinterpret_cast<int32_t*>(src_info), reinterpret_cast<const int32_t*>(recv_count));
+    MEP_LAUNCH(k_dispatch_unpack, dim3(call.num_ranks + 1, L, split_blocks(call, (call.num_ranks + 1) * L)), kThreads, 0, s, call, region, use_fp8, scratch, reinterpret_cast<uint8_t*>(recv_x), reinterpret_cast<float*>(recv_scales), reinterpret_cast<int32_t*>(src_info), reinterpret_cast<const int32_t*>(recv_count));
 }
 
 void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t src_info, uintptr_t layout_range,
@@ -863,12 +904,12 @@ void combine_send(const Call& call, const Region& region, uintptr_t x, uintptr_t
     const int32_t L = call.num_experts / call.num_ranks;
     MEP_LAUNCH(k_snapshot_writable, 1, kThreads, 0, s, call);
     if (call.fused) {
-        MEP_LAUNCH(k_combine_rows_signals, dim3(call.num_ranks, L, split_blocks(call.num_ranks * L, call.max_tokens)),
+        MEP_LAUNCH(k_combine_rows_signals, dim3(call.num_ranks, L, split_blocks(call, call.num_ranks * L)),
                    kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x),
                    reinterpret_cast<const int32_t*>(src_info), reinterpret_cast<const int64_t*>(layout_range));
         return;
     }
-    MEP_LAUNCH(k_combine_rows, dim3(call.num_ranks, L, split_blocks(call.num_ranks * L, call.max_tokens)), kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const int32_t*>(src_info), reinterpret_cast<const int64_t*>(layout_range));
+    MEP_LAUNCH(k_combine_rows, dim3(call.num_ranks, L, split_blocks(call, call.num_ranks * L)), kThreads, 0, s, call, region, reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const int32_t*>(src_info), reinterpret_cast<const int64_t*>(layout_range));
     MEP_LAUNCH(k_combine_signals, 1, kThreads, 0, s, call, region, reinterpret_cast<const int64_t*>(layout_range));
 }
 
