@@ -4,7 +4,7 @@
 # so a hang in one stage still leaves the others' logs; stages are stopped with SIGINT so pytest prints
 # its summary. At most 8 files under $OUT (only those come back from a lent machine): env.txt build.log
 # kernels.log transport.log switch.log bench.log bench.md summary.txt.
-#   MEP_STAGES="build kernels probe transport graph fault fused switch demo bench rest mps"   (default: all, in order)
+#   MEP_STAGES="build kernels probe transport graph fault fused switch demo bench hostprof rest mps"   (default: all)
 #     build      setup.py build_ext --inplace, parallel; FAILS (exit 1) when _cuda is missing or sees no device
 #     kernels    tests/test_cuda_sim.py -k gpu: the nvcc kernels alone in one process against the CPU kernels
 #                (the combine with biases too)
@@ -20,13 +20,14 @@
 #                switch, an EPLB abort and commit, a replacement restored from device copies (vs the host path)
 #     demo       python -m mooncake_ep_switch demo --device cuda (switches, online EPLB, a rank replaced)
 #     bench      python -m mooncake_ep_switch.bench --device cuda --quick
+#     hostprof   scripts/cuda_host_profile.py: the host's time in eager T=1 round trips, split and fused launches
 #     rest       the rest of tests/test_cuda.py, with whatever budget is left
 #     mps        the R=4 rounds again under MPS, if the image has nvidia-cuda-mps-control
 #   MEP_TRANSPORT_TESTS="<pytest node ids>"    override the transport selection (follow-up runs)
 #   MEP_PROBE_ARGS="--profile --skip-r8"        arguments of the probe (follow-up runs); "--sweep" times the launch
 #                                               tuning grid (Call.row_warps x Call.grid_blocks) per launch variant
 # The speed issue's A/B in one call (kernels alone both ways, the tuning sweep, the MPS bench both ways):
-#   MEP_STAGES="build kernels probe fused mps" MEP_PROBE_ARGS="--profile --sweep --skip-r8" MEP_MPS_BENCH=1
+#   MEP_STAGES="build kernels probe fused hostprof mps" MEP_PROBE_ARGS="--profile --sweep --skip-r8" MEP_MPS_BENCH=1
 #   MEP_TRY_MPS=0                               skip the MPS stage
 #   MEP_MPS_BENCH=1                             also the bench (--quick) under MPS, its table into bench.log, with
 #                                               the split launches and then with MEP_CUDA_FUSED_KERNELS=1
@@ -39,7 +40,7 @@ OUT=${OUT:-/tmp/mep_gpu_out}
 mkdir -p "$OUT"
 BUDGET=${MEP_CHECK_BUDGET_S:-420}
 DEADLINE=$(( $(date +%s) + BUDGET ))
-STAGES=" ${MEP_STAGES:-build kernels probe transport graph fault fused bench rest mps} "
+STAGES=" ${MEP_STAGES:-build kernels probe transport graph fault fused bench hostprof rest mps} "
 export PATH="$PATH:/usr/local/cuda/bin" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 export MEP_TEST_RUN_TIMEOUT_S=${MEP_TEST_RUN_TIMEOUT_S:-45}   # harness.run deadline: hangs dump rank stacks
 PY=${PYTHON:-python3}
@@ -98,7 +99,7 @@ fi
 
 want kernels && stage kernels 100 "$OUT/kernels.log" "${PT[@]}" --maxfail=4 tests/test_cuda_sim.py -k gpu \
   tests/test_cuda_build.py::test_cuda_module_was_built_with_hopper_code
-want probe && stage probe 100 "$OUT/bench.log" $PY scripts/gpu_probe.py ${MEP_PROBE_ARGS:-}
+want probe && stage probe 150 "$OUT/bench.log" $PY scripts/gpu_probe.py ${MEP_PROBE_ARGS:-}
 T=tests/test_cuda.py
 if [ -n "${MEP_TRANSPORT_TESTS:-}" ]; then read -r -a TRANSPORT <<< "$MEP_TRANSPORT_TESTS"; else
   TRANSPORT=("$T::test_cuda_matches_shm[sync-bf16-2]" "$T::test_cuda_matches_shm[sync-bf16-4]"
@@ -124,6 +125,8 @@ want switch && stage switch 170 "$OUT/switch.log" "${PT[@]}" tests/test_switch_d
 want switch && xid switch >> "$SUM" 2>&1
 want demo && stage demo 120 "$OUT/switch.log" $PY -m mooncake_ep_switch demo --device cuda --out /tmp/mep_demo_out
 want bench && stage bench 150 "$OUT/bench.log" $PY -m mooncake_ep_switch.bench --device cuda --quick --out "$OUT/bench.md"
+want hostprof && stage hostprof 60 "$OUT/bench.log" $PY scripts/cuda_host_profile.py --rounds 300 --top 25
+want hostprof && stage hostprof-fused 60 "$OUT/bench.log" $PY scripts/cuda_host_profile.py --rounds 300 --top 25 --fused
 if want rest; then
   # Whatever budget is left: the rest of the transport file (the stages above ran the rest of its tests).
   DESELECT=()

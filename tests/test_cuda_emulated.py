@@ -71,3 +71,18 @@ def test_emulated_rank_killed(kill_point, launches):
 
 def test_emulated_rank_replaced_with_update_ep_member():
     test_cuda.replaced_case(emulated=True)
+
+
+def test_the_host_profile_script_runs_on_the_emulated_device():
+    """scripts/cuda_host_profile.py (the host's share of an eager round trip; gpu_check.sh's hostprof stage) on the
+    emulated device with no-op launchers: a figure per rank and rank 0's profile of the Buffer's call path."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "scripts/cuda_host_profile.py", "--emulated", "--rounds", "20", "--top", "8",
+                          "--fused"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for line in ("HOST rank 0: ", "HOST rank 1: ", "fused launches; emulated device", "device_calls.py"):
+        assert line in run.stdout, (line, run.stdout[-3000:])
