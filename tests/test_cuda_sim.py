@@ -444,11 +444,11 @@ def test_launch_tuning_gives_the_same_bits(device, shape, use_fp8, tuning):
 @pytest.fixture
 def blocks_in_reverse():
     """The emulator runs every grid's blocks in descending index order for the test, then ascending again."""
-    sim.set_block_order(True)
+    sim.set_block_order(reversed=True)
     try:
         yield
     finally:
-        sim.set_block_order(False)
+        sim.set_block_order(reversed=False)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)

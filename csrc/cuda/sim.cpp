@@ -26,7 +26,7 @@ PYBIND11_MODULE(_cuda_sim, m) {
     using namespace pybind11::literals;
     m.doc() = "The CUDA dispatch/combine kernels on a host emulator of blocks and warps (tests and CI)";
     mep_cuda::bind_kernels(m);
-    m.def("set_block_order", &mep_sim::set_block_order, "reversed"_a,
+    m.def("set_block_order", &mep_sim::set_block_order, pybind11::kw_only(), "reversed"_a,
           "Run every grid's blocks in descending index order (True) or ascending (False, the default)");
     m.def("load_int4", &load_int4, "address"_a,
           "The sum of the four int32 at `address` (16-byte aligned; any other address traps, as on the GPU)");
