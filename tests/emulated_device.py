@@ -11,8 +11,9 @@
 * torch.cuda's device, streams, events, graph-capture query and `Tensor.record_stream` by host
   stand-ins, in the modules of the cuda path (`buffer/transport/cuda.py`, `buffer/device_calls.py`,
   `buffer/handle.py`, `buffer/device_region.py`) only; the queued block copies of switches and
-  rebalances (`copy_blocks_async`) by the host's `copy_blocks`, checked when queued and run only when
-  the rank next waits for the device (an event query, a synchronize): a missing fence shows here.
+  rebalances (`copy_blocks_async`) by the host's `copy_blocks`, or by the block-copy kernel on the emulator
+  where the caller gave a device table (csrc/cuda/copy_kernels.cuh, as on a GPU), checked when queued and run
+  only when the rank next waits for the device (an event query, a synchronize): a missing fence shows here.
 
 Everything else is the real code: Buffer, validation, `device_calls`, `CudaTransport` (endpoints,
 connect, peer table, control block, dead words, failed sources, destroy), membership and recovery.
@@ -151,7 +152,13 @@ def install():
                 if rows and width and (start < lo or end > hi):
                     raise ValueError(f"copy_blocks_async: block {index} {side} [{start}, {end}) is outside its "
                                      f"region [{lo}, {hi})")
-        _QUEUED.append(lambda: _native.copy_blocks(blocks.data_ptr(), n, dst_lo, dst_hi, src_lo, src_hi))
+        if device_desc:  # as on a GPU: the table goes to device memory, then the block-copy kernel (emulated)
+            def run_kernel():
+                _native.copy_bytes(device_desc, blocks.data_ptr(), 48 * n)
+                _cuda_sim.copy_blocks_kernel(device_desc, n)
+            _QUEUED.append(run_kernel)
+        else:
+            _QUEUED.append(lambda: _native.copy_blocks(blocks.data_ptr(), n, dst_lo, dst_hi, src_lo, src_hi))
         return int((blocks[:, 2] * blocks[:, 3]).sum())
 
     fake.copy_blocks_async = copy_blocks_async

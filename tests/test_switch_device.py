@@ -88,10 +88,14 @@ def _state(unified, kv) -> dict:
 # ---------------------------------------------------------------------------------------------
 # TP -> EP -> TP, weights and KV, against the host path
 # ---------------------------------------------------------------------------------------------
-def rank_round_trip(ctx) -> dict:
+def rank_round_trip(ctx, kernel_min_blocks: int = 0) -> dict:
+    """`kernel_min_blocks` > 0: from that many blocks on a device move is the block-copy kernel (1: every move)."""
+    from mooncake_ep_switch.buffer import device_region
     from mooncake_ep_switch.switch.switcher import switch_layout
 
     _use_device()
+    if kernel_min_blocks > 0:
+        device_region.KERNEL_MIN_BLOCKS = kernel_min_blocks  # this fresh rank process only
     states = {}
     for transport in ("shm", "cuda"):
         buffer, full, unified, kv = _build(ctx, transport, "tp")
@@ -112,9 +116,10 @@ def rank_round_trip(ctx) -> dict:
     return states
 
 
-def _round_trip(num_ranks: int, emulated: bool) -> None:
+def _round_trip(num_ranks: int, emulated: bool, kernel_min_blocks: int = 0) -> None:
     with harness.fresh_cluster(num_ranks) as cluster:
-        results = check_outcomes(cluster.run(*on_device(rank_round_trip, emulated), timeout_s=180))
+        results = check_outcomes(cluster.run(*on_device(rank_round_trip, emulated), kernel_min_blocks,
+                                             timeout_s=180))
     for rank, states in enumerate(results):
         host, device = states["shm"], states["cuda"]
         assert [s["layout"] for s in device] == ["tp", "ep", "tp"], device
@@ -138,6 +143,17 @@ def test_emulated_tp_ep_tp_weights_and_kv_match_the_host_path(num_ranks):
 @gpu
 def test_gpu_tp_ep_tp_weights_and_kv_match_the_host_path():
     _round_trip(2, emulated=False)
+
+
+def test_emulated_every_move_by_the_block_copy_kernel_matches_the_host_path():
+    """The weight chunks too (a few large strided blocks a layer, runtime copies by default) moved by the block-copy
+    kernel (`KERNEL_MIN_BLOCKS = 1`, what `bench --device cuda` times beside the default): the same bytes."""
+    _round_trip(2, emulated=True, kernel_min_blocks=1)
+
+
+@gpu
+def test_gpu_every_move_by_the_block_copy_kernel_matches_the_host_path():
+    _round_trip(2, emulated=False, kernel_min_blocks=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,6 +456,7 @@ def test_emulated_switch_bench_rounds_run():
     shape = SwitchBenchShape(2, 2, 4, 128, 32, 2, 2, 16, 4, 2, 16)
     with harness.fresh_cluster(2) as cluster:
         results = check_outcomes(cluster.run(run_emulated_bench, shape, timeout_s=120))
+        results += check_outcomes(cluster.run(run_emulated_bench, shape, 1, timeout_s=120))  # every move a kernel
     for result in results:
         for way in ("ep->tp", "tp->ep"):
             assert len(result[way]) == 1 and result[way][0]["weight_bytes"] > 0, result
@@ -447,10 +464,11 @@ def test_emulated_switch_bench_rounds_run():
     del rank_switch_rounds
 
 
-def run_emulated_bench(ctx, shape):
+def run_emulated_bench(ctx, shape, kernel_min_blocks: int = 0):
     from tests.emulated_device import run_emulated
 
-    return run_emulated(ctx, "mooncake_ep_switch.bench.switch_cuda_bench", "rank_switch_rounds", shape, 1)
+    return run_emulated(ctx, "mooncake_ep_switch.bench.switch_cuda_bench", "rank_switch_rounds", shape, 1,
+                        kernel_min_blocks)
 
 
 def test_emulated_demo_steps_switch_and_rebalance_on_the_cuda_transport():
@@ -505,10 +523,34 @@ def _random_blocks(generator: np.random.Generator, count: int, dst_base: int, sr
     return np.asarray(rows, dtype=np.int64)
 
 
+# (count, aligned, max_rows, max_width): few and many blocks, 16-byte aligned or not, tall blocks, and blocks of
+# 10^5 pieces (a column of CTAs each, every thread with loads in flight and a partial last round)
+COPY_CASES = [(3, True, 5, 300), (3, False, 5, 300), (40, True, 5, 300), (40, False, 5, 300), (300, True, 5, 300),
+              (30, True, 60, 16), (2, True, 400, 300), (9, False, 200, 300)]
+
+
+@pytest.mark.parametrize("count, aligned, max_rows, max_width", COPY_CASES)
+def test_emulated_block_copy_kernel_matches_the_host_copy(count, aligned, max_rows, max_width):
+    """The device moves' block-copy kernel (csrc/cuda/copy_kernels.cuh) on the emulator: every block's bytes
+    equal the host `copy_blocks`', and nothing outside the blocks is written."""
+    from mooncake_ep_switch import _cuda_sim, _native
+
+    nbytes = 1 << 23
+    generator = np.random.default_rng(count * 3 + aligned)
+    src = torch.from_numpy(generator.integers(0, 256, nbytes, dtype=np.uint8))
+    expected, got = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    blocks = _random_blocks(generator, count, expected.data_ptr(), src.data_ptr(), nbytes, aligned, max_rows,
+                            max_width)
+    _native.copy_blocks(blocks.ctypes.data, count, expected.data_ptr(), expected.data_ptr() + nbytes,
+                        src.data_ptr(), src.data_ptr() + nbytes)
+    moved = blocks.copy()
+    moved[:, 0] += got.data_ptr() - expected.data_ptr()
+    assert _cuda_sim.copy_blocks_kernel(moved.ctypes.data, count) == int((blocks[:, 2] * blocks[:, 3]).sum())
+    assert torch.equal(got, expected)
+
+
 @gpu
-@pytest.mark.parametrize("count, aligned, max_rows, max_width", [
-    (3, True, 5, 300), (3, False, 5, 300), (40, True, 5, 300), (40, False, 5, 300), (300, True, 5, 300),
-    (30, True, 60, 16),      # more rows than the kernel's grid has in y
+@pytest.mark.parametrize("count, aligned, max_rows, max_width", COPY_CASES + [
     (70000, True, 1, 1)])    # more blocks than its grid has in x
 def test_gpu_block_copies_match_the_host_copy(count, aligned, max_rows, max_width):
     from mooncake_ep_switch import _native

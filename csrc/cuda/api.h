@@ -39,8 +39,9 @@ void stream_synchronize(uintptr_t stream);
 // `stream` (cudaMemcpy2DAsync / cudaMemcpyAsync, device or IPC-mapped peer addresses), after checking every
 // block lies inside [dst_lo, dst_hi) and [src_lo, src_hi) (std::invalid_argument, nothing queued). A runtime
 // failure while queuing (a broken device) raises std::runtime_error and may leave earlier blocks queued.
-// With `device_desc` (device memory for n * 6 int64, 0 = none) and n >= 8 blocks, the table is copied there
-// on `stream` and one kernel copies every block (KV moves: many small blocks). Returns the bytes queued;
+// With `device_desc` (device memory for n * 6 int64, 0 = none: the caller decides, DeviceMoves from 8 blocks on),
+// the table is copied there on `stream` and one kernel copies every block (copy_kernels.cuh; KV moves: many small
+// blocks). Returns the bytes queued;
 // the caller orders what follows (an event on `stream`).
 int64_t copy_blocks_async(uintptr_t desc_ptr, int64_t n, uintptr_t dst_lo, uintptr_t dst_hi, uintptr_t src_lo,
                           uintptr_t src_hi, uintptr_t stream, uintptr_t device_desc);

@@ -11,6 +11,7 @@
 
 #include "cuda/api.h"
 #include "cuda/check.h"
+#include "cuda/copy_kernels.cuh"
 
 namespace mep_cuda {
 
@@ -142,30 +143,6 @@ std::string block_outside(int64_t index, const char* side, uintptr_t start, int6
     return "";
 }
 
-// Many small blocks (a KV move is one block per (page, layer, K/V)): one launch instead of a runtime call
-// per block. Block i of the table is copied by CTAs x = i (mod gridDim.x), rows split over gridDim.y;
-// 16-byte accesses when every address, width and stride of the block is a multiple of 16.
-__global__ void k_copy_blocks(const int64_t* desc, int64_t n) {
-    for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
-        const int64_t* d = desc + 6 * i;
-        char* dst = reinterpret_cast<char*>(uintptr_t(d[0]));
-        const char* src = reinterpret_cast<const char*>(uintptr_t(d[1]));
-        const int64_t rows = d[2], width = d[3], dst_stride = d[4], src_stride = d[5];
-        const bool wide = ((d[0] | d[1] | width | dst_stride | src_stride) & 15) == 0;
-        for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-            char* to = dst + r * dst_stride;
-            const char* from = src + r * src_stride;
-            if (wide) {
-                for (int64_t at = int64_t(threadIdx.x) * 16; at < width; at += int64_t(blockDim.x) * 16)
-                    *reinterpret_cast<int4*>(to + at) = *reinterpret_cast<const int4*>(from + at);
-            } else {
-                for (int64_t at = threadIdx.x; at < width; at += blockDim.x) to[at] = from[at];
-            }
-        }
-    }
-}
-
-constexpr int64_t kKernelMinBlocks = 8;  // below this, one runtime copy per block (large weight chunks)
 
 }  // namespace
 
@@ -181,21 +158,16 @@ int64_t copy_blocks_async(uintptr_t desc_ptr, int64_t n, uintptr_t dst_lo, uintp
         if (!why.empty()) throw std::invalid_argument(why);
     }
     const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-    int64_t total = 0, max_rows = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        total += desc[6 * i + 2] * desc[6 * i + 3];
-        max_rows = std::max(max_rows, desc[6 * i + 2]);
-    }
-    if (device_desc && n >= kKernelMinBlocks && total > 0) {
+    const CopyTotals totals = copy_totals(desc, n);
+    int64_t total = totals.bytes;
+    if (device_desc && total > 0) {
         // The table goes to the device on the same stream (a later call's table is written only after this
         // kernel read it), then one launch.
         check(cudaMemcpyAsync(reinterpret_cast<void*>(device_desc), desc, size_t(n) * 6 * sizeof(int64_t),
                               cudaMemcpyHostToDevice, s),
               "cudaMemcpyAsync (copy table)");
         cudaGetLastError();  // an earlier, unrelated launch error is not this kernel's
-        const dim3 grid(unsigned(std::min<int64_t>(n, 65535)), unsigned(std::min<int64_t>(std::max<int64_t>(max_rows, 1), 16)));
-        k_copy_blocks<<<grid, 256, 0, s>>>(reinterpret_cast<const int64_t*>(device_desc), n);
-        check_launch("k_copy_blocks");
+        launch_copy_blocks(reinterpret_cast<const int64_t*>(device_desc), n, totals.max_pieces, s);
         return total;
     }
     total = 0;

@@ -16,18 +16,21 @@ from mooncake_ep_switch.bench.switch_bench import SwitchBenchShape, populate_kv,
 from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
 
 
-def rank_switch_rounds(ctx, shape: SwitchBenchShape, iters: int) -> Dict[str, List[dict]]:
+def rank_switch_rounds(ctx, shape: SwitchBenchShape, iters: int, kernel_min_blocks: int = 0) -> Dict[str, List[dict]]:
     """One rank: `iters` timed EP -> TP -> EP round trips (after one warm-up) on a "cuda" Buffer.
 
     Arguments:
         ctx: the `launch.RankContext`.
         shape: the `SwitchBenchShape` (the KV cache holds `shape.requests` requests per rank).
         iters: timed round trips.
+        kernel_min_blocks: from how many blocks a device move is one block-copy kernel instead of a runtime copy
+            per block (`device_region.KERNEL_MIN_BLOCKS` in this rank for these rounds; 0 = as it is).
 
     Returns:
         reports: dict `"ep->tp"` / `"tp->ep"` -> list of `SwitchReport._asdict()`, plus `"device"` (str).
     """
     from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.buffer import device_region
     from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, PagedKVCache
     from mooncake_ep_switch.switch.unified_weights import UnifiedWeights, WeightShape
 
@@ -45,9 +48,13 @@ def rank_switch_rounds(ctx, shape: SwitchBenchShape, iters: int) -> Dict[str, Li
         kv = PagedKVCache(buffer, config)
         populate_kv(kv, ctx, shape)
         result["device"] = str(unified.local.device)
+        policy = device_region.KERNEL_MIN_BLOCKS
         try:
+            if kernel_min_blocks > 0:
+                device_region.KERNEL_MIN_BLOCKS = kernel_min_blocks
             result.update(switch_round_trips(ctx, buffer, unified, kv, iters))
         finally:
+            device_region.KERNEL_MIN_BLOCKS = policy
             kv.destroy()
             unified.destroy()
     return result
@@ -68,6 +75,9 @@ def measure(cluster, shape: SwitchBenchShape, iters: int, where: str) -> List[di
     from mooncake_ep_switch.bench.cuda_bench import rank_device_copy
 
     results = check_outcomes(cluster.run(rank_switch_rounds, shape, iters, timeout_s=600))
+    # The weight chunks are a few large strided blocks a layer (runtime 2D copies below KERNEL_MIN_BLOCKS): the
+    # same round trips with every move one block-copy kernel, beside them.
+    by_kernel = check_outcomes(cluster.run(rank_switch_rounds, shape, iters, 1, timeout_s=600))
     first = results[0]["ep->tp"][0]
     weight_bytes = first["weight_bytes"] + first["weight_local_bytes"]  # every byte a rank copies
     kv_bytes = {way: max(r["kv_bytes"] + r["kv_local_bytes"] for res in results for r in res[way])
@@ -85,6 +95,13 @@ def measure(cluster, shape: SwitchBenchShape, iters: int, where: str) -> List[di
                      "baseline_ms": copy[weight_bytes] * 1e3, "speedup": copy[weight_bytes] / ours,
                      "note": f"{weight_bytes / 2**20:.1f} MiB copied per rank: {weight_bytes / ours / 1e9:.1f} GB/s "
                              f"vs copy {weight_bytes / copy[weight_bytes] / 1e9:.1f} GB/s; {where}"})
+        kernel = slowest(by_kernel, way, "weight_ms") / 1e3
+        rows.append({"benchmark": f"cuda weight reshard {way.upper()}: every move one block-copy kernel",
+                     "shape": label, "ours_ms": kernel * 1e3, "baseline": "runtime copies below 8 blocks (above)",
+                     "baseline_ms": ours * 1e3, "speedup": ours / kernel,
+                     "note": f"{weight_bytes / kernel / 1e9:.1f} GB/s vs copy "
+                             f"{weight_bytes / copy[weight_bytes] / 1e9:.1f} GB/s: {copy[weight_bytes] / kernel:.2f}x "
+                             f"of the copy; {where}"})
     for way in ("ep->tp", "tp->ep"):
         ours = slowest(results, way, "kv_ms") / 1e3
         nbytes = kv_bytes[way]

@@ -134,8 +134,9 @@ def queue_copies(blocks, dst_range, src_range, stream: int, device_table: int = 
         dst_range: (lo, hi) int addresses every destination byte must lie in.
         src_range: (lo, hi) int addresses every source byte must lie in.
         stream: the `cudaStream_t` as an int.
-        device_table: device memory for `[n, 6]` int64 (0: none): with it, 8 blocks or more are copied by one
-            kernel (the table is copied there on `stream` first) instead of one runtime copy per block.
+        device_table: device memory for `[n, 6]` int64 (0: none): with it, one kernel copies every block (the table
+            is copied there on `stream` first; csrc/cuda/copy_kernels.cuh) instead of one runtime copy per block
+            (`DeviceMoves` passes one from `device_region.KERNEL_MIN_BLOCKS` blocks on).
 
     Returns:
         nbytes: int, the bytes queued.
