@@ -16,8 +16,9 @@
 #     fault      a rank SIGKILLed between dispatch and combine, and before dispatch; Xid lines from dmesg
 #     fused      the transport, graph and fault tests again with MEP_CUDA_FUSED_KERNELS=1 (the fused launches
 #                in rank processes; the kernels and probe stages already ran them in one process)
-#     switch     tests/test_switch_device.py -k gpu: TP<->EP switches of weights and KV, a rank killed in a
-#                switch, an EPLB abort and commit, a replacement restored from device copies (vs the host path)
+#     switch     tests/test_switch_device.py -k gpu: TP<->EP switches of weights and KV (also with every move the
+#                block-copy kernel), a rank killed in a switch, an EPLB abort and commit, a replacement restored
+#                from device copies (vs the host path), the block-copy kernel against the host copy
 #     demo       python -m mooncake_ep_switch demo --device cuda (switches, online EPLB, a rank replaced)
 #     bench      python -m mooncake_ep_switch.bench --device cuda --quick
 #     hostprof   scripts/cuda_host_profile.py: the host's time in eager T=1 round trips, split and fused launches
@@ -27,7 +28,8 @@
 #   MEP_PROBE_ARGS="--profile --skip-r8"        arguments of the probe (follow-up runs); "--sweep" times the launch
 #                                               tuning grid (Call.row_warps x Call.grid_blocks) per launch variant
 # The speed issue's A/B in one call (kernels alone both ways, the tuning sweep, the MPS bench both ways):
-#   MEP_STAGES="build kernels probe fused hostprof mps" MEP_PROBE_ARGS="--profile --sweep --skip-r8" MEP_MPS_BENCH=1
+#   MEP_STAGES="build kernels probe fused switch hostprof mps" MEP_PROBE_ARGS="--profile --sweep --skip-r8" \
+#   MEP_MPS_BENCH=1
 #   MEP_TRY_MPS=0                               skip the MPS stage
 #   MEP_MPS_BENCH=1                             also the bench (--quick) under MPS, its table into bench.log, with
 #                                               the split launches and then with MEP_CUDA_FUSED_KERNELS=1
