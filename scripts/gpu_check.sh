@@ -6,7 +6,7 @@
 # kernels.log transport.log switch.log bench.log bench.md summary.txt.
 #   MEP_STAGES="build kernels probe transport graph fault fused switch demo bench hostprof rest mps"   (default: all)
 #     build      setup.py build_ext --inplace, parallel; FAILS (exit 1) when _cuda is missing or sees no device
-#     kernels    tests/test_cuda_sim.py -k gpu: the nvcc kernels alone in one process against the CPU kernels
+#     kernels    tests/test_cuda_sim.py (its GPU cells): the nvcc kernels alone in one process against the CPU kernels
 #                (the combine with biases too)
 #     probe      scripts/gpu_probe.py: H=7168 bit-exactness, an R=8 E=256 round past 2^31, kernel-only times,
 #                each for the split and the fused launches (interleaved A/B)
@@ -99,8 +99,9 @@ n = _cuda.device_count(); print('cuda devices', n, repr(_cuda.device_status()));
   [ "${MEP_ALLOW_NO_DEVICE:-0}" = 1 ] || { [ -n "${PIP_PID:-}" ] && kill -- -"$PIP_PID" 2>/dev/null; cat "$SUM"; exit 1; }
 fi
 
-want kernels && stage kernels 100 "$OUT/kernels.log" "${PT[@]}" --maxfail=4 tests/test_cuda_sim.py -k gpu \
-  tests/test_cuda_build.py::test_cuda_module_was_built_with_hopper_code
+# The file's GPU cells (the whole file carries the gpu tier marker, so -k gpu would select the emulator's too)
+want kernels && stage kernels 100 "$OUT/kernels.log" "${PT[@]}" --maxfail=4 tests/test_cuda_sim.py \
+  -k "not emulator and not dry_runs" tests/test_cuda_build.py::test_cuda_module_was_built_with_hopper_code
 want probe && stage probe 150 "$OUT/bench.log" $PY scripts/gpu_probe.py ${MEP_PROBE_ARGS:-}
 T=tests/test_cuda.py
 if [ -n "${MEP_TRANSPORT_TESTS:-}" ]; then read -r -a TRANSPORT <<< "$MEP_TRANSPORT_TESTS"; else

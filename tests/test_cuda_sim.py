@@ -615,7 +615,7 @@ def test_the_fused_launches_are_a_setting_off_by_default(monkeypatch):
         settings()
 
 
-def test_the_gpu_probe_and_check_script_run_their_dry_runs():
+def test_the_probe_and_check_scripts_run_their_dry_runs():
     """scripts/gpu_probe.py (what a lent GPU's few minutes run) on the emulator at tiny shapes: both launch
     variants bit-exact against the CPU kernels and timed; and scripts/gpu_check.sh parses."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
