@@ -610,10 +610,15 @@ def test_fence_yields_before_it_sleeps_and_ends_at_its_deadline(monkeypatch, don
     stand_in = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=lambda: event,
                                                                 current_stream=lambda device=None: stream))
     monkeypatch.setattr(device_region, "torch", stand_in)
-    sleeps, yields = [], []
-    monkeypatch.setattr(device_region.time, "sleep", lambda seconds: sleeps.append(seconds))
-    monkeypatch.setattr(device_region.os, "sched_yield", lambda: yields.append(1))
-    # a spin long enough that a loaded machine's preemption cannot end it early; 10 ms of it when nothing lands
+    sleeps, yields, clock = [], [], [100.0]
+
+    def now() -> float:  # a clock that moves 0.1 ms a reading: no preemption of this process changes the test
+        clock[0] += 1e-4
+        return clock[0]
+
+    # the module's own names only (the time and os modules stay as they are for everything else)
+    monkeypatch.setattr(device_region, "time", types.SimpleNamespace(monotonic=now, sleep=sleeps.append))
+    monkeypatch.setattr(device_region, "os", types.SimpleNamespace(sched_yield=lambda: yields.append(1)))
     monkeypatch.setattr(device_region, "FENCE_SPIN_S", 5.0 if done_after else 0.01)
     moves = device_region.DeviceMoves.__new__(device_region.DeviceMoves)
     moves.device, moves.stream, moves.unfenced_bytes, moves._in_flight = "cuda:0", stream, 4096, [("e", ())]
