@@ -486,12 +486,15 @@ __device__ void wait_source(const Call& call, const uint64_t* signals, int32_t s
     }
 }
 
-__global__ void k_dispatch_wait(Call call, Region region, Scratch scratch) {
+// Block `source` (one warp): its dispatch signals into recv_counts (wait_source).
+__device__ __forceinline__ void dispatch_wait(const Call& call, const Region& region, const Scratch& scratch) {
     const int32_t source = blockIdx.x, L = call.num_experts / call.num_ranks;
     const uint8_t* half = half_base(call, region, call.rank);
     const auto* signals = reinterpret_cast<const uint64_t*>(half + region.dispatch_signals) + int64_t(source) * L;
     wait_source(call, signals, source, L, scratch.recv_counts + int64_t(source) * L);
 }
+
+__global__ void k_dispatch_wait(Call call, Region region, Scratch scratch) { dispatch_wait(call, region, scratch); }
 
 // Thread per local expert: begins (sources ascending), layout_range and recv_count.
 __device__ __forceinline__ void dispatch_layout(const Call& call, const Scratch& scratch, int64_t* layout_range,
@@ -517,10 +520,7 @@ __global__ void k_dispatch_layout(Call call, Scratch scratch, int64_t* layout_ra
 // Fused: block `source` (one warp) waits for it, then the block that arrives last lays out every source's counts.
 __global__ void k_dispatch_wait_layout(Call call, Region region, Scratch scratch, int64_t* layout_range,
                                        int32_t* recv_count) {
-    const int32_t source = blockIdx.x, L = call.num_experts / call.num_ranks;
-    const uint8_t* half = half_base(call, region, call.rank);
-    const auto* signals = reinterpret_cast<const uint64_t*>(half + region.dispatch_signals) + int64_t(source) * L;
-    wait_source(call, signals, source, L, scratch.recv_counts + int64_t(source) * L);
+    dispatch_wait(call, region, scratch);
     if (arrived_last(arrivals(call, kArriveDispatchWait), false))
         dispatch_layout(call, scratch, layout_range, recv_count);
 }

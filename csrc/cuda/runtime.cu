@@ -4,7 +4,6 @@
 #include <cuda.h>  // driver types only: the driver's functions are reached through the runtime (no libcuda link)
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>

@@ -100,6 +100,8 @@ class CudaTransport(RuntimeQueries):
         self.watch = PeerWatch(num_ranks, rank, None, dead=self._control[1 + num_ranks:])
         self._dead_ptr = self.watch.dead_ptr  # inside the control block: the device waits read it
         self._graphs = False  # set once a call was captured in a CUDA graph (see _call)
+        self._call_word_size = _cuda.call_word_size(num_ranks)  # int64 words of a dispatch's call word
+        self._fused = int(settings.cuda_fused_kernels)
         self._write_peer_table()
 
     # ------------------------------------------------------------------ membership
@@ -279,7 +281,7 @@ class CudaTransport(RuntimeQueries):
         return _cuda.Call(self.num_ranks, self.rank, tokens, hidden, experts, number & 1, number,
                           self.peer_table.data_ptr(), active.data_ptr(), self.counter.data_ptr(),
                           call_word.data_ptr(), self._control_ptr, self._dead_ptr, timeout_us, int(self._graphs),
-                          fused=int(self.settings.cuda_fused_kernels))
+                          fused=self._fused)
 
     def comm_stream(self) -> torch.cuda.Stream:
         """The stream `async_finish` calls run on (made on first use)."""
@@ -311,7 +313,7 @@ class CudaTransport(RuntimeQueries):
         scratch = self._scratch_for(tokens, hidden, experts, top_k)
         # [0] the call number the device used; [1 + r] the send kernels' snapshot of writable peers; then the
         # fused kernels' arrival counts (csrc/cuda/api.h Call::call_word)
-        call_word = torch.empty(_cuda.call_word_size(self.num_ranks), dtype=torch.int64, device=self.device)
+        call_word = torch.empty(self._call_word_size, dtype=torch.int64, device=self.device)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call_word, call.timeout_us)
         self.latest_dispatch = call.call
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
