@@ -21,7 +21,8 @@
 #                from device copies (vs the host path), the block-copy kernel against the host copy
 #     demo       python -m mooncake_ep_switch demo --device cuda (switches, online EPLB, a rank replaced)
 #     bench      python -m mooncake_ep_switch.bench --device cuda --quick
-#     hostprof   scripts/cuda_host_profile.py: the host's time in eager T=1 round trips, split and fused launches
+#     hostprof   scripts/cuda_host_profile.py: the host's time in eager T=1 round trips, split and fused launches;
+#                scripts/switch_host_profile.py --emulated: the host's time in a switch's weight and KV phases
 #     rest       the rest of tests/test_cuda.py, with whatever budget is left
 #     mps        the R=4 rounds again under MPS, if the image has nvidia-cuda-mps-control
 #   MEP_TRANSPORT_TESTS="<pytest node ids>"    override the transport selection (follow-up runs)
@@ -130,6 +131,8 @@ want demo && stage demo 120 "$OUT/switch.log" $PY -m mooncake_ep_switch demo --d
 want bench && stage bench 150 "$OUT/bench.log" $PY -m mooncake_ep_switch.bench --device cuda --quick --out "$OUT/bench.md"
 want hostprof && stage hostprof 60 "$OUT/bench.log" $PY scripts/cuda_host_profile.py --rounds 300 --top 25
 want hostprof && stage hostprof-fused 60 "$OUT/bench.log" $PY scripts/cuda_host_profile.py --rounds 300 --top 25 --fused
+# The host alone in a switch's weight and KV phases, on this host's CPU (against the bench's reshard and KV rows)
+want hostprof && stage hostprof-switch 60 "$OUT/bench.log" $PY scripts/switch_host_profile.py --emulated --iters 5
 if want rest; then
   # Whatever budget is left: the rest of the transport file (the stages above ran the rest of its tests).
   DESELECT=()

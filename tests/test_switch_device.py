@@ -622,6 +622,7 @@ def test_fence_yields_before_it_sleeps_and_ends_at_its_deadline(monkeypatch, don
     monkeypatch.setattr(device_region, "FENCE_SPIN_S", 5.0 if done_after else 0.01)
     moves = device_region.DeviceMoves.__new__(device_region.DeviceMoves)
     moves.device, moves.stream, moves.unfenced_bytes, moves._in_flight = "cuda:0", stream, 4096, [("e", ())]
+    moves._tables = []
     if done_after is None:
         with pytest.raises(TimeoutError, match="did not finish 4096 queued bytes of moves within 0.05 s"):
             moves.fence(0.05)
@@ -631,6 +632,94 @@ def test_fence_yields_before_it_sleeps_and_ends_at_its_deadline(monkeypatch, don
     moves.fence(10.0)
     assert sleeps == [] and len(yields) == done_after - 1 and event.queries == done_after
     assert moves.unfenced_bytes == 0 and moves._in_flight == []
+
+
+class _TableEvent:
+    """A stand-in CUDA event the test completes by hand (`done`), counting its records."""
+
+    def __init__(self):
+        self.done, self.records = True, 0
+
+    def record(self, stream=None):
+        self.done, self.records = False, self.records + 1
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_block_tables_are_reused_only_once_the_device_read_them(monkeypatch):
+    """The block-copy kernel's tables (pinned host memory and device memory) are kept and reused, not allocated
+    per call: a table is taken again only once the event after the call that read it completed; with every
+    kept table busy a call gets a one-off table, held until its event completed; a refused call leaves its table
+    free; at most `MAX_TABLES` are kept, each a power of two of at least `TABLE_MIN_ROWS` blocks."""
+    import contextlib
+    import types
+
+    from mooncake_ep_switch.buffer import device_region
+
+    allocations, events, queued = [], [], []
+
+    def empty(size, dtype=None, pin_memory=False, device=None):
+        allocations.append((size, "pinned" if device is None else "device"))
+        return torch.zeros(size, dtype=dtype)
+
+    def new_event():
+        events.append(_TableEvent())
+        return events[-1]
+
+    stream = types.SimpleNamespace(wait_stream=lambda other: None, cuda_stream=7)
+    cuda = types.SimpleNamespace(Event=new_event, current_stream=lambda device=None: stream,
+                                 device=lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(device_region, "torch", types.SimpleNamespace(
+        cuda=cuda, empty=empty, from_numpy=torch.from_numpy, int64=torch.int64))
+
+    def queue_copies(blocks, dst_range, src_range, stream_handle, device_table):
+        if blocks[0, 2] < 0:
+            raise ValueError("block 0 destination has a negative rows/row_bytes/stride")
+        queued.append((blocks.copy(), device_table))
+        return int((blocks[:, 2] * blocks[:, 3]).sum())
+
+    monkeypatch.setattr(device_region, "device_memory", types.SimpleNamespace(queue_copies=queue_copies))
+    moves = device_region.DeviceMoves.__new__(device_region.DeviceMoves)
+    moves.device, moves.stream, moves.unfenced_bytes = types.SimpleNamespace(type="cuda"), stream, 0
+    moves._tables, moves._in_flight = [], []
+
+    def blocks(count: int, rows: int = 1) -> np.ndarray:
+        table = np.zeros((count, 6), dtype=np.int64)
+        table[:, 0], table[:, 2], table[:, 3] = np.arange(count) * 64, rows, 16
+        return table
+
+    for call in range(20):  # every call's table read by the device before the next
+        assert moves.copy(blocks(10 + call), (0, 1 << 20), (0, 1 << 20)) == (10 + call) * 16
+        assert np.array_equal(queued[-1][0], blocks(10 + call))  # what the native call got: this call's table
+        events[0].done = True
+    assert allocations == [(64 * 6, "pinned"), (64 * 6, "device")] and len(events) == 1 and events[0].records == 20
+    assert len({table for _, table in queued}) == 1
+
+    events[0].done = False  # in flight: the next call needs another table, a bigger call one that fits it
+    moves.copy(blocks(100), (0, 1 << 20), (0, 1 << 20))
+    assert allocations[-2:] == [(128 * 6, "pinned"), (128 * 6, "device")] and len(moves._tables) == 2
+    with pytest.raises(ValueError, match="negative"):
+        moves.copy(blocks(9, rows=-1), (0, 1 << 20), (0, 1 << 20))
+    assert len(moves._tables) == 3 and not moves._tables[-1].busy  # refused: its new table stays free
+    moves.copy(blocks(30), (0, 1 << 20), (0, 1 << 20))  # and the next call takes it
+    assert len(moves._tables) == 3 and len(allocations) == 6 and moves._tables[-1].busy
+
+    for _ in range(device_region.MAX_TABLES + 3):  # every table busy: kept ones up to MAX_TABLES, then one-offs
+        moves.copy(blocks(8), (0, 1 << 20), (0, 1 << 20))
+    assert len(moves._tables) == device_region.MAX_TABLES and len(moves._in_flight) == 6
+    tables = [table for _, table in queued]
+    busy = tables[-device_region.MAX_TABLES - 5:]
+    assert len(set(busy)) == len(busy), "a table was reused while the device may still read it"
+    assert len(allocations) == 2 * (device_region.MAX_TABLES + 6)  # 8 kept tables, 6 one-offs
+    for event in events:
+        event.done = True
+    moves.copy(blocks(8), (0, 1 << 20), (0, 1 << 20))
+    assert moves._in_flight == [] and len(allocations) == 2 * (device_region.MAX_TABLES + 6)  # none allocated
+    assert queued[-1][1] in {table.on_device.data_ptr() for table in moves._tables}
+    cuda.Event = lambda: _StandInEvent(1)  # the fence's own event: the device finished
+    moves.fence(1.0)
+    assert not any(table.busy for table in moves._tables)
 
 
 def rank_owner_gone(ctx, how: str) -> dict:
@@ -711,3 +800,26 @@ def test_emulated_forged_device_endpoints_are_refused():
     assert len(result) == 6 and result[-1] is True, result
     assert all(text.startswith("endpoint: expected a device region") for text in result[:4]), result
     assert "holds 1024 bytes, its owner published 4096" in result[4], result
+
+
+def test_the_switch_host_profile_script_runs_on_the_emulated_device():
+    """scripts/switch_host_profile.py (the host's share of a switch's weight and KV phases; gpu_check.sh's
+    hostprof stage) on the emulated device, its copies only counted: every phase per way and rank, each phase
+    shorter than the switch, and rank 0's profile of the weight and KV phases."""
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "scripts/switch_host_profile.py", "--emulated", "--iters", "2", "--profile",
+                          "--top", "8"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    pattern = (r"SWITCH (ep->tp|tp->ep) rank ([01]): prepare ([\d.]+) weights ([\d.]+) kv ([\d.]+) commit ([\d.]+) "
+               r"total ([\d.]+) ms")
+    rows = re.findall(pattern, run.stdout)
+    assert sorted((way, rank) for way, rank, *_ in rows) == [("ep->tp", "0"), ("ep->tp", "1"), ("tp->ep", "0"),
+                                                             ("tp->ep", "1")], run.stdout[-3000:]
+    for _, _, *phases in rows:
+        prepare, weights, kv, commit, total = map(float, phases)
+        assert 0 < weights < total and 0 < kv < total and prepare + weights + kv + commit <= total * 1.01, phases
+    assert "the host alone" in run.stdout and "_weights_one_sided" in run.stdout, run.stdout[-3000:]

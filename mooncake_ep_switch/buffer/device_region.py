@@ -207,6 +207,23 @@ class DeviceRegion:
         self.base = 0
 
 
+class _BlockTable:
+    """A block table of the block-copy kernel: `[rows * 6]` int64 in pinned host memory and its copy in device
+    memory, and the event recorded after the last call that read them (`busy` until it completed).
+
+    Arguments:
+        rows: blocks it holds at most.
+        device: the CUDA torch.device.
+    """
+
+    def __init__(self, rows: int, device: torch.device):
+        self.rows = rows
+        self.pinned = torch.empty(rows * 6, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.on_device = torch.empty(rows * 6, dtype=torch.int64, device=device)
+        self.event = torch.cuda.Event()
+        self.busy = False
+
+
 class DeviceMoves:
     """The copies of switches and rebalances into device regions, on one dedicated stream.
 
@@ -218,7 +235,11 @@ class DeviceMoves:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.unfenced_bytes = 0  # queued since the last fence
-        # (event, tensors) of calls whose block tables may still be read by the device: kept until it has
+        # The block-copy kernel's tables, reused (`_BlockTable`): at most `MAX_TABLES`, each taken again only
+        # once the device finished the call that last read it.
+        self._tables: List[_BlockTable] = []
+        # (event, tensors) of calls whose one-off tables (every kept table busy) may still be read by the device:
+        # kept until it has
         self._in_flight: List[tuple] = []
 
     def copy(self, blocks: np.ndarray, dst_range, src_range) -> int:
@@ -240,23 +261,40 @@ class DeviceMoves:
         if blocks.shape[0] == 0:
             return 0
         self._in_flight = [entry for entry in self._in_flight if not entry[0].query()]
-        kept, table = (), 0
+        table = None
         if blocks.shape[0] >= KERNEL_MIN_BLOCKS:
             # One kernel: its table goes up from pinned memory (an upload from pageable memory would make the
-            # driver wait for the stream, with no deadline), into device memory both kept until it landed.
-            pinned = torch.empty(blocks.size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-            pinned.copy_(torch.from_numpy(blocks.reshape(-1)))
-            on_device = torch.empty(blocks.size, dtype=torch.int64, device=self.device)
-            blocks, kept, table = pinned.numpy().reshape(-1, 6), (pinned, on_device), on_device.data_ptr()
+            # driver wait for the stream, with no deadline) into device memory, both reused only once it landed.
+            table = self._free_table(blocks.shape[0])
+            table.pinned[:blocks.size].copy_(torch.from_numpy(blocks.reshape(-1)))
+            blocks = table.pinned[:blocks.size].numpy().reshape(-1, 6)
         with torch.cuda.device(self.device):
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            queued = device_memory.queue_copies(blocks, dst_range, src_range, self.stream.cuda_stream, table)
-        if kept:
-            event = torch.cuda.Event()
-            event.record(self.stream)
-            self._in_flight.append((event, kept))
+            queued = device_memory.queue_copies(blocks, dst_range, src_range, self.stream.cuda_stream,
+                                                0 if table is None else table.on_device.data_ptr())
+        if table is not None:  # queued (a refused call queued nothing: its table stays free)
+            table.event.record(self.stream)
+            table.busy = True
+            if not any(kept is table for kept in self._tables):
+                self._in_flight.append((table.event, table))
         self.unfenced_bytes += queued
         return queued
+
+    def _free_table(self, rows: int) -> "_BlockTable":
+        """A table of at least `rows` blocks the device no longer reads: a kept one, a new kept one (up to
+        `MAX_TABLES`, replacing a free one too small when full), or a one-off when every kept table is busy."""
+        free = [table for table in self._tables if not table.busy or table.event.query()]
+        for table in free:
+            table.busy = False
+        fits = [table for table in free if table.rows >= rows]
+        if fits:
+            return min(fits, key=lambda table: table.rows)
+        table = _BlockTable(max(TABLE_MIN_ROWS, 1 << (rows - 1).bit_length()), self.device)
+        if len(self._tables) >= MAX_TABLES and free:
+            self._tables.remove(min(free, key=lambda old: old.rows))
+        if len(self._tables) < MAX_TABLES:
+            self._tables.append(table)
+        return table
 
     def fence(self, timeout_s: float) -> None:
         """Wait until every queued move and everything queued before on the caller's stream completed.
@@ -292,6 +330,9 @@ class DeviceMoves:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.unfenced_bytes = 0
         self._in_flight.clear()
+        for table in self._tables:
+            table.busy = False
+
 
 
 _MOVES: Dict[str, DeviceMoves] = {}
@@ -302,6 +343,8 @@ DRAIN_TIMEOUT_S = 30.0
 FENCE_SPIN_S = 2e-4
 #: Below this many blocks a move is one runtime copy per block, from this many on one kernel (csrc/cuda).
 KERNEL_MIN_BLOCKS = 8
+#: Block tables a `DeviceMoves` keeps for reuse, and the fewest blocks one holds (sizes are powers of two).
+MAX_TABLES, TABLE_MIN_ROWS = 8, 64
 # Device memory a wedged device might still touch: never released (destroy() after a failed drain).
 _NEVER_RELEASED: List[list] = []
 
