@@ -14,6 +14,7 @@ on the one GPU) and are skipped without one ("no CUDA device"); scripts/gpu_chec
 import hashlib
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -621,8 +622,9 @@ def test_fence_yields_before_it_sleeps_and_ends_at_its_deadline(monkeypatch, don
     monkeypatch.setattr(device_region, "os", types.SimpleNamespace(sched_yield=lambda: yields.append(1)))
     monkeypatch.setattr(device_region, "FENCE_SPIN_S", 5.0 if done_after else 0.01)
     moves = device_region.DeviceMoves.__new__(device_region.DeviceMoves)
-    moves.device, moves.stream, moves.unfenced_bytes, moves._in_flight = "cuda:0", stream, 4096, [("e", ())]
-    moves._tables = []
+    moves.device, moves.stream, moves.unfenced_bytes = "cuda:0", stream, 4096
+    moves._in_flight = [(_StandInEvent(1), ())]
+    moves._tables, moves._lock = [], threading.Lock()
     if done_after is None:
         with pytest.raises(TimeoutError, match="did not finish 4096 queued bytes of moves within 0.05 s"):
             moves.fence(0.05)
@@ -682,7 +684,7 @@ def test_block_tables_are_reused_only_once_the_device_read_them(monkeypatch):
     monkeypatch.setattr(device_region, "device_memory", types.SimpleNamespace(queue_copies=queue_copies))
     moves = device_region.DeviceMoves.__new__(device_region.DeviceMoves)
     moves.device, moves.stream, moves.unfenced_bytes = types.SimpleNamespace(type="cuda"), stream, 0
-    moves._tables, moves._in_flight = [], []
+    moves._tables, moves._in_flight, moves._lock = [], [], threading.Lock()
 
     def blocks(count: int, rows: int = 1) -> np.ndarray:
         table = np.zeros((count, 6), dtype=np.int64)
@@ -717,9 +719,13 @@ def test_block_tables_are_reused_only_once_the_device_read_them(monkeypatch):
     moves.copy(blocks(8), (0, 1 << 20), (0, 1 << 20))
     assert moves._in_flight == [] and len(allocations) == 2 * (device_region.MAX_TABLES + 6)  # none allocated
     assert queued[-1][1] in {table.on_device.data_ptr() for table in moves._tables}
+    events[0].done = False  # queued after the fence's event (another thread's copy): still held after the fence
     cuda.Event = lambda: _StandInEvent(1)  # the fence's own event: the device finished
     moves.fence(1.0)
-    assert not any(table.busy for table in moves._tables)
+    assert [table.busy for table in moves._tables].count(True) == 1 and moves._tables[0].busy
+    before = len(allocations)
+    moves.copy(blocks(8), (0, 1 << 20), (0, 1 << 20))
+    assert len(allocations) == before and queued[-1][1] != moves._tables[0].on_device.data_ptr()
 
 
 def rank_owner_gone(ctx, how: str) -> dict:

@@ -25,6 +25,7 @@ memory is unmapped / freed when the last tensor view of it goes (never, if the d
 in time: leaked rather than reused under a copy).
 """
 import os
+import threading
 import time
 from typing import Dict, List, NamedTuple, Optional
 
@@ -241,6 +242,7 @@ class DeviceMoves:
         # (event, tensors) of calls whose one-off tables (every kept table busy) may still be read by the device:
         # kept until it has
         self._in_flight: List[tuple] = []
+        self._lock = threading.Lock()
 
     def copy(self, blocks: np.ndarray, dst_range, src_range) -> int:
         """Queue `blocks` after everything queued so far on the caller's stream (checked first).
@@ -260,6 +262,10 @@ class DeviceMoves:
         blocks = block_table(blocks)
         if blocks.shape[0] == 0:
             return 0
+        with self._lock:  # a table is taken and marked busy by one thread at a time
+            return self._queue(blocks, dst_range, src_range)
+
+    def _queue(self, blocks: np.ndarray, dst_range, src_range) -> int:
         self._in_flight = [entry for entry in self._in_flight if not entry[0].query()]
         table = None
         if blocks.shape[0] >= KERNEL_MIN_BLOCKS:
@@ -329,9 +335,8 @@ class DeviceMoves:
             pause = min(pause * 2, 1e-3)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.unfenced_bytes = 0
-        self._in_flight.clear()
-        for table in self._tables:
-            table.busy = False
+        with self._lock:  # what another thread queued after this fence's event stays held until it landed
+            self._in_flight = [entry for entry in self._in_flight if not entry[0].query()]
 
 
 
