@@ -14,7 +14,8 @@ print each phase's median per rank; `--profile` adds rank 0's profile of the wei
 
 Prints `SWITCH <way> rank <r>: prepare <ms> weights <ms> kv <ms> commit <ms> total <ms>` per way and rank.
 
-Usage: python3 scripts/switch_host_profile.py [--emulated] [--iters N] [--ranks R] [--full] [--profile] [--top K]
+Usage: python3 scripts/switch_host_profile.py [--emulated] [--iters N] [--ranks R] [--full] [--profile]
+                                             [--functions F1,F2] [--top K]
 """
 import argparse
 import cProfile
@@ -41,8 +42,9 @@ def _count_only(desc_ptr, n, *args, **kwargs) -> int:
     return int((table[:, 2] * table[:, 3]).sum())
 
 
-def rank_switch_host(ctx, shape, iters: int, emulated: bool, profile: bool, top: int):
-    """One rank: `iters` timed EP -> TP -> EP round trips after one warm-up, rank 0's phases under cProfile.
+def rank_switch_host(ctx, shape, iters: int, emulated: bool, profiled, top: int):
+    """One rank: `iters` timed EP -> TP -> EP round trips after one warm-up, rank 0's `profiled` functions of
+    `switch.switcher` (names; empty: none) under cProfile.
 
     Returns:
         result: (reports by way as `rank_switch_rounds` returns them, rank 0's profile text or "").
@@ -54,19 +56,19 @@ def rank_switch_host(ctx, shape, iters: int, emulated: bool, profile: bool, top:
     from mooncake_ep_switch.bench.switch_cuda_bench import rank_switch_rounds
     from mooncake_ep_switch.switch import switcher
 
-    profiler = cProfile.Profile() if profile and ctx.rank == 0 else None
+    profiler = cProfile.Profile() if profiled and ctx.rank == 0 else None
     if profiler is not None:
-        for name in ("_weights_one_sided", "_kv_one_sided"):
+        for name in profiled:
             phase = getattr(switcher, name)
 
-            def profiled(*args, _phase=phase, **kwargs):
+            def under_profiler(*args, _phase=phase, **kwargs):
                 profiler.enable()
                 try:
                     return _phase(*args, **kwargs)
                 finally:
                     profiler.disable()
 
-            setattr(switcher, name, profiled)
+            setattr(switcher, name, under_profiler)
     reports = rank_switch_rounds(ctx, shape, iters)
     text = ""
     if profiler is not None:
@@ -83,8 +85,11 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--full", action="store_true", help="bench --device cuda's full shape (default: quick)")
     parser.add_argument("--profile", action="store_true", help="rank 0's profile of the weight and KV phases")
+    parser.add_argument("--functions", default="_weights_one_sided,_kv_one_sided",
+                        help="with --profile: the functions of switch.switcher profiled (switch_layout: all of it)")
     parser.add_argument("--top", type=int, default=25, help="functions listed from rank 0's profile")
     args = parser.parse_args(argv)
+    profiled = [name for name in args.functions.split(",") if name] if args.profile else []
     from mooncake_ep_switch.bench.switch_bench import SwitchBenchShape
     from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
     from tests.emulated_device import run_emulated
@@ -97,12 +102,12 @@ def main(argv=None) -> int:
     with LocalCluster(args.ranks) as cluster:
         if args.emulated:
             outcomes = cluster.run(run_emulated, "scripts.switch_host_profile", "rank_switch_host", shape, args.iters,
-                                   True, args.profile, args.top, timeout_s=600)
+                                   True, profiled, args.top, timeout_s=600)
         else:
             import importlib
 
             rank_function = importlib.import_module("scripts.switch_host_profile").rank_switch_host
-            outcomes = cluster.run(rank_function, shape, args.iters, False, args.profile, args.top, timeout_s=600)
+            outcomes = cluster.run(rank_function, shape, args.iters, False, profiled, args.top, timeout_s=600)
         results = check_outcomes(outcomes)
     where = "emulated device, no copies: the host alone" if args.emulated else f"{results[0][0]['device']}, real copies"
     print(f"# R={shape.num_ranks} L={shape.num_layers} E={shape.experts} H={shape.hidden} I={shape.intermediate}, "
