@@ -649,42 +649,63 @@ class _TableEvent:
         return self.done
 
 
+class _TableMoves:
+    """A `DeviceMoves` on stand-ins (no GPU): torch.empty and CUDA events recorded (`allocations`, `events`), the
+    native queueing recorded (`queued`: (table, device table address)); a first block with rows -1 is refused
+    (ValueError, nothing queued), rows -2 fails after queueing the table's upload (RuntimeError, a failed launch)."""
+
+    def __init__(self, monkeypatch):
+        import contextlib
+        import types
+
+        from mooncake_ep_switch.buffer import device_region
+
+        self.allocations, self.events, self.queued = [], [], []
+
+        def empty(size, dtype=None, pin_memory=False, device=None):
+            self.allocations.append((size, "pinned" if device is None else "device"))
+            return torch.zeros(size, dtype=dtype)
+
+        def new_event():
+            self.events.append(_TableEvent())
+            return self.events[-1]
+
+        def queue_copies(blocks, dst_range, src_range, stream_handle, device_table):
+            if blocks[0, 2] == -1:
+                raise ValueError("block 0 destination has a negative rows/row_bytes/stride")
+            if blocks[0, 2] == -2:
+                raise RuntimeError("k_copy_blocks launch: too many resources requested")
+            self.queued.append((blocks.copy(), device_table))
+            return int((blocks[:, 2] * blocks[:, 3]).sum())
+
+        stream = types.SimpleNamespace(wait_stream=lambda other: None, cuda_stream=7)
+        self.cuda = types.SimpleNamespace(Event=new_event, current_stream=lambda device=None: stream,
+                                          device=lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(device_region, "torch", types.SimpleNamespace(
+            cuda=self.cuda, empty=empty, from_numpy=torch.from_numpy, int64=torch.int64))
+        monkeypatch.setattr(device_region, "device_memory", types.SimpleNamespace(queue_copies=queue_copies))
+        monkeypatch.setattr(device_region, "_NEVER_RELEASED", [])
+        self.moves = moves = device_region.DeviceMoves.__new__(device_region.DeviceMoves)
+        moves.device, moves.stream, moves.unfenced_bytes = types.SimpleNamespace(type="cuda"), stream, 0
+        moves._tables, moves._in_flight, moves._lock = [], [], threading.Lock()
+
+    def copy(self, count: int, rows: int = 1) -> int:
+        """Queue `count` blocks of `rows` rows of 16 bytes."""
+        table = np.zeros((count, 6), dtype=np.int64)
+        table[:, 0], table[:, 2], table[:, 3] = np.arange(count) * 64, rows, 16
+        return self.moves.copy(table, (0, 1 << 30), (0, 1 << 30))
+
+
 def test_block_tables_are_reused_only_once_the_device_read_them(monkeypatch):
     """The block-copy kernel's tables (pinned host memory and device memory) are kept and reused, not allocated
     per call: a table is taken again only once the event after the call that read it completed; with every
     kept table busy a call gets a one-off table, held until its event completed; a refused call leaves its table
     free; at most `MAX_TABLES` are kept, each a power of two of at least `TABLE_MIN_ROWS` blocks."""
-    import contextlib
-    import types
-
     from mooncake_ep_switch.buffer import device_region
 
-    allocations, events, queued = [], [], []
-
-    def empty(size, dtype=None, pin_memory=False, device=None):
-        allocations.append((size, "pinned" if device is None else "device"))
-        return torch.zeros(size, dtype=dtype)
-
-    def new_event():
-        events.append(_TableEvent())
-        return events[-1]
-
-    stream = types.SimpleNamespace(wait_stream=lambda other: None, cuda_stream=7)
-    cuda = types.SimpleNamespace(Event=new_event, current_stream=lambda device=None: stream,
-                                 device=lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(device_region, "torch", types.SimpleNamespace(
-        cuda=cuda, empty=empty, from_numpy=torch.from_numpy, int64=torch.int64))
-
-    def queue_copies(blocks, dst_range, src_range, stream_handle, device_table):
-        if blocks[0, 2] < 0:
-            raise ValueError("block 0 destination has a negative rows/row_bytes/stride")
-        queued.append((blocks.copy(), device_table))
-        return int((blocks[:, 2] * blocks[:, 3]).sum())
-
-    monkeypatch.setattr(device_region, "device_memory", types.SimpleNamespace(queue_copies=queue_copies))
-    moves = device_region.DeviceMoves.__new__(device_region.DeviceMoves)
-    moves.device, moves.stream, moves.unfenced_bytes = types.SimpleNamespace(type="cuda"), stream, 0
-    moves._tables, moves._in_flight, moves._lock = [], [], threading.Lock()
+    stand_in = _TableMoves(monkeypatch)
+    moves, allocations, events, queued, cuda = (stand_in.moves, stand_in.allocations, stand_in.events,
+                                                 stand_in.queued, stand_in.cuda)
 
     def blocks(count: int, rows: int = 1) -> np.ndarray:
         table = np.zeros((count, 6), dtype=np.int64)
@@ -726,6 +747,42 @@ def test_block_tables_are_reused_only_once_the_device_read_them(monkeypatch):
     before = len(allocations)
     moves.copy(blocks(8), (0, 1 << 20), (0, 1 << 20))
     assert len(allocations) == before and queued[-1][1] != moves._tables[0].on_device.data_ptr()
+
+
+def test_a_full_ring_replaces_only_a_finished_table_and_a_failed_launch_keeps_its_table(monkeypatch):
+    """With `MAX_TABLES` kept and a call larger than every free one, the smallest *finished* table makes room,
+    never a busy one; a call above `TABLE_MAX_ROWS` blocks gets a one-off table; a call that fails after its
+    table's upload was queued (a failed launch) leaves that table held for good, never reused or freed."""
+    from mooncake_ep_switch.buffer import device_region
+
+    stand_in = _TableMoves(monkeypatch)
+    moves, events = stand_in.moves, stand_in.events
+    for _ in range(device_region.MAX_TABLES):  # 8 busy tables of 64 blocks
+        stand_in.copy(8)
+    kept = list(moves._tables)
+    assert len(kept) == device_region.MAX_TABLES and len(events) == device_region.MAX_TABLES
+    finished = kept[5]
+    finished.event.done = True  # only this one's call landed
+    stand_in.copy(100)  # no free table fits 100 blocks: the finished one makes room for a kept 128-block table
+    assert finished not in moves._tables and all(table in moves._tables for table in kept if table is not finished)
+    assert sorted(table.rows for table in moves._tables) == [64] * 7 + [128]
+    assert moves._in_flight == []
+
+    before = len(moves._tables)
+    stand_in.copy(device_region.TABLE_MAX_ROWS + 1)  # a one-off, held until its event completes
+    assert len(moves._tables) == before and len(moves._in_flight) == 1
+    assert moves._in_flight[0][1].rows == 2 * device_region.TABLE_MAX_ROWS
+
+    for event in events:
+        event.done = True
+    with pytest.raises(RuntimeError, match="launch"):
+        stand_in.copy(8, rows=-2)
+    held = device_region._NEVER_RELEASED
+    assert len(held) == 1 and held[0][0] not in moves._tables and len(moves._tables) == before - 1
+    for _ in range(20):
+        stand_in.copy(8)
+        assert stand_in.queued[-1][1] != held[0][0].on_device.data_ptr()
+        moves._tables[0].event.done = True
 
 
 def rank_owner_gone(ctx, how: str) -> dict:

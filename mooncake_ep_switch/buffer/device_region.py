@@ -274,11 +274,19 @@ class DeviceMoves:
             table = self._free_table(blocks.shape[0])
             table.pinned[:blocks.size].copy_(torch.from_numpy(blocks.reshape(-1)))
             blocks = table.pinned[:blocks.size].numpy().reshape(-1, 6)
-        with torch.cuda.device(self.device):
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            queued = device_memory.queue_copies(blocks, dst_range, src_range, self.stream.cuda_stream,
-                                                0 if table is None else table.on_device.data_ptr())
-        if table is not None:  # queued (a refused call queued nothing: its table stays free)
+        try:
+            with torch.cuda.device(self.device):
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                queued = device_memory.queue_copies(blocks, dst_range, src_range, self.stream.cuda_stream,
+                                                    0 if table is None else table.on_device.data_ptr())
+        except ValueError:
+            raise  # refused before anything was queued: its table stays free
+        except BaseException:
+            if table is not None:  # the table's upload may be queued (a launch failed after it): never reused
+                _NEVER_RELEASED.append([table])
+                self._tables = [kept for kept in self._tables if kept is not table]
+            raise
+        if table is not None:  # queued
             table.event.record(self.stream)
             table.busy = True
             if not any(kept is table for kept in self._tables):
@@ -296,6 +304,8 @@ class DeviceMoves:
         if fits:
             return min(fits, key=lambda table: table.rows)
         table = _BlockTable(max(TABLE_MIN_ROWS, 1 << (rows - 1).bit_length()), self.device)
+        if table.rows > TABLE_MAX_ROWS:
+            return table  # a one-off: the kept tables never hold more than TABLE_MAX_ROWS blocks each
         if len(self._tables) >= MAX_TABLES and free:
             self._tables.remove(min(free, key=lambda old: old.rows))
         if len(self._tables) < MAX_TABLES:
@@ -320,6 +330,7 @@ class DeviceMoves:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         event = torch.cuda.Event()
         event.record(self.stream)
+        owed = self.unfenced_bytes
         started = time.monotonic()
         deadline, spin_until = started + timeout_s, started + FENCE_SPIN_S
         pause = 1e-5
@@ -334,13 +345,14 @@ class DeviceMoves:
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self.unfenced_bytes = 0
-        with self._lock:  # what another thread queued after this fence's event stays held until it landed
+        with self._lock:  # what another thread queued after this fence's event stays owed and held until it landed
+            self.unfenced_bytes -= owed
             self._in_flight = [entry for entry in self._in_flight if not entry[0].query()]
 
 
 
 _MOVES: Dict[str, DeviceMoves] = {}
+_MOVES_LOCK = threading.Lock()
 #: Seconds a wait for this rank's queued moves (or loads) may take when no call deadline applies: `unmap_peer()`,
 #: `destroy()`, the loads, a failed switch's drain.
 DRAIN_TIMEOUT_S = 30.0
@@ -348,8 +360,9 @@ DRAIN_TIMEOUT_S = 30.0
 FENCE_SPIN_S = 2e-4
 #: Below this many blocks a move is one runtime copy per block, from this many on one kernel (csrc/cuda).
 KERNEL_MIN_BLOCKS = 8
-#: Block tables a `DeviceMoves` keeps for reuse, and the fewest blocks one holds (sizes are powers of two).
-MAX_TABLES, TABLE_MIN_ROWS = 8, 64
+#: Block tables a `DeviceMoves` keeps for reuse, and the fewest and most blocks a kept one holds (sizes are powers
+#: of two; a larger call's table is a one-off).
+MAX_TABLES, TABLE_MIN_ROWS, TABLE_MAX_ROWS = 8, 64, 1 << 16
 # Device memory a wedged device might still touch: never released (destroy() after a failed drain).
 _NEVER_RELEASED: List[list] = []
 
@@ -393,7 +406,10 @@ def moves_for(device: torch.device) -> DeviceMoves:
     key = str(device)
     moves = _MOVES.get(key)
     if moves is None:
-        moves = _MOVES[key] = DeviceMoves(device)
+        with _MOVES_LOCK:  # one per device: a second one's stream would be one no fence waits for
+            moves = _MOVES.get(key)
+            if moves is None:
+                moves = _MOVES[key] = DeviceMoves(device)
     return moves
 
 
