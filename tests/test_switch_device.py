@@ -583,6 +583,46 @@ def test_gpu_block_copies_match_the_host_copy(count, aligned, max_rows, max_widt
     assert torch.equal(dst, before), "a refused call queued some of its blocks"
 
 
+@gpu
+def test_gpu_block_tables_reused_while_moves_are_queued():
+    """Moves queued behind a device sleep with no fence between them: the first `MAX_TABLES` calls fill the kept
+    tables, the next get one-off tables (every kept one busy); after a fence the kept ones are reused, while more
+    calls wait behind another sleep. Every destination byte equals the host copies' (a table rewritten while its
+    upload or kernel was still queued would have copied other blocks)."""
+    from mooncake_ep_switch import _native
+    from mooncake_ep_switch.buffer import device_region
+
+    torch.cuda.set_device(0)
+    device, nbytes, kept = torch.device("cuda", 0), 1 << 22, device_region.MAX_TABLES
+    generator = np.random.default_rng(11)
+    src_host = torch.from_numpy(generator.integers(0, 256, nbytes, dtype=np.uint8))
+    dst_host = torch.zeros(nbytes, dtype=torch.uint8)
+    src, dst = src_host.to(device), dst_host.to(device)
+    shift = np.asarray([dst.data_ptr() - dst_host.data_ptr(), src.data_ptr() - src_host.data_ptr(), 0, 0, 0, 0])
+    moves = device_region.DeviceMoves(device)
+    rounds = 3 * kept
+    span = nbytes // rounds
+    one_offs, tables = [], set()
+    for index in range(rounds):
+        if index in (0, 2 * kept):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s: the moves wait for the current stream, their tables stay busy
+        if index == 3 * kept // 2:
+            moves.fence(30.0)  # every table landed: the next calls reuse the kept ones
+        count = int(generator.integers(8, 65))  # one table size (64 blocks): reuse, never a replacement
+        host_blocks = _random_blocks(generator, count, dst_host.data_ptr() + index * span, src_host.data_ptr(), span,
+                                     True, 2, 8)
+        _native.copy_blocks(host_blocks.ctypes.data, count, dst_host.data_ptr(), dst_host.data_ptr() + nbytes,
+                            src_host.data_ptr(), src_host.data_ptr() + nbytes)
+        moves.copy(host_blocks + shift[None, :], (dst.data_ptr(), dst.data_ptr() + nbytes),
+                   (src.data_ptr(), src.data_ptr() + nbytes))
+        one_offs.append(len(moves._in_flight))
+        tables |= {id(table) for table in moves._tables}
+    assert max(one_offs[:3 * kept // 2]) == kept // 2, one_offs  # the calls past the kept tables: one-offs
+    assert len(tables) == kept, "the kept tables were not reused after the fence"
+    moves.fence(30.0)
+    assert torch.equal(dst.cpu(), dst_host)
+
+
 class _StandInEvent:
     """An event that completes at its `done_after`-th query (never for None), for `DeviceMoves.fence` on the CPU."""
 
