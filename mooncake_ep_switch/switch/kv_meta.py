@@ -54,6 +54,38 @@ def encode_meta(meta: RankMeta, config) -> np.ndarray:
     return np.concatenate([np.asarray(head + body, dtype=np.int64), bits])
 
 
+def _check_pages(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rids: List[int],
+                 num_pages: int) -> np.ndarray:
+    """Every request's page ids (`data[starts[i]:starts[i] + lengths[i]]`, request `rids[i]`) inside
+    `[0, num_pages)` and none twice in one request, all requests at once; the error names the first request
+    (in record order) that breaks either, as a check request by request would.
+
+    Returns:
+        pages: `[sum(lengths)]` np.int64, every request's page ids, requests in record order.
+    """
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    request = np.repeat(np.arange(lengths.size), lengths)                 # request index of every page entry
+    pages = data[np.arange(total) - np.repeat(np.cumsum(lengths) - lengths - starts, lengths)]
+    outside = (pages < 0) | (pages >= num_pages)
+    first_bad = int(request[np.argmax(outside)]) if outside.any() else lengths.size
+    # (request, page) as one sortable key; a page outside the range is clipped first (that request is reported
+    # for it anyway, before any repeat of a later request)
+    key = np.sort(request * (num_pages + 2) + (np.clip(pages, -1, num_pages) + 1))
+    repeated = key[1:][key[1:] == key[:-1]]
+    first_repeat = int(repeated.min()) // (num_pages + 2) if repeated.size else lengths.size
+    if first_bad == lengths.size and first_repeat == lengths.size:
+        return pages
+    at = int(starts[min(first_bad, first_repeat)])
+    mine = data[at:at + int(lengths[min(first_bad, first_repeat)])]
+    rid = rids[min(first_bad, first_repeat)]
+    if first_bad <= first_repeat:
+        raise ValueError(f"metadata: request {rid} has a page id outside [0, {num_pages}) "
+                         f"({int(mine.min())}..{int(mine.max())})")
+    raise ValueError(f"metadata: request {rid} lists a page more than once ({mine.tolist()})")
+
+
 def decode_meta(data: np.ndarray, config, num_ranks: int) -> RankMeta:
     """Inverse of `encode_meta`, validating what a peer published before any loop over it.
 
@@ -99,11 +131,13 @@ def decode_meta(data: np.ndarray, config, num_ranks: int) -> RankMeta:
         raise ValueError(f"metadata: request count {count} is negative or more than the {end - 4} words "
                          "of request records hold")
     page_size = cfg.page_size
+    words = data[:end].tolist()  # Python ints: the record walk below reads them one by one
     at, requests = 4, {}
+    starts, lengths, rids = [], [], []
     for index in range(count):  # bounded: every record takes >= 4 of the `end` words
         if at + 4 > end:
             raise ValueError(f"metadata: truncated at request {index} of {count}")
-        rid, tokens, prompt, n = (int(v) for v in data[at:at + 4])
+        rid, tokens, prompt, n = words[at:at + 4]
         if rid < 0 or rid in requests:
             raise ValueError(f"metadata: request id {rid} is negative or repeated")
         if tokens < 0 or prompt < 0:
@@ -112,18 +146,16 @@ def decode_meta(data: np.ndarray, config, num_ranks: int) -> RankMeta:
         if n < 0 or n > end - at - 4 or n > num_pages or n != cdiv(tokens, page_size):
             raise ValueError(f"metadata: request {rid} lists {n} pages; expected ceil({tokens} tokens / "
                              f"{page_size}) within the {end - at - 4} words left and <= {num_pages} pages")
-        pages = data[at + 4:at + 4 + n]
-        if n and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
-            raise ValueError(f"metadata: request {rid} has a page id outside [0, {num_pages}) "
-                             f"({int(pages.min())}..{int(pages.max())})")
-        if n > 1 and np.unique(pages).size != n:  # requests may share pages (prefixes), a request may not
-            raise ValueError(f"metadata: request {rid} lists a page more than once ({pages.tolist()})")
-        requests[rid] = KVRequest(tokens, prompt, tuple(pages.tolist()))
+        requests[rid] = KVRequest(tokens, prompt, tuple(words[at + 4:at + 4 + n]))
+        starts.append(at + 4)
+        lengths.append(n)
+        rids.append(rid)
         at += 4 + n
     if at != end:
         raise ValueError(f"metadata: {end - at} words between the last request and the free-unit bitmap")
+    used = _check_pages(data, np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64), rids,
+                        num_pages)
     free = np.unpackbits(data[end:].view(np.uint8))[:units].astype(bool)
-    used = np.asarray([p for req in requests.values() for p in req.pages], dtype=np.int64)
     if layout == EP:
         used = (used[:, None] * num_ranks + np.arange(num_ranks)).reshape(-1)
     if used.size and free[used].any():
