@@ -63,7 +63,8 @@ def _tp_case(rng, ranks=3, units=48):
     return metas, KVCacheConfig(1, ranks, 8, 4, units)
 
 
-@pytest.mark.parametrize("how", ["layout", "other-requests", "other-tokens", "fewer-pages", "sharing", "capacity"])
+@pytest.mark.parametrize("how", ["layout", "other-requests", "other-tokens", "fewer-pages", "sharing", "capacity",
+                                 "sharing-then-layout"])
 def test_refusals_match_the_reference(how):
     """Each way the ranks' states can disagree, or not fit, is refused with the reference's reason."""
     rng = np.random.default_rng(7)
@@ -81,7 +82,9 @@ def test_refusals_match_the_reference(how):
         one[rid] = KVRequest(req.num_tokens, req.prompt_len + 1, req.pages)
     elif how == "fewer-pages":
         one[rid] = KVRequest(req.num_tokens, req.prompt_len, req.pages[:-1])
-    elif how == "sharing":  # two requests' first pages: made one page on rank 1 only
+    elif how in ("sharing", "sharing-then-layout"):  # two requests' first pages: one page on rank 1 only
+        if how == "sharing-then-layout":  # and rank 2 in another layout: rank 1's fault is named, as rank by rank
+            metas[2] = RankMeta(EP, metas[2].requests, metas[2].free)
         first, second = sorted(one)[:2]
         one[second] = KVRequest(one[second].num_tokens, one[second].prompt_len,
                                 (one[first].pages[0],) + one[second].pages[1:])

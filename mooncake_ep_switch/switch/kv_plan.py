@@ -3,6 +3,7 @@
 Computed identically on every rank from every rank's published `RankMeta`; see switch/kv_cache.py
 for the memory model (units, EP pages of P aligned units, TP pages of one unit).
 """
+import itertools
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -69,27 +70,38 @@ class Planner(NamedTuple):
     def _refuse(self, target: str, reason: str) -> KVPlan:
         return KVPlan(self.layout, target, np.zeros((0, 5), dtype=np.int64), {}, reason, {}, None, None)
 
-    def _fill(self, req: KVRequest, index: int) -> int:
-        return min(self.config.page_size, req.num_tokens - index * self.config.page_size)
+    def _entries(self, requests: Dict[int, KVRequest], rids: Sequence[int]) -> "_Entries":
+        """The page entries of `requests[rid]` for `rid` in `rids`, requests one after another (`_Entries`)."""
+        reqs = [requests[rid] for rid in rids]
+        lengths = np.fromiter((len(req.pages) for req in reqs), dtype=np.int64, count=len(reqs))
+        total = int(lengths.sum())
+        pages = np.fromiter(itertools.chain.from_iterable(req.pages for req in reqs), dtype=np.int64, count=total)
+        tokens = np.fromiter((req.num_tokens for req in reqs), dtype=np.int64, count=len(reqs))
+        offsets = np.cumsum(lengths) - lengths
+        index = np.arange(total, dtype=np.int64) - np.repeat(offsets, lengths)  # page index inside its request
+        fills = np.minimum(self.config.page_size, np.repeat(tokens, lengths) - index * self.config.page_size)
+        return _Entries(list(rids), lengths, offsets, pages, fills, np.repeat(np.arange(len(reqs)), lengths))
 
     def _plan_ep_to_tp(self, metas: Sequence[RankMeta]) -> KVPlan:
         ranks = self.num_ranks
         owner: Dict[int, int] = {}
+        entries_of: List[_Entries] = []
         pages_of: List[np.ndarray] = []  # per owner: its distinct EP pages, ascending
-        fills_of: List[np.ndarray] = []  # filled tokens of each of those pages
+        fills_of: List[np.ndarray] = []  # filled tokens of each of those pages (the fullest use of it)
         for o, meta in enumerate(metas):
             if meta.layout != EP:
                 return self._refuse(TP, f"rank {o} is in layout {meta.layout!r}, expected 'ep'")
-            fills: Dict[int, int] = {}
-            for rid, req in meta.requests.items():
+            for rid in meta.requests:
                 if rid in owner:
                     return self._refuse(TP, f"request {rid} is on ranks {owner[rid]} and {o}")
                 owner[rid] = o
-                for index, page in enumerate(req.pages):
-                    fills[page] = max(fills.get(page, 0), self._fill(req, index))
-            pages = np.array(sorted(fills), dtype=np.int64)
+            entries = self._entries(meta.requests, list(meta.requests))
+            pages, inverse = np.unique(entries.pages, return_inverse=True)
+            fills = np.zeros(pages.size, dtype=np.int64)
+            np.maximum.at(fills, inverse.reshape(-1), entries.fills)
+            entries_of.append(entries)
             pages_of.append(pages)
-            fills_of.append(np.array([fills[p] for p in pages.tolist()], dtype=np.int64))
+            fills_of.append(fills)
         # Rank g receives head group g of every page of every other owner, owners ascending, into
         # its free units in allocation order (partially used groups first).
         units_for: Dict[Tuple[int, int], np.ndarray] = {}
@@ -122,117 +134,201 @@ class Planner(NamedTuple):
                 free_after[own * ranks + other] = True
         new_requests = {}
         for o, meta in enumerate(metas):
-            if o == mine:
-                mapping = {int(p): int(p) * ranks + mine for p in own.tolist()}
-            else:
-                mapping = dict(zip(pages_of[o].tolist(), units_for[(mine, o)].tolist()))
-            for rid, req in meta.requests.items():
-                new_requests[rid] = KVRequest(req.num_tokens, req.prompt_len, tuple(mapping[p] for p in req.pages))
+            entries = entries_of[o]
+            if o == mine:  # my pages keep my head group in place
+                units = entries.pages * ranks + mine
+            else:  # the units my head group of owner o's pages went to
+                units = units_for[(mine, o)][np.searchsorted(pages_of[o], entries.pages)]
+            new_requests.update(entries.tables(meta.requests, units))
         all_moves = np.concatenate(moves) if moves else np.zeros((0, 5), dtype=np.int64)
         return KVPlan(EP, TP, all_moves.astype(np.int64).reshape(-1, 5), owner, "", new_requests, free_after,
                       reserved)
 
-    def _plan_tp_to_ep(self, metas: Sequence[RankMeta]) -> KVPlan:
-        ranks = self.num_ranks
+    def _tp_states_differ(self, metas: Sequence[RankMeta], rids: List[int], first: np.ndarray,
+                          inverse: np.ndarray, pages_of: List[np.ndarray]) -> str:
+        """Why the ranks' TP states are not one state up to each rank's own unit ids, or "" when they are; rank by
+        rank: its layout, its requests and their lengths, then whether rank 0's page ids map one-to-one onto its
+        own (the same sharing). Fills `pages_of[g]` with rank g's page entries in rank 0's entry order.
+
+        Arguments:
+            rids: rank 0's requests, ascending; `first`, `inverse`: np.unique's of rank 0's page entries in that
+                order (`pages_of[0]`).
+        """
         base = metas[0]
         for g, meta in enumerate(metas):
             if meta.layout != TP:
-                return self._refuse(EP, f"rank {g} is in layout {meta.layout!r}, expected 'tp'")
+                return f"rank {g} is in layout {meta.layout!r}, expected 'tp'"
             if set(meta.requests) != set(base.requests):
-                return self._refuse(EP, f"TP state differs: rank {g} holds other requests than rank 0")
+                return f"TP state differs: rank {g} holds other requests than rank 0"
             for rid, req in meta.requests.items():
                 ref = base.requests[rid]
                 if (req.num_tokens, req.prompt_len, len(req.pages)) != (ref.num_tokens, ref.prompt_len,
                                                                          len(ref.pages)):
-                    return self._refuse(EP, f"TP state differs: request {rid} on rank {g} vs rank 0")
-            # Sharing must be the same everywhere: rank 0's page ids map one-to-one onto rank g's.
-            forward: Dict[int, int] = {}
-            backward: Dict[int, int] = {}
-            for rid, req in meta.requests.items():
-                for page0, page in zip(base.requests[rid].pages, req.pages):
-                    if forward.setdefault(page0, page) != page or backward.setdefault(page, page0) != page0:
-                        return self._refuse(EP, f"TP state differs: request {rid} shares pages differently on "
-                                                f"rank {g} than on rank 0")
-        # Families: requests sharing a page (rank 0's page ids; every rank has the same structure).
+                    return f"TP state differs: request {rid} on rank {g} vs rank 0"
+            if g == 0:
+                continue
+            pages = pages_of[g] = _pages(meta.requests, rids, pages_of[0].size)
+            # a function of rank 0's page (each entry pairs as the page's first entry does), and one-to-one
+            if np.array_equal(pages, pages[first[inverse]]) and _distinct(pages[first]):
+                continue
+            # Named as a check in rank g's request order would: the first entry that pairs otherwise than an
+            # earlier entry, either way.
+            order = list(meta.requests)
+            mine, theirs = self._entries(meta.requests, order), self._entries(base.requests, order)
+            differs = np.zeros(mine.pages.size, dtype=bool)
+            for key, value in ((theirs.pages, mine.pages), (mine.pages, theirs.pages)):
+                _, at, back = np.unique(key, return_index=True, return_inverse=True)
+                differs |= value != value[at[back.reshape(-1)]]
+            rid = order[int(mine.request[np.argmax(differs)])]
+            return f"TP state differs: request {rid} shares pages differently on rank {g} than on rank 0"
+        return ""
+
+    def _plan_tp_to_ep(self, metas: Sequence[RankMeta]) -> KVPlan:
+        ranks = self.num_ranks
+        base = metas[0]
+        # Entries of rank 0's requests, ascending request ids; a page's first entry names it.
         rids = sorted(base.requests)
-        parent = {rid: rid for rid in rids}
+        entries = self._entries(base.requests, rids)
+        distinct, first, inverse = np.unique(entries.pages, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        pages_of = [entries.pages] * ranks
+        differs = self._tp_states_differ(metas, rids, first, inverse, pages_of)
+        if differs:
+            return self._refuse(EP, differs)
+        # Families: requests sharing a page. Each later entry of a page joins its request to the page's first user.
+        parent = list(range(len(rids)))
 
-        def find(rid: int) -> int:
-            while parent[rid] != rid:
-                parent[rid] = parent[parent[rid]]
-                rid = parent[rid]
-            return rid
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
 
-        first_user: Dict[int, int] = {}
-        for rid in rids:
-            for page in base.requests[rid].pages:
-                if page in first_user:
-                    a, b = find(rid), find(first_user[page])
-                    parent[max(a, b)] = min(a, b)
-                else:
-                    first_user[page] = rid
-        families: Dict[int, List[int]] = {}
-        for rid in rids:
-            families.setdefault(find(rid), []).append(rid)
-        # Distinct pages of a family, each named by its first (request, index), with its fill.
-        family_pages: Dict[int, List[Tuple[int, int, int]]] = {}
-        for root, members in families.items():
-            seen: Dict[int, int] = {}
-            entries: List[Tuple[int, int, int]] = []
-            for rid in members:
-                req = base.requests[rid]
-                for index, page in enumerate(req.pages):
-                    fill = self._fill(req, index)
-                    if page in seen:
-                        pos = seen[page]
-                        r0, i0, f0 = entries[pos]
-                        entries[pos] = (r0, i0, max(f0, fill))
-                    else:
-                        seen[page] = len(entries)
-                        entries.append((rid, index, fill))
-            family_pages[root] = entries
+        later = np.flatnonzero(np.arange(entries.pages.size) != first[inverse])
+        for a, b in zip(entries.request[later].tolist(), entries.request[first[inverse[later]]].tolist()):
+            a, b = find(a), find(b)
+            parent[max(a, b)] = min(a, b)
+        root = np.fromiter((find(i) for i in range(len(rids))), dtype=np.int64, count=len(rids))
+        # Distinct pages in the order a scan of ascending requests meets them, each with its family (the index
+        # of its lowest request) and its fullest fill; a family's pages keep that order.
+        fill = np.zeros(distinct.size, dtype=np.int64)
+        np.maximum.at(fill, inverse, entries.fills)
+        scan = np.argsort(first, kind="stable")                  # distinct pages, in scan order
+        family_of = root[entries.request[first[scan]]]          # family of each, in scan order
+        by_family = scan[np.argsort(family_of, kind="stable")]   # grouped by family, scan order inside
+        roots, starts, sizes = np.unique(root[entries.request[first[by_family]]], return_index=True,
+                                         return_counts=True)
+        members: Dict[int, List[int]] = {}
+        for i, r in enumerate(root.tolist()):
+            members.setdefault(r, []).append(rids[i])
         # Longest first to the least-loaded rank with room (ties: lowest rank).
         room = [int(meta.free.reshape(-1, ranks).all(axis=1).sum()) for meta in metas]
         load = [0] * ranks
-        owner_of_family: Dict[int, int] = {}
-        for root in sorted(families, key=lambda f: (-len(family_pages[f]), f)):
-            size = len(family_pages[root])
+        owner_of = np.zeros(len(rids), dtype=np.int64)   # by family root (a request index)
+        order = sorted(range(roots.size), key=lambda f: (-int(sizes[f]), rids[int(roots[f])]))
+        for f in order:
+            size = int(sizes[f])
             fits = [r for r in range(ranks) if load[r] + size <= room[r]]
             if not fits:
                 return self._refuse(EP, f"KV capacity: no rank has {size} free EP pages for the requests "
-                                        f"{families[root]} (free EP pages per rank {room}, assigned {load})")
+                                        f"{members[int(roots[f])]} (free EP pages per rank {room}, assigned "
+                                        f"{load})")
             chosen = min(fits, key=lambda r: (load[r], r))
-            owner_of_family[root] = chosen
+            owner_of[roots[f]] = chosen
             load[chosen] += size
         # Destination pages on each owner, and the moves: head group g of every page from rank g.
         groups = [group_order(meta.free, ranks) for meta in metas]  # free EP pages, in allocation order
         cursor = [0] * ranks
-        new_page: Dict[Tuple[int, int], int] = {}  # (rid, index) of a family page -> EP page on its owner
-        moves = []
-        for root in sorted(families, key=lambda f: (-len(family_pages[f]), f)):
-            o = owner_of_family[root]
-            for rid, index, fill in family_pages[root]:
-                page = int(groups[o][cursor[o]])
-                cursor[o] += 1
-                new_page[(rid, index)] = page
-                for g in range(ranks):
-                    moves.append((g, metas[g].requests[rid].pages[index], o, page * ranks + g, fill))
+        placed = [by_family[starts[f]:starts[f] + sizes[f]] for f in order]   # distinct pages, family by family
+        new_page = np.zeros(distinct.size, dtype=np.int64)
+        owner_page = np.zeros(distinct.size, dtype=np.int64)
+        for f, pages in zip(order, placed):
+            o = int(owner_of[roots[f]])
+            new_page[pages] = groups[o][cursor[o]:cursor[o] + pages.size]
+            owner_page[pages] = o
+            cursor[o] += pages.size
+        ordered = np.concatenate(placed) if placed else np.zeros(0, dtype=np.int64)
+        at = first[ordered]                                        # each page's first entry
+        group = np.arange(ranks, dtype=np.int64)
+        moves = np.empty((ordered.size, ranks, 5), dtype=np.int64)  # page by page, head group g from rank g
+        moves[:, :, 0] = group
+        for g in range(ranks):
+            moves[:, g, 1] = pages_of[g][at]
+        moves[:, :, 2] = owner_page[ordered][:, None]
+        moves[:, :, 3] = new_page[ordered][:, None] * ranks + group
+        moves[:, :, 4] = fill[ordered][:, None]
         mine = self.rank
-        owner = {rid: owner_of_family[find(rid)] for rid in rids}
-        new_requests = {}
-        for root, members in families.items():
-            if owner_of_family[root] != mine:
-                continue
-            name_of: Dict[int, Tuple[int, int]] = {}
-            for rid, index, _ in family_pages[root]:
-                name_of[base.requests[rid].pages[index]] = (rid, index)
-            for rid in members:
-                req = base.requests[rid]
-                pages = tuple(new_page[name_of[page]] for page in req.pages)
-                new_requests[rid] = KVRequest(req.num_tokens, req.prompt_len, pages)
+        owner = {rid: int(owner_of[root[i]]) for i, rid in enumerate(rids)}
+        ours = [i for i in range(len(rids)) if owner_of[root[i]] == mine]
+        mine_entries = entries.select(ours)
+        new_requests = mine_entries.tables(base.requests, new_page[inverse[mine_entries.positions]])
         reserved = np.zeros(self.config.num_units, dtype=bool)
-        for page in groups[mine][:cursor[mine]].tolist():
-            reserved[page * ranks:(page + 1) * ranks] = True
+        taken = groups[mine][:cursor[mine]]
+        reserved[(taken[:, None] * ranks + group).reshape(-1)] = True
         free_after = ~reserved  # every old TP unit of mine leaves, the new EP pages stay
-        return KVPlan(TP, EP, np.asarray(moves, dtype=np.int64).reshape(-1, 5), owner, "", new_requests,
-                      free_after, reserved)
+        return KVPlan(TP, EP, moves.reshape(-1, 5), owner, "", new_requests, free_after, reserved)
+
+
+class _Entries(NamedTuple):
+    """Page entries of some requests, one request after another.
+
+    Fields:
+        rids: the requests, in entry order.
+        lengths: `[n]` np.int64 pages of each.
+        offsets: `[n]` np.int64 index of each request's first entry.
+        pages: `[E]` np.int64 page ids.
+        fills: `[E]` np.int64 tokens filled in each page.
+        request: `[E]` np.int64 index (into `rids`) of each entry's request.
+    """
+
+    rids: List[int]
+    lengths: np.ndarray
+    offsets: np.ndarray
+    pages: np.ndarray
+    fills: np.ndarray
+    request: np.ndarray
+
+    def select(self, which: List[int]) -> "_SelectedEntries":
+        """The entries of requests `which` (indices into `rids`), in that order, with their positions here."""
+        lengths = self.lengths[which] if which else np.zeros(0, dtype=np.int64)
+        positions = np.concatenate([np.arange(self.offsets[i], self.offsets[i] + self.lengths[i]) for i in which]) \
+            if which else np.zeros(0, dtype=np.int64)
+        return _SelectedEntries([self.rids[i] for i in which], lengths, positions)
+
+    def tables(self, requests: Dict[int, KVRequest], values: np.ndarray) -> Dict[int, KVRequest]:
+        """`requests[rid]` with its pages replaced by `values` (one per entry), for every request here."""
+        return _tables(self.rids, self.lengths, requests, values)
+
+
+class _SelectedEntries(NamedTuple):
+    """Some requests of an `_Entries`: their rids, page counts and their entries' positions there."""
+
+    rids: List[int]
+    lengths: np.ndarray
+    positions: np.ndarray
+
+    def tables(self, requests: Dict[int, KVRequest], values: np.ndarray) -> Dict[int, KVRequest]:
+        return _tables(self.rids, self.lengths, requests, values)
+
+
+def _distinct(values: np.ndarray) -> bool:
+    """Whether no value of `values` repeats (a sort: numpy's hashing unique is slower at these sizes)."""
+    ordered = np.sort(values)
+    return not bool((ordered[1:] == ordered[:-1]).any())
+
+
+def _pages(requests: Dict[int, KVRequest], rids: Sequence[int], total: int) -> np.ndarray:
+    """`[total]` np.int64: the pages of `requests[rid]` for `rid` in `rids`, one request after another."""
+    return np.fromiter(itertools.chain.from_iterable(requests[rid].pages for rid in rids), dtype=np.int64,
+                       count=total)
+
+
+def _tables(rids: List[int], lengths: np.ndarray, requests: Dict[int, KVRequest],
+            values: np.ndarray) -> Dict[int, KVRequest]:
+    """rid -> `requests[rid]` with its pages replaced by the next `lengths[i]` of `values`, rids in order."""
+    flat, out, at = values.tolist(), {}, 0
+    for rid, n in zip(rids, lengths.tolist()):
+        req = requests[rid]
+        out[rid] = KVRequest(req.num_tokens, req.prompt_len, tuple(flat[at:at + n]))
+        at += n
+    return out
