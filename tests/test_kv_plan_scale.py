@@ -167,3 +167,20 @@ def test_serving_scale_plans_match_the_reference(layout, target):
     for rank in (0, ranks - 1):
         _same_plan(Planner(config, ranks, rank, layout).plan(metas, target),
                    ReferencePlanner(config, ranks, rank, layout).plan(metas, target))
+
+
+def test_the_plan_benchmark_script_runs():
+    """scripts/kv_plan_bench.py at a small shape: a row for decoding and for each plan, both ways checked equal."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "scripts/kv_plan_bench.py", "--ranks", "2", "3", "--requests", "12",
+                          "--tokens", "70", "--repeat", "1"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    found = re.findall(r"KVPLAN (decode|plan tp->ep|plan ep->tp).* R=(\d) .*ours [\d.]+ ms reference [\d.]+ ms",
+                       run.stdout)
+    assert sorted(found) == sorted((what, r) for what in ("decode", "plan tp->ep", "plan ep->tp") for r in "23"), \
+        run.stdout

@@ -1,0 +1,77 @@
+"""The KV switch's host work at serving scale: decoding the ranks' metadata and planning, against the reference.
+
+Every rank of a switch decodes every rank's published page tables (`kv_meta.decode_meta`) and computes the same
+plan (`kv_plan.Planner`) before anything moves, so at serving scale this is part of every switch's prepare phase.
+This times both on synthetic states (`tests.kv_workloads.serving_metas`: `--requests` requests of `--tokens`
+tokens, no sharing) against the one-page-at-a-time reference they replaced (tests/kv_plan_reference.py) in the
+same run, best of `--repeat`, and checks that both give the same plan.
+
+Prints `KVPLAN <what> R=<r> ...: ours <ms> reference <ms> (<x> faster)` per row.
+
+Usage: python3 scripts/kv_plan_bench.py [--ranks R ...] [--requests N] [--tokens T] [--repeat K]
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def best_ms(function, repeat: int) -> float:
+    """The fastest of `repeat` calls of `function`, in milliseconds."""
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+def rows(ranks: int, requests: int, tokens: int, repeat: int):
+    """(what, ours ms, reference ms) for the decoding of every rank's metadata and both plans at one shape."""
+    from mooncake_ep_switch.layouts import EP, TP
+    from mooncake_ep_switch.switch.kv_cache import KVCacheConfig
+    from mooncake_ep_switch.switch.kv_meta import decode_meta, encode_meta
+    from mooncake_ep_switch.switch.kv_plan import Planner
+    from tests.kv_plan_reference import ReferencePlanner, reference_decode_meta
+    from tests.kv_workloads import serving_metas
+
+    out = []
+    for source, target in ((TP, EP), (EP, TP)):
+        metas, units = serving_metas(source, ranks, requests, tokens)
+        config = KVCacheConfig(1, ranks, 8, 16, units)
+        blobs = [encode_meta(meta, config) for meta in metas]
+        if source == TP:  # every rank reads every rank's tables (the TP ones are the larger)
+            out.append(("decode every rank's metadata",
+                        best_ms(lambda: [decode_meta(blob, config, ranks) for blob in blobs], repeat),
+                        best_ms(lambda: [reference_decode_meta(blob, config, ranks) for blob in blobs], repeat)))
+        ours, reference = Planner(config, ranks, 0, source), ReferencePlanner(config, ranks, 0, source)
+        got, want = ours.plan(metas, target), reference.plan(metas, target)
+        assert not got.refused and np.array_equal(got.moves, want.moves) and got.owner == want.owner
+        assert got.new_requests == want.new_requests
+        out.append((f"plan {source}->{target} ({got.moves.shape[0]} moves)",
+                    best_ms(lambda: ours.plan(metas, target), repeat),
+                    best_ms(lambda: reference.plan(metas, target), repeat)))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--requests", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    for ranks in args.ranks:
+        pages = args.requests * -(-args.tokens // 16)
+        for what, ours, reference in rows(ranks, args.requests, args.tokens, args.repeat):
+            print(f"KVPLAN {what} R={ranks} {args.requests} requests x {args.tokens} tokens ({pages} pages of 16): "
+                  f"ours {ours:.1f} ms reference {reference:.1f} ms ({reference / ours:.1f}x faster)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
