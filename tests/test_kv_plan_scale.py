@@ -184,3 +184,19 @@ def test_the_plan_benchmark_script_runs():
                        run.stdout)
     assert sorted(found) == sorted((what, r) for what in ("decode", "plan tp->ep", "plan ep->tp") for r in "23"), \
         run.stdout
+
+
+@pytest.mark.parametrize("sending", [True, False])
+def test_moves_by_peer_splits_as_one_filter_per_peer(sending):
+    """`kv_plan.moves_by_peer`: for every peer, exactly the rows a filter on (rank, peer) selects, in plan order."""
+    from mooncake_ep_switch.switch.kv_plan import moves_by_peer
+
+    rng = np.random.default_rng(5)
+    moves = rng.integers(0, 4, size=(500, 5)).astype(np.int64)
+    moves[:, 1] = np.arange(500)  # tells the rows apart
+    for rank in range(4):
+        parts = moves_by_peer(moves, rank, sending, 4)
+        for peer in range(4):
+            src, dst = (rank, peer) if sending else (peer, rank)
+            assert np.array_equal(parts[peer], moves[(moves[:, 0] == src) & (moves[:, 2] == dst)])
+    assert [part.shape for part in moves_by_peer(np.zeros((0, 5), dtype=np.int64), 0, sending, 3)] == [(0, 5)] * 3

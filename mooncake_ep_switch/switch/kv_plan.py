@@ -38,6 +38,25 @@ class KVPlan(NamedTuple):
     reserved: Optional[np.ndarray]
 
 
+def moves_by_peer(moves: np.ndarray, rank: int, sending: bool, num_ranks: int) -> List[np.ndarray]:
+    """The moves `rank` sends (its source rank is `rank`) or receives, split by the other rank, in one pass.
+
+    Arguments:
+        moves: a plan's `[M, 5]` np.int64 moves (src_rank, src_unit, dst_rank, dst_unit, filled_tokens).
+        rank: the rank.
+        sending: True for the moves from `rank` (split by destination), False for those to it (by source).
+        num_ranks: `P`.
+
+    Returns:
+        parts: `P` arrays `[M_r, 5]` np.int64, part r the moves between `rank` and r, in `moves`' order.
+    """
+    mine, other = (0, 2) if sending else (2, 0)
+    rows = moves[moves[:, mine] == rank]
+    rows = rows[np.argsort(rows[:, other], kind="stable")]
+    bounds = np.searchsorted(rows[:, other], np.arange(num_ranks + 1))
+    return [rows[bounds[r]:bounds[r + 1]] for r in range(num_ranks)]
+
+
 class Planner(NamedTuple):
     """Plans for one rank of a cache (`PagedKVCache.plan` builds one per call).
 

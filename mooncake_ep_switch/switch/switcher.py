@@ -62,7 +62,7 @@ from mooncake_ep_switch.buffer.peer_words import wait_peer_words
 from mooncake_ep_switch.errors import MembershipError, SwitchError, SwitchFenced  # noqa: F401 (re-exported)
 from mooncake_ep_switch.switch import reshard
 from mooncake_ep_switch.switch.kv_cache import PagedKVCache
-from mooncake_ep_switch.switch.kv_plan import KVPlan
+from mooncake_ep_switch.switch.kv_plan import KVPlan, moves_by_peer
 from mooncake_ep_switch.switch.group_wait import abandoned_reason, gather_objects, wait_work
 from mooncake_ep_switch.switch.switch_group import switch_group
 from mooncake_ep_switch.switch.unified_weights import EP, INVALID, LAYOUTS, TP, UnifiedWeights
@@ -544,12 +544,13 @@ def _kv_one_sided(kv: PagedKVCache, plan: KVPlan, control: _Control, hook: StepH
     control.check_fence()
     me, ranks = kv.rank, kv.num_ranks
     moves = plan.moves
+    sends = moves_by_peer(moves, me, True, ranks)
     remote = local = 0
     for step in range(ranks):
         dest = (me + step) % ranks
         if dest in control.dead:
             continue
-        mine = moves[(moves[:, 0] == me) & (moves[:, 2] == dest)]
+        mine = sends[dest]
         blocks = kv.move_blocks(mine, kv.pool_base(me), kv.pool_base(dest))
         moved = reshard.copy(blocks, kv.region_range(dest), kv.region_range(me), control.unified.device)
         if dest == me:
@@ -561,8 +562,9 @@ def _kv_one_sided(kv: PagedKVCache, plan: KVPlan, control: _Control, hook: StepH
     control.wait(_PROGRESS, kv_sent, 1)
     control.check_fence()
     # Moves from dead ranks: their source units are never written during a switch; pull them.
+    receives = moves_by_peer(moves, me, False, ranks) if control.dead else []
     for peer in sorted(control.dead):
-        theirs = moves[(moves[:, 0] == peer) & (moves[:, 2] == me)]
+        theirs = receives[peer]
         blocks = kv.move_blocks(theirs, kv.pool_base(peer), kv.pool_base(me))
         remote += reshard.copy(blocks, kv.region_range(me), kv.region_range(peer), control.unified.device)
     return remote, local, (time.perf_counter() - started) * 1e3
@@ -659,9 +661,9 @@ def _kv_collective(kv: PagedKVCache, plan: KVPlan, wait: Callable[[object], None
     pool = kv.pool_base(me)
     region = kv.region_range(me)
     send_parts, send_sizes, recv_sizes, recv_moves = [], [], [], []
+    sends, receives = moves_by_peer(moves, me, True, ranks), moves_by_peer(moves, me, False, ranks)
     for dest in range(ranks):
-        out = moves[(moves[:, 0] == me) & (moves[:, 2] == dest)]
-        inc = moves[(moves[:, 0] == dest) & (moves[:, 2] == me)]
+        out, inc = sends[dest], receives[dest]
         send_parts.append(out)
         recv_moves.append(inc)
         send_sizes.append(kv.packed_blocks(out, pool, 0, True)[1])
