@@ -32,6 +32,8 @@ A plan never writes into a unit that is in use: sources stay intact until every 
 (copy, then free). That makes the capacity check conservative (targets must fit next to the
 sources), and it is what lets survivors of a failure finish a move from a dead rank's memory.
 """
+import itertools
+from collections import Counter
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -519,11 +521,7 @@ class PagedKVCache:
         """
         self.layout = plan.target
         self.requests = dict(plan.new_requests)
-        refcount: Dict[int, int] = {}
-        for req in self.requests.values():
-            for page in req.pages:
-                refcount[page] = refcount.get(page, 0) + 1
-        self.refcount = refcount
+        self.refcount = dict(Counter(itertools.chain.from_iterable(req.pages for req in self.requests.values())))
         self.free = plan.new_free.copy()
 
     def memory_bytes(self) -> int:
