@@ -14,8 +14,8 @@ print each phase's median per rank; `--profile` adds rank 0's profile of the wei
 
 Prints `SWITCH <way> rank <r>: prepare <ms> weights <ms> kv <ms> commit <ms> total <ms>` per way and rank.
 
-Usage: python3 scripts/switch_host_profile.py [--emulated] [--iters N] [--ranks R] [--full] [--profile]
-                                             [--functions F1,F2] [--top K]
+Usage: python3 scripts/switch_host_profile.py [--emulated] [--iters N] [--ranks R] [--full] [--requests N]
+                                             [--tokens T] [--profile] [--functions F1,F2] [--top K]
 """
 import argparse
 import cProfile
@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--full", action="store_true", help="bench --device cuda's full shape (default: quick)")
+    parser.add_argument("--requests", type=int, default=0, help="KV requests per rank (0: the shape's)")
+    parser.add_argument("--tokens", type=int, default=0, help="tokens of a typical KV request (0: the shape's)")
     parser.add_argument("--profile", action="store_true", help="rank 0's profile of the weight and KV phases")
     parser.add_argument("--functions", default="_weights_one_sided,_kv_one_sided",
                         help="with --profile: the functions of switch.switcher profiled (switch_layout: all of it)")
@@ -99,6 +101,7 @@ def main(argv=None) -> int:
         shape = SwitchBenchShape(args.ranks, 4, 32, 4096, 2048, 4, 8, 128, 16, 8, 512)
     else:
         shape = SwitchBenchShape(args.ranks, 2, 16, 2048, 1024, 2, 8, 128, 16, 4, 256)
+    shape = shape._replace(requests=args.requests or shape.requests, tokens=args.tokens or shape.tokens)
     with LocalCluster(args.ranks) as cluster:
         if args.emulated:
             outcomes = cluster.run(run_emulated, "scripts.switch_host_profile", "rank_switch_host", shape, args.iters,
