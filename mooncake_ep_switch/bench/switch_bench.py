@@ -88,8 +88,9 @@ def populate_kv(kv, ctx, shape: SwitchBenchShape) -> None:
     for index in range(shape.requests):
         rid = ctx.rank * 10_000 + index
         tokens = int(shape.tokens * (0.5 + (index % 5) / 4)) + 3
-        if index % 4 == 3:
-            kv.fork(rid - 1, rid, (kv.requests[rid - 1].num_tokens // shape.page_size // 2) * shape.page_size, tokens)
+        if index % 4 == 3:  # shares half its parent's full pages, never more than its own length
+            shared = min(kv.requests[rid - 1].num_tokens // shape.page_size // 2, (tokens - 1) // shape.page_size)
+            kv.fork(rid - 1, rid, shared * shape.page_size, tokens)
         else:
             kv.add_request(rid, tokens)
         start = kv.reserve(rid, tokens - kv.requests[rid].num_tokens)
