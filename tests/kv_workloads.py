@@ -20,10 +20,10 @@ def _requests(rng: np.random.Generator, count: int, first_rid: int, page_size: i
     slot = 0
     rids = [first_rid + i for i in range(count)]
     for rid in rids:
-        tokens = int(rng.integers(1, max_tokens + 1))
+        tokens = 0 if rng.random() < 0.1 else int(rng.integers(1, max_tokens + 1))  # some admitted, not started
         pages = cdiv(tokens, page_size)
         parents = [r for r in records if records[r][0] >= page_size]
-        if parents and rng.random() < share:
+        if parents and pages and rng.random() < share:
             parent = parents[int(rng.integers(len(parents)))]
             shared = int(rng.integers(1, records[parent][0] // page_size + 1))  # full pages of the parent
             shared = min(shared, pages)

@@ -235,8 +235,10 @@ class Planner(NamedTuple):
         scan = np.argsort(first, kind="stable")                  # distinct pages, in scan order
         family_of = root[entries.request[first[scan]]]          # family of each, in scan order
         by_family = scan[np.argsort(family_of, kind="stable")]   # grouped by family, scan order inside
-        roots, starts, sizes = np.unique(root[entries.request[first[by_family]]], return_index=True,
-                                         return_counts=True)
+        page_family = root[entries.request[first[by_family]]]
+        roots = np.unique(root)                                  # every family (one of requests without pages too)
+        starts = np.searchsorted(page_family, roots)
+        sizes = np.searchsorted(page_family, roots, side="right") - starts
         members: Dict[int, List[int]] = {}
         for i, r in enumerate(root.tolist()):
             members.setdefault(r, []).append(rids[i])
