@@ -21,7 +21,7 @@ def _same_plan(got, want) -> None:
     assert got.moves.dtype == np.int64 and got.moves.shape == want.moves.shape
     assert np.array_equal(got.moves, want.moves)
     assert got.owner == want.owner
-    assert got.new_requests == want.new_requests
+    assert got.new_requests == want.new_requests and list(got.new_requests) == list(want.new_requests)
     for name in ("new_free", "reserved"):
         a, b = getattr(got, name), getattr(want, name)
         assert (a is None) == (b is None), name
@@ -125,11 +125,12 @@ def test_decoded_metadata_matches_the_reference(layout, seed):
 
 
 def _corruptions(data: np.ndarray, rng: np.random.Generator):
-    """Damaged copies of an encoded state: one word set to a random, extreme or shifted value, or cut short."""
-    for _ in range(60):
+    """Damaged copies of an encoded state: one to three words set to a random, extreme or shifted value, or cut
+    short (several faults: the one a record-by-record walk meets first must be named)."""
+    for _ in range(150):
         bad = data.copy()
-        at = int(rng.integers(0, data.size))
-        bad[at] = int(rng.choice([-1, 0, 1, 2, 3, 1 << 40, int(bad[at]) + 1, int(bad[at]) - 1, 7]))
+        for at in rng.integers(0, data.size, size=int(rng.integers(1, 4))).tolist():
+            bad[at] = int(rng.choice([-1, 0, 1, 2, 3, 1 << 40, int(bad[at]) + 1, int(bad[at]) - 1, 7, 99]))
         yield bad
     for cut in (1, 3, data.size // 2):
         yield data[:-cut]
@@ -137,7 +138,8 @@ def _corruptions(data: np.ndarray, rng: np.random.Generator):
 
 @pytest.mark.parametrize("layout", [EP, TP])
 def test_corrupt_metadata_is_refused_exactly_when_the_reference_refuses_it(layout):
-    """Every damaged state: both refuse it (ValueError "metadata: ...") or both decode it to the same state."""
+    """Every damaged state: both refuse it with the same ValueError ("metadata: ..."), or both decode it to the same
+    state."""
     rng = np.random.default_rng(11 if layout == EP else 12)
     ranks, units = 2, 32
     config = KVCacheConfig(1, ranks, 8, 4, units)
@@ -148,14 +150,14 @@ def test_corrupt_metadata_is_refused_exactly_when_the_reference_refuses_it(layou
         try:
             want = reference_decode_meta(bad, config, ranks)
         except ValueError as error:
-            with pytest.raises(ValueError, match="^metadata: "):
+            with pytest.raises(ValueError) as got:
                 decode_meta(bad, config, ranks)
-            assert str(error).startswith("metadata: ")
+            assert str(got.value) == str(error) and str(error).startswith("metadata: ")
             refused += 1
             continue
         got = decode_meta(bad, config, ranks)
         assert got.requests == want.requests and np.array_equal(got.free, want.free) and got.layout == want.layout
-    assert refused > 20
+    assert refused > 60
 
 
 @pytest.mark.parametrize("layout, target", [(EP, TP), (TP, EP)])

@@ -134,27 +134,33 @@ def decode_meta(data: np.ndarray, config, num_ranks: int) -> RankMeta:
     words = data[:end].tolist()  # Python ints: the record walk below reads them one by one
     at, requests = 4, {}
     starts, lengths, rids = [], [], []
+    fault = ""  # the first record fault: raised after the pages of the records before it were checked
     for index in range(count):  # bounded: every record takes >= 4 of the `end` words
         if at + 4 > end:
-            raise ValueError(f"metadata: truncated at request {index} of {count}")
+            fault = f"metadata: truncated at request {index} of {count}"
+            break
         rid, tokens, prompt, n = words[at:at + 4]
         if rid < 0 or rid in requests:
-            raise ValueError(f"metadata: request id {rid} is negative or repeated")
-        if tokens < 0 or prompt < 0:
-            raise ValueError(f"metadata: request {rid} has {tokens} tokens and prompt length {prompt}, "
-                             "expected >= 0")
-        if n < 0 or n > end - at - 4 or n > num_pages or n != cdiv(tokens, page_size):
-            raise ValueError(f"metadata: request {rid} lists {n} pages; expected ceil({tokens} tokens / "
-                             f"{page_size}) within the {end - at - 4} words left and <= {num_pages} pages")
+            fault = f"metadata: request id {rid} is negative or repeated"
+        elif tokens < 0 or prompt < 0:
+            fault = f"metadata: request {rid} has {tokens} tokens and prompt length {prompt}, expected >= 0"
+        elif n < 0 or n > end - at - 4 or n > num_pages or n != cdiv(tokens, page_size):
+            fault = (f"metadata: request {rid} lists {n} pages; expected ceil({tokens} tokens / {page_size}) "
+                     f"within the {end - at - 4} words left and <= {num_pages} pages")
+        if fault:
+            break
         requests[rid] = KVRequest(tokens, prompt, tuple(words[at + 4:at + 4 + n]))
         starts.append(at + 4)
         lengths.append(n)
         rids.append(rid)
         at += 4 + n
-    if at != end:
-        raise ValueError(f"metadata: {end - at} words between the last request and the free-unit bitmap")
+    if not fault and at != end:
+        fault = f"metadata: {end - at} words between the last request and the free-unit bitmap"
+    # the pages of every record read (a fault among them is named first: it comes before `fault`)
     used = _check_pages(data, np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64), rids,
                         num_pages)
+    if fault:
+        raise ValueError(fault)
     free = np.unpackbits(data[end:].view(np.uint8))[:units].astype(bool)
     if layout == EP:
         used = (used[:, None] * num_ranks + np.arange(num_ranks)).reshape(-1)

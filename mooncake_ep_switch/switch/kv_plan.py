@@ -230,7 +230,7 @@ class Planner(NamedTuple):
         root = np.fromiter((find(i) for i in range(len(rids))), dtype=np.int64, count=len(rids))
         # Distinct pages in the order a scan of ascending requests meets them, each with its family (the index
         # of its lowest request) and its fullest fill; a family's pages keep that order.
-        fill = np.zeros(distinct.size, dtype=np.int64)
+        fill = np.full(distinct.size, np.iinfo(np.int64).min, dtype=np.int64)  # every page has an entry
         np.maximum.at(fill, inverse, entries.fills)
         scan = np.argsort(first, kind="stable")                  # distinct pages, in scan order
         family_of = root[entries.request[first[scan]]]          # family of each, in scan order
@@ -280,7 +280,7 @@ class Planner(NamedTuple):
         moves[:, :, 4] = fill[ordered][:, None]
         mine = self.rank
         owner = {rid: int(owner_of[root[i]]) for i, rid in enumerate(rids)}
-        ours = [i for i in range(len(rids)) if owner_of[root[i]] == mine]
+        ours = sorted((i for i in range(len(rids)) if owner_of[root[i]] == mine), key=lambda i: (root[i], i))
         mine_entries = entries.select(ours)
         new_requests = mine_entries.tables(base.requests, new_page[inverse[mine_entries.positions]])
         reserved = np.zeros(self.config.num_units, dtype=bool)
