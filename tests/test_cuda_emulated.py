@@ -81,8 +81,9 @@ def test_the_host_profile_script_runs_on_the_emulated_device():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "scripts/cuda_host_profile.py", "--emulated", "--rounds", "20", "--top", "8",
-                          "--fused"], capture_output=True, text=True, timeout=300, cwd=root)
+    # --top past the number of functions called: every one listed (a top-8 cut by own time is a matter of chance)
+    run = subprocess.run([sys.executable, "scripts/cuda_host_profile.py", "--emulated", "--rounds", "20", "--top",
+                          "100000", "--fused"], capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for line in ("HOST rank 0: ", "HOST rank 1: ", "fused launches; emulated device", "device_calls.py"):
         assert line in run.stdout, (line, run.stdout[-3000:])
