@@ -350,7 +350,6 @@ class DeviceMoves:
             self._in_flight = [entry for entry in self._in_flight if not entry[0].query()]
 
 
-
 _MOVES: Dict[str, DeviceMoves] = {}
 _MOVES_LOCK = threading.Lock()
 #: Seconds a wait for this rank's queued moves (or loads) may take when no call deadline applies: `unmap_peer()`,

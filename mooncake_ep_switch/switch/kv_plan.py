@@ -234,8 +234,8 @@ class Planner(NamedTuple):
         np.maximum.at(fill, inverse, entries.fills)
         scan = np.argsort(first, kind="stable")                  # distinct pages, in scan order
         family_of = root[entries.request[first[scan]]]          # family of each, in scan order
-        by_family = scan[np.argsort(family_of, kind="stable")]   # grouped by family, scan order inside
-        page_family = root[entries.request[first[by_family]]]
+        grouping = np.argsort(family_of, kind="stable")
+        by_family, page_family = scan[grouping], family_of[grouping]  # grouped by family, scan order inside
         roots = np.unique(root)                                  # every family (one of requests without pages too)
         starts = np.searchsorted(page_family, roots)
         sizes = np.searchsorted(page_family, roots, side="right") - starts
@@ -281,8 +281,10 @@ class Planner(NamedTuple):
         mine = self.rank
         owner = {rid: int(owner_of[root[i]]) for i, rid in enumerate(rids)}
         ours = sorted((i for i in range(len(rids)) if owner_of[root[i]] == mine), key=lambda i: (root[i], i))
-        mine_entries = entries.select(ours)
-        new_requests = mine_entries.tables(base.requests, new_page[inverse[mine_entries.positions]])
+        positions = (np.concatenate([np.arange(entries.offsets[i], entries.offsets[i] + entries.lengths[i])
+                                     for i in ours]) if ours else np.zeros(0, dtype=np.int64))
+        new_requests = _tables([rids[i] for i in ours], entries.lengths[ours], base.requests,
+                               new_page[inverse[positions]])
         reserved = np.zeros(self.config.num_units, dtype=bool)
         taken = groups[mine][:cursor[mine]]
         reserved[(taken[:, None] * ranks + group).reshape(-1)] = True
@@ -309,26 +311,8 @@ class _Entries(NamedTuple):
     fills: np.ndarray
     request: np.ndarray
 
-    def select(self, which: List[int]) -> "_SelectedEntries":
-        """The entries of requests `which` (indices into `rids`), in that order, with their positions here."""
-        lengths = self.lengths[which] if which else np.zeros(0, dtype=np.int64)
-        positions = np.concatenate([np.arange(self.offsets[i], self.offsets[i] + self.lengths[i]) for i in which]) \
-            if which else np.zeros(0, dtype=np.int64)
-        return _SelectedEntries([self.rids[i] for i in which], lengths, positions)
-
     def tables(self, requests: Dict[int, KVRequest], values: np.ndarray) -> Dict[int, KVRequest]:
         """`requests[rid]` with its pages replaced by `values` (one per entry), for every request here."""
-        return _tables(self.rids, self.lengths, requests, values)
-
-
-class _SelectedEntries(NamedTuple):
-    """Some requests of an `_Entries`: their rids, page counts and their entries' positions there."""
-
-    rids: List[int]
-    lengths: np.ndarray
-    positions: np.ndarray
-
-    def tables(self, requests: Dict[int, KVRequest], values: np.ndarray) -> Dict[int, KVRequest]:
         return _tables(self.rids, self.lengths, requests, values)
 
 
