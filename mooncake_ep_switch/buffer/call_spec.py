@@ -18,6 +18,11 @@ _Tensor = torch.Tensor
 _BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 
 
+def _on_device(tensor: torch.Tensor, index: int) -> bool:
+    """Whether `tensor` is a CUDA tensor on device `index`."""
+    return tensor.is_cuda and tensor.get_device() == index
+
+
 class CallSpec:
     """A validated call shape of one Buffer (T, E, hidden, FP8), with what its calls derive from it.
 
@@ -75,11 +80,16 @@ class CallSpecs:
         self.get = self._specs.get
 
     def match_dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us,
-                       use_fp8):
-        """The hot path of a host dispatch: the spec of a shape validated before when the arguments are
-        well-formed CPU tensors of that shape, else None (then `validate_dispatch` runs the full checks,
-        whose errors name the argument). The values (expert ids, mask entries) are checked here too, in
-        one native pass (ValueError).
+                       use_fp8, device_index=None, host_values=True):
+        """The hot path of a dispatch: the spec of a shape validated before when the arguments are
+        well-formed tensors of that shape on the Buffer's device, else None (then `validate_dispatch` runs
+        the full checks, whose errors name the argument). With `host_values` the values (expert ids, mask
+        entries) are checked here too, in one native pass (ValueError).
+
+        Arguments:
+            device_index: the Buffer's CUDA device index (the "cuda" transport), or None for CPU tensors.
+            host_values: check the values here (CPU tensors of a host transport); the "cuda" transport checks
+                them on the device (on the emulated device too, whose tensors are on the CPU).
 
         Returns:
             spec: `CallSpec`, or None.
@@ -93,20 +103,28 @@ class CallSpecs:
             return None
         spec = self._specs.get((num_max_dispatch_tokens_per_rank, num_experts, xs[1], use_fp8))
         if spec is None or not (
-                x.dtype is _BF16 and xs[0] <= spec.tokens and x.is_contiguous() and x.is_cpu
+                x.dtype is _BF16 and xs[0] <= spec.tokens and x.is_contiguous()
                 and topk_idx.dtype is _I64 and len(ks) == 2 and ks[0] == xs[0] and 1 <= ks[1] <= spec.experts
-                and topk_idx.is_contiguous() and topk_idx.is_cpu
+                and topk_idx.is_contiguous()
                 and active_ranks.dtype is _I32 and active_ranks.shape == self.mask_shape
-                and active_ranks.is_contiguous() and active_ranks.is_cpu):
+                and active_ranks.is_contiguous()):
             return None
-        self.check_values(topk_idx, spec.experts, active_ranks)
+        if device_index is None:
+            if not (x.is_cpu and topk_idx.is_cpu and active_ranks.is_cpu):
+                return None
+        elif not (_on_device(x, device_index) and _on_device(topk_idx, device_index)
+                  and _on_device(active_ranks, device_index)):
+            return None
+        if host_values:
+            self.check_values(topk_idx, spec.experts, active_ranks)
         return spec
 
-    def match_combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out, handle_type):
-        """The hot path of a host combine: the spec of `handle` when it is a handle (of `handle_type`)
-        this Buffer returned (its fields were validated when it was made) and the tensors are
-        well-formed CPU tensors of its shape, else None (then the full validation runs). The values are
-        checked here too (ValueError).
+    def match_combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out, handle_type,
+                      device_index=None, host_values=True):
+        """The hot path of a combine: the spec of `handle` when it is a handle (of `handle_type`) this
+        Buffer returned (its fields were validated when it was made) and the tensors are well-formed
+        tensors of its shape on the Buffer's device (`device_index` as for `match_dispatch`), else None
+        (then the full validation runs). With `host_values` the values are checked here too (ValueError).
 
         Returns:
             spec: `CallSpec`, or None.
@@ -120,22 +138,30 @@ class CallSpecs:
         src_info, layout_range = handle[0], handle[1]
         ks = topk_idx.shape
         if not (handle[2] == spec.tokens and handle[3] == spec.hidden and handle[4] == spec.experts
-                and x.dtype is _BF16 and x.shape == spec.y_shape and x.is_contiguous() and x.is_cpu
+                and x.dtype is _BF16 and x.shape == spec.y_shape and x.is_contiguous()
                 and src_info.dtype is _I32 and src_info.shape == spec.src_shape and src_info.is_contiguous()
-                and src_info.is_cpu
                 and layout_range.dtype is _I64 and layout_range.shape == spec.range_shape
-                and layout_range.is_contiguous() and layout_range.is_cpu
+                and layout_range.is_contiguous()
                 and topk_idx.dtype is _I64 and len(ks) == 2 and ks[0] == plan.num_tokens and ks[1] == plan.top_k
-                and topk_idx.is_contiguous() and topk_idx.is_cpu
+                and topk_idx.is_contiguous()
                 and topk_weights.dtype is _F32 and topk_weights.shape == ks and topk_weights.is_contiguous()
-                and topk_weights.is_cpu
                 and active_ranks.dtype is _I32 and active_ranks.shape == self.mask_shape
-                and active_ranks.is_contiguous() and active_ranks.is_cpu
+                and active_ranks.is_contiguous()
                 and (out is None or (isinstance(out, _Tensor) and out.dtype is _BF16 and out.dim() == 2
                                      and out.size(0) == ks[0] and out.size(1) == spec.hidden
-                                     and out.is_contiguous() and out.is_cpu))):
+                                     and out.is_contiguous()))):
             return None
-        self.check_values(topk_idx, spec.experts, active_ranks)
+        if device_index is None:
+            if not (x.is_cpu and src_info.is_cpu and layout_range.is_cpu and topk_idx.is_cpu and topk_weights.is_cpu
+                    and active_ranks.is_cpu and (out is None or out.is_cpu)):
+                return None
+        elif not (_on_device(x, device_index) and _on_device(src_info, device_index)
+                  and _on_device(layout_range, device_index) and _on_device(topk_idx, device_index)
+                  and _on_device(topk_weights, device_index) and _on_device(active_ranks, device_index)
+                  and (out is None or _on_device(out, device_index))):
+            return None
+        if host_values:
+            self.check_values(topk_idx, spec.experts, active_ranks)
         return spec
 
     def check_values(self, topk_idx, experts: int, active_ranks) -> None:

@@ -109,8 +109,13 @@ def dispatch(core: BufferCore, x, topk_idx, active_ranks, num_max_dispatch_token
     impl = core.transport
     if async_finish and return_recv_hook:
         raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
-    spec, timeout_us = core.specs.validate_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
-                                                       num_experts, timeout_us, use_fp8, impl.device)
+    # Hot path: a shape validated before and well-formed tensors on this device (CallSpecs.match_dispatch);
+    # anything else takes the full validation, whose error names the argument.
+    spec = core.specs.match_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts,
+                                     timeout_us, True if use_fp8 is None else use_fp8, impl.device.index, False)
+    if spec is None:
+        spec, timeout_us = core.specs.validate_dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+                                                        num_experts, timeout_us, use_fp8, impl.device)
     use_fp8 = spec.use_fp8
     _check_aligned("x", x)
     capturing = _capturing()
@@ -125,7 +130,7 @@ def dispatch(core: BufferCore, x, topk_idx, active_ranks, num_max_dispatch_token
         core.call += 1
         call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, core.call,
                             core.epoch)
-        keep_alive = (x, topk_idx, active_ranks) + tuple(t for t in outputs if t is not None)
+        keep_alive = (x, topk_idx, active_ranks, *outputs)  # recv_scales may be None (skipped where used)
         try:
             transport_plan, event, hook, receipt = _run(core, lambda: impl.dispatch(call, outputs), async_finish,
                                                  return_recv_hook, keep_alive, (timeout_us, "dispatch", call.call))
@@ -153,9 +158,15 @@ def combine(core: BufferCore, x, topk_idx, topk_weights, active_ranks, timeout_u
     impl = core.transport
     if async_finish and return_recv_hook:
         raise ValueError("async_finish, return_recv_hook: expected at most one of them True, got both")
-    fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out,
-                                                  core.num_ranks, impl.device)
-    src_info, layout_range, tokens, hidden, experts = fields
+    # Hot path: a handle of this Buffer and well-formed tensors of its shape on this device (CallSpecs.match_combine).
+    spec = core.specs.match_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out, DispatchHandle,
+                                    impl.device.index, False)
+    if spec is not None:
+        src_info, layout_range, tokens, hidden, experts = handle[0], handle[1], spec.tokens, spec.hidden, spec.experts
+    else:
+        fields, timeout_us = validation.check_combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle, out,
+                                                      core.num_ranks, impl.device)
+        src_info, layout_range, tokens, hidden, experts = fields
     bias = validation.check_combine_bias(bias, topk_idx.size(0), hidden, impl.device)
     _check_aligned("x", x)
     _check_aligned("out", out)
