@@ -42,16 +42,16 @@ inline void bind_kernels(pybind11::module_& m) {
     m.def("dispatch_scratch_bytes", &mep_cuda::dispatch_scratch_bytes, "num_ranks"_a, "max_tokens"_a, "hidden"_a,
           "num_experts"_a, "top_k"_a, "Device scratch bytes of a dispatch shape (both halves).");
     m.def("dispatch_send", &mep_cuda::dispatch_send, release(), "call"_a, "region"_a, "x"_a, "num_tokens"_a,
-          "topk_idx"_a, "top_k"_a, py::kw_only(), "use_fp8"_a, "scratch"_a, "stream"_a,
-          "Launch a dispatch's send phase on `stream`.");
-    m.def("dispatch_recv", &mep_cuda::dispatch_recv, release(), "call"_a, "region"_a, py::kw_only(), "use_fp8"_a,
-          "top_k"_a,
+          "topk_idx"_a, "top_k"_a, "use_fp8"_a, "scratch"_a, "stream"_a,
+          "Launch a dispatch's send phase on `stream` (arguments by position on the call path: keywords cost "
+          "microseconds a call).");
+    m.def("dispatch_recv", &mep_cuda::dispatch_recv, release(), "call"_a, "region"_a, "use_fp8"_a, "top_k"_a,
           "scratch"_a, "recv_x"_a, "recv_scales"_a, "src_info"_a, "layout_range"_a, "recv_count"_a, "stream"_a,
           "Launch a dispatch's receive phase on `stream`.");
     m.def("combine_send", &mep_cuda::combine_send, release(), "call"_a, "region"_a, "x"_a, "src_info"_a,
           "layout_range"_a, "stream"_a, "Launch a combine's send phase on `stream`.");
     m.def("combine_recv", &mep_cuda::combine_recv, release(), "call"_a, "region"_a, "topk_idx"_a, "topk_weights"_a,
-          "num_tokens"_a, "top_k"_a, "out"_a, "stream"_a, py::kw_only(), "bias0_ptr"_a = 0, "bias1_ptr"_a = 0,
+          "num_tokens"_a, "top_k"_a, "out"_a, "stream"_a, "bias0_ptr"_a = 0, "bias1_ptr"_a = 0,
           "bias_stride"_a = 0, "bias_hidden"_a = 0,
           "Launch a combine's receive phase on `stream` (the sums start from the bias rows, 0 = none).");
     m.def("check_values", &mep_cuda::check_values, release(), "topk_idx"_a, "num_tokens"_a, "top_k"_a,

@@ -64,12 +64,12 @@ class Lifetime:
             self._running += 1
 
     def leave(self) -> None:
-        release = None
         with self._lock:
             self._running -= 1
-            if self._running == 0:
-                self._idle.notify_all()
-                release, self._release = self._release, None
+            if self._running or not self.destroyed:  # only end() (which set destroyed) waits or left a release
+                return
+            self._idle.notify_all()
+            release, self._release = self._release, None
         if release is not None:
             release()
 

@@ -32,6 +32,15 @@ except ImportError:  # built only where nvcc was found
     _cuda = None
 
 IPC_HANDLE_BYTES = 64
+_NO_BIAS = (0, 0, 0, 0)
+
+
+def _bias_words(bias: tuple) -> tuple:
+    """`bias_args(bias)` by position: (bias0_ptr, bias1_ptr, bias_stride, bias_hidden), all 0 without a bias."""
+    if not bias:
+        return _NO_BIAS
+    words = bias_args(bias)
+    return words["bias0_ptr"], words["bias1_ptr"], words["bias_stride"], words["bias_hidden"]
 
 
 def cuda_unavailable_reason() -> str:
@@ -87,11 +96,13 @@ class CudaTransport(RuntimeQueries):
         from mooncake_ep_switch import _native
 
         self._control = torch.frombuffer(_native.MappedBytes(self._control_ptr, control_bytes), dtype=torch.int32)
+        self._source_flags = self._control[1:1 + num_ranks]  # [R] the device's "source s failed" words
         self._opened: Dict[int, Tuple[bytes, int]] = {}  # peer -> (its IPC handle, address mapped here)
         self._bases = [0] * num_ranks
         self._bases[rank] = self.base
         self.peer_table = torch.zeros(num_ranks, dtype=torch.int64, device=self.device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)  # last call number used on the device
+        self._table_ptrs = (self.peer_table.data_ptr(), self.counter.data_ptr())  # fixed for the transport's life
         self.problem = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._scratch: Dict[tuple, torch.Tensor] = {}
         self._regions: Dict[tuple, object] = {}
@@ -202,14 +213,16 @@ class CudaTransport(RuntimeQueries):
     def failed_sources(self) -> List[int]:
         """Sources the device waits timed out on since the last view (read from the pinned control
         block without a synchronisation: a wait still running is seen once it has flagged)."""
-        control = self._control
-        if control is not None:
+        flags = self._source_flags
+        if flags is not None:
             # One read of each word: the device may flag a source while we read (see PeerWatch.dead_ranks).
-            flagged = [source for source, flag in enumerate(control[1:1 + self.num_ranks].tolist()) if flag]
-            for source in flagged:
-                control[1 + source] = 0
-                self._failed.append(int(source))
-            if flagged:  # a live one may still write in the layout of the calls before (layout.RegionLayouts)
+            words = flags.tolist()
+            if any(words):
+                flagged = [source for source, flag in enumerate(words) if flag]
+                for source in flagged:
+                    flags[source] = 0
+                    self._failed.append(source)
+                # a live one may still write in the layout of the calls before (layout.RegionLayouts)
                 self._layouts.hold(flagged, self.dead_peers())
         return self._failed
 
@@ -241,7 +254,7 @@ class CudaTransport(RuntimeQueries):
                 _cuda.ipc_close(ptr)
             except RuntimeError:
                 pass
-        self._control = None
+        self._control = self._source_flags = None
         if stopped:  # else the watcher thread may still write its words: leave the few bytes mapped
             _cuda.mapped_host_free(self._control_ptr)
         self._control_ptr = 0
@@ -278,10 +291,10 @@ class CudaTransport(RuntimeQueries):
             raise BufferDestroyed("the transport was destroyed")
         if torch.cuda.is_current_stream_capturing():
             self._graphs = True
-        return _cuda.Call(self.num_ranks, self.rank, tokens, hidden, experts, number & 1, number,
-                          self.peer_table.data_ptr(), active.data_ptr(), self.counter.data_ptr(),
-                          call_word.data_ptr(), self._control_ptr, self._dead_ptr, timeout_us, int(self._graphs),
-                          fused=self._fused)
+        peer_table, counter = self._table_ptrs
+        return _cuda.Call(self.num_ranks, self.rank, tokens, hidden, experts, number & 1, number, peer_table,
+                          active.data_ptr(), counter, call_word.data_ptr(), self._control_ptr, self._dead_ptr,
+                          timeout_us, int(self._graphs), self._fused)  # by position: keywords cost us a call
 
     def comm_stream(self) -> torch.cuda.Stream:
         """The stream `async_finish` calls run on (made on first use)."""
@@ -316,20 +329,19 @@ class CudaTransport(RuntimeQueries):
         call_word = torch.empty(self._call_word_size, dtype=torch.int64, device=self.device)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call_word, call.timeout_us)
         self.latest_dispatch = call.call
+        # (use_fp8, scratch, stream) and the receive's arguments go by position (keywords cost microseconds)
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
-                            use_fp8=call.use_fp8, scratch=scratch.data_ptr(),
-                            stream=torch.cuda.current_stream(self.device).cuda_stream)
+                            call.use_fp8, scratch.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
 
         def receive() -> None:
             if self._control is None:
                 raise BufferDestroyed("dispatch: the transport was destroyed before this receive phase ran")
             check_half_not_reused("dispatch", call.call, self.latest_dispatch)
             scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
-            _cuda.dispatch_recv(spec, region, use_fp8=call.use_fp8, top_k=top_k, scratch=scratch.data_ptr(),
-                                recv_x=outputs.recv_x.data_ptr(), recv_scales=scales,
-                                src_info=outputs.src_info.data_ptr(), layout_range=outputs.layout_range.data_ptr(),
-                                recv_count=outputs.recv_count.data_ptr(),
-                                stream=torch.cuda.current_stream(self.device).cuda_stream)
+            # use_fp8, top_k, scratch, recv_x, recv_scales, src_info, layout_range, recv_count, stream
+            _cuda.dispatch_recv(spec, region, call.use_fp8, top_k, scratch.data_ptr(), outputs.recv_x.data_ptr(),
+                                scales, outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
+                                outputs.recv_count.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
 
         return call_word, receive
 
@@ -372,7 +384,7 @@ class CudaTransport(RuntimeQueries):
             check_half_not_reused("combine", call.call, self.latest_dispatch)
             _cuda.combine_recv(spec, region, call.topk_idx.data_ptr(), call.topk_weights.data_ptr(),
                                call.topk_idx.size(0), call.topk_idx.size(1), call.out.data_ptr(),
-                               torch.cuda.current_stream(self.device).cuda_stream, **bias_args(call.bias))
+                               torch.cuda.current_stream(self.device).cuda_stream, *_bias_words(call.bias))
 
         return receive
 
