@@ -14,6 +14,7 @@ Prints `HOST <n> us per eager round trip` per rank (the plain pass, no profiler)
 (top functions by own time).
 
 Usage: python3 scripts/cuda_host_profile.py [--emulated] [--rounds N] [--ranks R] [--fused] [--top K]
+       [--sort tottime|cumulative]
 """
 import argparse
 import cProfile
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENS, HIDDEN, EXPERTS, TOP_K = 1, 7168, 32, 8
 
 
-def rank_host_profile(ctx, rounds: int, emulated: bool, top: int):
+def rank_host_profile(ctx, rounds: int, emulated: bool, top: int, sort: str = "tottime"):
     """One rank: warm-up, `rounds` timed eager round trips, then `rounds` more under cProfile (rank 0).
 
     Returns:
@@ -79,7 +80,7 @@ def rank_host_profile(ctx, rounds: int, emulated: bool, top: int):
             sync()
             profiler.disable()
             out = io.StringIO()
-            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+            pstats.Stats(profiler, stream=out).sort_stats(sort).print_stats(top)
             text = out.getvalue()
         else:
             for _ in range(rounds):
@@ -97,6 +98,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--fused", action="store_true", help="MEP_CUDA_FUSED_KERNELS=1 in the ranks")
     parser.add_argument("--top", type=int, default=30, help="functions listed from rank 0's profile")
+    parser.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"),
+                        help="order of the profile: own time, or time including callees")
     args = parser.parse_args(argv)
     from mooncake_ep_switch.launcher.launch import LocalCluster, check_outcomes
     from tests.emulated_device import run_emulated
@@ -109,9 +112,9 @@ def main(argv=None) -> int:
     with LocalCluster(args.ranks, env=env) as cluster:
         if args.emulated:
             outcomes = cluster.run(run_emulated, "scripts.cuda_host_profile", "rank_host_profile", args.rounds, True,
-                                   args.top, timeout_s=600)
+                                   args.top, args.sort, timeout_s=600)
         else:
-            outcomes = cluster.run(rank_function, args.rounds, False, args.top, timeout_s=600)
+            outcomes = cluster.run(rank_function, args.rounds, False, args.top, args.sort, timeout_s=600)
         results = check_outcomes(outcomes)
     where = "emulated device, no-op launchers: the Python layer alone" if args.emulated else \
         f"{torch.cuda.get_device_name(0)}, real launches"
