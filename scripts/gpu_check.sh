@@ -22,7 +22,8 @@
 #     demo       python -m mooncake_ep_switch demo --device cuda (switches, online EPLB, a rank replaced)
 #     bench      python -m mooncake_ep_switch.bench --device cuda --quick
 #     hostprof   scripts/cuda_host_profile.py: the host's time in eager T=1 round trips, split and fused launches;
-#                scripts/switch_host_profile.py --emulated: the host's time in a switch's weight and KV phases
+#                scripts/switch_host_profile.py --emulated: the host's time in a switch's weight and KV phases;
+#                cuda_host_profile.py --emulated: the Python layer alone on this CPU (against CI's box)
 #     rest       the rest of tests/test_cuda.py, with whatever budget is left
 #     mps        the R=4 rounds again under MPS, if the image has nvidia-cuda-mps-control
 #   MEP_TRANSPORT_TESTS="<pytest node ids>"    override the transport selection (follow-up runs)
@@ -131,6 +132,9 @@ want demo && stage demo 120 "$OUT/switch.log" $PY -m mooncake_ep_switch demo --d
 want bench && stage bench 150 "$OUT/bench.log" $PY -m mooncake_ep_switch.bench --device cuda --quick --out "$OUT/bench.md"
 want hostprof && stage hostprof 60 "$OUT/bench.log" $PY scripts/cuda_host_profile.py --rounds 300 --top 25
 want hostprof && stage hostprof-fused 60 "$OUT/bench.log" $PY scripts/cuda_host_profile.py --rounds 300 --top 25 --fused
+# The Python layer alone on this host's CPU (no-op launchers): against CI's box, whose figures docs/benchmarks.md has
+want hostprof && stage hostprof-python 40 "$OUT/bench.log" $PY scripts/cuda_host_profile.py --emulated --ranks 1 \
+  --rounds 2000 --top 0
 # The host alone in a switch's weight and KV phases, on this host's CPU (against the bench's reshard and KV rows)
 want hostprof && stage hostprof-switch 60 "$OUT/bench.log" $PY scripts/switch_host_profile.py --emulated --iters 5
 if want rest; then
