@@ -41,13 +41,27 @@ inline void bind_kernels(pybind11::module_& m) {
           "int64 words of a call's word (the call number, the writable snapshot, the fused kernels' counts).");
     m.def("dispatch_scratch_bytes", &mep_cuda::dispatch_scratch_bytes, "num_ranks"_a, "max_tokens"_a, "hidden"_a,
           "num_experts"_a, "top_k"_a, "Device scratch bytes of a dispatch shape (both halves).");
-    m.def("dispatch_send", &mep_cuda::dispatch_send, release(), "call"_a, "region"_a, "x"_a, "num_tokens"_a,
-          "topk_idx"_a, "top_k"_a, "use_fp8"_a, "scratch"_a, "stream"_a,
-          "Launch a dispatch's send phase on `stream` (arguments by position on the call path: keywords cost "
-          "microseconds a call).");
-    m.def("dispatch_recv", &mep_cuda::dispatch_recv, release(), "call"_a, "region"_a, "use_fp8"_a, "top_k"_a,
-          "scratch"_a, "recv_x"_a, "recv_scales"_a, "src_info"_a, "layout_range"_a, "recv_count"_a, "stream"_a,
-          "Launch a dispatch's receive phase on `stream`.");
+    // The call path passes everything by position (pybind11 matches keywords by name: microseconds a call) but
+    // the flag, which stays keyword-only last (no positional bools at the native boundary).
+    m.def(
+        "dispatch_send",
+        [](const mep_cuda::Call& call, const mep_cuda::Region& region, uintptr_t x, int32_t num_tokens,
+           uintptr_t topk_idx, int32_t top_k, uintptr_t scratch, uintptr_t stream, bool use_fp8) {
+            mep_cuda::dispatch_send(call, region, x, num_tokens, topk_idx, top_k, use_fp8, scratch, stream);
+        },
+        release(), "call"_a, "region"_a, "x"_a, "num_tokens"_a, "topk_idx"_a, "top_k"_a, "scratch"_a, "stream"_a,
+        py::kw_only(), "use_fp8"_a, "Launch a dispatch's send phase on `stream`.");
+    m.def(
+        "dispatch_recv",
+        [](const mep_cuda::Call& call, const mep_cuda::Region& region, int32_t top_k, uintptr_t scratch,
+           uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_info, uintptr_t layout_range, uintptr_t recv_count,
+           uintptr_t stream, bool use_fp8) {
+            mep_cuda::dispatch_recv(call, region, use_fp8, top_k, scratch, recv_x, recv_scales, src_info,
+                                    layout_range, recv_count, stream);
+        },
+        release(), "call"_a, "region"_a, "top_k"_a, "scratch"_a, "recv_x"_a, "recv_scales"_a, "src_info"_a,
+        "layout_range"_a, "recv_count"_a, "stream"_a, py::kw_only(), "use_fp8"_a,
+        "Launch a dispatch's receive phase on `stream`.");
     m.def("combine_send", &mep_cuda::combine_send, release(), "call"_a, "region"_a, "x"_a, "src_info"_a,
           "layout_range"_a, "stream"_a, "Launch a combine's send phase on `stream`.");
     m.def("combine_recv", &mep_cuda::combine_recv, release(), "call"_a, "region"_a, "topk_idx"_a, "topk_weights"_a,

@@ -329,19 +329,21 @@ class CudaTransport(RuntimeQueries):
         call_word = torch.empty(self._call_word_size, dtype=torch.int64, device=self.device)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call_word, call.timeout_us)
         self.latest_dispatch = call.call
-        # (use_fp8, scratch, stream) and the receive's arguments go by position (keywords cost microseconds)
+        # by position but the flag (pybind11 matches keywords by name: microseconds a call)
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
-                            call.use_fp8, scratch.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
+                            scratch.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream,
+                            use_fp8=call.use_fp8)
 
         def receive() -> None:
             if self._control is None:
                 raise BufferDestroyed("dispatch: the transport was destroyed before this receive phase ran")
             check_half_not_reused("dispatch", call.call, self.latest_dispatch)
             scales = outputs.recv_scales.data_ptr() if outputs.recv_scales is not None else 0
-            # use_fp8, top_k, scratch, recv_x, recv_scales, src_info, layout_range, recv_count, stream
-            _cuda.dispatch_recv(spec, region, call.use_fp8, top_k, scratch.data_ptr(), outputs.recv_x.data_ptr(),
-                                scales, outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
-                                outputs.recv_count.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
+            # top_k, scratch, recv_x, recv_scales, src_info, layout_range, recv_count, stream; the flag by name
+            _cuda.dispatch_recv(spec, region, top_k, scratch.data_ptr(), outputs.recv_x.data_ptr(), scales,
+                                outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
+                                outputs.recv_count.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream,
+                                use_fp8=call.use_fp8)
 
         return call_word, receive
 
