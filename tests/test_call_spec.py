@@ -166,3 +166,26 @@ def test_values_are_checked_on_the_host_only_where_asked():
         with pytest.raises(ValueError, match="topk_idx|active_ranks"):
             specs.match_combine(**args, handle_type=_Handle)
         assert specs.match_combine(**args, handle_type=_Handle, host_values=False) is spec
+
+
+@pytest.mark.parametrize("device_index", [None, 0])
+@pytest.mark.parametrize("forged", ["rows_beyond_T", "top_k_beyond_E", "float_fields", "tensor_field"])
+def test_a_handle_edited_by_hand_takes_the_full_validation(forged, device_index):
+    """A plan or handle fields a caller changed: the full validation refuses them before anything moves (a hot
+    path that took them would reach the native launch with a shape the region was not validated for)."""
+    specs, spec = _specs()
+    args = _combine_args(spec)
+    handle = args["handle"]
+    if forged == "rows_beyond_T":
+        rows = 2 * T
+        args.update(topk_idx=torch.zeros(rows, K, dtype=torch.int64), topk_weights=torch.ones(rows, K))
+        handle.plan = types.SimpleNamespace(spec=spec, num_tokens=rows, top_k=K)
+    elif forged == "top_k_beyond_E":
+        args.update(topk_idx=torch.full((N, E + 1), -1, dtype=torch.int64), topk_weights=torch.ones(N, E + 1))
+        handle.plan = types.SimpleNamespace(spec=spec, num_tokens=N, top_k=E + 1)
+    elif forged == "float_fields":
+        args["handle"] = _replace(_replace(_replace(handle, 2, float(T)), 3, float(H)), 4, float(E))
+    else:
+        args["handle"] = _replace(handle, 2, torch.tensor([T, T]))
+    assert specs.match_combine(**args, handle_type=_Handle, device_index=device_index,
+                               host_values=device_index is None) is None

@@ -137,12 +137,15 @@ class CallSpecs:
             return None
         src_info, layout_range = handle[0], handle[1]
         ks = topk_idx.shape
-        if not (handle[2] == spec.tokens and handle[3] == spec.hidden and handle[4] == spec.experts
+        tokens, hidden, experts = handle[2], handle[3], handle[4]
+        if not (type(tokens) is int and tokens == spec.tokens and type(hidden) is int and hidden == spec.hidden
+                and type(experts) is int and experts == spec.experts
                 and x.dtype is _BF16 and x.shape == spec.y_shape and x.is_contiguous()
                 and src_info.dtype is _I32 and src_info.shape == spec.src_shape and src_info.is_contiguous()
                 and layout_range.dtype is _I64 and layout_range.shape == spec.range_shape
                 and layout_range.is_contiguous()
                 and topk_idx.dtype is _I64 and len(ks) == 2 and ks[0] == plan.num_tokens and ks[1] == plan.top_k
+                and ks[0] <= spec.tokens and 1 <= ks[1] <= spec.experts  # also for a plan edited by hand
                 and topk_idx.is_contiguous()
                 and topk_weights.dtype is _F32 and topk_weights.shape == ks and topk_weights.is_contiguous()
                 and active_ranks.dtype is _I32 and active_ranks.shape == self.mask_shape

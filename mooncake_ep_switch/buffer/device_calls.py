@@ -73,6 +73,12 @@ def _run(core: BufferCore, launch, async_finish: bool, return_recv_hook: bool, k
     (transport_plan, event, hook, receipt). `observe` (timeout_us, what, call) wraps the receive phase
     in `_observed`."""
     impl = core.transport
+    if not (async_finish or return_recv_hook):  # the common case, without the wrappers below
+        transport_plan, receive = launch()
+        receive()
+        if observe is not None and len(impl.failed_sources) != core.stats.seen:  # as `_observed`
+            core.stats.observe(core, *observe)
+        return transport_plan, EventOverlap(None, keep_alive), None, None
     if observe is not None:
         inner = launch
 
@@ -95,12 +101,9 @@ def _run(core: BufferCore, launch, async_finish: bool, return_recv_hook: bool, k
         receipt = ReceiveReceipt()
         receipt.wait = event.current_stream_wait  # a combine's stream waits for it, whichever stream that is
         return transport_plan, event, None, receipt
-    transport_plan, receive = launch()
-    if return_recv_hook:
-        hook, receipt = with_receipt(once(guarded(core.life, receive)))
-        return transport_plan, EventOverlap(hook, keep_alive), hook, receipt
-    receive()
-    return transport_plan, EventOverlap(None, keep_alive), None, None
+    transport_plan, receive = launch()  # return_recv_hook
+    hook, receipt = with_receipt(once(guarded(core.life, receive)))
+    return transport_plan, EventOverlap(hook, keep_alive), hook, receipt
 
 
 def dispatch(core: BufferCore, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us,
@@ -130,7 +133,8 @@ def dispatch(core: BufferCore, x, topk_idx, active_ranks, num_max_dispatch_token
         core.call += 1
         call = DispatchCall(x, topk_idx, active_ranks, spec.tokens, spec.experts, timeout_us, use_fp8, core.call,
                             core.epoch)
-        keep_alive = (x, topk_idx, active_ranks, *outputs)  # recv_scales may be None (skipped where used)
+        keep_alive = (x, topk_idx, active_ranks, outputs.recv_x, outputs.src_info, outputs.layout_range,
+                      outputs.recv_count) + ((outputs.recv_scales,) if use_fp8 else ())
         try:
             transport_plan, event, hook, receipt = _run(core, lambda: impl.dispatch(call, outputs), async_finish,
                                                  return_recv_hook, keep_alive, (timeout_us, "dispatch", call.call))
