@@ -111,7 +111,7 @@ if [ -n "${MEP_TRANSPORT_TESTS:-}" ]; then read -r -a TRANSPORT <<< "$MEP_TRANSP
     "$T::test_cuda_matches_shm[sync-fp8-4]" "$T::test_cuda_matches_shm[hook-bf16-2]"
     "$T::test_cuda_matches_shm[async-fp8-4]" "$T::test_cuda_two_dispatches_in_a_row[async]"
     "$T::test_cuda_zero_copy_and_out[True-True]" "$T::test_cuda_inactive_rank[4]"
-    "tests/test_combine_bias.py::test_a_bias_on_the_gpu"); fi
+    "tests/test_combine_bias.py::test_a_bias_on_the_gpu" "$T::test_cuda_hot_path"); fi
 want transport && stage transport 170 "$OUT/transport.log" "${PT[@]}" --maxfail=3 "${TRANSPORT[@]}"
 if want graph && ! stage graph 70 "$OUT/transport.log" "${PT[@]}" "$T::test_cuda_graph_replays_match_eager"; then
   # A lazily loaded kernel inside a capture is the first suspect: the same test with every module loaded eagerly.
@@ -123,7 +123,8 @@ want fault && xid fault >> "$SUM" 2>&1
 FUSED=("$T::test_cuda_matches_shm[sync-bf16-2]" "$T::test_cuda_matches_shm[sync-fp8-4]"
   "$T::test_cuda_matches_shm[async-fp8-4]" "$T::test_cuda_two_dispatches_in_a_row[async]"
   "$T::test_cuda_inactive_rank[4]" "$T::test_cuda_graph_replays_match_eager" "$T::test_cuda_rank_killed[between]"
-  "$T::test_cuda_rank_killed[before_dispatch]" "tests/test_combine_bias.py::test_a_bias_on_the_gpu")
+  "$T::test_cuda_rank_killed[before_dispatch]" "tests/test_combine_bias.py::test_a_bias_on_the_gpu"
+  "$T::test_cuda_hot_path")
 want fused && MEP_CUDA_FUSED_KERNELS=1 stage fused 170 "$OUT/transport.log" "${PT[@]}" --maxfail=3 "${FUSED[@]}"
 want fused && xid fused >> "$SUM" 2>&1
 want switch && stage switch 170 "$OUT/switch.log" "${PT[@]}" tests/test_switch_device.py -k gpu

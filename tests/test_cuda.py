@@ -283,6 +283,55 @@ def test_cuda_validation_errors_leave_the_buffer_usable():
     harness.run(2, rank_validation)
 
 
+def rank_hot_path(ctx):
+    """Calls of a shape validated before take the hot path (CallSpecs.match_*, on the Buffer's device): one full
+    dispatch validation for three dispatches, none for a combine given its handle; a plain 5-tuple handle takes
+    the full combine validation. Every round's outputs equal the first's, bit for bit."""
+    from mooncake_ep_switch.buffer import validation
+
+    case = Case()
+    shm, gpu = _buffers(ctx, case)
+    specs, full_combine = gpu._core.specs, validation.check_combine
+    counts = {"dispatch": 0, "combine": 0}
+    full_dispatch = specs.validate_dispatch
+
+    def counted_dispatch(*args, **kwargs):
+        counts["dispatch"] += 1
+        return full_dispatch(*args, **kwargs)
+
+    def counted_combine(*args, **kwargs):
+        counts["combine"] += 1
+        return full_combine(*args, **kwargs)
+
+    specs.validate_dispatch, validation.check_combine = counted_dispatch, counted_combine
+    try:
+        dev = gpu.device
+        n = max(1, token_count(ctx.rank, ctx.num_ranks, case.tokens))
+        inputs = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed=17)
+        x, topk, weights = inputs.x.to(dev), inputs.topk_idx.to(dev), inputs.weights.to(dev)
+        active = torch.ones(ctx.num_ranks, dtype=torch.int32, device=dev)
+        results = []
+        for plain in (False, False, False, True):
+            recv, count, handle, _, _ = gpu.dispatch(x, topk, active, case.tokens, case.experts, TIMEOUT_US,
+                                                     use_fp8=False)
+            combined, _, _ = gpu.combine(recv.clone(), topk, weights, active, TIMEOUT_US,
+                                         tuple(handle) if plain else handle)
+            _settle()
+            results.append((count.cpu(), combined.cpu()))
+        assert counts == {"dispatch": 1, "combine": 1}, f"full validations: {counts}"
+        for got in results[1:]:
+            assert torch.equal(got[0], results[0][0]) and torch.equal(got[1], results[0][1])
+        return True
+    finally:
+        specs.validate_dispatch, validation.check_combine = full_dispatch, full_combine
+        gpu.destroy()
+        shm.destroy()
+
+
+def test_cuda_hot_path():
+    harness.run(2, rank_hot_path)
+
+
 def rank_misuse(ctx):
     """Misuse a hostile caller tries: two "cuda" Buffers of one group in one process (each its own
     region and counters, interleaved calls), then calls, hooks and events after destroy() (clear

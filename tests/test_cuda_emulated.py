@@ -59,6 +59,10 @@ def test_emulated_validation_errors_leave_the_buffer_usable():
     assert all(_emulated(2, test_cuda.rank_validation))
 
 
+def test_emulated_hot_path():
+    assert all(_emulated(2, test_cuda.rank_hot_path))
+
+
 def test_emulated_misuse_two_buffers_and_after_destroy():
     assert all(_emulated(2, test_cuda.rank_misuse))
 
