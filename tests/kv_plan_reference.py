@@ -2,6 +2,8 @@
 vectorised `switch.kv_meta.decode_meta` and `switch.kv_plan.Planner` are checked against (tests/test_kv_plan_scale.py).
 
 Same algorithms (Moebius algorithms 3 and 4), same results, same refusals; kept here only to check the library's.
+Also the KV moves' copy blocks as first written (one block per move and plane), against which
+tests/test_kv_blocks.py checks that `PagedKVCache.move_blocks` and `packed_blocks` copy the same bytes.
 """
 from typing import Dict, List, Sequence, Tuple
 
@@ -251,3 +253,49 @@ def reference_decode_meta(data: np.ndarray, config, num_ranks: int) -> RankMeta:
     if used.size and free[used].any():
         raise ValueError(f"metadata: unit {int(used[free[used]][0])} is both in a request's pages and free")
     return RankMeta(layout, requests, free)
+
+
+def reference_move_blocks(cache, moves: np.ndarray, src_base: int, dst_base: int) -> np.ndarray:
+    """`PagedKVCache.move_blocks` as first written: one block per (move, layer, K/V) plane, `H_kv/P` rows each."""
+    cfg = cache.config
+    if moves.size == 0:
+        return np.zeros((0, 6), dtype=np.int64)
+    planes = np.arange(cfg.num_layers * 2, dtype=np.int64)
+    plane_bytes = cfg.num_units * cache.unit_bytes
+    src = src_base + planes[None, :] * plane_bytes + moves[:, 1:2] * cache.unit_bytes
+    dst = dst_base + planes[None, :] * plane_bytes + moves[:, 3:4] * cache.unit_bytes
+    row = cfg.page_size * cfg.head_dim * 2
+    blocks = np.empty((moves.shape[0], planes.size, 6), dtype=np.int64)
+    blocks[..., 0] = dst
+    blocks[..., 1] = src
+    blocks[..., 2] = cache.heads_per_unit
+    blocks[..., 3] = moves[:, 4:5] * cfg.head_dim * 2
+    blocks[..., 4] = row
+    blocks[..., 5] = row
+    return blocks.reshape(-1, 6)
+
+
+def reference_packed_blocks(cache, moves: np.ndarray, pool_base: int, packed_base: int,
+                            pack: bool) -> Tuple[np.ndarray, int]:
+    """`PagedKVCache.packed_blocks` as first written (one block per (move, plane))."""
+    cfg = cache.config
+    if moves.size == 0:
+        return np.zeros((0, 6), dtype=np.int64), 0
+    planes = np.arange(cfg.num_layers * 2, dtype=np.int64)
+    plane_bytes = cfg.num_units * cache.unit_bytes
+    unit_col = 1 if pack else 3
+    pool_addr = pool_base + planes[None, :] * plane_bytes + moves[:, unit_col:unit_col + 1] * cache.unit_bytes
+    filled_row = moves[:, 4:5] * cfg.head_dim * 2
+    plane_packed = filled_row * cache.heads_per_unit
+    move_packed = plane_packed[:, 0] * planes.size
+    move_start = np.concatenate([[0], np.cumsum(move_packed)[:-1]]).astype(np.int64)
+    packed_addr = packed_base + move_start[:, None] + planes[None, :] * plane_packed
+    row = cfg.page_size * cfg.head_dim * 2
+    blocks = np.empty((moves.shape[0], planes.size, 6), dtype=np.int64)
+    blocks[..., 0] = packed_addr if pack else pool_addr
+    blocks[..., 1] = pool_addr if pack else packed_addr
+    blocks[..., 2] = cache.heads_per_unit
+    blocks[..., 3] = filled_row
+    blocks[..., 4] = filled_row if pack else row
+    blocks[..., 5] = row if pack else filled_row
+    return blocks.reshape(-1, 6), int(move_packed.sum())

@@ -112,7 +112,7 @@ class PagedKVCache:
         self.transport = buffer.transport
         self.layout = layout if joined is None else joined["layout"]
         self.heads_per_unit = heads // ranks
-        self.unit_bytes = self.heads_per_unit * config.page_size * config.head_dim * 2
+        self.unit_bytes = _unit_bytes(config, ranks)
         meta = config.metadata_bytes or 65536 + 40 * units
         self.meta_bytes = (meta + _META_HEADER + 4095) // 4096 * 4096
         self.pool_bytes = config.num_layers * 2 * units * self.unit_bytes
@@ -446,71 +446,14 @@ class PagedKVCache:
         return Planner(self.config, self.num_ranks, self.rank, self.layout).plan(metas, target)
 
     def move_blocks(self, moves: np.ndarray, src_base: int, dst_base: int) -> np.ndarray:
-        """Copy blocks for `moves` between two pools (as mapped here): every layer, K and V, the filled
-        token rows of each head.
-
-        Arguments:
-            moves: `[M, 5]` np.int64 (src_rank, src_unit, dst_rank, dst_unit, filled_tokens).
-            src_base: address of the source rank's pool.
-            dst_base: address of the destination rank's pool.
-
-        Returns:
-            blocks: `[M * L * 2, 6]` np.int64 for `copy_blocks`.
-        """
-        cfg = self.config
-        if moves.size == 0:
-            return np.zeros((0, 6), dtype=np.int64)
-        planes = np.arange(cfg.num_layers * 2, dtype=np.int64)           # (layer, K/V) plane index
-        plane_bytes = cfg.num_units * self.unit_bytes
-        src = src_base + planes[None, :] * plane_bytes + moves[:, 1:2] * self.unit_bytes
-        dst = dst_base + planes[None, :] * plane_bytes + moves[:, 3:4] * self.unit_bytes
-        row = cfg.page_size * cfg.head_dim * 2
-        blocks = np.empty((moves.shape[0], planes.size, 6), dtype=np.int64)
-        blocks[..., 0] = dst
-        blocks[..., 1] = src
-        blocks[..., 2] = self.heads_per_unit
-        blocks[..., 3] = moves[:, 4:5] * cfg.head_dim * 2
-        blocks[..., 4] = row
-        blocks[..., 5] = row
-        return blocks.reshape(-1, 6)
+        """`move_blocks(self.config, self.num_ranks, moves, src_base, dst_base)`: the copy blocks of `moves`
+        between two pools (as mapped here)."""
+        return move_blocks(self.config, self.num_ranks, moves, src_base, dst_base)
 
     def packed_blocks(self, moves: np.ndarray, pool_base: int, packed_base: int, pack: bool) -> Tuple[np.ndarray, int]:
-        """Blocks packing `moves` from this rank's pool into a contiguous buffer (or unpacking them).
-
-        The packed form of a move is `[L][2][H_kv/P][filled][D]`, moves one after another.
-
-        Arguments:
-            moves: `[M, 5]` np.int64 (src_rank, src_unit, dst_rank, dst_unit, filled_tokens).
-            pool_base: address of this rank's pool as mapped here (see `pool_base()`).
-            packed_base: address of the contiguous packed buffer.
-            pack: True: pool -> packed, reading unit `src_unit`; False: packed -> pool, writing
-                unit `dst_unit`.
-
-        Returns:
-            blocks: `[M * L * 2, 6]` np.int64 for `copy_blocks`.
-            nbytes: int, packed size in bytes (0 when `moves` is empty).
-        """
-        cfg = self.config
-        if moves.size == 0:
-            return np.zeros((0, 6), dtype=np.int64), 0
-        planes = np.arange(cfg.num_layers * 2, dtype=np.int64)
-        plane_bytes = cfg.num_units * self.unit_bytes
-        unit_col = 1 if pack else 3
-        pool_addr = pool_base + planes[None, :] * plane_bytes + moves[:, unit_col:unit_col + 1] * self.unit_bytes
-        filled_row = moves[:, 4:5] * cfg.head_dim * 2                    # bytes of one head's rows
-        plane_packed = filled_row * self.heads_per_unit                   # one (layer, K/V) plane
-        move_packed = plane_packed[:, 0] * planes.size
-        move_start = np.concatenate([[0], np.cumsum(move_packed)[:-1]]).astype(np.int64)
-        packed_addr = packed_base + move_start[:, None] + planes[None, :] * plane_packed
-        row = cfg.page_size * cfg.head_dim * 2
-        blocks = np.empty((moves.shape[0], planes.size, 6), dtype=np.int64)
-        blocks[..., 0] = packed_addr if pack else pool_addr
-        blocks[..., 1] = pool_addr if pack else packed_addr
-        blocks[..., 2] = self.heads_per_unit
-        blocks[..., 3] = filled_row
-        blocks[..., 4] = filled_row if pack else row
-        blocks[..., 5] = row if pack else filled_row
-        return blocks.reshape(-1, 6), int(move_packed.sum())
+        """`packed_blocks(self.config, self.num_ranks, ...)`: blocks packing `moves` from this rank's pool into a
+        contiguous buffer (or unpacking them)."""
+        return packed_blocks(self.config, self.num_ranks, moves, pool_base, packed_base, pack)
 
     def commit(self, plan: KVPlan) -> None:
         """Adopt a plan's new state on this rank (after every move into this rank is done).
@@ -563,3 +506,106 @@ class PagedKVCache:
             self.region.destroy()
             self.region = None
         self._private = None
+
+
+# ------------------------------------------------------------------------------------------------
+# Copy blocks of KV moves
+# ------------------------------------------------------------------------------------------------
+
+def move_blocks(config: KVCacheConfig, num_ranks: int, moves: np.ndarray, src_base: int,
+                dst_base: int) -> np.ndarray:
+    """Copy blocks for `moves` between two pools: every layer, K and V, the filled token rows of each head.
+
+    A block is one head's filled rows with a row per (layer, K/V) plane, `L * 2` rows at the pools' plane stride.
+    So a move is `H_kv/P` blocks, not `L * 2` (a deep model's switch builds, checks and uploads that many times
+    fewer: 122 a move at 61 layers before, 1 at `H_kv/P = 1`).
+
+    Arguments:
+        config: the cache's `KVCacheConfig`.
+        num_ranks: `P` (a unit holds `H_kv/P` heads).
+        moves: `[M, 5]` np.int64 (src_rank, src_unit, dst_rank, dst_unit, filled_tokens).
+        src_base: address of the source rank's pool.
+        dst_base: address of the destination rank's pool.
+
+    Returns:
+        blocks: `[M * H_kv/P, 6]` np.int64 for `copy_blocks`.
+    """
+    if moves.size == 0:
+        return np.zeros((0, 6), dtype=np.int64)
+    unit = _unit_bytes(config, num_ranks)
+    plane = config.num_units * unit
+    row = config.page_size * config.head_dim * 2
+    return _plane_blocks(config, num_ranks, dst_base + moves[:, 3] * unit, src_base + moves[:, 1] * unit,
+                         moves[:, 4], plane, plane, row, row)
+
+
+def packed_blocks(config: KVCacheConfig, num_ranks: int, moves: np.ndarray, pool_base: int, packed_base: int,
+                  pack: bool) -> Tuple[np.ndarray, int]:
+    """Blocks packing `moves` from a pool into a contiguous buffer (or unpacking them).
+
+    The packed form of a move is `[L][2][H_kv/P][filled][D]`, moves one after another. Blocks as in
+    `move_blocks` (one a head, `L * 2` rows each).
+
+    Arguments:
+        config: the cache's `KVCacheConfig`.
+        num_ranks: `P`.
+        moves: `[M, 5]` np.int64 (src_rank, src_unit, dst_rank, dst_unit, filled_tokens).
+        pool_base: address of the pool as mapped here.
+        packed_base: address of the contiguous packed buffer.
+        pack: True: pool -> packed, reading unit `src_unit`; False: packed -> pool, writing unit `dst_unit`.
+
+    Returns:
+        blocks: `[n, 6]` np.int64 for `copy_blocks`.
+        nbytes: int, packed size in bytes (0 when `moves` is empty).
+    """
+    if moves.size == 0:
+        return np.zeros((0, 6), dtype=np.int64), 0
+    unit = _unit_bytes(config, num_ranks)
+    plane = config.num_units * unit
+    pool = pool_base + moves[:, 1 if pack else 3] * unit
+    filled = moves[:, 4] * config.head_dim * 2                          # bytes of one head's rows
+    plane_packed = filled * (config.num_kv_heads // num_ranks)           # one (layer, K/V) plane, packed
+    move_packed = plane_packed * (config.num_layers * 2)
+    packed = packed_base + np.cumsum(move_packed) - move_packed          # each move's start
+    row = config.page_size * config.head_dim * 2
+    if pack:
+        blocks = _plane_blocks(config, num_ranks, packed, pool, moves[:, 4], plane_packed, plane, filled, row)
+    else:
+        blocks = _plane_blocks(config, num_ranks, pool, packed, moves[:, 4], plane, plane_packed, row, filled)
+    return blocks, int(move_packed.sum())
+
+
+def _unit_bytes(config: KVCacheConfig, num_ranks: int) -> int:
+    """Bytes of one unit: `H_kv/P` heads of one page."""
+    return config.num_kv_heads // num_ranks * config.page_size * config.head_dim * 2
+
+
+def _plane_blocks(config: KVCacheConfig, num_ranks: int, dst, src, tokens, dst_plane, src_plane, dst_head,
+                  src_head) -> np.ndarray:
+    """Blocks copying the filled rows of moves: one a head, with a row per (layer, K/V) plane.
+
+    Arguments:
+        dst, src: `[M]` np.int64 addresses of each move's first plane, head 0, on either side.
+        tokens: `[M]` np.int64 filled tokens of each move.
+        dst_plane, src_plane: the plane stride on either side (an int, or `[M]`).
+        dst_head, src_head: the pitch of the heads inside a plane on either side (an int, or `[M]`).
+
+    Returns:
+        blocks: `[M * H_kv/P, 6]` np.int64 (dst, src, L * 2, filled bytes, dst_plane, src_plane), moves one after
+        another, heads ascending.
+    """
+    heads, m = config.num_kv_heads // num_ranks, tokens.shape[0]
+    head = np.arange(heads, dtype=np.int64)
+    blocks = np.empty((m, heads, 6), dtype=np.int64)
+    blocks[..., 0] = dst[:, None] + head * _column(dst_head)
+    blocks[..., 1] = src[:, None] + head * _column(src_head)
+    blocks[..., 2] = config.num_layers * 2
+    blocks[..., 3] = (tokens * (config.head_dim * 2))[:, None]
+    blocks[..., 4] = _column(dst_plane)
+    blocks[..., 5] = _column(src_plane)
+    return blocks.reshape(-1, 6)
+
+
+def _column(value):
+    """A per-move `[M]` array as a column (`[M, 1]`), an int as itself (the same for every move)."""
+    return value[:, None] if isinstance(value, np.ndarray) else value
