@@ -8,7 +8,11 @@ same run, best of `--repeat`, and checks that both give the same plan.
 
 Prints `KVPLAN <what> R=<r> ...: ours <ms> reference <ms> (<x> faster)` per row.
 
-Usage: python3 scripts/kv_plan_bench.py [--ranks R ...] [--requests N] [--tokens T] [--repeat K]
+Also the copy blocks of rank 0's TP->EP sends for a model of `--layers` layers and `--kv-heads` KV heads
+(`kv_cache.move_blocks`) against the first version's (one block per move, layer and K/V).
+
+Usage: python3 scripts/kv_plan_bench.py [--ranks R ...] [--requests N] [--tokens T] [--repeat K] [--layers L]
+       [--kv-heads H]
 """
 import argparse
 import os
@@ -30,13 +34,16 @@ def best_ms(function, repeat: int) -> float:
     return best * 1e3
 
 
-def rows(ranks: int, requests: int, tokens: int, repeat: int):
-    """(what, ours ms, reference ms) for the decoding of every rank's metadata and both plans at one shape."""
+def rows(ranks: int, requests: int, tokens: int, repeat: int, layers: int = 32, heads: int = 8):
+    """(what, ours ms, reference ms) for the decoding of every rank's metadata, both plans, and the copy blocks of
+    rank 0's TP->EP sends (a model of `layers` layers, `heads` KV heads) at one shape."""
+    import types
+
     from mooncake_ep_switch.layouts import EP, TP
-    from mooncake_ep_switch.switch.kv_cache import KVCacheConfig
+    from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, move_blocks
     from mooncake_ep_switch.switch.kv_meta import decode_meta, encode_meta
     from mooncake_ep_switch.switch.kv_plan import Planner
-    from tests.kv_plan_reference import ReferencePlanner, reference_decode_meta
+    from tests.kv_plan_reference import ReferencePlanner, reference_decode_meta, reference_move_blocks
     from tests.kv_workloads import serving_metas
 
     out = []
@@ -55,6 +62,17 @@ def rows(ranks: int, requests: int, tokens: int, repeat: int):
         out.append((f"plan {source}->{target} ({got.moves.shape[0]} moves)",
                     best_ms(lambda: ours.plan(metas, target), repeat),
                     best_ms(lambda: reference.plan(metas, target), repeat)))
+        if source == TP:  # the copy blocks of what rank 0 sends (a page's every layer, K and V)
+            model = KVCacheConfig(layers, heads, 128, 16, units)
+            sends = got.moves[got.moves[:, 0] == 0]
+            shape = types.SimpleNamespace(config=model, heads_per_unit=heads // ranks,
+                                          unit_bytes=heads // ranks * 16 * 128 * 2)
+            count = (move_blocks(model, ranks, sends, 0, 0).shape[0],
+                     reference_move_blocks(shape, sends, 0, 0).shape[0])
+            out.append((f"copy blocks of rank 0's {sends.shape[0]} sends, L={layers} H_kv={heads} "
+                        f"({count[0]} blocks, reference {count[1]})",
+                        best_ms(lambda: move_blocks(model, ranks, sends, 0, 0), repeat),
+                        best_ms(lambda: reference_move_blocks(shape, sends, 0, 0), repeat)))
     return out
 
 
@@ -64,10 +82,12 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=32, help="layers of the model whose copy blocks are timed")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads of that model (a multiple of every R)")
     args = parser.parse_args(argv)
     for ranks in args.ranks:
         pages = args.requests * -(-args.tokens // 16)
-        for what, ours, reference in rows(ranks, args.requests, args.tokens, args.repeat):
+        for what, ours, reference in rows(ranks, args.requests, args.tokens, args.repeat, args.layers, args.kv_heads):
             print(f"KVPLAN {what} R={ranks} {args.requests} requests x {args.tokens} tokens ({pages} pages of 16): "
                   f"ours {ours:.1f} ms reference {reference:.1f} ms ({reference / ours:.1f}x faster)", flush=True)
     return 0

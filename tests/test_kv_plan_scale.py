@@ -172,7 +172,8 @@ def test_serving_scale_plans_match_the_reference(layout, target):
 
 
 def test_the_plan_benchmark_script_runs():
-    """scripts/kv_plan_bench.py at a small shape: a row for decoding and for each plan, both ways checked equal."""
+    """scripts/kv_plan_bench.py at a small shape: a row for decoding, for each plan (both ways checked equal) and for
+    the copy blocks."""
     import os
     import re
     import subprocess
@@ -180,12 +181,13 @@ def test_the_plan_benchmark_script_runs():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "scripts/kv_plan_bench.py", "--ranks", "2", "3", "--requests", "12",
-                          "--tokens", "70", "--repeat", "1"], capture_output=True, text=True, timeout=300, cwd=root)
+                          "--tokens", "70", "--repeat", "1", "--layers", "3", "--kv-heads", "6"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    found = re.findall(r"KVPLAN (decode|plan tp->ep|plan ep->tp).* R=(\d) .*ours [\d.]+ ms reference [\d.]+ ms",
-                       run.stdout)
-    assert sorted(found) == sorted((what, r) for what in ("decode", "plan tp->ep", "plan ep->tp") for r in "23"), \
-        run.stdout
+    found = re.findall(r"KVPLAN (decode|plan tp->ep|plan ep->tp|copy blocks).* R=(\d) .*ours [\d.]+ ms reference "
+                       r"[\d.]+ ms", run.stdout)
+    kinds = ("decode", "plan tp->ep", "plan ep->tp", "copy blocks")
+    assert sorted(found) == sorted((what, r) for what in kinds for r in "23"), run.stdout
 
 
 @pytest.mark.parametrize("sending", [True, False])
