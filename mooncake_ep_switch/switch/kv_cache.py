@@ -446,13 +446,33 @@ class PagedKVCache:
         return Planner(self.config, self.num_ranks, self.rank, self.layout).plan(metas, target)
 
     def move_blocks(self, moves: np.ndarray, src_base: int, dst_base: int) -> np.ndarray:
-        """`move_blocks(self.config, self.num_ranks, moves, src_base, dst_base)`: the copy blocks of `moves`
-        between two pools (as mapped here)."""
+        """Copy blocks for `moves` between two pools (as mapped here): every layer, K and V, the filled token
+        rows of each head (the module's `move_blocks` for this cache: a block a head, a row per plane).
+
+        Arguments:
+            moves: `[M, 5]` np.int64 (src_rank, src_unit, dst_rank, dst_unit, filled_tokens).
+            src_base: address of the source rank's pool.
+            dst_base: address of the destination rank's pool.
+
+        Returns:
+            blocks: `[M * H_kv/P, 6]` np.int64 for `copy_blocks`.
+        """
         return move_blocks(self.config, self.num_ranks, moves, src_base, dst_base)
 
     def packed_blocks(self, moves: np.ndarray, pool_base: int, packed_base: int, pack: bool) -> Tuple[np.ndarray, int]:
-        """`packed_blocks(self.config, self.num_ranks, ...)`: blocks packing `moves` from this rank's pool into a
-        contiguous buffer (or unpacking them)."""
+        """Blocks packing `moves` from this rank's pool into a contiguous buffer (or unpacking them); the packed
+        form of a move is `[L][2][H_kv/P][filled][D]`, moves one after another (the module's `packed_blocks`).
+
+        Arguments:
+            moves: `[M, 5]` np.int64 (src_rank, src_unit, dst_rank, dst_unit, filled_tokens).
+            pool_base: address of this rank's pool as mapped here (see `pool_base()`).
+            packed_base: address of the contiguous packed buffer.
+            pack: True: pool -> packed, reading unit `src_unit`; False: packed -> pool, writing unit `dst_unit`.
+
+        Returns:
+            blocks: `[M * H_kv/P, 6]` np.int64 for `copy_blocks`.
+            nbytes: int, packed size in bytes (0 when `moves` is empty).
+        """
         return packed_blocks(self.config, self.num_ranks, moves, pool_base, packed_base, pack)
 
     def commit(self, plan: KVPlan) -> None:
