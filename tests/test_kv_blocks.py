@@ -95,3 +95,24 @@ def test_a_deep_model_gets_a_block_a_head():
     blocks = cache.move_blocks(moves, 0, 0)
     assert blocks.shape[0] == 2 * 2 and (blocks[:, 2] == 122).all()
     assert reference_move_blocks(cache, moves, 0, 0).shape[0] == 2 * 122
+
+
+@pytest.mark.parametrize("column,value", [(1, -1), (1, 8), (3, 8), (4, -1), (4, 5)],
+                         ids=["src_unit_low", "src_unit_high", "dst_unit_high", "tokens_low", "tokens_high"])
+def test_moves_outside_the_cache_are_refused(column, value):
+    """A block is a whole plane's rows: a move's fill past its page (or a unit past the pool) would write into other
+    units, still inside the region's bounds the native copy checks. The builders refuse it first."""
+    cache = _Cache(2, 2, 8, 4, 8)
+    moves = np.array([[0, 1, 1, 5, 4], [0, 2, 1, 6, 3]], dtype=np.int64)
+    moves[1, column] = value
+    with pytest.raises(ValueError, match="moves: expected units in"):
+        cache.move_blocks(moves, 0, 0)
+    with pytest.raises(ValueError, match="moves: expected units in"):
+        cache.packed_blocks(moves, 0, 0, True)
+
+
+def test_int32_moves_give_the_same_blocks():
+    cache = _Cache(3, 2, 8, 4, 8)
+    moves = np.array([[0, 1, 1, 5, 4], [0, 2, 1, 6, 3]], dtype=np.int64)
+    want = cache.move_blocks(moves, 1 << 40, 1 << 41)
+    assert np.array_equal(cache.move_blocks(moves.astype(np.int32), 1 << 40, 1 << 41), want)

@@ -736,6 +736,28 @@ class _TableMoves:
         return self.moves.copy(table, (0, 1 << 30), (0, 1 << 30))
 
 
+@pytest.mark.parametrize("stride,kernel", [(64, False), ((1 << 31) - 1, False), (1 << 31, True), (5 << 30, True)])
+def test_a_stride_past_a_runtime_copy_goes_to_the_kernel(monkeypatch, stride, kernel):
+    """A move of few blocks is one runtime copy per block, whose 2D form takes pitches up to 2^31 - 1: a KV block
+    (a row per layer and K/V, a whole plane apart) of a pool past that goes to the kernel, which takes any stride."""
+    stand_in = _TableMoves(monkeypatch)
+    table = np.array([[0, 1 << 33, 4, 16, stride, stride]], dtype=np.int64)
+    assert stand_in.moves.copy(table, (0, 1 << 35), (1 << 33, 1 << 36)) == 64  # between two regions
+    assert (stand_in.queued[-1][1] != 0) == kernel
+
+
+@pytest.mark.parametrize("rows,stride,same_region,kernel", [
+    (4, 64, False, False), (4, 64, True, True), (1, 64, True, False), (4, 16, True, False)])
+def test_gapped_rows_inside_one_region_go_to_the_kernel(monkeypatch, rows, stride, same_region, kernel):
+    """A runtime 2D copy's areas may not overlap (CUDA): a few blocks with gaps between their rows, inside one region
+    (a rank's own KV moves), go to the kernel; contiguous blocks and moves between two regions stay runtime copies."""
+    stand_in = _TableMoves(monkeypatch)
+    table = np.array([[0, 1 << 20, rows, 16, stride, stride]], dtype=np.int64)
+    src_range = (0, 1 << 30) if same_region else (1 << 20, 1 << 30)
+    assert stand_in.moves.copy(table, (0, 1 << 30), src_range) == rows * 16
+    assert (stand_in.queued[-1][1] != 0) == kernel
+
+
 def test_block_tables_are_reused_only_once_the_device_read_them(monkeypatch):
     """The block-copy kernel's tables (pinned host memory and device memory) are kept and reused, not allocated
     per call: a table is taken again only once the event after the call that read it completed; with every

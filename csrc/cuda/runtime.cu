@@ -145,6 +145,10 @@ std::string block_outside(int64_t index, const char* side, uintptr_t start, int6
 
 }  // namespace
 
+// The largest pitch cudaMemcpy2DAsync takes on current GPUs (cudaDevAttrMaxPitch); the Python side sends calls with
+// larger strides to the kernel (device_region.MAX_RUNTIME_PITCH), this is the fallback for any other caller.
+constexpr int64_t kMaxCopyPitch = 2147483647;
+
 int64_t copy_blocks_async(uintptr_t desc_ptr, int64_t n, uintptr_t dst_lo, uintptr_t dst_hi, uintptr_t src_lo,
                           uintptr_t src_hi, uintptr_t stream, uintptr_t device_desc) {
     if (n < 0) throw std::invalid_argument("copy_blocks_async: n = " + std::to_string(n) + " must be >= 0");
@@ -177,7 +181,12 @@ int64_t copy_blocks_async(uintptr_t desc_ptr, int64_t n, uintptr_t dst_lo, uintp
         void* dst = reinterpret_cast<void*>(uintptr_t(d[0]));
         const void* src = reinterpret_cast<const void*>(uintptr_t(d[1]));
         total += rows * width;
-        if (rows > 1 && (d[4] != width || d[5] != width)) {
+        if (rows > 1 && (d[4] > kMaxCopyPitch || d[5] > kMaxCopyPitch)) {  // past a 2D copy's pitch: row by row
+            for (int64_t r = 0; r < rows; ++r)
+                check(cudaMemcpyAsync(static_cast<char*>(dst) + r * d[4], static_cast<const char*>(src) + r * d[5],
+                                      size_t(width), cudaMemcpyDefault, s),
+                      "cudaMemcpyAsync (row)");
+        } else if (rows > 1 && (d[4] != width || d[5] != width)) {
             check(cudaMemcpy2DAsync(dst, size_t(d[4]), src, size_t(d[5]), size_t(width), size_t(rows),
                                     cudaMemcpyDefault, s),
                   "cudaMemcpy2DAsync");

@@ -268,7 +268,7 @@ class DeviceMoves:
     def _queue(self, blocks: np.ndarray, dst_range, src_range) -> int:
         self._in_flight = [entry for entry in self._in_flight if not entry[0].query()]
         table = None
-        if blocks.shape[0] >= KERNEL_MIN_BLOCKS:
+        if _needs_kernel(blocks, dst_range, src_range):
             # One kernel: its table goes up from pinned memory (an upload from pageable memory would make the
             # driver wait for the stream, with no deadline) into device memory, both reused only once it landed.
             table = self._free_table(blocks.shape[0])
@@ -359,11 +359,27 @@ DRAIN_TIMEOUT_S = 30.0
 FENCE_SPIN_S = 2e-4
 #: Below this many blocks a move is one runtime copy per block, from this many on one kernel (csrc/cuda).
 KERNEL_MIN_BLOCKS = 8
+#: The largest stride a runtime 2D copy takes (cudaDevAttrMaxPitch, 2^31 - 1 on current GPUs): a move with a larger
+#: one goes to the kernel whatever its blocks (a KV block's rows are a whole plane apart).
+MAX_RUNTIME_PITCH = (1 << 31) - 1
 #: Block tables a `DeviceMoves` keeps for reuse, and the fewest and most blocks a kept one holds (sizes are powers
 #: of two; a larger call's table is a one-off).
 MAX_TABLES, TABLE_MIN_ROWS, TABLE_MAX_ROWS = 8, 64, 1 << 16
 # Device memory a wedged device might still touch: never released (destroy() after a failed drain).
 _NEVER_RELEASED: List[list] = []
+
+
+def _needs_kernel(blocks: np.ndarray, dst_range, src_range) -> bool:
+    """Whether a move goes to the block-copy kernel rather than one runtime copy per block: from
+    `KERNEL_MIN_BLOCKS` blocks on, and for any block a runtime 2D copy does not take: a stride past
+    `MAX_RUNTIME_PITCH`, or rows with gaps inside one region (a 2D copy's areas may not overlap, and the spans of
+    a KV block's source and destination rows, a whole plane apart, interleave)."""
+    if blocks.shape[0] >= KERNEL_MIN_BLOCKS or int(blocks[:, 4:].max()) > MAX_RUNTIME_PITCH:
+        return True
+    if tuple(dst_range) != tuple(src_range):
+        return False
+    rows, width = blocks[:, 2], blocks[:, 3]
+    return bool(((rows > 1) & ((blocks[:, 4] > width) | (blocks[:, 5] > width))).any())
 
 
 def _moves_landed(device: torch.device) -> bool:

@@ -550,6 +550,7 @@ def move_blocks(config: KVCacheConfig, num_ranks: int, moves: np.ndarray, src_ba
     Returns:
         blocks: `[M * H_kv/P, 6]` np.int64 for `copy_blocks`.
     """
+    moves = _checked_moves(config, moves)
     if moves.size == 0:
         return np.zeros((0, 6), dtype=np.int64)
     unit = _unit_bytes(config, num_ranks)
@@ -578,6 +579,7 @@ def packed_blocks(config: KVCacheConfig, num_ranks: int, moves: np.ndarray, pool
         blocks: `[n, 6]` np.int64 for `copy_blocks`.
         nbytes: int, packed size in bytes (0 when `moves` is empty).
     """
+    moves = _checked_moves(config, moves)
     if moves.size == 0:
         return np.zeros((0, 6), dtype=np.int64), 0
     unit = _unit_bytes(config, num_ranks)
@@ -593,6 +595,20 @@ def packed_blocks(config: KVCacheConfig, num_ranks: int, moves: np.ndarray, pool
     else:
         blocks = _plane_blocks(config, num_ranks, pool, packed, moves[:, 4], plane, plane_packed, row, filled)
     return blocks, int(move_packed.sum())
+
+
+def _checked_moves(config: KVCacheConfig, moves) -> np.ndarray:
+    """`moves` as `[M, 5]` np.int64, every move's units in [0, num_units) and filled tokens in [0, page_size] (a block
+    is a whole plane's rows: a larger fill would run into the next unit, inside the region's bounds)."""
+    moves = np.asarray(moves, dtype=np.int64).reshape(-1, 5)
+    if moves.size:
+        lo, hi = moves.min(axis=0).tolist(), moves.max(axis=0).tolist()  # two passes for every column
+        units = (min(lo[1], lo[3]), max(hi[1], hi[3]))
+        if units[0] < 0 or units[1] >= config.num_units or lo[4] < 0 or hi[4] > config.page_size:
+            raise ValueError(f"moves: expected units in [0, {config.num_units}) and filled tokens in "
+                             f"[0, {config.page_size}], got units [{units[0]}, {units[1]}] and tokens "
+                             f"[{lo[4]}, {hi[4]}]")
+    return moves
 
 
 def _unit_bytes(config: KVCacheConfig, num_ranks: int) -> int:
