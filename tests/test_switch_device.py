@@ -746,14 +746,19 @@ def test_a_stride_past_a_runtime_copy_goes_to_the_kernel(monkeypatch, stride, ke
     assert (stand_in.queued[-1][1] != 0) == kernel
 
 
-@pytest.mark.parametrize("rows,stride,same_region,kernel", [
-    (4, 64, False, False), (4, 64, True, True), (1, 64, True, False), (4, 16, True, False)])
-def test_gapped_rows_inside_one_region_go_to_the_kernel(monkeypatch, rows, stride, same_region, kernel):
-    """A runtime 2D copy's areas may not overlap (CUDA): a few blocks with gaps between their rows, inside one region
-    (a rank's own KV moves), go to the kernel; contiguous blocks and moves between two regions stay runtime copies."""
+@pytest.mark.parametrize("src,rows,stride,same_region,kernel", [
+    (32, 4, 64, False, False),        # two regions: never overlapping areas
+    (32, 4, 64, True, True),          # rows interleaved (a rank's own KV move)
+    (1 << 20, 4, 64, True, False),    # one region, disjoint spans (a weight chunk between two slots)
+    (16, 1, 64, True, False),         # one row each, side by side
+    (208, 4, 64, True, False),        # the source starts where the destination span ends
+    (192, 4, 64, True, True)])        # ... one row earlier
+def test_overlapping_spans_inside_one_region_go_to_the_kernel(monkeypatch, src, rows, stride, same_region, kernel):
+    """A runtime 2D copy's areas may not overlap (CUDA): a few blocks whose source and destination spans overlap,
+    inside one region, go to the kernel; disjoint spans and moves between two regions stay runtime copies."""
     stand_in = _TableMoves(monkeypatch)
-    table = np.array([[0, 1 << 20, rows, 16, stride, stride]], dtype=np.int64)
-    src_range = (0, 1 << 30) if same_region else (1 << 20, 1 << 30)
+    table = np.array([[0, src, rows, 16, stride, stride]], dtype=np.int64)
+    src_range = (0, 1 << 30) if same_region else (16, 1 << 30)
     assert stand_in.moves.copy(table, (0, 1 << 30), src_range) == rows * 16
     assert (stand_in.queued[-1][1] != 0) == kernel
 

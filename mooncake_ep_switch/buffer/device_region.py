@@ -372,14 +372,16 @@ _NEVER_RELEASED: List[list] = []
 def _needs_kernel(blocks: np.ndarray, dst_range, src_range) -> bool:
     """Whether a move goes to the block-copy kernel rather than one runtime copy per block: from
     `KERNEL_MIN_BLOCKS` blocks on, and for any block a runtime 2D copy does not take: a stride past
-    `MAX_RUNTIME_PITCH`, or rows with gaps inside one region (a 2D copy's areas may not overlap, and the spans of
-    a KV block's source and destination rows, a whole plane apart, interleave)."""
+    `MAX_RUNTIME_PITCH`, or, inside one region, source and destination spans that overlap (a 2D copy's areas may
+    not; the rows of a rank's own KV move, a whole plane apart, interleave)."""
     if blocks.shape[0] >= KERNEL_MIN_BLOCKS or int(blocks[:, 4:].max()) > MAX_RUNTIME_PITCH:
         return True
     if tuple(dst_range) != tuple(src_range):
         return False
-    rows, width = blocks[:, 2], blocks[:, 3]
-    return bool(((rows > 1) & ((blocks[:, 4] > width) | (blocks[:, 5] > width))).any())
+    last = np.maximum(blocks[:, 2] - 1, 0)
+    dst_end = blocks[:, 0] + last * blocks[:, 4] + blocks[:, 3]
+    src_end = blocks[:, 1] + last * blocks[:, 5] + blocks[:, 3]
+    return bool(((blocks[:, 0] < src_end) & (blocks[:, 1] < dst_end)).any())
 
 
 def _moves_landed(device: torch.device) -> bool:
