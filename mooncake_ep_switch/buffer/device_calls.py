@@ -174,10 +174,10 @@ def combine(core: BufferCore, x, topk_idx, topk_weights, active_ranks, timeout_u
     bias = validation.check_combine_bias(bias, topk_idx.size(0), hidden, impl.device)
     _check_aligned("x", x)
     _check_aligned("out", out)
-    plan = core.plan_of(handle)
+    plan = handle.plan if spec is not None else core.plan_of(handle)  # the hot path matched its plan and owner
     check_combinable(plan)
     check_half_free(plan, core.call)
-    if tuple(topk_idx.shape) != (plan.num_tokens, plan.top_k):
+    if spec is None and tuple(topk_idx.shape) != (plan.num_tokens, plan.top_k):  # the hot path compared them
         validation.fail("topk_idx", f"the dispatch's shape [{plan.num_tokens}, {plan.top_k}]", list(topk_idx.shape))
     capturing = _capturing()
     _check_values(core, topk_idx, experts, active_ranks, capturing)

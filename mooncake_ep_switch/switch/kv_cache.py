@@ -111,7 +111,7 @@ class PagedKVCache:
         self.num_ranks = ranks
         self.transport = buffer.transport
         self.layout = layout if joined is None else joined["layout"]
-        self.heads_per_unit = heads // ranks
+        self.heads_per_unit = _heads_per_unit(config, ranks)
         self.unit_bytes = _unit_bytes(config, ranks)
         meta = config.metadata_bytes or 65536 + 40 * units
         self.meta_bytes = (meta + _META_HEADER + 4095) // 4096 * 4096
@@ -586,7 +586,7 @@ def packed_blocks(config: KVCacheConfig, num_ranks: int, moves: np.ndarray, pool
     plane = config.num_units * unit
     pool = pool_base + moves[:, 1 if pack else 3] * unit
     filled = moves[:, 4] * config.head_dim * 2                          # bytes of one head's rows
-    plane_packed = filled * (config.num_kv_heads // num_ranks)           # one (layer, K/V) plane, packed
+    plane_packed = filled * _heads_per_unit(config, num_ranks)          # one (layer, K/V) plane, packed
     move_packed = plane_packed * (config.num_layers * 2)
     packed = packed_base + np.cumsum(move_packed) - move_packed          # each move's start
     row = config.page_size * config.head_dim * 2
@@ -611,9 +611,14 @@ def _checked_moves(config: KVCacheConfig, moves) -> np.ndarray:
     return moves
 
 
+def _heads_per_unit(config: KVCacheConfig, num_ranks: int) -> int:
+    """Heads of one unit: `H_kv/P`."""
+    return config.num_kv_heads // num_ranks
+
+
 def _unit_bytes(config: KVCacheConfig, num_ranks: int) -> int:
     """Bytes of one unit: `H_kv/P` heads of one page."""
-    return config.num_kv_heads // num_ranks * config.page_size * config.head_dim * 2
+    return _heads_per_unit(config, num_ranks) * config.page_size * config.head_dim * 2
 
 
 def _plane_blocks(config: KVCacheConfig, num_ranks: int, dst, src, tokens, dst_plane, src_plane, dst_head,
@@ -630,7 +635,7 @@ def _plane_blocks(config: KVCacheConfig, num_ranks: int, dst, src, tokens, dst_p
         blocks: `[M * H_kv/P, 6]` np.int64 (dst, src, L * 2, filled bytes, dst_plane, src_plane), moves one after
         another, heads ascending.
     """
-    heads, m = config.num_kv_heads // num_ranks, tokens.shape[0]
+    heads, m = _heads_per_unit(config, num_ranks), tokens.shape[0]
     head = np.arange(heads, dtype=np.int64)
     blocks = np.empty((m, heads, 6), dtype=np.int64)
     blocks[..., 0] = dst[:, None] + head * _column(dst_head)
