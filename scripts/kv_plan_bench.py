@@ -9,7 +9,9 @@ same run, best of `--repeat`, and checks that both give the same plan.
 Prints `KVPLAN <what> R=<r> ...: ours <ms> reference <ms> (<x> faster)` per row.
 
 Also the copy blocks of rank 0's TP->EP sends for a model of `--layers` layers and `--kv-heads` KV heads
-(`kv_cache.move_blocks`) against the first version's (one block per move, layer and K/V).
+(`kv_cache.move_blocks`) against the first version's (one block per move, layer and K/V), and every peer's blocks
+of those sends built in one native pass over the whole plan (`kv_cache.peer_blocks`, the switch's KV phase) against
+splitting the plan by peer and building each part.
 
 Usage: python3 scripts/kv_plan_bench.py [--ranks R ...] [--requests N] [--tokens T] [--repeat K] [--layers L]
        [--kv-heads H]
@@ -40,9 +42,9 @@ def rows(ranks: int, requests: int, tokens: int, repeat: int, layers: int = 32, 
     import types
 
     from mooncake_ep_switch.layouts import EP, TP
-    from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, move_blocks
+    from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, move_blocks, peer_blocks
     from mooncake_ep_switch.switch.kv_meta import decode_meta, encode_meta
-    from mooncake_ep_switch.switch.kv_plan import Planner
+    from mooncake_ep_switch.switch.kv_plan import Planner, moves_by_peer
     from tests.kv_plan_reference import ReferencePlanner, reference_decode_meta, reference_move_blocks
     from tests.kv_workloads import serving_metas
 
@@ -73,6 +75,20 @@ def rows(ranks: int, requests: int, tokens: int, repeat: int, layers: int = 32, 
                         f"({count[0]} blocks, reference {count[1]})",
                         best_ms(lambda: move_blocks(model, ranks, sends, 0, 0), repeat),
                         best_ms(lambda: reference_move_blocks(shape, sends, 0, 0), repeat)))
+            # the switch's KV phase: every peer's blocks in one native pass over the plan, against splitting the
+            # plan by peer and building each part (the phase before 2026-12-01); both from the whole plan
+            bases, peers = [(rank + 1) << 40 for rank in range(ranks)], list(range(ranks))
+
+            def split_then_build():
+                parts = moves_by_peer(got.moves, 0, True, ranks)
+                return [move_blocks(model, ranks, parts[peer], bases[0], bases[peer]) for peer in peers]
+
+            one_pass = peer_blocks(model, ranks, got.moves, 0, peers, bases, True)
+            assert np.array_equal(one_pass[0], np.concatenate(split_then_build()))
+            out.append((f"every peer's copy blocks of rank 0's sends from the plan ({one_pass[0].shape[0]} blocks; "
+                        "reference: split by peer, then each part's)",
+                        best_ms(lambda: peer_blocks(model, ranks, got.moves, 0, peers, bases, True), repeat),
+                        best_ms(split_then_build, repeat)))
     return out
 
 

@@ -116,3 +116,110 @@ def test_int32_moves_give_the_same_blocks():
     moves = np.array([[0, 1, 1, 5, 4], [0, 2, 1, 6, 3]], dtype=np.int64)
     want = cache.move_blocks(moves, 1 << 40, 1 << 41)
     assert np.array_equal(cache.move_blocks(moves.astype(np.int32), 1 << 40, 1 << 41), want)
+
+
+# ------------------------------------------------------------------------------------------------
+# peer_blocks: every peer's blocks of a plan in one native pass
+# ------------------------------------------------------------------------------------------------
+
+def _plan_moves(rng, num_ranks: int, units: int, page: int, count: int) -> np.ndarray:
+    """`count` moves between random ranks and units (a plan's rows, unsorted), random fills 0..page."""
+    moves = np.zeros((count, 5), dtype=np.int64)
+    moves[:, 0], moves[:, 2] = rng.integers(0, num_ranks, count), rng.integers(0, num_ranks, count)
+    moves[:, 1], moves[:, 3] = rng.integers(0, units, count), rng.integers(0, units, count)
+    moves[:, 4] = rng.integers(0, page + 1, count)
+    return moves
+
+
+@pytest.mark.parametrize("sending", [True, False], ids=["sends", "receives"])
+@pytest.mark.parametrize("num_ranks,heads_per_unit", [(1, 2), (2, 1), (3, 2), (4, 1), (8, 2)])
+def test_peer_blocks_are_each_peers_move_blocks_in_order(num_ranks, heads_per_unit, sending):
+    """`peer_blocks` equals, peer after peer in the order given, `move_blocks` of the rows a filter on (rank, peer)
+    selects, in plan order, with each side's pool base; peers left out (a dead rank) get nothing."""
+    from mooncake_ep_switch.switch.kv_cache import peer_blocks
+
+    rng = np.random.default_rng(num_ranks * 10 + heads_per_unit + 100 * sending)
+    config = KVCacheConfig(3, heads_per_unit * num_ranks, 16, 4, 32)
+    moves = _plan_moves(rng, num_ranks, config.num_units, config.page_size, 300)
+    bases = [(r + 1) << 40 for r in range(num_ranks)]
+    mine, other = (0, 2) if sending else (2, 0)
+    for rank in range(num_ranks):
+        order = [(rank + step) % num_ranks for step in range(num_ranks)]
+        for peers in (order, order[::-1][:max(1, num_ranks - 2)], []):
+            blocks, bounds = peer_blocks(config, num_ranks, moves, rank, peers, bases, sending)
+            assert len(bounds) == len(peers) + 1 and bounds[0] == 0 and bounds[-1] == blocks.shape[0]
+            for i, peer in enumerate(peers):
+                rows = moves[(moves[:, mine] == rank) & (moves[:, other] == peer)]
+                src, dst = (rank, peer) if sending else (peer, rank)
+                want = move_blocks(config, num_ranks, rows, bases[src], bases[dst])
+                assert np.array_equal(blocks[bounds[i]:bounds[i + 1]], want), (rank, peers, peer)
+
+
+def test_peer_blocks_copy_what_move_blocks_do():
+    """Through the native copy: the blocks of rank 0's sends to itself and to rank 1 move the same bytes as the
+    per-peer `move_blocks` into a second pair of pools."""
+    from mooncake_ep_switch.switch.kv_cache import peer_blocks
+
+    rng = np.random.default_rng(5)
+    config = KVCacheConfig(2, 4, 8, 4, 16)
+    units = rng.permutation(16)
+    moves = np.array([[0, units[i], i % 2, units[15 - i], int(rng.integers(0, 5))] for i in range(8)], dtype=np.int64)
+    unit = (config.num_kv_heads // 2) * config.page_size * config.head_dim * 2
+    pool = config.num_layers * 2 * config.num_units * unit
+    src = torch.from_numpy(rng.integers(0, 256, pool, dtype=np.uint8))
+    got = [torch.zeros(pool, dtype=torch.uint8) for _ in range(2)]
+    want = [torch.zeros(pool, dtype=torch.uint8) for _ in range(2)]
+    blocks, bounds = peer_blocks(config, 2, moves, 0, [0, 1], [src.data_ptr(), got[1].data_ptr()], True)
+    # rank 0's own moves copy within its pool: aim them at got[0] instead (same offsets)
+    own = blocks[bounds[0]:bounds[1]].copy()
+    own[:, 0] += got[0].data_ptr() - src.data_ptr()
+    assert _copy(own, got[0], src) + _copy(blocks[bounds[1]:bounds[2]], got[1], src) == int(
+        (blocks[:, 2] * blocks[:, 3]).sum())
+    for peer in (0, 1):
+        rows = moves[moves[:, 2] == peer]
+        _copy(move_blocks(config, 2, rows, src.data_ptr(), want[peer].data_ptr()), want[peer], src)
+        assert torch.equal(got[peer], want[peer])
+
+
+@pytest.mark.parametrize("column,value,match", [
+    (1, -1, "moves: expected units in"), (3, 16, "moves: expected units in"), (4, 5, "moves: expected units in"),
+    (4, -1, "moves: expected units in"), (2, 2, "names rank 2, outside"), (2, -1, "names rank -1, outside")])
+def test_peer_blocks_refuse_a_bad_move(column, value, match):
+    """A move `rank` sends with a unit outside the pool, a fill past its page or a peer outside the group is refused
+    (ValueError), as by `move_blocks`; a bad move of another rank's is not read."""
+    from mooncake_ep_switch.switch.kv_cache import peer_blocks
+
+    config = KVCacheConfig(2, 4, 8, 4, 16)
+    moves = np.array([[0, 1, 1, 5, 4], [0, 2, 1, 6, 3], [1, 3, 0, 7, 2]], dtype=np.int64)
+    bad = moves.copy()
+    bad[1, column] = value
+    with pytest.raises(ValueError, match=match):
+        peer_blocks(config, 2, bad, 0, [0, 1], [1 << 40, 1 << 41], True)
+    if column != 2:  # the other rank's moves are never read
+        other = moves.copy()
+        other[2, column] = value
+        blocks, _ = peer_blocks(config, 2, other, 0, [0, 1], [1 << 40, 1 << 41], True)
+        assert blocks.shape[0] == 2 * 2
+
+
+@pytest.mark.parametrize("peers,rank,match", [([0, 0], 0, "peers must be distinct"), ([0, 2], 0, "peers must be"),
+                                              ([-1], 0, "peers must be"), ([0], 2, "rank 2 must be in")])
+def test_peer_blocks_refuse_bad_peers_and_ranks(peers, rank, match):
+    from mooncake_ep_switch.switch.kv_cache import peer_blocks
+
+    config = KVCacheConfig(2, 4, 8, 4, 16)
+    moves = np.array([[0, 1, 1, 5, 4]], dtype=np.int64)
+    with pytest.raises(ValueError, match=match):
+        peer_blocks(config, 2, moves, rank, peers, [1 << 40, 1 << 41], True)
+
+
+def test_peer_blocks_take_int32_and_empty_plans():
+    from mooncake_ep_switch.switch.kv_cache import peer_blocks
+
+    config = KVCacheConfig(2, 4, 8, 4, 16)
+    moves = np.array([[0, 1, 1, 5, 4], [0, 2, 0, 6, 3]], dtype=np.int64)
+    want = peer_blocks(config, 2, moves, 0, [1, 0], [1 << 40, 1 << 41], True)
+    got = peer_blocks(config, 2, moves.astype(np.int32), 0, [1, 0], [1 << 40, 1 << 41], True)
+    assert np.array_equal(got[0], want[0]) and got[1] == want[1] == [0, 2, 4]
+    blocks, bounds = peer_blocks(config, 2, np.zeros((0, 5), dtype=np.int64), 0, [0, 1], [1 << 40, 1 << 41], True)
+    assert blocks.shape == (0, 6) and bounds == [0, 0, 0]

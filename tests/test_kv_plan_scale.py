@@ -172,8 +172,8 @@ def test_serving_scale_plans_match_the_reference(layout, target):
 
 
 def test_the_plan_benchmark_script_runs():
-    """scripts/kv_plan_bench.py at a small shape: a row for decoding, for each plan (both ways checked equal) and for
-    the copy blocks."""
+    """scripts/kv_plan_bench.py at a small shape: a row for decoding, for each plan (both ways checked equal), for
+    the copy blocks and for every peer's blocks in one pass (checked equal to the per-peer ones)."""
     import os
     import re
     import subprocess
@@ -184,9 +184,9 @@ def test_the_plan_benchmark_script_runs():
                           "--tokens", "70", "--repeat", "1", "--layers", "3", "--kv-heads", "6"],
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    found = re.findall(r"KVPLAN (decode|plan tp->ep|plan ep->tp|copy blocks).* R=(\d) .*ours [\d.]+ ms reference "
-                       r"[\d.]+ ms", run.stdout)
-    kinds = ("decode", "plan tp->ep", "plan ep->tp", "copy blocks")
+    found = re.findall(r"KVPLAN (decode|plan tp->ep|plan ep->tp|copy blocks|every peer's).* R=(\d) .*ours [\d.]+ ms "
+                       r"reference [\d.]+ ms", run.stdout)
+    kinds = ("decode", "plan tp->ep", "plan ep->tp", "copy blocks", "every peer's")
     assert sorted(found) == sorted((what, r) for what in kinds for r in "23"), run.stdout
 
 

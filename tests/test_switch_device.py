@@ -584,6 +584,38 @@ def test_gpu_block_copies_match_the_host_copy(count, aligned, max_rows, max_widt
 
 
 @gpu
+def test_gpu_parts_of_one_table_match_the_host_copy():
+    """`DeviceMoves.copy_parts` on a GPU: three parts of one table (the kernel's device table at each part's offset,
+    a part of few blocks as runtime copies), each into its own destination; every byte equals the host copies'."""
+    from mooncake_ep_switch import _native
+    from mooncake_ep_switch.buffer.device_region import DeviceMoves
+
+    device, nbytes = torch.device("cuda", 0), 1 << 20
+    generator = np.random.default_rng(17)
+    src_host = torch.from_numpy(generator.integers(0, 256, nbytes, dtype=np.uint8))
+    src = src_host.to(device)
+    dst_host = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(3)]
+    dst = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(3)]
+    tables, parts, at = [], [], 0
+    for index, count in enumerate((40, 3, 25)):
+        host_blocks = _random_blocks(generator, count, dst_host[index].data_ptr(), src_host.data_ptr(), nbytes, True)
+        _native.copy_blocks(host_blocks.ctypes.data, count, dst_host[index].data_ptr(),
+                            dst_host[index].data_ptr() + nbytes, src_host.data_ptr(), src_host.data_ptr() + nbytes)
+        shift = np.asarray([dst[index].data_ptr() - dst_host[index].data_ptr(), src.data_ptr() - src_host.data_ptr(),
+                            0, 0, 0, 0])
+        tables.append(host_blocks + shift[None, :])
+        parts.append((at, at + count, (dst[index].data_ptr(), dst[index].data_ptr() + nbytes),
+                      (src.data_ptr(), src.data_ptr() + nbytes)))
+        at += count
+    moves = DeviceMoves(device)
+    queued = moves.copy_parts(np.concatenate(tables), parts)
+    moves.fence(10.0)
+    assert queued == [int((table[:, 2] * table[:, 3]).sum()) for table in tables]
+    for index in range(3):
+        assert torch.equal(dst[index].cpu(), dst_host[index]), index
+
+
+@gpu
 def test_gpu_block_tables_reused_while_moves_are_queued():
     """Moves queued behind a device sleep with no fence between them: the first `MAX_TABLES` calls fill the kept
     tables, the next get one-off tables (every kept one busy); after a fence the kept ones are reused, while more
@@ -850,6 +882,64 @@ def test_a_full_ring_replaces_only_a_finished_table_and_a_failed_launch_keeps_it
         stand_in.copy(8)
         assert stand_in.queued[-1][1] != held[0][0].on_device.data_ptr()
         moves._tables[0].event.done = True
+
+
+def test_parts_of_one_table_share_one_upload_each_between_its_regions(monkeypatch):
+    """`DeviceMoves.copy_parts` (a switch's KV phase: every peer's moves in one table): one table and one event
+    record for all the parts, each part queued between its own ranges in order, as its rows of the one table (the
+    kernel's device table at the part's offset); a part of few blocks between two regions stays runtime copies; a
+    refused part stops the call there, the parts before it queued and the table held until the device read it."""
+    stand_in = _TableMoves(monkeypatch)
+    moves, queued, events = stand_in.moves, stand_in.queued, stand_in.events
+    table = np.zeros((30, 6), dtype=np.int64)
+    table[:, 0], table[:, 1], table[:, 2], table[:, 3] = np.arange(30) * 64, (1 << 30) + np.arange(30) * 64, 1, 16
+    two = ((0, 1 << 20), (1 << 30, 1 << 31))  # (destination, source) ranges in two regions
+    parts = [(0, 20, *two), (20, 20, *two), (20, 23, *two), (23, 30, *two)]
+    assert moves.copy_parts(table, parts) == [20 * 16, 3 * 16, 7 * 16]  # the empty part is skipped
+    assert [len(q[0]) for q in queued] == [20, 3, 7]
+    for (blocks, _), (start, stop) in zip(queued, [(0, 20), (20, 23), (23, 30)]):
+        assert np.array_equal(blocks, table[start:stop])
+    device_table = moves._tables[0].on_device.data_ptr()
+    assert [q[1] for q in queued] == [device_table, 0, 0]  # 20 blocks: the kernel; 3 and 7 between two regions: not
+    assert len(moves._tables) == 1 and len(events) == 1 and events[0].records == 1 and moves.unfenced_bytes == 480
+
+    table[:, 1] = np.arange(30) * 64 + 32  # one region, interleaved rows (a rank's own KV moves): the kernel
+    table[:, 2], table[:, 4], table[:, 5] = 2, 4096, 4096
+    events[0].done = True
+    moves.copy_parts(table, [(0, 10, (0, 1 << 20), (0, 1 << 20)), (10, 13, (0, 1 << 20), (0, 1 << 20))])
+    assert [q[1] for q in queued[-2:]] == [device_table, device_table + 48 * 10]
+
+    events[0].done = True
+    table[12, 2] = -1  # a refused block in the second part (the stand-in refuses by its part's first row)
+    one = ((0, 1 << 20), (0, 1 << 20))
+    bad = [(0, 12, *one), (12, 20, *one), (20, 30, *one)]
+    before = len(queued)
+    with pytest.raises(ValueError, match="negative"):
+        moves.copy_parts(table, bad)
+    assert len(queued) == before + 1 and moves._tables[0].busy and events[0].records == 3  # part 1 queued: held
+    assert moves.copy_parts(table, []) == []
+
+
+def test_block_parts_on_the_host_copy_each_part_between_its_regions():
+    """`copy_block_parts` on host memory: each part through the native bounds-checked copy between its own ranges
+    (bytes per part, 0 for an empty one); a part outside its ranges is refused with the parts before it copied."""
+    from mooncake_ep_switch.buffer.device_region import copy_block_parts
+
+    rng = np.random.default_rng(3)
+    src = torch.from_numpy(rng.integers(0, 256, 4096, dtype=np.uint8))
+    dst = [torch.zeros(1024, dtype=torch.uint8) for _ in range(2)]
+    table = np.array([[dst[0].data_ptr(), src.data_ptr(), 4, 16, 64, 128],
+                      [dst[1].data_ptr() + 32, src.data_ptr() + 1024, 2, 32, 512, 32]], dtype=np.int64)
+    whole = lambda t: (t.data_ptr(), t.data_ptr() + t.numel())  # noqa: E731
+    parts = [(0, 1, whole(dst[0]), whole(src)), (1, 1, whole(dst[1]), whole(src)), (1, 2, whole(dst[1]), whole(src))]
+    assert copy_block_parts(table, parts, None) == [64, 0, 64]
+    for row in range(4):
+        assert torch.equal(dst[0][row * 64:row * 64 + 16], src[row * 128:row * 128 + 16])
+    assert torch.equal(dst[1][32:64], src[1024:1056]) and torch.equal(dst[1][544:576], src[1056:1088])
+    dst[0].zero_()
+    with pytest.raises(ValueError, match="outside its region"):
+        copy_block_parts(table, [(0, 1, whole(dst[0]), whole(src)), (1, 2, whole(dst[0]), whole(src))], None)
+    assert torch.equal(dst[0][:16], src[:16])  # the part before the refused one was copied
 
 
 def rank_owner_gone(ctx, how: str) -> dict:

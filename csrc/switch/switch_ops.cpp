@@ -143,6 +143,90 @@ void copy_blocks(uintptr_t desc_ptr, int64_t n, uintptr_t dst_lo, uintptr_t dst_
 #endif
 }
 
+int64_t kv_peer_blocks(uintptr_t moves_ptr, int64_t num_moves, int64_t rank, int64_t num_ranks,
+                       const std::vector<int64_t>& peers, const std::vector<uint64_t>& pool_bases,
+                       const KVBlockGeometry& geometry, uintptr_t out_ptr, int64_t capacity, uintptr_t bounds_ptr,
+                       bool sending) {
+    if (num_moves < 0) throw_value_error("kv_peer_blocks: num_moves = " + std::to_string(num_moves) + " must be >= 0");
+    if (num_ranks <= 0 || rank < 0 || rank >= num_ranks) {
+        throw_value_error("kv_peer_blocks: rank " + std::to_string(rank) + " must be in [0, " +
+                          std::to_string(num_ranks) + ")");
+    }
+    if (int64_t(pool_bases.size()) != num_ranks) {
+        throw_value_error("kv_peer_blocks: pool_bases has " + std::to_string(pool_bases.size()) +
+                          " entries, expected " + std::to_string(num_ranks));
+    }
+    const KVBlockGeometry& g = geometry;
+    if (g.num_units <= 0 || g.unit_bytes <= 0 || g.heads <= 0 || g.head_bytes <= 0 || g.page_size <= 0 ||
+        g.token_bytes <= 0 || g.planes <= 0 || g.plane_bytes <= 0) {
+        throw_value_error("kv_peer_blocks: the geometry's sizes must be positive");
+    }
+    // Position of each rank in `peers` (-1: not wanted), each at most once.
+    std::vector<int64_t> slot(size_t(num_ranks), -1);
+    for (size_t i = 0; i < peers.size(); ++i) {
+        const int64_t p = peers[i];
+        if (p < 0 || p >= num_ranks || slot[size_t(p)] >= 0) {
+            throw_value_error("kv_peer_blocks: peers must be distinct ranks in [0, " + std::to_string(num_ranks) +
+                              "), got " + std::to_string(p) + " at " + std::to_string(i));
+        }
+        slot[size_t(p)] = int64_t(i);
+    }
+    if (num_moves > 0) check_nonnull(moves_ptr, "moves_ptr");
+    check_nonnull(bounds_ptr, "bounds_ptr");
+    const int64_t* moves = reinterpret_cast<const int64_t*>(moves_ptr);
+    const int mine = sending ? 0 : 2, other = sending ? 2 : 0;
+    // Count each wanted peer's moves (and check every move used) before writing anything.
+    std::vector<int64_t> count(peers.size() + 1, 0);
+    for (int64_t m = 0; m < num_moves; ++m) {
+        const int64_t* row = moves + 5 * m;
+        if (row[mine] != rank) continue;
+        const int64_t peer = row[other];
+        if (peer < 0 || peer >= num_ranks) {
+            throw_value_error("kv_peer_blocks: move " + std::to_string(m) + " names rank " + std::to_string(peer) +
+                              ", outside [0, " + std::to_string(num_ranks) + ")");
+        }
+        if (slot[size_t(peer)] < 0) continue;
+        if (row[1] < 0 || row[1] >= g.num_units || row[3] < 0 || row[3] >= g.num_units || row[4] < 0 ||
+            row[4] > g.page_size) {
+            throw_value_error("moves: expected units in [0, " + std::to_string(g.num_units) +
+                              ") and filled tokens in [0, " + std::to_string(g.page_size) + "], got move " +
+                              std::to_string(m) + " = (" + std::to_string(row[0]) + ", " + std::to_string(row[1]) +
+                              ", " + std::to_string(row[2]) + ", " + std::to_string(row[3]) + ", " +
+                              std::to_string(row[4]) + ")");
+        }
+        ++count[size_t(slot[size_t(peer)]) + 1];
+    }
+    std::vector<int64_t> next(peers.size() + 1, 0);  // each peer's first block, then the end
+    for (size_t i = 0; i < peers.size(); ++i) next[i + 1] = next[i] + count[i + 1] * g.heads;
+    const int64_t total = next[peers.size()];
+    if (total > capacity) {
+        throw_value_error("kv_peer_blocks: " + std::to_string(total) + " blocks do not fit the table's " +
+                          std::to_string(capacity));
+    }
+    if (total > 0) check_nonnull(out_ptr, "out_ptr");
+    std::memcpy(reinterpret_cast<int64_t*>(bounds_ptr), next.data(), next.size() * sizeof(int64_t));
+    if (total == 0) return 0;
+    int64_t* out = reinterpret_cast<int64_t*>(out_ptr);
+    for (int64_t m = 0; m < num_moves; ++m) {  // in the moves' order within a peer
+        const int64_t* row = moves + 5 * m;
+        if (row[mine] != rank || slot[size_t(row[other])] < 0) continue;
+        const int64_t src_rank = row[0], dst_rank = row[2];
+        const uint64_t src = pool_bases[size_t(src_rank)] + uint64_t(row[1] * g.unit_bytes);
+        const uint64_t dst = pool_bases[size_t(dst_rank)] + uint64_t(row[3] * g.unit_bytes);
+        int64_t* block = out + 6 * next[size_t(slot[size_t(row[other])])];
+        for (int64_t h = 0; h < g.heads; ++h, block += 6) {
+            block[0] = int64_t(dst + uint64_t(h * g.head_bytes));
+            block[1] = int64_t(src + uint64_t(h * g.head_bytes));
+            block[2] = g.planes;
+            block[3] = row[4] * g.token_bytes;
+            block[4] = g.plane_bytes;
+            block[5] = g.plane_bytes;
+        }
+        next[size_t(slot[size_t(row[other])])] += g.heads;
+    }
+    return total;
+}
+
 namespace {
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "signal words: low half first");

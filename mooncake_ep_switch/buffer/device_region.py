@@ -263,36 +263,71 @@ class DeviceMoves:
         if blocks.shape[0] == 0:
             return 0
         with self._lock:  # a table is taken and marked busy by one thread at a time
-            return self._queue(blocks, dst_range, src_range)
+            return self._queue(blocks, [(0, blocks.shape[0], dst_range, src_range)])[0]
 
-    def _queue(self, blocks: np.ndarray, dst_range, src_range) -> int:
+    def copy_parts(self, blocks: np.ndarray, parts) -> List[int]:
+        """Queue the parts of one table, each between its own pair of regions, in order (see `copy`): one table
+        upload and one wait for the caller's stream for all of them.
+
+        Arguments:
+            blocks: `[n, 6]` int64 rows as for `copy`.
+            parts: (start, stop, dst_range, src_range) tuples: `blocks[start:stop]` lies in those ranges.
+
+        Returns:
+            nbytes: `[len(parts)]` ints, the bytes each part queued.
+
+        Raises:
+            ValueError: a part's block outside its ranges; that part and those after it are not queued (the
+                earlier ones are).
+        """
+        blocks = block_table(blocks)
+        parts = [part for part in parts if part[1] > part[0]]
+        if not parts:
+            return []
+        with self._lock:
+            return self._queue(blocks, parts)
+
+    def _queue(self, blocks: np.ndarray, parts) -> List[int]:
         self._in_flight = [entry for entry in self._in_flight if not entry[0].query()]
         table = None
-        if _needs_kernel(blocks, dst_range, src_range):
-            # One kernel: its table goes up from pinned memory (an upload from pageable memory would make the
-            # driver wait for the stream, with no deadline) into device memory, both reused only once it landed.
+        kernel = [_needs_kernel(blocks[start:stop], dst_range, src_range)
+                  for start, stop, dst_range, src_range in parts]
+        if any(kernel):
+            # One kernel a part: the table goes up from pinned memory (an upload from pageable memory would make
+            # the driver wait for the stream, with no deadline) into device memory, both reused only once it landed.
             table = self._free_table(blocks.shape[0])
             table.pinned[:blocks.size].copy_(torch.from_numpy(blocks.reshape(-1)))
             blocks = table.pinned[:blocks.size].numpy().reshape(-1, 6)
+        queued: List[int] = []
         try:
             with torch.cuda.device(self.device):
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))
-                queued = device_memory.queue_copies(blocks, dst_range, src_range, self.stream.cuda_stream,
-                                                    0 if table is None else table.on_device.data_ptr())
+                stream = self.stream.cuda_stream
+                device_table = 0 if table is None else table.on_device.data_ptr()
+                for (start, stop, dst_range, src_range), whole_kernel in zip(parts, kernel):
+                    queued.append(device_memory.queue_copies(blocks[start:stop], dst_range, src_range, stream,
+                                                             device_table + 48 * start if whole_kernel else 0))
         except ValueError:
-            raise  # refused before anything was queued: its table stays free
+            if table is not None and queued:  # an earlier part's upload is queued: held until it landed
+                self._hold(table)
+            raise  # this part was refused before anything of it was queued
         except BaseException:
             if table is not None:  # the table's upload may be queued (a launch failed after it): never reused
                 _NEVER_RELEASED.append([table])
                 self._tables = [kept for kept in self._tables if kept is not table]
             raise
+        finally:
+            self.unfenced_bytes += sum(queued)
         if table is not None:  # queued
-            table.event.record(self.stream)
-            table.busy = True
-            if not any(kept is table for kept in self._tables):
-                self._in_flight.append((table.event, table))
-        self.unfenced_bytes += queued
+            self._hold(table)
         return queued
+
+    def _hold(self, table: "_BlockTable") -> None:
+        """Mark `table` read by what this stream queued so far: reused (or released) only once that completed."""
+        table.event.record(self.stream)
+        table.busy = True
+        if not any(kept is table for kept in self._tables):
+            self._in_flight.append((table.event, table))
 
     def _free_table(self, rows: int) -> "_BlockTable":
         """A table of at least `rows` blocks the device no longer reads: a kept one, a new kept one (up to
@@ -457,6 +492,30 @@ def copy_blocks(blocks: np.ndarray, dst_range, src_range, device: Optional[torch
 
     _native.copy_blocks(blocks.ctypes.data, blocks.shape[0], dst_range[0], dst_range[1], src_range[0], src_range[1])
     return int((blocks[:, 2] * blocks[:, 3]).sum())
+
+
+def copy_block_parts(blocks: np.ndarray, parts, device: Optional[torch.device]) -> List[int]:
+    """Copy the parts of one block table, each between its own pair of regions, in order (`copy_blocks` for each;
+    on a device one table upload for all, `DeviceMoves.copy_parts`).
+
+    Arguments:
+        blocks: `[n, 6]` int64 rows `(dst, src, rows, row_bytes, dst_stride, src_stride)`.
+        parts: (start, stop, dst_range, src_range) tuples: `blocks[start:stop]` lies in those (lo, hi) ranges.
+        device: the regions' CUDA torch.device, or None (host memory).
+
+    Returns:
+        nbytes: `[len(parts)]` ints, the bytes of each part (0 for an empty one).
+
+    Raises:
+        ValueError: a part's block outside its ranges; that part and those after it are not copied (the earlier
+            ones are).
+    """
+    blocks = block_table(blocks)
+    if device is None:
+        return [copy_blocks(blocks[start:stop], dst_range, src_range, None)
+                for start, stop, dst_range, src_range in parts]
+    queued = iter(moves_for(device).copy_parts(blocks, parts))
+    return [next(queued) if stop > start else 0 for start, stop, _, _ in parts]
 
 
 def fence(device: Optional[torch.device], timeout_s: float) -> None:

@@ -459,6 +459,23 @@ class PagedKVCache:
         """
         return move_blocks(self.config, self.num_ranks, moves, src_base, dst_base)
 
+    def peer_blocks(self, moves: np.ndarray, peers: Sequence[int], sending: bool) -> Tuple[np.ndarray, List[int]]:
+        """Copy blocks for the moves this rank sends to (or receives from) each of `peers`, grouped by peer in
+        that order, between the pools as mapped here (the module's `peer_blocks` for this cache).
+
+        Arguments:
+            moves: a plan's `[M, 5]` np.int64 moves (src_rank, src_unit, dst_rank, dst_unit, filled_tokens).
+            peers: distinct ranks (this one too, for its own moves); their pools must be mapped here.
+            sending: True: the moves from this rank, False: those to it.
+
+        Returns:
+            blocks: `[n, 6]` np.int64 for `copy_blocks`.
+            bounds: `len(peers) + 1` ints, peer i's blocks `blocks[bounds[i]:bounds[i + 1]]`.
+        """
+        wanted = set(peers) | {self.rank}
+        bases = [self.pool_base(rank) if rank in wanted else 0 for rank in range(self.num_ranks)]
+        return peer_blocks(self.config, self.num_ranks, moves, self.rank, peers, bases, sending)
+
     def packed_blocks(self, moves: np.ndarray, pool_base: int, packed_base: int, pack: bool) -> Tuple[np.ndarray, int]:
         """Blocks packing `moves` from this rank's pool into a contiguous buffer (or unpacking them); the packed
         form of a move is `[L][2][H_kv/P][filled][D]`, moves one after another (the module's `packed_blocks`).
@@ -558,6 +575,45 @@ def move_blocks(config: KVCacheConfig, num_ranks: int, moves: np.ndarray, src_ba
     row = config.page_size * config.head_dim * 2
     return _plane_blocks(config, num_ranks, dst_base + moves[:, 3] * unit, src_base + moves[:, 1] * unit,
                          moves[:, 4], plane, plane, row, row)
+
+
+def peer_blocks(config: KVCacheConfig, num_ranks: int, moves: np.ndarray, rank: int, peers: Sequence[int],
+                pool_bases: Sequence[int], sending: bool) -> Tuple[np.ndarray, List[int]]:
+    """Copy blocks for the moves `rank` sends to (or receives from) each of `peers`, grouped by peer in that order.
+
+    The blocks of each peer's moves are `move_blocks`' (one a head, `L * 2` rows at the plane stride), built in one
+    native pass over the plan: the switch's KV phase builds every peer's table at once instead of splitting the
+    plan and building each part.
+
+    Arguments:
+        config: the cache's `KVCacheConfig`.
+        num_ranks: `P`.
+        moves: a plan's `[M, 5]` np.int64 moves (src_rank, src_unit, dst_rank, dst_unit, filled_tokens).
+        rank: the rank whose moves are wanted.
+        peers: distinct ranks in [0, P), in the order wanted (`rank` itself for its own moves); the moves with
+            any other rank are left out.
+        pool_bases: `[P]` int addresses of each rank's pool as mapped here (only `rank`'s and `peers`' are read).
+        sending: True: the moves from `rank` (to the peers), False: those to it (from the peers).
+
+    Returns:
+        blocks: `[n, 6]` np.int64 for `copy_blocks`, peers one after another, each peer's in the moves' order.
+        bounds: `len(peers) + 1` ints, peer i's blocks `blocks[bounds[i]:bounds[i + 1]]`.
+
+    Raises:
+        ValueError: a move used names a unit outside [0, num_units), filled tokens outside [0, page_size] or a rank
+            outside [0, P); nothing is built.
+    """
+    moves = np.ascontiguousarray(moves, dtype=np.int64).reshape(-1, 5)
+    heads = _heads_per_unit(config, num_ranks)
+    unit = _unit_bytes(config, num_ranks)
+    page_row = config.page_size * config.head_dim * 2
+    geometry = [config.num_units, unit, heads, page_row, config.page_size, config.head_dim * 2, config.num_layers * 2,
+                config.num_units * unit]
+    blocks = np.empty((moves.shape[0] * heads, 6), dtype=np.int64)  # at most every move; pages never touched stay free
+    bounds = np.empty(len(peers) + 1, dtype=np.int64)
+    count = _native.kv_peer_blocks(moves.ctypes.data, moves.shape[0], rank, num_ranks, list(peers), list(pool_bases),
+                                   geometry, blocks.ctypes.data, blocks.shape[0], bounds.ctypes.data, sending=sending)
+    return blocks[:count], bounds.tolist()
 
 
 def packed_blocks(config: KVCacheConfig, num_ranks: int, moves: np.ndarray, pool_base: int, packed_base: int,

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch import _native
 from mooncake_ep_switch.buffer.buffer import register_layout_switch
-from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, fence
+from mooncake_ep_switch.buffer.device_region import DRAIN_TIMEOUT_S, copy_block_parts, fence
 from mooncake_ep_switch.buffer.membership.store_deadline import store_deadline
 from mooncake_ep_switch.buffer.peer_words import wait_peer_words
 from mooncake_ep_switch.errors import MembershipError, SwitchError, SwitchFenced  # noqa: F401 (re-exported)
@@ -543,30 +543,25 @@ def _kv_one_sided(kv: PagedKVCache, plan: KVPlan, control: _Control, hook: StepH
     hook("kv", 0)
     control.check_fence()
     me, ranks = kv.rank, kv.num_ranks
-    moves = plan.moves
-    sends = moves_by_peer(moves, me, True, ranks)
-    remote = local = 0
-    for step in range(ranks):
-        dest = (me + step) % ranks
-        if dest in control.dead:
-            continue
-        mine = sends[dest]
-        blocks = kv.move_blocks(mine, kv.pool_base(me), kv.pool_base(dest))
-        moved = reshard.copy(blocks, kv.region_range(dest), kv.region_range(me), control.unified.device)
-        if dest == me:
-            local += moved
-        else:
-            remote += moved
+    device = control.unified.device
+    # Our own moves first, then each live peer's in rotation: one table for all of them, one part a peer.
+    dests = [dest for dest in ((me + step) % ranks for step in range(ranks)) if dest not in control.dead]
+    blocks, bounds = kv.peer_blocks(plan.moves, dests, True)
+    mine = kv.region_range(me)
+    moved = copy_block_parts(blocks, [(bounds[i], bounds[i + 1], kv.region_range(dest), mine)
+                                      for i, dest in enumerate(dests)], device)
+    local = moved[0] if dests[0] == me else 0
+    remote = sum(moved) - local
     kv_sent = W0 + control.unified.num_layers + 1
     control.publish(_PROGRESS, kv_sent)
     control.wait(_PROGRESS, kv_sent, 1)
     control.check_fence()
     # Moves from dead ranks: their source units are never written during a switch; pull them.
-    receives = moves_by_peer(moves, me, False, ranks) if control.dead else []
-    for peer in sorted(control.dead):
-        theirs = receives[peer]
-        blocks = kv.move_blocks(theirs, kv.pool_base(peer), kv.pool_base(me))
-        remote += reshard.copy(blocks, kv.region_range(me), kv.region_range(peer), control.unified.device)
+    if control.dead:
+        sources = sorted(control.dead)
+        blocks, bounds = kv.peer_blocks(plan.moves, sources, False)
+        remote += sum(copy_block_parts(blocks, [(bounds[i], bounds[i + 1], mine, kv.region_range(peer))
+                                                for i, peer in enumerate(sources)], device))
     return remote, local, (time.perf_counter() - started) * 1e3
 
 
