@@ -245,8 +245,6 @@ PYBIND11_MODULE(_native, m) {
     m.def("wait_words", &mep::wait_words, release(), "addrs"_a, "expected"_a, "mode"_a, "timeout_us"_a,
           "Wait until every uint64 word matches (mode 0: same tag in the high 32 bits; mode 1: >= expected) "
           "with one deadline (-1 = none); returns the indices still unmatched.");
-    // Keeps the GIL: a pass over a plan's moves takes microseconds, less than handing the GIL to a busy thread
-    // and taking it back.
     m.def(
         "kv_peer_blocks",
         [](uintptr_t moves_ptr, int64_t num_moves, int64_t rank, int64_t num_ranks, const std::vector<int64_t>& peers,
@@ -262,10 +260,10 @@ PYBIND11_MODULE(_native, m) {
             return mep::kv_peer_blocks(moves_ptr, num_moves, rank, num_ranks, peers, pool_bases, g, out_ptr, capacity,
                                        bounds_ptr, sending);
         },
-        "moves_ptr"_a, "num_moves"_a, "rank"_a, "num_ranks"_a, "peers"_a, "pool_bases"_a, "geometry"_a,
+        release(), "moves_ptr"_a, "num_moves"_a, "rank"_a, "num_ranks"_a, "peers"_a, "pool_bases"_a, "geometry"_a,
         "out_ptr"_a, "capacity"_a, "bounds_ptr"_a, py::kw_only(), "sending"_a,
-        "The copy blocks of the KV moves [num_moves][5] that rank sends or receives, grouped by the ranks peers in "
-        "that order, into out [capacity][6] and the groups' bounds into bounds [len(peers) + 1]; returns the blocks.");
+        "The copy blocks of the KV moves [num_moves][5] that rank sends (or receives), grouped by peer in the order "
+        "of peers, into out [capacity][6] and each group's bounds into bounds [len(peers) + 1]; returns the blocks.");
     m.def("prefault", &mep::prefault, release(), "base"_a, "nbytes"_a,
           "Populate the page tables of a mapped range for writing.");
     // ---- EPLB placement search and refinement (eplb/search.cpp, eplb/refine.cpp) ----

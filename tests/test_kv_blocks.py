@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mooncake_ep_switch import _native
-from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, move_blocks, packed_blocks
+from mooncake_ep_switch.switch.kv_cache import KVCacheConfig, move_blocks, packed_blocks, peer_blocks
 from tests.kv_plan_reference import reference_move_blocks, reference_packed_blocks
 
 
@@ -136,8 +136,6 @@ def _plan_moves(rng, num_ranks: int, units: int, page: int, count: int) -> np.nd
 def test_peer_blocks_are_each_peers_move_blocks_in_order(num_ranks, heads_per_unit, sending):
     """`peer_blocks` equals, peer after peer in the order given, `move_blocks` of the rows a filter on (rank, peer)
     selects, in plan order, with each side's pool base; peers left out (a dead rank) get nothing."""
-    from mooncake_ep_switch.switch.kv_cache import peer_blocks
-
     rng = np.random.default_rng(num_ranks * 10 + heads_per_unit + 100 * sending)
     config = KVCacheConfig(3, heads_per_unit * num_ranks, 16, 4, 32)
     moves = _plan_moves(rng, num_ranks, config.num_units, config.page_size, 300)
@@ -158,8 +156,6 @@ def test_peer_blocks_are_each_peers_move_blocks_in_order(num_ranks, heads_per_un
 def test_peer_blocks_copy_what_move_blocks_do():
     """Through the native copy: the blocks of rank 0's sends to itself and to rank 1 move the same bytes as the
     per-peer `move_blocks` into a second pair of pools."""
-    from mooncake_ep_switch.switch.kv_cache import peer_blocks
-
     rng = np.random.default_rng(5)
     config = KVCacheConfig(2, 4, 8, 4, 16)
     units = rng.permutation(16)
@@ -187,8 +183,6 @@ def test_peer_blocks_copy_what_move_blocks_do():
 def test_peer_blocks_refuse_a_bad_move(column, value, match):
     """A move `rank` sends with a unit outside the pool, a fill past its page or a peer outside the group is refused
     (ValueError), as by `move_blocks`; a bad move of another rank's is not read."""
-    from mooncake_ep_switch.switch.kv_cache import peer_blocks
-
     config = KVCacheConfig(2, 4, 8, 4, 16)
     moves = np.array([[0, 1, 1, 5, 4], [0, 2, 1, 6, 3], [1, 3, 0, 7, 2]], dtype=np.int64)
     bad = moves.copy()
@@ -205,8 +199,7 @@ def test_peer_blocks_refuse_a_bad_move(column, value, match):
 @pytest.mark.parametrize("peers,rank,match", [([0, 0], 0, "peers must be distinct"), ([0, 2], 0, "peers must be"),
                                               ([-1], 0, "peers must be"), ([0], 2, "rank 2 must be in")])
 def test_peer_blocks_refuse_bad_peers_and_ranks(peers, rank, match):
-    from mooncake_ep_switch.switch.kv_cache import peer_blocks
-
+    """Peers named twice or outside the group, and a rank outside it, are refused before anything is read."""
     config = KVCacheConfig(2, 4, 8, 4, 16)
     moves = np.array([[0, 1, 1, 5, 4]], dtype=np.int64)
     with pytest.raises(ValueError, match=match):
@@ -214,8 +207,7 @@ def test_peer_blocks_refuse_bad_peers_and_ranks(peers, rank, match):
 
 
 def test_peer_blocks_take_int32_and_empty_plans():
-    from mooncake_ep_switch.switch.kv_cache import peer_blocks
-
+    """An int32 plan gives the int64 plan's blocks; an empty plan gives no blocks and every bound 0."""
     config = KVCacheConfig(2, 4, 8, 4, 16)
     moves = np.array([[0, 1, 1, 5, 4], [0, 2, 0, 6, 3]], dtype=np.int64)
     want = peer_blocks(config, 2, moves, 0, [1, 0], [1 << 40, 1 << 41], True)
@@ -223,3 +215,25 @@ def test_peer_blocks_take_int32_and_empty_plans():
     assert np.array_equal(got[0], want[0]) and got[1] == want[1] == [0, 2, 4]
     blocks, bounds = peer_blocks(config, 2, np.zeros((0, 5), dtype=np.int64), 0, [0, 1], [1 << 40, 1 << 41], True)
     assert blocks.shape == (0, 6) and bounds == [0, 0, 0]
+
+
+@pytest.mark.parametrize("geometry,match", [
+    ([16, 4096, 4, 1024, 4, 128, 4, 16 * 4096], "not one pool's"),       # head_bytes != page_size * token_bytes
+    ([16, 4096, 2, 1024, 4, 256, 4, 16 * 4096], "not one pool's"),       # unit_bytes != heads * head_bytes
+    ([16, 4096, 4, 1024, 4, 256, 4, 15 * 4096], "not one pool's"),       # plane_bytes != num_units * unit_bytes
+    ([16, 1 << 62, 1 << 52, 1024, 4, 256, 4, 1 << 62], "not one pool's"),  # heads * head_bytes overflows
+    ([16, 4096, 4, 1024, 4, 256, 0, 16 * 4096], "must be positive")])
+def test_the_native_pass_refuses_a_geometry_that_is_not_one_pools(geometry, match):
+    """`_native.kv_peer_blocks` checks its geometry (its products without overflow) and the table's capacity before
+    it writes anything: neither the table nor the bounds change on a refusal."""
+    moves = np.array([[0, 1, 1, 5, 4], [0, 2, 0, 6, 3]], dtype=np.int64)
+    out, bounds = np.full((8, 6), -7, dtype=np.int64), np.full(3, -7, dtype=np.int64)
+    args = (moves.ctypes.data, 2, 0, 2, [0, 1], [1 << 40, 1 << 41])
+    with pytest.raises(ValueError, match=match):
+        _native.kv_peer_blocks(*args, geometry, out.ctypes.data, 8, bounds.ctypes.data, sending=True)
+    good = [16, 2 * 1024, 2, 1024, 4, 256, 4, 16 * 2048]
+    with pytest.raises(ValueError, match="4 blocks do not fit the table's 3"):
+        _native.kv_peer_blocks(*args, good, out.ctypes.data, 3, bounds.ctypes.data, sending=True)
+    assert (out == -7).all() and (bounds == -7).all()
+    assert _native.kv_peer_blocks(*args, good, out.ctypes.data, 8, bounds.ctypes.data, sending=True) == 4
+    assert bounds.tolist() == [0, 2, 4]

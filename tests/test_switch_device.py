@@ -89,6 +89,19 @@ def _state(unified, kv) -> dict:
 # ---------------------------------------------------------------------------------------------
 # TP -> EP -> TP, weights and KV, against the host path
 # ---------------------------------------------------------------------------------------------
+def _expected_kv_bytes(ctx, kv, target: str) -> tuple:
+    """(remote, local) KV bytes this rank's switch to `target` moves, from the plan of every rank's published state:
+    a move is its filled tokens' rows of `H_kv/P` heads in every layer, K and V (independent of the copy blocks)."""
+    blobs = [None] * ctx.num_ranks
+    dist.all_gather_object(blobs, kv.encode_meta(), group=ctx.group)
+    moves = kv.plan([kv.decode_meta(blob) for blob in blobs], target).moves
+    config = kv.config
+    per_token = (config.num_kv_heads // ctx.num_ranks) * config.head_dim * 2 * config.num_layers * 2
+    mine = moves[moves[:, 0] == ctx.rank]
+    local = int(mine[mine[:, 2] == ctx.rank, 4].sum()) * per_token
+    return int(mine[:, 4].sum()) * per_token - local, local
+
+
 def rank_round_trip(ctx, kernel_min_blocks: int = 0) -> dict:
     """`kernel_min_blocks` > 0: from that many blocks on a device move is the block-copy kernel (1: every move)."""
     from mooncake_ep_switch.buffer import device_region
@@ -103,8 +116,10 @@ def rank_round_trip(ctx, kernel_min_blocks: int = 0) -> dict:
         steps = [dict(_state(unified, kv), exact=_weights_exact(unified, full, ctx.rank, ctx.num_ranks) and _kv_exact(kv))]
         try:
             for target in ("ep", "tp"):
+                expected_kv = _expected_kv_bytes(ctx, kv, target)
                 report = switch_layout(buffer, target, weights=unified, kv_cache=kv, timeout_us=TIMEOUT_US)
                 assert report.outcome == "completed" and report.layout == target, report
+                assert (report.kv_bytes, report.kv_local_bytes) == expected_kv, (transport, target, report)
                 exact = _weights_exact(unified, full, ctx.rank, ctx.num_ranks) and _kv_exact(kv)
                 steps.append(dict(_state(unified, kv), exact=exact, weight_bytes=report.weight_bytes,
                                   kv_bytes=report.kv_bytes, device=str(unified.local.device),
@@ -918,6 +933,11 @@ def test_parts_of_one_table_share_one_upload_each_between_its_regions(monkeypatc
         moves.copy_parts(table, bad)
     assert len(queued) == before + 1 and moves._tables[0].busy and events[0].records == 3  # part 1 queued: held
     assert moves.copy_parts(table, []) == []
+    before = len(queued)
+    for start, stop in ((-2, 5), (5, 4), (28, 31)):  # a part's rows outside the table (its upload offset too)
+        with pytest.raises(ValueError, match=r"parts: expected 0 <= start <= stop <= 30"):
+            moves.copy_parts(table, [(0, 5, *one), (start, stop, *one)])
+    assert len(queued) == before
 
 
 def test_block_parts_on_the_host_copy_each_part_between_its_regions():
@@ -940,6 +960,11 @@ def test_block_parts_on_the_host_copy_each_part_between_its_regions():
     with pytest.raises(ValueError, match="outside its region"):
         copy_block_parts(table, [(0, 1, whole(dst[0]), whole(src)), (1, 2, whole(dst[0]), whole(src))], None)
     assert torch.equal(dst[0][:16], src[:16])  # the part before the refused one was copied
+    dst[0].zero_()
+    for start, stop in ((-1, 1), (1, 0), (0, 3)):  # rows outside the table: refused before anything is copied
+        with pytest.raises(ValueError, match=r"parts: expected 0 <= start <= stop <= 2"):
+            copy_block_parts(table, [(0, 1, whole(dst[0]), whole(src)), (start, stop, whole(dst[1]), whole(src))], None)
+    assert not dst[0].any()
 
 
 def rank_owner_gone(ctx, how: str) -> dict:

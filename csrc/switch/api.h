@@ -28,9 +28,10 @@ struct KVBlockGeometry {
 };
 // The copy blocks of the KV moves int64 [num_moves][5] (src_rank, src_unit, dst_rank, dst_unit, filled) that
 // `rank` sends (`sending`) or receives, for the ranks `peers` only and grouped in that order (the moves' own
-// order within a peer): one block a head, (dst, src, planes, filled * token_bytes, plane_bytes, plane_bytes), the
-// units' addresses from `pool_bases[rank]`. Writes the blocks into out [capacity][6] and the groups' bounds into
-// bounds [peers + 1]; returns the blocks. Every move used is checked first (ValueError: nothing written).
+// order within a peer): one block a head, (dst, src, planes, filled * token_bytes, plane_bytes, plane_bytes), each
+// side's unit in the pool at `pool_bases[that side's rank]`. Writes the blocks into out [capacity][6] and the groups'
+// bounds into bounds [peers + 1]; returns the blocks. The geometry and every move used are checked first
+// (ValueError: nothing written).
 int64_t kv_peer_blocks(uintptr_t moves_ptr, int64_t num_moves, int64_t rank, int64_t num_ranks,
                        const std::vector<int64_t>& peers, const std::vector<uint64_t>& pool_bases,
                        const KVBlockGeometry& geometry, uintptr_t out_ptr, int64_t capacity, uintptr_t bounds_ptr,

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <limits>
 
 #include <cstring>
 #include <string>
@@ -160,6 +161,18 @@ int64_t kv_peer_blocks(uintptr_t moves_ptr, int64_t num_moves, int64_t rank, int
     if (g.num_units <= 0 || g.unit_bytes <= 0 || g.heads <= 0 || g.head_bytes <= 0 || g.page_size <= 0 ||
         g.token_bytes <= 0 || g.planes <= 0 || g.plane_bytes <= 0) {
         throw_value_error("kv_peer_blocks: the geometry's sizes must be positive");
+    }
+    // One pool's geometry: a head's page is page_size token rows, a unit `heads` of them, a plane num_units units.
+    // Checked without overflow, so every address below (unit * unit_bytes + h * head_bytes < plane_bytes) is too.
+    int64_t head = 0, unit = 0, plane = 0;
+    if (__builtin_mul_overflow(g.page_size, g.token_bytes, &head) || head != g.head_bytes ||
+        __builtin_mul_overflow(g.heads, g.head_bytes, &unit) || unit != g.unit_bytes ||
+        __builtin_mul_overflow(g.num_units, g.unit_bytes, &plane) || plane != g.plane_bytes) {
+        throw_value_error("kv_peer_blocks: the geometry is not one pool's (expected head_bytes = page_size * "
+                          "token_bytes, unit_bytes = heads * head_bytes, plane_bytes = num_units * unit_bytes)");
+    }
+    if (num_moves > std::numeric_limits<int64_t>::max() / 6 / g.heads) {  // the table's int64 count and index
+        throw_value_error("kv_peer_blocks: num_moves = " + std::to_string(num_moves) + " is too large");
     }
     // Position of each rank in `peers` (-1: not wanted), each at most once.
     std::vector<int64_t> slot(size_t(num_ranks), -1);

@@ -266,8 +266,9 @@ class DeviceMoves:
             return self._queue(blocks, [(0, blocks.shape[0], dst_range, src_range)])[0]
 
     def copy_parts(self, blocks: np.ndarray, parts) -> List[int]:
-        """Queue the parts of one table, each between its own pair of regions, in order (see `copy`): one table
-        upload and one wait for the caller's stream for all of them.
+        """Queue the parts of one table, each between its own pair of regions, in order (see `copy`): one pinned
+        table, one wait for the caller's stream and one event for all of them (each kernel part uploads its own
+        rows of the table, at its offset in the device copy).
 
         Arguments:
             blocks: `[n, 6]` int64 rows as for `copy`.
@@ -278,9 +279,10 @@ class DeviceMoves:
 
         Raises:
             ValueError: a part's block outside its ranges; that part and those after it are not queued (the
-                earlier ones are).
+                earlier ones are). Parts whose bounds are not `0 <= start <= stop <= n`: nothing queued.
         """
         blocks = block_table(blocks)
+        _check_parts(parts, blocks.shape[0])
         parts = [part for part in parts if part[1] > part[0]]
         if not parts:
             return []
@@ -409,14 +411,27 @@ def _needs_kernel(blocks: np.ndarray, dst_range, src_range) -> bool:
     `KERNEL_MIN_BLOCKS` blocks on, and for any block a runtime 2D copy does not take: a stride past
     `MAX_RUNTIME_PITCH`, or, inside one region, source and destination spans that overlap (a 2D copy's areas may
     not; the rows of a rank's own KV move, a whole plane apart, interleave)."""
-    if blocks.shape[0] >= KERNEL_MIN_BLOCKS or int(blocks[:, 4:].max()) > MAX_RUNTIME_PITCH:
+    if blocks.shape[0] >= KERNEL_MIN_BLOCKS:
+        return True
+    rows = blocks.tolist()  # under KERNEL_MIN_BLOCKS: plain ints cost less than numpy's calls (a weight chunk is 3)
+    if any(row[4] > MAX_RUNTIME_PITCH or row[5] > MAX_RUNTIME_PITCH for row in rows):
         return True
     if tuple(dst_range) != tuple(src_range):
         return False
-    last = np.maximum(blocks[:, 2] - 1, 0)
-    dst_end = blocks[:, 0] + last * blocks[:, 4] + blocks[:, 3]
-    src_end = blocks[:, 1] + last * blocks[:, 5] + blocks[:, 3]
-    return bool(((blocks[:, 0] < src_end) & (blocks[:, 1] < dst_end)).any())
+    for dst, src, count, width, dst_stride, src_stride in rows:
+        last = max(count - 1, 0)
+        if dst < src + last * src_stride + width and src < dst + last * dst_stride + width:
+            return True
+    return False
+
+
+def _check_parts(parts, num_blocks: int) -> None:
+    """Every part's rows inside the table: `0 <= start <= stop <= num_blocks` (a device table's part is uploaded at
+    its start's offset), or a ValueError naming the part."""
+    for index, (start, stop, _, _) in enumerate(parts):
+        if not 0 <= start <= stop <= num_blocks:
+            raise ValueError(f"parts: expected 0 <= start <= stop <= {num_blocks} (the table's blocks), got part "
+                             f"{index} = [{start}, {stop})")
 
 
 def _moves_landed(device: torch.device) -> bool:
@@ -508,10 +523,11 @@ def copy_block_parts(blocks: np.ndarray, parts, device: Optional[torch.device]) 
 
     Raises:
         ValueError: a part's block outside its ranges; that part and those after it are not copied (the earlier
-            ones are).
+            ones are). Parts whose bounds are not `0 <= start <= stop <= n`: nothing copied.
     """
     blocks = block_table(blocks)
     if device is None:
+        _check_parts(parts, blocks.shape[0])
         return [copy_blocks(blocks[start:stop], dst_range, src_range, None)
                 for start, stop, dst_range, src_range in parts]
     queued = iter(moves_for(device).copy_parts(blocks, parts))

@@ -471,6 +471,9 @@ class PagedKVCache:
         Returns:
             blocks: `[n, 6]` np.int64 for `copy_blocks`.
             bounds: `len(peers) + 1` ints, peer i's blocks `blocks[bounds[i]:bounds[i + 1]]`.
+
+        Raises:
+            ValueError: as the module's `peer_blocks` (a bad move or peer); nothing is built.
         """
         wanted = set(peers) | {self.rank}
         bases = [self.pool_base(rank) if rank in wanted else 0 for rank in range(self.num_ranks)]
@@ -601,7 +604,7 @@ def peer_blocks(config: KVCacheConfig, num_ranks: int, moves: np.ndarray, rank: 
 
     Raises:
         ValueError: a move used names a unit outside [0, num_units), filled tokens outside [0, page_size] or a rank
-            outside [0, P); nothing is built.
+            outside [0, P); `rank` outside [0, P); `peers` not distinct ranks in [0, P); nothing is built.
     """
     moves = np.ascontiguousarray(moves, dtype=np.int64).reshape(-1, 5)
     heads = _heads_per_unit(config, num_ranks)
