@@ -107,7 +107,8 @@ want kernels && stage kernels 100 "$OUT/kernels.log" "${PT[@]}" --maxfail=4 test
 want probe && stage probe 150 "$OUT/bench.log" $PY scripts/gpu_probe.py ${MEP_PROBE_ARGS:-}
 T=tests/test_cuda.py
 if [ -n "${MEP_TRANSPORT_TESTS:-}" ]; then read -r -a TRANSPORT <<< "$MEP_TRANSPORT_TESTS"; else
-  TRANSPORT=("$T::test_cuda_matches_shm[sync-bf16-2]" "$T::test_cuda_matches_shm[sync-bf16-4]"
+  TRANSPORT=("$T::test_the_raw_stream_is_torchs_current_stream" "$T::test_cuda_matches_shm[sync-bf16-2]"
+    "$T::test_cuda_matches_shm[sync-bf16-4]"
     "$T::test_cuda_matches_shm[sync-fp8-4]" "$T::test_cuda_matches_shm[hook-bf16-2]"
     "$T::test_cuda_matches_shm[async-fp8-4]" "$T::test_cuda_two_dispatches_in_a_row[async]"
     "$T::test_cuda_zero_copy_and_out[True-True]" "$T::test_cuda_inactive_rank[4]"

@@ -8,9 +8,9 @@
 * device memory by anonymous shared regions (memfd, `_native.region_create`) and CUDA IPC handles
   by (pid, fd, size), opened through /proc as the shm transport maps its peers; pinned mapped host
   memory by host tensors; the synchronous copies by `_native.copy_bytes`;
-* torch.cuda's device, streams, events, graph-capture query and `Tensor.record_stream` by host
-  stand-ins, in the modules of the cuda path (`buffer/transport/cuda.py`, `buffer/device_calls.py`,
-  `buffer/handle.py`, `buffer/device_region.py`) only; the queued block copies of switches and
+* torch.cuda's device, streams (and `cuda.current_raw_stream`), events, graph-capture query and
+  `Tensor.record_stream` by host stand-ins, in the modules of the cuda path (`buffer/transport/cuda.py`,
+  `buffer/device_calls.py`, `buffer/handle.py`, `buffer/device_region.py`) only; the queued block copies of switches and
   rebalances (`copy_blocks_async`) by the host's `copy_blocks`, or by the block-copy kernel on the emulator
   where the caller gave a device table (csrc/cuda/copy_kernels.cuh, as on a GPU), checked when queued and run
   only when the rank next waits for the device (an event query, a synchronize): a missing fence shows here.
@@ -188,6 +188,7 @@ def install():
         module.torch = on_host
     cuda_transport._cuda = device_memory._cuda = fake
     cuda_transport.cuda_unavailable_reason = lambda: ""
+    cuda_transport.current_raw_stream = lambda device_index: _Stream.cuda_stream
     torch.Tensor.record_stream = lambda self, stream: None
     _INSTALLED.append(fake)
     return fake

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from mooncake_ep_switch import Buffer, EventOverlap
 from mooncake_ep_switch.launcher.launch import check_outcomes
-from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason
+from mooncake_ep_switch.buffer.transport.cuda import cuda_unavailable_reason, current_raw_stream
 from tests import harness
 from tests.reference import expected_combine, expert_scale, structured_inputs, token_count
 from tests.test_buffer import Case, _check_dispatch, _expert_outputs, _seen_values, gathered_inputs
@@ -29,6 +29,17 @@ TIMEOUT_US = 30_000_000
 FAULT_TIMEOUT_US = 3_000_000
 FAULT_SLACK_S = 2.0
 DEAD = 1
+
+
+def test_the_raw_stream_is_torchs_current_stream():
+    """The launchers' stream handle (torch's C getter) is `torch.cuda.current_stream().cuda_stream`: the default
+    stream, a side stream made current, and again the default one after it."""
+    torch.cuda.set_device(0)
+    assert current_raw_stream(0) == torch.cuda.current_stream(0).cuda_stream
+    side = torch.cuda.Stream(0)
+    with torch.cuda.stream(side):
+        assert current_raw_stream(0) == side.cuda_stream != 0
+    assert current_raw_stream(0) == torch.cuda.current_stream(0).cuda_stream
 
 
 def _use_device() -> None:

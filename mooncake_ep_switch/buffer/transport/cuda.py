@@ -43,6 +43,21 @@ def _bias_words(bias: tuple) -> tuple:
     return words["bias0_ptr"], words["bias1_ptr"], words["bias_stride"], words["bias_hidden"]
 
 
+def current_raw_stream(device_index: int) -> int:
+    """The current stream of CUDA device `device_index` as the `cudaStream_t` int the launchers take.
+
+    torch's C getter: `torch.cuda.current_stream(device).cuda_stream` builds a Stream object first (microseconds a
+    launch on the host's path, five launches an eager round trip). The emulated device replaces this function.
+
+    Arguments:
+        device_index: the CUDA device's index.
+
+    Returns:
+        stream: int, the stream's handle (0: the legacy default stream).
+    """
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
 def cuda_unavailable_reason() -> str:
     """Why the `"cuda"` transport cannot run in this process ("" when it can).
 
@@ -331,7 +346,7 @@ class CudaTransport(RuntimeQueries):
         self.latest_dispatch = call.call
         # by position but the flag (pybind11 matches keywords by name: microseconds a call)
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
-                            scratch.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream,
+                            scratch.data_ptr(), current_raw_stream(self.device.index),
                             use_fp8=call.use_fp8)
 
         def receive() -> None:
@@ -342,7 +357,7 @@ class CudaTransport(RuntimeQueries):
             # top_k, scratch, recv_x, recv_scales, src_info, layout_range, recv_count, stream; the flag by name
             _cuda.dispatch_recv(spec, region, top_k, scratch.data_ptr(), outputs.recv_x.data_ptr(), scales,
                                 outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
-                                outputs.recv_count.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream,
+                                outputs.recv_count.data_ptr(), current_raw_stream(self.device.index),
                                 use_fp8=call.use_fp8)
 
         return call_word, receive
@@ -378,7 +393,7 @@ class CudaTransport(RuntimeQueries):
             # hand it to anyone else before this stream has read it.
             call.transport_plan.record_stream(torch.cuda.current_stream(self.device))
         _cuda.combine_send(spec, region, call.x.data_ptr(), call.src_info.data_ptr(), call.layout_range.data_ptr(),
-                           torch.cuda.current_stream(self.device).cuda_stream)
+                           current_raw_stream(self.device.index))
 
         def receive() -> None:
             if self._control is None:
@@ -386,7 +401,7 @@ class CudaTransport(RuntimeQueries):
             check_half_not_reused("combine", call.call, self.latest_dispatch)
             _cuda.combine_recv(spec, region, call.topk_idx.data_ptr(), call.topk_weights.data_ptr(),
                                call.topk_idx.size(0), call.topk_idx.size(1), call.out.data_ptr(),
-                               torch.cuda.current_stream(self.device).cuda_stream, *_bias_words(call.bias))
+                               current_raw_stream(self.device.index), *_bias_words(call.bias))
 
         return receive
 
@@ -424,7 +439,7 @@ class CudaTransport(RuntimeQueries):
         self.problem.zero_()
         _cuda.check_values(topk_idx.data_ptr(), topk_idx.size(0), topk_idx.size(1), num_experts,
                            active_ranks.data_ptr(), self.num_ranks, self.problem.data_ptr(),
-                           torch.cuda.current_stream(self.device).cuda_stream)
+                           current_raw_stream(self.device.index))
         code, row, column, value = self.problem.tolist()
         if code == 1:
             return (f"topk_idx: expected expert ids in [-1, {num_experts}), got {value} at row {row}, "
