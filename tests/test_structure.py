@@ -244,8 +244,9 @@ _PUBLIC_UNDERSCORE = {"_asdict", "_replace", "_fields", "_make",
 _THIRD_PARTY = {
     "torch._C": "torch's storage use count (calls.py: a pooled output is reused only when nothing holds it)",
     "torch._C._storage_Use_Count": "the same",
-    "torch._C._cuda_getCurrentRawStream": "the current stream's raw handle (transport/cuda.py: torch.cuda.current_stream "
-                                          "builds a Stream object per launch; torch's inductor calls this getter)",
+    "torch._C._cuda_getCurrentRawStream": "the current stream's raw handle (transport/cuda.py: "
+                                          "torch.cuda.current_stream builds a Stream object per launch; torch's "
+                                          "inductor calls this getter)",
     "self.storage._cdata": "torch's storage handle for that count",
     "distributed_c10d._get_default_store": "the default group's store (group_keys.py; torch has no public getter)",
     "config._attn_implementation": "transformers' config field for the attention kernel (models/tiny.py)",
