@@ -439,14 +439,20 @@ __global__ void k_dispatch_rows_signals(Call call, Region region, const uint8_t*
 // Launched with one warp per block (blockDim.x == 32).
 __device__ void wait_source(const Call& call, const uint64_t* signals, int32_t source, int32_t L, int32_t* counts) {
     const int lane = threadIdx.x & 31;
-    if (!is_active(call, source)) {
+    // One read of the caller's mask for the whole warp: another call sharing it may clear the source meanwhile
+    // (its wait timed out), and lanes that disagreed would leave the warp split at the __syncwarp below.
+    __shared__ volatile int32_t source_active;
+    __shared__ volatile int32_t source_failed;  // one lane's verdict ends every lane's wait
+    if (lane == 0) {
+        source_active = is_active(call, source);
+        source_failed = 0;
+    }
+    __syncwarp();
+    if (!source_active) {
         if (counts)
             for (int32_t l = lane; l < L; l += 32) counts[l] = 0;
         return;
     }
-    __shared__ volatile int32_t source_failed;  // one lane's verdict ends every lane's wait
-    if (lane == 0) source_failed = 0;
-    __syncwarp();
     const uint32_t tag = call_tag(*reinterpret_cast<const uint64_t*>(call.call_word));
     const uint64_t start = global_timer_ns();
     // Capped at 2^40 us (about 12.7 days), as on the CPU (common.cpp Waiter), so that no valid int64
