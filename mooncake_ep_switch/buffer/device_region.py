@@ -511,7 +511,7 @@ def copy_blocks(blocks: np.ndarray, dst_range, src_range, device: Optional[torch
 
 def copy_block_parts(blocks: np.ndarray, parts, device: Optional[torch.device]) -> List[int]:
     """Copy the parts of one block table, each between its own pair of regions, in order (`copy_blocks` for each;
-    on a device one table upload for all, `DeviceMoves.copy_parts`).
+    on a device `DeviceMoves.copy_parts`: one pinned table, stream wait and event for all of them).
 
     Arguments:
         blocks: `[n, 6]` int64 rows `(dst, src, rows, row_bytes, dst_stride, src_stride)`.
