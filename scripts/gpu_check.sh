@@ -29,10 +29,13 @@
 #   MEP_TRANSPORT_TESTS="<pytest node ids>"    override the transport selection (follow-up runs)
 #   MEP_PROBE_ARGS="--profile --skip-r8"        arguments of the probe (follow-up runs); "--sweep" times the launch
 #                                               tuning grid (Call.row_warps x Call.grid_blocks) per launch variant
-# The speed issue's A/B in one call (kernels alone both ways, the tuning sweep, the MPS bench both ways):
+# The speed issue's A/B in one call (kernels alone both ways, the tuning sweep, the MPS bench both ways, the
+# full-shape switch under MPS):
 #   MEP_STAGES="build kernels probe fused switch hostprof mps" MEP_PROBE_ARGS="--profile --sweep --skip-r8" \
-#   MEP_MPS_BENCH=1
+#   MEP_MPS_BENCH=1 MEP_MPS_SWITCH=1
 #   MEP_TRY_MPS=0                               skip the MPS stage
+#   MEP_MPS_SWITCH=1                            also the switch rows at the full shape under MPS (3 GiB of weights
+#                                               a rank: the reshard and KV targets), into bench.log
 #   MEP_MPS_BENCH=1                             also the bench (--quick) under MPS, its table into bench.log, with
 #                                               the split launches and then with MEP_CUDA_FUSED_KERNELS=1
 #   MEP_PIP_CHECK=0                             skip the background offline `pip wheel` of the package
@@ -158,6 +161,8 @@ if want mps && [ "${MEP_TRY_MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control
     [ "${MEP_MPS_BENCH:-0}" = 1 ] && stage mps-bench 60 "$OUT/bench.log" $PY -m mooncake_ep_switch.bench --device cuda --quick
     [ "${MEP_MPS_BENCH:-0}" = 1 ] && MEP_CUDA_FUSED_KERNELS=1 stage mps-bench-fused 60 "$OUT/bench.log" \
       $PY -m mooncake_ep_switch.bench --device cuda --quick
+    [ "${MEP_MPS_SWITCH:-0}" = 1 ] && stage mps-switch 120 "$OUT/bench.log" \
+      $PY -m mooncake_ep_switch.bench --device cuda switch
     echo quit | timeout 10 nvidia-cuda-mps-control
     tail -5 "$CUDA_MPS_LOG_DIRECTORY"/control.log >> "$SUM" 2>/dev/null
   else echo "mps: daemon did not start" >> "$SUM"; fi

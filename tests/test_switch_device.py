@@ -480,6 +480,34 @@ def test_emulated_switch_bench_rounds_run():
     del rank_switch_rounds
 
 
+def test_switch_bench_subcommand_runs_the_switch_rows_alone(monkeypatch, tmp_path):
+    """`bench --device cuda switch [--quick]` reaches `switch_cuda_bench.run` (its rows alone, the device asked there)
+    and prints and writes their table; without `--quick` the full shape."""
+    import torch
+
+    from mooncake_ep_switch.bench import __main__ as bench_main
+    from mooncake_ep_switch.bench import switch_cuda_bench
+
+    calls = []
+    row = {"benchmark": "cuda weight reshard EP->TP (probe row)", "shape": "R=2", "ours_ms": 2.0, "baseline": "copy",
+           "baseline_ms": 1.0, "speedup": 0.5, "note": "n"}
+
+    def rows(quick, where=None):
+        calls.append((quick, where))
+        return [row]
+
+    monkeypatch.setattr(switch_cuda_bench, "run", rows)
+    threads = torch.get_num_threads()
+    out = tmp_path / "switch.md"
+    try:
+        assert bench_main.main(["--device", "cuda", "switch", "--quick", "--out", str(out)]) == 0
+        assert bench_main.main(["--device=cuda", "switch"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the table command takes one thread
+    assert calls == [(True, None), (False, None)]
+    assert "cuda weight reshard EP->TP (probe row)" in out.read_text()
+
+
 def run_emulated_bench(ctx, shape, kernel_min_blocks: int = 0):
     from tests.emulated_device import run_emulated
 

@@ -10,6 +10,8 @@ driver time-sliced them):
   * the CPU shm transport at the same shape in the same run, beside them;
   * the TP<->EP switch on device memory: weight reshard and KV redistribution in GB/s against a
     device-to-device copy of the same bytes (`bench.switch_cuda_bench`).
+`python -m mooncake_ep_switch.bench --device cuda switch [--quick]` runs the switch rows alone
+(`bench.switch_cuda_bench.main`; without `--quick` the full shape, 3 GiB of weights a rank).
 Timing: per rank, CUDA events around batches started by a barrier; the median batch mean; the
 slowest rank counts. Value checks (`MEP_CUDA_CHECK_VALUES`) are off in the timed ranks: they
 synchronise once per call by design.
@@ -194,15 +196,20 @@ def run(quick: bool = False) -> List[dict]:
 
 
 def main(argv=None) -> int:
-    """`python -m mooncake_ep_switch.bench --device cuda [--quick] [--out FILE]`.
+    """`python -m mooncake_ep_switch.bench --device cuda [switch] [--quick] [--out FILE]`.
 
     Arguments:
-        argv: the arguments after `--device cuda`.
+        argv: the arguments after `--device cuda`; when the first is `switch`, the rest go to
+            `bench.switch_cuda_bench.main` (the switch rows alone).
 
     Returns:
         status: int, 0 (failures raise).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["switch"]:
+        from mooncake_ep_switch.bench import switch_cuda_bench
+
+        return switch_cuda_bench.main(argv[1:])
     return run_table_cli("python -m mooncake_ep_switch.bench --device cuda", __doc__, run, argv)
 
 

@@ -7,8 +7,13 @@ device copies completed, since every progress word is published after a fence) w
 device-to-device copy of the same bytes on the same GPU in the same run (rank 0 alone: one copy with
 the GPU to itself). Bytes: every byte a rank copies (the chunks for its peers and its own chunk,
 which also changes slot), per rank, never summed over ranks.
+
+`python -m mooncake_ep_switch.bench --device cuda switch [--quick] [--out FILE]` runs these rows alone: the full
+shape (R=2 L=4 E=32 H=4096 I=2048, 3 GiB of weights copied a rank; KV L=4, 8 requests a rank), or with `--quick` the
+small one (192 MiB). Ranks share GPU 0 as `bench --device cuda` says (MPS when a control daemon runs).
 """
-from typing import Dict, List
+import sys
+from typing import Dict, List, Optional
 
 import torch
 
@@ -118,12 +123,13 @@ def measure(cluster, shape: SwitchBenchShape, iters: int, where: str) -> List[di
     return rows
 
 
-def run(quick: bool, where: str) -> List[dict]:
+def run(quick: bool, where: Optional[str] = None) -> List[dict]:
     """Every row (R=2, one shape; `quick`: a smaller shape and fewer round trips).
 
     Arguments:
         quick: fewer round trips and a smaller shape.
-        where: the device and how ranks share it (for the notes).
+        where: the device and how ranks share it (for the notes); None: asked here (GPU 0's name as a rank
+            sees it, and whether MPS runs).
 
     Returns:
         rows: list of dict rows.
@@ -133,4 +139,23 @@ def run(quick: bool, where: str) -> List[dict]:
     else:
         shape, iters = SwitchBenchShape(2, 4, 32, 4096, 2048, 4, 8, 128, 16, 8, 512), 5
     with LocalCluster(shape.num_ranks) as cluster:
+        if where is None:
+            from mooncake_ep_switch.bench.cuda_bench import gpu_sharing, rank_device_name
+
+            where = f"{check_outcomes(cluster.run(rank_device_name, timeout_s=120))[0]}; ranks {gpu_sharing()}"
         return measure(cluster, shape, iters, where)
+
+
+def main(argv=None) -> int:
+    """`python -m mooncake_ep_switch.bench --device cuda switch [--quick] [--out FILE]`: the switch rows alone.
+
+    Arguments:
+        argv: the arguments after `switch`.
+
+    Returns:
+        status: int, 0 (failures raise).
+    """
+    from mooncake_ep_switch.bench.table import run_table_cli
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_table_cli("python -m mooncake_ep_switch.bench --device cuda switch", __doc__, run, argv)
