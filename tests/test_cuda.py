@@ -197,6 +197,9 @@ def rank_two_dispatches(ctx, mode):
             for l_idx in range(c_count.numel()):
                 assert torch.equal(c_recv[l_idx, :int(c_count[l_idx])], g_recv[l_idx, :int(c_count[l_idx])])
             assert torch.equal(c_out, g_out)
+        # Device outputs come from torch's allocator, never the Buffer's pool (output_pool.fresh_dispatch_outputs):
+        # the pool's reference counts cannot see a stream still writing a dropped result, or a caller's record_stream.
+        assert gpu.output_pool_bytes() == 0 < shm.output_pool_bytes(), (gpu.output_pool_bytes(), mode)
         return True
     finally:
         gpu.destroy()

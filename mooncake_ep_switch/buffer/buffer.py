@@ -120,7 +120,9 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
     tensors (src_info, layout_range, recv_count) are separate blocks, so keeping a handle or
     recv_count does not keep tens of MB of rows busy; memory that was shared with another process
     or whose storage a caller resized is never reused. Rows of recv_x past `recv_count` are
-    unspecified (they may hold an earlier call's rows); src_info past `recv_count` is 0.
+    unspecified (they may hold an earlier call's rows); src_info past `recv_count` is 0. The "cuda"
+    transport's outputs are not pooled: they are fresh tensors from torch's caching allocator, as DeepEP's are, since
+    kernels write them on streams a reference count cannot follow (`output_pool.fresh_dispatch_outputs`).
 
     Hot path: the first call of a shape (T, E, hidden, FP8) runs the full validation and records
     the shape; later calls of that shape check the tensors' properties in one expression and the
@@ -663,7 +665,7 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
                 (`[E_local, num_ranks * T, hidden]` torch.float8_e4m3fn,
                 `[E_local, num_ranks * T, hidden // 128]` torch.float32 scales, token axis contiguous).
                 Rows of each local expert: by source rank ascending, then source token index.
-                Every returned tensor is pooled memory that stays valid while held (class docstring).
+                Every returned tensor stays valid while held (class docstring: pooled on the host transports).
             recv_count: `[E_local]` torch.int32, valid rows per local expert.
             handle: `DispatchHandle`, Mooncake's 5-tuple (src_info, layout_range, T, hidden, num_experts).
             event: `EventOverlap`.
@@ -827,8 +829,8 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
                 `h` channels, read where they are by the reduction (never copied or sent).
 
         Returns:
-            combined_x: `[num_tokens, hidden]` torch.bfloat16 (`out` if given, else pooled memory that
-                stays valid while held, see the class docstring).
+            combined_x: `[num_tokens, hidden]` torch.bfloat16 (`out` if given, else memory that stays valid
+                while held, pooled on the host transports, see the class docstring).
             event: `EventOverlap`.
             hook: the receive-phase callable when `return_recv_hook`, else None.
         """

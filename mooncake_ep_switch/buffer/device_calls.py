@@ -12,8 +12,9 @@ The same contract as the host path (core.py), with DeepEP's stream semantics and
 Validation of shapes, dtypes and devices is on the host and never synchronises. Values (expert
 ids, mask entries, combine's top-k against its dispatch's) are checked on the device with one
 synchronisation per eager call when `Settings.cuda_check_values` is on (the default), and never
-during CUDA graph capture. While a graph is captured, outputs come from fresh allocations (the
-graph's private pool), never from the Buffer's output pool, whose blocks later eager calls reuse.
+during CUDA graph capture. Outputs are fresh tensors from torch's caching allocator (during a capture, the
+graph's private pool), never blocks of the Buffer's output pool: the allocator reuses device memory in stream
+order and honours `record_stream`, which reference counts cannot see (`output_pool.fresh_dispatch_outputs`).
 
 Rules that follow (as in DeepEP): an `async_finish` call captured in a graph forks the
 communication stream, so its `event.current_stream_wait()` must run inside the capture too; a hook
@@ -32,6 +33,7 @@ from mooncake_ep_switch.buffer.handle import (DispatchHandle, DispatchPlan, Even
                                                complete_receive)
 from mooncake_ep_switch.buffer.layout import LayoutHeld
 from mooncake_ep_switch.buffer.lifetime import guarded, once, with_receipt
+from mooncake_ep_switch.buffer.output_pool import fresh_dispatch_outputs
 
 
 def _capturing() -> bool:
@@ -125,8 +127,7 @@ def dispatch(core: BufferCore, x, topk_idx, active_ranks, num_max_dispatch_token
     _check_values(core, topk_idx, spec.experts, active_ranks, capturing)
     if len(core.members) < core.num_ranks and not capturing:
         core.check_members(active_ranks)
-    outputs = core.outputs.dispatch_outputs(use_fp8, spec.local, spec.rows, spec.hidden, core.num_ranks,
-                                               impl.device, pooled=not capturing)
+    outputs = fresh_dispatch_outputs(use_fp8, spec.local, spec.rows, spec.hidden, core.num_ranks, impl.device)
     life = core.life
     life.enter()
     try:
@@ -187,7 +188,7 @@ def combine(core: BufferCore, x, topk_idx, topk_weights, active_ranks, timeout_u
     if len(core.members) < core.num_ranks and not capturing:
         core.check_members(active_ranks)
     if out is None:
-        out = core.outputs.combine_output(topk_idx.size(0), hidden, impl.device, pooled=not capturing)
+        out = torch.empty((topk_idx.size(0), hidden), dtype=torch.bfloat16, device=impl.device)  # as the dispatch's
     call = CombineCall(x, topk_idx, topk_weights, active_ranks, timeout_us, src_info, layout_range, tokens, hidden,
                        experts, plan.call, plan.transport_plan, out, bias)
     life = core.life

@@ -1,5 +1,6 @@
-"""The pool the Buffer allocates dispatch outputs from: steady-state calls neither allocate nor
-page-fault tens of MB, and a block is reused only when no caller holds any tensor aliasing it."""
+"""The pool the Buffer allocates the host transports' outputs from: steady-state calls neither allocate nor
+page-fault tens of MB, and a block is reused only when no caller holds any tensor aliasing it. The "cuda"
+transport's outputs are fresh tensors from torch's allocator instead (`fresh_dispatch_outputs` says why)."""
 import sys
 import threading
 from typing import Optional
@@ -89,6 +90,33 @@ class _OutputSlot:
         return [None if view is None else _detach(view) for view in self.views]
 
 
+def fresh_dispatch_outputs(use_fp8: bool, local: int, rows: int, hidden: int, num_ranks: int,
+                           device) -> DispatchOutputs:
+    """Outputs of one dispatch as fresh tensors from torch's allocator, never pooled: those of the "cuda" transport.
+
+    Device kernels write the outputs on a stream, and a caller may go on using them on other streams (after an
+    event, with `record_stream`), or drop them before an `async_finish` call's or a hook's receive phase has
+    written them. The pool sees none of that: reference counts alone would hand the memory to a later call while
+    a kernel may still write or read it. Torch's caching allocator reuses device memory in stream order and honours
+    `record_stream` (the `async_finish` path records the communication stream on every tensor), as DeepEP's own
+    outputs do; device memory is not zeroed on first touch, so the pool would save only the host's allocation calls.
+    Nothing is zeroed: the receive kernels write src_info, layout_range and recv_count in full (src_info past
+    `recv_count` as 0); recv_x and scales rows past `recv_count` are unspecified.
+
+    Arguments:
+        as `OutputPool.dispatch_outputs`.
+
+    Returns:
+        outputs: a `DispatchOutputs` as `OutputPool.dispatch_outputs` returns.
+    """
+    empty = torch.empty
+    recv_x = empty((local, rows, hidden), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=device)
+    scales = empty((local, hidden // 128, rows), dtype=torch.float32, device=device) if use_fp8 else None
+    return _new_tuple(DispatchOutputs, (recv_x, scales, empty((local, rows), dtype=torch.int32, device=device),
+                                        empty((local, num_ranks), dtype=torch.int64, device=device),
+                                        empty((local,), dtype=torch.int32, device=device)))
+
+
 def _numel(shape) -> int:
     count = 1
     for size in shape:
@@ -161,12 +189,10 @@ class OutputPool:
             slot = self._free_slot(key)
         return self._new_block(key, parts, zeroed, device) if slot is None else slot.hand_out()
 
-    def _new_block(self, key, parts, zeroed, device, keep: bool = True) -> list:
-        """Aliases of a new block for `key` (see `acquire`), kept in the pool when `key` has room (and `keep`)."""
+    def _new_block(self, key, parts, zeroed, device) -> list:
+        """Aliases of a new block for `key` (see `acquire`), kept in the pool when `key` has room."""
         slot = _OutputSlot(parts, zeroed, device)
         outputs = slot.hand_out()
-        if not keep:
-            return outputs
         with self._lock:
             slots = self._slots.get(key)
             if slots is None:
@@ -178,7 +204,7 @@ class OutputPool:
         return outputs
 
     def dispatch_outputs(self, use_fp8: bool, local: int, rows: int, hidden: int, num_ranks: int,
-                         device, pooled: bool = True) -> DispatchOutputs:
+                         device) -> DispatchOutputs:
         """Outputs of one dispatch of this shape.
 
         Rows of recv_x (and scales) beyond `recv_count` are unspecified (they may hold earlier calls'
@@ -191,9 +217,8 @@ class OutputPool:
             rows: `R * T`, receive rows per local expert.
             hidden: `H`, a multiple of 128.
             num_ranks: `R`.
-            device: torch device of the outputs.
-            pooled: take and keep blocks of the pool; False (CUDA graph capture, whose replays
-                rewrite the same memory) allocates blocks the pool never hands out.
+            device: torch device of the outputs (the host's: device outputs are never pooled, see
+                `fresh_dispatch_outputs`).
 
         Returns:
             outputs: a `DispatchOutputs` (recv_x `[L, R*T, H]`, recv_scales `[L, H/128, R*T]`
@@ -203,44 +228,40 @@ class OutputPool:
         inference = _inference_mode()
         rows_key = ("dispatch rows", use_fp8, local, rows, hidden, device, inference)
         meta_key = ("dispatch meta", local, rows, num_ranks, device, inference)
-        rows_slot = meta_slot = None
-        if pooled:
-            with self._lock:  # one lock for both blocks
-                rows_slot, meta_slot = self._free_slot(rows_key), self._free_slot(meta_key)
+        with self._lock:  # one lock for both blocks
+            rows_slot, meta_slot = self._free_slot(rows_key), self._free_slot(meta_key)
         if rows_slot is not None:
             recv_x, scales = rows_slot.views
             recv_x, scales = _detach(recv_x), None if scales is None else _detach(scales)
         else:
             parts = ((torch.float8_e4m3fn if use_fp8 else torch.bfloat16, (local, rows, hidden)),
                      (torch.float32, (local, hidden // 128, rows)) if use_fp8 else None)
-            recv_x, scales = self._new_block(rows_key, parts, (), device, pooled)
+            recv_x, scales = self._new_block(rows_key, parts, (), device)
         if meta_slot is not None:
             src_info, layout_range, recv_count = meta_slot.views
             src_info, layout_range, recv_count = _detach(src_info), _detach(layout_range), _detach(recv_count)
         else:
             parts = ((torch.int32, (local, rows)), (torch.int64, (local, num_ranks)), (torch.int32, (local,)))
-            src_info, layout_range, recv_count = self._new_block(meta_key, parts, (0, 1, 2), device, pooled)
+            src_info, layout_range, recv_count = self._new_block(meta_key, parts, (0, 1, 2), device)
         return _new_tuple(DispatchOutputs, (recv_x, scales, src_info, layout_range, recv_count))
 
-    def combine_output(self, num_tokens: int, hidden: int, device, pooled: bool = True) -> torch.Tensor:
+    def combine_output(self, num_tokens: int, hidden: int, device) -> torch.Tensor:
         """The `[num_tokens, hidden]` bf16 result of one combine (every row is written by the call).
 
         Arguments:
             num_tokens: `N`, tokens of this rank.
             hidden: `H`.
-            device: torch device of the output.
-            pooled: as for `dispatch_outputs`.
+            device: torch device of the output (the host's, as for `dispatch_outputs`).
 
         Returns:
             out: `[N, H]` torch.bfloat16, contents unspecified until the combine writes it.
         """
         key = ("combine", num_tokens, hidden, device, _inference_mode())
-        if pooled:
-            with self._lock:
-                slot = self._free_slot(key)
-            if slot is not None:
-                return _detach(slot.views[0])
-        return self._new_block(key, ((torch.bfloat16, (num_tokens, hidden)),), (), device, pooled)[0]
+        with self._lock:
+            slot = self._free_slot(key)
+        if slot is not None:
+            return _detach(slot.views[0])
+        return self._new_block(key, ((torch.bfloat16, (num_tokens, hidden)),), (), device)[0]
 
     def pooled_bytes(self) -> int:
         """Bytes held by the pool (busy and free blocks).
