@@ -164,32 +164,39 @@ def test_cuda_inactive_rank(num_ranks):
     harness.run(num_ranks, rank_matches_shm, False, "sync", seed=5, inactive=(1,))
 
 
+# Each mode's flags for the two dispatches (and their combines), and whether hooks run on a side stream:
+# "mixed" launches an async_finish call on the communication stream and then a synchronous one on the current
+# stream before waiting for the first (the transport orders its launches across streams, `_launch_stream`);
+# "side" runs the receive hooks on another stream than their sends.
+_MODES = {"sync": ((False, False), (False, False)), "hook": ((False, True), (False, True)),
+          "async": ((True, False), (True, False)), "mixed": ((True, False), (False, False)),
+          "side": ((False, True), (False, True))}
+
+
 def rank_two_dispatches(ctx, mode):
     """Two dispatches alive at once (both region halves), then both combines, each against shm."""
     case = Case(tokens=24)
     shm, gpu = _buffers(ctx, case)
-    flags = dict(async_finish=mode == "async", return_recv_hook=mode == "hook")
     try:
         n = token_count(ctx.rank, ctx.num_ranks, case.tokens)
         results = {}
         for name, buffer, device in (("cpu", shm, "cpu"), ("gpu", gpu, gpu.device)):
+            side = torch.cuda.Stream(gpu.device) if mode == "side" and name == "gpu" else None
             rounds = []
-            for seed in (21, 22):
+            for seed, (async_finish, hooked) in zip((21, 22), _MODES[mode]):
+                flags = dict(async_finish=async_finish, return_recv_hook=hooked)
                 inputs = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed)
                 active = torch.ones(ctx.num_ranks, dtype=torch.int32, device=device)
                 x, topk, weights = inputs.x.to(device), inputs.topk_idx.to(device), inputs.weights.to(device)
-                rounds.append((x, topk, weights, active, buffer.dispatch(x, topk, active, case.tokens, case.experts,
-                                                                         TIMEOUT_US, use_fp8=False, **flags)))
+                rounds.append((x, topk, weights, active, flags,
+                               buffer.dispatch(x, topk, active, case.tokens, case.experts, TIMEOUT_US, use_fp8=False,
+                                               **flags)))
             outs = []
-            for x, topk, weights, active, (recv, count, handle, event, hook) in rounds:
-                if hook is not None:
-                    hook()
-                event.current_stream_wait()
+            for x, topk, weights, active, flags, (recv, count, handle, event, hook) in rounds:
+                _receive(hook, event, side)
                 y = _expert_outputs(ctx, case, recv.cpu(), count.cpu(), False).to(device)
                 combined, event, hook = buffer.combine(y, topk, weights, active, TIMEOUT_US, handle, **flags)
-                if hook is not None:
-                    hook()
-                event.current_stream_wait()
+                _receive(hook, event, side)
                 outs.append((recv.cpu(), count.cpu(), combined.cpu()))
             results[name] = outs
         for (c_recv, c_count, c_out), (g_recv, g_count, g_out) in zip(results["cpu"], results["gpu"]):
@@ -206,7 +213,19 @@ def rank_two_dispatches(ctx, mode):
         shm.destroy()
 
 
-@pytest.mark.parametrize("mode", ["sync", "hook", "async"])
+def _receive(hook, event, side) -> None:
+    """Run a call's receive hook (on `side` when given, which the current stream then waits for) and wait for it."""
+    if hook is not None:
+        if side is None:
+            hook()
+        else:
+            with torch.cuda.stream(side):
+                hook()
+            torch.cuda.current_stream().wait_stream(side)
+    event.current_stream_wait()
+
+
+@pytest.mark.parametrize("mode", list(_MODES))
 def test_cuda_two_dispatches_in_a_row(mode):
     harness.run(4, rank_two_dispatches, mode)
 

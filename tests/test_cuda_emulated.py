@@ -30,7 +30,7 @@ def rank_rounds(ctx, rounds) -> int:
 
 
 def rank_two_dispatches_every_mode(ctx) -> bool:
-    for mode in ("sync", "hook", "async"):
+    for mode in ("sync", "hook", "async", "mixed"):  # "side" needs real streams (tests/test_cuda.py on a GPU)
         test_cuda.rank_two_dispatches(ctx, mode)
     return True
 
@@ -91,3 +91,44 @@ def test_the_host_profile_script_runs_on_the_emulated_device():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for line in ("HOST rank 0: ", "HOST rank 1: ", "fused launches; emulated device", "device_calls.py"):
         assert line in run.stdout, (line, run.stdout[-3000:])
+
+
+def test_a_launch_on_another_stream_waits_for_the_previous_launch(monkeypatch):
+    """`CudaTransport._launch_stream`: the first launch and launches on the same stream wait for nothing (stream
+    order); a launch on another stream makes that stream wait for the previous launch's, except in a capture."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mooncake_ep_switch.buffer.transport import cuda as cuda_transport
+
+    class Stream:
+        def __init__(self, raw):
+            self.raw, self.waited = raw, []
+
+        def wait_stream(self, other):
+            self.waited.append(other.raw)
+
+    streams, current, capturing = {}, [7], [False]
+    monkeypatch.setattr(cuda_transport, "current_raw_stream", lambda index: current[0])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams.setdefault(current[0],
+                                                                                             Stream(current[0])))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    transport = SimpleNamespace(device=torch.device("cuda", 0), _last_raw=None, _last_stream=None)
+
+    def launch(stream, capture=False):
+        current[0], capturing[0] = stream, capture
+        assert cuda_transport.CudaTransport._launch_stream(transport) == stream
+
+    launch(7)
+    launch(7)
+    assert streams[7].waited == []
+    launch(9)  # e.g. a synchronous call after an async_finish one on the communication stream
+    launch(9)
+    assert streams[9].waited == [7]
+    launch(7)
+    assert streams[7].waited == [9]
+    launch(11, capture=True)  # a capture cannot wait for work outside it
+    assert streams[11].waited == []
+    launch(7)
+    assert streams[7].waited == [9, 11]

@@ -123,6 +123,10 @@ class CudaTransport(RuntimeQueries):
         self._regions: Dict[tuple, object] = {}
         self._layouts = RegionLayouts(num_ranks, num_ep_buffer_bytes)
         self._comm_stream: Optional[torch.cuda.Stream] = None
+        # The stream of the latest launch (its handle and torch object): a launch on another stream waits for it
+        # (`_launch_stream`), so the transport's work runs in the order the calls were made, as on DeepEP's one stream.
+        self._last_raw: Optional[int] = None
+        self._last_stream = None
         self.watch = PeerWatch(num_ranks, rank, None, dead=self._control[1 + num_ranks:])
         self._dead_ptr = self.watch.dead_ptr  # inside the control block: the device waits read it
         self._graphs = False  # set once a call was captured in a CUDA graph (see _call)
@@ -311,6 +315,31 @@ class CudaTransport(RuntimeQueries):
                           active.data_ptr(), counter, call_word.data_ptr(), self._control_ptr, self._dead_ptr,
                           timeout_us, int(self._graphs), self._fused)  # by position: keywords cost us a call
 
+    def _launch_stream(self) -> int:
+        """The current stream's handle for a launch, after making it wait for the stream of this transport's
+        previous launch when that was another one.
+
+        A call's kernels share per-shape scratch (`_scratch_for`: the send's slots and counts, the receive's
+        counts and offsets) with every other call of the shape. Launches on one stream run in order; launches on
+        two streams (an `async_finish` call on the communication stream and a synchronous one on the current
+        stream before its event was waited for, a hook run on another stream, a caller alternating streams)
+        would run at once and overwrite each other's scratch. DeepEP runs every call on its one communication
+        stream; here a synchronous call runs on the current stream (no stream switch, capturable), and a change
+        of stream makes the new one wait for the old one on the device (no host wait). Not while a CUDA graph is
+        captured (a capture may not wait for work outside it): a graph's order is the one it replays in. The
+        order is the one the host launches in: two threads launching at the same moment are not ordered.
+
+        Returns:
+            stream: int, the current stream's `cudaStream_t`.
+        """
+        raw = current_raw_stream(self.device.index)
+        if raw != self._last_raw:
+            stream = torch.cuda.current_stream(self.device)
+            if self._last_stream is not None and not torch.cuda.is_current_stream_capturing():
+                stream.wait_stream(self._last_stream)
+            self._last_raw, self._last_stream = raw, stream
+        return raw
+
     def comm_stream(self) -> torch.cuda.Stream:
         """The stream `async_finish` calls run on (made on first use)."""
         if self._comm_stream is None:
@@ -346,7 +375,7 @@ class CudaTransport(RuntimeQueries):
         self.latest_dispatch = call.call
         # by position but the flag (pybind11 matches keywords by name: microseconds a call)
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
-                            scratch.data_ptr(), current_raw_stream(self.device.index),
+                            scratch.data_ptr(), self._launch_stream(),
                             use_fp8=call.use_fp8)
 
         def receive() -> None:
@@ -357,7 +386,7 @@ class CudaTransport(RuntimeQueries):
             # top_k, scratch, recv_x, recv_scales, src_info, layout_range, recv_count, stream; the flag by name
             _cuda.dispatch_recv(spec, region, top_k, scratch.data_ptr(), outputs.recv_x.data_ptr(), scales,
                                 outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
-                                outputs.recv_count.data_ptr(), current_raw_stream(self.device.index),
+                                outputs.recv_count.data_ptr(), self._launch_stream(),
                                 use_fp8=call.use_fp8)
 
         return call_word, receive
@@ -393,7 +422,7 @@ class CudaTransport(RuntimeQueries):
             # hand it to anyone else before this stream has read it.
             call.transport_plan.record_stream(torch.cuda.current_stream(self.device))
         _cuda.combine_send(spec, region, call.x.data_ptr(), call.src_info.data_ptr(), call.layout_range.data_ptr(),
-                           current_raw_stream(self.device.index))
+                           self._launch_stream())
 
         def receive() -> None:
             if self._control is None:
@@ -401,7 +430,7 @@ class CudaTransport(RuntimeQueries):
             check_half_not_reused("combine", call.call, self.latest_dispatch)
             _cuda.combine_recv(spec, region, call.topk_idx.data_ptr(), call.topk_weights.data_ptr(),
                                call.topk_idx.size(0), call.topk_idx.size(1), call.out.data_ptr(),
-                               current_raw_stream(self.device.index), *_bias_words(call.bias))
+                               self._launch_stream(), *_bias_words(call.bias))
 
         return receive
 
