@@ -469,7 +469,8 @@ def test_combine_hook_after_its_half_was_reused_is_refused(transport):
 def rank_first_combine_after_reuse(ctx, transport):
     """dispatch A, dispatch B, combine B, combine B again (a call of its own, on A's region half), then
     combine A: refused, naming `handle`, before anything moves (a fast rank's rows would land in the half
-    a slow peer still reads B's second combine from); a handle three dispatches old likewise. Every
+    a slow peer still reads B's second combine from), and so is A's zero-copy combine buffer; a handle three
+    dispatches old likewise. Every
     other combine exact, the Buffer exact after."""
     with _buffer(ctx, transport) as buffer:
         active = torch.ones(ctx.num_ranks, dtype=torch.int32)
@@ -482,6 +483,8 @@ def rank_first_combine_after_reuse(ctx, transport):
         calls = buffer.latest_call
         with pytest.raises(ValueError, match=r"^handle: expected the handle of one of the last two calls.*reused"):
             buffer.combine(y_a, first.topk_idx, first.weights, active, TIMEOUT_US, handle_a)
+        with pytest.raises(ValueError, match=r"^handle: expected the handle of one of the last two calls.*reused"):
+            buffer.get_next_combine_buffer(handle_a)  # its zero-copy buffer is the half B's second combine uses
         assert buffer.latest_call == calls and active.tolist() == [1] * ctx.num_ranks
         _healthy_round(ctx, buffer, 52)
         old, old_all = _inputs(ctx, 53)
@@ -490,6 +493,8 @@ def rank_first_combine_after_reuse(ctx, transport):
             _healthy_round(ctx, buffer, seed)
         with pytest.raises(ValueError, match=r"^handle: expected the handle of one of the last two calls"):
             buffer.combine(y_old, old.topk_idx, old.weights, active, TIMEOUT_US, handle_old)
+        with pytest.raises(ValueError, match=r"^handle: expected the handle of one of the last two calls"):
+            buffer.get_next_combine_buffer(handle_old)
         _healthy_round(ctx, buffer, 56)
     return True
 

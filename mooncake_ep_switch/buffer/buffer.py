@@ -789,12 +789,14 @@ class Buffer(mooncake_runtime.MooncakeRuntimeQueries):
 
         Raises:
             RuntimeError: the Buffer was destroyed.
-            TypeError, ValueError: `handle` is not a handle of this Buffer's last two dispatches.
+            TypeError, ValueError: `handle` is not a handle of this Buffer's last two dispatches, or a call after
+                next (a dispatch, or a combine of a handle combined already) reused its region half.
         """
         self._check_alive()
         _, _, tokens, hidden, experts = validation.check_handle(handle, self.num_ranks, self.device)
         plan = self._core.plan_of(handle)
         mooncake_runtime.check_handle_side(self._transport, plan.transport_plan)
+        check_half_free(plan, self._core.call)  # a later call reused the half: writing there clobbers its rows
         shape = (experts // self.num_ranks, self.num_ranks * tokens, hidden)
         self._specs.check_capacity(tokens, hidden, experts)
         return self._transport.combine_buffer(plan.call, shape, handle[0].device)
