@@ -6,6 +6,7 @@ NVLink uses between GPUs). Each test runs the same inputs through a "shm" Buffer
 bit for bit, and checks the CUDA outputs against the independent references of tests/reference.py.
 Without a CUDA device every test here is skipped with the reason "no CUDA device".
 """
+import contextlib
 import os
 import signal
 import time
@@ -164,13 +165,14 @@ def test_cuda_inactive_rank(num_ranks):
     harness.run(num_ranks, rank_matches_shm, False, "sync", seed=5, inactive=(1,))
 
 
-# Each mode's flags for the two dispatches (and their combines), and whether hooks run on a side stream:
+# Each mode's (async_finish, return_recv_hook, on a side stream) for the two dispatches and their combines:
 # "mixed" launches an async_finish call on the communication stream and then a synchronous one on the current
-# stream before waiting for the first (the transport orders its launches across streams, `_launch_stream`);
-# "side" runs the receive hooks on another stream than their sends.
-_MODES = {"sync": ((False, False), (False, False)), "hook": ((False, True), (False, True)),
-          "async": ((True, False), (True, False)), "mixed": ((True, False), (False, False)),
-          "side": ((False, True), (False, True))}
+# stream before waiting for the first; "side" makes the first dispatch and its combine while a side stream is
+# current and the second on the current stream (the transport orders its launches across streams,
+# `CudaTransport._launch_stream`; GPU only: the emulated device has one stream).
+_MODES = {"sync": ((False, False, False), (False, False, False)), "hook": ((False, True, False), (False, True, False)),
+          "async": ((True, False, False), (True, False, False)), "mixed": ((True, False, False), (False, False, False)),
+          "side": ((False, False, True), (False, False, False))}
 
 
 def rank_two_dispatches(ctx, mode):
@@ -181,21 +183,23 @@ def rank_two_dispatches(ctx, mode):
         n = token_count(ctx.rank, ctx.num_ranks, case.tokens)
         results = {}
         for name, buffer, device in (("cpu", shm, "cpu"), ("gpu", gpu, gpu.device)):
-            side = torch.cuda.Stream(gpu.device) if mode == "side" and name == "gpu" else None
             rounds = []
-            for seed, (async_finish, hooked) in zip((21, 22), _MODES[mode]):
+            for seed, (async_finish, hooked, on_side) in zip((21, 22), _MODES[mode]):
                 flags = dict(async_finish=async_finish, return_recv_hook=hooked)
+                side = torch.cuda.Stream(gpu.device) if on_side and name == "gpu" else None
                 inputs = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, seed)
                 active = torch.ones(ctx.num_ranks, dtype=torch.int32, device=device)
                 x, topk, weights = inputs.x.to(device), inputs.topk_idx.to(device), inputs.weights.to(device)
-                rounds.append((x, topk, weights, active, flags,
-                               buffer.dispatch(x, topk, active, case.tokens, case.experts, TIMEOUT_US, use_fp8=False,
-                                               **flags)))
+                with _on(side):
+                    result = buffer.dispatch(x, topk, active, case.tokens, case.experts, TIMEOUT_US, use_fp8=False,
+                                             **flags)
+                rounds.append((x, topk, weights, active, flags, side, result))
             outs = []
-            for x, topk, weights, active, flags, (recv, count, handle, event, hook) in rounds:
+            for x, topk, weights, active, flags, side, (recv, count, handle, event, hook) in rounds:
                 _receive(hook, event, side)
                 y = _expert_outputs(ctx, case, recv.cpu(), count.cpu(), False).to(device)
-                combined, event, hook = buffer.combine(y, topk, weights, active, TIMEOUT_US, handle, **flags)
+                with _on(side):
+                    combined, event, hook = buffer.combine(y, topk, weights, active, TIMEOUT_US, handle, **flags)
                 _receive(hook, event, side)
                 outs.append((recv.cpu(), count.cpu(), combined.cpu()))
             results[name] = outs
@@ -213,16 +217,24 @@ def rank_two_dispatches(ctx, mode):
         shm.destroy()
 
 
+@contextlib.contextmanager
+def _on(side):
+    """Make a call with `side` current (after it waited for the current stream, whose tensors it reads)."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield
+
+
 def _receive(hook, event, side) -> None:
-    """Run a call's receive hook (on `side` when given, which the current stream then waits for) and wait for it."""
+    """Run a call's receive hook and wait for the call (on `side` when it was made there)."""
     if hook is not None:
-        if side is None:
-            hook()
-        else:
-            with torch.cuda.stream(side):
-                hook()
-            torch.cuda.current_stream().wait_stream(side)
+        hook()
     event.current_stream_wait()
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
 
 
 @pytest.mark.parametrize("mode", list(_MODES))

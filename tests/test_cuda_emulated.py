@@ -2,8 +2,8 @@
 emulated device of tests/emulated_device.py (the real kernels on the host block/warp emulator, device
 memory as shared regions between the rank processes, streams and events as host stand-ins).
 
-Real: the Buffer, validation, the device call path (sync, hook, async, zero-copy, out=, the output
-pool), CudaTransport (endpoints in the store, opening peers' regions, the peer table, the control
+Real: the Buffer, validation, the device call path (sync, hook, async, zero-copy, out=, fresh outputs,
+the launches' streams), CudaTransport (endpoints in the store, opening peers' regions, the peer table, the control
 block, the peer watcher's dead words, failed sources, destroy), faults and re-admission. Left to a
 GPU (tests/test_cuda.py): device-mismatch errors, CUDA graphs, the GPU's memory model and speed.
 Each test uses fresh rank processes (the emulation is not undone).
@@ -93,14 +93,11 @@ def test_the_host_profile_script_runs_on_the_emulated_device():
         assert line in run.stdout, (line, run.stdout[-3000:])
 
 
-def test_a_launch_on_another_stream_waits_for_the_previous_launch(monkeypatch):
-    """`CudaTransport._launch_stream`: the first launch and launches on the same stream wait for nothing (stream
-    order); a launch on another stream makes that stream wait for the previous launch's, except in a capture."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from mooncake_ep_switch.buffer.transport import cuda as cuda_transport
+def test_a_launch_on_another_stream_waits_for_the_previous_launch():
+    """`launch_order.LaunchOrder`: the first launch and launches on the same stream wait for nothing (stream
+    order); a launch on another stream makes that stream wait for the previous launch's, also a receive hook's
+    launch on its call's stream (`on`); a capture waits for nothing and changes nothing."""
+    from mooncake_ep_switch.buffer.transport.launch_order import LaunchOrder
 
     class Stream:
         def __init__(self, raw):
@@ -110,15 +107,15 @@ def test_a_launch_on_another_stream_waits_for_the_previous_launch(monkeypatch):
             self.waited.append(other.raw)
 
     streams, current, capturing = {}, [7], [False]
-    monkeypatch.setattr(cuda_transport, "current_raw_stream", lambda index: current[0])
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams.setdefault(current[0],
-                                                                                             Stream(current[0])))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    transport = SimpleNamespace(device=torch.device("cuda", 0), _last_raw=None, _last_stream=None)
 
-    def launch(stream, capture=False):
-        current[0], capturing[0] = stream, capture
-        assert cuda_transport.CudaTransport._launch_stream(transport) == stream
+    def stream_of(raw):
+        return streams.setdefault(raw, Stream(raw))
+
+    order = LaunchOrder(lambda: current[0], lambda: stream_of(current[0]), lambda: capturing[0])
+
+    def launch(raw, capture=False):
+        current[0], capturing[0] = raw, capture
+        assert order.current() == (raw, stream_of(raw))
 
     launch(7)
     launch(7)
@@ -128,7 +125,60 @@ def test_a_launch_on_another_stream_waits_for_the_previous_launch(monkeypatch):
     assert streams[9].waited == [7]
     launch(7)
     assert streams[7].waited == [9]
-    launch(11, capture=True)  # a capture cannot wait for work outside it
+    assert order.on(9, stream_of(9)) == 9  # a hook of a call made on 9, run while 7 is current
+    assert streams[9].waited == [7, 7]
+    launch(11, capture=True)  # a capture cannot wait for work outside it, and leaves the order as it was
     assert streams[11].waited == []
-    launch(7)
-    assert streams[7].waited == [9, 11]
+    launch(7)  # after the capture: waits for the last launch before it
+    assert streams[7].waited == [9, 9]
+
+
+def rank_hooks_launch_on_their_calls_stream(ctx) -> bool:
+    """A dispatch's and a combine's receive hooks launch on the stream that was current at the call, whichever is
+    current when they run (DeepEP's and Mooncake EP's rule); every launch's stream as the launchers got it. The
+    combine records its stream on the handle's tensors it reads (the allocator keeps them until it is done)."""
+    import torch
+
+    from mooncake_ep_switch import Buffer
+    from mooncake_ep_switch.buffer.transport import cuda as cuda_transport
+    from tests.emulated_device import install
+    from tests.reference import structured_inputs, token_count
+    from tests.test_buffer import TIMEOUT_US, Case
+
+    fake = install()
+    recorded = []
+    torch.Tensor.record_stream = lambda tensor, stream: recorded.append(tensor.data_ptr())
+    current = [5]
+    cuda_transport.current_raw_stream = lambda device_index: current[0]
+    launches = []
+    for name, stream_at in (("dispatch_send", 7), ("dispatch_recv", 9), ("combine_send", 5), ("combine_recv", 7)):
+        def record(*args, _name=name, _at=stream_at, _inner=getattr(fake, name), **kwargs):
+            launches.append((_name, args[_at]))
+            return _inner(*args, **kwargs)
+
+        setattr(fake, name, record)
+    case = Case(tokens=8)
+    n = token_count(ctx.rank, ctx.num_ranks, case.tokens)
+    inputs = structured_inputs(ctx.rank, n, case.hidden, case.experts, case.top_k, 3)
+    active = torch.ones(ctx.num_ranks, dtype=torch.int32)
+    with Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts),
+                transport="cuda") as buffer:
+        recv, count, handle, _, hook = buffer.dispatch(inputs.x, inputs.topk_idx, active, case.tokens, case.experts,
+                                                       TIMEOUT_US, use_fp8=False, return_recv_hook=True)
+        current[0] = 6
+        hook()
+        current[0] = 8
+        _, _, hook = buffer.combine(recv, inputs.topk_idx, inputs.weights, active, TIMEOUT_US, handle,
+                                    return_recv_hook=True)
+        current[0] = 5
+        hook()
+    assert launches == [("dispatch_send", 5), ("dispatch_recv", 5), ("combine_send", 8), ("combine_recv", 8)], \
+        launches
+    # The combine ran on another stream than its dispatch: what it reads of the dispatch is recorded on its stream
+    assert {handle[0].data_ptr(), handle[1].data_ptr()} <= set(recorded), recorded
+    return True
+
+
+def test_receive_hooks_launch_on_their_calls_stream():
+    with harness.fresh_cluster(2) as cluster:
+        assert all(check_outcomes(cluster.run(rank_hooks_launch_on_their_calls_stream, timeout_s=120)))

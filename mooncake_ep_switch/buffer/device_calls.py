@@ -5,7 +5,7 @@ The same contract as the host path (core.py), with DeepEP's stream semantics and
 * synchronous call: send and receive kernels are launched on the current stream; the results are
   ready in stream order (the event is complete);
 * `return_recv_hook=True`: the send kernels are launched now; `hook()` launches the receive
-  kernels on the stream current when it runs;
+  kernels on the same stream, whichever is current when it runs (as DeepEP's and Mooncake EP's hooks);
 * `async_finish=True`: everything runs on the transport's communication stream, which first waits
   for the current stream; `event.current_stream_wait()` makes the current stream wait for it.
 
@@ -195,7 +195,7 @@ def combine(core: BufferCore, x, topk_idx, topk_weights, active_ranks, timeout_u
     life.enter()
     try:
         plan.mark_combined()
-        keep_alive = (x, topk_idx, topk_weights, active_ranks, out, plan.transport_plan) + bias
+        keep_alive = (x, topk_idx, topk_weights, active_ranks, out, plan.transport_plan, src_info, layout_range) + bias
         _, event, hook, _ = _run(core, lambda: (None, impl.combine(call)), async_finish, return_recv_hook,
                                  keep_alive, (timeout_us, "combine", call.call))
     finally:

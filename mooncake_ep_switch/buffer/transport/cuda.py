@@ -20,6 +20,7 @@ import torch
 
 from mooncake_ep_switch.buffer.calls import CombineCall, DispatchCall, DispatchOutputs, bias_args
 from mooncake_ep_switch.buffer.layout import RegionLayout, RegionLayouts, check_half_not_reused
+from mooncake_ep_switch.buffer.transport.launch_order import LaunchOrder
 from mooncake_ep_switch.buffer.transport.contract import RuntimeQueries
 from mooncake_ep_switch.buffer.transport.members import connect_view
 from mooncake_ep_switch.buffer.transport.device_memory import DeviceAllocation, device_view, open_peer
@@ -123,10 +124,12 @@ class CudaTransport(RuntimeQueries):
         self._regions: Dict[tuple, object] = {}
         self._layouts = RegionLayouts(num_ranks, num_ep_buffer_bytes)
         self._comm_stream: Optional[torch.cuda.Stream] = None
-        # The stream of the latest launch (its handle and torch object): a launch on another stream waits for it
-        # (`_launch_stream`), so the transport's work runs in the order the calls were made, as on DeepEP's one stream.
-        self._last_raw: Optional[int] = None
-        self._last_stream = None
+        # Every launch runs after the one before it, also on another stream (launch_order.py: the kernels' scratch is
+        # shared by the calls of a shape); the functions read this module's names when called (the emulated device
+        # replaces them).
+        self._order = LaunchOrder(lambda: current_raw_stream(self.device.index),
+                                  lambda: torch.cuda.current_stream(self.device),
+                                  lambda: torch.cuda.is_current_stream_capturing())
         self.watch = PeerWatch(num_ranks, rank, None, dead=self._control[1 + num_ranks:])
         self._dead_ptr = self.watch.dead_ptr  # inside the control block: the device waits read it
         self._graphs = False  # set once a call was captured in a CUDA graph (see _call)
@@ -315,31 +318,6 @@ class CudaTransport(RuntimeQueries):
                           active.data_ptr(), counter, call_word.data_ptr(), self._control_ptr, self._dead_ptr,
                           timeout_us, int(self._graphs), self._fused)  # by position: keywords cost us a call
 
-    def _launch_stream(self) -> int:
-        """The current stream's handle for a launch, after making it wait for the stream of this transport's
-        previous launch when that was another one.
-
-        A call's kernels share per-shape scratch (`_scratch_for`: the send's slots and counts, the receive's
-        counts and offsets) with every other call of the shape. Launches on one stream run in order; launches on
-        two streams (an `async_finish` call on the communication stream and a synchronous one on the current
-        stream before its event was waited for, a hook run on another stream, a caller alternating streams)
-        would run at once and overwrite each other's scratch. DeepEP runs every call on its one communication
-        stream; here a synchronous call runs on the current stream (no stream switch, capturable), and a change
-        of stream makes the new one wait for the old one on the device (no host wait). Not while a CUDA graph is
-        captured (a capture may not wait for work outside it): a graph's order is the one it replays in. The
-        order is the one the host launches in: two threads launching at the same moment are not ordered.
-
-        Returns:
-            stream: int, the current stream's `cudaStream_t`.
-        """
-        raw = current_raw_stream(self.device.index)
-        if raw != self._last_raw:
-            stream = torch.cuda.current_stream(self.device)
-            if self._last_stream is not None and not torch.cuda.is_current_stream_capturing():
-                stream.wait_stream(self._last_stream)
-            self._last_raw, self._last_stream = raw, stream
-        return raw
-
     def comm_stream(self) -> torch.cuda.Stream:
         """The stream `async_finish` calls run on (made on first use)."""
         if self._comm_stream is None:
@@ -358,7 +336,8 @@ class CudaTransport(RuntimeQueries):
             private: `[1 + R + 3]` torch.int64 CUDA tensor: [0] the call number the device used (combine reads
                 it), [1 + r] the send kernels' snapshot of whether peer r is writable, then the fused kernels'
                 arrival counts.
-            receive: callable that launches the receive kernels on the then-current stream.
+            receive: callable that launches the receive kernels on the send's stream (the one current now, as
+                DeepEP's and Mooncake EP's receive hooks do, whichever stream is current when it runs).
         """
         tokens, experts, hidden = call.num_max_dispatch_tokens_per_rank, call.num_experts, call.x.size(1)
         layout = self._layouts.fit(tokens, hidden, experts)
@@ -373,10 +352,10 @@ class CudaTransport(RuntimeQueries):
         call_word = torch.empty(self._call_word_size, dtype=torch.int64, device=self.device)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call_word, call.timeout_us)
         self.latest_dispatch = call.call
+        stream, send_stream = self._order.current()  # the receive launches on the same stream
         # by position but the flag (pybind11 matches keywords by name: microseconds a call)
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
-                            scratch.data_ptr(), self._launch_stream(),
-                            use_fp8=call.use_fp8)
+                            scratch.data_ptr(), stream, use_fp8=call.use_fp8)
 
         def receive() -> None:
             if self._control is None:
@@ -386,7 +365,7 @@ class CudaTransport(RuntimeQueries):
             # top_k, scratch, recv_x, recv_scales, src_info, layout_range, recv_count, stream; the flag by name
             _cuda.dispatch_recv(spec, region, top_k, scratch.data_ptr(), outputs.recv_x.data_ptr(), scales,
                                 outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
-                                outputs.recv_count.data_ptr(), self._launch_stream(),
+                                outputs.recv_count.data_ptr(), self._order.on(stream, send_stream),
                                 use_fp8=call.use_fp8)
 
         return call_word, receive
@@ -410,19 +389,21 @@ class CudaTransport(RuntimeQueries):
 
         Returns:
             receive: callable that launches the wait and the weighted sum into `call.out` (starting from
-                `call.bias`'s rows, read in place).
+                `call.bias`'s rows, read in place) on the send's stream, as `dispatch`'s.
         """
         tokens, hidden, experts = call.num_max_dispatch_tokens_per_rank, call.hidden, call.num_experts
         layout = self._layouts.fit(tokens, hidden, experts)
         self._layouts.use((tokens, hidden, experts), self.dead_peers)
         region = self._region(layout)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call.transport_plan, call.timeout_us)
+        stream, send_stream = self._order.current()  # the receive launches on the same stream
         if not torch.cuda.is_current_stream_capturing():
-            # The dispatch's call word may have been made on another stream: the allocator must not
-            # hand it to anyone else before this stream has read it.
-            call.transport_plan.record_stream(torch.cuda.current_stream(self.device))
+            # The dispatch's call word and the handle's tensors may have been made on another stream: the allocator
+            # must not hand them to anyone else before this stream has read them (DeepEP's combine keeps them too).
+            for tensor in (call.transport_plan, call.src_info, call.layout_range):
+                tensor.record_stream(send_stream)
         _cuda.combine_send(spec, region, call.x.data_ptr(), call.src_info.data_ptr(), call.layout_range.data_ptr(),
-                           self._launch_stream())
+                           stream)
 
         def receive() -> None:
             if self._control is None:
@@ -430,7 +411,7 @@ class CudaTransport(RuntimeQueries):
             check_half_not_reused("combine", call.call, self.latest_dispatch)
             _cuda.combine_recv(spec, region, call.topk_idx.data_ptr(), call.topk_weights.data_ptr(),
                                call.topk_idx.size(0), call.topk_idx.size(1), call.out.data_ptr(),
-                               self._launch_stream(), *_bias_words(call.bias))
+                               self._order.on(stream, send_stream), *_bias_words(call.bias))
 
         return receive
 
