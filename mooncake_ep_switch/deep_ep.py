@@ -176,11 +176,21 @@ class Buffer:
         return finish
 
     def _complete(self, event, hook, finish, async_finish: bool, return_recv_hook: bool, extra):
-        """DeepEP's (event, hook) pair around our call's, with `finish` after the receive phase."""
+        """DeepEP's (event, hook) pair around our call's, with `finish` after the receive phase. A hook's receive
+        launches on its call's stream, whichever stream is current when it runs (as DeepEP's), so `finish` (its
+        reads of the counts and mask, the FP8 casts) runs on that stream too."""
         if return_recv_hook:
+            device = self.buffer.device
+            stream = torch.cuda.current_stream(device) if device is not None and device.type == "cuda" else None
+
             def recv_hook() -> None:
-                hook()
-                finish()
+                if stream is None:
+                    hook()
+                    finish()
+                    return
+                with torch.cuda.stream(stream):
+                    hook()
+                    finish()
             return EventOverlap(None, extra), recv_hook
         if async_finish:
             def wait() -> None:

@@ -242,6 +242,48 @@ def test_cuda_two_dispatches_in_a_row(mode):
     harness.run(4, rank_two_dispatches, mode)
 
 
+def rank_deep_ep_hook_run_under_a_side_stream(ctx):
+    """DeepEP V1's low_latency_dispatch with round_scale (the wrapper casts the rows after the receive): its hook run
+    while a side stream is current, after the call's stream was held back by a sleep, gives the same FP8 rows,
+    scales and counts as the hook run on the call's stream (the receive and the casts both run there)."""
+    from mooncake_ep_switch import deep_ep
+
+    _use_device()
+    tokens, hidden, experts, top_k = 16, 512, 4 * ctx.num_ranks, 3
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, ctx.num_ranks, experts)
+    buffer = deep_ep.Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True,
+                            num_qps_per_rank=experts // ctx.num_ranks, explicitly_destroy=True, transport="cuda")
+    try:
+        inputs = structured_inputs(ctx.rank, tokens - ctx.rank, hidden, experts, top_k, 5, random_values=True)
+        x, topk = inputs.x.cuda(), inputs.topk_idx.cuda()
+        side = torch.cuda.Stream()
+        results = []
+        for on_side in (False, True):
+            (data, scales), count, _, _, hook = buffer.low_latency_dispatch(
+                x, topk, tokens, experts, round_scale=True, use_ue8m0=False, return_recv_hook=True)
+            torch.cuda._sleep(50_000_000)  # the call's stream busy for tens of ms: its receive lands late
+            if on_side:  # the side stream is idle: work the hook put there would run before the receive
+                with torch.cuda.stream(side):
+                    hook()
+            else:
+                hook()
+            torch.cuda.synchronize()
+            valid = count.cpu().tolist()
+            results.append(([data[e, :n].view(torch.uint8).cpu() for e, n in enumerate(valid)],
+                            [scales[e, :n].cpu() for e, n in enumerate(valid)], valid))
+        (rows0, scales0, count0), (rows1, scales1, count1) = results
+        assert count0 == count1 and sum(count0) > 0
+        assert all(torch.equal(a, b) for a, b in zip(rows0, rows1)), "FP8 rows"
+        assert all(torch.equal(a, b) for a, b in zip(scales0, scales1)), "scales"
+        return True
+    finally:
+        buffer.destroy()
+
+
+def test_deep_ep_hook_run_under_a_side_stream():
+    assert harness.run(2, rank_deep_ep_hook_run_under_a_side_stream) == [True, True]
+
+
 def rank_validation(ctx):
     """Every argument error on CUDA tensors is a clear exception naming the argument; nothing is
     corrupted: a correct round trip afterwards still matches shm."""

@@ -115,7 +115,7 @@ def test_a_launch_on_another_stream_waits_for_the_previous_launch():
 
     def launch(raw, capture=False):
         current[0], capturing[0] = raw, capture
-        assert order.current() == (raw, stream_of(raw))
+        assert order.current() == (raw, stream_of(raw), capture)
 
     launch(7)
     launch(7)
@@ -125,12 +125,16 @@ def test_a_launch_on_another_stream_waits_for_the_previous_launch():
     assert streams[9].waited == [7]
     launch(7)
     assert streams[7].waited == [9]
-    assert order.on(9, stream_of(9)) == 9  # a hook of a call made on 9, run while 7 is current
+    assert order.on(9, stream_of(9), False) == 9  # a hook of a call made on 9, run while 7 is current
     assert streams[9].waited == [7, 7]
     launch(11, capture=True)  # a capture cannot wait for work outside it, and leaves the order as it was
     assert streams[11].waited == []
+    assert order.on(11, stream_of(11), True) == 11  # that call's hook, run after the capture ended: no wait either
+    assert streams[11].waited == []
     launch(7)  # after the capture: waits for the last launch before it
     assert streams[7].waited == [9, 9]
+    launch(7, capture=True)  # a capture on the last launch's stream is reported as one
+    assert order.last == (7, stream_of(7))
 
 
 def rank_hooks_launch_on_their_calls_stream(ctx) -> bool:

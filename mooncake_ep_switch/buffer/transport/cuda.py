@@ -352,7 +352,7 @@ class CudaTransport(RuntimeQueries):
         call_word = torch.empty(self._call_word_size, dtype=torch.int64, device=self.device)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call_word, call.timeout_us)
         self.latest_dispatch = call.call
-        stream, send_stream = self._order.current()  # the receive launches on the same stream
+        stream, send_stream, captured = self._order.current()  # the receive launches there too
         # by position but the flag (pybind11 matches keywords by name: microseconds a call)
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
                             scratch.data_ptr(), stream, use_fp8=call.use_fp8)
@@ -365,7 +365,7 @@ class CudaTransport(RuntimeQueries):
             # top_k, scratch, recv_x, recv_scales, src_info, layout_range, recv_count, stream; the flag by name
             _cuda.dispatch_recv(spec, region, top_k, scratch.data_ptr(), outputs.recv_x.data_ptr(), scales,
                                 outputs.src_info.data_ptr(), outputs.layout_range.data_ptr(),
-                                outputs.recv_count.data_ptr(), self._order.on(stream, send_stream),
+                                outputs.recv_count.data_ptr(), self._order.on(stream, send_stream, captured),
                                 use_fp8=call.use_fp8)
 
         return call_word, receive
@@ -396,7 +396,7 @@ class CudaTransport(RuntimeQueries):
         self._layouts.use((tokens, hidden, experts), self.dead_peers)
         region = self._region(layout)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call.transport_plan, call.timeout_us)
-        stream, send_stream = self._order.current()  # the receive launches on the same stream
+        stream, send_stream, captured = self._order.current()  # the receive launches there too
         if not torch.cuda.is_current_stream_capturing():
             # The dispatch's call word and the handle's tensors may have been made on another stream: the allocator
             # must not hand them to anyone else before this stream has read them (DeepEP's combine keeps them too).
@@ -411,7 +411,7 @@ class CudaTransport(RuntimeQueries):
             check_half_not_reused("combine", call.call, self.latest_dispatch)
             _cuda.combine_recv(spec, region, call.topk_idx.data_ptr(), call.topk_weights.data_ptr(),
                                call.topk_idx.size(0), call.topk_idx.size(1), call.out.data_ptr(),
-                               self._order.on(stream, send_stream), *_bias_words(call.bias))
+                               self._order.on(stream, send_stream, captured), *_bias_words(call.bias))
 
         return receive
 

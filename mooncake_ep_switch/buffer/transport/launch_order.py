@@ -13,7 +13,7 @@ nothing (the launch after it still waits for the stream before it). A graph's re
 caller launches them, ordered by the caller, as DeepEP's. The order is the one the host launches in: two
 threads launching at the same moment are not ordered.
 """
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 
 class LaunchOrder:
@@ -25,41 +25,44 @@ class LaunchOrder:
         capturing: whether the current stream is capturing a CUDA graph.
     """
 
-    __slots__ = ("_current_raw", "_current_stream", "_capturing", "last_raw", "last_stream")
+    __slots__ = ("_current_raw", "_current_stream", "_capturing", "last")
 
     def __init__(self, current_raw: Callable[[], int], current_stream: Callable[[], object],
                  capturing: Callable[[], bool]):
         self._current_raw, self._current_stream, self._capturing = current_raw, current_stream, capturing
-        self.last_raw: Optional[int] = None
-        self.last_stream = None
+        self.last: Tuple[Optional[int], object] = (None, None)  # (raw, stream) of the latest launch: one store
 
-    def current(self) -> tuple:
+    def current(self) -> Tuple[int, object, bool]:
         """The current stream for a launch, ordered after the previous launch (`on`).
 
         Returns:
             raw: int, its `cudaStream_t`.
             stream: its torch.cuda.Stream (for `on` later, e.g. a receive hook, and `record_stream`).
+            captured: whether it is capturing a CUDA graph now (pass it to `on` for a later launch there).
         """
         raw = self._current_raw()
-        if raw == self.last_raw:
-            return raw, self.last_stream
-        stream = self._current_stream()
-        self.on(raw, stream)
-        return raw, stream
+        last = self.last
+        if raw == last[0]:  # it may be capturing since (a caller's torch.cuda.graph(stream=...)): asked anyway
+            return raw, last[1], self._capturing()
+        stream, captured = self._current_stream(), self._capturing()
+        self.on(raw, stream, captured)
+        return raw, stream, captured
 
-    def on(self, raw: int, stream) -> int:
+    def on(self, raw: int, stream, captured: bool) -> int:
         """Order a launch on `stream` (not necessarily the current one: a receive hook launches on its call's)
         after the previous launch: when that was on another stream, `stream` waits for it on the device.
 
         Arguments:
             raw: the stream's `cudaStream_t` as an int.
             stream: its torch.cuda.Stream.
+            captured: whether `stream` is capturing a CUDA graph (as `current` said when the call was made).
 
         Returns:
             raw: `raw`.
         """
-        if raw != self.last_raw and not self._capturing():
-            if self.last_stream is not None:
-                stream.wait_stream(self.last_stream)
-            self.last_raw, self.last_stream = raw, stream
+        last_raw, last_stream = self.last
+        if raw != last_raw and not captured:
+            if last_stream is not None:
+                stream.wait_stream(last_stream)
+            self.last = (raw, stream)
         return raw
