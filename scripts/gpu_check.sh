@@ -115,7 +115,8 @@ if [ -n "${MEP_TRANSPORT_TESTS:-}" ]; then read -r -a TRANSPORT <<< "$MEP_TRANSP
     "$T::test_cuda_matches_shm[sync-fp8-4]" "$T::test_cuda_matches_shm[hook-bf16-2]"
     "$T::test_cuda_matches_shm[async-fp8-4]" "$T::test_cuda_two_dispatches_in_a_row[async]"
     "$T::test_cuda_two_dispatches_in_a_row[mixed]" "$T::test_cuda_two_dispatches_in_a_row[side]"
-    "$T::test_deep_ep_hook_run_under_a_side_stream" "$T::test_cuda_zero_copy_and_out[True-True]" "$T::test_cuda_inactive_rank[4]"
+    "$T::test_deep_ep_hook_run_under_a_side_stream" "$T::test_cuda_zero_copy_and_out[True-True]"
+    "$T::test_cuda_inactive_rank[4]"
     "tests/test_combine_bias.py::test_a_bias_on_the_gpu" "$T::test_cuda_hot_path"); fi
 want transport && stage transport 170 "$OUT/transport.log" "${PT[@]}" --maxfail=3 "${TRANSPORT[@]}"
 if want graph && ! stage graph 70 "$OUT/transport.log" "${PT[@]}" "$T::test_cuda_graph_replays_match_eager"; then
@@ -128,7 +129,8 @@ want fault && xid fault >> "$SUM" 2>&1
 FUSED=("$T::test_cuda_matches_shm[sync-bf16-2]" "$T::test_cuda_matches_shm[sync-fp8-4]"
   "$T::test_cuda_matches_shm[async-fp8-4]" "$T::test_cuda_two_dispatches_in_a_row[async]"
   "$T::test_cuda_two_dispatches_in_a_row[mixed]" "$T::test_cuda_two_dispatches_in_a_row[side]"
-  "$T::test_deep_ep_hook_run_under_a_side_stream" "$T::test_cuda_inactive_rank[4]" "$T::test_cuda_graph_replays_match_eager" "$T::test_cuda_rank_killed[between]"
+  "$T::test_deep_ep_hook_run_under_a_side_stream" "$T::test_cuda_inactive_rank[4]"
+  "$T::test_cuda_graph_replays_match_eager" "$T::test_cuda_rank_killed[between]"
   "$T::test_cuda_rank_killed[before_dispatch]" "tests/test_combine_bias.py::test_a_bias_on_the_gpu"
   "$T::test_cuda_hot_path")
 want fused && MEP_CUDA_FUSED_KERNELS=1 stage fused 170 "$OUT/transport.log" "${PT[@]}" --maxfail=3 "${FUSED[@]}"

@@ -96,8 +96,8 @@ def fresh_dispatch_outputs(use_fp8: bool, local: int, rows: int, hidden: int, nu
 
     Device kernels write the outputs on a stream, and a caller may go on using them on other streams (after an
     event, with `record_stream`), or drop them before an `async_finish` call's receive phase (on the communication
-    stream) has written them. The pool sees none of that: reference counts alone would hand the memory to a later call while
-    a kernel may still write or read it. Torch's caching allocator reuses device memory in stream order and honours
+    stream) has written them. The pool sees none of that: reference counts alone would hand the memory to a later
+    call while a kernel may still write or read it. Torch's caching allocator reuses device memory in stream order and honours
     `record_stream` (the `async_finish` path records the communication stream on every tensor), as DeepEP's own
     outputs do; device memory is not zeroed on first touch, so the pool would save only the host's allocation calls.
     Nothing is zeroed: the receive kernels write src_info, layout_range and recv_count in full (src_info past
