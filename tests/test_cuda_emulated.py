@@ -139,8 +139,9 @@ def test_a_launch_on_another_stream_waits_for_the_previous_launch():
 
 def rank_hooks_launch_on_their_calls_stream(ctx) -> bool:
     """A dispatch's and a combine's receive hooks launch on the stream that was current at the call, whichever is
-    current when they run (DeepEP's and Mooncake EP's rule); every launch's stream as the launchers got it. The
-    combine records its stream on the handle's tensors it reads (the allocator keeps them until it is done)."""
+    current when they run (DeepEP's and Mooncake EP's rule); every launch's stream as the launchers got it. A
+    combine on another stream than its dispatch records its stream on the handle's tensors it reads (the allocator
+    keeps them until it is done); on the same stream it records nothing."""
     import torch
 
     from mooncake_ep_switch import Buffer
@@ -180,6 +181,13 @@ def rank_hooks_launch_on_their_calls_stream(ctx) -> bool:
         launches
     # The combine ran on another stream than its dispatch: what it reads of the dispatch is recorded on its stream
     assert {handle[0].data_ptr(), handle[1].data_ptr()} <= set(recorded), recorded
+    with Buffer(ctx.group, Buffer.get_ep_buffer_size_hint(case.tokens, case.hidden, ctx.num_ranks, case.experts),
+                transport="cuda") as buffer:
+        recorded.clear()
+        recv, count, handle, _, _ = buffer.dispatch(inputs.x, inputs.topk_idx, active, case.tokens, case.experts,
+                                                    TIMEOUT_US, use_fp8=False)
+        buffer.combine(recv, inputs.topk_idx, inputs.weights, active, TIMEOUT_US, handle)
+        assert recorded == [], recorded  # on the dispatch's stream: stream order, nothing to record
     return True
 
 

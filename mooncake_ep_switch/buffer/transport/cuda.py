@@ -130,6 +130,7 @@ class CudaTransport(RuntimeQueries):
         self._order = LaunchOrder(lambda: current_raw_stream(self.device.index),
                                   lambda: torch.cuda.current_stream(self.device),
                                   lambda: torch.cuda.is_current_stream_capturing())
+        self._dispatch_streams = [None, None]  # per region half: (call number, stream) of its latest dispatch's send
         self.watch = PeerWatch(num_ranks, rank, None, dead=self._control[1 + num_ranks:])
         self._dead_ptr = self.watch.dead_ptr  # inside the control block: the device waits read it
         self._graphs = False  # set once a call was captured in a CUDA graph (see _call)
@@ -353,6 +354,7 @@ class CudaTransport(RuntimeQueries):
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call_word, call.timeout_us)
         self.latest_dispatch = call.call
         stream, send_stream, captured = self._order.current()  # the receive launches there too
+        self._dispatch_streams[call.call & 1] = (call.call, stream)
         # by position but the flag (pybind11 matches keywords by name: microseconds a call)
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
                             scratch.data_ptr(), stream, use_fp8=call.use_fp8)
@@ -397,9 +399,11 @@ class CudaTransport(RuntimeQueries):
         region = self._region(layout)
         spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call.transport_plan, call.timeout_us)
         stream, send_stream, captured = self._order.current()  # the receive launches there too
-        if not torch.cuda.is_current_stream_capturing():
-            # The dispatch's call word and the handle's tensors may have been made on another stream: the allocator
-            # must not hand them to anyone else before this stream has read them (DeepEP's combine keeps them too).
+        if not captured and self._dispatch_streams[call.call & 1] != (call.call, stream):
+            # On another stream than its dispatch's send, the dispatch's call word and the handle's tensors were made
+            # on another stream than this one: the allocator must not hand them to anyone else before this stream has
+            # read them (DeepEP's combine keeps them too). On the same stream, stream order does it (an async_finish
+            # dispatch recorded the communication stream on its outputs already).
             for tensor in (call.transport_plan, call.src_info, call.layout_range):
                 tensor.record_stream(send_stream)
         _cuda.combine_send(spec, region, call.x.data_ptr(), call.src_info.data_ptr(), call.layout_range.data_ptr(),
