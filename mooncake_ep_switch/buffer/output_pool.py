@@ -1,6 +1,7 @@
 """The pool the Buffer allocates the host transports' outputs from: steady-state calls neither allocate nor
 page-fault tens of MB, and a block is reused only when no caller holds any tensor aliasing it. The "cuda"
 transport's outputs are fresh tensors from torch's allocator instead (`fresh_dispatch_outputs` says why)."""
+import functools
 import sys
 import threading
 from typing import Optional
@@ -110,11 +111,18 @@ def fresh_dispatch_outputs(use_fp8: bool, local: int, rows: int, hidden: int, nu
         outputs: a `DispatchOutputs` as `OutputPool.dispatch_outputs` returns.
     """
     empty = torch.empty
-    recv_x = empty((local, rows, hidden), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=device)
-    scales = empty((local, hidden // 128, rows), dtype=torch.float32, device=device) if use_fp8 else None
-    return _new_tuple(DispatchOutputs, (recv_x, scales, empty((local, rows), dtype=torch.int32, device=device),
-                                        empty((local, num_ranks), dtype=torch.int64, device=device),
-                                        empty((local,), dtype=torch.int32, device=device)))
+    rows_parts, meta_parts = _dispatch_parts(use_fp8, local, rows, hidden, num_ranks)
+    return _new_tuple(DispatchOutputs, tuple(None if part is None else empty(part[1], dtype=part[0], device=device)
+                                             for part in rows_parts + meta_parts))
+
+
+@functools.lru_cache(maxsize=64)
+def _dispatch_parts(use_fp8: bool, local: int, rows: int, hidden: int, num_ranks: int) -> tuple:
+    """`(dtype, shape)` of a dispatch's outputs, in `DispatchOutputs` order: the rows block's (recv_x, the FP8 scales
+    or None) and the small tensors' (src_info, layout_range, recv_count)."""
+    return (((torch.float8_e4m3fn if use_fp8 else torch.bfloat16, (local, rows, hidden)),
+             (torch.float32, (local, hidden // 128, rows)) if use_fp8 else None),
+            ((torch.int32, (local, rows)), (torch.int64, (local, num_ranks)), (torch.int32, (local,))))
 
 
 def _numel(shape) -> int:
@@ -234,15 +242,14 @@ class OutputPool:
             recv_x, scales = rows_slot.views
             recv_x, scales = _detach(recv_x), None if scales is None else _detach(scales)
         else:
-            parts = ((torch.float8_e4m3fn if use_fp8 else torch.bfloat16, (local, rows, hidden)),
-                     (torch.float32, (local, hidden // 128, rows)) if use_fp8 else None)
-            recv_x, scales = self._new_block(rows_key, parts, (), device)
+            recv_x, scales = self._new_block(rows_key, _dispatch_parts(use_fp8, local, rows, hidden, num_ranks)[0], (),
+                                             device)
         if meta_slot is not None:
             src_info, layout_range, recv_count = meta_slot.views
             src_info, layout_range, recv_count = _detach(src_info), _detach(layout_range), _detach(recv_count)
         else:
-            parts = ((torch.int32, (local, rows)), (torch.int64, (local, num_ranks)), (torch.int32, (local,)))
-            src_info, layout_range, recv_count = self._new_block(meta_key, parts, (0, 1, 2), device)
+            src_info, layout_range, recv_count = self._new_block(
+                meta_key, _dispatch_parts(use_fp8, local, rows, hidden, num_ranks)[1], (0, 1, 2), device)
         return _new_tuple(DispatchOutputs, (recv_x, scales, src_info, layout_range, recv_count))
 
     def combine_output(self, num_tokens: int, hidden: int, device) -> torch.Tensor:

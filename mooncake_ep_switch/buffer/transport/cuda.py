@@ -306,18 +306,26 @@ class CudaTransport(RuntimeQueries):
         return scratch
 
     def _call(self, number: int, tokens: int, hidden: int, experts: int, active: torch.Tensor, call_word: torch.Tensor,
-              timeout_us: int):
-        """The kernels' record of one call. Its call number is the host's (`number`) until a call is
-        captured in a CUDA graph; from then on the device advances it (max(last + 1, number)), so every
-        replay uses a new signal tag."""
+              timeout_us: int) -> tuple:
+        """The kernels' record of one call, and the stream its launches go to. Its call number is the host's
+        (`number`) until a call is captured in a CUDA graph; from then on the device advances it
+        (max(last + 1, number)), so every replay uses a new signal tag.
+
+        Returns:
+            spec: the `_cuda.Call`.
+            stream, stream_object, captured: the current stream as `LaunchOrder.current` returns it (ordered after
+                the previous launch; the receive phase launches there too).
+        """
         if self._control is None:
             raise BufferDestroyed("the transport was destroyed")
-        if torch.cuda.is_current_stream_capturing():
+        stream, stream_object, captured = self._order.current()
+        if captured:
             self._graphs = True
         peer_table, counter = self._table_ptrs
-        return _cuda.Call(self.num_ranks, self.rank, tokens, hidden, experts, number & 1, number, peer_table,
-                          active.data_ptr(), counter, call_word.data_ptr(), self._control_ptr, self._dead_ptr,
-                          timeout_us, int(self._graphs), self._fused)  # by position: keywords cost us a call
+        return (_cuda.Call(self.num_ranks, self.rank, tokens, hidden, experts, number & 1, number, peer_table,
+                           active.data_ptr(), counter, call_word.data_ptr(), self._control_ptr, self._dead_ptr,
+                           timeout_us, int(self._graphs), self._fused),  # by position: keywords cost us a call
+                stream, stream_object, captured)
 
     def comm_stream(self) -> torch.cuda.Stream:
         """The stream `async_finish` calls run on (made on first use)."""
@@ -351,9 +359,9 @@ class CudaTransport(RuntimeQueries):
         # [0] the call number the device used; [1 + r] the send kernels' snapshot of writable peers; then the
         # fused kernels' arrival counts (csrc/cuda/api.h Call::call_word)
         call_word = torch.empty(self._call_word_size, dtype=torch.int64, device=self.device)
-        spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call_word, call.timeout_us)
+        spec, stream, send_stream, captured = self._call(call.call, tokens, hidden, experts, call.active_ranks,
+                                                         call_word, call.timeout_us)
         self.latest_dispatch = call.call
-        stream, send_stream, captured = self._order.current()  # the receive launches there too
         self._dispatch_streams[call.call & 1] = (call.call, stream)
         # by position but the flag (pybind11 matches keywords by name: microseconds a call)
         _cuda.dispatch_send(spec, region, call.x.data_ptr(), call.x.size(0), call.topk_idx.data_ptr(), top_k,
@@ -397,8 +405,8 @@ class CudaTransport(RuntimeQueries):
         layout = self._layouts.fit(tokens, hidden, experts)
         self._layouts.use((tokens, hidden, experts), self.dead_peers)
         region = self._region(layout)
-        spec = self._call(call.call, tokens, hidden, experts, call.active_ranks, call.transport_plan, call.timeout_us)
-        stream, send_stream, captured = self._order.current()  # the receive launches there too
+        spec, stream, send_stream, captured = self._call(call.call, tokens, hidden, experts, call.active_ranks,
+                                                         call.transport_plan, call.timeout_us)
         if not captured and self._dispatch_streams[call.call & 1] != (call.call, stream):
             # On another stream than its dispatch's send, the dispatch's call word and the handle's tensors were made
             # on another stream than this one: the allocator must not hand them to anyone else before this stream has
